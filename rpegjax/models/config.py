@@ -1,0 +1,243 @@
+"""Model configuration: one frozen dataclass for the Qwen2/Qwen2.5, Qwen3 and Llama 3 decoder families."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+import jax.numpy as jnp
+
+
+class Architecture(enum.StrEnum):
+    QWEN2 = "qwen2"  # q/k/v bias, no q/k norm
+    QWEN3 = "qwen3"  # q/k RMSNorm over head dim, no bias
+    LLAMA = "llama"  # no bias, optional llama3 RoPE scaling
+
+
+HF_ARCHITECTURE_CLASS = {
+    Architecture.QWEN2: "Qwen2ForCausalLM",
+    Architecture.QWEN3: "Qwen3ForCausalLM",
+    Architecture.LLAMA: "LlamaForCausalLM",
+}
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Llama3RopeScaling:
+    """Llama 3.1's frequency-dependent RoPE rescaling (`rope_scaling.rope_type == "llama3"`)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Shape and numerics of a decoder-only transformer.
+
+    `param_dtype` is how weights are stored, `dtype` how matmuls are computed; norms, softmax and
+    log-probs always run in float32.
+    """
+
+    architecture: Architecture = Architecture.QWEN2
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: Llama3RopeScaling | None = None
+    max_position_embeddings: int = 32768
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    value_head: bool = False
+    param_dtype: str = "float32"
+    dtype: str = "float32"
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "architecture", Architecture(self.architecture))
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"ModelConfig.{name} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        for name in ("param_dtype", "dtype"):
+            if getattr(self, name) not in _DTYPES:
+                raise ValueError(f"ModelConfig.{name} must be one of {sorted(_DTYPES)}, got {getattr(self, name)!r}")
+        if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
+            raise ValueError("ModelConfig.rms_norm_eps and rope_theta must be positive")
+
+    @property
+    def jnp_param_dtype(self) -> Any:
+        return _DTYPES[self.param_dtype]
+
+    @property
+    def jnp_dtype(self) -> Any:
+        return _DTYPES[self.dtype]
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    def num_params(self, *, include_embeddings: bool = True) -> int:
+        """Parameter count (the value head excluded)."""
+        d, f, h, k, e, v = (self.hidden_size, self.intermediate_size, self.num_heads, self.num_kv_heads, self.head_dim, self.vocab_size)
+        attention = d * h * e + 2 * d * k * e + h * e * d
+        if self.attention_bias:
+            attention += h * e + 2 * k * e
+        if self.qk_norm:
+            attention += 2 * e
+        per_layer = attention + 3 * d * f + 2 * d
+        embeddings = v * d * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + d + (embeddings if include_embeddings else 0)
+
+    # ---- presets -------------------------------------------------------------------------------
+    @classmethod
+    def w_small(cls) -> ModelConfig:
+        """The W-small benchmark model (shared/WORKLOADS.md)."""
+        return cls(architecture=Architecture.QWEN2, vocab_size=512, hidden_size=256, num_layers=4, num_heads=4,
+                   num_kv_heads=2, head_dim=64, intermediate_size=1024, attention_bias=True)
+
+    @classmethod
+    def tiny(cls, architecture: Architecture = Architecture.QWEN2, **changes: Any) -> ModelConfig:
+        """2 layers, d=64: the size used by tests."""
+        base = dict(architecture=architecture, vocab_size=128, hidden_size=64, num_layers=2, num_heads=4,
+                    num_kv_heads=2, head_dim=16, intermediate_size=128,
+                    attention_bias=architecture == Architecture.QWEN2, qk_norm=architecture == Architecture.QWEN3)
+        base.update(changes)
+        return cls(**base)
+
+    @classmethod
+    def qwen2p5(cls, size: str) -> ModelConfig:
+        """Qwen2.5 shapes: size one of 0.5b, 1.5b, 7b, 32b, 72b."""
+        shapes = {
+            "0.5b": (896, 24, 14, 2, 4864, True),
+            "1.5b": (1536, 28, 12, 2, 8960, True),
+            "7b": (3584, 28, 28, 4, 18944, False),
+            "32b": (5120, 64, 40, 8, 27648, False),
+            "72b": (8192, 80, 64, 8, 29568, False),
+        }
+        if size not in shapes:
+            raise ValueError(f"unknown Qwen2.5 size {size!r}; known: {sorted(shapes)}")
+        d, l, h, k, f, tied = shapes[size]
+        return cls(architecture=Architecture.QWEN2, vocab_size=151936 if size in ("0.5b", "1.5b") else 152064,
+                   hidden_size=d, num_layers=l, num_heads=h, num_kv_heads=k, head_dim=d // h, intermediate_size=f,
+                   rope_theta=1e6, tie_word_embeddings=tied, attention_bias=True, param_dtype="bfloat16", dtype="bfloat16")
+
+    @classmethod
+    def llama3(cls, size: str) -> ModelConfig:
+        """Llama 3.1 shapes: size 8b or 70b."""
+        shapes = {"8b": (4096, 32, 32, 8, 14336), "70b": (8192, 80, 64, 8, 28672)}
+        if size not in shapes:
+            raise ValueError(f"unknown Llama 3 size {size!r}; known: {sorted(shapes)}")
+        d, l, h, k, f = shapes[size]
+        return cls(architecture=Architecture.LLAMA, vocab_size=128256, hidden_size=d, num_layers=l, num_heads=h,
+                   num_kv_heads=k, head_dim=128, intermediate_size=f, rms_norm_eps=1e-5, rope_theta=500000.0,
+                   rope_scaling=Llama3RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                                  original_max_position_embeddings=8192),
+                   param_dtype="bfloat16", dtype="bfloat16")
+
+    # ---- Hugging Face config.json ---------------------------------------------------------------
+    @classmethod
+    def from_hf_dict(cls, hf: dict[str, Any], *, source: str = "config.json") -> ModelConfig:
+        """Reads a Hugging Face `config.json` dict; raises ValueError naming `source` when unsupported."""
+        model_type = hf.get("model_type")
+        try:
+            architecture = Architecture(model_type)
+        except ValueError:
+            raise ValueError(
+                f"{source}: unsupported model_type {model_type!r}; supported: {[a.value for a in Architecture]}"
+            ) from None
+
+        def need(key: str) -> Any:
+            if key not in hf:
+                raise ValueError(f"{source}: missing required field {key!r}")
+            return hf[key]
+
+        hidden, heads = need("hidden_size"), need("num_attention_heads")
+        scaling = None
+        raw_scaling = hf.get("rope_scaling") or (hf.get("rope_parameters") if architecture == Architecture.LLAMA else None)
+        if raw_scaling:
+            kind = raw_scaling.get("rope_type", raw_scaling.get("type"))
+            if kind == "llama3":
+                scaling = Llama3RopeScaling(
+                    factor=float(raw_scaling["factor"]),
+                    low_freq_factor=float(raw_scaling["low_freq_factor"]),
+                    high_freq_factor=float(raw_scaling["high_freq_factor"]),
+                    original_max_position_embeddings=int(raw_scaling["original_max_position_embeddings"]),
+                )
+            elif kind not in (None, "default"):
+                raise ValueError(f"{source}: unsupported rope_scaling type {kind!r} (supported: llama3)")
+        rope_theta = hf.get("rope_theta")
+        if rope_theta is None and isinstance(hf.get("rope_parameters"), dict):
+            rope_theta = hf["rope_parameters"].get("rope_theta")
+        torch_dtype = hf.get("torch_dtype") or hf.get("dtype") or "float32"
+        eos = hf.get("eos_token_id")
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        return cls(
+            architecture=architecture,
+            vocab_size=need("vocab_size"),
+            hidden_size=hidden,
+            num_layers=need("num_hidden_layers"),
+            num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hidden // heads,
+            intermediate_size=need("intermediate_size"),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            rope_scaling=scaling,
+            max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=bool(hf.get("attention_bias", architecture == Architecture.QWEN2)),
+            qk_norm=architecture == Architecture.QWEN3,
+            param_dtype=torch_dtype if torch_dtype in _DTYPES else "float32",
+            dtype=torch_dtype if torch_dtype in _DTYPES else "float32",
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_id=eos,
+        )
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The Hugging Face `config.json` that `transformers` reads back as the same model."""
+        hf: dict[str, Any] = {
+            "architectures": [HF_ARCHITECTURE_CLASS[self.architecture]],
+            "model_type": self.architecture.value,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "torch_dtype": self.param_dtype,
+            "attention_dropout": 0.0,
+            "use_cache": True,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+        }
+        if self.architecture == Architecture.LLAMA:
+            hf["attention_bias"] = self.attention_bias
+            hf["mlp_bias"] = False
+        if self.architecture == Architecture.QWEN3:
+            hf["attention_bias"] = False
+        if self.architecture != Architecture.LLAMA:
+            hf["use_sliding_window"] = False
+        if self.rope_scaling is not None:
+            hf["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(self.rope_scaling)}
+        return hf

@@ -1,0 +1,20 @@
+"""Logical axis names: the only sharding vocabulary that models and losses use.
+
+A rules table (`rpegjax.sharding.rules`) maps them to mesh axes; models never see mesh-axis names.
+"""
+
+BATCH = "batch"
+SEQ = "seq"
+EMBED = "embed"
+MLP = "mlp"
+HEADS = "heads"
+KV_HEADS = "kv_heads"
+HEAD_DIM = "head_dim"
+VOCAB = "vocab"
+LAYERS = "layers"
+CACHE_SEQ = "cache_seq"
+
+# Mesh axis names used by the built-in strategies.
+DATA_AXIS = "data"
+FSDP_AXIS = "fsdp"
+TENSOR_AXIS = "tensor"

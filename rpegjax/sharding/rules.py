@@ -1,0 +1,155 @@
+"""Rules tables: logical axis -> mesh axes, for parameters and for activations.
+
+A parallelism strategy is a `ShardingRules`; the planner chooses one, models only name logical axes.
+A logical dimension that the mapped mesh axes do not divide is replicated instead (checked per array),
+so small models still run on large meshes; `check_param_shardings` reports where that happened.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from rpegjax.sharding import axes
+
+MeshAxes = str | tuple[str, ...] | None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ShardingRules:
+    """Where each logical axis goes, separately for parameters and activations."""
+
+    params: Mapping[str, MeshAxes]
+    activations: Mapping[str, MeshAxes]
+
+    @classmethod
+    def fsdp_tp(cls) -> ShardingRules:
+        """FSDP over `fsdp` (parameters' embedding dim), tensor parallelism over `tensor`, batch over data x fsdp."""
+        tensor = axes.TENSOR_AXIS
+        return cls(
+            params={
+                axes.EMBED: axes.FSDP_AXIS,
+                axes.MLP: tensor,
+                axes.HEADS: tensor,
+                axes.KV_HEADS: tensor,
+                axes.VOCAB: tensor,
+            },
+            activations={
+                axes.BATCH: (axes.DATA_AXIS, axes.FSDP_AXIS),
+                axes.HEADS: tensor,
+                axes.KV_HEADS: tensor,
+                axes.MLP: tensor,
+                axes.VOCAB: tensor,
+            },
+        )
+
+
+def _mesh_axes_tuple(value: MeshAxes) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
+def logical_to_spec(
+    logical: Sequence[str | None],
+    table: Mapping[str, MeshAxes],
+    mesh: Mesh,
+    shape: Sequence[int] | None = None,
+) -> PartitionSpec:
+    """Maps logical axis names to a PartitionSpec on `mesh`.
+
+    Mesh axes absent from the mesh, of size 1, already used by an earlier dimension, or not dividing
+    the dimension (when `shape` is given) are dropped, i.e. that dimension is replicated over them.
+    """
+    used: set[str] = set()
+    spec: list[MeshAxes] = []
+    for dim, name in enumerate(logical):
+        chosen = []
+        for mesh_axis in _mesh_axes_tuple(table.get(name) if name else None):
+            if mesh_axis not in mesh.shape or mesh.shape[mesh_axis] == 1 or mesh_axis in used:
+                continue
+            chosen.append(mesh_axis)
+        if shape is not None:
+            while chosen and shape[dim] % math.prod(mesh.shape[a] for a in chosen):
+                chosen.pop()
+        used.update(chosen)
+        spec.append(None if not chosen else chosen[0] if len(chosen) == 1 else tuple(chosen))
+    return PartitionSpec(*spec)
+
+
+def _is_variable(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def param_specs(state: nnx.State, mesh: Mesh, rules: ShardingRules) -> nnx.State:
+    """PartitionSpecs for every variable of an NNX state, from its `logical_axes` metadata."""
+
+    def spec_of(variable: nnx.Variable) -> nnx.Variable:
+        logical = variable.get_metadata().get("logical_axes")
+        if logical is None:
+            spec = PartitionSpec()
+        else:
+            value = variable.get_value()
+            if len(logical) != value.ndim:
+                raise ValueError(f"logical axes {logical} do not match a parameter of shape {value.shape}")
+            spec = logical_to_spec(logical, rules.params, mesh, value.shape)
+        return variable.replace(spec)
+
+    return jax.tree.map(spec_of, state, is_leaf=_is_variable)
+
+
+def param_shardings(state: nnx.State, mesh: Mesh, rules: ShardingRules) -> nnx.State:
+    """NamedShardings for every variable of an NNX state (same tree as `state`)."""
+    specs = param_specs(state, mesh, rules)
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def shard_state(state: nnx.State, mesh: Mesh, rules: ShardingRules) -> nnx.State:
+    """Places every array of `state` with the sharding the rules give it."""
+    return jax.device_put(state, param_shardings(state, mesh, rules))
+
+
+def check_param_shardings(state: nnx.State, mesh: Mesh, rules: ShardingRules, *, min_size: int = 1 << 20) -> list[str]:
+    """Lists the parameters of at least `min_size` elements that end up fully replicated on a mesh of
+    several devices although their rules name a mesh axis: a start-up check that big weights are sharded."""
+    problems = []
+    if mesh.size == 1:
+        return problems
+    specs = param_specs(state, mesh, rules)
+    for (path, variable), (_, spec) in zip(
+        nnx.to_flat_state(state), nnx.to_flat_state(specs), strict=True
+    ):
+        value = variable.get_value()
+        logical = variable.get_metadata().get("logical_axes") or ()
+        wanted = any(rules.params.get(name) for name in logical if name)
+        if value.size >= min_size and wanted and all(s is None for s in spec.get_value()):
+            problems.append(f"{'/'.join(map(str, path))} {tuple(value.shape)} is replicated")
+    return problems
+
+
+@dataclasses.dataclass(frozen=True)
+class ActivationSharding:
+    """Constrains activations at block boundaries; `None` in place of this object means no constraint."""
+
+    mesh: Mesh
+    rules: ShardingRules
+
+    def spec(self, logical: Sequence[str | None], shape: Sequence[int] | None = None) -> PartitionSpec:
+        return logical_to_spec(logical, self.rules.activations, self.mesh, shape)
+
+    def sharding(self, logical: Sequence[str | None], shape: Sequence[int] | None = None) -> NamedSharding:
+        return NamedSharding(self.mesh, self.spec(logical, shape))
+
+    def constrain(self, x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
+        return jax.lax.with_sharding_constraint(x, self.sharding(logical, x.shape))
+
+
+def constrain(x: jax.Array, sharding: ActivationSharding | None, logical: Sequence[str | None]) -> jax.Array:
+    """`sharding.constrain(x, logical)`, or `x` unchanged when there is no activation sharding."""
+    return x if sharding is None else sharding.constrain(x, logical)
