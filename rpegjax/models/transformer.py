@@ -115,16 +115,16 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(e, cfg.rms_norm_eps, pdt, axes.HEAD_DIM)
             self.k_norm = RMSNorm(e, cfg.rms_norm_eps, pdt, axes.HEAD_DIM)
         self.cfg = cfg
-        self.inv_freq = rope_inverse_frequencies(cfg)
 
-    def _project(self, x, kernel: nnx.Param, bias_name: str, norm_name: str, positions):
+    def _project(self, x, kernel: nnx.Param, bias_name: str, norm_name: str | None, positions):
         dt = self.cfg.jnp_dtype
         y = jnp.einsum("btd,dhe->bthe", x, kernel.get_value().astype(dt))
         if self.cfg.attention_bias:
             y = y + getattr(self, bias_name).get_value().astype(dt)
-        if self.cfg.qk_norm:
+        if self.cfg.qk_norm and norm_name is not None:
             y = getattr(self, norm_name)(y)
-        return y if positions is None else apply_rope(y, positions, self.inv_freq)
+        # computed at trace time from the config: a constant, not a parameter
+        return y if positions is None else apply_rope(y, positions, rope_inverse_frequencies(self.cfg))
 
     def __call__(
         self,

@@ -28,6 +28,9 @@ class ShardingRules:
     params: Mapping[str, MeshAxes]
     activations: Mapping[str, MeshAxes]
 
+    def __hash__(self) -> int:  # hashable so that jit can take rules as a static argument
+        return hash((tuple(sorted(self.params.items())), tuple(sorted(self.activations.items()))))
+
     @classmethod
     def fsdp_tp(cls) -> ShardingRules:
         """FSDP over `fsdp` (parameters' embedding dim), tensor parallelism over `tensor`, batch over data x fsdp."""

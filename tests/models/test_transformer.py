@@ -1,0 +1,94 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from rpegjax.models import Architecture, Decoder, KVCache, ModelConfig
+from rpegjax.models.config import Llama3RopeScaling
+
+
+@pytest.mark.parametrize("architecture", list(Architecture))
+def test_cache_prefill_then_decode_equals_full_forward(architecture):
+    cfg = ModelConfig.tiny(architecture)
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.key(1), (3, 9), 0, cfg.vocab_size)
+    prompt_lengths = jnp.array([4, 2, 5])
+    full = model(tokens)  # each row as one unpadded sequence
+
+    # right-padded prefill of prompts of different lengths, then one token per step per row
+    prompt_mask = jnp.arange(5)[None, :] < prompt_lengths[:, None]
+    positions = jnp.broadcast_to(jnp.arange(5), (3, 5))
+    cache = KVCache.zeros(cfg, 3, 12)
+    hidden, cache = model.hidden_states(tokens[:, :5], positions, mask=prompt_mask, cache=cache)
+    np.testing.assert_array_equal(cache.lengths, prompt_lengths)
+    prefill_logits = model.logits(hidden)
+    for row, length in enumerate(prompt_lengths.tolist()):
+        np.testing.assert_allclose(prefill_logits[row, :length], full[row, :length], atol=1e-5)
+    for step in range(3):
+        index = prompt_lengths + step
+        step_tokens = jnp.take_along_axis(tokens, index[:, None], axis=1)
+        hidden, cache = model.hidden_states(step_tokens, index[:, None], cache=cache)
+        logits = model.logits(hidden)[:, 0]
+        expected = jnp.take_along_axis(full, index[:, None, None], axis=1)[:, 0]
+        np.testing.assert_allclose(logits, expected, atol=1e-5)
+    np.testing.assert_array_equal(cache.lengths, prompt_lengths + 3)
+
+
+def test_left_padding_does_not_change_real_positions():
+    cfg = ModelConfig.tiny()
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.key(2), (1, 6), 0, cfg.vocab_size)
+    padded = jnp.concatenate([jnp.zeros((1, 3), jnp.int32), tokens], axis=1)
+    mask = jnp.arange(9)[None, :] >= 3
+    np.testing.assert_allclose(model(padded, mask=mask)[:, 3:], model(tokens), atol=1e-5)
+
+
+def test_value_head_and_tied_embeddings():
+    cfg = ModelConfig.tiny(value_head=True, tie_word_embeddings=True)
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    assert not hasattr(model, "lm_head")
+    tokens = jnp.ones((2, 5), jnp.int32)
+    hidden, _ = model.hidden_states(tokens, jnp.broadcast_to(jnp.arange(5), (2, 5)))
+    assert model.values(hidden).shape == (2, 5)
+    np.testing.assert_allclose(model.logits(hidden), hidden @ model.embed.get_value().T, atol=1e-5)
+    with pytest.raises(ValueError, match="no value head"):
+        Decoder(ModelConfig.tiny(), rngs=nnx.Rngs(0)).values(hidden)
+
+
+def test_bfloat16_compute_tracks_float32():
+    cfg = ModelConfig.tiny()
+    tokens = jax.random.randint(jax.random.key(3), (2, 8), 0, cfg.vocab_size)
+    f32 = Decoder(cfg, rngs=nnx.Rngs(0))(tokens)
+    bf16_model = Decoder(cfg.replace(dtype="bfloat16"), rngs=nnx.Rngs(0))
+    bf16 = bf16_model(tokens)
+    assert bf16.dtype == jnp.float32  # logits are always returned in float32
+    # bfloat16 keeps 8 mantissa bits: ~0.4% relative error per op, a few ops deep
+    assert float(jnp.max(jnp.abs(bf16 - f32))) < 0.05 * float(jnp.max(jnp.abs(f32)))
+
+
+def test_llama3_rope_scaling_changes_low_frequencies_only():
+    from rpegjax.models.transformer import rope_inverse_frequencies
+
+    base = ModelConfig.tiny(Architecture.LLAMA, head_dim=64, rope_theta=500000.0)
+    scaled = base.replace(rope_scaling=Llama3RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                                         original_max_position_embeddings=64))
+    plain, rescaled = rope_inverse_frequencies(base), rope_inverse_frequencies(scaled)
+    wavelength = 2 * np.pi / plain
+    high = wavelength < 64 / 4
+    low = wavelength > 64
+    np.testing.assert_allclose(rescaled[high], plain[high])
+    np.testing.assert_allclose(rescaled[low], plain[low] / 8.0, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(num_heads=3, num_kv_heads=2), "multiple of num_kv_heads"),
+        (dict(hidden_size=0), "hidden_size must be a positive integer"),
+        (dict(dtype="float8"), "dtype must be one of"),
+    ],
+)
+def test_bad_model_configs(changes, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.tiny(**changes)
