@@ -1,0 +1,8 @@
+"""Verifiable rewards and the built-in tasks.
+
+Modules (imported one by one, so that a reward worker process loads only what its function needs):
+`math` (math-verify answer checking), `format` (think/answer format, DAPO over-length penalty),
+`runner` (`RewardRunner`: timeouts, thread or process isolation, async submit), `expression` (safe
+arithmetic parser), `task` (the `Task` protocol, held-out split), `arithmetic` and `countdown` (built-in
+generated tasks), `tasks` (`TASKS`, `make_task`), `dataset_task` (a JSONL dataset as a math-verify task).
+"""

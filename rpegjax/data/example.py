@@ -1,0 +1,64 @@
+"""One training or evaluation problem: a prompt, its gold answer, and where it came from."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+SOLUTION_KEY = "solution"
+"""`Example.meta` key of a row's worked solution (GSM8K `answer`, MATH `solution`) when its file has one."""
+
+
+class DatasetError(ValueError):
+    """A dataset row (or a generated example) is malformed; the message names the file and line when known."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Example:
+    """A problem shown to the policy and the answer its reward checks against.
+
+    `prompt` is the raw question (templating into an instruction or a chat turn happens later, see
+    `rpegjax.data.prompts`). `answer` is the gold answer as text (a GSM8K number, the content of a MATH
+    `\\boxed{}`, a Countdown target...). `task` names the task that knows how to verify it. `meta` holds
+    task-specific fields as sorted `(key, value)` string pairs, so an Example stays hashable, immutable and
+    picklable (reward functions receive it in worker processes); pass a dict and it is converted.
+    `source` is `file:line` for rows read from a file, else empty.
+    """
+
+    id: str
+    prompt: str
+    answer: str
+    task: str
+    meta: tuple[tuple[str, str], ...] = ()
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        where = f" ({self.source})" if self.source else ""
+        for name in ("id", "prompt", "answer", "task", "source"):
+            if not isinstance(getattr(self, name), str):
+                raise DatasetError(f"Example.{name} must be a string, got {getattr(self, name)!r}{where}")
+        for name in ("id", "task"):
+            if not getattr(self, name):
+                raise DatasetError(f"Example.{name} must be non-empty{where}")
+        if not self.prompt.strip():
+            raise DatasetError(f"Example.prompt is empty (id {self.id!r}){where}")
+        meta = self.meta.items() if isinstance(self.meta, Mapping) else self.meta
+        pairs = tuple(sorted(tuple(pair) for pair in meta))
+        for pair in pairs:
+            if len(pair) != 2 or not all(isinstance(part, str) for part in pair):
+                raise DatasetError(f"Example.meta entries must be (str, str) pairs, got {pair!r}{where}")
+        keys = [key for key, _ in pairs]
+        if len(set(keys)) != len(keys):
+            raise DatasetError(f"Example.meta has duplicate keys {keys!r}{where}")
+        object.__setattr__(self, "meta", pairs)
+
+    def meta_value(self, key: str) -> str:
+        """The value of `meta[key]`; a missing key raises naming the example."""
+        for name, value in self.meta:
+            if name == key:
+                return value
+        raise KeyError(f"example {self.id!r} of task {self.task!r} has no meta field {key!r}; it has {[k for k, _ in self.meta]}")
+
+    def where(self) -> str:
+        """`file:line` when known, else the example id — for error messages."""
+        return self.source or f"example {self.id!r}"

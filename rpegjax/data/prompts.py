@@ -1,0 +1,84 @@
+"""Turn an `Example` into the text the policy continues: a template, then the chat template if any."""
+
+from __future__ import annotations
+
+import dataclasses
+import string
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+from rpegjax.data.example import Example
+
+_THINK_INSTRUCTION = (
+    "Solve the problem. First think step by step inside <think> </think>, "
+    "then give the final answer in \\boxed{{}}.\n\n{question}"
+)
+
+
+@runtime_checkable
+class ChatTokenizer(Protocol):
+    """What prompting needs from a tokenizer (`rpegjax.models.tokenizer.Tokenizer` provides it)."""
+
+    @property
+    def has_chat_template(self) -> bool: ...
+
+    def apply_chat_template(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True) -> str: ...
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PromptTemplate:
+    """`template` with a `{question}` field (literal braces doubled, `{{ }}`) becomes the user turn;
+    `system`, if set, the system turn. When the tokenizer has a chat template (and `use_chat_template`),
+    the turns go through `tokenizer.apply_chat_template(..., add_generation_prompt=True)`; otherwise the
+    text is `system + "\\n\\n" + user` (or just the user turn)."""
+
+    template: str = "{question}"
+    system: str | None = None
+    use_chat_template: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.template, str):
+            raise ValueError(f"PromptTemplate.template must be a string, got {self.template!r}")
+        try:
+            fields = [(name, spec, conversion) for _, name, spec, conversion in string.Formatter().parse(self.template)]
+        except ValueError as error:
+            raise ValueError(f"PromptTemplate.template {self.template!r} is malformed ({error}); double literal braces") from None
+        fields = [field for field in fields if field[0] is not None]
+        if not fields or any(field != ("question", "", None) for field in fields):
+            raise ValueError(
+                f"PromptTemplate.template must use the field {{question}} and no other field or format spec, got {self.template!r}"
+            )
+        if self.system is not None and not isinstance(self.system, str):
+            raise ValueError(f"PromptTemplate.system must be a string or None, got {self.system!r}")
+
+    @classmethod
+    def raw(cls) -> PromptTemplate:
+        """The question as it is (the built-in tasks' prompts are already in their training format)."""
+        return cls(template="{question}")
+
+    @classmethod
+    def plain(cls) -> PromptTemplate:
+        return cls(template="{question}\nAnswer:")
+
+    @classmethod
+    def think(cls) -> PromptTemplate:
+        """Ask for `<think>…</think>` reasoning, then a boxed answer (what `format_reward` checks)."""
+        return cls(template=_THINK_INSTRUCTION)
+
+    def user_message(self, example: Example) -> str:
+        return self.template.format(question=example.prompt)
+
+    def render(self, example: Example, tokenizer: ChatTokenizer | None = None) -> str:
+        """The prompt text for `example` (see the class docstring)."""
+        user = self.user_message(example)
+        if tokenizer is not None and self.use_chat_template and tokenizer.has_chat_template:
+            messages = [{"role": "system", "content": self.system}] if self.system is not None else []
+            messages.append({"role": "user", "content": user})
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            if not isinstance(text, str):
+                raise TypeError(f"apply_chat_template returned {type(text).__name__}, expected str (example {example.id!r})")
+            return text
+        return user if self.system is None else f"{self.system}\n\n{user}"
+
+    def render_all(self, examples: Sequence[Example], tokenizer: ChatTokenizer | None = None) -> list[str]:
+        return [self.render(example, tokenizer) for example in examples]

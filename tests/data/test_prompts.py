@@ -1,0 +1,88 @@
+"""Prompt templating, with and without a chat template."""
+
+import jinja2.sandbox
+import pytest
+
+from rpegjax.data.example import Example
+from rpegjax.data.prompts import ChatTokenizer, PromptTemplate
+from rpegjax.rewards.format import format_reward
+
+# ChatML, as Qwen2 ships it (simplified: no tools).
+CHATML = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+EXAMPLE = Example(id="q1", prompt="What is 1/4 + 1/4?", answer="1/2", task="math")
+
+
+class ChatTemplateTokenizer:
+    """A test double: renders a Jinja chat template the way transformers does (sandboxed environment)."""
+
+    def __init__(self, template):
+        self._template = None if template is None else jinja2.sandbox.ImmutableSandboxedEnvironment().from_string(template)
+        self.calls = []
+
+    @property
+    def has_chat_template(self):
+        return self._template is not None
+
+    def apply_chat_template(self, messages, *, add_generation_prompt=True):
+        self.calls.append((messages, add_generation_prompt))
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt)
+
+
+def test_plain_templates():
+    assert PromptTemplate.raw().render(EXAMPLE) == "What is 1/4 + 1/4?"
+    assert PromptTemplate.plain().render(EXAMPLE) == "What is 1/4 + 1/4?\nAnswer:"
+    think = PromptTemplate.think().render(EXAMPLE)
+    assert think.endswith("\n\nWhat is 1/4 + 1/4?") and "<think> </think>" in think and "\\boxed{}" in think
+    with_system = PromptTemplate(template="Q: {question}", system="Be brief.")
+    assert with_system.render(EXAMPLE) == "Be brief.\n\nQ: What is 1/4 + 1/4?"
+    braces = PromptTemplate(template="{{literal}} {question}")
+    assert braces.render(EXAMPLE) == "{literal} What is 1/4 + 1/4?"
+
+
+def test_chat_template_is_used_when_the_tokenizer_has_one():
+    tokenizer = ChatTemplateTokenizer(CHATML)
+    assert isinstance(tokenizer, ChatTokenizer)
+    text = PromptTemplate(template="{question}\nAnswer:", system="You are a careful solver.").render(EXAMPLE, tokenizer)
+    assert text == (
+        "<|im_start|>system\nYou are a careful solver.<|im_end|>\n"
+        "<|im_start|>user\nWhat is 1/4 + 1/4?\nAnswer:<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert tokenizer.calls[-1][1] is True
+    no_system = PromptTemplate.raw().render(EXAMPLE, tokenizer)
+    assert no_system == "<|im_start|>user\nWhat is 1/4 + 1/4?<|im_end|>\n<|im_start|>assistant\n"
+    # The think-format instruction survives the chat template, and its requested shape is what format_reward accepts.
+    assert "<think> </think>" in PromptTemplate.think().render(EXAMPLE, tokenizer)
+    assert format_reward("<think>1/4+1/4=2/4</think>\\boxed{1/2}") == 1.0
+
+
+def test_without_a_chat_template_the_text_is_used_directly():
+    tokenizer = ChatTemplateTokenizer(None)
+    assert PromptTemplate.plain().render(EXAMPLE, tokenizer) == "What is 1/4 + 1/4?\nAnswer:"
+    assert PromptTemplate(use_chat_template=False).render(EXAMPLE, ChatTemplateTokenizer(CHATML)) == EXAMPLE.prompt
+    assert tokenizer.calls == []
+
+
+def test_builtin_tokenizer_prompts_are_raw():
+    tokenizer_module = pytest.importorskip("rpegjax.models.tokenizer")
+    tokenizer = tokenizer_module.builtin_tokenizer()
+    assert PromptTemplate.raw().render(EXAMPLE, tokenizer) == EXAMPLE.prompt
+    assert PromptTemplate.raw().render_all([EXAMPLE, EXAMPLE], tokenizer) == [EXAMPLE.prompt] * 2
+
+
+@pytest.mark.parametrize("template", ["no field", "{q}", "{question} {other}", "{question:>10}", "{question!r}", "{", "{0}"])
+def test_bad_templates_are_rejected(template):
+    with pytest.raises(ValueError, match="PromptTemplate.template"):
+        PromptTemplate(template=template)
+
+
+def test_a_template_returning_ids_is_an_error():
+    class IdsTokenizer(ChatTemplateTokenizer):
+        def apply_chat_template(self, messages, *, add_generation_prompt=True):
+            return [1, 2, 3]
+
+    with pytest.raises(TypeError, match="expected str"):
+        PromptTemplate.raw().render(EXAMPLE, IdsTokenizer(CHATML))
