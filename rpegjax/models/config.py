@@ -166,23 +166,32 @@ class ModelConfig:
             return hf[key]
 
         hidden, heads = need("hidden_size"), need("num_attention_heads")
+        _check_hf_features(hf, architecture, source)
+        # transformers 5 writes `rope_parameters` (with rope_theta inside); older versions `rope_theta` and
+        # `rope_scaling`. When both are present transformers gives `rope_scaling` priority, and so do we.
+        rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+        if not isinstance(rope, dict):
+            raise ValueError(f"{source}: rope_scaling/rope_parameters must be an object, got {rope!r}")
+        if any(isinstance(value, dict) for value in rope.values()):
+            raise ValueError(f"{source}: per-layer-type rope_parameters are not supported, got keys {sorted(rope)}")
+        max_positions = int(hf.get("max_position_embeddings", 32768))
         scaling = None
-        raw_scaling = hf.get("rope_scaling") or (hf.get("rope_parameters") if architecture == Architecture.LLAMA else None)
-        if raw_scaling:
-            kind = raw_scaling.get("rope_type", raw_scaling.get("type"))
-            if kind == "llama3":
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind == "llama3":
+            try:
                 scaling = Llama3RopeScaling(
-                    factor=float(raw_scaling["factor"]),
-                    low_freq_factor=float(raw_scaling["low_freq_factor"]),
-                    high_freq_factor=float(raw_scaling["high_freq_factor"]),
-                    original_max_position_embeddings=int(raw_scaling["original_max_position_embeddings"]),
+                    factor=float(rope["factor"]),
+                    low_freq_factor=float(rope["low_freq_factor"]),
+                    high_freq_factor=float(rope["high_freq_factor"]),
+                    # transformers falls back to max_position_embeddings when this is absent
+                    original_max_position_embeddings=int(rope.get("original_max_position_embeddings", max_positions)),
                 )
-            elif kind not in (None, "default"):
-                raise ValueError(f"{source}: unsupported rope_scaling type {kind!r} (supported: llama3)")
-        rope_theta = hf.get("rope_theta")
-        if rope_theta is None and isinstance(hf.get("rope_parameters"), dict):
-            rope_theta = hf["rope_parameters"].get("rope_theta")
-        torch_dtype = hf.get("torch_dtype") or hf.get("dtype") or "float32"
+            except KeyError as missing:
+                raise ValueError(f"{source}: llama3 rope scaling lacks field {missing.args[0]!r}") from None
+        elif kind != "default":
+            raise ValueError(f"{source}: unsupported rope type {kind!r} (supported: default, llama3)")
+        rope_theta = rope.get("rope_theta", hf.get("rope_theta"))
+        torch_dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
         eos = hf.get("eos_token_id")
         if isinstance(eos, list):
             eos = eos[0] if eos else None
@@ -198,9 +207,11 @@ class ModelConfig:
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
             rope_scaling=scaling,
-            max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=bool(hf.get("attention_bias", architecture == Architecture.QWEN2)),
+            # transformers' Qwen2 always has q/k/v biases and ignores `attention_bias`; Llama/Qwen3 with
+            # attention_bias were rejected by _check_hf_features (they would also need an o_proj bias).
+            attention_bias=architecture == Architecture.QWEN2,
             qk_norm=architecture == Architecture.QWEN3,
             param_dtype=torch_dtype if torch_dtype in _DTYPES else "float32",
             dtype=torch_dtype if torch_dtype in _DTYPES else "float32",
@@ -222,10 +233,12 @@ class ModelConfig:
             "intermediate_size": self.intermediate_size,
             "hidden_act": "silu",
             "rms_norm_eps": self.rms_norm_eps,
+            # transformers 5 reads `rope_parameters`; `rope_theta` (and `rope_scaling` below) are for older readers
             "rope_theta": self.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
-            "torch_dtype": self.param_dtype,
+            "dtype": self.param_dtype,
             "attention_dropout": 0.0,
             "use_cache": True,
             "bos_token_id": self.bos_token_id,
@@ -239,5 +252,19 @@ class ModelConfig:
         if self.architecture != Architecture.LLAMA:
             hf["use_sliding_window"] = False
         if self.rope_scaling is not None:
-            hf["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(self.rope_scaling)}
+            scaling = {"rope_type": "llama3", **dataclasses.asdict(self.rope_scaling)}
+            hf["rope_scaling"] = scaling
+            hf["rope_parameters"] = {**scaling, "rope_theta": self.rope_theta}
         return hf
+
+
+def _check_hf_features(hf: dict[str, Any], architecture: Architecture, source: str) -> None:
+    """Rejects config.json features that our decoder does not implement (rather than silently ignoring them)."""
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{source}: unsupported hidden_act {hf['hidden_act']!r} (supported: silu)")
+    if hf.get("mlp_bias"):
+        raise ValueError(f"{source}: mlp_bias=true is not supported")
+    if architecture != Architecture.QWEN2 and hf.get("attention_bias"):
+        raise ValueError(f"{source}: attention_bias=true is not supported for {architecture.value} (it biases o_proj)")
+    if hf.get("use_sliding_window"):
+        raise ValueError(f"{source}: use_sliding_window=true is not supported")

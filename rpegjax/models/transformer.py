@@ -131,7 +131,7 @@ class Attention(nnx.Module):
         x: Float[Array, "b t d"],
         positions: Int[Array, "b t"],
         key_mask: Bool[Array, "b t"] | None,
-        layer_cache: tuple[Array, Array] | None,
+        layer_cache: tuple[Array, Array, int] | None,  # all layers' cache k, v and this layer's index
         cache_offsets: Int[Array, " b"] | None,
         sharding: ActivationSharding | None,
     ) -> tuple[Float[Array, "b t d"], tuple[Array, Array] | None]:
@@ -150,11 +150,15 @@ class Attention(nnx.Module):
                 valid = valid & key_mask[:, None, :]
             new_cache = None
         else:
-            cache_k, cache_v = layer_cache
-            write = jax.vmap(lambda c, n, o: jax.lax.dynamic_update_slice(c, n.astype(c.dtype), (o, 0, 0)))
-            keys = write(cache_k, k, cache_offsets)
-            values = write(cache_v, v, cache_offsets)
-            new_cache = (keys, values)
+            # layer_cache holds every layer's [l b T k e] arrays: writing only the new tokens into them
+            # (a scatter XLA does in place) avoids copying the whole cache at every decode step
+            cache_k, cache_v, layer = layer_cache
+            rows = jnp.arange(x.shape[0])[:, None]
+            columns = cache_offsets[:, None] + jnp.arange(t)[None, :]
+            cache_k = cache_k.at[layer, rows, columns].set(k.astype(cache_k.dtype), mode="drop")
+            cache_v = cache_v.at[layer, rows, columns].set(v.astype(cache_v.dtype), mode="drop")
+            keys, values = cache_k[layer], cache_v[layer]
+            new_cache = (cache_k, cache_v)
             query_index = cache_offsets[:, None] + jnp.arange(t)[None, :]  # b t
             key_index = jnp.arange(keys.shape[1])[None, None, :]
             valid = key_index <= query_index[:, :, None]  # b t s
@@ -233,18 +237,17 @@ class Decoder(nnx.Module):
         """
         x = self.embed.get_value()[tokens].astype(self.cfg.jnp_dtype)
         x = constrain(x, sharding, (axes.BATCH, None, axes.EMBED))
-        new_k, new_v = [], []
+        all_k, all_v = (None, None) if cache is None else (cache.k, cache.v)
         for index, layer in enumerate(self.layers):
-            layer_cache = None if cache is None else (cache.k[index], cache.v[index])
+            layer_cache = None if cache is None else (all_k, all_v, index)
             offsets = None if cache is None else cache.lengths
             x, written = layer(x, positions, mask, layer_cache, offsets, sharding)
             if written is not None:
-                new_k.append(written[0])
-                new_v.append(written[1])
+                all_k, all_v = written
         new_cache = None
         if cache is not None:
             added = tokens.shape[1] if mask is None else mask.sum(axis=-1).astype(jnp.int32)
-            new_cache = KVCache(k=jnp.stack(new_k), v=jnp.stack(new_v), lengths=cache.lengths + added)
+            new_cache = KVCache(k=all_k, v=all_v, lengths=cache.lengths + added)
         return self.final_norm(x), new_cache
 
     def output_kernel(self) -> Float[Array, "d v"]:

@@ -1,0 +1,197 @@
+"""Hugging Face tensor names and layouts <-> the parameters of our `Decoder` (pure, no file I/O).
+
+HF `nn.Linear` stores `[out, in]`; we store `[in, ...out]` so that a matmul is `x @ W`:
+
+    model.embed_tokens.weight                  [v, d]     -> embed                      [v, d]
+    model.layers.N.self_attn.q_proj.weight     [h*e, d]   -> layers.N.attention.q_proj  [d, h, e]
+    model.layers.N.self_attn.{k,v}_proj.weight [k*e, d]   -> ...{k,v}_proj              [d, k, e]
+    model.layers.N.self_attn.o_proj.weight     [d, h*e]   -> ...o_proj                  [h, e, d]
+    model.layers.N.self_attn.{q,k,v}_proj.bias [n*e]      -> ...{q,k,v}_bias            [n, e]
+    model.layers.N.self_attn.{q,k}_norm.weight [e]        -> ...{q,k}_norm.scale        [e]
+    model.layers.N.mlp.{gate,up}_proj.weight   [f, d]     -> layers.N.mlp.{gate,up}_proj [d, f]
+    model.layers.N.mlp.down_proj.weight        [d, f]     -> layers.N.mlp.down_proj     [f, d]
+    model.layers.N.{input,post_attention}_layernorm.weight -> layers.N.{input,post_attention}_norm.scale
+    model.norm.weight [d] -> final_norm.scale;  lm_head.weight [v, d] -> lm_head [d, v] (absent when tied)
+    value_head.weight [1, d] -> value_kernel [d];  value_head.bias [1] -> value_bias []
+
+`params_to_hf_tensors` / `hf_tensors_to_state` convert whole models, e.g. to sync weights with another engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from rpegjax.models.config import Architecture, ModelConfig
+from rpegjax.models.transformer import Decoder
+
+FLOAT_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})  # safetensors dtype codes we accept for parameters
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory or file that cannot be read as the model it claims to be."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TensorLayout:
+    """How one HF tensor maps onto one parameter of our `Decoder` state."""
+
+    name: str  # HF name
+    path: tuple[str | int, ...]  # path in `nnx.state(decoder)`
+    hf_shape: tuple[int, ...]
+    to_ours: Callable[[np.ndarray], np.ndarray]
+    to_hf: Callable[[np.ndarray], np.ndarray]
+
+
+def _identity(x: np.ndarray) -> np.ndarray:
+    return x
+
+
+def _in_projection(d: int, n: int, e: int) -> tuple[Callable, Callable]:
+    """HF [n*e, d] <-> ours [d, n, e]."""
+    return (lambda w: w.T.reshape(d, n, e)), (lambda w: w.reshape(d, n * e).T)
+
+
+def _reshaped(ours: tuple[int, ...], hf: tuple[int, ...]) -> tuple[Callable, Callable]:
+    return (lambda w: w.reshape(ours)), (lambda w: w.reshape(hf))
+
+
+def _transposed() -> tuple[Callable, Callable]:
+    return (lambda w: w.T), (lambda w: w.T)
+
+
+def tensor_layouts(cfg: ModelConfig) -> list[TensorLayout]:
+    """Every HF tensor of a checkpoint of `cfg` (value head included when `cfg.value_head`), in file order."""
+    d, f, h, k, e, v = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                        cfg.vocab_size)
+    out: list[TensorLayout] = []
+
+    def add(name, path, hf_shape, maps=(_identity, _identity)):
+        out.append(TensorLayout(name=name, path=path, hf_shape=hf_shape, to_ours=maps[0], to_hf=maps[1]))
+
+    add("model.embed_tokens.weight", ("embed",), (v, d))
+    for i in range(cfg.num_layers):
+        hf, attention = f"model.layers.{i}.", ("layers", i, "attention")
+        for proj, heads in (("q", h), ("k", k), ("v", k)):
+            add(f"{hf}self_attn.{proj}_proj.weight", (*attention, f"{proj}_proj"), (heads * e, d),
+                _in_projection(d, heads, e))
+            if cfg.attention_bias:
+                add(f"{hf}self_attn.{proj}_proj.bias", (*attention, f"{proj}_bias"), (heads * e,),
+                    _reshaped((heads, e), (heads * e,)))
+        add(f"{hf}self_attn.o_proj.weight", (*attention, "o_proj"), (d, h * e),  # HF [d, h*e] <-> ours [h, e, d]
+            ((lambda w: w.T.reshape(h, e, d)), (lambda w: w.reshape(h * e, d).T)))
+        if cfg.qk_norm:
+            add(f"{hf}self_attn.q_norm.weight", (*attention, "q_norm", "scale"), (e,))
+            add(f"{hf}self_attn.k_norm.weight", (*attention, "k_norm", "scale"), (e,))
+        add(f"{hf}mlp.gate_proj.weight", ("layers", i, "mlp", "gate_proj"), (f, d), _transposed())
+        add(f"{hf}mlp.up_proj.weight", ("layers", i, "mlp", "up_proj"), (f, d), _transposed())
+        add(f"{hf}mlp.down_proj.weight", ("layers", i, "mlp", "down_proj"), (d, f), _transposed())
+        add(f"{hf}input_layernorm.weight", ("layers", i, "input_norm", "scale"), (d,))
+        add(f"{hf}post_attention_layernorm.weight", ("layers", i, "post_attention_norm", "scale"), (d,))
+    add("model.norm.weight", ("final_norm", "scale"), (d,))
+    if not cfg.tie_word_embeddings:
+        add("lm_head.weight", ("lm_head",), (v, d), _transposed())
+    if cfg.value_head:
+        add("value_head.weight", ("value_kernel",), (1, d), _reshaped((d,), (1, d)))
+        add("value_head.bias", ("value_bias",), (1,), _reshaped((), (1,)))
+    return out
+
+
+def hf_incompatibilities(cfg: ModelConfig) -> list[str]:
+    """What transformers' class for `cfg.architecture` cannot express (Qwen2 without biases is saved with zero biases)."""
+    problems = []
+    if cfg.architecture != Architecture.QWEN2 and cfg.attention_bias:
+        problems.append(f"attention_bias=True ({cfg.architecture.value} in transformers would also bias o_proj)")
+    if cfg.qk_norm != (cfg.architecture == Architecture.QWEN3):
+        problems.append(f"qk_norm={cfg.qk_norm} (transformers' {cfg.architecture.value} has qk_norm={not cfg.qk_norm})")
+    return problems
+
+
+def hf_config(cfg: ModelConfig) -> ModelConfig:
+    """The config a saved checkpoint describes: transformers' Qwen2 always has q/k/v biases (ours are then zero)."""
+    return cfg.replace(attention_bias=True) if cfg.architecture == Architecture.QWEN2 else cfg
+
+
+# ---- pure conversions ---------------------------------------------------------------------------------------
+def params_to_hf_tensors(model: Decoder, *, dtype=None) -> dict[str, np.ndarray]:
+    """HF-named host arrays of every parameter of `model` (in `dtype`, default the stored param dtype).
+
+    A Qwen2 model without attention biases gets zero q/k/v biases, as transformers' Qwen2 always has them.
+    """
+    return dict(iter_hf_tensors(model, hf_config(model.cfg), dtype))
+
+
+def iter_hf_tensors(
+    model: Decoder, cfg: ModelConfig, dtype, names: set[str] | None = None
+) -> Iterator[tuple[str, np.ndarray]]:
+    """(HF name, host array) for the layouts of `cfg` (only `names` when given), converted one at a time."""
+    flat = {path: variable for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    for layout in tensor_layouts(cfg):
+        if names is not None and layout.name not in names:
+            continue
+        if layout.path in flat:
+            ours = np.asarray(jax.device_get(flat[layout.path].get_value()))
+        else:  # a bias of a bias-less Qwen2: zero is exactly "no bias"
+            ours = np.zeros(layout.to_ours(np.zeros(layout.hf_shape)).shape, np.float32)
+        target = np.dtype(dtype if dtype is not None else ours.dtype)
+        yield layout.name, np.ascontiguousarray(layout.to_hf(ours).astype(target))
+
+
+def hf_tensors_to_state(
+    tensors: Mapping[str, np.ndarray], cfg: ModelConfig, *, source: str = "<tensors>"
+) -> nnx.State:
+    """The parameter state of `Decoder(cfg)` (as `nnx.split` returns it) from HF-named arrays.
+
+    Every tensor of `tensor_layouts(cfg)` must be present with its HF shape and a floating dtype; arrays are
+    cast to `cfg.param_dtype`. Raises CheckpointError naming `source` and the tensor otherwise.
+    """
+    layouts = tensor_layouts(cfg)
+    missing = [layout.name for layout in layouts if layout.name not in tensors]
+    if missing:
+        raise CheckpointError(f"{source}: missing tensor {missing[0]!r} ({len(missing)} missing in all)")
+    unexpected = sorted(set(tensors) - {layout.name for layout in layouts})
+    if unexpected:
+        raise CheckpointError(f"{source}: unexpected tensor {unexpected[0]!r} ({len(unexpected)} unexpected in all)")
+    values = {layout.path: convert_tensor(tensors[layout.name], layout, cfg, source) for layout in layouts}
+    return state_from_values(cfg, values)
+
+
+def convert_tensor(array: np.ndarray, layout: TensorLayout, cfg: ModelConfig, source: str) -> jax.Array:
+    check_tensor(tuple(array.shape), _numpy_dtype_code(array.dtype), layout, source)
+    return jnp.asarray(layout.to_ours(array).astype(jnp.dtype(cfg.jnp_param_dtype)))
+
+
+def _numpy_dtype_code(dtype: np.dtype) -> str:
+    """numpy dtype -> the safetensors code (F32, BF16, I32, ...) that `_check_tensor` expects."""
+    name = np.dtype(dtype).name
+    return {"float16": "F16", "bfloat16": "BF16", "float32": "F32", "float64": "F64"}.get(name, name)
+
+
+def check_tensor(shape: tuple[int, ...], dtype_code: str, layout: TensorLayout, source: str) -> None:
+    if shape != layout.hf_shape:
+        raise CheckpointError(
+            f"{source}: tensor {layout.name!r} has shape {shape}, expected {layout.hf_shape} from the config")
+    if dtype_code not in FLOAT_DTYPES:
+        raise CheckpointError(
+            f"{source}: tensor {layout.name!r} has dtype {dtype_code}, expected a float dtype {sorted(FLOAT_DTYPES)}")
+
+
+def abstract_split(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
+    """Graph definition and shape-only state of `Decoder(cfg)`, without initialising any weights."""
+    return nnx.split(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))))
+
+
+def state_from_values(cfg: ModelConfig, values: Mapping[tuple, jax.Array]) -> nnx.State:
+    """Fills the abstract state of `Decoder(cfg)`; parameters absent from `values` (only a new value head) are zero."""
+    _, abstract = abstract_split(cfg)
+    filled = []
+    for path, variable in nnx.to_flat_state(abstract):
+        spec = variable.get_value()
+        value = values[path] if path in values else jnp.zeros(spec.shape, spec.dtype)
+        filled.append((path, variable.replace(value)))
+    return nnx.from_flat_state(filled)

@@ -1,0 +1,77 @@
+"""Chunked log-probs == log_softmax of the full logits gathered at the targets (numpy references)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from rpegjax.models import Architecture, Decoder, ModelConfig
+from rpegjax.models.logprobs import logprobs_from_hidden, token_logprobs
+
+CHUNKS = [1, 3, 5, 8, 13, 64]  # 13 = t; 3, 5, 8 do not divide 13; 64 > t
+
+
+def _numpy_log_softmax(logits: np.ndarray) -> np.ndarray:
+    logits = logits.astype(np.float64)
+    shifted = logits - logits.max(-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+
+
+@pytest.fixture(scope="module")
+def problem():
+    rng = np.random.default_rng(0)
+    b, t, d, v = 3, 13, 16, 40
+    hidden = rng.normal(size=(b, t, d)).astype(np.float32)
+    kernel = rng.normal(size=(d, v)).astype(np.float32)
+    targets = rng.integers(0, v, size=(b, t))
+    return hidden, kernel, targets
+
+
+@pytest.mark.parametrize("chunk_size", CHUNKS)
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_from_hidden_matches_numpy(problem, chunk_size, temperature):
+    hidden, kernel, targets = problem
+    log_probs = _numpy_log_softmax(hidden.astype(np.float64) @ kernel / temperature)
+    expected = np.take_along_axis(log_probs, targets[..., None], -1)[..., 0]
+    expected_entropy = -(np.exp(log_probs) * log_probs).sum(-1)
+    picked, entropy = logprobs_from_hidden(jnp.asarray(hidden), jnp.asarray(kernel), jnp.asarray(targets),
+                                           chunk_size=chunk_size, temperature=temperature, with_entropy=True)
+    assert picked.shape == targets.shape and entropy.shape == targets.shape
+    np.testing.assert_allclose(picked, expected, atol=1e-4, rtol=1e-5)
+    np.testing.assert_allclose(entropy, expected_entropy, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("chunk_size", [3, 13])
+def test_chunked_gradient_matches_unchunked(problem, chunk_size):
+    hidden, kernel, targets = problem
+
+    def full(h, w):
+        log_probs = jax.nn.log_softmax(h @ w, axis=-1)
+        return jnp.take_along_axis(log_probs, jnp.asarray(targets)[..., None], -1).sum()
+
+    def chunked(h, w):
+        return logprobs_from_hidden(h, w, jnp.asarray(targets), chunk_size=chunk_size)[0].sum()
+
+    expected = jax.grad(full, argnums=(0, 1))(jnp.asarray(hidden), jnp.asarray(kernel))
+    got = jax.grad(chunked, argnums=(0, 1))(jnp.asarray(hidden), jnp.asarray(kernel))
+    for e, g in zip(expected, got, strict=True):
+        np.testing.assert_allclose(g, e, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("architecture", [Architecture.QWEN2, Architecture.LLAMA])
+def test_token_logprobs_match_full_logits(architecture):
+    cfg = ModelConfig.tiny(architecture, tie_word_embeddings=architecture == Architecture.LLAMA)
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, cfg.vocab_size, size=(3, 13))
+    mask = np.arange(13)[None, :] >= np.array([0, 2, 5])[:, None]  # left padding
+    logits = np.asarray(model(jnp.asarray(tokens), mask=jnp.asarray(mask)))
+    expected = np.take_along_axis(_numpy_log_softmax(logits[:, :-1]), tokens[:, 1:, None], -1)[..., 0]
+    for chunk_size in (1, 5, 64):  # one per chunk, non-dividing, one chunk
+        got = np.asarray(token_logprobs(model, jnp.asarray(tokens), mask=jnp.asarray(mask), chunk_size=chunk_size))
+        assert got.shape == tokens.shape and (got[:, -1] == 0).all()
+        np.testing.assert_allclose(got[:, :-1][mask[:, 1:]], expected[mask[:, 1:]], atol=1e-4, rtol=1e-5,
+                                   err_msg=f"chunk_size={chunk_size}")
