@@ -55,6 +55,17 @@ class Checkpointer:
             raise CheckpointError(f"cannot restore checkpoint {self.directory / str(step)}: {error}") from error
         return restored.arrays, dict(restored.metadata)
 
+    def metadata(self, step: int | None = None) -> dict[str, Any]:
+        """The JSON metadata of checkpoint `step` (default: the latest), without reading any array."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise CheckpointError(f"no complete checkpoint in {self.directory}")
+        try:
+            restored = self._manager.restore(step, args=ocp.args.Composite(metadata=ocp.args.JsonRestore()))
+        except Exception as error:
+            raise CheckpointError(f"cannot read the metadata of checkpoint {self.directory / str(step)}: {error}") from error
+        return dict(restored.metadata)
+
     def wait(self) -> None:
         self._manager.wait_until_finished()
 

@@ -1,0 +1,195 @@
+"""The run configuration: small frozen sections composed into one `RunConfig`; the CLI maps
+`--section.field=value` onto it (`rpegjax.cli_overrides`), and the resolved config is saved as JSON
+beside the checkpoints."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import pathlib
+from typing import Any
+
+from rpegjax.cli_overrides import from_jsonable, to_jsonable
+from rpegjax.learners.grpo import GRPOConfig
+from rpegjax.learners.optim import OptimizerConfig
+from rpegjax.learners.ppo import PPOConfig
+from rpegjax.sharding.mesh import parse_mesh
+
+
+class AlgorithmKind(enum.StrEnum):
+    GRPO = "grpo"
+    PPO = "ppo"
+
+
+def _positive(section: object, *names: str) -> None:
+    for name in names:
+        value = getattr(section, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{type(section).__name__}.{name} must be a positive integer, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelSection:
+    """`path`: a local Hugging Face directory (config.json + safetensors + tokenizer files); without it a
+    small Qwen2-style model of the sizes below is built for the built-in character tokenizer."""
+
+    path: str | None = None
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    intermediate_size: int = 384
+    param_dtype: str = "float32"
+    dtype: str = "float32"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _positive(self, "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size")
+        if self.path is not None and not pathlib.Path(self.path).is_dir():
+            raise ValueError(f"ModelSection.path {self.path!r} is not a directory (a local Hugging Face checkpoint)")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataSection:
+    """Either a built-in `task` (generated, with a held-out split) or a JSONL `dataset` (GSM8K, MATH or
+    prompt/answer rows) with an optional `eval_dataset`."""
+
+    task: str = "arithmetic"
+    difficulty: str = "easy"
+    dataset: str | None = None
+    dataset_format: str | None = None
+    eval_dataset: str | None = None
+    train_size: int = 8000
+    eval_size: int = 400
+    prompt_template: str = "{question}"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _positive(self, "train_size", "eval_size")
+        for name in ("dataset", "eval_dataset"):
+            path = getattr(self, name)
+            if path is not None and not pathlib.Path(path).is_file():
+                raise ValueError(f"DataSection.{name} {path!r} is not a file")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RolloutSection:
+    prompts_per_step: int = 32
+    group_size: int = 8
+    max_prompt_len: int = 16
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    num_slots: int = 256
+    chunk_steps: int = 8
+
+    def __post_init__(self) -> None:
+        _positive(self, "prompts_per_step", "group_size", "max_prompt_len", "max_new_tokens", "num_slots", "chunk_steps")
+        if self.num_slots < self.group_size:
+            raise ValueError(f"RolloutSection.num_slots ({self.num_slots}) must hold a whole group ({self.group_size})")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WarmStartSection:
+    """Supervised warm start on the task's reference solutions (built-in tasks), cached in `cache_dir`."""
+
+    steps: int = 250
+    batch_size: int = 64
+    learning_rate: float = 1e-3
+    cache_dir: str = "~/.cache/rpegjax/warmstart"
+
+    def __post_init__(self) -> None:
+        if self.steps < 0:
+            raise ValueError(f"WarmStartSection.steps must be >= 0, got {self.steps!r}")
+        _positive(self, "batch_size")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GraphSection:
+    """Structure and execution of the RPEG: asynchrony bound k, fusion of inference stages, micro-batches
+    of generation (pieces handed downstream as they finish)."""
+
+    async_bound: int = 1
+    fuse: bool = True
+    generate_microbatches: int = 1
+    mesh: str = "data=-1"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.async_bound, bool) or not isinstance(self.async_bound, int) or self.async_bound < 0:
+            raise ValueError(f"GraphSection.async_bound must be an integer >= 0, got {self.async_bound!r}")
+        _positive(self, "generate_microbatches")
+        parse_mesh(self.mesh)
+
+    @property
+    def mesh_axes(self) -> dict[str, int]:
+        return parse_mesh(self.mesh)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainSection:
+    steps: int = 300
+    seed: int = 0
+    run_dir: str | None = None
+    checkpoint_every: int = 50
+    keep_checkpoints: int = 2
+    eval_every: int = 0  # 0: only at the start and the end
+    reward_timeout_s: float = 10.0
+    reward_workers: int = 2
+
+    def __post_init__(self) -> None:
+        _positive(self, "steps", "checkpoint_every", "keep_checkpoints", "reward_workers")
+        if self.eval_every < 0:
+            raise ValueError(f"TrainSection.eval_every must be >= 0, got {self.eval_every!r}")
+        if self.reward_timeout_s <= 0:
+            raise ValueError(f"TrainSection.reward_timeout_s must be positive, got {self.reward_timeout_s!r}")
+
+
+def default_grpo() -> GRPOConfig:
+    return GRPOConfig(group_size=8, decoupled=True, importance_cap=5.0,
+                      optimizer=OptimizerConfig(learning_rate=3e-4, b2=0.99, weight_decay=0.0))
+
+
+def default_ppo() -> PPOConfig:
+    return PPOConfig(decoupled=True, importance_cap=5.0, gamma=1.0, lam=1.0,
+                     optimizer=OptimizerConfig(learning_rate=3e-4, b2=0.99, weight_decay=0.0))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """Everything a training run needs. `grpo` is used by train_grpo.py, `ppo` by train_ppo.py; the
+    rollout's group size is the algorithm's group size."""
+
+    algorithm: AlgorithmKind = AlgorithmKind.GRPO
+    model: ModelSection = dataclasses.field(default_factory=ModelSection)
+    data: DataSection = dataclasses.field(default_factory=DataSection)
+    rollout: RolloutSection = dataclasses.field(default_factory=RolloutSection)
+    warm_start: WarmStartSection = dataclasses.field(default_factory=WarmStartSection)
+    graph: GraphSection = dataclasses.field(default_factory=GraphSection)
+    train: TrainSection = dataclasses.field(default_factory=TrainSection)
+    grpo: GRPOConfig = dataclasses.field(default_factory=default_grpo)
+    ppo: PPOConfig = dataclasses.field(default_factory=default_ppo)
+    critic: str = "separate"  # PPO: "separate" model or "shared" trunk with a value head
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "algorithm", AlgorithmKind(self.algorithm))
+        if self.critic not in ("separate", "shared"):
+            raise ValueError(f"RunConfig.critic must be 'separate' or 'shared', got {self.critic!r}")
+        if self.grpo.group_size != self.rollout.group_size:
+            raise ValueError(f"grpo.group_size ({self.grpo.group_size}) differs from rollout.group_size "
+                             f"({self.rollout.group_size}); set both, e.g. with --group-size")
+        if self.rollout.prompts_per_step % self.graph.generate_microbatches:
+            raise ValueError(f"graph.generate_microbatches ({self.graph.generate_microbatches}) must divide "
+                             f"rollout.prompts_per_step ({self.rollout.prompts_per_step})")
+
+    def to_json(self) -> str:
+        return json.dumps(to_jsonable(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> RunConfig:
+        return from_jsonable(cls, json.loads(text))
+
+    def replace(self, **changes: Any) -> RunConfig:
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,178 @@
+"""What each stage kind computes: the bridge from RPEG stages to the sampler, rewards and learners.
+
+The runtime decides *when* and *with which weights* a stage runs; a `StagePrograms` object knows
+*what* it runs. Inference stages are compiled per fused group: the stages of one group become one
+jitted program (one dispatch, one pass of the batch to the device), unfused stages one program each.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rpegjax.data.example import Example
+from rpegjax.generate.completion import Completion
+from rpegjax.generate.sampler import Sampler
+from rpegjax.generate.sampling import SamplingConfig
+from rpegjax.graph.ir import StageKind
+from rpegjax.learners.batch import TrainBatch, pack_rollouts
+from rpegjax.rewards.runner import RewardRunner
+
+# Which TrainBatch field each inference kind fills, and whose weights it reads.
+INFERENCE_FIELDS = {
+    StageKind.REF_LOGPROB: "ref_logprobs",
+    StageKind.OLD_LOGPROB: "old_logprobs",
+    StageKind.CRITIC_VALUE: "values",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """A finished part of one step's rollout: whole groups of completions, packed, with their rewards pending."""
+
+    index: int
+    examples: list[Example]  # one per row (each prompt's example repeated group_size times)
+    completions: list[Completion]  # ordered by (prompt_index, sample_index)
+    batch: TrainBatch  # numpy arrays of a fixed shape
+    rewards: concurrent.futures.Future  # (rewards float32 [rows], RewardStats)
+
+
+class StagePrograms:
+    """Stage computations for one run.
+
+    `learner` is a GRPOLearner or PPOLearner; `policy_logprobs(params, tokens, mask)` and, for PPO,
+    `critic_values(params, tokens, mask)` are its pure (unjitted) functions, from which fused programs are
+    built. The weight-sync stage copies the actor's weights into `generation_shardings` (the sampler's
+    layout; None: the same device).
+    """
+
+    def __init__(
+        self,
+        *,
+        learner: Any,
+        policy_logprobs: Callable,
+        critic_values: Callable | None,
+        sampler: Sampler,
+        sampling: SamplingConfig,
+        group_size: int,
+        rewards: RewardRunner,
+        decode: Callable[[Sequence[int]], str],
+        pad_id: int,
+        generation_shardings: Any = None,
+        reference_params: Any = None,
+        actor_params_of: Callable[[Any], Any] = lambda state: state.params,
+        critic_params_of: Callable[[Any], Any] = lambda state: state.params,
+    ):
+        self.learner = learner
+        self.sampler = sampler
+        self.sampling = sampling
+        self.group_size = group_size
+        self.rewards = rewards
+        self.decode = decode
+        self.pad_id = pad_id
+        self.sequence_length = sampler.max_prompt_len + sampler.max_new_tokens
+        self._kind_functions = {
+            StageKind.REF_LOGPROB: policy_logprobs,
+            StageKind.OLD_LOGPROB: policy_logprobs,
+            StageKind.CRITIC_VALUE: critic_values,
+        }
+        self._params_of = {
+            StageKind.REF_LOGPROB: lambda state: reference_params,
+            StageKind.OLD_LOGPROB: actor_params_of,
+            StageKind.CRITIC_VALUE: critic_params_of,
+        }
+        self.actor_params_of = actor_params_of
+        # a copy, never the same buffers: the next update donates the training ones
+        self._sync = jax.jit(lambda params: jax.tree.map(jnp.copy, params), out_shardings=generation_shardings)
+        self._inference_programs: dict[tuple[StageKind, ...], Callable] = {}
+        self.dispatches = 0  # device programs launched by inference, advantage, update and sync stages
+
+    # ---- rollout side ---------------------------------------------------------------------------
+    def generate(
+        self,
+        params: Any,
+        examples: Sequence[Example],
+        prompt_ids: Sequence[Sequence[int]],
+        *,
+        key: jax.Array,
+        version: int,
+        pieces: int,
+    ) -> Iterator[Piece]:
+        """Streams the step's rollout in `pieces` parts of whole prompt groups, each yielded (with its reward
+        scoring already submitted to the host pool) as soon as all its sequences have finished."""
+        prompts_per_piece = len(prompt_ids) // pieces
+        waiting: dict[int, list[Completion]] = {index: [] for index in range(pieces)}
+        needed = prompts_per_piece * self.group_size
+        stream = self.sampler.stream(params, prompt_ids, self.sampling, group_size=self.group_size, key=key,
+                                     version=version)
+        for completion in stream:
+            index = completion.prompt_index // prompts_per_piece
+            waiting[index].append(completion)
+            if len(waiting[index]) == needed:
+                yield self._finish_piece(index, sorted(waiting.pop(index), key=lambda c: c.order), examples)
+
+    def _finish_piece(self, index: int, completions: list[Completion], examples: Sequence[Example]) -> Piece:
+        rows = [examples[c.prompt_index] for c in completions]
+        texts = [self.decode(c.response_ids) for c in completions]
+        batch = pack_rollouts(
+            [c.prompt_ids for c in completions], [c.response_ids for c in completions],
+            [c.behaviour_logprobs for c in completions], pad_id=self.pad_id, length=self.sequence_length,
+        )
+        return Piece(index=index, examples=rows, completions=completions, batch=batch,
+                     rewards=self.rewards.submit(texts, rows))
+
+    # ---- train side ----------------------------------------------------------------------------
+    def _inference_program(self, kinds: tuple[StageKind, ...]) -> Callable:
+        if kinds not in self._inference_programs:
+            functions = [self._kind_functions[kind] for kind in kinds]
+            for kind, function in zip(kinds, functions):
+                if function is None:
+                    raise ValueError(f"stage kind {kind.value} needs a critic, and this learner has none")
+
+            def program(params_by_kind, tokens, token_mask):
+                return tuple(f(p, tokens, token_mask) for f, p in zip(functions, params_by_kind))
+
+            self._inference_programs[kinds] = jax.jit(program)
+        return self._inference_programs[kinds]
+
+    def infer(self, kinds: Sequence[StageKind], state: Any, batch: TrainBatch) -> dict[str, jax.Array]:
+        """Runs the inference kinds of one execution unit as one program, with the weights each kind reads
+        (reference, or the actor/critic of the current training state); returns TrainBatch fields."""
+        kinds = tuple(kinds)
+        program = self._inference_program(kinds)
+        self.dispatches += 1
+        params = tuple(self._params_of[kind](state) for kind in kinds)
+        if any(p is None for p in params):
+            raise ValueError(f"stages {[k.value for k in kinds]}: a reference stage needs reference_params")
+        outputs = program(params, jnp.asarray(batch.tokens), jnp.asarray(batch.token_mask))
+        return {INFERENCE_FIELDS[kind]: output for kind, output in zip(kinds, outputs)}
+
+    def advantages(self, batch: TrainBatch) -> tuple[TrainBatch, dict[str, Any]]:
+        self.dispatches += 1
+        return self.learner.compute_advantages(batch)
+
+    def update(self, state: Any, batch: TrainBatch) -> tuple[Any, dict[str, Any]]:
+        self.dispatches += 1
+        return self.learner.update(state, batch)
+
+    def sync(self, state: Any) -> Any:
+        """Generation-layout copy of the actor weights of `state`."""
+        self.dispatches += 1
+        return self._sync(self.actor_params_of(state))
+
+
+def concatenate_pieces(pieces: Sequence[Piece]) -> TrainBatch:
+    """The step's whole batch, rows in prompt order."""
+    fields = {}
+    for field in dataclasses.fields(TrainBatch):
+        values = [getattr(piece.batch, field.name) for piece in pieces]
+        if values[0] is None:
+            continue
+        fields[field.name] = np.concatenate([np.asarray(v) for v in values]) if len(values) > 1 else values[0]
+    return TrainBatch(**fields)

@@ -1,0 +1,309 @@
+"""The single controller: executes an RPEG step after step.
+
+Two threads share the work. The *rollout worker* runs the generation stage (and, through the host
+reward pool, the reward stage) of step t as soon as the weights it may read exist: version
+`t - k` under asynchrony bound k (read off the graph's generate edge). The *trainer* (the calling
+thread) runs every other execution unit of the graph in order — fused groups as one program — and
+publishes the next weights version through the weight-sync stage. So with k = 0 the two alternate
+exactly (synchronous on-policy RL), and with k >= 1 generation of the next k steps overlaps training.
+
+Fine-grained scheduling: when the generate stage has n micro-batches, its rollout is handed over in
+n pieces of whole prompt groups as they finish (continuous batching), reward scoring of a piece starts
+on the host at once, and inference stages with the same micro-batch count run on each piece while
+the tail of the rollout is still decoding.
+
+Every stage execution is recorded in a `Trace` (stage, step, weights version, placement, start, end);
+device stages block on their outputs inside the span so the measured timeline is honest.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rpegjax.data.example import Example
+from rpegjax.data.iterator import DataIterator
+from rpegjax.graph.ir import INFERENCE_KINDS, UPDATE_KINDS, Graph, GraphError, Payload, StageKind
+from rpegjax.graph.programs import Piece, StagePrograms, concatenate_pieces
+from rpegjax.graph.trace import Trace
+from rpegjax.graph.versions import ParameterStore, RuntimeStopped, generation_version
+
+
+@dataclasses.dataclass
+class Rollout:
+    """One step's rollout as the trainer receives it; pieces are filled in by the worker as they finish."""
+
+    step: int
+    version: int
+    examples: list[Example]
+    pieces: list[concurrent.futures.Future]
+    data_state: dict[str, Any]  # the data iterator's position after this step's batch
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    step: int
+    version: int  # weights version the rollout was generated with
+    metrics: dict[str, float]
+    data_state: dict[str, Any]
+    completions: list[Any]
+
+
+def _block(tree: Any) -> Any:
+    return jax.block_until_ready(tree)
+
+
+def _merge_metrics(target: dict[str, float], metrics: dict[str, Any], prefix: str = "") -> None:
+    for key, value in metrics.items():
+        array = np.asarray(value)
+        if array.size == 1:
+            target[prefix + key] = float(array)
+
+
+class Runtime:
+    """Executes `graph` with `programs`; owns the parameter store, the rollout worker and the trace.
+
+    `prompt_ids(examples) -> list[list[int]]` tokenises a batch of examples (host work, done by the
+    worker). `key` seeds generation: step t samples with `fold_in(key, t)`, so runs are reproducible
+    whatever the thread timing.
+    """
+
+    def __init__(
+        self,
+        graph: Graph,
+        programs: StagePrograms,
+        data: DataIterator,
+        *,
+        prompt_ids: Callable[[Sequence[Example]], list[list[int]]],
+        key: jax.Array,
+        trace: Trace | None = None,
+    ):
+        graph.validate()
+        self.graph = graph
+        self.programs = programs
+        self.data = data
+        self.prompt_ids = prompt_ids
+        self.key = key
+        self.trace = trace if trace is not None else Trace(graph.name)
+        self.store = ParameterStore()
+        generates = graph.stages_of_kind(StageKind.GENERATE)
+        if len(generates) != 1:
+            raise GraphError(f"the runtime needs exactly one generate stage, found {len(generates)}")
+        self.generate_stage = generates[0]
+        weight_edges = [e for e in graph.in_edges(self.generate_stage.name) if e.payload == Payload.ACTOR_GENERATE_PARAMS]
+        if len(weight_edges) != 1:
+            raise GraphError(f"stage {self.generate_stage.name!r} must read {Payload.ACTOR_GENERATE_PARAMS} over one edge",
+                             stage=self.generate_stage.name)
+        self.weight_edge = weight_edges[0]
+        self.async_bound = self.weight_edge.version_offset - 1
+        rollout_kinds = {StageKind.GENERATE, StageKind.REWARD}
+        self.train_units = [unit for unit in graph.execution_units()
+                            if not set(self._kinds(unit)) <= rollout_kinds]
+        self.pieces = self.generate_stage.microbatches
+        self.dispatches_per_step: list[int] = []
+        self.last_reward_error = ""
+
+    # ---- helpers -------------------------------------------------------------------------------
+    def _kinds(self, unit: Sequence[str]) -> tuple[StageKind, ...]:
+        kinds: list[StageKind] = []
+        for name in unit:
+            for kind in self.graph.stage(name).kinds:
+                if kind not in kinds:
+                    kinds.append(kind)
+        return tuple(kinds)
+
+    def _devices(self, unit: Sequence[str]) -> str:
+        return self.graph.stage(unit[0]).placement
+
+    def _unit_name(self, unit: Sequence[str]) -> str:
+        return "+".join(unit)
+
+    # ---- rollout worker ------------------------------------------------------------------------
+    def _rollout_loop(self, start: int, end: int, out: queue.Queue) -> None:
+        try:
+            for step in range(start, end):
+                version = self.weight_edge.read_version(step)
+                assert version == generation_version(step, self.async_bound)
+                params = self.store.get(version)
+                examples = self.data.next_batch()
+                if len(examples) % self.pieces:
+                    raise GraphError(f"stage {self.generate_stage.name!r}: {len(examples)} prompts per step cannot be "
+                                     f"split into {self.pieces} micro-batches", stage=self.generate_stage.name)
+                rollout = Rollout(step=step, version=version, examples=examples,
+                                  pieces=[concurrent.futures.Future() for _ in range(self.pieces)],
+                                  data_state=self.data.state())
+                out.put(rollout)
+                prompts = self.prompt_ids(examples)
+                try:
+                    with self.trace.span(self.generate_stage.name, step, version, self.generate_stage.placement):
+                        for piece in self.programs.generate(params, examples, prompts, key=jax.random.fold_in(self.key, step),
+                                                            version=version, pieces=self.pieces):
+                            self._trace_reward(piece, step)
+                            rollout.pieces[piece.index].set_result(piece)
+                except BaseException as error:
+                    for future in rollout.pieces:
+                        if not future.done():
+                            future.set_exception(error)
+                    raise
+        except RuntimeStopped:
+            return
+        except BaseException as error:  # handed to the trainer, which raises it
+            out.put(error)
+
+    def _trace_reward(self, piece: Piece, step: int) -> None:
+        rewards = self.graph.stages_of_kind(StageKind.REWARD)
+        if not rewards:
+            return
+        start = self.trace.now()
+        stage = rewards[0]
+
+        def done(_: concurrent.futures.Future) -> None:
+            self.trace.record(stage=stage.name, step=step, version=None, devices=stage.placement, start=start,
+                              end=self.trace.now(), microbatch=piece.index if self.pieces > 1 else None)
+
+        piece.rewards.add_done_callback(done)
+
+    # ---- trainer -------------------------------------------------------------------------------
+    def run(
+        self,
+        state: Any,
+        *,
+        start_step: int,
+        num_steps: int,
+        history: Sequence[tuple[int, Any]] = (),
+        on_step: Callable[[StepResult, Any], None] | None = None,
+    ) -> Any:
+        """Runs steps `start_step .. start_step + num_steps - 1` from training `state` (the actor is at version
+        `start_step`). `history` holds older generation-layout weights (version, params) that pending
+        rollouts may read after a resume. Calls `on_step(result, state)` after each step; returns the state."""
+        for version, params in history:
+            self.store.put(version, params)
+        with self.trace.span(self.graph.stage(self._sync_unit()[0]).name, start_step, start_step,
+                             self._devices(self._sync_unit())):
+            self.store.put(start_step, _block(self.programs.sync(state)))
+        rollouts: queue.Queue = queue.Queue()
+        worker = threading.Thread(target=self._rollout_loop, args=(start_step, start_step + num_steps, rollouts),
+                                  name="rpegjax-rollout", daemon=True)
+        worker.start()
+        try:
+            for step in range(start_step, start_step + num_steps):
+                rollout = rollouts.get()
+                if isinstance(rollout, BaseException):
+                    raise rollout
+                state, result = self._train_step(state, rollout)
+                # weights older than what the next k rollouts read are no longer needed
+                self.store.prune(generation_version(step + 1, self.async_bound))
+                if on_step is not None:
+                    on_step(result, state)
+        except BaseException as error:
+            self.store.stop(error)
+            raise
+        finally:
+            self.store.stop(RuntimeStopped("run finished"))
+            worker.join(timeout=60)
+        return state
+
+    def _sync_unit(self) -> tuple[str, ...]:
+        for unit in self.train_units:
+            if StageKind.WEIGHT_SYNC in self._kinds(unit):
+                return unit
+        raise GraphError("the graph has no weight_sync stage; generation could never see new weights")
+
+    def _train_step(self, state: Any, rollout: Rollout) -> tuple[Any, StepResult]:
+        step, programs = rollout.step, self.programs
+        dispatches_before = programs.dispatches
+        metrics: dict[str, float] = {}
+        piece_outputs: list[dict[str, jax.Array]] = [dict() for _ in range(self.pieces)]
+        batch = None
+        for unit in self.train_units:
+            kinds = self._kinds(unit)
+            name, devices = self._unit_name(unit), self._devices(unit)
+            microbatches = self.graph.stage(unit[0]).microbatches
+            if set(kinds) <= INFERENCE_KINDS:
+                if microbatches == self.pieces:  # piece by piece, as the rollout finishes
+                    for index, future in enumerate(rollout.pieces):
+                        piece = future.result()
+                        with self.trace.span(name, step, step, devices, microbatch=index if self.pieces > 1 else None):
+                            piece_outputs[index].update(_block(programs.infer(kinds, state, piece.batch)))
+                    continue
+                batch = batch if batch is not None else self._assemble(rollout, piece_outputs)
+                with self.trace.span(name, step, step, devices):
+                    outputs = [programs.infer(kinds, state, chunk) for chunk in _split_rows(batch, microbatches)]
+                    merged = {k: jnp.concatenate([o[k] for o in outputs]) for k in outputs[0]}
+                    batch = batch.replace(**_block(merged))
+            elif StageKind.ADVANTAGE in kinds:
+                batch = batch if batch is not None else self._assemble(rollout, piece_outputs)
+                batch, reward_metrics = self._attach_rewards(rollout, batch)
+                metrics.update(reward_metrics)
+                with self.trace.span(name, step, step, devices):
+                    batch, advantage_metrics = programs.advantages(batch)
+                    _block(batch.advantages)
+                _merge_metrics(metrics, advantage_metrics, "advantage/")
+            elif set(kinds) & UPDATE_KINDS:
+                if batch is None:
+                    raise GraphError(f"stage {unit[0]!r} runs before the advantage stage", stage=unit[0])
+                with self.trace.span(name, step, step, devices):
+                    state, update_metrics = programs.update(state, batch)
+                    update_metrics = jax.device_get(update_metrics)
+                _merge_metrics(metrics, update_metrics)
+            elif StageKind.WEIGHT_SYNC in kinds:
+                with self.trace.span(name, step, step + 1, devices):
+                    self.store.put(step + 1, _block(programs.sync(state)))
+            else:
+                raise GraphError(f"the runtime cannot execute stage kinds {[k.value for k in kinds]} of {unit}",
+                                 stage=unit[0])
+        self.dispatches_per_step.append(programs.dispatches - dispatches_before)
+        pieces = [future.result() for future in rollout.pieces]
+        completions = [c for piece in pieces for c in piece.completions]
+        lengths = np.array([c.length for c in completions])
+        metrics.update({
+            "staleness": float(step - rollout.version),
+            "weights_version": float(rollout.version),
+            "response_length": float(lengths.mean()),
+            "tokens": float(lengths.sum()),
+            "dispatches": float(self.dispatches_per_step[-1]),
+        })
+        return state, StepResult(step=step, version=rollout.version, metrics=metrics, data_state=rollout.data_state,
+                                 completions=completions)
+
+    def _assemble(self, rollout: Rollout, piece_outputs: list[dict[str, jax.Array]]):
+        pieces = [future.result() for future in rollout.pieces]
+        batch = concatenate_pieces(pieces)
+        if piece_outputs[0]:
+            batch = batch.replace(**{key: jnp.concatenate([o[key] for o in piece_outputs]) for key in piece_outputs[0]})
+        return batch
+
+    def _attach_rewards(self, rollout: Rollout, batch):
+        rewards, stats = [], []
+        for future in rollout.pieces:
+            piece_rewards, piece_stats = future.result().rewards.result()
+            rewards.append(piece_rewards)
+            stats.append(piece_stats)
+        rewards = np.concatenate(rewards).astype(np.float32)
+        errors, timeouts = sum(s.errors for s in stats), sum(s.timeouts for s in stats)
+        # accuracy: rewards are correctness (1) plus at most a format bonus below 1
+        metrics = {"reward": float(rewards.mean()), "accuracy": float((rewards >= 1.0).mean()),
+                   "reward/errors": float(errors), "reward/timeouts": float(timeouts),
+                   "reward/seconds": float(sum(s.seconds for s in stats))}
+        first_error = next((s.first_error for s in stats if s.first_error), "")
+        if first_error:
+            self.last_reward_error = first_error
+        return batch.replace(rewards=rewards), metrics
+
+
+def _split_rows(batch, pieces: int):
+    if pieces == 1:
+        return [batch]
+    rows = batch.batch_size
+    if rows % pieces:
+        raise GraphError(f"{rows} rows cannot be split into {pieces} micro-batches")
+    size = rows // pieces
+    return [jax.tree.map(lambda x: x[i * size:(i + 1) * size], batch) for i in range(pieces)]

@@ -1,0 +1,196 @@
+"""Runs a built training job through the RPEG runtime: held-out evaluation at the start and end,
+progress bar, metrics, checkpoints (every N steps, keep last K; resumable), plots and traces."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from rpegjax.checkpoint import Checkpointer, CheckpointError
+from rpegjax.config import AlgorithmKind, RunConfig
+from rpegjax.data.iterator import DataIterator
+from rpegjax.evaluation import evaluate_accuracy
+from rpegjax.generate.sampling import SamplingConfig
+from rpegjax.graph.programs import StagePrograms
+from rpegjax.graph.runtime import Runtime, StepResult
+from rpegjax.graph.trace import Trace, gantt_png
+from rpegjax.metrics import MetricsWriter, plot_metrics, read_metrics
+from rpegjax.rewards.runner import RewardRunner
+from rpegjax.training import Components
+
+
+def _fingerprint(tree: Any) -> float:
+    """A cheap checksum of weights: a resumed run must start from the same initial (reference) weights."""
+    return float(sum(np.abs(np.asarray(x, np.float64)).sum() for x in jax.tree.leaves(tree)))
+
+
+def make_programs(parts: Components, rewards: RewardRunner) -> StagePrograms:
+    learner, cfg = parts.learner, parts.cfg
+    ppo = cfg.algorithm == AlgorithmKind.PPO
+    initial = learner.params
+    actor_of = (lambda state: state.params["actor"]) if ppo else (lambda state: state.params)
+    return StagePrograms(
+        learner=learner,
+        policy_logprobs=learner._logprobs_fn,
+        critic_values=learner._values_fn if ppo else None,
+        sampler=parts.sampler,
+        sampling=SamplingConfig(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
+                                top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p),
+        group_size=cfg.rollout.group_size,
+        rewards=rewards,
+        decode=parts.decode,
+        pad_id=parts.tokenizer.pad_id,
+        generation_shardings=parts.sampler._params_sharding,
+        reference_params=initial["actor"] if ppo else initial,
+        actor_params_of=actor_of,
+        critic_params_of=lambda state: state.params,
+    )
+
+
+class Trainer:
+    """One run directory: `run()` trains `cfg.train.steps` steps (continuing from the last complete
+    checkpoint when `resume`), evaluating held-out accuracy at the start and the end."""
+
+    def __init__(self, parts: Components, run_dir: str | pathlib.Path, *, resume: bool = False,
+                 is_main_process: bool = True, log: Callable[[str], None] = print):
+        self.parts = parts
+        self.cfg: RunConfig = parts.cfg
+        self.run_dir = pathlib.Path(run_dir)
+        self.resume = resume
+        self.main = is_main_process
+        self.log = log if is_main_process else (lambda _: None)
+        if self.main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.json").write_text(self.cfg.to_json())
+            (self.run_dir / "graph.json").write_text(parts.graph.to_json())
+
+    def _evaluate(self, params: Any) -> float:
+        parts = self.parts
+        accuracy, samples = evaluate_accuracy(
+            parts.sampler, params, parts.eval_examples, parts.prompt_ids(parts.eval_examples),
+            is_correct=parts.task.is_correct, decode=parts.decode, max_new_tokens=self.cfg.rollout.max_new_tokens)
+        self.last_eval_samples = samples[:8]
+        return accuracy
+
+    def run(self) -> dict[str, Any]:
+        started = time.perf_counter()
+        parts, cfg = self.parts, self.cfg
+        learner = parts.learner
+        data = DataIterator(parts.train_examples, batch_size=cfg.rollout.prompts_per_step, seed=cfg.data.seed)
+        checkpoints = Checkpointer(self.run_dir / "checkpoints", keep=cfg.train.keep_checkpoints)
+        state = learner.init_state()
+        reference_print = _fingerprint(learner.params)
+        start_step, history, start_accuracy = 0, [], None
+        rewards = RewardRunner.for_task(parts.task, timeout_s=cfg.train.reward_timeout_s,
+                                        workers=cfg.train.reward_workers)
+        programs = make_programs(parts, rewards)
+        if self.resume and checkpoints.latest_step() is not None:
+            state, history, meta = self._restore(checkpoints, state, programs)
+            if abs(meta["reference_fingerprint"] - reference_print) > 1e-6 * max(1.0, reference_print):
+                raise CheckpointError(f"{self.run_dir}: the checkpoint was trained from other initial weights "
+                                      "(model path, warm start or seed changed)")
+            start_step, start_accuracy = meta["next_step"], meta["start_accuracy"]
+            data.restore(meta["data_state"])
+            self._truncate_metrics(start_step)
+            self.log(f"resumed from step {start_step} ({checkpoints.directory / str(start_step)})")
+        elif self.resume:
+            self.log(f"no complete checkpoint in {checkpoints.directory}: starting from scratch")
+        metrics = MetricsWriter(self.run_dir, enabled=self.main)
+        if start_accuracy is None:
+            start_accuracy = self._evaluate(programs.sync(state))
+            metrics.log(0, {"eval/accuracy": start_accuracy, **parts.warm_start_metrics})
+            self.log(f"held-out accuracy at start: {start_accuracy:.3f} ({len(parts.eval_examples)} examples)")
+        trace = Trace(parts.graph.name)
+        runtime = Runtime(parts.graph, programs, data, prompt_ids=parts.prompt_ids,
+                          key=jax.random.key(cfg.train.seed), trace=trace)
+        remaining = cfg.train.steps - start_step
+        progress = _progress(remaining, start_step, enabled=self.main)
+        tokens_seen, step_started = 0.0, time.perf_counter()
+
+        def on_step(result: StepResult, state: Any) -> None:
+            nonlocal tokens_seen, step_started
+            now = time.perf_counter()
+            record = dict(result.metrics)
+            record["seconds"] = now - step_started
+            record["tokens_per_second"] = result.metrics["tokens"] / max(now - step_started, 1e-9)
+            step_started = now
+            step = result.step + 1  # steps completed
+            if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
+                record["eval/accuracy"] = self._evaluate(programs.sync(state))
+            metrics.log(step, record)
+            if runtime.last_reward_error and record.get("reward/errors", 0) > 0:
+                self.log(f"step {step}: reward function failed on {int(record['reward/errors'])} completions "
+                         f"(scored 0): {runtime.last_reward_error}")
+            progress.update(1)
+            progress.set_postfix(reward=f"{record.get('reward', 0):.3f}", acc=f"{record.get('accuracy', 0):.3f}",
+                                 tok_s=f"{record['tokens_per_second']:.0f}", stale=int(record["staleness"]))
+            if step % cfg.train.checkpoint_every == 0 or step == cfg.train.steps:
+                self._save(checkpoints, step, state, runtime, result, start_accuracy, reference_print)
+
+        try:
+            state = runtime.run(state, start_step=start_step, num_steps=remaining, history=history, on_step=on_step)
+        finally:
+            progress.close()
+            checkpoints.close()
+            rewards.close()
+        end_accuracy = self._evaluate(programs.sync(state))
+        metrics.log(cfg.train.steps, {"eval/accuracy": end_accuracy})
+        metrics.close()
+        self.log(f"held-out accuracy at end: {end_accuracy:.3f} (start {start_accuracy:.3f})")
+        if self.main:
+            self._write_outputs(trace)
+        return {"start_accuracy": start_accuracy, "end_accuracy": end_accuracy, "steps": cfg.train.steps,
+                "wall_seconds": round(time.perf_counter() - started, 2), "run_dir": str(self.run_dir)}
+
+    # ---- checkpoints -----------------------------------------------------------------------------
+    def _save(self, checkpoints: Checkpointer, step: int, state, runtime: Runtime, result: StepResult,
+              start_accuracy: float, reference_print: float) -> None:
+        # the k older weights versions that the next rollouts will still read
+        history = {str(v): p for v, p in runtime.store.items() if v < step}
+        meta = {"next_step": step, "data_state": result.data_state, "start_accuracy": start_accuracy,
+                "history_versions": sorted(int(v) for v in history), "reference_fingerprint": reference_print,
+                "graph": json.loads(self.parts.graph.to_json()), "config": json.loads(self.cfg.to_json())}
+        checkpoints.save(step, {"state": state, "history": history}, meta)
+
+    def _restore(self, checkpoints: Checkpointer, state, programs: StagePrograms):
+        step = checkpoints.latest_step()
+        versions = checkpoints.metadata(step)["history_versions"]
+        template = programs.sync(state)
+        like = {"state": state, "history": {str(v): template for v in versions}}
+        arrays, meta = checkpoints.restore(like, step)
+        history = sorted((int(v), p) for v, p in arrays["history"].items())
+        return arrays["state"], history, meta
+
+    def _truncate_metrics(self, next_step: int) -> None:
+        """Drops records of steps after the checkpoint: they are trained again."""
+        path = self.run_dir / "metrics.jsonl"
+        if not self.main or not path.exists():
+            return
+        kept = [r for r in read_metrics(path) if r["step"] < next_step or (r["step"] == 0 and next_step == 0)
+                or (r["step"] == 0 and "eval/accuracy" in r)]
+        path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+    # ---- outputs ---------------------------------------------------------------------------------
+    def _write_outputs(self, trace: Trace) -> None:
+        records = read_metrics(self.run_dir / "metrics.jsonl")
+        plot_metrics(records, ["reward", "accuracy", "eval/accuracy"], self.run_dir / "reward_accuracy.png",
+                     title=f"{self.parts.graph.name}: reward and accuracy")
+        plot_metrics(records, ["loss", "staleness", "tokens_per_second", "response_length"],
+                     self.run_dir / "training.png", title="training")
+        trace.to_chrome_json(self.run_dir / "trace.json")
+        gantt_png(trace, self.run_dir / "gantt.png", title="measured stage timeline")
+
+
+def _progress(total: int, initial: int, *, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total + initial, initial=initial, disable=not enabled, file=sys.stderr, unit="step",
+                dynamic_ncols=True)

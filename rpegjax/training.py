@@ -1,0 +1,175 @@
+"""A training run: build tokenizer, task, model, learner, sampler, rewards and the RPEG from a
+`RunConfig`, warm-start, then execute the graph with the runtime and write the run directory
+(config.json, metrics.jsonl, TensorBoard events, plots, trace, checkpoints)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from rpegjax.checkpoint import Checkpointer, CheckpointError
+from rpegjax.config import AlgorithmKind, RunConfig
+from rpegjax.data.example import Example
+from rpegjax.data.iterator import DataIterator
+from rpegjax.data.jsonl import load_jsonl
+from rpegjax.data.prompts import PromptTemplate
+from rpegjax.evaluation import evaluate_accuracy
+from rpegjax.generate.sampler import Sampler
+from rpegjax.generate.sampling import SamplingConfig
+from rpegjax.graph import builders, transforms
+from rpegjax.graph.ir import Graph, StageKind
+from rpegjax.graph.programs import StagePrograms
+from rpegjax.graph.runtime import Runtime, StepResult
+from rpegjax.graph.trace import Trace, gantt_png
+from rpegjax.learners.grpo import GRPOLearner
+from rpegjax.learners.ppo import PPOLearner
+from rpegjax.metrics import MetricsWriter, plot_metrics, read_metrics
+from rpegjax.models.config import ModelConfig
+from rpegjax.models.hf import load_pretrained
+from rpegjax.models.tokenizer import builtin_tokenizer, load_tokenizer
+from rpegjax.models.transformer import Decoder
+from rpegjax.rewards.dataset_task import MathDatasetTask
+from rpegjax.rewards.runner import RewardRunner
+from rpegjax.rewards.tasks import make_task
+from rpegjax.sharding.mesh import make_mesh
+from rpegjax.warmstart import warm_start
+
+
+@dataclasses.dataclass
+class Components:
+    """Everything a run builds from its config (before any training)."""
+
+    cfg: RunConfig
+    tokenizer: Any
+    task: Any
+    train_examples: list[Example]
+    eval_examples: list[Example]
+    model_cfg: ModelConfig
+    learner: Any
+    sampler: Sampler
+    graph: Graph
+    template: PromptTemplate
+    warm_start_metrics: dict[str, float]
+
+    def prompt_ids(self, examples) -> list[list[int]]:
+        return [self.tokenizer.encode(self.template.render(e, self.tokenizer)) for e in examples]
+
+    def decode(self, ids) -> str:
+        # checkpoints often pad the vocabulary past the tokenizer's: such samples decode to U+FFFD
+        size = self.tokenizer.vocab_size
+        known = [int(i) for i in ids if int(i) < size]
+        text = self.tokenizer.decode(known)
+        return text if len(known) == len(ids) else text + "\ufffd"
+
+
+def _task_and_examples(cfg: RunConfig):
+    data = cfg.data
+    if data.dataset is None:
+        task = make_task(data.task, data.difficulty)
+        return task, task.train_examples(data.train_size, data.seed), task.eval_examples(data.eval_size, data.seed + 1)
+    train = load_jsonl(data.dataset, dataset_format=data.dataset_format)
+    held_out = load_jsonl(data.eval_dataset, dataset_format=data.dataset_format) if data.eval_dataset else None
+    task = MathDatasetTask(examples=train, held_out=held_out)
+    return task, task.train_examples(min(data.train_size, len(train)), data.seed), task.eval_examples(
+        data.eval_size, data.seed + 1)
+
+
+def _model_config(cfg: RunConfig, tokenizer, *, value_head: bool) -> ModelConfig:
+    m = cfg.model
+    return ModelConfig(vocab_size=tokenizer.vocab_size, hidden_size=m.hidden_size, num_layers=m.num_layers, num_heads=m.num_heads,
+                       num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, intermediate_size=m.intermediate_size,
+                       attention_bias=True, param_dtype=m.param_dtype, dtype=m.dtype, value_head=value_head,
+                       eos_token_id=tokenizer.eos_id, max_position_embeddings=4096)
+
+
+def build_graph(cfg: RunConfig, num_devices: int) -> Graph:
+    """The RPEG of this run: the algorithm's graph, then the structure and execution transforms."""
+    algo = cfg.grpo if cfg.algorithm == AlgorithmKind.GRPO else cfg.ppo
+    common = dict(use_reference=algo.kl_coef > 0, async_bound=cfg.graph.async_bound, num_devices=num_devices,
+                  epochs=algo.epochs, minibatches=algo.num_minibatches)
+    if cfg.algorithm == AlgorithmKind.GRPO:
+        graph = builders.grpo_graph(**common)
+    else:
+        graph = builders.ppo_graph(**common, critic=cfg.critic, kl_in_reward=cfg.ppo.kl_in_reward_coef > 0)
+    if cfg.graph.fuse:
+        graph = transforms.default_fusion(graph)
+    pieces = cfg.graph.generate_microbatches
+    if pieces > 1:
+        graph = transforms.microbatch(graph, "generate", pieces)
+        inference = [s.name for s in graph.stages if set(s.kinds) & {StageKind.REF_LOGPROB, StageKind.OLD_LOGPROB,
+                                                                     StageKind.CRITIC_VALUE}]
+        for name in dict.fromkeys(inference):
+            if graph.stage(name).microbatches != pieces:
+                graph = transforms.microbatch(graph, name, pieces)
+    return graph.validate()
+
+
+def build(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Components:
+    tokenizer = builtin_tokenizer() if cfg.model.path is None else load_tokenizer(cfg.model.path)
+    template = PromptTemplate(template=cfg.data.prompt_template)
+    task, train_examples, eval_examples = _task_and_examples(cfg)
+    ppo = cfg.algorithm == AlgorithmKind.PPO
+    shared_critic = ppo and cfg.critic == "shared"
+    warm_metrics: dict[str, float] = {}
+    if cfg.model.path is None:
+        model_cfg = _model_config(cfg, tokenizer, value_head=shared_critic)
+        model = Decoder(model_cfg, rngs=nnx.Rngs(cfg.model.seed))
+        if cfg.warm_start.steps > 0:
+            if not hasattr(task, "reference_solution"):
+                raise ValueError("warm_start.steps > 0 needs a task with reference solutions (the built-in tasks); "
+                                 "set --warm_start.steps=0 for a dataset")
+            eos = [tokenizer.eos_id]
+            started = time.perf_counter()
+            model, warm_metrics = warm_start(
+                model, model_cfg, train_examples,
+                encode_prompt=lambda e: tokenizer.encode(template.render(e, tokenizer)),
+                encode_target=lambda e: tokenizer.encode(task.reference_solution(e)) + eos,
+                steps=cfg.warm_start.steps, batch_size=cfg.warm_start.batch_size,
+                learning_rate=cfg.warm_start.learning_rate,
+                length=cfg.rollout.max_prompt_len + cfg.rollout.max_new_tokens, pad_id=tokenizer.pad_id,
+                seed=cfg.model.seed, cache_dir=cfg.warm_start.cache_dir,
+                cache_key={"model": dataclasses.asdict(model_cfg), "task": task.name, "data": dataclasses.asdict(cfg.data),
+                           "warm_start": dataclasses.asdict(dataclasses.replace(cfg.warm_start, cache_dir="")),
+                           "seed": cfg.model.seed, "template": cfg.data.prompt_template, "format": 1},
+            )
+            warm_metrics["warm_start/seconds"] = time.perf_counter() - started
+            log(f"warm start: {cfg.warm_start.steps} supervised steps "
+                f"({'cached' if warm_metrics['warm_start/cached'] else 'trained'}, "
+                f"{warm_metrics['warm_start/seconds']:.1f} s)")
+    else:
+        model, model_cfg = load_pretrained(cfg.model.path, param_dtype=cfg.model.param_dtype,
+                                           dtype=cfg.model.dtype, value_head=shared_critic)
+        if model_cfg.eos_token_id is None:
+            model_cfg = model_cfg.replace(eos_token_id=tokenizer.eos_id)
+            model.cfg = model_cfg
+    mesh_axes = cfg.graph.mesh_axes
+    devices = jax.devices()
+    mesh = make_mesh(mesh_axes, devices)
+    mesh = None if mesh.size == 1 else mesh
+    if ppo:
+        critic = None
+        if not shared_critic:
+            critic = Decoder(model_cfg.replace(value_head=True), rngs=nnx.Rngs(cfg.model.seed + 1))
+            # the critic starts from the actor's trunk (as verl and TRL do), with a fresh value head
+            nnx.update(critic, nnx.state(model))
+        learner = PPOLearner(cfg.ppo, model, critic, mesh=mesh)
+    else:
+        learner = GRPOLearner(dataclasses.replace(cfg.grpo, group_size=cfg.rollout.group_size), model, mesh=mesh)
+    rollout = cfg.rollout
+    slots = min(rollout.num_slots, max(rollout.prompts_per_step * rollout.group_size, len(eval_examples)))
+    slots -= slots % rollout.group_size
+    sampler = Sampler(model_cfg, nnx.split(model)[0], num_slots=slots, max_prompt_len=rollout.max_prompt_len,
+                      max_new_tokens=rollout.max_new_tokens, chunk_steps=rollout.chunk_steps, mesh=mesh)
+    graph = build_graph(cfg, num_devices=len(devices) if mesh is not None else 1)
+    return Components(cfg=cfg, tokenizer=tokenizer, task=task, train_examples=train_examples,
+                      eval_examples=eval_examples, model_cfg=model_cfg, learner=learner, sampler=sampler, graph=graph,
+                      template=template, warm_start_metrics=warm_metrics)

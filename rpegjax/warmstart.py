@@ -1,0 +1,105 @@
+"""Supervised warm start: a few steps of next-token training on a task's reference solutions, so that
+RL starts from a policy that sometimes succeeds. The result is cached as a Hugging Face checkpoint
+keyed by everything that determines it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pathlib
+import random
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from rpegjax.data.example import Example
+from rpegjax.models.config import ModelConfig
+from rpegjax.models.hf import load_pretrained, save_pretrained
+from rpegjax.models.logprobs import token_logprobs
+from rpegjax.models.transformer import Decoder
+
+
+def pack_supervised(
+    prompts: Sequence[Sequence[int]], targets: Sequence[Sequence[int]], *, length: int, pad_id: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """tokens [b, t], token mask [b, t], loss mask [b, t] (on target tokens only, aligned with tokens)."""
+    tokens = np.full((len(prompts), length), pad_id, np.int32)
+    mask = np.zeros((len(prompts), length), bool)
+    loss_mask = np.zeros((len(prompts), length), np.float32)
+    for row, (prompt, target) in enumerate(zip(prompts, targets)):
+        ids = list(prompt) + list(target)
+        if len(ids) > length:
+            raise ValueError(f"warm start: example {row} has {len(ids)} tokens, more than the sequence length {length}")
+        tokens[row, : len(ids)] = ids
+        mask[row, : len(ids)] = True
+        loss_mask[row, len(prompt) : len(ids)] = 1.0
+    return tokens, mask, loss_mask
+
+
+def supervised_train(
+    model: Decoder,
+    batches: Callable[[int], tuple[np.ndarray, np.ndarray, np.ndarray]],
+    *,
+    steps: int,
+    learning_rate: float,
+) -> tuple[Decoder, list[float]]:
+    """`steps` AdamW steps of mean token cross-entropy on the loss mask; returns the model and the losses."""
+    graphdef, params = nnx.split(model)
+    optimizer = optax.adamw(learning_rate)
+    opt_state = optimizer.init(params)
+
+    @jax.jit
+    def step(params, opt_state, tokens, mask, loss_mask):
+        def loss_fn(p):
+            logprobs = token_logprobs(nnx.merge(graphdef, p), tokens, mask=mask)  # [:, i] scores tokens[:, i+1]
+            return -(logprobs[:, :-1] * loss_mask[:, 1:]).sum() / loss_mask[:, 1:].sum()
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    losses = []
+    for index in range(steps):
+        params, opt_state, loss = step(params, opt_state, *batches(index))
+        losses.append(loss)
+    return nnx.merge(graphdef, params), [float(x) for x in jax.device_get(losses)]
+
+
+def warm_start(
+    model: Decoder,
+    cfg: ModelConfig,
+    examples: Sequence[Example],
+    encode_prompt: Callable[[Example], list[int]],
+    encode_target: Callable[[Example], list[int]],
+    *,
+    steps: int,
+    batch_size: int,
+    learning_rate: float,
+    length: int,
+    pad_id: int,
+    seed: int,
+    cache_dir: str | None,
+    cache_key: dict,
+) -> tuple[Decoder, dict]:
+    """The warm-started model (from the cache when the same warm start was done before) and a summary."""
+    key = hashlib.sha256(json.dumps(cache_key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    cache = None if cache_dir is None else pathlib.Path(cache_dir).expanduser() / key
+    if cache is not None and (cache / "config.json").exists():
+        loaded, _ = load_pretrained(cache)
+        return loaded, {"warm_start/cached": 1.0, "warm_start/steps": float(steps)}
+    rng = random.Random(seed)
+    encoded = [(encode_prompt(e), encode_target(e)) for e in examples]
+
+    def batches(_: int):
+        chosen = [encoded[rng.randrange(len(encoded))] for _ in range(batch_size)]
+        return pack_supervised([c[0] for c in chosen], [c[1] for c in chosen], length=length, pad_id=pad_id)
+
+    model, losses = supervised_train(model, batches, steps=steps, learning_rate=learning_rate)
+    if cache is not None:
+        save_pretrained(model, cfg, cache)
+    tail = losses[-10:] or [float("nan")]
+    return model, {"warm_start/cached": 0.0, "warm_start/steps": float(steps), "warm_start/loss": float(np.mean(tail))}
