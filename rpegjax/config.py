@@ -160,7 +160,7 @@ def default_ppo() -> PPOConfig:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RunConfig:
     """Everything a training run needs. `grpo` is used by train_grpo.py, `ppo` by train_ppo.py; the
-    rollout's group size is the algorithm's group size."""
+    rollout's group size is the algorithm's group size (`grpo.group_size` is derived from it)."""
 
     algorithm: AlgorithmKind = AlgorithmKind.GRPO
     model: ModelSection = dataclasses.field(default_factory=ModelSection)
@@ -177,9 +177,9 @@ class RunConfig:
         object.__setattr__(self, "algorithm", AlgorithmKind(self.algorithm))
         if self.critic not in ("separate", "shared"):
             raise ValueError(f"RunConfig.critic must be 'separate' or 'shared', got {self.critic!r}")
+        # one source of truth for the group size: the rollout's (GRPO's advantages need it too)
         if self.grpo.group_size != self.rollout.group_size:
-            raise ValueError(f"grpo.group_size ({self.grpo.group_size}) differs from rollout.group_size "
-                             f"({self.rollout.group_size}); set both, e.g. with --group-size")
+            object.__setattr__(self, "grpo", dataclasses.replace(self.grpo, group_size=self.rollout.group_size))
         if self.rollout.prompts_per_step % self.graph.generate_microbatches:
             raise ValueError(f"graph.generate_microbatches ({self.graph.generate_microbatches}) must divide "
                              f"rollout.prompts_per_step ({self.rollout.prompts_per_step})")

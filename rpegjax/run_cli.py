@@ -93,8 +93,8 @@ def parse_args(argv: list[str], algorithm: AlgorithmKind) -> tuple[RunConfig, st
             overrides.setdefault(f"{algorithm.value}.{field}", value)
     if known.advantage is not None:
         overrides.setdefault("grpo.advantage", known.advantage)
-    if "rollout.group_size" in overrides and algorithm == AlgorithmKind.GRPO:
-        overrides.setdefault("grpo.group_size", overrides["rollout.group_size"])
+    if "grpo.group_size" in overrides:
+        parser.error("set the group size with --group-size (rollout.group_size); grpo.group_size follows it")
     if "data.dataset" in overrides:
         overrides.setdefault("warm_start.steps", "0")  # a dataset has no reference solutions to warm-start on
     if known.resume:

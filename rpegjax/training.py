@@ -163,7 +163,7 @@ def build(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Components:
             nnx.update(critic, nnx.state(model))
         learner = PPOLearner(cfg.ppo, model, critic, mesh=mesh)
     else:
-        learner = GRPOLearner(dataclasses.replace(cfg.grpo, group_size=cfg.rollout.group_size), model, mesh=mesh)
+        learner = GRPOLearner(cfg.grpo, model, mesh=mesh)
     rollout = cfg.rollout
     slots = min(rollout.num_slots, max(rollout.prompts_per_step * rollout.group_size, len(eval_examples)))
     slots -= slots % rollout.group_size

@@ -65,6 +65,7 @@ class StagePrograms:
         decode: Callable[[Sequence[int]], str],
         pad_id: int,
         generation_shardings: Any = None,
+        batch_sharding: Any = None,
         reference_params: Any = None,
         actor_params_of: Callable[[Any], Any] = lambda state: state.params,
         critic_params_of: Callable[[Any], Any] = lambda state: state.params,
@@ -88,6 +89,7 @@ class StagePrograms:
             StageKind.CRITIC_VALUE: critic_params_of,
         }
         self.actor_params_of = actor_params_of
+        self.batch_sharding = batch_sharding
         # a copy, never the same buffers: the next update donates the training ones
         self._sync = jax.jit(lambda params: jax.tree.map(jnp.copy, params), out_shardings=generation_shardings)
         self._inference_programs: dict[tuple[StageKind, ...], Callable] = {}
@@ -153,13 +155,17 @@ class StagePrograms:
         outputs = program(params, jnp.asarray(batch.tokens), jnp.asarray(batch.token_mask))
         return {INFERENCE_FIELDS[kind]: output for kind, output in zip(kinds, outputs)}
 
+    def _place(self, batch: TrainBatch) -> TrainBatch:
+        # pieces computed separately are concatenated without a layout; give the batch the learner's
+        return batch if self.batch_sharding is None else jax.device_put(batch, self.batch_sharding)
+
     def advantages(self, batch: TrainBatch) -> tuple[TrainBatch, dict[str, Any]]:
         self.dispatches += 1
-        return self.learner.compute_advantages(batch)
+        return self.learner.compute_advantages(self._place(batch))
 
     def update(self, state: Any, batch: TrainBatch) -> tuple[Any, dict[str, Any]]:
         self.dispatches += 1
-        return self.learner.update(state, batch)
+        return self.learner.update(state, self._place(batch))
 
     def sync(self, state: Any) -> Any:
         """Generation-layout copy of the actor weights of `state`."""

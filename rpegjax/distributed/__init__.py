@@ -1,0 +1,64 @@
+"""Many hosts, one program: `jax.distributed` set-up and the helpers a multi-process controller needs.
+
+Every process (one per host, or one per GPU) runs the same controller program. `initialize` joins
+the processes into one JAX runtime (a coordinator on process 0; XLA collectives over NCCL on GPU and
+gloo on CPU), after which `jax.devices()` lists every process's devices and one jitted function runs
+over a mesh that spans them all (`global_mesh`). Each process feeds only its own rows of a batch
+(`process_slice`, `host_local_to_global`) and gathers host values where the graph needs them
+(`gather_to_all`).
+
+The contract: every process takes identical decisions. Multi-controller JAX requires all processes
+to launch the same jitted computations in the same order with the same shapes; a process that
+diverges deadlocks the others inside a collective or trains on a different batch. So the controller:
+
+* derives every decision from the config, the step number and seeded state only: the plan, the
+  data order (iterators seeded from the config, each process skipping to the same position), and
+  randomness from `jax.random.fold_in(base_key, step)` (never from process-local entropy);
+* never branches on wall-clock time, on `jax.process_index()` (except for host I/O: only the main
+  process writes metrics, plots and traces; checkpoints are written collectively by all), or on
+  anything read from the local machine (free memory, file listings taken mid-run);
+* splits host-side work (rewards, data loading) by rows with `process_slice` and gathers the
+  results with `gather_to_all`, so every process ends up with the same values.
+
+`assert_same_across_processes(value, what)` checks the contract where it matters (config, plan,
+data position, batch digest): it hashes the value in each process, all-gathers the digests and
+raises naming `what` if any process disagrees.
+
+Dying peers: `jax.distributed`'s coordination service tracks heartbeats; when a process stops
+sending them for `heartbeat_timeout_s`, every surviving process is terminated with "the JAX
+distributed service detected fatal errors ... another task died" instead of waiting forever in a
+collective. Set `heartbeat_timeout_s` and `shutdown_timeout_s` to bound how long that takes.
+
+Modules: `launch` (configuration, start-up), `data` (mesh, per-process rows, gathers, the check).
+Nothing here holds module-level state besides what `jax.distributed` itself holds.
+"""
+
+from rpegjax.distributed.data import (
+    assert_same_across_processes,
+    gather_to_all,
+    global_mesh,
+    host_local_to_global,
+    process_slice,
+    tree_digest,
+)
+from rpegjax.distributed.launch import (
+    CpuCollectives,
+    DistributedConfig,
+    expand_nodelist,
+    initialize,
+    is_main_process,
+)
+
+__all__ = [
+    "CpuCollectives",
+    "DistributedConfig",
+    "assert_same_across_processes",
+    "expand_nodelist",
+    "gather_to_all",
+    "global_mesh",
+    "host_local_to_global",
+    "initialize",
+    "is_main_process",
+    "process_slice",
+    "tree_digest",
+]

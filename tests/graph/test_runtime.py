@@ -1,0 +1,145 @@
+"""The runtime executes the RPEG: version bookkeeping under bounded asynchrony, equivalence with a plain
+synchronous loop, fusion, micro-batched rollouts, and failures that must not stop training."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from rpegjax.config import DataSection, GraphSection, ModelSection, RolloutSection, RunConfig, TrainSection, WarmStartSection
+from rpegjax.data.iterator import DataIterator
+from rpegjax.generate.sampling import SamplingConfig
+from rpegjax.graph.runtime import Runtime
+from rpegjax.graph.trace import Trace, max_staleness
+from rpegjax.learners.batch import pack_rollouts
+from rpegjax.rewards.runner import RewardRunner, RewardRunnerConfig
+from rpegjax.trainer import make_programs
+from rpegjax.training import build, build_graph
+
+
+def tiny_config(num_slots: int = 8, **graph) -> RunConfig:
+    return RunConfig(
+        model=ModelSection(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64),
+        data=DataSection(train_size=64, eval_size=4),
+        rollout=RolloutSection(prompts_per_step=4, group_size=2, max_prompt_len=12, max_new_tokens=6, num_slots=num_slots,
+                               chunk_steps=3),
+        warm_start=WarmStartSection(steps=0),
+        graph=GraphSection(**{"async_bound": 0, **graph}),
+        train=TrainSection(steps=4, reward_workers=1),
+    ).replace(grpo=dataclasses.replace(RunConfig().grpo, kl_coef=0.04))
+
+
+_BUILT = {}
+
+
+def built(cfg: RunConfig):
+    """Components are shared by configs that differ only in the graph section (saves compilations);
+    the graph itself is rebuilt for each config."""
+    key = cfg.replace(graph=GraphSection()).to_json()
+    if key not in _BUILT:
+        _BUILT[key] = build(cfg, log=lambda _: None)
+    return dataclasses.replace(_BUILT[key], cfg=cfg, graph=build_graph(cfg, num_devices=1))
+
+
+def run_runtime(cfg: RunConfig, steps: int, *, task_reward=None):
+    parts = built(cfg)
+    fn = parts.task.reward if task_reward is None else task_reward
+    rewards = RewardRunner(fn, RewardRunnerConfig(timeout_s=2.0, workers=1, isolation=parts.task.isolation))
+    programs = make_programs(parts, rewards)
+    data = DataIterator(parts.train_examples, batch_size=cfg.rollout.prompts_per_step, seed=0)
+    trace = Trace()
+    runtime = Runtime(parts.graph, programs, data, prompt_ids=parts.prompt_ids, key=jax.random.key(7), trace=trace)
+    results = []
+    state = runtime.run(parts.learner.init_state(), start_step=0, num_steps=steps,
+                        on_step=lambda result, _: results.append(result))
+    rewards.close()
+    return parts, runtime, state, results, trace
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_staleness_is_exactly_the_bound_and_never_more(k):
+    _, runtime, _, results, trace = run_runtime(tiny_config(async_bound=k), 5)
+    for result in results:
+        versions = {c.version for c in result.completions}
+        assert versions == {result.version}  # every sequence of a rollout was generated with one version
+        assert result.version == max(0, result.step - k)  # generation of step t reads weights t - k
+        assert result.step - result.version <= k
+        assert result.metrics["staleness"] == result.step - result.version
+    assert max_staleness(trace) == min(k, 4)
+
+
+def test_synchronous_runtime_reproduces_a_plain_on_policy_loop():
+    cfg = tiny_config(async_bound=0, fuse=False)
+    parts, _, state, results, _ = run_runtime(cfg, 3)
+
+    # the same run written as a plain loop, without the graph or threads
+    reference = built(cfg)
+    learner, sampler = reference.learner, reference.sampler
+    data = DataIterator(reference.train_examples, batch_size=cfg.rollout.prompts_per_step, seed=0)
+    sampling = SamplingConfig(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature)
+    plain = learner.init_state()
+    reference_params = jax.tree.map(np.copy, jax.device_get(learner.params))
+    for step in range(3):
+        examples = data.next_batch()
+        generation_params = jax.tree.map(np.copy, jax.device_get(plain.params))
+        completions = sampler.generate(generation_params, reference.prompt_ids(examples), sampling, group_size=2,
+                                       key=jax.random.fold_in(jax.random.key(7), step), version=step)
+        assert [list(c.response_ids) for c in completions] == [list(c.response_ids) for c in results[step].completions]
+        batch = pack_rollouts([c.prompt_ids for c in completions], [c.response_ids for c in completions],
+                              [c.behaviour_logprobs for c in completions], pad_id=reference.tokenizer.pad_id,
+                              length=cfg.rollout.max_prompt_len + cfg.rollout.max_new_tokens)
+        rewards = np.array([reference.task.reward(reference.decode(c.response_ids), examples[c.prompt_index])
+                            for c in completions], np.float32)
+        batch = batch.replace(rewards=rewards, old_logprobs=learner.logprobs(plain.params, batch),
+                              ref_logprobs=learner.logprobs(reference_params, batch))
+        batch, _ = learner.compute_advantages(batch)
+        plain, metrics = learner.update(plain, batch)
+        assert float(metrics["loss"]) == pytest.approx(results[step].metrics["loss"], abs=1e-6)
+    for ours, theirs in zip(jax.tree.leaves(state.params), jax.tree.leaves(plain.params)):
+        np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), atol=1e-6)
+
+
+def test_fused_graph_gives_the_same_numbers_with_fewer_dispatches():
+    _, fused_runtime, fused_state, fused, _ = run_runtime(tiny_config(async_bound=0, fuse=True), 2)
+    _, plain_runtime, plain_state, unfused, _ = run_runtime(tiny_config(async_bound=0, fuse=False), 2)
+    for a, b in zip(fused, unfused):
+        assert a.metrics["loss"] == pytest.approx(b.metrics["loss"], abs=1e-6)
+        assert a.metrics["reward"] == b.metrics["reward"]
+    for x, y in zip(jax.tree.leaves(fused_state.params), jax.tree.leaves(plain_state.params)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6)
+    # reference + old log-probs: one program instead of two, every step
+    assert fused_runtime.dispatches_per_step == [d - 1 for d in plain_runtime.dispatches_per_step]
+
+
+def test_microbatched_rollout_hands_pieces_downstream_and_matches_the_whole_batch():
+    _, _, whole_state, whole, _ = run_runtime(tiny_config(num_slots=4, async_bound=0), 2)
+    # 4 slots hold the 2 prompts x 2 samples of one piece: the second piece decodes after the first finished
+    _, runtime, pieces_state, pieces, trace = run_runtime(
+        tiny_config(num_slots=4, async_bound=0, generate_microbatches=2), 2)
+    for a, b in zip(whole, pieces):
+        assert a.metrics["reward"] == b.metrics["reward"]
+        assert a.metrics["loss"] == pytest.approx(b.metrics["loss"], abs=1e-5)
+    inference = [e for e in trace.events if "old_logprob" in e.stage and e.step == 0]
+    assert sorted(e.microbatch for e in inference) == [0, 1]
+    generate_end = next(e.end for e in trace.events if e.stage == "generate" and e.step == 0)
+    # the first piece's log-probs start before the last sequence of the step has been decoded
+    assert min(e.start for e in inference) < generate_end
+
+
+def _flaky_reward(text, example):
+    if "1" in text:
+        raise RuntimeError("verifier crashed")
+    return 0.0
+
+
+def test_a_reward_function_that_throws_is_counted_and_training_goes_on():
+    _, _, _, results, _ = run_runtime(tiny_config(async_bound=1), 3, task_reward=_flaky_reward)
+    assert len(results) == 3
+    assert sum(r.metrics["reward/errors"] for r in results) > 0
+    assert all(r.metrics["reward"] == 0.0 for r in results)
+
+
+def test_an_impossible_mesh_is_refused_clearly():
+    with pytest.raises(ValueError, match="3 devices but 8 are available"):
+        build(tiny_config(mesh="data=3"), log=lambda _: None)
