@@ -1,0 +1,176 @@
+"""The GRPO learner (and its variants DAPO, Dr.GRPO, RLOO, REINFORCE++, GSPO, decoupled PPO).
+
+    learner = GRPOLearner(GRPOConfig(group_size=4, kl_coef=0.04), model, mesh=mesh)
+    state = learner.init_state()
+    batch = batch.replace(ref_logprobs=learner.logprobs(ref_params, batch))
+    batch, _ = learner.compute_advantages(batch)
+    state, metrics = learner.update(state, batch)
+
+`update` is jit-compiled once per batch structure (the TrainBatch fields it reads, see
+`GRPOConfig.required_fields`); it donates the old state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jaxtyping import Array, Bool, Float
+
+from rpegjax.learners.advantages import AdvantageKind, compute_advantages
+from rpegjax.learners.batch import TrainBatch
+from rpegjax.learners.objective import PolicyConfig, policy_denominators, policy_objective, update_inputs
+from rpegjax.learners.optim import make_optimizer, make_schedule
+from rpegjax.learners.placement import ModelPlacement, Params, jit_with_shardings
+from rpegjax.learners.scoring import score_sequences
+from rpegjax.learners.update import (
+    Metrics,
+    TrainState,
+    check_rows_divide,
+    make_init,
+    make_update,
+    train_state_shardings,
+)
+from rpegjax.models.transformer import Decoder
+from rpegjax.sharding.rules import ShardingRules
+
+_OUTCOME_KINDS = (
+    AdvantageKind.GRPO,
+    AdvantageKind.DR_GRPO,
+    AdvantageKind.RLOO,
+    AdvantageKind.REINFORCE_PP,
+    AdvantageKind.REINFORCE_PP_BASELINE,
+)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GRPOConfig(PolicyConfig):
+    """Critic-free policy optimisation: advantages from the rewards of each prompt's group of samples.
+
+    DAPO = clip_high > clip_low (e.g. 0.28 / 0.2), token-mean aggregation, no KL; Dr.GRPO =
+    advantage 'dr-grpo' with aggregation 'seq-mean-token-sum-norm'; GSPO = loss 'gspo'.
+    """
+
+    group_size: int
+    advantage: AdvantageKind = AdvantageKind.GRPO
+    advantage_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.group_size, int) or self.group_size < 1:
+            raise ValueError(f"GRPOConfig.group_size must be a positive integer, got {self.group_size!r}")
+        try:
+            advantage = AdvantageKind(self.advantage)
+        except ValueError:
+            advantage = None
+        if advantage not in _OUTCOME_KINDS:
+            raise ValueError(
+                f"GRPOConfig.advantage must be one of {[k.value for k in _OUTCOME_KINDS]}, got {self.advantage!r} "
+                "(GAE needs a critic: use PPOConfig)"
+            )
+        object.__setattr__(self, "advantage", advantage)
+        if advantage != AdvantageKind.REINFORCE_PP and self.group_size < 2:  # a group of one has no baseline
+            raise ValueError(f"GRPOConfig.group_size must be >= 2 for advantage {advantage.value!r}, got {self.group_size}")
+        if self.advantage_eps <= 0:
+            raise ValueError(f"GRPOConfig.advantage_eps must be positive, got {self.advantage_eps!r}")
+
+
+class GRPOLearner:
+    """Holds the jitted functions of one policy model; the state they transform lives outside."""
+
+    def __init__(self, cfg: GRPOConfig, model: Decoder, *, mesh: Mesh | None = None, rules: ShardingRules | None = None):
+        self.cfg = cfg
+        self.placement, self._params = ModelPlacement.split(model, mesh, rules)
+        self.optimizer = make_optimizer(cfg.optimizer)
+        placement = self.placement
+        self.state_shardings = (
+            None if mesh is None else train_state_shardings(self.optimizer, self._params, placement.param_shardings, mesh)
+        )
+        self._init = make_init(self.optimizer, self.state_shardings)
+        update = make_update(
+            self._loss, lambda batch: policy_denominators(cfg, batch), self.optimizer, cfg.layout,
+            learning_rate_fn=make_schedule(cfg.optimizer), micro_batch_sharding=placement.rows,
+        )
+        self.update_traces = 0  # how many times `update` was traced (compiled); tests assert it stays 1
+
+        def counted_update(state: TrainState, batch: TrainBatch) -> tuple[TrainState, Metrics]:
+            self.update_traces += 1
+            return update(state, batch)
+
+        self._update = jit_with_shardings(
+            counted_update, (self.state_shardings, placement.rows), (self.state_shardings, placement.replicated),
+            mesh=mesh, donate_argnums=(0,),
+        )
+        self._logprobs = jit_with_shardings(
+            self._logprobs_fn, (placement.param_shardings, placement.rows, placement.rows), placement.rows, mesh=mesh
+        )
+        self._advantages = jit_with_shardings(
+            self._advantages_fn, (placement.rows, placement.rows), (placement.rows, placement.replicated), mesh=mesh
+        )
+
+    # ---- pure functions (jitted above) -------------------------------------------------------
+    def _loss(self, params: Params, batch: TrainBatch, denominators) -> tuple[Array, Metrics]:
+        cfg = self.cfg
+        scores = score_sequences(
+            self.placement.merge(params), batch.tokens, batch.token_mask, chunk_size=cfg.logprob_chunk_size,
+            temperature=cfg.temperature, with_entropy=cfg.entropy_coef > 0, sharding=self.placement.activations,
+        )
+        return policy_objective(cfg, scores.logprobs, scores.entropy, batch, denominators)
+
+    def _logprobs_fn(self, params: Params, tokens, token_mask) -> Float[Array, "b t"]:
+        return score_sequences(
+            self.placement.merge(params), tokens, token_mask, chunk_size=self.cfg.logprob_chunk_size,
+            temperature=self.cfg.temperature, sharding=self.placement.activations,
+        ).logprobs
+
+    def _advantages_fn(self, rewards: Float[Array, " b"], response_mask: Bool[Array, "b t"]):
+        cfg = self.cfg
+        return compute_advantages(
+            cfg.advantage, rewards, group_size=cfg.group_size, mask=response_mask, eps=cfg.advantage_eps
+        )
+
+    # ---- public API --------------------------------------------------------------------------
+    @property
+    def params(self) -> Params:
+        """The parameters of the model the learner was built from (placed on the mesh)."""
+        return self._params
+
+    def place_params(self, params: Params) -> Params:
+        """Places another parameter tree of the same model (e.g. the reference) like the policy's."""
+        return self.placement.place(params)
+
+    def init_state(self, params: Params | None = None) -> TrainState:
+        """A fresh TrainState from `params` (default: the model's), with new buffers."""
+        params = self._params if params is None else self.placement.place(params)
+        return self._init(params)
+
+    def logprobs(self, params: Params, batch: TrainBatch) -> Float[Array, "b t"]:
+        """Per-token log-probs of `batch.tokens` under `params` (old or reference), TrainBatch-aligned."""
+        check_rows_divide(batch.batch_size, self.placement.rows, "GRPOLearner.logprobs")
+        return self._logprobs(params, jnp.asarray(batch.tokens, jnp.int32), jnp.asarray(batch.token_mask, bool))
+
+    def compute_advantages(self, batch: TrainBatch) -> tuple[TrainBatch, Metrics]:
+        """Fills `batch.advantages` from `batch.rewards` with the configured estimator."""
+        batch.require("GRPOLearner.compute_advantages", "rewards")
+        check_rows_divide(batch.batch_size, self.placement.rows, "GRPOLearner.compute_advantages")
+        advantages, metrics = self._advantages(jnp.asarray(batch.rewards, jnp.float32), jnp.asarray(batch.response_mask, bool))
+        return batch.replace(advantages=advantages), metrics
+
+    def update(self, state: TrainState, batch: TrainBatch) -> tuple[TrainState, Metrics]:
+        """One update on `batch` (epochs x mini-batches x micro-batches); donates `state`."""
+        return self._update(state, self._update_inputs(batch))
+
+    def lower_update(self, state: TrainState, batch: TrainBatch) -> jax.stages.Lowered:
+        """The update lowered for these shapes: `.compile().cost_analysis()` / `.memory_analysis()` give
+        XLA's FLOP and memory figures (ground truth for the performance model)."""
+        return self._update.lower(state, self._update_inputs(batch))
+
+    def _update_inputs(self, batch: TrainBatch) -> TrainBatch:
+        batch.validate()
+        batch.require("GRPOLearner.update", *self.cfg.required_fields())
+        self.cfg.layout.check_batch(batch.batch_size)
+        check_rows_divide(batch.batch_size, self.placement.rows, "GRPOLearner.update")
+        return update_inputs(batch, self.cfg)
+

@@ -1,0 +1,181 @@
+"""The policy objective shared by the GRPO and PPO learners, and its configuration section.
+
+    loss = policy loss (PPO clipped surrogate, or GSPO)  +  kl_coef * aggregate(KL(pi_theta || pi_ref))
+           +  entropy_coef * (-aggregate(entropy))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from rpegjax.learners.batch import TrainBatch
+from rpegjax.learners.losses import (
+    KLKind,
+    LossAggregation,
+    aggregate,
+    aggregation_denominator,
+    entropy_bonus,
+    gspo_loss,
+    kl_penalty,
+    policy_loss,
+)
+from rpegjax.learners.optim import OptimizerConfig
+from rpegjax.learners.update import UpdateLayout
+
+Metrics = dict[str, Array]
+
+
+class PolicyLossKind(enum.StrEnum):
+    PPO = "ppo"  # token-level clipped surrogate: GRPO, DAPO, Dr.GRPO, decoupled PPO
+    GSPO = "gspo"  # sequence-level ratio
+
+
+def _enum(cls, value, where: str):
+    try:
+        return cls(value)
+    except ValueError:
+        raise ValueError(f"{where} must be one of {[v.value for v in cls]}, got {value!r}") from None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PolicyConfig:
+    """Policy-loss, schedule and optimiser settings shared by GRPOConfig and PPOConfig.
+
+    `decoupled=True` turns on decoupled PPO for bounded asynchrony: the batch's `old_logprobs` are the
+    proximal policy and `behaviour_logprobs` the sampler's; tokens are weighted by
+    min(pi_prox / pi_behav, importance_cap). Without it, behaviour log-probs are ignored.
+    When `old_logprobs` is absent and the update takes one optimiser step, pi_old = the current policy
+    (ratio 1, gradient of the plain policy gradient), which saves the old-log-prob pass.
+    """
+
+    loss: PolicyLossKind = PolicyLossKind.PPO
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = None
+    aggregation: LossAggregation = LossAggregation.TOKEN_MEAN
+    max_length: int | None = None  # the constant of seq-mean-token-sum-norm; default: the batch length
+    kl_kind: KLKind = KLKind.K3
+    kl_coef: float = 0.0  # KL to the reference in the loss; 0: no reference needed
+    entropy_coef: float = 0.0
+    decoupled: bool = False
+    importance_cap: float | None = None
+    temperature: float = 1.0  # the sampler's temperature: log-probs are of softmax(logits / temperature)
+    logprob_chunk_size: int = 256
+    epochs: int = 1
+    num_minibatches: int = 1
+    num_microbatches: int = 1
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        object.__setattr__(self, "loss", _enum(PolicyLossKind, self.loss, f"{name}.loss"))
+        object.__setattr__(self, "aggregation", _enum(LossAggregation, self.aggregation, f"{name}.aggregation"))
+        object.__setattr__(self, "kl_kind", _enum(KLKind, self.kl_kind, f"{name}.kl_kind"))
+        if not 0 <= self.clip_low < 1:
+            raise ValueError(f"{name}.clip_low must be in [0, 1), got {self.clip_low!r}")
+        if self.clip_high < 0:
+            raise ValueError(f"{name}.clip_high must be >= 0, got {self.clip_high!r}")
+        if self.dual_clip is not None:
+            if self.dual_clip <= 1:
+                raise ValueError(f"{name}.dual_clip must be > 1 or None, got {self.dual_clip!r}")
+            if self.loss == PolicyLossKind.GSPO:
+                raise ValueError(f"{name}.dual_clip is not defined for loss='gspo'")
+        if self.loss == PolicyLossKind.GSPO and self.aggregation != LossAggregation.TOKEN_MEAN:
+            raise ValueError(f"{name}.aggregation: GSPO always averages over sequences; leave it at 'token-mean'")
+        if self.max_length is not None and self.max_length < 1:
+            raise ValueError(f"{name}.max_length must be positive or None, got {self.max_length!r}")
+        for field in ("kl_coef", "entropy_coef"):
+            if getattr(self, field) < 0:
+                raise ValueError(f"{name}.{field} must be >= 0, got {getattr(self, field)!r}")
+        if self.importance_cap is not None:
+            if not self.decoupled:
+                raise ValueError(f"{name}.importance_cap={self.importance_cap!r} needs decoupled=True")
+            if self.importance_cap <= 0:
+                raise ValueError(f"{name}.importance_cap must be positive, got {self.importance_cap!r}")
+        if self.temperature <= 0:
+            raise ValueError(f"{name}.temperature must be positive, got {self.temperature!r}")
+        if self.logprob_chunk_size < 1:
+            raise ValueError(f"{name}.logprob_chunk_size must be positive, got {self.logprob_chunk_size!r}")
+        if not isinstance(self.optimizer, OptimizerConfig):
+            raise ValueError(f"{name}.optimizer must be an OptimizerConfig, got {type(self.optimizer).__name__}")
+        _ = self.layout  # validates epochs / mini-batches / micro-batches
+
+    @property
+    def layout(self) -> UpdateLayout:
+        return UpdateLayout(epochs=self.epochs, num_minibatches=self.num_minibatches, num_microbatches=self.num_microbatches)
+
+    def required_fields(self) -> tuple[str, ...]:
+        """TrainBatch fields the policy part of the update reads (besides tokens and masks)."""
+        fields = ["advantages"]
+        if self.kl_coef > 0:
+            fields.append("ref_logprobs")
+        if self.decoupled:
+            fields += ["old_logprobs", "behaviour_logprobs"]
+        elif self.layout.optimizer_steps > 1:
+            fields.append("old_logprobs")
+        return tuple(fields)
+
+
+def policy_denominators(cfg: PolicyConfig, batch: TrainBatch) -> dict[str, Array]:
+    """The outer denominators of the policy loss and of the KL/entropy terms over a whole mini-batch."""
+    policy_aggregation = LossAggregation.SEQ_MEAN_TOKEN_MEAN if cfg.loss == PolicyLossKind.GSPO else cfg.aggregation
+    return {
+        "policy": aggregation_denominator(batch.response_mask, policy_aggregation),
+        "terms": aggregation_denominator(batch.response_mask, cfg.aggregation),
+    }
+
+
+def policy_objective(
+    cfg: PolicyConfig,
+    logprobs: Float[Array, "b t"],
+    entropy: Float[Array, "b t"] | None,
+    batch: TrainBatch,
+    denominators: dict[str, Array],
+) -> tuple[Array, Metrics]:
+    """Policy loss + KL + entropy terms for one (micro-)batch; `logprobs` from the current parameters."""
+    mask = batch.response_mask
+    old = batch.old_logprobs if batch.old_logprobs is not None else jax.lax.stop_gradient(logprobs)
+    behaviour = batch.behaviour_logprobs if cfg.decoupled else None
+    if cfg.loss == PolicyLossKind.GSPO:
+        loss, metrics = gspo_loss(
+            logprobs, old, batch.advantages, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+            behaviour_logprobs=behaviour, importance_cap=cfg.importance_cap, denominator=denominators["policy"],
+        )
+    else:
+        loss, metrics = policy_loss(
+            logprobs, old, batch.advantages, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+            dual_clip=cfg.dual_clip, aggregation=cfg.aggregation, max_length=cfg.max_length,
+            behaviour_logprobs=behaviour, importance_cap=cfg.importance_cap, denominator=denominators["policy"],
+        )
+    terms = dict(aggregation=cfg.aggregation, max_length=cfg.max_length, denominator=denominators["terms"])
+    if cfg.kl_coef > 0:
+        kl, _ = kl_penalty(logprobs, batch.ref_logprobs, cfg.kl_kind, mask)
+        kl_loss = aggregate(kl, mask, **terms)
+        loss = loss + cfg.kl_coef * kl_loss
+        metrics["kl_loss"] = kl_loss
+    if cfg.entropy_coef > 0:
+        bonus, _ = entropy_bonus(entropy, mask, **terms)
+        loss = loss + cfg.entropy_coef * bonus
+        metrics["entropy_loss"] = bonus  # -entropy
+    return loss, metrics
+
+
+def update_inputs(batch: TrainBatch, cfg: PolicyConfig, *extra: str) -> TrainBatch:
+    """The fields of `batch` an update reads, as device-ready dtypes; the others are dropped so that the
+    update's input structure depends only on the config (old_logprobs is kept when present)."""
+    keep = set(cfg.required_fields()) | set(extra) | {"old_logprobs"}
+    floats = {
+        name: None if getattr(batch, name) is None or name not in keep else jnp.asarray(getattr(batch, name), jnp.float32)
+        for name in ("behaviour_logprobs", "old_logprobs", "ref_logprobs", "advantages", "values", "returns")
+    }
+    return TrainBatch(
+        tokens=jnp.asarray(batch.tokens, jnp.int32),
+        token_mask=jnp.asarray(batch.token_mask, bool),
+        response_mask=jnp.asarray(batch.response_mask, bool),
+        **floats,
+    )

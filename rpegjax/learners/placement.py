@@ -1,0 +1,65 @@
+"""A model split once into graphdef + parameters, and where its parameters and batches live on a mesh.
+
+Learners receive the mesh and rules explicitly; without a mesh everything stays on the default device
+and jitted functions carry no sharding annotations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from rpegjax.learners.update import batch_sharding, replicated
+from rpegjax.models.transformer import Decoder
+from rpegjax.sharding.rules import ActivationSharding, ShardingRules, check_param_shardings, param_shardings
+
+Params = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelPlacement:
+    graphdef: nnx.GraphDef
+    mesh: Mesh | None
+    param_shardings: Params | None  # NamedShardings, same tree as the params
+    activations: ActivationSharding | None
+    rows: NamedSharding | None  # batch arrays: rows over the data axes
+
+    @classmethod
+    def split(cls, model: Decoder, mesh: Mesh | None = None, rules: ShardingRules | None = None) -> tuple[ModelPlacement, Params]:
+        """Splits `model` into graphdef + params; with a mesh, computes shardings (rules default to
+        `ShardingRules.fsdp_tp()`) and places the params (a copy when they move)."""
+        graphdef, params = nnx.split(model)
+        if mesh is None:
+            if rules is not None:
+                raise ValueError("sharding rules were given without a mesh")
+            return cls(graphdef, None, None, None, None), params
+        rules = ShardingRules.fsdp_tp() if rules is None else rules
+        replicated_params = check_param_shardings(params, mesh, rules)
+        if replicated_params:  # a large weight the rules meant to shard but whose dims the mesh does not divide
+            warnings.warn(f"parameters left fully replicated on mesh {dict(mesh.shape)}: {replicated_params}", stacklevel=2)
+        shardings = param_shardings(params, mesh, rules)
+        placement = cls(graphdef, mesh, shardings, ActivationSharding(mesh, rules), batch_sharding(mesh, rules))
+        return placement, placement.place(params)
+
+    def place(self, params: Params) -> Params:
+        """Puts `params` (same tree as this model's) where the rules say; unchanged without a mesh."""
+        return params if self.mesh is None else jax.device_put(params, self.param_shardings)
+
+    def merge(self, params: Params) -> Decoder:
+        return nnx.merge(self.graphdef, params)
+
+    @property
+    def replicated(self) -> NamedSharding | None:
+        return None if self.mesh is None else replicated(self.mesh)
+
+
+def jit_with_shardings(fn, in_shardings, out_shardings, *, mesh: Mesh | None, donate_argnums=()) -> Any:
+    """`jax.jit` with explicit shardings on a mesh, plain `jax.jit` without one."""
+    if mesh is None:
+        return jax.jit(fn, donate_argnums=donate_argnums)
+    return jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings, donate_argnums=donate_argnums)

@@ -1,0 +1,264 @@
+"""The PPO learner: GAE advantages from a critic, clipped policy and value losses.
+
+Two critic layouts (`CriticMode`):
+* separate — a second Decoder with a value head (its own trunk); one jitted update steps both models,
+  each with its own optimiser (gradient clipping per model): loss = policy objective + value loss;
+* shared — the actor has the value head (`ModelConfig(value_head=True)`); one forward pass gives
+  log-probs and values and one update steps the joint loss policy objective + vf_coef * value loss.
+
+State: `TrainState` whose params are {"actor": ...} (shared) or {"actor": ..., "critic": ...}.
+
+    batch = batch.replace(ref_logprobs=..., old_logprobs=..., values=learner.values(state.params, batch))
+    batch, _ = learner.compute_advantages(batch)      # GAE: advantages [b, t] and returns
+    state, metrics = learner.update(state, batch)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh
+from jaxtyping import Array, Float
+
+from rpegjax.learners.advantages import gae, outcome_token_rewards, whiten
+from rpegjax.learners.batch import TrainBatch
+from rpegjax.learners.losses import aggregation_denominator, kl_penalty, value_loss
+from rpegjax.learners.objective import PolicyConfig, policy_denominators, policy_objective, update_inputs
+from rpegjax.learners.optim import OptimizerConfig, make_optimizer, make_schedule
+from rpegjax.learners.placement import ModelPlacement, Params, jit_with_shardings
+from rpegjax.learners.scoring import score_sequences
+from rpegjax.learners.update import (
+    Metrics,
+    TrainState,
+    check_rows_divide,
+    make_init,
+    make_update,
+    train_state_shardings,
+)
+from rpegjax.models.transformer import Decoder
+from rpegjax.sharding.rules import ShardingRules
+
+
+class CriticMode(enum.StrEnum):
+    SEPARATE = "separate"
+    SHARED = "shared"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PPOConfig(PolicyConfig):
+    """PPO with GAE. `kl_in_reward_coef` subtracts coef * KL(pi_old || pi_ref) (estimator `kl_kind`) from
+    every response token's reward before GAE (the classic RLHF placement; `kl_coef` puts it in the loss).
+    The value loss uses the policy's `aggregation`; `vf_coef` weighs it in the shared-trunk joint loss
+    (a separate critic is stepped on the value loss alone). `critic_optimizer` defaults to `optimizer`."""
+
+    critic: CriticMode = CriticMode.SEPARATE
+    gamma: float = 1.0
+    lam: float = 0.95
+    whiten_advantages: bool = True
+    value_clip: float | None = 0.2
+    vf_coef: float = 0.5
+    kl_in_reward_coef: float = 0.0
+    critic_optimizer: OptimizerConfig | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        try:
+            object.__setattr__(self, "critic", CriticMode(self.critic))
+        except ValueError:
+            raise ValueError(f"PPOConfig.critic must be one of {[c.value for c in CriticMode]}, got {self.critic!r}") from None
+        for name in ("gamma", "lam"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"PPOConfig.{name} must be in [0, 1], got {getattr(self, name)!r}")
+        if self.value_clip is not None and self.value_clip <= 0:
+            raise ValueError(f"PPOConfig.value_clip must be positive or None, got {self.value_clip!r}")
+        if self.vf_coef <= 0:
+            raise ValueError(f"PPOConfig.vf_coef must be positive, got {self.vf_coef!r}")
+        if self.kl_in_reward_coef < 0:
+            raise ValueError(f"PPOConfig.kl_in_reward_coef must be >= 0, got {self.kl_in_reward_coef!r}")
+        if self.critic_optimizer is not None and self.critic == CriticMode.SHARED:
+            raise ValueError("PPOConfig.critic_optimizer is only used with critic='separate'")
+
+    def required_fields(self) -> tuple[str, ...]:
+        return (*super().required_fields(), "values", "returns")
+
+
+class PPOLearner:
+    """Jitted PPO functions for an actor and a critic (separate model or the actor's own value head)."""
+
+    def __init__(
+        self,
+        cfg: PPOConfig,
+        actor: Decoder,
+        critic: Decoder | None = None,
+        *,
+        mesh: Mesh | None = None,
+        rules: ShardingRules | None = None,
+    ):
+        if cfg.critic == CriticMode.SHARED:
+            if critic is not None:
+                raise ValueError("PPOLearner: critic='shared' uses the actor's value head; do not pass a critic model")
+            if not actor.cfg.value_head:
+                raise ValueError("PPOLearner: critic='shared' needs an actor built with ModelConfig(value_head=True)")
+        else:
+            if critic is None:
+                raise ValueError("PPOLearner: critic='separate' needs a critic model")
+            if not critic.cfg.value_head:
+                raise ValueError("PPOLearner: the critic model needs ModelConfig(value_head=True)")
+        self.cfg = cfg
+        self.actor, actor_params = ModelPlacement.split(actor, mesh, rules)
+        self._params = {"actor": actor_params}
+        shardings = {"actor": self.actor.param_shardings}
+        if critic is None:
+            self.critic = self.actor
+            self.optimizer = make_optimizer(cfg.optimizer)
+        else:
+            self.critic, critic_params = ModelPlacement.split(critic, mesh, rules)
+            self._params["critic"] = critic_params
+            shardings["critic"] = self.critic.param_shardings
+            self.optimizer = optax.multi_transform(
+                {"actor": make_optimizer(cfg.optimizer), "critic": make_optimizer(cfg.critic_optimizer or cfg.optimizer)},
+                {"actor": "actor", "critic": "critic"},
+            )
+        rows, replicated = self.actor.rows, self.actor.replicated
+        self.state_shardings = None if mesh is None else train_state_shardings(self.optimizer, self._params, shardings, mesh)
+        self._init = make_init(self.optimizer, self.state_shardings)
+        update = make_update(
+            self._loss, self._denominators, self.optimizer, cfg.layout,
+            learning_rate_fn=make_schedule(cfg.optimizer), micro_batch_sharding=rows,
+        )
+        self.update_traces = 0
+
+        def counted_update(state: TrainState, batch: TrainBatch) -> tuple[TrainState, Metrics]:
+            self.update_traces += 1
+            return update(state, batch)
+
+        params_shardings = None if mesh is None else shardings
+        self._update = jit_with_shardings(
+            counted_update, (self.state_shardings, rows), (self.state_shardings, replicated), mesh=mesh, donate_argnums=(0,)
+        )
+        self._logprobs = jit_with_shardings(self._logprobs_fn, (self.actor.param_shardings, rows, rows), rows, mesh=mesh)
+        self._values = jit_with_shardings(self._values_fn, (params_shardings, rows, rows), rows, mesh=mesh)
+        self._advantages = jit_with_shardings(self._advantages_fn, (rows,), (rows, replicated), mesh=mesh)
+        self._logprobs_and_values = jit_with_shardings(
+            self._logprobs_and_values_fn, (params_shardings, rows, rows), (rows, rows), mesh=mesh
+        )
+
+    # ---- pure functions ----------------------------------------------------------------------
+    def _denominators(self, batch: TrainBatch):
+        return dict(policy_denominators(self.cfg, batch), value=aggregation_denominator(batch.response_mask, self.cfg.aggregation))
+
+    def _loss(self, params: Params, batch: TrainBatch, denominators) -> tuple[Array, Metrics]:
+        cfg = self.cfg
+        shared = cfg.critic == CriticMode.SHARED
+        scores = score_sequences(
+            self.actor.merge(params["actor"]), batch.tokens, batch.token_mask, chunk_size=cfg.logprob_chunk_size,
+            temperature=cfg.temperature, with_entropy=cfg.entropy_coef > 0, with_values=shared,
+            sharding=self.actor.activations,
+        )
+        loss, metrics = policy_objective(cfg, scores.logprobs, scores.entropy, batch, denominators)
+        values = scores.values if shared else self._critic_values(params["critic"], batch.tokens, batch.token_mask)
+        vf_loss, vf_metrics = value_loss(
+            values, batch.values, batch.returns, batch.response_mask, clip=cfg.value_clip,
+            aggregation=cfg.aggregation, max_length=cfg.max_length, denominator=denominators["value"],
+        )
+        metrics.update(vf_metrics)
+        return loss + (cfg.vf_coef if shared else 1.0) * vf_loss, metrics
+
+    def _critic_values(self, params: Params, tokens, token_mask) -> Float[Array, "b t"]:
+        return score_sequences(
+            self.critic.merge(params), tokens, token_mask, with_logprobs=False, with_values=True,
+            sharding=self.critic.activations,
+        ).values
+
+    def _logprobs_fn(self, params: Params, tokens, token_mask) -> Float[Array, "b t"]:
+        return score_sequences(
+            self.actor.merge(params), tokens, token_mask, chunk_size=self.cfg.logprob_chunk_size,
+            temperature=self.cfg.temperature, sharding=self.actor.activations,
+        ).logprobs
+
+    def _values_fn(self, params: Params, tokens, token_mask) -> Float[Array, "b t"]:
+        critic_params = params["actor"] if self.cfg.critic == CriticMode.SHARED else params["critic"]
+        return self._critic_values(critic_params, tokens, token_mask)
+
+    def _logprobs_and_values_fn(self, params: Params, tokens, token_mask):
+        if self.cfg.critic == CriticMode.SHARED:  # one pass over the shared trunk
+            scores = score_sequences(
+                self.actor.merge(params["actor"]), tokens, token_mask, chunk_size=self.cfg.logprob_chunk_size,
+                temperature=self.cfg.temperature, with_values=True, sharding=self.actor.activations,
+            )
+            return scores.logprobs, scores.values
+        return self._logprobs_fn(params["actor"], tokens, token_mask), self._critic_values(params["critic"], tokens, token_mask)
+
+    def _advantages_fn(self, batch: TrainBatch) -> tuple[TrainBatch, Metrics]:
+        cfg = self.cfg
+        mask = batch.response_mask
+        rewards = outcome_token_rewards(batch.rewards, mask)
+        metrics = {}
+        if cfg.kl_in_reward_coef > 0:
+            kl, _ = kl_penalty(batch.old_logprobs, batch.ref_logprobs, cfg.kl_kind, mask)
+            rewards = rewards - cfg.kl_in_reward_coef * kl
+            metrics["kl_in_reward"] = jnp.sum(kl) / jnp.maximum(jnp.sum(mask), 1)
+        (advantages, returns), gae_metrics = gae(rewards, batch.values, mask, cfg.gamma, cfg.lam)
+        metrics.update(gae_metrics)
+        if cfg.whiten_advantages:
+            advantages = whiten(advantages, mask)
+        return batch.replace(advantages=advantages, returns=returns), metrics
+
+    # ---- public API --------------------------------------------------------------------------
+    @property
+    def params(self) -> Params:
+        """{"actor": ..., "critic": ...?}: the parameters of the models the learner was built from."""
+        return self._params
+
+    def init_state(self, params: Params | None = None) -> TrainState:
+        if params is None:
+            params = self._params
+        else:
+            params = {name: (self.actor if name == "actor" else self.critic).place(p) for name, p in params.items()}
+        return self._init(params)
+
+    def logprobs(self, actor_params: Params, batch: TrainBatch) -> Float[Array, "b t"]:
+        """Per-token log-probs under `actor_params` (the actor's, or the reference's), TrainBatch-aligned."""
+        check_rows_divide(batch.batch_size, self.actor.rows, "PPOLearner.logprobs")
+        return self._logprobs(actor_params, jnp.asarray(batch.tokens, jnp.int32), jnp.asarray(batch.token_mask, bool))
+
+    def values(self, params: Params, batch: TrainBatch) -> Float[Array, "b t"]:
+        """Critic values (TrainBatch-aligned) from the learner's params dict (`state.params`)."""
+        check_rows_divide(batch.batch_size, self.actor.rows, "PPOLearner.values")
+        return self._values(params, jnp.asarray(batch.tokens, jnp.int32), jnp.asarray(batch.token_mask, bool))
+
+    def logprobs_and_values(self, params: Params, batch: TrainBatch) -> tuple[Float[Array, "b t"], Float[Array, "b t"]]:
+        """Old log-probs and values in one dispatch (one forward pass with a shared trunk): the fused
+        old-log-prob + critic-value stage."""
+        check_rows_divide(batch.batch_size, self.actor.rows, "PPOLearner.logprobs_and_values")
+        return self._logprobs_and_values(params, jnp.asarray(batch.tokens, jnp.int32), jnp.asarray(batch.token_mask, bool))
+
+    def compute_advantages(self, batch: TrainBatch) -> tuple[TrainBatch, Metrics]:
+        """GAE over response tokens from `rewards` (on each row's last response token) and `values`;
+        fills `advantages` [b, t] (whitened when configured) and `returns`."""
+        needed = ["rewards", "values"] + (["old_logprobs", "ref_logprobs"] if self.cfg.kl_in_reward_coef > 0 else [])
+        batch.require("PPOLearner.compute_advantages", *needed)
+        check_rows_divide(batch.batch_size, self.actor.rows, "PPOLearner.compute_advantages")
+        inputs = update_inputs(batch, self.cfg, *needed)
+        inputs = inputs.replace(rewards=jnp.asarray(batch.rewards, jnp.float32))
+        result, metrics = self._advantages(inputs)
+        return batch.replace(advantages=result.advantages, returns=result.returns), metrics
+
+    def update(self, state: TrainState, batch: TrainBatch) -> tuple[TrainState, Metrics]:
+        """One PPO update (actor and critic) on `batch`; donates `state`."""
+        return self._update(state, self._update_inputs(batch))
+
+    def lower_update(self, state: TrainState, batch: TrainBatch) -> jax.stages.Lowered:
+        """The update lowered for these shapes (see `GRPOLearner.lower_update`)."""
+        return self._update.lower(state, self._update_inputs(batch))
+
+    def _update_inputs(self, batch: TrainBatch) -> TrainBatch:
+        batch.validate()
+        batch.require("PPOLearner.update", *self.cfg.required_fields())
+        self.cfg.layout.check_batch(batch.batch_size)
+        check_rows_divide(batch.batch_size, self.actor.rows, "PPOLearner.update")
+        return update_inputs(batch, self.cfg)

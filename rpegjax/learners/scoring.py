@@ -1,0 +1,96 @@
+"""Scores a packed batch with a model: per-token log-probs, entropies and values aligned with the tokens.
+
+One forward pass gives the final hidden states h; the token at index i is scored from h[:, i-1]:
+    logprobs[:, i] = log softmax(h[:, i-1] W / temperature)[tokens[:, i]]
+    entropy[:, i]  = -sum_v p log p of that same distribution
+    values[:, i]   = value head(h[:, i-1])   (the value of the state that emits token i)
+Index 0 and padding get 0. This is the alignment of `TrainBatch` (see `rpegjax.learners.batch`).
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from rpegjax.learners.batch import shift_to_tokens
+from rpegjax.models.logprobs import logprobs_from_hidden
+from rpegjax.models.transformer import Decoder, default_positions
+from rpegjax.sharding.rules import ActivationSharding
+
+
+@flax.struct.dataclass
+class SequenceScores:
+    logprobs: Float[Array, "b t"] | None
+    entropy: Float[Array, "b t"] | None
+    values: Float[Array, "b t"] | None
+
+
+def score_sequences(
+    model: Decoder,
+    tokens: Int[Array, "b t"],
+    token_mask: Bool[Array, "b t"],
+    *,
+    chunk_size: int = 256,
+    temperature: float = 1.0,
+    with_logprobs: bool = True,
+    with_entropy: bool = False,
+    with_values: bool = False,
+    sharding: ActivationSharding | None = None,
+) -> SequenceScores:
+    """Log-probs (and optionally entropies and values) of every token from one forward pass.
+
+    The log-softmax is computed `chunk_size` positions at a time so that [b, t, v] float32 logits
+    are never materialised (`rpegjax.models.logprobs.logprobs_from_hidden`).
+    """
+    if tokens.shape != token_mask.shape:
+        raise ValueError(f"score_sequences: tokens {tokens.shape} and token_mask {token_mask.shape} differ in shape")
+    if with_entropy and not with_logprobs:
+        raise ValueError("score_sequences: with_entropy needs with_logprobs")
+    token_mask = token_mask.astype(bool)
+    positions = default_positions(tokens, token_mask)
+    hidden, _ = model.hidden_states(tokens, positions, mask=token_mask, sharding=sharding)
+    # the first token is never scored (nothing precedes it), so index 0 is masked out too
+    scored = token_mask.at[:, 0].set(False)
+
+    def aligned(next_token_values: Float[Array, "b t"]) -> Float[Array, "b t"]:
+        return jnp.where(scored, shift_to_tokens(next_token_values), 0.0)
+
+    logprobs = entropy = values = None
+    if with_logprobs:
+        targets = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
+        picked, raw_entropy = logprobs_from_hidden(
+            hidden, model.output_kernel(), targets, chunk_size=chunk_size, temperature=temperature,
+            with_entropy=with_entropy, dtype=model.cfg.jnp_dtype,
+        )
+        logprobs = aligned(picked)
+        entropy = None if raw_entropy is None else aligned(raw_entropy)
+    if with_values:
+        values = aligned(model.values(hidden))
+    return SequenceScores(logprobs=logprobs, entropy=entropy, values=values)
+
+
+def sequence_logprobs(
+    model: Decoder,
+    tokens: Int[Array, "b t"],
+    token_mask: Bool[Array, "b t"],
+    *,
+    chunk_size: int = 256,
+    temperature: float = 1.0,
+    sharding: ActivationSharding | None = None,
+) -> Float[Array, "b t"]:
+    """out[:, i] = log p(tokens[:, i] | tokens[:, :i]) for real tokens i >= 1; 0 at index 0 and padding."""
+    return score_sequences(
+        model, tokens, token_mask, chunk_size=chunk_size, temperature=temperature, sharding=sharding
+    ).logprobs
+
+
+def sequence_values(
+    model: Decoder,
+    tokens: Int[Array, "b t"],
+    token_mask: Bool[Array, "b t"],
+    *,
+    sharding: ActivationSharding | None = None,
+) -> Float[Array, "b t"]:
+    """out[:, i] = value head at the state before token i, for real tokens i >= 1; 0 elsewhere."""
+    return score_sequences(model, tokens, token_mask, with_logprobs=False, with_values=True, sharding=sharding).values

@@ -1,0 +1,179 @@
+"""GRPO learner: micro-batching, sharding, compile-once, and that updates move the policy the right way."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from rpegjax.learners.batch import pack_rollouts
+from rpegjax.learners.grpo import GRPOConfig, GRPOLearner
+from rpegjax.learners.objective import policy_denominators, update_inputs
+from rpegjax.learners.optim import OptimizerConfig
+from rpegjax.learners.update import UpdateLayout, accumulate_gradients, split_rows
+from rpegjax.sharding import ShardingRules, make_mesh
+
+B, G, LENGTH = 8, 4, 16
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    return tiny_model
+
+
+def make_batch(seed=0):
+    rng = np.random.default_rng(seed)
+    prompts = [list(rng.integers(1, 128, size=rng.integers(2, 6))) for _ in range(B)]
+    responses = [list(rng.integers(1, 128, size=rng.integers(2, 10))) for _ in range(B)]
+    behaviour = [rng.normal(-4.8, 0.3, size=len(r)) for r in responses]
+    rewards = np.array([1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 0.0, 0.0], np.float32)
+    return pack_rollouts(prompts, responses, behaviour, pad_id=0, length=LENGTH, rewards=rewards)
+
+
+def perturbed(learner, batch, params, seed, scale):
+    """Old/ref log-probs near the current ones, so that ratios differ from 1 and clipping happens."""
+    current = np.asarray(learner.logprobs(params, batch))
+    noise = np.random.default_rng(seed).normal(0, scale, size=current.shape).astype(np.float32)
+    return np.where(batch.response_mask, current + noise, 0.0).astype(np.float32)
+
+
+def test_microbatched_gradient_equals_full_batch(model):
+    """Model-level check with the KL and entropy terms; tests/learners/test_losses.py checks every loss
+    and aggregation (GSPO included) at the log-prob level."""
+    cfg = GRPOConfig(group_size=G, num_microbatches=4, aggregation="seq-mean-token-mean", kl_coef=0.1, kl_kind="k3",
+                     entropy_coef=0.01, clip_high=0.28)
+    learner = GRPOLearner(cfg, model)
+    batch = make_batch()
+    batch, _ = learner.compute_advantages(batch)
+    batch = batch.replace(
+        old_logprobs=perturbed(learner, batch, learner.params, 1, 0.3),
+        ref_logprobs=perturbed(learner, batch, learner.params, 2, 0.3),
+    )
+    inputs = update_inputs(batch, cfg)
+
+    @jax.jit
+    def full_gradient(params, batch):
+        return jax.grad(lambda p: learner._loss(p, batch, policy_denominators(cfg, batch))[0])(params)
+
+    @jax.jit
+    def accumulated_gradient(params, batch):
+        micro_batches = jax.tree.map(lambda x: x[0], split_rows(batch, UpdateLayout(num_microbatches=4)))
+        grads, _, metrics = accumulate_gradients(learner._loss, params, micro_batches, policy_denominators(cfg, batch))
+        return grads, metrics
+
+    want = full_gradient(learner.params, inputs)
+    got, metrics = accumulated_gradient(learner.params, inputs)
+    assert 0 < float(metrics["clip_fraction"]) < 1
+    for (path, g), (_, w) in zip(nnx.to_flat_state(got), nnx.to_flat_state(want)):
+        w = np.asarray(w.get_value())
+        if path[0].startswith("value_"):  # the shared test model's value head is unused by GRPO
+            np.testing.assert_array_equal(g.get_value(), 0.0)
+            continue
+        assert np.abs(w).max() > 0, path
+        # entries that are sums of cancelling terms carry float32 rounding of the terms' scale, so the
+        # absolute tolerance is relative to the tensor's largest entry (composite tolerance 1e-4 / 1e-5)
+        np.testing.assert_allclose(g.get_value(), w, rtol=1e-4, atol=1e-5 * np.abs(w).max(), err_msg=str(path))
+
+
+SHARDED_CFG = dict(
+    group_size=G, epochs=2, num_minibatches=2, clip_high=0.28, dual_clip=3.0, kl_coef=0.04, kl_kind="k3",
+    decoupled=True, importance_cap=2.0, optimizer=OptimizerConfig(learning_rate=1e-3, warmup_steps=2),
+)
+
+
+@pytest.fixture(scope="module")
+def unsharded(model):
+    return GRPOLearner(GRPOConfig(**SHARDED_CFG), model)
+
+
+def fill(learner, state, batch):
+    """What the runtime does before an update: proximal and reference log-probs, advantages."""
+    batch, _ = learner.compute_advantages(batch)
+    return batch.replace(
+        old_logprobs=learner.logprobs(state.params, batch),
+        ref_logprobs=learner.logprobs(learner.params, batch),
+    )
+
+
+def test_sharded_update_equals_unsharded_and_compiles_once(model, unsharded):
+    mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    sharded = GRPOLearner(GRPOConfig(**SHARDED_CFG), model, mesh=mesh, rules=ShardingRules.fsdp_tp())
+    results = []
+    for learner in (unsharded, sharded):
+        state = learner.init_state()
+        for step in range(2):
+            batch = fill(learner, state, make_batch(seed=step))
+            state, metrics = learner.update(state, batch)
+        results.append((state, metrics))
+        assert learner.update_traces == 1
+    (state, metrics), (sharded_state, sharded_metrics) = results
+    assert int(sharded_state.step) == int(state.step) == 8  # 2 updates x 2 epochs x 2 mini-batches
+    lm_head = sharded_state.params["lm_head"].get_value()
+    assert lm_head.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
+    mu = sharded_state.opt_state[1][0].mu["lm_head"].get_value()  # Adam's first moment follows its parameter
+    assert mu.sharding.spec == lm_head.sharding.spec
+    for (path, a), (_, b) in zip(nnx.to_flat_state(sharded_state.params), nnx.to_flat_state(state.params)):
+        np.testing.assert_allclose(a.get_value(), b.get_value(), rtol=1e-4, atol=1e-5, err_msg=str(path))
+    for key, value in metrics.items():
+        np.testing.assert_allclose(sharded_metrics[key], value, rtol=1e-4, atol=1e-6, err_msg=key)
+    assert float(metrics["kl_loss"]) > 0 and float(metrics["importance_weight_mean"]) > 0
+
+
+def test_updates_raise_logprob_of_positive_advantage_sequences(unsharded):
+    learner = unsharded
+    state = learner.init_state()
+    batch = make_batch(seed=3)
+    mask = batch.response_mask
+
+    def sequence_logprob(params):
+        return np.sum(np.asarray(learner.logprobs(params, batch)) * mask, axis=1)
+
+    before = sequence_logprob(state.params)
+    for _ in range(3):
+        filled = fill(learner, state, batch)
+        state, metrics = learner.update(state, filled)
+    after = sequence_logprob(state.params)
+    advantages = np.asarray(filled.advantages)
+    assert (advantages > 0).any() and (advantages < 0).any()
+    assert np.all((after - before)[advantages > 0] > 0), (before, after, advantages)
+    assert np.all((after - before)[advantages < 0] < 0), (before, after, advantages)
+    assert learner.update_traces == 1  # same learner and shapes as the sharding test: still one compile
+
+
+def test_update_reports_missing_fields_and_bad_shapes(unsharded):
+    state = unsharded.init_state()
+    batch = make_batch()
+    with pytest.raises(ValueError, match="needs TrainBatch fields \\['advantages', 'ref_logprobs', 'old_logprobs'\\]"):
+        unsharded.update(state, batch)
+    filled = fill(unsharded, state, batch)
+    with pytest.raises(ValueError, match="a batch of 5 rows does not split into num_minibatches=2"):
+        unsharded.update(state, jax.tree.map(lambda x: x[:5], filled))
+
+
+@pytest.mark.parametrize(
+    "changes,message",
+    [
+        (dict(advantage="gae"), "GAE needs a critic"),
+        (dict(group_size=1), "group_size must be >= 2"),
+        (dict(importance_cap=2.0), "importance_cap=2.0 needs decoupled=True"),
+        (dict(loss="gspo", dual_clip=3.0), "dual_clip is not defined for loss='gspo'"),
+        (dict(aggregation="sum"), "GRPOConfig.aggregation must be one of"),
+        (dict(num_microbatches=0), "UpdateLayout.num_microbatches must be a positive integer"),
+    ],
+)
+def test_config_errors(changes, message):
+    with pytest.raises(ValueError, match=message):
+        GRPOConfig(**dict(dict(group_size=G), **changes))
+
+
+def test_single_step_without_old_logprobs_is_the_policy_gradient(model):
+    """With one optimiser step and no old log-probs, pi_old = pi_theta: ratio 1, nothing clipped (GSPO loss)."""
+    learner = GRPOLearner(GRPOConfig(group_size=G, loss="gspo", advantage="rloo"), model)
+    state = learner.init_state()
+    batch, _ = learner.compute_advantages(make_batch())
+    state, metrics = learner.update(state, batch)
+    assert float(metrics["ratio_mean"]) == pytest.approx(1.0) and float(metrics["clip_fraction"]) == 0.0
+    assert np.isfinite(float(metrics["grad_norm"])) and int(state.step) == 1
+    # the model's own parameters were not donated away
+    assert np.isfinite(np.asarray(learner.params["lm_head"].get_value())).all()
+    assert not jnp.array_equal(state.params["lm_head"].get_value(), learner.params["lm_head"].get_value())
