@@ -80,7 +80,7 @@ class RolloutSection:
     group_size: int = 8
     max_prompt_len: int = 16
     max_new_tokens: int = 32
-    temperature: float = 1.0
+    temperature: float = 0.7
     top_k: int = 0
     top_p: float = 1.0
     num_slots: int = 256
@@ -96,7 +96,7 @@ class RolloutSection:
 class WarmStartSection:
     """Supervised warm start on the task's reference solutions (built-in tasks), cached in `cache_dir`."""
 
-    steps: int = 250
+    steps: int = 150
     batch_size: int = 64
     learning_rate: float = 1e-3
     cache_dir: str = "~/.cache/rpegjax/warmstart"
@@ -149,18 +149,19 @@ class TrainSection:
 
 def default_grpo() -> GRPOConfig:
     return GRPOConfig(group_size=8, decoupled=True, importance_cap=5.0,
-                      optimizer=OptimizerConfig(learning_rate=3e-4, b2=0.99, weight_decay=0.0))
+                      optimizer=OptimizerConfig(learning_rate=1e-4, b2=0.99, weight_decay=0.0))
 
 
 def default_ppo() -> PPOConfig:
     return PPOConfig(decoupled=True, importance_cap=5.0, gamma=1.0, lam=1.0,
-                     optimizer=OptimizerConfig(learning_rate=3e-4, b2=0.99, weight_decay=0.0))
+                     optimizer=OptimizerConfig(learning_rate=1e-4, b2=0.99, weight_decay=0.0))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RunConfig:
     """Everything a training run needs. `grpo` is used by train_grpo.py, `ppo` by train_ppo.py; the
-    rollout's group size is the algorithm's group size (`grpo.group_size` is derived from it)."""
+    rollout's group size and temperature are the algorithm's (`grpo.group_size`, `grpo.temperature` and
+    `ppo.temperature` are derived from them)."""
 
     algorithm: AlgorithmKind = AlgorithmKind.GRPO
     model: ModelSection = dataclasses.field(default_factory=ModelSection)
@@ -177,9 +178,11 @@ class RunConfig:
         object.__setattr__(self, "algorithm", AlgorithmKind(self.algorithm))
         if self.critic not in ("separate", "shared"):
             raise ValueError(f"RunConfig.critic must be 'separate' or 'shared', got {self.critic!r}")
-        # one source of truth for the group size: the rollout's (GRPO's advantages need it too)
-        if self.grpo.group_size != self.rollout.group_size:
-            object.__setattr__(self, "grpo", dataclasses.replace(self.grpo, group_size=self.rollout.group_size))
+        # one source of truth for the group size and the sampling temperature: the rollout's (GRPO's
+        # advantages need the group size; the learners' log-probs must use the sampler's temperature)
+        object.__setattr__(self, "grpo", dataclasses.replace(
+            self.grpo, group_size=self.rollout.group_size, temperature=self.rollout.temperature))
+        object.__setattr__(self, "ppo", dataclasses.replace(self.ppo, temperature=self.rollout.temperature))
         if self.rollout.prompts_per_step % self.graph.generate_microbatches:
             raise ValueError(f"graph.generate_microbatches ({self.graph.generate_microbatches}) must divide "
                              f"rollout.prompts_per_step ({self.rollout.prompts_per_step})")

@@ -93,8 +93,9 @@ def parse_args(argv: list[str], algorithm: AlgorithmKind) -> tuple[RunConfig, st
             overrides.setdefault(f"{algorithm.value}.{field}", value)
     if known.advantage is not None:
         overrides.setdefault("grpo.advantage", known.advantage)
-    if "grpo.group_size" in overrides:
-        parser.error("set the group size with --group-size (rollout.group_size); grpo.group_size follows it")
+    for derived, source in (("group_size", "--group-size"), ("temperature", "--temperature")):
+        if f"{algorithm.value}.{derived}" in overrides:
+            parser.error(f"set {derived} with {source} (rollout.{derived}); {algorithm.value}.{derived} follows it")
     if "data.dataset" in overrides:
         overrides.setdefault("warm_start.steps", "0")  # a dataset has no reference solutions to warm-start on
     if known.resume:
@@ -119,6 +120,7 @@ def default_run_dir(algorithm: AlgorithmKind) -> str:
 
 
 def main(argv: list[str], algorithm: AlgorithmKind) -> int:
+    from rpegjax.checkpoint import CheckpointError
     from rpegjax.trainer import Trainer
     from rpegjax.training import build
 
@@ -127,8 +129,12 @@ def main(argv: list[str], algorithm: AlgorithmKind) -> int:
         config = config.replace(train=dataclasses.replace(config.train, run_dir=default_run_dir(algorithm)))
     log = lambda message: print(message, file=sys.stderr, flush=True)  # stdout carries only the summary line
     log(f"run directory: {config.train.run_dir}")
-    parts = build(config, log=log)
-    log(parts.graph.to_text())
-    summary = Trainer(parts, config.train.run_dir, resume=resume is not None, log=log).run()
+    try:
+        parts = build(config, log=log)
+        log(parts.graph.to_text())
+        summary = Trainer(parts, config.train.run_dir, resume=resume is not None, log=log).run()
+    except (ValueError, CheckpointError) as error:  # bad input: say what and where, no traceback
+        log(f"error: {error}")
+        return 2
     print(json.dumps(summary), flush=True)
     return 0

@@ -135,7 +135,7 @@ def build(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Components:
                 encode_target=lambda e: tokenizer.encode(task.reference_solution(e)) + eos,
                 steps=cfg.warm_start.steps, batch_size=cfg.warm_start.batch_size,
                 learning_rate=cfg.warm_start.learning_rate,
-                length=cfg.rollout.max_prompt_len + cfg.rollout.max_new_tokens, pad_id=tokenizer.pad_id,
+                pad_id=tokenizer.pad_id,
                 seed=cfg.model.seed, cache_dir=cfg.warm_start.cache_dir,
                 cache_key={"model": dataclasses.asdict(model_cfg), "task": task.name, "data": dataclasses.asdict(cfg.data),
                            "warm_start": dataclasses.asdict(dataclasses.replace(cfg.warm_start, cache_dir="")),

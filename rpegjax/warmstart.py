@@ -79,7 +79,6 @@ def warm_start(
     steps: int,
     batch_size: int,
     learning_rate: float,
-    length: int,
     pad_id: int,
     seed: int,
     cache_dir: str | None,
@@ -93,6 +92,7 @@ def warm_start(
         return loaded, {"warm_start/cached": 1.0, "warm_start/steps": float(steps)}
     rng = random.Random(seed)
     encoded = [(encode_prompt(e), encode_target(e)) for e in examples]
+    length = max(len(p) + len(t) for p, t in encoded)  # one shape for every batch: one compilation
 
     def batches(_: int):
         chosen = [encoded[rng.randrange(len(encoded))] for _ in range(batch_size)]

@@ -1,0 +1,138 @@
+"""The main job end to end (as a subprocess, like a user runs it): outputs, resume after SIGKILL,
+checkpoints interrupted mid-write, and bad input."""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from rpegjax.checkpoint import Checkpointer
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TINY = [
+    "--model.hidden_size=32", "--model.num_layers=1", "--model.num_heads=2", "--model.num_kv_heads=1",
+    "--model.head_dim=16", "--model.intermediate_size=64", "--data.train_size=64", "--data.eval_size=4",
+    "--prompts-per-step=4", "--group-size=2", "--rollout.max_prompt_len=12", "--max-new-tokens=6",
+    "--rollout.num_slots=8", "--warm-start-steps=2", "--train.reward_workers=1", "--mesh=data=1",
+]
+# timings differ between runs; everything else must be identical for a deterministic configuration
+TIMING_KEYS = {"seconds", "tokens_per_second", "reward/seconds", "warm_start/seconds", "warm_start/cached"}
+
+
+def job(run_dir, *flags, script="train_grpo.py"):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    command = [sys.executable, str(ROOT / "scripts" / script), *TINY, f"--run-dir={run_dir}",
+               f"--warm_start.cache_dir={run_dir}/../cache", *flags]
+    return command, env
+
+
+def run_job(run_dir, *flags, script="train_grpo.py", timeout=600):
+    command, env = job(run_dir, *flags, script=script)
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def metrics(run_dir):
+    records = [json.loads(line) for line in (pathlib.Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in records]
+
+
+def test_main_job_writes_its_run_directory_and_a_summary(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_job(run_dir, "--steps=3", "--checkpoint-every=2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert set(summary) == {"start_accuracy", "end_accuracy", "steps", "wall_seconds", "run_dir"}
+    assert summary["steps"] == 3 and summary["run_dir"] == str(run_dir)
+    for name in ("config.json", "graph.json", "metrics.jsonl", "reward_accuracy.png", "training.png", "trace.json",
+                 "gantt.png"):
+        assert (run_dir / name).stat().st_size > 0, name
+    assert list((run_dir / "tensorboard").iterdir())
+    assert Checkpointer(run_dir / "checkpoints").latest_step() == 3
+    records = metrics(run_dir)
+    evals = [r["eval/accuracy"] for r in records if "eval/accuracy" in r]
+    assert evals == [summary["start_accuracy"], summary["end_accuracy"]]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3]
+    trace = json.loads((run_dir / "trace.json").read_text())
+    assert {e["name"] for e in trace["traceEvents"] if e.get("ph") == "X"} >= {"generate", "actor_update", "weight_sync"}
+
+
+@pytest.mark.slow
+def test_ppo_job_with_a_shared_critic_runs(tmp_path):
+    result = run_job(tmp_path / "ppo", "--steps=2", "--critic=shared", script="train_ppo.py")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1])["steps"] == 2
+
+
+@pytest.mark.slow
+def test_resume_after_sigkill_matches_an_uninterrupted_run(tmp_path):
+    flags = ("--steps=6", "--checkpoint-every=2", "--async-bound=1")
+    straight = run_job(tmp_path / "straight", *flags)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+
+    run_dir = tmp_path / "killed"
+    command, env = job(run_dir, *flags)
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 600
+    while time.time() < deadline and process.poll() is None:
+        if Checkpointer(run_dir / "checkpoints", asynchronous=False).latest_step() in (2, 4):
+            break
+        time.sleep(0.2)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    saved = Checkpointer(run_dir / "checkpoints", asynchronous=False).latest_step()
+    assert saved in (2, 4), "the job was killed before its first checkpoint"
+
+    resumed = run_job(tmp_path / "unused", "--resume", str(run_dir))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from step {saved}" in resumed.stderr
+    ours, theirs = metrics(run_dir), metrics(tmp_path / "straight")
+    assert [r["step"] for r in ours] == [r["step"] for r in theirs]
+    for a, b in zip(ours, theirs):
+        assert a.keys() == b.keys()
+        for key in a:
+            np.testing.assert_allclose(a[key], b[key], rtol=1e-6, atol=1e-7, err_msg=f"step {a['step']} {key}")
+
+
+def test_a_checkpoint_interrupted_mid_write_is_never_picked_up(tmp_path):
+    import jax.numpy as jnp
+
+    checkpoints = Checkpointer(tmp_path, asynchronous=False)
+    checkpoints.save(2, {"w": jnp.ones(3)}, {"next_step": 2})
+    checkpoints.wait()
+    # what a process killed while writing step 4 leaves behind: orbax's temporary directory
+    partial = tmp_path / "4.orbax-checkpoint-tmp-1234567"
+    (partial / "arrays").mkdir(parents=True)
+    (partial / "arrays" / "garbage").write_bytes(b"\x00" * 10)
+    reopened = Checkpointer(tmp_path, asynchronous=False)
+    assert reopened.latest_step() == 2
+    arrays, meta = reopened.restore({"w": jnp.zeros(3)})
+    assert meta["next_step"] == 2 and float(arrays["w"].sum()) == 3.0
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (("--mesh=data=3",), "3 devices but 1 are available"),
+        (("--async-bound=-1",), "async_bound must be an integer >= 0"),
+        (("--rollout.bogus=1",), "unknown field 'bogus'"),
+        (("--dataset=/nonexistent.jsonl",), "is not a file"),
+    ],
+)
+def test_bad_flags_fail_with_a_clear_message(tmp_path, flags, message):
+    result = run_job(tmp_path / "bad", "--steps=1", *flags)
+    assert result.returncode != 0
+    assert message in result.stderr
+
+
+def test_malformed_dataset_row_names_file_and_line(tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"question": "1+1?", "answer": "#### 2"}\n{"question": "2+2?"}\n')
+    result = run_job(tmp_path / "bad", "--steps=1", f"--dataset={data}")
+    assert result.returncode != 0
+    assert f"{data}:2" in result.stderr
