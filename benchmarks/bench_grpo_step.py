@@ -1,0 +1,145 @@
+"""W-small (shared/WORKLOADS.md): seconds per GRPO step through the RPEG runtime.
+
+Three graphs of the same step, measured in one run: synchronous unfused, synchronous fused (reference and
+old log-probs in one program), asynchronous k=1 fused (generation of step t overlaps training of step t-1).
+Each: 2 warm-up steps, then `--steps` timed steps; median / min / max seconds per step, the generation
+stage's median and the rest (the step minus the part of generation that did not overlap), peak RSS, and
+the step as a fraction of the compute floor recomputed from a matmul peak measured in the same run.
+
+    python benchmarks/bench_grpo_step.py [--steps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from rpegjax.data.example import Example
+from rpegjax.data.iterator import DataIterator
+from rpegjax.generate.sampler import Sampler
+from rpegjax.generate.sampling import SamplingConfig
+from rpegjax.graph import builders, transforms
+from rpegjax.graph.programs import StagePrograms
+from rpegjax.graph.runtime import Runtime
+from rpegjax.graph.trace import Trace
+from rpegjax.learners.grpo import GRPOConfig, GRPOLearner
+from rpegjax.learners.optim import OptimizerConfig
+from rpegjax.models import Decoder, ModelConfig
+from rpegjax.rewards.runner import Isolation, RewardRunner, RewardRunnerConfig
+
+PROMPTS, GROUP, PROMPT_LEN, NEW_TOKENS = 8, 4, 32, 64
+PEERS = {"TRL 1.16.0": 1.33, "Tunix 0.1.7": 1.53}  # median s/step on this machine, shared/WORKLOADS.md
+
+
+def even_token_reward(text: str, example: Example) -> float:
+    """A rule-based host reward: the fraction of response tokens with an even id."""
+    ids = [int(x) for x in text.split()]
+    return sum(1 for i in ids if i % 2 == 0) / max(len(ids), 1)
+
+
+def matmul_peak_flops(size: int = 1024, repeats: int = 10) -> float:
+    a = jnp.ones((size, size), jnp.float32)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        f(a).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return 2 * size**3 / min(times)
+
+
+def compute_floor_flops(cfg: ModelConfig) -> float:
+    """FLOPs of one step: update 6·N·tokens, reference and old forward 2·N·tokens each, generation 2·N·new tokens."""
+    n = cfg.num_params()
+    rows = PROMPTS * GROUP
+    tokens = rows * (PROMPT_LEN + NEW_TOKENS)
+    return 6 * n * tokens + 2 * 2 * n * tokens + 2 * n * rows * NEW_TOKENS
+
+
+def measure(graph_name: str, graph, warmup: int, steps: int) -> dict:
+    cfg = ModelConfig.w_small()
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    learner = GRPOLearner(GRPOConfig(group_size=GROUP, kl_coef=0.04, clip_low=0.2, clip_high=0.2,
+                                     optimizer=OptimizerConfig(learning_rate=1e-5)), model)
+    sampler = Sampler(cfg, nnx.split(model)[0], num_slots=PROMPTS * GROUP, max_prompt_len=PROMPT_LEN,
+                      max_new_tokens=NEW_TOKENS, chunk_steps=NEW_TOKENS)
+    rewards = RewardRunner(even_token_reward, RewardRunnerConfig(timeout_s=10.0, workers=1, isolation=Isolation.THREAD))
+    rng = np.random.default_rng(0)
+    prompts = {f"p{i}": rng.integers(0, cfg.vocab_size, PROMPT_LEN).tolist() for i in range(64)}
+    examples = [Example(id=key, prompt=key, answer="0", task="w-small") for key in prompts]
+    programs = StagePrograms(
+        learner=learner, policy_logprobs=learner._logprobs_fn, critic_values=None, sampler=sampler,
+        sampling=SamplingConfig(max_new_tokens=NEW_TOKENS, temperature=1.0, ignore_eos=True), group_size=GROUP,
+        rewards=rewards, decode=lambda ids: " ".join(str(int(i)) for i in ids), pad_id=0,
+        reference_params=jax.tree.map(jnp.copy, learner.params),
+    )
+    trace = Trace(graph_name)
+    runtime = Runtime(graph, programs, DataIterator(examples, batch_size=PROMPTS, seed=0),
+                      prompt_ids=lambda batch: [prompts[e.id] for e in batch], key=jax.random.key(0), trace=trace)
+    ends = []
+    runtime.run(learner.init_state(), start_step=0, num_steps=warmup + steps,
+                on_step=lambda result, state: ends.append(time.perf_counter()))
+    rewards.close()
+    step_times = np.diff(ends)[warmup - 1:]
+    timed = {e.step for e in trace.events if e.step >= warmup}
+    generation = [e.duration for e in trace.events if e.stage == "generate" and e.step in timed]
+    tokens = [e for e in trace.events if e.stage == "generate"]
+    return {
+        "graph": graph_name,
+        "median": statistics.median(step_times), "min": float(min(step_times)), "max": float(max(step_times)),
+        "generation_median": statistics.median(generation),
+        "dispatches_per_step": runtime.dispatches_per_step[-1],
+        "generated_tokens_per_step": PROMPTS * GROUP * NEW_TOKENS,
+        "params": cfg.num_params(),
+        "generate_events": len(tokens),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args()
+    base = builders.grpo_graph(use_reference=True)
+    graphs = {
+        "sync unfused": base,
+        "sync fused": transforms.default_fusion(base),
+        "async k=1 fused": transforms.default_fusion(builders.grpo_graph(use_reference=True, async_bound=1)),
+    }
+    results = [measure(name, graph, args.warmup, args.steps) for name, graph in graphs.items()]
+    peak = matmul_peak_flops()
+    floor = compute_floor_flops(ModelConfig.w_small()) / peak
+    fastest_peer = min(PEERS.values())
+    print(f"W-small GRPO step, {args.steps} timed steps after {args.warmup} warm-up; "
+          f"matmul peak {peak / 1e9:.0f} GFLOP/s -> compute floor {floor:.2f} s")
+    print(f"{'graph':<18}{'median s':>10}{'min':>8}{'max':>8}{'generate':>10}{'rest':>8}{'dispatch':>10}"
+          f"{'vs TRL':>9}{'/floor':>8}")
+    for r in results:
+        r["rest_median"] = r["median"] - r["generation_median"]
+        r["speedup_vs_fastest_peer"] = fastest_peer / r["median"]
+        r["fraction_of_floor"] = r["median"] / floor
+        print(f"{r['graph']:<18}{r['median']:>10.3f}{r['min']:>8.3f}{r['max']:>8.3f}{r['generation_median']:>10.3f}"
+              f"{r['rest_median']:>8.3f}{r['dispatches_per_step']:>10}{r['speedup_vs_fastest_peer']:>8.2f}x"
+              f"{r['fraction_of_floor']:>7.2f}x")
+    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"peak RSS of the whole run (three configurations): {rss_mb:.0f} MB; peers: "
+          + ", ".join(f"{k} {v} s" for k, v in PEERS.items()))
+    print("(with asynchrony the generation of step t+1 overlaps step t, so 'rest' can be below the training time)")
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"results": results, "matmul_peak_flops": peak, "floor_seconds": floor, "peak_rss_mb": rss_mb},
+                      handle, indent=2)
+
+
+if __name__ == "__main__":
+    main()
