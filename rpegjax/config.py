@@ -11,6 +11,7 @@ import pathlib
 from typing import Any
 
 from rpegjax.cli_overrides import from_jsonable, to_jsonable
+from rpegjax.distributed.launch import DistributedConfig
 from rpegjax.learners.grpo import GRPOConfig
 from rpegjax.learners.optim import OptimizerConfig
 from rpegjax.learners.ppo import PPOConfig
@@ -172,12 +173,12 @@ class RunConfig:
     train: TrainSection = dataclasses.field(default_factory=TrainSection)
     grpo: GRPOConfig = dataclasses.field(default_factory=default_grpo)
     ppo: PPOConfig = dataclasses.field(default_factory=default_ppo)
-    critic: str = "separate"  # PPO: "separate" model or "shared" trunk with a value head
+    # how this launch joins other processes (flags here win over JAX_* / SLURM_* variables); describes
+    # the launch, not the run: `--resume` starts from the defaults again
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "algorithm", AlgorithmKind(self.algorithm))
-        if self.critic not in ("separate", "shared"):
-            raise ValueError(f"RunConfig.critic must be 'separate' or 'shared', got {self.critic!r}")
         # one source of truth for the group size and the sampling temperature: the rollout's (GRPO's
         # advantages need the group size; the learners' log-probs must use the sampler's temperature)
         object.__setattr__(self, "grpo", dataclasses.replace(

@@ -13,8 +13,13 @@ import json
 import pathlib
 import sys
 
+import jax
+import numpy as np
+
+from rpegjax import distributed
 from rpegjax.cli_overrides import apply_overrides
 from rpegjax.config import AlgorithmKind, RunConfig
+from rpegjax.distributed import DistributedConfig
 
 # short flag -> dotted fields it sets (a flag may set several)
 ALIASES: dict[str, tuple[str, ...]] = {
@@ -37,7 +42,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "run-dir": ("train.run_dir",),
     "checkpoint-every": ("train.checkpoint_every",),
     "warm-start-steps": ("warm_start.steps",),
-    "critic": ("critic",),
+    "critic": ("ppo.critic",),
 }
 ALGORITHM_ALIASES = {
     "lr": "optimizer.learning_rate",
@@ -58,7 +63,9 @@ def parse_args(argv: list[str], algorithm: AlgorithmKind) -> tuple[RunConfig, st
         description=f"Train a reasoning policy with {algorithm.value.upper()} through the RPEG runtime. Without "
                     "arguments: a small model learns the built-in arithmetic task on the CPU.",
         epilog="Any config field: --section.field=value (sections: model, data, rollout, warm_start, graph, train, "
-               f"{algorithm.value}; e.g. --{algorithm.value}.optimizer.learning_rate=1e-4).",
+               f"{algorithm.value}, distributed; e.g. --{algorithm.value}.optimizer.learning_rate=1e-4). Several "
+               "processes: --distributed.coordinator_address=HOST:PORT --distributed.num_processes=N "
+               "--distributed.process_id=I, or the JAX_* / SLURM_* variables.",
     )
     for flag, fields in ALIASES.items():
         parser.add_argument(f"--{flag}", dest=flag, help=f"sets {', '.join(fields)}")
@@ -102,7 +109,8 @@ def parse_args(argv: list[str], algorithm: AlgorithmKind) -> tuple[RunConfig, st
         config_path = pathlib.Path(known.resume) / "config.json"
         if not config_path.is_file():
             parser.error(f"--resume {known.resume}: no config.json there (not a run directory)")
-        base = RunConfig.from_json(config_path.read_text())
+        # the distributed section describes a launch (which process this is), not the run: start afresh
+        base = RunConfig.from_json(config_path.read_text()).replace(distributed=DistributedConfig())
         overrides.setdefault("train.run_dir", known.resume)
     else:
         base = RunConfig(algorithm=algorithm)
@@ -119,22 +127,68 @@ def default_run_dir(algorithm: AlgorithmKind) -> str:
     return str(pathlib.Path("runs") / f"{algorithm.value}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
 
 
+def join_processes(config: RunConfig) -> DistributedConfig:
+    """Joins the other processes of this launch (`rpegjax.distributed.initialize`; a no-op for one
+    process): the `distributed` section's values first, then the JAX_* / SLURM_* variables. Returns the
+    resolved section. Must run before any JAX computation."""
+    section = config.distributed
+    resolved = DistributedConfig.from_env(**{f.name: getattr(section, f.name) for f in dataclasses.fields(section)})
+    distributed.initialize(resolved)
+    return resolved
+
+
+def agree_on_run_dir(config: RunConfig, algorithm: AlgorithmKind) -> RunConfig:
+    """Fills in the default run directory, named by process 0's clock in every process, and checks that every
+    process runs the same configuration (the `distributed` section aside: it names the process)."""
+    run_dir = config.train.run_dir
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        if run_dir is None:  # one name for all: the wall clock differs between hosts
+            encoded = np.zeros(512, np.uint8)
+            name = default_run_dir(algorithm).encode()
+            encoded[: len(name)] = np.frombuffer(name, np.uint8)
+            run_dir = bytes(multihost_utils.broadcast_one_to_all(encoded)).rstrip(b"\0").decode()
+        config = config.replace(train=dataclasses.replace(config.train, run_dir=run_dir))
+        distributed.assert_same_across_processes(
+            config.replace(distributed=DistributedConfig()).to_json(), "the run configuration")
+    elif run_dir is None:
+        config = config.replace(train=dataclasses.replace(config.train, run_dir=default_run_dir(algorithm)))
+    return config
+
+
 def main(argv: list[str], algorithm: AlgorithmKind) -> int:
+    config, resume = parse_args(argv, algorithm)
+    say = lambda message: print(message, file=sys.stderr, flush=True)  # stdout carries only the summary line
+    try:
+        resolved = join_processes(config)
+    except ValueError as error:  # a flag or variable that does not parse
+        say(f"error: {error}")
+        return 2
+    except RuntimeError as error:  # could not reach the others
+        say(f"error: {error}")
+        return 1
+    # one process speaks for all (every process computes the same); errors are reported by each, named
+    main_process = distributed.is_main_process()
+    where = f"process {resolved.process_id}: " if resolved.is_multi_process else ""
+    log = say if main_process else (lambda _: None)
+
     from rpegjax.checkpoint import CheckpointError
     from rpegjax.trainer import Trainer
     from rpegjax.training import build
 
-    config, resume = parse_args(argv, algorithm)
-    if config.train.run_dir is None:
-        config = config.replace(train=dataclasses.replace(config.train, run_dir=default_run_dir(algorithm)))
-    log = lambda message: print(message, file=sys.stderr, flush=True)  # stdout carries only the summary line
+    config = agree_on_run_dir(config.replace(distributed=resolved), algorithm)
     log(f"run directory: {config.train.run_dir}")
+    if resolved.is_multi_process:
+        log(f"{resolved.num_processes} processes joined (coordinator {resolved.coordinator_address})")
     try:
         parts = build(config, log=log)
         log(parts.graph.to_text())
-        summary = Trainer(parts, config.train.run_dir, resume=resume is not None, log=log).run()
+        summary = Trainer(parts, config.train.run_dir, resume=resume is not None, is_main_process=main_process,
+                          log=log).run()
     except (ValueError, CheckpointError) as error:  # bad input: say what and where, no traceback
-        log(f"error: {error}")
+        say(f"{where}error: {error}")
         return 2
-    print(json.dumps(summary), flush=True)
+    if main_process:
+        print(json.dumps(summary), flush=True)
     return 0

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from rpegjax import distributed
 from rpegjax.checkpoint import Checkpointer, CheckpointError
 from rpegjax.config import AlgorithmKind, RunConfig
 from rpegjax.data.example import Example
@@ -99,9 +100,12 @@ def build_graph(cfg: RunConfig, num_devices: int) -> Graph:
     if cfg.algorithm == AlgorithmKind.GRPO:
         graph = builders.grpo_graph(**common)
     else:
-        graph = builders.ppo_graph(**common, critic=cfg.critic, kl_in_reward=cfg.ppo.kl_in_reward_coef > 0)
+        graph = builders.ppo_graph(**common, critic=cfg.ppo.critic.value, kl_in_reward=cfg.ppo.kl_in_reward_coef > 0)
     if cfg.graph.fuse:
         graph = transforms.default_fusion(graph)
+    if graph.has_stage("critic_update"):
+        # PPOLearner steps actor and separate critic in one jitted program: one execution unit
+        graph = transforms.fuse(graph, ["actor_update", "critic_update"])
     pieces = cfg.graph.generate_microbatches
     if pieces > 1:
         graph = transforms.microbatch(graph, "generate", pieces)
@@ -113,12 +117,17 @@ def build_graph(cfg: RunConfig, num_devices: int) -> Graph:
     return graph.validate()
 
 
+def _every_process(flag: bool) -> bool:
+    """Whether `flag` holds in every process (a collective)."""
+    return bool(np.all(distributed.gather_to_all(np.array([flag], np.uint8))))
+
+
 def build(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Components:
     tokenizer = builtin_tokenizer() if cfg.model.path is None else load_tokenizer(cfg.model.path)
     template = PromptTemplate(template=cfg.data.prompt_template)
     task, train_examples, eval_examples = _task_and_examples(cfg)
     ppo = cfg.algorithm == AlgorithmKind.PPO
-    shared_critic = ppo and cfg.critic == "shared"
+    shared_critic = ppo and cfg.ppo.critic == "shared"
     warm_metrics: dict[str, float] = {}
     if cfg.model.path is None:
         model_cfg = _model_config(cfg, tokenizer, value_head=shared_critic)
@@ -140,6 +149,7 @@ def build(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Components:
                 cache_key={"model": dataclasses.asdict(model_cfg), "task": task.name, "data": dataclasses.asdict(cfg.data),
                            "warm_start": dataclasses.asdict(dataclasses.replace(cfg.warm_start, cache_dir="")),
                            "seed": cfg.model.seed, "template": cfg.data.prompt_template, "format": 1},
+                agree=None if jax.process_count() == 1 else _every_process,
             )
             warm_metrics["warm_start/seconds"] = time.perf_counter() - started
             log(f"warm start: {cfg.warm_start.steps} supervised steps "

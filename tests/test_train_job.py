@@ -63,10 +63,13 @@ def test_main_job_writes_its_run_directory_and_a_summary(tmp_path):
 
 
 @pytest.mark.slow
-def test_ppo_job_with_a_shared_critic_runs(tmp_path):
-    result = run_job(tmp_path / "ppo", "--steps=2", "--critic=shared", script="train_ppo.py")
+@pytest.mark.parametrize("critic", ["shared", "separate"])
+def test_ppo_job_runs_with_either_critic(tmp_path, critic):
+    result = run_job(tmp_path / "ppo", "--steps=2", f"--critic={critic}", script="train_ppo.py")
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(result.stdout.strip().splitlines()[-1])["steps"] == 2
+    records = metrics(tmp_path / "ppo")
+    assert all("value_loss" in r for r in records if "loss" in r)
 
 
 @pytest.mark.slow

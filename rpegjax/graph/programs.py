@@ -16,13 +16,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rpegjax import distributed
 from rpegjax.data.example import Example
 from rpegjax.generate.completion import Completion
 from rpegjax.generate.sampler import Sampler
 from rpegjax.generate.sampling import SamplingConfig
 from rpegjax.graph.ir import StageKind
 from rpegjax.learners.batch import TrainBatch, pack_rollouts
-from rpegjax.rewards.runner import RewardRunner
+from rpegjax.rewards.runner import RewardRunner, RewardStats
 
 # Which TrainBatch field each inference kind fills, and whose weights it reads.
 INFERENCE_FIELDS = {
@@ -40,7 +41,9 @@ class Piece:
     examples: list[Example]  # one per row (each prompt's example repeated group_size times)
     completions: list[Completion]  # ordered by (prompt_index, sample_index)
     batch: TrainBatch  # numpy arrays of a fixed shape
-    rewards: concurrent.futures.Future  # (rewards float32 [rows], RewardStats)
+    # (rewards float32 [rows of this process], RewardStats): each process scores its block of the rows
+    # (`process_rows`); `StagePrograms.collect_rewards` gathers all of them
+    rewards: concurrent.futures.Future
 
 
 class StagePrograms:
@@ -121,13 +124,36 @@ class StagePrograms:
 
     def _finish_piece(self, index: int, completions: list[Completion], examples: Sequence[Example]) -> Piece:
         rows = [examples[c.prompt_index] for c in completions]
-        texts = [self.decode(c.response_ids) for c in completions]
+        mine = process_rows(len(rows))
+        texts = [self.decode(c.response_ids) for c in completions[mine]]
         batch = pack_rollouts(
             [c.prompt_ids for c in completions], [c.response_ids for c in completions],
             [c.behaviour_logprobs for c in completions], pad_id=self.pad_id, length=self.sequence_length,
         )
         return Piece(index=index, examples=rows, completions=completions, batch=batch,
-                     rewards=self.rewards.submit(texts, rows))
+                     rewards=self.rewards.submit(texts, rows[mine]))
+
+    def collect_rewards(self, piece: Piece) -> tuple[np.ndarray, RewardStats]:
+        """Rewards float32 [rows] of every row of `piece`, and their stats (errors and timeouts summed over
+        processes, seconds the slowest process's, `first_error` this process's). With several processes this
+        is a collective: every process calls it for the same pieces in the same order."""
+        local, stats = piece.rewards.result()
+        count = jax.process_count()
+        if count == 1:
+            return local, stats
+        rows = len(piece.examples)
+        width = -(-rows // count)
+        padded = np.zeros(width, np.float32)
+        padded[: len(local)] = local
+        numbers = np.array([stats.errors, stats.timeouts, stats.seconds], np.float32)
+        gathered = distributed.gather_to_all({"rewards": padded, "numbers": numbers}, tiled=False)
+        blocks = [process_rows(rows, process, count) for process in range(count)]
+        rewards = np.concatenate([gathered["rewards"][p][: b.stop - b.start] for p, b in enumerate(blocks)])
+        numbers = gathered["numbers"]  # [processes, 3]
+        errors, timeouts = numbers[:, :2].sum(0)
+        seconds = numbers[:, 2].max()
+        return rewards, RewardStats(count=rows, errors=int(errors), timeouts=int(timeouts), mean_reward=float(rewards.mean()),
+                                    seconds=float(seconds), first_error=stats.first_error)
 
     # ---- train side ----------------------------------------------------------------------------
     def _inference_program(self, kinds: tuple[StageKind, ...]) -> Callable:
@@ -152,18 +178,40 @@ class StagePrograms:
         params = tuple(self._params_of[kind](state) for kind in kinds)
         if any(p is None for p in params):
             raise ValueError(f"stages {[k.value for k in kinds]}: a reference stage needs reference_params")
-        outputs = program(params, jnp.asarray(batch.tokens), jnp.asarray(batch.token_mask))
+        outputs = program(params, self._place(batch.tokens), self._place(batch.token_mask))
         return {INFERENCE_FIELDS[kind]: output for kind, output in zip(kinds, outputs)}
 
-    def _place(self, batch: TrainBatch) -> TrainBatch:
-        # pieces computed separately are concatenated without a layout; give the batch the learner's
-        return batch if self.batch_sharding is None else jax.device_put(batch, self.batch_sharding)
+    def _place(self, tree: Any) -> Any:
+        """Arrays of `tree` with the learner's batch layout (rows over the data axes); unchanged without a mesh.
+
+        Pieces computed separately are concatenated without a layout, and host arrays have none. Every process
+        holds the whole of each host array, so each builds its own shards from it: no communication (a
+        `device_put` onto a mesh spanning processes would first check, across processes, that they agree)."""
+        sharding = self.batch_sharding
+        if sharding is None:
+            return tree
+
+        def place(value):
+            if isinstance(value, jax.Array):
+                return jax.device_put(value, sharding)
+            host = np.asarray(value, jax.dtypes.canonicalize_dtype(np.asarray(value).dtype))
+            return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+        return jax.tree.map(place, tree)
 
     def advantages(self, batch: TrainBatch) -> tuple[TrainBatch, dict[str, Any]]:
         self.dispatches += 1
         return self.learner.compute_advantages(self._place(batch))
 
-    def update(self, state: Any, batch: TrainBatch) -> tuple[Any, dict[str, Any]]:
+    def update(self, kinds: Sequence[StageKind], state: Any, batch: TrainBatch) -> tuple[Any, dict[str, Any]]:
+        """One learner update. A learner with a critic updates actor and critic in one program, so the
+        graph must give both update kinds in one execution unit (fused, or merged by share_actor_critic)."""
+        expected = {StageKind.ACTOR_UPDATE} | ({StageKind.CRITIC_UPDATE} if self._kind_functions[
+            StageKind.CRITIC_VALUE] is not None else set())
+        given = set(kinds) & {StageKind.ACTOR_UPDATE, StageKind.CRITIC_UPDATE}
+        if given != expected:
+            raise ValueError(f"update stages {sorted(k.value for k in kinds)}: this learner runs "
+                             f"{sorted(k.value for k in expected)} as one program; fuse them into one unit")
         self.dispatches += 1
         return self.learner.update(state, self._place(batch))
 
@@ -171,6 +219,14 @@ class StagePrograms:
         """Generation-layout copy of the actor weights of `state`."""
         self.dispatches += 1
         return self._sync(self.actor_params_of(state))
+
+
+def process_rows(rows: int, process: int | None = None, count: int | None = None) -> slice:
+    """The block of `rows` host rows that `process` (default: this one) of `count` works on: contiguous
+    blocks in process order, sizes differing by at most one (`rows` need not divide evenly)."""
+    process = jax.process_index() if process is None else process
+    count = jax.process_count() if count is None else count
+    return slice(process * rows // count, (process + 1) * rows // count)
 
 
 def concatenate_pieces(pieces: Sequence[Piece]) -> TrainBatch:

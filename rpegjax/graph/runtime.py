@@ -12,6 +12,11 @@ n pieces of whole prompt groups as they finish (continuous batching), reward sco
 on the host at once, and inference stages with the same micro-batch count run on each piece while
 the tail of the rollout is still decoding.
 
+Several processes on one mesh (`rpegjax.distributed`) must launch the same device programs in the
+same order, which two threads cannot promise; there the runtime runs with `concurrent_rollout=False`:
+step t's rollout is generated in the calling thread right before step t trains. The weights each
+rollout reads, and so every result, are the same as with the worker thread; only the overlap is lost.
+
 Every stage execution is recorded in a `Trace` (stage, step, weights version, placement, start, end);
 device stages block on their outputs inside the span so the measured timeline is honest.
 """
@@ -73,7 +78,8 @@ class Runtime:
 
     `prompt_ids(examples) -> list[list[int]]` tokenises a batch of examples (host work, done by the
     worker). `key` seeds generation: step t samples with `fold_in(key, t)`, so runs are reproducible
-    whatever the thread timing.
+    whatever the thread timing. `concurrent_rollout=False` generates in the calling thread instead of a
+    worker thread (the same results, without overlap; required with several processes, see above).
     """
 
     def __init__(
@@ -85,8 +91,10 @@ class Runtime:
         prompt_ids: Callable[[Sequence[Example]], list[list[int]]],
         key: jax.Array,
         trace: Trace | None = None,
+        concurrent_rollout: bool = True,
     ):
         graph.validate()
+        self.concurrent_rollout = concurrent_rollout
         self.graph = graph
         self.programs = programs
         self.data = data
@@ -130,33 +138,43 @@ class Runtime:
     def _rollout_loop(self, start: int, end: int, out: queue.Queue) -> None:
         try:
             for step in range(start, end):
-                version = self.weight_edge.read_version(step)
-                assert version == generation_version(step, self.async_bound)
-                params = self.store.get(version)
-                examples = self.data.next_batch()
-                if len(examples) % self.pieces:
-                    raise GraphError(f"stage {self.generate_stage.name!r}: {len(examples)} prompts per step cannot be "
-                                     f"split into {self.pieces} micro-batches", stage=self.generate_stage.name)
-                rollout = Rollout(step=step, version=version, examples=examples,
-                                  pieces=[concurrent.futures.Future() for _ in range(self.pieces)],
-                                  data_state=self.data.state())
+                rollout, params = self._start_rollout(step)
                 out.put(rollout)
-                prompts = self.prompt_ids(examples)
-                try:
-                    with self.trace.span(self.generate_stage.name, step, version, self.generate_stage.placement):
-                        for piece in self.programs.generate(params, examples, prompts, key=jax.random.fold_in(self.key, step),
-                                                            version=version, pieces=self.pieces):
-                            self._trace_reward(piece, step)
-                            rollout.pieces[piece.index].set_result(piece)
-                except BaseException as error:
-                    for future in rollout.pieces:
-                        if not future.done():
-                            future.set_exception(error)
-                    raise
+                self._generate(rollout, params)
         except RuntimeStopped:
             return
         except BaseException as error:  # handed to the trainer, which raises it
             out.put(error)
+
+    def _start_rollout(self, step: int) -> tuple[Rollout, Any]:
+        """Step `step`'s rollout with its pieces pending, and the weights it reads (waits for them)."""
+        version = self.weight_edge.read_version(step)
+        assert version == generation_version(step, self.async_bound)
+        params = self.store.get(version)
+        examples = self.data.next_batch()
+        if len(examples) % self.pieces:
+            raise GraphError(f"stage {self.generate_stage.name!r}: {len(examples)} prompts per step cannot be "
+                             f"split into {self.pieces} micro-batches", stage=self.generate_stage.name)
+        rollout = Rollout(step=step, version=version, examples=examples,
+                          pieces=[concurrent.futures.Future() for _ in range(self.pieces)],
+                          data_state=self.data.state())
+        return rollout, params
+
+    def _generate(self, rollout: Rollout, params: Any) -> None:
+        """Runs the generate stage of `rollout`, completing its pieces as they finish."""
+        step, version = rollout.step, rollout.version
+        prompts = self.prompt_ids(rollout.examples)
+        try:
+            with self.trace.span(self.generate_stage.name, step, version, self.generate_stage.placement):
+                for piece in self.programs.generate(params, rollout.examples, prompts, key=jax.random.fold_in(self.key, step),
+                                                    version=version, pieces=self.pieces):
+                    self._trace_reward(piece, step)
+                    rollout.pieces[piece.index].set_result(piece)
+        except BaseException as error:
+            for future in rollout.pieces:
+                if not future.done():
+                    future.set_exception(error)
+            raise
 
     def _trace_reward(self, piece: Piece, step: int) -> None:
         rewards = self.graph.stages_of_kind(StageKind.REWARD)
@@ -190,12 +208,18 @@ class Runtime:
                              self._devices(self._sync_unit())):
             self.store.put(start_step, _block(self.programs.sync(state)))
         rollouts: queue.Queue = queue.Queue()
-        worker = threading.Thread(target=self._rollout_loop, args=(start_step, start_step + num_steps, rollouts),
-                                  name="rpegjax-rollout", daemon=True)
-        worker.start()
+        worker = None
+        if self.concurrent_rollout:
+            worker = threading.Thread(target=self._rollout_loop, args=(start_step, start_step + num_steps, rollouts),
+                                      name="rpegjax-rollout", daemon=True)
+            worker.start()
         try:
             for step in range(start_step, start_step + num_steps):
-                rollout = rollouts.get()
+                if worker is None:
+                    rollout, params = self._start_rollout(step)
+                    self._generate(rollout, params)
+                else:
+                    rollout = rollouts.get()
                 if isinstance(rollout, BaseException):
                     raise rollout
                 state, result = self._train_step(state, rollout)
@@ -208,7 +232,8 @@ class Runtime:
             raise
         finally:
             self.store.stop(RuntimeStopped("run finished"))
-            worker.join(timeout=60)
+            if worker is not None:
+                worker.join(timeout=60)
         return state
 
     def _sync_unit(self) -> tuple[str, ...]:
@@ -251,7 +276,7 @@ class Runtime:
                 if batch is None:
                     raise GraphError(f"stage {unit[0]!r} runs before the advantage stage", stage=unit[0])
                 with self.trace.span(name, step, step, devices):
-                    state, update_metrics = programs.update(state, batch)
+                    state, update_metrics = programs.update(kinds, state, batch)
                     update_metrics = jax.device_get(update_metrics)
                 _merge_metrics(metrics, update_metrics)
             elif StageKind.WEIGHT_SYNC in kinds:
@@ -283,8 +308,8 @@ class Runtime:
 
     def _attach_rewards(self, rollout: Rollout, batch):
         rewards, stats = [], []
-        for future in rollout.pieces:
-            piece_rewards, piece_stats = future.result().rewards.result()
+        for future in rollout.pieces:  # in piece order in every process: gathering rewards is a collective
+            piece_rewards, piece_stats = self.programs.collect_rewards(future.result())
             rewards.append(piece_rewards)
             stats.append(piece_stats)
         rewards = np.concatenate(rewards).astype(np.float32)
