@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from rpegjax import distributed
 from rpegjax.checkpoint import Checkpointer, CheckpointError
 from rpegjax.config import AlgorithmKind, RunConfig
 from rpegjax.data.iterator import DataIterator
@@ -28,8 +29,23 @@ from rpegjax.training import Components
 
 
 def _fingerprint(tree: Any) -> float:
-    """A cheap checksum of weights: a resumed run must start from the same initial (reference) weights."""
-    return float(sum(np.abs(np.asarray(x, np.float64)).sum() for x in jax.tree.leaves(tree)))
+    """A cheap checksum of weights: a resumed run must start from the same initial (reference) weights.
+
+    The sum of |w| in float64, from the shards each process holds (each shard counted once, whichever
+    device holds its first replica), summed over processes: no array is gathered, and the value hardly
+    depends on the mesh or the number of processes (only through float64 rounding)."""
+    total = 0.0
+    for leaf in jax.tree.leaves(tree):
+        if not isinstance(leaf, jax.Array):  # a host array: every process holds it whole; process 0 counts it
+            total += float(np.abs(np.asarray(leaf, np.float64)).sum()) if jax.process_index() == 0 else 0.0
+            continue
+        for shard in leaf.addressable_shards:
+            if shard.replica_id == 0:
+                total += float(np.abs(np.asarray(shard.data, np.float64)).sum())
+    if jax.process_count() > 1:  # as bytes: without jax_enable_x64 a float64 would travel as float32
+        gathered = distributed.gather_to_all(np.array([total], np.float64).view(np.uint8), tiled=False)
+        total = float(np.ascontiguousarray(gathered).view(np.float64).sum())
+    return total
 
 
 def make_programs(parts: Components, rewards: RewardRunner) -> StagePrograms:
@@ -110,8 +126,9 @@ class Trainer:
             metrics.log(0, {"eval/accuracy": start_accuracy, **parts.warm_start_metrics})
             self.log(f"held-out accuracy at start: {start_accuracy:.3f} ({len(parts.eval_examples)} examples)")
         trace = Trace(parts.graph.name)
+        # processes sharing a mesh must launch device programs in one order: no rollout thread then
         runtime = Runtime(parts.graph, programs, data, prompt_ids=parts.prompt_ids,
-                          key=jax.random.key(cfg.train.seed), trace=trace)
+                          key=jax.random.key(cfg.train.seed), trace=trace, concurrent_rollout=jax.process_count() == 1)
         remaining = cfg.train.steps - start_step
         progress = _progress(remaining, start_step, enabled=self.main)
         tokens_seen, step_started = 0.0, time.perf_counter()
@@ -171,12 +188,14 @@ class Trainer:
         return arrays["state"], history, meta
 
     def _truncate_metrics(self, next_step: int) -> None:
-        """Drops records of steps after the checkpoint: they are trained again."""
+        """Drops records of steps after the checkpoint: they are trained again. Records are numbered by steps
+        completed, so the checkpoint's own step keeps its training record (it has `staleness`), not the
+        final evaluation of a run that ended there."""
         path = self.run_dir / "metrics.jsonl"
         if not self.main or not path.exists():
             return
         kept = [r for r in read_metrics(path) if r["step"] < next_step or (r["step"] == 0 and next_step == 0)
-                or (r["step"] == 0 and "eval/accuracy" in r)]
+                or (r["step"] == 0 and "eval/accuracy" in r) or (r["step"] == next_step and "staleness" in r)]
         path.write_text("".join(json.dumps(r) + "\n" for r in kept))
 
     # ---- outputs ---------------------------------------------------------------------------------

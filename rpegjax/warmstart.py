@@ -83,11 +83,21 @@ def warm_start(
     seed: int,
     cache_dir: str | None,
     cache_key: dict,
+    agree: Callable[[bool], bool] | None = None,
 ) -> tuple[Decoder, dict]:
-    """The warm-started model (from the cache when the same warm start was done before) and a summary."""
+    """The warm-started model (from the cache when the same warm start was done before) and a summary.
+
+    The cache is written whole or not at all (`save_pretrained` renames a complete directory into place);
+    of several writers of one entry (processes sharing a file system) one wins, all equal. With several
+    processes, `agree(found)` must return whether every process found the cache (a collective), so that
+    all of them load it or all train: no process decides alone from what its file system shows.
+    """
     key = hashlib.sha256(json.dumps(cache_key, sort_keys=True, default=str).encode()).hexdigest()[:16]
     cache = None if cache_dir is None else pathlib.Path(cache_dir).expanduser() / key
-    if cache is not None and (cache / "config.json").exists():
+    found = cache is not None and (cache / "config.json").exists()
+    if agree is not None:
+        found = agree(found)
+    if found:
         loaded, _ = load_pretrained(cache)
         return loaded, {"warm_start/cached": 1.0, "warm_start/steps": float(steps)}
     rng = random.Random(seed)
@@ -100,6 +110,10 @@ def warm_start(
 
     model, losses = supervised_train(model, batches, steps=steps, learning_rate=learning_rate)
     if cache is not None:
-        save_pretrained(model, cfg, cache)
+        try:
+            save_pretrained(model, cfg, cache)
+        except OSError:  # another process renamed the same entry into place first: theirs is as good
+            if not (cache / "config.json").exists():
+                raise
     tail = losses[-10:] or [float("nan")]
     return model, {"warm_start/cached": 0.0, "warm_start/steps": float(steps), "warm_start/loss": float(np.mean(tail))}

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from rpegjax import distributed
 from rpegjax.data.example import Example
@@ -152,8 +154,8 @@ class StagePrograms:
         numbers = gathered["numbers"]  # [processes, 3]
         errors, timeouts = numbers[:, :2].sum(0)
         seconds = numbers[:, 2].max()
-        return rewards, RewardStats(count=rows, errors=int(errors), timeouts=int(timeouts), mean_reward=float(rewards.mean()),
-                                    seconds=float(seconds), first_error=stats.first_error)
+        return rewards, RewardStats(count=rows, errors=int(errors), timeouts=int(timeouts),
+                                    mean_reward=float(rewards.mean()), seconds=float(seconds), first_error=stats.first_error)
 
     # ---- train side ----------------------------------------------------------------------------
     def _inference_program(self, kinds: tuple[StageKind, ...]) -> Callable:
@@ -182,16 +184,21 @@ class StagePrograms:
         return {INFERENCE_FIELDS[kind]: output for kind, output in zip(kinds, outputs)}
 
     def _place(self, tree: Any) -> Any:
-        """Arrays of `tree` with the learner's batch layout (rows over the data axes); unchanged without a mesh.
+        """Arrays of `tree` with the learner's batch layout (rows over the data axes; replicated when the rows
+        do not divide, e.g. a micro-batch piece); unchanged without a mesh.
 
         Pieces computed separately are concatenated without a layout, and host arrays have none. Every process
         holds the whole of each host array, so each builds its own shards from it: no communication (a
         `device_put` onto a mesh spanning processes would first check, across processes, that they agree)."""
-        sharding = self.batch_sharding
-        if sharding is None:
+        if self.batch_sharding is None:
             return tree
+        mesh, rows_spec = self.batch_sharding.mesh, self.batch_sharding.spec[0] if self.batch_sharding.spec else None
+        row_axes = (rows_spec,) if isinstance(rows_spec, str) else tuple(rows_spec or ())
+        row_shards = math.prod(mesh.shape[name] for name in row_axes)
 
         def place(value):
+            split = np.ndim(value) > 0 and np.shape(value)[0] % row_shards == 0
+            sharding = self.batch_sharding if split else NamedSharding(mesh, PartitionSpec())
             if isinstance(value, jax.Array):
                 return jax.device_put(value, sharding)
             host = np.asarray(value, jax.dtypes.canonicalize_dtype(np.asarray(value).dtype))

@@ -163,11 +163,11 @@ class Runtime:
     def _generate(self, rollout: Rollout, params: Any) -> None:
         """Runs the generate stage of `rollout`, completing its pieces as they finish."""
         step, version = rollout.step, rollout.version
-        prompts = self.prompt_ids(rollout.examples)
+        prompts, key = self.prompt_ids(rollout.examples), jax.random.fold_in(self.key, step)
         try:
             with self.trace.span(self.generate_stage.name, step, version, self.generate_stage.placement):
-                for piece in self.programs.generate(params, rollout.examples, prompts, key=jax.random.fold_in(self.key, step),
-                                                    version=version, pieces=self.pieces):
+                for piece in self.programs.generate(params, rollout.examples, prompts, key=key, version=version,
+                                                    pieces=self.pieces):
                     self._trace_reward(piece, step)
                     rollout.pieces[piece.index].set_result(piece)
         except BaseException as error:

@@ -4,12 +4,14 @@ synchronous loop, fusion, micro-batched rollouts, and failures that must not sto
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from rpegjax.config import DataSection, GraphSection, ModelSection, RolloutSection, RunConfig, TrainSection, WarmStartSection
 from rpegjax.data.iterator import DataIterator
 from rpegjax.generate.sampling import SamplingConfig
+from rpegjax.generate.weight_sync import reshard_params
 from rpegjax.graph.runtime import Runtime
 from rpegjax.graph.trace import Trace, max_staleness
 from rpegjax.learners.batch import pack_rollouts
@@ -82,7 +84,9 @@ def test_synchronous_runtime_reproduces_a_plain_on_policy_loop():
     reference_params = jax.tree.map(np.copy, jax.device_get(learner.params))
     for step in range(3):
         examples = data.next_batch()
-        generation_params = jax.tree.map(np.copy, jax.device_get(plain.params))
+        generation_params = jax.tree.map(jnp.copy, plain.params)  # the next update donates plain.params
+        if sampler.mesh is not None:
+            generation_params = reshard_params(generation_params, sampler.mesh, sampler.rules)
         completions = sampler.generate(generation_params, reference.prompt_ids(examples), sampling, group_size=2,
                                        key=jax.random.fold_in(jax.random.key(7), step), version=step)
         assert [list(c.response_ids) for c in completions] == [list(c.response_ids) for c in results[step].completions]
@@ -128,7 +132,7 @@ def test_microbatched_rollout_hands_pieces_downstream_and_matches_the_whole_batc
 
 
 def _flaky_reward(text, example):
-    if "1" in text:
+    if example.id[-1] in "02468":  # about half of the problems
         raise RuntimeError("verifier crashed")
     return 0.0
 
