@@ -22,18 +22,31 @@ TINY = [
     "--rollout.num_slots=8", "--warm-start-steps=2", "--train.reward_workers=1", "--mesh=data=1",
 ]
 # timings differ between runs; everything else must be identical for a deterministic configuration
-TIMING_KEYS = {"seconds", "tokens_per_second", "reward/seconds", "warm_start/seconds", "warm_start/cached"}
+TIMING_KEYS = {"seconds", "tokens_per_second", "reward/seconds", "warm_start/seconds", "warm_start/cached",
+               "warm_start/loss"}  # a warm start loaded from the cache reports no loss
 
 
-def job(run_dir, *flags, script="train_grpo.py"):
+# a model that gets non-zero rewards (a warm-started 2-layer model on countdown), so that comparisons of
+# losses and gradients are not blind
+LEARNING = [
+    "--model.hidden_size=64", "--model.num_layers=2", "--model.num_heads=2", "--model.num_kv_heads=1",
+    "--model.head_dim=32", "--model.intermediate_size=128", "--task=countdown", "--data.train_size=64",
+    "--data.eval_size=4", "--prompts-per-step=4", "--group-size=4", "--rollout.max_prompt_len=12",
+    "--max-new-tokens=12", "--rollout.num_slots=16", "--temperature=1.0", "--warm-start-steps=60",
+    "--warm_start.learning_rate=3e-3", "--train.reward_workers=1", "--mesh=data=1",
+]
+
+
+def job(run_dir, *flags, script="train_grpo.py", config=TINY):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
-    command = [sys.executable, str(ROOT / "scripts" / script), *TINY, f"--run-dir={run_dir}",
-               f"--warm_start.cache_dir={run_dir}/../cache", *flags]
+    where = [] if "--resume" in flags else [f"--run-dir={run_dir}"]
+    command = [sys.executable, str(ROOT / "scripts" / script), *config, *where,
+               f"--warm_start.cache_dir={pathlib.Path(run_dir).parent}/cache", *flags]
     return command, env
 
 
-def run_job(run_dir, *flags, script="train_grpo.py", timeout=600):
-    command, env = job(run_dir, *flags, script=script)
+def run_job(run_dir, *flags, script="train_grpo.py", config=TINY, timeout=600):
+    command, env = job(run_dir, *flags, script=script, config=config)
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -75,11 +88,12 @@ def test_ppo_job_runs_with_either_critic(tmp_path, critic):
 @pytest.mark.slow
 def test_resume_after_sigkill_matches_an_uninterrupted_run(tmp_path):
     flags = ("--steps=6", "--checkpoint-every=2", "--async-bound=1")
-    straight = run_job(tmp_path / "straight", *flags)
+    straight = run_job(tmp_path / "straight", *flags, config=LEARNING)
     assert straight.returncode == 0, straight.stderr[-3000:]
+    assert any(r.get("grad_norm", 0) > 0 for r in metrics(tmp_path / "straight")), "a blind comparison"
 
     run_dir = tmp_path / "killed"
-    command, env = job(run_dir, *flags)
+    command, env = job(run_dir, *flags, config=LEARNING)
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 600
     while time.time() < deadline and process.poll() is None:
@@ -91,7 +105,7 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(tmp_path):
     saved = Checkpointer(run_dir / "checkpoints", asynchronous=False).latest_step()
     assert saved in (2, 4), "the job was killed before its first checkpoint"
 
-    resumed = run_job(tmp_path / "unused", "--resume", str(run_dir))
+    resumed = run_job(run_dir, "--resume", str(run_dir), config=LEARNING)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from step {saved}" in resumed.stderr
     ours, theirs = metrics(run_dir), metrics(tmp_path / "straight")
