@@ -1,0 +1,195 @@
+"""Cost formulas of one decoder model: FLOPs, bytes moved and memory, per token, per pass and per decode step.
+
+Conventions (all counts are for the whole model, before any parallel split):
+* A matmul of [m, k] x [k, n] costs 2·m·k·n FLOPs; N_mm = matmul parameters per layer (q, k, v, o projections
+  and the MLP), so the layer stack costs 2·L·N_mm FLOPs per token forward.
+* Attention scores and the weighted sum cost 2·2·h·e FLOPs per (query, key) pair and layer; `AttentionKernel`
+  says which pairs are computed: DENSE (rpegjax's XLA attention: every query against every key position,
+  masked) or FLASH (causal blocks skipped: t(t+1)/2 pairs for a sequence of t).
+* The output projection costs 2·d·v FLOPs per token that needs logits.
+* Backward = 2 x forward; full rematerialisation adds one forward. So training is ≈ 6·N·tokens + attention.
+* Decode is memory-bound: every step reads all weights once plus the KV cache of the attended keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from rpegjax.models.config import ModelConfig
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class AttentionKernel(enum.StrEnum):
+    DENSE = "dense"  # every query scored against every key position (masked); scores materialised
+    FLASH = "flash"  # causal blocks skipped, scores never stored (FlashAttention-style)
+
+
+class DecodeKernel(enum.StrEnum):
+    STATIC = "static"  # fixed slots x fixed capacity every step (rpegjax's jitted sampler): all slots, whole cache
+    PAGED = "paged"  # serving-engine style: only active sequences, only their written keys
+
+
+class Remat(enum.StrEnum):
+    NONE = "none"  # keep every activation for the backward pass
+    FULL = "full"  # checkpoint each layer's input, recompute the layer in the backward pass
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    """The dimensions the cost formulas need (l, d, h, k, e, f, v) and how weights/activations are stored.
+
+    `gated_mlp` is SwiGLU (three d x f matrices, Qwen/Llama); False is a GELU MLP with two (GPT-3/Megatron).
+    """
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    mlp: int
+    vocab: int
+    gated_mlp: bool = True
+    tied_embeddings: bool = False
+    param_dtype: str = "bfloat16"
+    compute_dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "hidden", "heads", "kv_heads", "head_dim", "mlp", "vocab"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ModelShape.{name} must be a positive integer, got {value!r}")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"ModelShape.heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
+        for name in ("param_dtype", "compute_dtype"):
+            if getattr(self, name) not in DTYPE_BYTES:
+                raise ValueError(f"ModelShape.{name} must be one of {sorted(DTYPE_BYTES)}, got {getattr(self, name)!r}")
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig) -> ModelShape:
+        return cls(layers=cfg.num_layers, hidden=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
+                   head_dim=cfg.head_dim, mlp=cfg.intermediate_size, vocab=cfg.vocab_size, gated_mlp=True,
+                   tied_embeddings=cfg.tie_word_embeddings, param_dtype=cfg.param_dtype, compute_dtype=cfg.dtype)
+
+    # ---- sizes ---------------------------------------------------------------------------------------
+    @property
+    def param_bytes_each(self) -> int:
+        return DTYPE_BYTES[self.param_dtype]
+
+    @property
+    def compute_bytes_each(self) -> int:
+        return DTYPE_BYTES[self.compute_dtype]
+
+    @property
+    def matmul_params_per_layer(self) -> int:
+        """q, k, v, o projections and the MLP matrices of one layer."""
+        d, h, k, e, f = self.hidden, self.heads, self.kv_heads, self.head_dim, self.mlp
+        return 2 * d * h * e + 2 * d * k * e + (3 if self.gated_mlp else 2) * d * f
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
+
+    @property
+    def params(self) -> int:
+        """All parameters (matmuls, embeddings, norms; biases are ignored, < 0.1% of any real model)."""
+        return self.layers * (self.matmul_params_per_layer + 2 * self.hidden) + self.hidden + self.embedding_params
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.params * self.param_bytes_each
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Keys and values of every layer for one token."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.compute_bytes_each
+
+
+def attention_pairs(length, kernel: AttentionKernel | str):
+    """(query, key) pairs computed for a sequence of `length` tokens in a full-sequence pass (int or array)."""
+    if AttentionKernel(kernel) is AttentionKernel.DENSE:
+        return length * length
+    return length * (length + 1) // 2
+
+
+def forward_flops(shape: ModelShape, *, tokens: float, pairs: float, logit_tokens: float) -> float:
+    """One forward pass: 2·L·N_mm·tokens + 4·L·h·e·pairs + 2·d·v·logit_tokens."""
+    return (2 * shape.layers * shape.matmul_params_per_layer * tokens
+            + 4 * shape.layers * shape.heads * shape.head_dim * pairs
+            + 2 * shape.hidden * shape.vocab * logit_tokens)
+
+
+def training_flops(shape: ModelShape, *, tokens: float, pairs: float, remat: Remat | str) -> float:
+    """Forward + backward (2x forward) + one extra forward of the layer stack under full rematerialisation."""
+    forward = forward_flops(shape, tokens=tokens, pairs=pairs, logit_tokens=tokens)
+    layers_forward = forward_flops(shape, tokens=tokens, pairs=pairs, logit_tokens=0)
+    return 3 * forward + (layers_forward if Remat(remat) is Remat.FULL else 0.0)
+
+
+def model_flops(shape: ModelShape, *, tokens: float, pairs: float, backward: bool) -> float:
+    """Useful work for MFU: forward (and backward) without rematerialisation."""
+    forward = forward_flops(shape, tokens=tokens, pairs=pairs, logit_tokens=tokens)
+    return 3 * forward if backward else forward
+
+
+def decode_step_flops(shape: ModelShape, *, sequences: float, keys: float) -> float:
+    """One decode step for `sequences` rows attending to `keys` cached keys in total (summed over rows)."""
+    return forward_flops(shape, tokens=sequences, pairs=keys, logit_tokens=sequences)
+
+
+def decode_step_bytes(shape: ModelShape, *, keys: float, sequences: float, tensor: int = 1) -> float:
+    """HBM bytes one device reads and writes in one decode step with `tensor`-way tensor parallelism.
+
+    Weights are split over tensor ranks; KV heads too, but never below one head per rank (they replicate).
+    """
+    kv_split = min(tensor, shape.kv_heads)
+    weights = shape.weight_bytes / tensor
+    cache = (keys + sequences) * shape.kv_bytes_per_token / kv_split  # read attended keys, write the new ones
+    activations = sequences * shape.layers * (6 * shape.hidden + 3 * shape.mlp / tensor) * shape.compute_bytes_each
+    return weights + cache + activations
+
+
+def layer_activation_bytes_per_token(shape: ModelShape, *, keys_per_query: float, kernel: AttentionKernel | str,
+                                     tensor: int = 1) -> float:
+    """Bytes one layer keeps for the backward pass, per token, on one tensor rank.
+
+    Counted tensors (compute dtype): residual input and its norm, q/k/v after RoPE, the attention output, the
+    second residual and its norm, and the MLP's gate, up, activation and product (two for a GELU MLP);
+    DENSE attention also keeps float32 scores and compute-dtype probabilities for every (query, key) pair.
+    """
+    d, h, k, e, f = shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, shape.mlp
+    b = shape.compute_bytes_each
+    kv_split = min(tensor, k)
+    elements = 4 * d + (2 * h * e) / tensor + (2 * k * e) / kv_split + (4 if shape.gated_mlp else 2) * f / tensor
+    attention = (h / tensor) * keys_per_query * (4 + b) if AttentionKernel(kernel) is AttentionKernel.DENSE else 4 * h / tensor
+    return elements * b + attention
+
+
+def training_activation_bytes(shape: ModelShape, *, tokens: float, keys_per_query: float, kernel: AttentionKernel | str,
+                              remat: Remat | str, tensor: int = 1) -> float:
+    """Activation memory of one forward/backward over `tokens` tokens on one device.
+
+    NONE keeps every layer's activations; FULL keeps each layer's input (d per token) plus one layer's worth,
+    which is live while that layer is recomputed and differentiated.
+    """
+    per_layer = layer_activation_bytes_per_token(shape, keys_per_query=keys_per_query, kernel=kernel, tensor=tensor)
+    if Remat(remat) is Remat.NONE:
+        return tokens * shape.layers * per_layer
+    return tokens * (shape.layers * shape.hidden * shape.compute_bytes_each + per_layer)
+
+
+def logprob_chunk_bytes(shape: ModelShape, *, rows: float, chunk: int, tensor: int = 1) -> float:
+    """Peak of chunked log-probs: one chunk of float32 logits, their log-softmax and its gradient."""
+    return 3 * rows * chunk * (shape.vocab / tensor) * 4
+
+
+def optimizer_state_bytes(shape: ModelShape, *, bytes_per_param: float) -> float:
+    """AdamW state: two moments (and a float32 master copy under mixed precision), `bytes_per_param` in all."""
+    return shape.params * bytes_per_param
+
+
+def optimizer_step_bytes(shape: ModelShape, *, state_bytes_per_param: float, grad_bytes_per_param: float) -> float:
+    """Memory traffic of one AdamW step over all parameters: read and write weights and state, read gradients."""
+    per_param = 2 * shape.param_bytes_each + 2 * state_bytes_per_param + grad_bytes_per_param
+    return shape.params * per_param

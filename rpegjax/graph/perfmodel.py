@@ -1,0 +1,372 @@
+"""The analytical performance model: predict an RPEG's step time, per-stage times, memory and timeline.
+
+`predict(graph, model, workload, hardware, options)` reads everything about the plan from the graph —
+placements and their devices, per-stage parallel sizes, fused groups, micro-batches, the asynchrony bound,
+a shared actor-critic trunk — and returns a `Prediction`:
+
+* per stage: time (roofline + α–β collectives, `rpegjax.graph.stage_costs`), FLOPs, peak memory per device;
+* per device: persistent state (weights, optimiser state of every model living there, the generation copy)
+  plus the largest transient of the stages it runs (activations, gradients, KV cache, log-prob chunks);
+  the KV cache takes what is left, which caps decode concurrency; a plan that does not fit says why;
+* the predicted timeline (a `Trace` of predicted events, `rpegjax.graph.schedule`), steady-state step time,
+  generated tokens per second and model FLOPs utilisation (useful FLOPs / (step time · devices · peak)).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from rpegjax.graph import schedule as schedule_module
+from rpegjax.graph import stage_costs
+from rpegjax.graph.costs import ModelShape
+from rpegjax.graph.hardware import HardwareSpec
+from rpegjax.graph.ir import Graph, Role, Stage, StageKind
+from rpegjax.graph.stage_costs import CostInputs, ExecutionOptions, Layout, StageCost, Workload
+from rpegjax.graph.trace import Trace
+from rpegjax.models.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StagePrediction:
+    name: str
+    kind: str
+    seconds: float
+    compute_seconds: float
+    memory_seconds: float
+    communication_seconds: float
+    overhead_seconds: float
+    flops: float
+    model_flops: float
+    peak_memory_bytes: float  # per device of its placement while it runs (persistent + its transient)
+    detail: Mapping[str, float]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Prediction:
+    graph: Graph
+    stages: tuple[StagePrediction, ...]
+    step_seconds: float
+    step_latency_seconds: float
+    peak_memory_bytes: float
+    memory_limit_bytes: float
+    fits: bool
+    problems: tuple[str, ...]
+    tokens_per_second: float  # generated (response) tokens per second of steady state
+    mfu: float
+    model_flops_per_step: float
+    trace: Trace | None
+
+    def stage(self, name: str) -> StagePrediction:
+        for stage in self.stages:
+            if stage.name == name:
+                return stage
+        raise KeyError(f"no predicted stage {name!r}; stages: {[s.name for s in self.stages]}")
+
+    def stage_seconds(self) -> dict[str, float]:
+        return {s.name: s.seconds for s in self.stages}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "graph": self.graph.name, "step_seconds": self.step_seconds, "step_latency_seconds": self.step_latency_seconds,
+            "tokens_per_second": self.tokens_per_second, "mfu": self.mfu, "model_flops_per_step": self.model_flops_per_step,
+            "peak_memory_bytes": self.peak_memory_bytes, "memory_limit_bytes": self.memory_limit_bytes, "fits": self.fits,
+            "problems": list(self.problems),
+            "stages": [{**dataclasses.asdict(s), "detail": dict(s.detail)} for s in self.stages],
+        }
+
+
+# ------------------------------------------------------------------------------------------- plan reading
+def placement_devices(graph: Graph, name: str) -> tuple[int, ...]:
+    """A placement's device indices: explicit ones, else the first `size` devices (what the runtime picks)."""
+    placement = graph.placements[name]
+    return placement.devices if placement.devices is not None else tuple(range(placement.size))
+
+
+def stage_layout(graph: Graph, stage: Stage) -> Layout:
+    return Layout.from_parallel(graph.parallel_of(stage.name), where=f"stage {stage.name!r}")
+
+
+def _home(graph: Graph, kind: StageKind, *, own_kind: bool = False) -> Stage | None:
+    for stage in graph.stages:
+        if (stage.kind is kind) if own_kind else (kind in stage.kinds):
+            return stage
+    return None
+
+
+def _role_shape(role: Role, actor: ModelShape, critic: ModelShape) -> ModelShape:
+    return critic if role is Role.CRITIC else actor
+
+
+@dataclasses.dataclass(frozen=True)
+class _Resident:
+    """One model's persistent state on a set of devices."""
+
+    what: str
+    devices: tuple[int, ...]
+    layout: Layout
+    bytes_per_device: float
+
+
+def resident_state(graph: Graph, inputs: CostInputs) -> list[_Resident]:
+    """Weights and optimiser states that stay on devices across stages, and the generation copy of the actor."""
+    o, out = inputs.options, []
+    state_bytes = lambda shape: shape.param_bytes_each + o.optimizer_bytes_per_param  # noqa: E731
+    for kind, shape, what in ((StageKind.ACTOR_UPDATE, inputs.actor, "actor weights + optimiser"),
+                              (StageKind.CRITIC_UPDATE, inputs.critic, "critic weights + optimiser")):
+        home = _home(graph, kind, own_kind=True)
+        if home is not None:
+            layout = stage_layout(graph, home)
+            out.append(_Resident(what, placement_devices(graph, home.placement), layout,
+                                 shape.params * state_bytes(shape) / layout.shards))
+    reference = _home(graph, StageKind.REF_LOGPROB)
+    if reference is not None:
+        layout = stage_layout(graph, reference)
+        out.append(_Resident("reference weights", placement_devices(graph, reference.placement), layout,
+                             inputs.actor.weight_bytes / layout.shards))
+    generate, actor = _home(graph, StageKind.GENERATE), _home(graph, StageKind.ACTOR_UPDATE)
+    if generate is not None and actor is not None:
+        gen_layout, gen_devices = stage_layout(graph, generate), placement_devices(graph, generate.placement)
+        same = gen_devices == placement_devices(graph, actor.placement) and (
+            (gen_layout.fsdp, gen_layout.tensor) == (stage_layout(graph, actor).fsdp, stage_layout(graph, actor).tensor))
+        if not same:
+            out.append(_Resident("generation weights", gen_devices, gen_layout, inputs.actor.weight_bytes / gen_layout.shards))
+    return out
+
+
+def _persistent(residents: list[_Resident], num_devices: int) -> np.ndarray:
+    memory = np.zeros(num_devices)
+    for resident in residents:
+        memory[list(resident.devices)] += resident.bytes_per_device
+    return memory
+
+
+# ---------------------------------------------------------------------------------------------- stage costs
+def _reshard_for(graph: Graph, stage: Stage, inputs: CostInputs) -> tuple[float, float]:
+    """(seconds, transient bytes) to bring a model stage's weights from their home layout to the stage's own."""
+    homes = {Role.ACTOR: _home(graph, StageKind.ACTOR_UPDATE, own_kind=True),
+             Role.CRITIC: _home(graph, StageKind.CRITIC_UPDATE, own_kind=True)}
+    home = homes.get(stage.role)
+    if home is None or home.name == stage.name or StageKind.GENERATE in stage.kinds:
+        return 0.0, 0.0
+    source, target = stage_layout(graph, home), stage_layout(graph, stage)
+    same_devices = placement_devices(graph, home.placement) == placement_devices(graph, stage.placement)
+    if same_devices and (source.fsdp, source.tensor) == (target.fsdp, target.tensor):
+        return 0.0, 0.0
+    shape = _role_shape(stage.role, inputs.actor, inputs.critic)
+    seconds = _transfer_seconds(graph, shape, home, stage, inputs.hardware)
+    return seconds, shape.weight_bytes / target.shards
+
+
+def _transfer_seconds(graph: Graph, shape: ModelShape, source: Stage, target: Stage, hardware: HardwareSpec) -> float:
+    src_devices, dst_devices = placement_devices(graph, source.placement), placement_devices(graph, target.placement)
+    level = max(hardware.level_index(src_devices[0], dst_devices[0]), hardware.level_index(src_devices[-1], dst_devices[-1]))
+    return stage_costs.reshard_seconds(shape, stage_layout(graph, source), stage_layout(graph, target), hardware,
+                                       same_devices=src_devices == dst_devices, crossing_level=level,
+                                       senders=len(src_devices), receivers=len(dst_devices))
+
+
+def stage_cost(graph: Graph, stage: Stage, inputs: CostInputs, persistent: np.ndarray) -> StageCost:
+    """One execution of `stage` (all its merged kinds), before fusion with other stages."""
+    kinds, device = stage.kinds, inputs.hardware.device
+    if stage.host:
+        cost = stage_costs.reward_cost(inputs) if StageKind.REWARD in kinds else StageCost(seconds=0.0)
+        return _split(cost, stage.microbatches, 0.0)
+    layout = stage_layout(graph, stage)
+    devices = placement_devices(graph, stage.placement)
+    if StageKind.GENERATE in kinds:
+        budget = inputs.hardware.usable_memory_bytes - float(persistent[list(devices)].max())
+        return stage_costs.generation_cost(inputs, layout, kv_budget_bytes=budget, pieces=stage.microbatches)
+    if StageKind.WEIGHT_SYNC in kinds:
+        readers = [graph.stage(name) for name in graph.consumers(stage.name)]
+        generate = next((s for s in readers if StageKind.GENERATE in s.kinds), None)
+        source = _home(graph, StageKind.ACTOR_UPDATE, own_kind=True)
+        seconds = 0.0 if generate is None or source is None else _transfer_seconds(graph, inputs.actor, source, generate, inputs.hardware)
+        return StageCost(seconds=seconds + device.dispatch_overhead_s, communication_seconds=seconds,
+                         overhead_seconds=device.dispatch_overhead_s)
+    if StageKind.ADVANTAGE in kinds:
+        return _split(stage_costs.advantage_cost(inputs, layout), stage.microbatches, device.dispatch_overhead_s)
+    reshard, copy_bytes = _reshard_for(graph, stage, inputs)
+    shape = _role_shape(stage.role, inputs.actor, inputs.critic)
+    if StageKind.ACTOR_UPDATE in kinds or StageKind.CRITIC_UPDATE in kinds:
+        epochs, steps = int(stage.options.get("epochs", 1)), int(stage.options.get("minibatches", 1))
+        cost = stage_costs.model_pass_cost(inputs, shape, layout, logits=True, backward=True, epochs=epochs, optimizer_steps=steps)
+    else:
+        logits = bool({StageKind.REF_LOGPROB, StageKind.OLD_LOGPROB} & set(kinds))
+        cost = stage_costs.model_pass_cost(inputs, shape, layout, logits=logits, backward=False)
+    cost = dataclasses.replace(cost, seconds=cost.seconds + reshard, communication_seconds=cost.communication_seconds + reshard,
+                               transient_bytes=cost.transient_bytes + copy_bytes)
+    return _split(cost, stage.microbatches, device.dispatch_overhead_s)
+
+
+def _split(cost: StageCost, pieces: int, dispatch: float) -> StageCost:
+    """The cost run in `pieces` pieces: one extra dispatch per piece, pieces complete evenly."""
+    if pieces == 1:
+        return cost
+    return dataclasses.replace(cost, seconds=cost.seconds + (pieces - 1) * dispatch,
+                               overhead_seconds=cost.overhead_seconds + (pieces - 1) * dispatch,
+                               piece_fractions=tuple((j + 1) / pieces for j in range(pieces)))
+
+
+# ------------------------------------------------------------------------------------------------- predict
+def _shape(model: ModelShape | ModelConfig) -> ModelShape:
+    return model if isinstance(model, ModelShape) else ModelShape.from_config(model)
+
+
+def _cost_key(graph: Graph, stage: Stage, persistent: np.ndarray) -> tuple:
+    """Everything a stage's cost depends on besides the fixed inputs: the stage, its placement, the layouts
+    its weights come from (resharding) or go to (weight sync), and the memory left on its devices."""
+    if stage.host:
+        return (stage,)
+    related = []
+    for kind in (StageKind.ACTOR_UPDATE, StageKind.CRITIC_UPDATE):
+        home = _home(graph, kind, own_kind=True)
+        if home is not None:
+            related.append((home.placement, graph.placements[home.placement], graph.parallel_of(home.name)))
+    if StageKind.WEIGHT_SYNC in stage.kinds:
+        for reader in graph.consumers(stage.name):
+            reader_stage = graph.stage(reader)
+            if not reader_stage.host:
+                related.append((graph.placements[reader_stage.placement], graph.parallel_of(reader)))
+    devices = list(placement_devices(graph, stage.placement))
+    left = round(float(persistent[devices].max())) if StageKind.GENERATE in stage.kinds else None
+    return stage, graph.placements[stage.placement], tuple(map(repr, related)), left
+
+
+class Evaluator:
+    """Predicts graphs for one model, workload, hardware and options, remembering stage costs across graphs
+    (the planner evaluates thousands of graphs that share most stages)."""
+
+    def __init__(self, model: ModelShape | ModelConfig, workload: Workload, hardware: HardwareSpec,
+                 options: ExecutionOptions | None = None, *, critic: ModelShape | ModelConfig | None = None):
+        actor = _shape(model)
+        self.inputs = CostInputs(hardware=hardware, actor=actor, critic=actor if critic is None else _shape(critic),
+                                 workload=workload, options=options or ExecutionOptions())
+        self._costs: dict[tuple, StageCost | str] = {}
+
+    def _check(self, graph: Graph) -> None:
+        graph.validate()
+        hardware = self.inputs.hardware
+        if graph.num_devices > hardware.num_devices:
+            raise ValueError(f"graph {graph.name!r} needs {graph.num_devices} devices, hardware {hardware.name!r} "
+                             f"has {hardware.num_devices}")
+
+    def stage_costs(self, graph: Graph) -> tuple[dict[str, StageCost], np.ndarray, list[str]]:
+        """(cost per stage, persistent bytes per device, memory problems) for a validated graph."""
+        inputs = self.inputs
+        residents = resident_state(graph, inputs)
+        persistent = _persistent(residents, graph.num_devices)
+        limit = inputs.hardware.usable_memory_bytes
+        problems: list[str] = []
+        for device_index in np.flatnonzero(persistent > limit)[:1]:
+            held = [r.what for r in residents if device_index in r.devices]
+            problems.append(f"device {device_index}: persistent state {persistent[device_index] / 1e9:.1f} GB "
+                            f"({', '.join(held)}) exceeds the usable {limit / 1e9:.1f} GB")
+        costs: dict[str, StageCost] = {}
+        for stage in graph.stages:
+            key = _cost_key(graph, stage, persistent)
+            if key not in self._costs:
+                try:
+                    self._costs[key] = stage_cost(graph, stage, inputs, persistent)
+                except MemoryError as error:
+                    self._costs[key] = str(error)
+            cost = self._costs[key]
+            if isinstance(cost, str):
+                problems.append(f"stage {stage.name!r}: {cost}")
+                cost = StageCost(seconds=float("inf"))
+            costs[stage.name] = cost
+        return costs, persistent, problems
+
+    def lower_bound(self, graph: Graph) -> float:
+        """The busiest resource's work per step (inf when the plan does not fit): no prediction is below it."""
+        self._check(graph)
+        costs, persistent, problems = self.stage_costs(graph)
+        if problems or self._memory_problems(graph, costs, persistent)[1]:
+            return float("inf")
+        return schedule_module.resource_bound(_units(graph, costs, self.inputs.hardware), graph.num_devices)
+
+    def _memory_problems(self, graph: Graph, costs: Mapping[str, StageCost],
+                         persistent: np.ndarray) -> tuple[np.ndarray, list[str]]:
+        limit = self.inputs.hardware.usable_memory_bytes
+        peak, problems = persistent.copy(), []
+        for stage in graph.stages:
+            cost = costs[stage.name]
+            if stage.host or not np.isfinite(cost.seconds):
+                continue
+            devices = list(placement_devices(graph, stage.placement))
+            peak[devices] = np.maximum(peak[devices], persistent[devices] + cost.transient_bytes)
+            need = float(persistent[devices].max() + cost.transient_bytes)
+            if need > limit:
+                problems.append(f"stage {stage.name!r}: needs {need / 1e9:.1f} GB per device on placement "
+                                f"{stage.placement!r}, the usable memory is {limit / 1e9:.1f} GB")
+        return peak, problems
+
+    def predict(self, graph: Graph, *, steps: int | None = None, with_trace: bool = True) -> Prediction:
+        """Predicts one steady-state RL step of `graph` (see the module docstring)."""
+        self._check(graph)
+        inputs, hardware = self.inputs, self.inputs.hardware
+        costs, persistent, problems = self.stage_costs(graph)
+        peak, memory_problems = self._memory_problems(graph, costs, persistent)
+        problems += memory_problems
+        stage_predictions = []
+        for stage in graph.stages:
+            cost = costs[stage.name]
+            devices = [] if stage.host else list(placement_devices(graph, stage.placement))
+            stage_predictions.append(StagePrediction(
+                name=stage.name, kind=stage.kind.value, seconds=cost.seconds, compute_seconds=cost.compute_seconds,
+                memory_seconds=cost.memory_seconds, communication_seconds=cost.communication_seconds,
+                overhead_seconds=cost.overhead_seconds, flops=cost.flops, model_flops=cost.model_flops,
+                peak_memory_bytes=float(persistent[devices].max() + cost.transient_bytes) if devices else 0.0,
+                detail=dict(cost.detail)))
+        fits = not problems
+        timeline = None
+        step_seconds = latency = float("inf")
+        if fits:
+            simulated = steps or max(6, 4 * (graph.async_bound + 1))
+            timeline = schedule_module.simulate(graph, _units(graph, costs, hardware), steps=simulated,
+                                                num_devices=graph.num_devices)
+            step_seconds, latency = timeline.step_seconds, timeline.step_latency
+        workload = inputs.workload
+        model_flops = sum(c.model_flops for c in costs.values() if np.isfinite(c.seconds))
+        generated = float(workload.responses.sample(workload.sequences).sum())
+        peak_flops = hardware.device.flops(inputs.actor.compute_dtype)
+        return Prediction(
+            graph=graph, stages=tuple(stage_predictions), step_seconds=step_seconds, step_latency_seconds=latency,
+            peak_memory_bytes=float(peak.max()), memory_limit_bytes=hardware.usable_memory_bytes, fits=fits,
+            problems=tuple(problems), tokens_per_second=generated / step_seconds if fits else 0.0,
+            mfu=model_flops / (step_seconds * graph.num_devices * peak_flops) if fits else 0.0,
+            model_flops_per_step=model_flops,
+            trace=schedule_module.to_trace(timeline, graph.name or "predicted") if timeline is not None and with_trace else None)
+
+
+def predict(graph: Graph, model: ModelShape | ModelConfig, workload: Workload, hardware: HardwareSpec,
+            options: ExecutionOptions | None = None, *, critic: ModelShape | ModelConfig | None = None,
+            steps: int | None = None, with_trace: bool = True) -> Prediction:
+    """Predicts one steady-state RL step of `graph` (see the module docstring)."""
+    return Evaluator(model, workload, hardware, options, critic=critic).predict(graph, steps=steps, with_trace=with_trace)
+
+
+def _units(graph: Graph, costs: Mapping[str, StageCost], hardware: HardwareSpec) -> list[schedule_module.Unit]:
+    """Execution units with their device sets; a fused group costs the sum of its members, dispatched once."""
+    units = []
+    for members in graph.execution_units():
+        stages = [graph.stage(name) for name in members]
+        first = stages[0]
+        seconds = sum(costs[name].seconds for name in members) - (len(members) - 1) * hardware.device.dispatch_overhead_s
+        if first.host:
+            devices = None
+        else:
+            device_set = set(placement_devices(graph, first.placement))
+            if StageKind.WEIGHT_SYNC in first.kinds:  # the receivers are busy loading the new weights too
+                for reader in graph.consumers(first.name):
+                    if not graph.stage(reader).host:
+                        device_set |= set(placement_devices(graph, graph.stage(reader).placement))
+            devices = tuple(sorted(device_set))
+        fractions = costs[members[0]].piece_fractions if len(members) == 1 else tuple(
+            (j + 1) / first.microbatches for j in range(first.microbatches))
+        units.append(schedule_module.Unit(stages=tuple(members), devices=devices, seconds=seconds,
+                                          piece_fractions=fractions, kind=first.kind.value))
+    return units

@@ -1,0 +1,377 @@
+"""The planner: searches structure and execution of an RPEG together and returns executable graphs, ranked.
+
+Search space (`PlanSpace`): asynchrony bound; for PPO a separate or shared actor-critic trunk; fusion of the
+inference stages; micro-batch count of generation and the stages that consume it; colocated placement or a
+split of the devices between a rollout sub-mesh and a training sub-mesh; the generation layout (tensor x data);
+the training layout (data x fsdp x tensor); inference stages on the training layout or each re-sharded to the
+layout that is fastest for it. Every candidate is a `Graph` built with the builders and transforms, predicted
+by `perfmodel.Evaluator`; plans that exceed device memory are ranked out.
+
+Exactness: the search is branch and bound over that whole space. The per-step work of the busiest resource
+(`Evaluator.lower_bound`) bounds every plan's step time from below; it does not depend on the asynchrony bound
+and micro-batching (micro-batching only adds work), and fusion saves at most one dispatch per extra fused
+stage, so one bound per (critic, placement, layouts, re-sharding) candidate covers all its variants. Variants
+are predicted in bound order until the bound passes the k-th best time, so the returned ranking is the same as
+predicting every plan (`brute_force`), which the tests check on small cases.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import math
+import time
+from collections.abc import Iterator
+
+from rpegjax.graph import transforms
+from rpegjax.graph.builders import ALL_PLACEMENT, CriticMode, grpo_graph, ppo_graph
+from rpegjax.graph import stage_costs
+from rpegjax.graph.ir import INFERENCE_KINDS, Algorithm, Graph, Placement, Role, StageKind
+from rpegjax.graph.perfmodel import Evaluator, Prediction
+
+ROLLOUT, TRAIN = "rollout", "train"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PlanSpace:
+    """The choices the planner enumerates (fractions of devices given to generation; None = colocated)."""
+
+    async_bounds: tuple[int, ...] = (0, 1, 2)
+    critic_modes: tuple[CriticMode, ...] = (CriticMode.SEPARATE, CriticMode.SHARED)
+    fusion: tuple[bool, ...] = (False, True)
+    microbatches: tuple[int, ...] = (1, 4)
+    generation_fractions: tuple[float | None, ...] = (None, 0.25, 0.375, 0.5, 0.625, 0.75)
+    tensor_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    reshard_inference: tuple[bool, ...] = (False, True)
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "critic_modes", tuple(CriticMode(m) for m in self.critic_modes))
+        except ValueError:
+            raise ValueError(f"PlanSpace.critic_modes must hold {[m.value for m in CriticMode]}, got {self.critic_modes!r}") from None
+        for name in ("async_bounds", "critic_modes", "fusion", "microbatches", "generation_fractions", "tensor_sizes",
+                     "reshard_inference"):
+            if not getattr(self, name):
+                raise ValueError(f"PlanSpace.{name} must list at least one choice")
+        if any(k < 0 for k in self.async_bounds) or any(m < 1 for m in self.microbatches) or any(t < 1 for t in self.tensor_sizes):
+            raise ValueError(f"PlanSpace: async bounds >= 0, micro-batches and tensor sizes >= 1, got {self}")
+        if any(f is not None and not 0 < f < 1 for f in self.generation_fractions):
+            raise ValueError(f"PlanSpace.generation_fractions must be None or in (0, 1), got {self.generation_fractions}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PlanChoice:
+    """One point of the space; `build_graph` turns it into a graph."""
+
+    algorithm: Algorithm
+    use_reference: bool
+    num_devices: int
+    async_bound: int = 0
+    critic_mode: CriticMode = CriticMode.SEPARATE
+    fused: bool = False
+    microbatches: int = 1
+    generation_devices: int = 0  # 0: generation shares all devices with training
+    generation_layout: tuple[tuple[str, int], ...] = ()
+    train_layout: tuple[tuple[str, int], ...] = ()
+    inference_layouts: tuple[tuple[str, tuple[tuple[str, int], ...]], ...] = ()  # stage -> own layout
+
+    def describe(self) -> str:
+        placement = "colocated" if not self.generation_devices else (
+            f"disaggregated {self.generation_devices}+{self.num_devices - self.generation_devices}")
+        parts = [f"k={self.async_bound}", placement, f"gen {_layout_text(self.generation_layout)}",
+                 f"train {_layout_text(self.train_layout)}"]
+        if self.algorithm is Algorithm.PPO:
+            parts.append(f"critic {self.critic_mode.value}")
+        parts.append("fused" if self.fused else "unfused")
+        if self.microbatches > 1:
+            parts.append(f"{self.microbatches} microbatches")
+        if self.inference_layouts:
+            parts.append("re-sharded " + ", ".join(f"{s}:{_layout_text(l)}" for s, l in self.inference_layouts))
+        return "; ".join(parts)
+
+
+def _layout_text(layout: tuple[tuple[str, int], ...]) -> str:
+    return "x".join(f"{axis[0]}{size}" for axis, size in layout if size > 1) or "1"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Plan:
+    choice: PlanChoice
+    graph: Graph
+    prediction: Prediction
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PlanResult:
+    best: Plan
+    alternatives: tuple[Plan, ...]  # next best, ranked
+    evaluated: int  # plans predicted in full
+    candidates: int  # plans in the space
+    rejected: tuple[str, ...]  # why some candidates were ranked out (first few)
+    seconds: float
+
+
+# ------------------------------------------------------------------------------------------------- building
+def _sizes(layout: tuple[tuple[str, int], ...]) -> dict[str, int]:
+    return dict(layout)
+
+
+@functools.lru_cache(maxsize=128)
+def _structure(algorithm: Algorithm, use_reference: bool, critic_mode: CriticMode, async_bound: int,
+               num_devices: int) -> Graph:
+    """The builder's graph with asynchrony and actor-critic sharing applied (immutable, so shared)."""
+    name = f"{algorithm.value}-plan"
+    if algorithm is Algorithm.PPO:
+        return ppo_graph(use_reference=use_reference, critic=critic_mode, async_bound=async_bound,
+                         num_devices=num_devices, name=name)
+    return grpo_graph(use_reference=use_reference, async_bound=async_bound, num_devices=num_devices, name=name)
+
+
+def _placed(graph: Graph, choice: PlanChoice) -> Graph:
+    """Every device stage on its sub-mesh with its layout, in one rewrite (what a `place` per stage would give;
+    the caller validates): colocated on `all`, or generation on `rollout` and the rest on `train`."""
+    n, g = choice.num_devices, choice.generation_devices
+    train, generation, own = _sizes(choice.train_layout), _sizes(choice.generation_layout), dict(choice.inference_layouts)
+    if g:
+        placements = {ROLLOUT: Placement(name=ROLLOUT, parallel=generation, devices=tuple(range(g))),
+                      TRAIN: Placement(name=TRAIN, parallel=train, devices=tuple(range(g, n)))}
+    else:
+        placements = {ALL_PLACEMENT: Placement(name=ALL_PLACEMENT, parallel=train, devices=tuple(range(n)))}
+    stages = []
+    for stage in graph.stages:
+        if stage.host:
+            stages.append(stage)
+            continue
+        generates = StageKind.GENERATE in stage.kinds
+        placement = (ROLLOUT if generates else TRAIN) if g else ALL_PLACEMENT
+        layout = generation if generates else _sizes(own[stage.name]) if stage.name in own else train
+        parallel = None if layout == dict(placements[placement].parallel) else layout
+        stages.append(dataclasses.replace(stage, placement=placement, parallel=parallel))
+    return dataclasses.replace(graph, stages=tuple(stages), placements=placements)
+
+
+def build_graph(choice: PlanChoice) -> Graph:
+    """The executable graph of `choice`: builder (asynchrony, critic sharing), placements and layouts, then the
+    fusion and micro-batch transforms; validated."""
+    graph = _placed(_structure(choice.algorithm, choice.use_reference, choice.critic_mode, choice.async_bound,
+                               choice.num_devices), choice).validate()
+    if choice.fused:
+        graph = transforms.default_fusion(graph)
+    if choice.microbatches > 1:
+        done: set[str] = set()
+        for stage in graph.stages:
+            consumes_rollouts = stage.kind is StageKind.GENERATE or stage.kind is StageKind.REWARD or (
+                INFERENCE_KINDS & set(stage.kinds))
+            if consumes_rollouts and stage.name not in done:
+                graph = transforms.microbatch(graph, stage.name, choice.microbatches)
+                done.update(m.name for m in graph.stages if m.fused_group and m.fused_group == stage.fused_group)
+                done.add(stage.name)
+    return graph.validate()
+
+
+# ---------------------------------------------------------------------------------------------- candidates
+def layouts(num_devices: int, tensor_sizes: tuple[int, ...], *, heads: int, kv_heads: int, node_size: int,
+            with_fsdp: bool) -> list[tuple[tuple[str, int], ...]]:
+    """(data, fsdp, tensor) layouts of `num_devices`: tensor inside a node dividing the head count; fsdp powers of 2."""
+    out = []
+    for tensor in tensor_sizes:
+        if tensor > node_size or heads % tensor or num_devices % tensor:
+            continue
+        rest = num_devices // tensor
+        fsdp_sizes = [f for f in (2**i for i in range(rest.bit_length())) if rest % f == 0] if with_fsdp else [1]
+        for fsdp in fsdp_sizes:
+            out.append((("data", rest // fsdp), ("fsdp", fsdp), ("tensor", tensor)))
+    return out
+
+
+def _splits(num_devices: int, fractions: tuple[float | None, ...], node_size: int) -> list[int]:
+    splits = []
+    for fraction in fractions:
+        if fraction is None:
+            splits.append(0)
+            continue
+        unit = node_size if num_devices >= 2 * node_size else 1
+        g = int(round(num_devices * fraction / unit)) * unit
+        if 0 < g < num_devices:
+            splits.append(g)
+    return sorted(set(splits))
+
+
+class Planner:
+    """Branch-and-bound search of `space` for one algorithm, model, workload and hardware (see module doc)."""
+
+    def __init__(self, evaluator: Evaluator, *, algorithm: Algorithm | str, num_devices: int, use_reference: bool = True,
+                 space: PlanSpace | None = None):
+        self.evaluator = evaluator
+        self.algorithm = Algorithm(algorithm)
+        self.num_devices = num_devices
+        self.use_reference = use_reference
+        self.space = space or PlanSpace()
+        self._own_cache: dict[tuple, tuple] = {}
+        hardware = evaluator.inputs.hardware
+        if num_devices > hardware.num_devices:
+            raise ValueError(f"planner: {num_devices} devices requested, hardware {hardware.name!r} has {hardware.num_devices}")
+
+    # the (critic, placement, layouts) skeletons and their structure variants
+    def skeletons(self) -> Iterator[PlanChoice]:
+        shape, hardware = self.evaluator.inputs.actor, self.evaluator.inputs.hardware
+        critic_modes = self.space.critic_modes if self.algorithm is Algorithm.PPO else (CriticMode.SEPARATE,)
+        for critic_mode, split in itertools.product(critic_modes, _splits(self.num_devices, self.space.generation_fractions,
+                                                                          hardware.node_size)):
+            train_devices = self.num_devices - split
+            kwargs = dict(heads=shape.heads, kv_heads=shape.kv_heads, node_size=hardware.node_size)
+            generation = layouts(split or self.num_devices, self.space.tensor_sizes, with_fsdp=False, **kwargs)
+            training = layouts(train_devices, self.space.tensor_sizes, with_fsdp=True, **kwargs)
+            for gen_layout, train_layout in itertools.product(generation, training):
+                base = PlanChoice(algorithm=self.algorithm, use_reference=self.use_reference, num_devices=self.num_devices,
+                                  critic_mode=critic_mode, generation_devices=split, generation_layout=gen_layout,
+                                  train_layout=train_layout)
+                for reshard in self.space.reshard_inference:
+                    if not reshard:
+                        yield base
+                    else:
+                        own = self._own_inference_layouts(base, training)
+                        if own:
+                            yield dataclasses.replace(base, inference_layouts=own)
+
+    def _own_inference_layouts(self, base: PlanChoice, candidates) -> tuple:
+        """Each inference stage on the layout that minimises its own pass time (ReaL-style per-stage re-sharding);
+        re-sharding and memory are then costed and checked when the whole plan is predicted."""
+        key = (base.critic_mode, base.generation_devices)
+        if key not in self._own_cache:
+            graph = build_graph(base)
+            inputs = self.evaluator.inputs
+            fastest = []
+            for stage in graph.stages:
+                if not INFERENCE_KINDS & set(stage.kinds):
+                    continue
+                shape = inputs.critic if stage.role is Role.CRITIC else inputs.actor
+                logits = bool({StageKind.REF_LOGPROB, StageKind.OLD_LOGPROB} & set(stage.kinds))
+                seconds = {layout: stage_costs.model_pass_cost(inputs, shape, stage_costs.Layout.from_parallel(
+                    _sizes(layout), where=stage.name), logits=logits, backward=False).seconds for layout in candidates}
+                fastest.append((stage.name, min(candidates, key=lambda layout: (seconds[layout], candidates.index(layout)))))
+            self._own_cache[key] = tuple(fastest)
+        return tuple((name, layout) for name, layout in self._own_cache[key] if layout != base.train_layout)
+
+    def variants(self, skeleton: PlanChoice) -> Iterator[PlanChoice]:
+        for k, fused, m in itertools.product(self.space.async_bounds, self.space.fusion, self.space.microbatches):
+            yield dataclasses.replace(skeleton, async_bound=k, fused=fused, microbatches=m)
+
+    def _bound(self, skeleton: PlanChoice) -> float:
+        graph = build_graph(skeleton)
+        bound = self.evaluator.lower_bound(graph)
+        fusable = sum(1 for s in graph.stages if INFERENCE_KINDS & set(s.kinds))
+        return bound - max(0, fusable - 1) * self.evaluator.inputs.hardware.device.dispatch_overhead_s
+
+    def search(self, *, top: int = 5) -> PlanResult:
+        """The best plan and the next `top - 1`, exactly as `brute_force` would rank them."""
+        start = time.perf_counter()
+        bounded = []
+        for index, skeleton in enumerate(self.skeletons()):
+            bounded.append((self._bound(skeleton), index, skeleton))
+        bounded.sort(key=lambda item: (item[0], item[1]))
+        ranked: list[tuple[tuple, Plan]] = []  # the best `top` so far, sorted
+        rejected: list[str] = []
+        per_skeleton = len(self.space.async_bounds) * len(self.space.fusion) * len(self.space.microbatches)
+        evaluated, candidates = 0, per_skeleton * len(bounded)
+        for bound, _, skeleton in bounded:
+            if math.isinf(bound):
+                if len(rejected) < 5:
+                    rejected.append(f"{skeleton.describe()}: does not fit in memory")
+                continue
+            if len(ranked) >= top and bound > ranked[-1][0][0]:
+                break  # sorted by bound: no later candidate can enter the top
+            for choice in self.variants(skeleton):
+                plan = self._plan(choice)
+                evaluated += 1
+                if not plan.prediction.fits:
+                    continue
+                ranked.append((_rank_key(plan), plan))
+                ranked.sort(key=lambda item: item[0])
+                del ranked[top:]
+        if not ranked:
+            raise ValueError(f"planner: no plan of {candidates} fits in device memory; first reasons: {rejected}")
+        plans = [plan for _, plan in ranked]
+        return PlanResult(best=plans[0], alternatives=tuple(plans[1:]), evaluated=evaluated, candidates=candidates,
+                          rejected=tuple(rejected), seconds=time.perf_counter() - start)
+
+    def _plan(self, choice: PlanChoice) -> Plan:
+        graph = build_graph(choice)
+        return Plan(choice=choice, graph=graph, prediction=self.evaluator.predict(graph, with_trace=False))
+
+    def brute_force(self, *, top: int = 5) -> list[Plan]:
+        """Predicts every plan of the space (slow; for tests) and ranks those that fit."""
+        plans = [self._plan(choice) for skeleton in self.skeletons() for choice in self.variants(skeleton)]
+        fitting = sorted((p for p in plans if p.prediction.fits), key=_rank_key)
+        return fitting[:top]
+
+
+def _rank_key(plan: Plan) -> tuple:
+    """Faster first; ties go to fresher weights, shorter step latency, less memory, then a stable description."""
+    c, p = plan.choice, plan.prediction
+    return (round(p.step_seconds, 9), c.async_bound, round(p.step_latency_seconds, 6), round(p.peak_memory_bytes / 1e6),
+            c.microbatches, not c.fused, c.describe())
+
+
+# ------------------------------------------------------------------------------------------ reference plans
+def verl_like(evaluator: Evaluator, *, algorithm: Algorithm | str, num_devices: int, use_reference: bool = True) -> Plan:
+    """verl's default: synchronous, colocated, separate models; FSDP (ZeRO-3) training over all devices and
+    tensor-parallel rollout (TP 2 up to ~14B parameters, else 4, as in verl's example scripts)."""
+    shape = evaluator.inputs.actor
+    tensor = 2 if shape.params <= 14e9 else 4
+    tensor = min(tensor, evaluator.inputs.hardware.node_size, num_devices)
+    choice = PlanChoice(algorithm=Algorithm(algorithm), use_reference=use_reference, num_devices=num_devices,
+                        generation_layout=(("data", num_devices // tensor), ("fsdp", 1), ("tensor", tensor)),
+                        train_layout=(("data", 1), ("fsdp", num_devices), ("tensor", 1)))
+    graph = build_graph(choice)
+    return Plan(choice=choice, graph=graph, prediction=evaluator.predict(graph))
+
+
+def real_like(evaluator: Evaluator, *, algorithm: Algorithm | str, num_devices: int, use_reference: bool = True,
+              tensor_sizes: tuple[int, ...] = (1, 2, 4, 8)) -> Plan:
+    """ReaL's approach: synchronous, colocated, separate models, every stage on the parallel layout fastest
+    for it (weights re-sharded between stages), no fusion, no asynchrony.
+
+    Generation takes the layout with the fastest rollout, training the one with the fastest updates, each
+    inference stage its own fastest; when that combination exceeds device memory, the next fastest training
+    layouts are tried, first with and then without per-stage re-sharding.
+    """
+    planner = Planner(evaluator, algorithm=algorithm, num_devices=num_devices, use_reference=use_reference,
+                      space=PlanSpace(async_bounds=(0,), critic_modes=(CriticMode.SEPARATE,), fusion=(False,),
+                                      microbatches=(1,), generation_fractions=(None,), tensor_sizes=tensor_sizes,
+                                      reshard_inference=(False,)))
+    generation: dict[tuple, float] = {}
+    training: dict[tuple, tuple[float, PlanChoice]] = {}
+    for skeleton in planner.skeletons():
+        graph = build_graph(skeleton)
+        costs, _, problems = evaluator.stage_costs(graph)
+        if problems:
+            continue
+        generate = graph.stages_of_kind(StageKind.GENERATE)[0].name
+        update = sum(c.seconds for name, c in costs.items()
+                     if graph.stage(name).kind in (StageKind.ACTOR_UPDATE, StageKind.CRITIC_UPDATE))
+        generation[skeleton.generation_layout] = min(generation.get(skeleton.generation_layout, math.inf),
+                                                     costs[generate].seconds)
+        if update < training.get(skeleton.train_layout, (math.inf, None))[0]:
+            training[skeleton.train_layout] = (update, skeleton)
+    if not generation:
+        raise ValueError("real_like: no layout fits in device memory")
+    best_generation = min(generation, key=generation.get)
+    shape, hardware = evaluator.inputs.actor, evaluator.inputs.hardware
+    candidates = layouts(num_devices, tensor_sizes, heads=shape.heads, kv_heads=shape.kv_heads,
+                         node_size=hardware.node_size, with_fsdp=True)
+    fallback = None
+    for _, skeleton in sorted(training.values(), key=lambda item: item[0]):
+        choice = dataclasses.replace(skeleton, generation_layout=best_generation)
+        for own in (planner._own_inference_layouts(choice, candidates), ()):
+            graph = build_graph(dataclasses.replace(choice, inference_layouts=own))
+            plan = Plan(choice=dataclasses.replace(choice, inference_layouts=own), graph=graph,
+                        prediction=evaluator.predict(graph))
+            if plan.prediction.fits:
+                return plan
+            fallback = fallback or plan
+    return fallback
+
+
+__all__ = ["Plan", "PlanChoice", "PlanResult", "PlanSpace", "Planner", "build_graph", "layouts", "real_like", "verl_like"]

@@ -1,0 +1,421 @@
+"""Time of one stage on its placement: roofline compute and memory terms, α–β communication, fixed overheads.
+
+Every function here takes a `CostInputs` (model shapes, workload, execution options, hardware) and one
+stage's `Layout`, and returns a `StageCost` for one execution of the stage (one RL step). How the terms add:
+
+    seconds = matmul + elementwise + tensor-parallel collectives (on the critical path)
+            + exposed FSDP/data-parallel collectives (hidden behind compute when overlap is on)
+            + optimiser + kernel and dispatch overheads
+
+Generation is a simulated decode loop (`rpegjax.graph.generation_cost`). The mesh order is the layout's axis
+order with the last axis fastest (`rpegjax.sharding.make_mesh`), which gives each collective group its stride.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Mapping
+
+import numpy as np
+
+from rpegjax.graph import collectives
+from rpegjax.graph import costs
+from rpegjax.graph.costs import DecodeKernel, ModelShape, Remat
+from rpegjax.graph.generation_cost import DecodeStepCost, ResponseLengths, replica_lengths, simulate_decode
+from rpegjax.graph.hardware import HardwareSpec
+
+KNOWN_AXES = ("data", "fsdp", "tensor")
+# Elementwise traffic per token and layer in a forward pass (norms, RoPE, residuals, SwiGLU), in units of the
+# compute dtype's bytes: 12·d + 4·(q, k heads)·e + 3·f, counted from the decoder's operations. Dense attention
+# adds float32 score traffic (write, mask, max/exp/sum, normalise: ~5 passes of 4 bytes) per (query, key, head).
+ELEMENTWISE_PER_D, ELEMENTWISE_PER_QK, ELEMENTWISE_PER_F = 12, 4, 3
+DENSE_SCORE_BYTES = 20
+SAMPLING_BYTES_PER_VOCAB = 16  # float32 logits: written, softmax read/written, sampled (per row and step)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Layout:
+    """Parallel sizes of one stage: batch over data x fsdp, parameters sharded over fsdp x tensor."""
+
+    data: int = 1
+    fsdp: int = 1
+    tensor: int = 1
+    strides: tuple[tuple[str, int], ...] = ()
+
+    @classmethod
+    def from_parallel(cls, parallel: Mapping[str, int], *, where: str) -> Layout:
+        unknown = [axis for axis, size in parallel.items() if axis not in KNOWN_AXES and size > 1]
+        if unknown:
+            raise ValueError(f"{where}: the performance model knows parallel axes {KNOWN_AXES}, got {dict(parallel)}")
+        strides, stride = {}, 1
+        for axis in reversed(list(parallel)):
+            strides[axis] = stride
+            stride *= parallel[axis]
+        return cls(data=parallel.get("data", 1), fsdp=parallel.get("fsdp", 1), tensor=parallel.get("tensor", 1),
+                   strides=tuple(sorted(strides.items())))
+
+    @property
+    def size(self) -> int:
+        return self.data * self.fsdp * self.tensor
+
+    @property
+    def replicas(self) -> int:
+        """Ways the batch is split."""
+        return self.data * self.fsdp
+
+    @property
+    def shards(self) -> int:
+        """Ways the parameters are split."""
+        return self.fsdp * self.tensor
+
+    def group(self, axis: str) -> collectives.Group:
+        size = getattr(self, axis)
+        return collectives.Group(size=size, stride=dict(self.strides).get(axis, 1))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExecutionOptions:
+    """How stages execute, beyond what the graph says (kernels, batching, rematerialisation, precision)."""
+
+    attention: costs.AttentionKernel = costs.AttentionKernel.FLASH
+    decode: DecodeKernel = DecodeKernel.PAGED
+    continuous_batching: bool = True
+    sequence_packing: bool = True  # batches hold real tokens only; False pads every row to prompt + max response
+    remat: Remat = Remat.FULL
+    logprob_chunk: int = 256
+    microbatch_tokens: int = 8192  # tokens per device per forward/backward pass (gradient accumulation)
+    optimizer_bytes_per_param: float = 12.0  # float32 master weights + two float32 moments
+    grad_bytes_per_param: float = 4.0
+    overlap_collectives: bool = True  # FSDP / data-parallel collectives hide behind compute
+    kernels_per_layer: int = 16  # kernels per layer and pass, for the per-kernel overhead
+    backward_traffic_ratio: float = 2.0  # elementwise bytes of a backward pass relative to its forward pass
+    max_decode_slots: int = 1024  # a serving engine's cap on concurrent sequences per replica
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "attention", costs.AttentionKernel(self.attention))
+        object.__setattr__(self, "decode", DecodeKernel(self.decode))
+        object.__setattr__(self, "remat", Remat(self.remat))
+        for name in ("logprob_chunk", "microbatch_tokens", "kernels_per_layer", "max_decode_slots"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ExecutionOptions.{name} must be a positive integer, got {value!r}")
+        for name in ("optimizer_bytes_per_param", "grad_bytes_per_param", "backward_traffic_ratio"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"ExecutionOptions.{name} must be >= 0, got {getattr(self, name)!r}")
+
+    @classmethod
+    def rpegjax_xla(cls, **changes) -> ExecutionOptions:
+        """rpegjax's own kernels as they are today: dense masked attention, a fixed-slot sampler, padded batches."""
+        # XLA's cost analysis of rpegjax's decoder: a forward + backward program moves ~3.9x the bytes of the
+        # forward alone (transposed copies for the weight gradients, float32 attention-score gradients), i.e. the
+        # backward ~2.9x the forward; tests/graph/test_costs.py checks this ratio on the compiled programs.
+        base = dict(attention=costs.AttentionKernel.DENSE, decode=DecodeKernel.STATIC, continuous_batching=False,
+                    sequence_packing=False, remat=Remat.NONE, logprob_chunk=256, microbatch_tokens=1 << 30,
+                    optimizer_bytes_per_param=8.0, backward_traffic_ratio=2.9)
+        base.update(changes)
+        return cls(**base)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Workload:
+    """One RL step's batch: `prompts` x `group_size` sequences of `prompt_tokens` + a response each."""
+
+    prompts: int
+    group_size: int
+    prompt_tokens: int
+    responses: ResponseLengths
+    reward_seconds_per_sequence: float = 0.0  # host time to score one response
+    reward_workers: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("prompts", "group_size", "prompt_tokens", "reward_workers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Workload.{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.responses, ResponseLengths):
+            raise ValueError(f"Workload.responses must be a ResponseLengths, got {self.responses!r}")
+        if self.reward_seconds_per_sequence < 0:
+            raise ValueError(f"Workload.reward_seconds_per_sequence must be >= 0, got {self.reward_seconds_per_sequence!r}")
+
+    @property
+    def sequences(self) -> int:
+        return self.prompts * self.group_size
+
+    @classmethod
+    def w_plan(cls) -> Workload:
+        """W-plan (shared/WORKLOADS.md): 512 prompts x 8, prompt 1k, responses log-normal, mean 4k, max 16k."""
+        return cls(prompts=512, group_size=8, prompt_tokens=1024, responses=ResponseLengths.lognormal(4096, 16384))
+
+    @classmethod
+    def w_small(cls) -> Workload:
+        """W-small: 8 prompts x 4, prompt 32, exactly 64 new tokens."""
+        return cls(prompts=8, group_size=4, prompt_tokens=32, responses=ResponseLengths.fixed(64))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CostInputs:
+    hardware: HardwareSpec
+    actor: ModelShape
+    critic: ModelShape
+    workload: Workload
+    options: ExecutionOptions
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StageCost:
+    """One execution of a stage on one device of its placement (all devices run in parallel)."""
+
+    seconds: float
+    compute_seconds: float = 0.0
+    memory_seconds: float = 0.0
+    communication_seconds: float = 0.0
+    overhead_seconds: float = 0.0
+    flops: float = 0.0  # executed, whole stage (all devices)
+    model_flops: float = 0.0  # useful work for MFU, whole stage
+    transient_bytes: float = 0.0  # per device, live only while the stage runs
+    piece_fractions: tuple[float, ...] = (1.0,)  # when each of its pieces completes, as fractions of `seconds`
+    detail: Mapping[str, float] = dataclasses.field(default_factory=dict)
+
+
+# ------------------------------------------------------------------------------------------ batch shape
+def batch_tokens(inputs: CostInputs) -> tuple[float, float, float]:
+    """(tokens, attention pairs, response tokens) of the whole batch under the options' padding and kernel."""
+    return _batch_tokens(inputs.workload, inputs.options)
+
+
+@functools.lru_cache(maxsize=64)
+def _batch_tokens(w: Workload, o: ExecutionOptions) -> tuple[float, float, float]:
+    if o.sequence_packing:
+        lengths = w.prompt_tokens + w.responses.sample(w.sequences)
+    else:
+        lengths = np.full(w.sequences, w.prompt_tokens + w.responses.max)
+    pairs = float(costs.attention_pairs(lengths, o.attention).sum())
+    responses = float(w.responses.sample(w.sequences).sum())
+    return float(lengths.sum()), pairs, responses
+
+
+def _useful_pairs(inputs: CostInputs) -> float:
+    return _flash_pairs(inputs.workload)
+
+
+@functools.lru_cache(maxsize=64)
+def _flash_pairs(w: Workload) -> float:
+    lengths = w.prompt_tokens + w.responses.sample(w.sequences)
+    return float(costs.attention_pairs(lengths, costs.AttentionKernel.FLASH).sum())
+
+
+def elementwise_bytes(shape: ModelShape, *, tokens: float, pairs: float, tensor: int, options: ExecutionOptions) -> float:
+    """Memory traffic of the non-matmul work of one forward pass over `tokens` tokens (see the constants above)."""
+    per_token = (ELEMENTWISE_PER_D * shape.hidden
+                 + ELEMENTWISE_PER_QK * (shape.heads + shape.kv_heads) * shape.head_dim / tensor
+                 + ELEMENTWISE_PER_F * shape.mlp / tensor) * shape.compute_bytes_each
+    scores = DENSE_SCORE_BYTES * shape.heads / tensor * pairs if options.attention is costs.AttentionKernel.DENSE else 0.0
+    return shape.layers * (per_token * tokens + scores)
+
+
+def _passes(tokens_per_replica: float, options: ExecutionOptions, minimum: int = 1) -> int:
+    return max(minimum, math.ceil(tokens_per_replica / options.microbatch_tokens))
+
+
+# ------------------------------------------------------------------------------ forward and backward passes
+def model_pass_cost(inputs: CostInputs, shape: ModelShape, layout: Layout, *, logits: bool, backward: bool,
+                    epochs: int = 1, optimizer_steps: int = 0) -> StageCost:
+    """Forward (log-probs / values) or forward + backward + optimiser (an update) over the whole batch."""
+    hw, o, device = inputs.hardware, inputs.options, inputs.hardware.device
+    tokens, pairs, _ = batch_tokens(inputs)
+    per_replica = tokens / layout.replicas
+    passes = _passes(per_replica, o, minimum=max(1, optimizer_steps)) * epochs
+    bytes_each = shape.compute_bytes_each
+    if backward:
+        flops = costs.training_flops(shape, tokens=tokens, pairs=pairs, remat=o.remat)
+        flops += 2 * shape.hidden * shape.vocab * tokens  # chunked log-probs recompute their logits backward
+        forward_equivalents = 3 + (1 if o.remat is Remat.FULL else 0)
+        traffic_equivalents = 1 + o.backward_traffic_ratio + (1 if o.remat is Remat.FULL else 0)
+        # all-reduces per layer: 2 forward, 2 backward (input gradients), 2 more for a recomputed forward
+        tensor_reductions = 4 + (2 if o.remat is Remat.FULL else 0)
+        fsdp_gathers = 2 + (1 if o.remat is Remat.FULL else 0)
+    else:
+        flops = costs.forward_flops(shape, tokens=tokens, pairs=pairs, logit_tokens=tokens if logits else 0)
+        forward_equivalents, traffic_equivalents, tensor_reductions, fsdp_gathers = 1, 1, 2, 1
+    flops *= epochs
+    matmul = epochs * _compute_seconds(inputs, shape, tokens=tokens, pairs=pairs, logits=logits or backward,
+                                       backward=backward) / layout.size
+    elementwise = traffic_equivalents * epochs * elementwise_bytes(
+        shape, tokens=tokens / layout.replicas, pairs=pairs / layout.replicas, tensor=layout.tensor, options=o)
+    memory = device.memory_seconds(elementwise + passes * shape.weight_bytes / layout.shards)
+    tensor_bytes = per_replica / (passes / epochs) * shape.hidden * bytes_each
+    tensor_comm = passes * shape.layers * tensor_reductions * collectives.all_reduce_seconds(
+        tensor_bytes, hw, layout.group("tensor"))
+    shard_bytes = shape.weight_bytes / layout.tensor
+    background = passes * fsdp_gathers * collectives.all_gather_seconds(shard_bytes, hw, layout.group("fsdp"))
+    optimizer = 0.0
+    if backward:
+        grad_bytes = shape.params * o.grad_bytes_per_param / layout.tensor
+        background += passes * collectives.reduce_scatter_seconds(grad_bytes, hw, layout.group("fsdp"))
+        background += epochs * optimizer_steps * collectives.all_reduce_seconds(grad_bytes / layout.fsdp, hw, layout.group("data"))
+        step_bytes = costs.optimizer_step_bytes(shape, state_bytes_per_param=o.optimizer_bytes_per_param,
+                                                grad_bytes_per_param=o.grad_bytes_per_param)
+        optimizer = epochs * optimizer_steps * device.memory_seconds(step_bytes / layout.shards)
+    busy = matmul + memory
+    exposed = max(0.0, background - busy) if o.overlap_collectives else background
+    overhead = passes * forward_equivalents * shape.layers * o.kernels_per_layer * device.kernel_overhead_s
+    overhead += device.dispatch_overhead_s
+    seconds = busy + tensor_comm + exposed + optimizer + overhead
+    useful = costs.model_flops(shape, tokens=_real_tokens(inputs), pairs=_useful_pairs(inputs), backward=backward) * epochs
+    if not logits and not backward:
+        useful -= 2 * shape.hidden * shape.vocab * _real_tokens(inputs) * epochs
+    return StageCost(seconds=seconds, compute_seconds=matmul, memory_seconds=memory + optimizer,
+                     communication_seconds=tensor_comm + exposed, overhead_seconds=overhead, flops=flops,
+                     model_flops=useful, transient_bytes=_pass_transient_bytes(inputs, shape, layout, backward, passes / epochs),
+                     detail={"tensor_comm": tensor_comm, "background_comm": background, "optimizer": optimizer,
+                             "passes": passes, "matmul": matmul, "elementwise": device.memory_seconds(elementwise)})
+
+
+def _compute_seconds(inputs: CostInputs, shape: ModelShape, *, tokens: float, pairs: float, logits: bool,
+                     backward: bool) -> float:
+    """Matmul seconds of one pass over the batch on one device's worth of peak (divide by the devices): layer and
+    logit matmuls at the matmul efficiency, attention at the attention efficiency; a backward pass does twice a
+    forward's FLOPs at the device's backward efficiency; full remat repeats the layers' forward; chunked
+    log-probs recompute their logits in the backward pass."""
+    device, dtype, o = inputs.hardware.device, shape.compute_dtype, inputs.options
+    layers = device.matmul_seconds(costs.forward_flops(shape, tokens=tokens, pairs=0, logit_tokens=0), dtype)
+    attention = device.attention_seconds(costs.forward_flops(shape, tokens=0, pairs=pairs, logit_tokens=0), dtype)
+    output = device.matmul_seconds(costs.forward_flops(shape, tokens=0, pairs=0, logit_tokens=tokens if logits else 0), dtype)
+    forward = layers + attention + output
+    if not backward:
+        return forward
+    recompute = layers + attention if o.remat is Remat.FULL else 0.0
+    return forward + 2 * forward / device.backward_efficiency + recompute + output
+
+
+def _real_tokens(inputs: CostInputs) -> float:
+    w = inputs.workload
+    return float((w.prompt_tokens + w.responses.sample(w.sequences)).sum())
+
+
+def _pass_transient_bytes(inputs: CostInputs, shape: ModelShape, layout: Layout, backward: bool, passes: float) -> float:
+    o, w = inputs.options, inputs.workload
+    tokens, pairs, _ = batch_tokens(inputs)
+    tokens_per_pass = tokens / layout.replicas / passes
+    rows = max(1.0, w.sequences / layout.replicas / passes)
+    keys_per_query = pairs / tokens
+    chunk = costs.logprob_chunk_bytes(shape, rows=rows, chunk=min(o.logprob_chunk, w.prompt_tokens + w.responses.max),
+                                      tensor=layout.tensor)
+    layer_params = shape.matmul_params_per_layer * shape.param_bytes_each / layout.tensor
+    gathered = 2 * layer_params if layout.fsdp > 1 else 0.0  # the layer in use and the one being prefetched
+    if not backward:
+        one_layer = tokens_per_pass * costs.layer_activation_bytes_per_token(
+            shape, keys_per_query=keys_per_query, kernel=o.attention, tensor=layout.tensor)
+        return one_layer + chunk + gathered
+    activations = costs.training_activation_bytes(shape, tokens=tokens_per_pass, keys_per_query=keys_per_query,
+                                                  kernel=o.attention, remat=o.remat, tensor=layout.tensor)
+    grads = shape.params * o.grad_bytes_per_param / layout.shards
+    return activations + chunk + gathered + grads
+
+
+# --------------------------------------------------------------------------------------------- generation
+def kv_bytes_per_slot(inputs: CostInputs, layout: Layout) -> float:
+    """KV cache one sequence holds on one device: the whole capacity (STATIC) or its mean length (PAGED)."""
+    w, o, shape = inputs.workload, inputs.options, inputs.actor
+    mean = w.responses.expected_mean() if o.decode is DecodeKernel.PAGED else w.responses.max
+    return (w.prompt_tokens + mean) * shape.kv_bytes_per_token / min(layout.tensor, shape.kv_heads)
+
+
+def generation_cost(inputs: CostInputs, layout: Layout, *, kv_budget_bytes: float, pieces: int = 1) -> StageCost:
+    """Prefill + decode of the whole batch on `layout.replicas` replicas of `layout.tensor`-way tensor parallelism.
+
+    The number of concurrent sequences per replica is what the KV budget (bytes per device) holds, capped by
+    the options' `max_decode_slots` and the replica's share of the batch. FSDP in generation all-gathers the
+    weights every step (costed, never hidden: decode has no compute to hide it behind).
+    """
+    hw, o, w, shape, device = inputs.hardware, inputs.options, inputs.workload, inputs.actor, inputs.hardware.device
+    t = layout.tensor
+    replicas = layout.replicas
+    share = math.ceil(w.sequences / replicas)
+    slots = min(share, o.max_decode_slots, int(kv_budget_bytes // kv_bytes_per_slot(inputs, layout)))
+    if slots < 1:
+        raise MemoryError(f"the KV cache of one sequence ({kv_bytes_per_slot(inputs, layout) / 1e9:.2f} GB per device) "
+                          f"does not fit the {max(kv_budget_bytes, 0) / 1e9:.2f} GB left for it")
+    peak = device.flops(shape.compute_dtype) * device.matmul_efficiency
+    attention_peak = device.flops(shape.compute_dtype) * (
+        device.matmul_efficiency if device.attention_efficiency is None else device.attention_efficiency)
+    bandwidth = device.memory_bandwidth * device.memory_efficiency
+    row_flops = 2 * (shape.layers * shape.matmul_params_per_layer + shape.hidden * shape.vocab) / t
+    key_flops = 4 * shape.layers * shape.heads * shape.head_dim / t
+    kv_per_token = shape.kv_bytes_per_token / min(t, shape.kv_heads)
+    row_bytes = (shape.layers * (6 * shape.hidden + 3 * shape.mlp / t) * shape.compute_bytes_each
+                 + kv_per_token + SAMPLING_BYTES_PER_VOCAB * shape.vocab)
+    tensor_comm = 2 * shape.layers * collectives.all_reduce_seconds(slots * shape.hidden * shape.compute_bytes_each, hw,
+                                                                   layout.group("tensor"))
+    fsdp_comm = collectives.all_gather_seconds(shape.weight_bytes / t, hw, layout.group("fsdp"))
+    capacity = w.prompt_tokens + w.responses.max
+    prompt_pairs = w.prompt_tokens * (capacity if o.attention is costs.AttentionKernel.DENSE else (w.prompt_tokens + 1) / 2)
+    prefill_seconds = (costs.forward_flops(shape, tokens=w.prompt_tokens, pairs=0, logit_tokens=1) / peak
+                       + costs.forward_flops(shape, tokens=0, pairs=prompt_pairs, logit_tokens=0) / attention_peak)
+    step = DecodeStepCost(
+        seconds_per_row=row_flops / peak, seconds_per_key=key_flops / attention_peak,
+        memory_seconds_fixed=shape.weight_bytes / t / bandwidth, memory_seconds_per_row=row_bytes / bandwidth,
+        memory_seconds_per_key=kv_per_token / bandwidth,
+        fixed_seconds=shape.layers * o.kernels_per_layer * device.kernel_overhead_s + tensor_comm + fsdp_comm,
+        prefill_seconds=prefill_seconds / t)
+    queue = replica_lengths(w.responses, w.sequences, replicas)
+    timeline = simulate_decode(queue, slots=slots, prompt=w.prompt_tokens, capacity=capacity, kernel=o.decode,
+                               continuous=o.continuous_batching, cost=step)
+    seconds = timeline.seconds + device.dispatch_overhead_s
+    finished = np.sort(timeline.finish_seconds)
+    fractions = tuple(float(finished[min(len(finished) - 1, math.ceil((j + 1) * len(finished) / pieces) - 1)]) / seconds
+                      for j in range(pieces - 1)) + (1.0,)
+    generated = float(w.responses.sample(w.sequences).sum())
+    useful = (w.sequences * costs.forward_flops(shape, tokens=w.prompt_tokens, pairs=w.prompt_tokens * (w.prompt_tokens + 1) / 2,
+                                                logit_tokens=1)
+              + costs.decode_step_flops(shape, sequences=generated, keys=generated * (w.prompt_tokens + generated / w.sequences / 2)))
+    logits_bytes = slots * shape.vocab * 4 * 2
+    return StageCost(
+        seconds=seconds, compute_seconds=timeline.seconds * timeline.compute_bound_fraction,
+        memory_seconds=timeline.seconds * (1 - timeline.compute_bound_fraction),
+        communication_seconds=timeline.steps * (tensor_comm + fsdp_comm),
+        overhead_seconds=timeline.steps * shape.layers * o.kernels_per_layer * device.kernel_overhead_s + device.dispatch_overhead_s,
+        flops=useful, model_flops=useful, transient_bytes=slots * kv_bytes_per_slot(inputs, layout) + logits_bytes,
+        piece_fractions=fractions,
+        detail={"slots": slots, "decode_steps": timeline.steps, "mean_active": timeline.mean_active,
+                "generated_tokens": generated})
+
+
+# ------------------------------------------------------------------------------------- host and small stages
+def reward_cost(inputs: CostInputs) -> StageCost:
+    w = inputs.workload
+    return StageCost(seconds=w.sequences * w.reward_seconds_per_sequence / w.reward_workers)
+
+
+def advantage_cost(inputs: CostInputs, layout: Layout) -> StageCost:
+    """Group statistics or GAE over [b, t] float32 arrays: a few streaming passes, dominated by dispatch."""
+    tokens, _, _ = batch_tokens(inputs)
+    device = inputs.hardware.device
+    memory = device.memory_seconds(8 * 4 * tokens / layout.replicas)
+    return StageCost(seconds=memory + device.dispatch_overhead_s, memory_seconds=memory,
+                     overhead_seconds=device.dispatch_overhead_s)
+
+
+def reshard_seconds(shape: ModelShape, source: Layout, target: Layout, hardware: HardwareSpec, *, same_devices: bool,
+                    crossing_level: int, senders: int, receivers: int) -> float:
+    """Moving one model's weights from the `source` layout to the `target` layout.
+
+    Same devices: each device gathers its target shard (weights / target shards) from the source shards held
+    by its group — an all-gather over the source shard group reduced by what the target still shards.
+    Different devices: the weights cross level `crossing_level` split over min(senders, receivers) links, then
+    the receivers all-gather their target shards among the target's replicas.
+    """
+    weights = float(shape.weight_bytes)
+    if same_devices:
+        if (source.fsdp, source.tensor) == (target.fsdp, target.tensor):
+            return 0.0
+        group = max(1, source.shards // max(1, target.shards))
+        return collectives.all_gather_seconds(weights / target.shards, hardware, collectives.Group(size=group, stride=source.tensor))
+    level = hardware.levels[crossing_level]
+    links = max(1, min(senders, receivers))
+    first_hop = weights / links / level.bandwidth + level.latency
+    spread = collectives.all_gather_seconds(weights / target.shards, hardware,
+                                            collectives.Group(size=max(1, receivers // target.shards), stride=target.shards))
+    return first_hop + spread

@@ -1,0 +1,154 @@
+"""Plan an RL step on a cluster: the planner's best RPEG against two fixed reference plans, by the same model.
+
+    python scripts/plan.py --model qwen2.5-7b --hardware gh200 --gpus 256 --algo ppo [--json] [--gantt out.png]
+
+Prints predicted step time, per-stage times, generated tokens/s, model FLOPs utilisation and peak memory per
+GPU for the best plan, the verl-like plan (synchronous, colocated, separate models) and the ReaL-like plan
+(synchronous, per-stage re-sharded). The workload defaults to W-plan (shared/WORKLOADS.md). `--model` takes a
+preset name or a Hugging Face config.json (or its directory). `--json` prints one JSON document instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from rpegjax.graph import hardware, perfmodel, planner
+from rpegjax.graph.generation_cost import ResponseLengths
+from rpegjax.graph.stage_costs import Workload
+from rpegjax.graph.trace import gantt_png
+from rpegjax.models import ModelConfig
+
+MODEL_PRESETS = {
+    **{f"qwen2.5-{size}": (ModelConfig.qwen2p5, size) for size in ("0.5b", "1.5b", "7b", "32b", "72b")},
+    **{f"llama3-{size}": (ModelConfig.llama3, size) for size in ("8b", "70b")},
+}
+
+
+def load_model(name: str) -> ModelConfig:
+    """A preset (`qwen2.5-7b`, `llama3-8b`, ...) or a Hugging Face config.json / model directory."""
+    if name in MODEL_PRESETS:
+        factory, size = MODEL_PRESETS[name]
+        return factory(size)
+    path = os.path.join(name, "config.json") if os.path.isdir(name) else name
+    if not os.path.isfile(path):
+        raise SystemExit(f"--model {name!r}: neither a preset ({', '.join(sorted(MODEL_PRESETS))}) nor a config.json file")
+    with open(path) as file:
+        try:
+            hf = json.load(file)
+        except json.JSONDecodeError as error:
+            raise SystemExit(f"--model {path}: not valid JSON ({error})") from None
+    try:
+        return ModelConfig.from_hf_dict(hf, source=path)
+    except ValueError as error:
+        raise SystemExit(f"--model {path}: {error}") from None
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="qwen2.5-7b")
+    parser.add_argument("--hardware", default="gh200", choices=sorted(hardware.PRESETS))
+    parser.add_argument("--gpus", type=int, default=256)
+    parser.add_argument("--algo", default="grpo", choices=["grpo", "ppo"])
+    parser.add_argument("--prompts", type=int, default=512)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--prompt-tokens", type=int, default=1024)
+    parser.add_argument("--response-mean", type=float, default=4096)
+    parser.add_argument("--response-max", type=int, default=16384)
+    parser.add_argument("--no-reference", action="store_true", help="no reference model (no KL term)")
+    parser.add_argument("--top", type=int, default=3, help="alternatives to list after the best plan")
+    parser.add_argument("--json", action="store_true", help="print one JSON document")
+    parser.add_argument("--gantt", help="write a Gantt PNG of the predicted schedules here")
+    args = parser.parse_args(argv)
+    if args.gpus < 1:
+        parser.error(f"--gpus must be positive, got {args.gpus}")
+    if not 1 <= args.response_mean < args.response_max:
+        parser.error(f"--response-mean must be in [1, --response-max), got {args.response_mean}")
+    return args
+
+
+def _gb(value: float) -> str:
+    return f"{value / 1e9:.1f}"
+
+
+def table(rows: list[tuple[str, perfmodel.Prediction]]) -> str:
+    """Metrics and per-stage seconds (rows) for each named plan (columns)."""
+    names = [name for name, _ in rows]
+    stage_names: list[str] = []
+    for _, prediction in rows:
+        stage_names += [s.name for s in prediction.stages if s.name not in stage_names]
+    lines = [("", *names)]
+    lines.append(("step time (s)", *(f"{p.step_seconds:.2f}" for _, p in rows)))
+    lines.append(("tokens/s (generated)", *(f"{p.tokens_per_second:,.0f}" for _, p in rows)))
+    lines.append(("MFU", *(f"{100 * p.mfu:.1f}%" for _, p in rows)))
+    lines.append(("peak memory/GPU (GB)", *(_gb(p.peak_memory_bytes) for _, p in rows)))
+    for stage in stage_names:
+        values = []
+        for _, p in rows:
+            found = [s.seconds for s in p.stages if s.name == stage]
+            values.append(f"{found[0]:.2f}" if found else "-")
+        lines.append((f"  {stage} (s)", *values))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    return "\n".join("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths)))
+                     for line in lines)
+
+
+def _plan_json(name: str, plan: planner.Plan) -> dict[str, Any]:
+    return {"name": name, "description": plan.choice.describe(), "prediction": plan.prediction.to_dict(),
+            "graph": plan.graph.to_dict()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    model = load_model(args.model)
+    hw = hardware.preset(args.hardware, args.gpus)
+    workload = Workload(prompts=args.prompts, group_size=args.group_size, prompt_tokens=args.prompt_tokens,
+                        responses=ResponseLengths.lognormal(args.response_mean, args.response_max))
+    evaluator = perfmodel.Evaluator(model, workload, hw)
+    use_reference = not args.no_reference
+    result = planner.Planner(evaluator, algorithm=args.algo, num_devices=args.gpus, use_reference=use_reference).search(
+        top=args.top + 1)
+    verl = planner.verl_like(evaluator, algorithm=args.algo, num_devices=args.gpus, use_reference=use_reference)
+    real = planner.real_like(evaluator, algorithm=args.algo, num_devices=args.gpus, use_reference=use_reference)
+    plans = [("best", result.best), ("verl-like", verl), ("ReaL-like", real)]
+    if args.gantt:
+        traces = []
+        for name, plan in plans:
+            predicted = evaluator.predict(plan.graph)  # with its trace
+            if predicted.trace is not None:
+                predicted.trace.name = f"{name}: {plan.prediction.step_seconds:.1f} s/step"
+                traces.append(predicted.trace)
+        gantt_png(traces, args.gantt, title=f"{args.model} {args.algo} on {args.gpus} x {args.hardware} (predicted)")
+    if args.json:
+        document = {
+            "model": args.model, "hardware": args.hardware, "gpus": args.gpus, "algorithm": args.algo,
+            "workload": {"prompts": workload.prompts, "group_size": workload.group_size,
+                         "prompt_tokens": workload.prompt_tokens, "response_mean": args.response_mean,
+                         "response_max": args.response_max},
+            "plans": [_plan_json(name, plan) for name, plan in plans],
+            "alternatives": [_plan_json(f"alternative {i + 1}", plan) for i, plan in enumerate(result.alternatives)],
+            "search": {"evaluated": result.evaluated, "candidates": result.candidates, "seconds": result.seconds},
+        }
+        json.dump(document, sys.stdout)
+        print()
+        return 0
+    print(f"{args.model} ({model.num_params() / 1e9:.1f}B), {args.algo.upper()}, {args.gpus} x {hw.device.name}; "
+          f"{workload.prompts} prompts x {workload.group_size}, prompt {workload.prompt_tokens}, responses log-normal "
+          f"mean {args.response_mean:.0f} max {args.response_max}")
+    print(f"planner: {result.evaluated} of {result.candidates} plans predicted in {result.seconds:.1f} s\n")
+    print(table([(name, plan.prediction) for name, plan in plans]))
+    print()
+    for name, plan in plans:
+        print(f"{name}: {plan.choice.describe()}")
+    for index, plan in enumerate(result.alternatives):
+        print(f"alternative {index + 1}: {plan.prediction.step_seconds:.2f} s/step — {plan.choice.describe()}")
+    if args.gantt:
+        print(f"\nGantt chart of the predicted schedules: {args.gantt}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""The performance model: decode simulation, stage costs, memory, timeline composition and plan round trips."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from rpegjax.graph import builders, hardware, perfmodel, transforms
+from rpegjax.graph.costs import ModelShape
+from rpegjax.graph.generation_cost import DecodeStepCost, ResponseLengths, simulate_decode
+from rpegjax.graph.ir import Graph
+from rpegjax.graph.stage_costs import ExecutionOptions, Layout, Workload, model_pass_cost, CostInputs
+from rpegjax.graph.trace import Trace
+from rpegjax.models import ModelConfig
+
+SMALL = Workload(prompts=16, group_size=4, prompt_tokens=256, responses=ResponseLengths.lognormal(512, 2048))
+QWEN05 = ModelConfig.qwen2p5("0.5b")
+
+
+def _naive_decode(lengths, slots, prompt, cost: DecodeStepCost, paged: bool, capacity: int):
+    """A step-by-step reference with explicit slots (continuous batching)."""
+    queue, active, elapsed, finish = list(enumerate(lengths)), [], 0.0, {}
+    heap_free = slots
+    while queue or active:
+        step_prefill = 0.0
+        while queue and heap_free:
+            index, length = queue.pop(0)
+            active.append([index, length, 0])
+            heap_free -= 1
+            step_prefill += cost.prefill_seconds
+        rows = len(active) if paged else min(slots, len(lengths))
+        keys = sum(prompt + done + 1 for _, _, done in active) if paged else rows * capacity
+        compute = cost.seconds_per_row * rows + cost.seconds_per_key * keys
+        memory = cost.memory_seconds_fixed + cost.memory_seconds_per_row * rows + cost.memory_seconds_per_key * keys
+        elapsed += max(compute, memory) + cost.fixed_seconds + step_prefill
+        for entry in active:
+            entry[2] += 1
+        for entry in [e for e in active if e[2] == e[1]]:
+            finish[entry[0]] = elapsed
+            active.remove(entry)
+            heap_free += 1
+    return elapsed, [finish[i] for i in range(len(lengths))]
+
+
+@pytest.mark.parametrize("paged", [True, False])
+def test_decode_simulation_matches_a_step_by_step_reference(paged):
+    cost = DecodeStepCost(seconds_per_row=1e-4, seconds_per_key=2e-7, memory_seconds_fixed=3e-3,
+                          memory_seconds_per_row=1e-5, memory_seconds_per_key=1e-6, fixed_seconds=1e-4, prefill_seconds=5e-3)
+    lengths = np.array([5, 17, 3, 9, 12, 1, 30, 8, 8, 2])
+    seconds, finish = _naive_decode(list(lengths), 3, 7, cost, paged, capacity=37)
+    timeline = simulate_decode(lengths, slots=3, prompt=7, capacity=37, kernel="paged" if paged else "static",
+                               continuous=True, cost=cost)
+    assert timeline.seconds == pytest.approx(seconds, rel=1e-9)
+    assert np.allclose(timeline.finish_seconds, finish, rtol=1e-9)
+
+
+def test_lognormal_lengths_have_the_mean_and_a_clipped_tail():
+    lengths = ResponseLengths.lognormal(4096, 16384).sample(4096)
+    assert lengths.mean() == pytest.approx(4096, rel=1e-3)
+    assert lengths.max() == 16384 and np.all(np.diff(lengths) >= 0)
+    assert np.median(lengths) < 4096  # long right tail
+    assert np.all(ResponseLengths.fixed(64).sample(5) == 64)
+    with pytest.raises(ValueError, match="ResponseLengths.mean"):
+        ResponseLengths.lognormal(20000, 16384)
+
+
+def _inputs(hw=None, options=None, workload=SMALL):
+    shape = ModelShape.from_config(QWEN05)
+    return CostInputs(hardware=hw or hardware.h100_node(8), actor=shape, critic=shape, workload=workload,
+                      options=options or ExecutionOptions())
+
+
+def test_kv_capacity_caps_concurrency_and_the_long_tail_costs_time():
+    from rpegjax.graph.stage_costs import generation_cost, kv_bytes_per_slot
+
+    inputs = _inputs()
+    layout = Layout.from_parallel({"data": 1, "tensor": 1}, where="test")
+    per_slot = kv_bytes_per_slot(inputs, layout)
+    small = generation_cost(inputs, layout, kv_budget_bytes=10.5 * per_slot)
+    large = generation_cost(inputs, layout, kv_budget_bytes=1e12)
+    assert small.detail["slots"] == 10 and large.detail["slots"] == SMALL.sequences
+    assert small.seconds > large.seconds
+    with pytest.raises(MemoryError, match="KV cache of one sequence"):
+        generation_cost(inputs, layout, kv_budget_bytes=0.5 * per_slot)
+    fixed = dataclasses.replace(SMALL, responses=ResponseLengths.fixed(512))
+    tail = generation_cost(inputs, layout, kv_budget_bytes=1e12)
+    flat = generation_cost(_inputs(workload=fixed), layout, kv_budget_bytes=1e12)
+    assert tail.seconds > 2 * flat.seconds  # same mean length; the tail decodes alone for most of its steps
+
+
+def test_more_devices_never_slow_a_compute_stage_and_fsdp_cuts_memory():
+    inputs = _inputs(hardware.h100_node(64))
+    shape = inputs.actor
+    times = [model_pass_cost(inputs, shape, Layout.from_parallel({"data": n}, where="t"), logits=True, backward=True,
+                             optimizer_steps=1).seconds for n in (1, 2, 4, 8, 16, 64)]
+    assert all(later <= earlier for earlier, later in zip(times, times[1:]))
+    forward = [model_pass_cost(inputs, shape, Layout.from_parallel({"data": n // t, "tensor": t}, where="t"),
+                               logits=True, backward=False).seconds for n, t in ((8, 1), (16, 2), (32, 4))]
+    assert all(later <= earlier for earlier, later in zip(forward, forward[1:]))
+    graph = builders.grpo_graph(use_reference=True, num_devices=8)
+    memory = []
+    for fsdp in (1, 2, 8):
+        sharded = transforms.place(graph, "actor_update", "all", {"data": 8 // fsdp, "fsdp": fsdp})
+        residents = perfmodel.resident_state(sharded, inputs)
+        memory.append(sum(r.bytes_per_device for r in residents if "actor" in r.what and "generation" not in r.what))
+    assert memory[0] > memory[1] > memory[2] and memory[0] == pytest.approx(8 * memory[2])
+
+
+def test_colocated_stages_add_and_disaggregated_async_stages_overlap():
+    hw = hardware.h100_node(8)
+    evaluator = perfmodel.Evaluator(QWEN05, SMALL, hw)
+    colocated = builders.grpo_graph(use_reference=True, num_devices=8)
+    prediction = evaluator.predict(colocated)
+    device_total = sum(s.seconds for s in prediction.stages if s.kind != "reward")
+    assert prediction.step_seconds == pytest.approx(device_total, rel=1e-9)
+    split = colocated
+    split = transforms.place(split, "generate", "rollout", {"data": 4}, devices=range(4))
+    for name in ("ref_logprob", "old_logprob", "advantage", "actor_update", "weight_sync"):
+        split = transforms.place(split, name, "train", {"data": 4}, devices=range(4, 8))
+    synchronous = evaluator.predict(split)
+    asynchronous = evaluator.predict(transforms.bounded_async(split, 1))
+    generate = synchronous.stage("generate").seconds
+    train = sum(synchronous.stage(n).seconds for n in ("ref_logprob", "old_logprob", "advantage", "actor_update"))
+    sync_seconds = synchronous.stage("weight_sync").seconds
+    assert synchronous.step_seconds == pytest.approx(generate + train + sync_seconds, rel=1e-6)
+    assert asynchronous.step_seconds == pytest.approx(max(generate, train) + sync_seconds, rel=0.02)
+    assert asynchronous.step_seconds < synchronous.step_seconds
+    versions = {(e.step, e.version) for e in asynchronous.trace.events if e.stage == "generate"}
+    assert all(step - version <= 1 for step, version in versions)  # staleness never above k = 1
+
+
+def test_predicted_trace_is_a_chrome_trace_of_predicted_events(tmp_path):
+    prediction = perfmodel.predict(builders.grpo_graph(use_reference=False, num_devices=8), QWEN05, SMALL,
+                                   hardware.h100_node(8))
+    assert prediction.trace is not None and all(e.predicted for e in prediction.trace.events)
+    path = tmp_path / "predicted.json"
+    prediction.trace.to_chrome_json(path)
+    document = json.loads(path.read_text())
+    assert any(e["ph"] == "X" for e in document["traceEvents"])
+    assert len(Trace.from_chrome_json(path).events) == len(prediction.trace.events)
+    assert json.loads(json.dumps(prediction.to_dict()))["step_seconds"] == pytest.approx(prediction.step_seconds)
+
+
+def test_plan_survives_json_round_trip_with_the_same_prediction():
+    graph = transforms.default_fusion(transforms.bounded_async(
+        builders.ppo_graph(use_reference=True, num_devices=8, parallel={"data": 2, "fsdp": 2, "tensor": 2}), 1))
+    graph = transforms.place(graph, "generate", "all", {"data": 4, "tensor": 2})
+    again = Graph.from_json(graph.to_json())
+    assert again == graph
+    evaluator = perfmodel.Evaluator(QWEN05, SMALL, hardware.h100_node(8))
+    assert evaluator.predict(again).step_seconds == evaluator.predict(graph).step_seconds
+
+
+def test_a_plan_that_exceeds_memory_is_reported_not_timed():
+    small_memory = hardware.h100_node(8)
+    small_memory = dataclasses.replace(small_memory, device=dataclasses.replace(small_memory.device, memory_bytes=16e9))
+    graph = builders.ppo_graph(use_reference=True, num_devices=8)  # every model replicated on every device
+    prediction = perfmodel.predict(graph, ModelConfig.qwen2p5("1.5b"), SMALL, small_memory)
+    assert not prediction.fits and prediction.step_seconds == float("inf")
+    assert any("device 0" in p or "stage" in p for p in prediction.problems)
+    sharded = perfmodel.predict(builders.ppo_graph(use_reference=True, num_devices=8, parallel={"fsdp": 8}),
+                                ModelConfig.qwen2p5("1.5b"), SMALL, small_memory)
+    assert sharded.fits and sharded.peak_memory_bytes <= small_memory.usable_memory_bytes
+
+
+def test_unknown_parallel_axes_are_refused():
+    graph = builders.grpo_graph(use_reference=False, num_devices=8, parallel={"pipeline": 2, "data": 4})
+    with pytest.raises(ValueError, match="knows parallel axes"):
+        perfmodel.predict(graph, QWEN05, SMALL, hardware.h100_node(8))

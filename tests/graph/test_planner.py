@@ -1,0 +1,146 @@
+"""The planner: exact against brute force, memory limits respected, executable graphs, reference plans."""
+
+import dataclasses
+import time
+
+import pytest
+
+from rpegjax.graph import hardware, perfmodel, planner
+from rpegjax.graph.generation_cost import ResponseLengths
+from rpegjax.graph.ir import Algorithm, Graph, StageKind
+from rpegjax.graph.stage_costs import Workload
+from rpegjax.models import ModelConfig
+
+WORKLOAD = Workload(prompts=16, group_size=4, prompt_tokens=256, responses=ResponseLengths.lognormal(512, 2048))
+SPACE = planner.PlanSpace(async_bounds=(0, 1), fusion=(False, True), microbatches=(1, 2), tensor_sizes=(1, 2),
+                          generation_fractions=(None, 0.5), reshard_inference=(False, True))
+
+
+def _two_nodes(memory_bytes=None):
+    hw = hardware.gh200_quad(8)
+    if memory_bytes is not None:
+        hw = dataclasses.replace(hw, device=dataclasses.replace(hw.device, memory_bytes=memory_bytes))
+    return hw
+
+
+def _summary(plans):
+    return [(p.choice.describe(), p.prediction.step_seconds) for p in plans]
+
+
+@pytest.mark.parametrize("algorithm", [Algorithm.PPO, Algorithm.GRPO])
+def test_planner_equals_brute_force_on_a_small_case(algorithm):
+    evaluator = perfmodel.Evaluator(ModelConfig.qwen2p5("0.5b"), WORKLOAD, _two_nodes())
+    search = planner.Planner(evaluator, algorithm=algorithm, num_devices=8, space=SPACE)
+    result = search.search(top=4)
+    brute = search.brute_force(top=4)
+    assert _summary((result.best, *result.alternatives)) == _summary(brute)
+    assert result.evaluated < result.candidates  # the bound pruned part of the space
+
+
+def test_plans_never_exceed_memory_and_infeasible_ones_are_ranked_out():
+    hw = _two_nodes(memory_bytes=40e9)
+    evaluator = perfmodel.Evaluator(ModelConfig.qwen2p5("7b"), WORKLOAD, hw)
+    search = planner.Planner(evaluator, algorithm=Algorithm.PPO, num_devices=8, space=dataclasses.replace(
+        SPACE, async_bounds=(0,), microbatches=(1,), reshard_inference=(False,)))
+    everything = [search._plan(choice) for skeleton in search.skeletons() for choice in search.variants(skeleton)]
+    assert any(not p.prediction.fits for p in everything) and any(p.prediction.fits for p in everything)
+    result = search.search(top=3)
+    for plan in (result.best, *result.alternatives):
+        assert plan.prediction.fits and plan.prediction.peak_memory_bytes <= hw.usable_memory_bytes
+    fastest_fitting = min(p.prediction.step_seconds for p in everything if p.prediction.fits)
+    assert result.best.prediction.step_seconds == pytest.approx(fastest_fitting)
+    tiny = perfmodel.Evaluator(ModelConfig.qwen2p5("7b"), WORKLOAD, _two_nodes(memory_bytes=4e9))
+    with pytest.raises(ValueError, match="no plan .* fits in device memory"):
+        planner.Planner(tiny, algorithm=Algorithm.PPO, num_devices=8, space=SPACE).search()
+
+
+def test_the_best_plan_is_an_executable_graph():
+    evaluator = perfmodel.Evaluator(ModelConfig.qwen2p5("0.5b"), WORKLOAD, _two_nodes())
+    result = planner.Planner(evaluator, algorithm=Algorithm.PPO, num_devices=8, space=SPACE).search(top=2)
+    graph = result.best.graph
+    assert graph.validate() is graph and graph.num_devices == 8
+    again = Graph.from_json(graph.to_json())
+    assert again == graph
+    assert evaluator.predict(again).step_seconds == pytest.approx(result.best.prediction.step_seconds)
+    for stage in graph.stages:
+        if not stage.host:
+            assert graph.placements[stage.placement].devices is not None  # the runtime gets explicit devices
+    assert graph.async_bound == result.best.choice.async_bound
+
+
+def test_reference_plans_have_their_fixed_structure():
+    evaluator = perfmodel.Evaluator(ModelConfig.qwen2p5("0.5b"), WORKLOAD, _two_nodes())
+    verl = planner.verl_like(evaluator, algorithm="ppo", num_devices=8)
+    assert verl.graph.async_bound == 0 and set(verl.graph.placements) == {"all"}
+    assert dict(verl.graph.parallel_of("actor_update")) == {"data": 1, "fsdp": 8, "tensor": 1}
+    assert dict(verl.graph.parallel_of("generate"))["tensor"] == 2
+    assert not any(s.fused_group for s in verl.graph.stages) and not verl.graph.shares_actor_critic
+    real = planner.real_like(evaluator, algorithm="ppo", num_devices=8)
+    assert real.graph.async_bound == 0 and not real.graph.shares_actor_critic
+    best = planner.Planner(evaluator, algorithm="ppo", num_devices=8).search(top=1).best
+    assert best.prediction.step_seconds <= min(verl.prediction.step_seconds, real.prediction.step_seconds) + 1e-9
+
+
+def test_bad_spaces_are_refused():
+    with pytest.raises(ValueError, match="generation_fractions"):
+        planner.PlanSpace(generation_fractions=(1.5,))
+    with pytest.raises(ValueError, match="at least one choice"):
+        planner.PlanSpace(fusion=())
+    with pytest.raises(ValueError, match="critic"):
+        planner.PlanSpace(critic_modes=("both",))
+
+
+@pytest.mark.slow
+def test_planning_256_gpus_takes_seconds():
+    evaluator = perfmodel.Evaluator(ModelConfig.qwen2p5("7b"), Workload.w_plan(), hardware.gh200_quad(256))
+    start = time.perf_counter()
+    result = planner.Planner(evaluator, algorithm=Algorithm.PPO, num_devices=256).search()
+    assert time.perf_counter() - start < 60
+    assert result.best.prediction.fits and result.best.graph.stages_of_kind(StageKind.GENERATE)
+
+
+
+def test_a_planned_graph_survives_json_and_runs_in_the_runtime():
+    import jax
+
+    from rpegjax.config import DataSection, GraphSection, ModelSection, RolloutSection, RunConfig, TrainSection, WarmStartSection
+    from rpegjax.data.iterator import DataIterator
+    from rpegjax.graph.runtime import Runtime
+    from rpegjax.graph.trace import Trace, max_staleness
+    from rpegjax.rewards.runner import RewardRunner, RewardRunnerConfig
+    from rpegjax.trainer import make_programs
+    from rpegjax.training import build
+
+    cfg = RunConfig(
+        model=ModelSection(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64),
+        data=DataSection(train_size=32, eval_size=4),
+        rollout=RolloutSection(prompts_per_step=4, group_size=2, max_prompt_len=12, max_new_tokens=6, num_slots=8,
+                               chunk_steps=3),
+        warm_start=WarmStartSection(steps=0), graph=GraphSection(async_bound=0), train=TrainSection(steps=2, reward_workers=1))
+    parts = build(cfg, log=lambda _: None)
+    workload = Workload(prompts=4, group_size=2, prompt_tokens=12, responses=ResponseLengths.fixed(6))
+    cpu = hardware.spec_from_calibration(hardware.Calibration(
+        matmul_flops=1e11, layer_matmul_flops=6e10, small_matmul_flops=5e10, attention_flops=2e10, backward_efficiency=1.0,
+        memory_bandwidth=5e9,
+        dispatch_overhead_s=1e-5, kernel_overhead_s=1e-6))
+    evaluator = perfmodel.Evaluator(parts.model_cfg, workload, cpu)
+    space = planner.PlanSpace(async_bounds=(0, 1), fusion=(False, True), microbatches=(1, 2), tensor_sizes=(1,),
+                              generation_fractions=(None,), reshard_inference=(False,))
+    best = planner.Planner(evaluator, algorithm="grpo", num_devices=1, use_reference=parts.graph.has_stage("ref_logprob"),
+                           space=space).search(top=1).best
+    parts.graph = Graph.from_json(best.graph.to_json())
+    assert parts.graph == best.graph
+    rewards = RewardRunner(parts.task.reward, RewardRunnerConfig(timeout_s=2.0, workers=1, isolation=parts.task.isolation))
+    trace = Trace()
+    try:
+        runtime = Runtime(parts.graph, make_programs(parts, rewards), DataIterator(parts.train_examples, batch_size=4, seed=0),
+                          prompt_ids=parts.prompt_ids, key=jax.random.key(0), trace=trace)
+        results = []
+        runtime.run(parts.learner.init_state(), start_step=0, num_steps=2, on_step=lambda result, _: results.append(result))
+    finally:
+        rewards.close()
+    assert [r.step for r in results] == [0, 1]
+    recorded = {e.stage for e in trace.events}
+    for unit in parts.graph.execution_units():  # every unit of the planned graph was executed and traced
+        assert "+".join(unit) in recorded or set(unit) <= recorded, (unit, recorded)
+    assert max_staleness(trace) <= parts.graph.async_bound
