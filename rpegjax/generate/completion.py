@@ -1,0 +1,103 @@
+"""What the sampler hands out: one finished sequence (`Completion`) and a padded batch of them."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Sequence
+
+import numpy as np
+
+
+class FinishReason(enum.StrEnum):
+    EOS = "eos"  # sampled the end-of-sequence token (kept as the last response token)
+    STOP = "stop"  # sampled one of SamplingConfig.stop_ids (kept as the last response token)
+    LENGTH = "length"  # reached its budget of new tokens
+
+
+# Codes used on device (0 = still running).
+FINISH_CODES: dict[int, FinishReason] = {1: FinishReason.EOS, 2: FinishReason.STOP, 3: FinishReason.LENGTH}
+RUNNING_CODE = 0
+EOS_CODE, STOP_CODE, LENGTH_CODE = 1, 2, 3
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class Completion:
+    """One sampled response.
+
+    `behaviour_logprobs[i]` is log pi(response_ids[i] | prompt, response_ids[:i]) under the
+    temperature-scaled, unfiltered distribution of the weights of `version` (see `sample_tokens`).
+    """
+
+    prompt_index: int
+    sample_index: int
+    prompt_ids: np.ndarray  # int32 [s]
+    response_ids: np.ndarray  # int32 [length]
+    behaviour_logprobs: np.ndarray  # float32 [length]
+    finish_reason: FinishReason
+    version: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.response_ids.shape != self.behaviour_logprobs.shape:
+            raise ValueError(
+                f"Completion(prompt {self.prompt_index}, sample {self.sample_index}): response_ids "
+                f"{self.response_ids.shape} and behaviour_logprobs {self.behaviour_logprobs.shape} differ in shape"
+            )
+
+    @property
+    def length(self) -> int:
+        """Number of response tokens."""
+        return int(self.response_ids.shape[0])
+
+    @property
+    def order(self) -> tuple[int, int]:
+        return (self.prompt_index, self.sample_index)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class CompletionBatch:
+    """Completions right-padded into arrays, aligned with `rpegjax.models.logprobs.token_logprobs`.
+
+    tokens[b, :] = prompt + response + padding; `attention_mask` marks real tokens. Column i of
+    `response_mask` and `behaviour_logprobs` refers to the token at i + 1 (the one that position i
+    predicts), exactly like `token_logprobs(model, tokens)[:, i]`.
+    """
+
+    tokens: np.ndarray  # int32 [b, t]
+    attention_mask: np.ndarray  # bool [b, t]
+    response_mask: np.ndarray  # bool [b, t]
+    behaviour_logprobs: np.ndarray  # float32 [b, t]
+    prompt_index: np.ndarray  # int32 [b]
+    sample_index: np.ndarray  # int32 [b]
+    versions: np.ndarray  # int64 [b], -1 where unknown
+
+
+def stack_completions(completions: Sequence[Completion], *, pad_id: int = 0, length: int | None = None) -> CompletionBatch:
+    """Pads completions into a `CompletionBatch` of `length` columns (default: the longest sequence)."""
+    if not completions:
+        raise ValueError("stack_completions needs at least one completion, got none")
+    longest = max(c.prompt_ids.shape[0] + c.length for c in completions)
+    width = longest if length is None else length
+    if width < longest:
+        raise ValueError(f"stack_completions: length={length} is shorter than the longest sequence ({longest} tokens)")
+    b = len(completions)
+    tokens = np.full((b, width), pad_id, np.int32)
+    attention = np.zeros((b, width), bool)
+    response = np.zeros((b, width), bool)
+    logprobs = np.zeros((b, width), np.float32)
+    for row, c in enumerate(completions):
+        s, n = c.prompt_ids.shape[0], c.length
+        tokens[row, :s] = c.prompt_ids
+        tokens[row, s:s + n] = c.response_ids
+        attention[row, :s + n] = True
+        response[row, s - 1:s - 1 + n] = True
+        logprobs[row, s - 1:s - 1 + n] = c.behaviour_logprobs
+    return CompletionBatch(
+        tokens=tokens,
+        attention_mask=attention,
+        response_mask=response,
+        behaviour_logprobs=logprobs,
+        prompt_index=np.array([c.prompt_index for c in completions], np.int32),
+        sample_index=np.array([c.sample_index for c in completions], np.int32),
+        versions=np.array([-1 if c.version is None else c.version for c in completions], np.int64),
+    )

@@ -1,0 +1,257 @@
+"""Pure functions of the sampler: slot state, prefill into slots, and the compiled decode loop.
+
+A fixed number of slots (rows) share one preallocated `KVCache` of `capacity` = max prompt length +
+max new tokens. A slot holds one sequence: its prompt and response so far in the cache, the last
+sampled token (not yet in the cache), and the response tokens and behaviour log-probs written so far.
+Slots that are done (or were never filled) still ride along in the batch but write nothing: their
+cache length does not advance and their outputs are frozen, so a finished slot can be harvested and
+refilled between decode chunks without touching the others.
+
+RoPE position of a token = its cache index (prompts start at 0), so a prompt of length s is
+right-padded in the prefill and its first response token sits at position s.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Bool, Float, Int
+
+from rpegjax.generate.completion import EOS_CODE, LENGTH_CODE, RUNNING_CODE, STOP_CODE
+from rpegjax.generate.sampling import SamplingArrays, row_step_keys, sample_tokens
+from rpegjax.models.config import ModelConfig
+from rpegjax.models.transformer import KVCache
+from rpegjax.sharding import axes
+from rpegjax.sharding.rules import ActivationSharding
+
+
+@flax.struct.dataclass
+class DecodeState:
+    """Everything the decode loop carries, one row per slot (n = most new tokens per sequence)."""
+
+    cache: KVCache  # k, v [l b t k e]; lengths [b] = prompt + response tokens in the cache
+    last_token: Int[Array, " b"]  # latest sampled token, fed to the next step
+    num_generated: Int[Array, " b"]  # response tokens sampled so far
+    budget: Int[Array, " b"]  # most response tokens this sequence may have
+    done: Bool[Array, " b"]  # finished or empty: the row writes nothing
+    finish: Int[Array, " b"]  # finish code (completion.FINISH_CODES), 0 while running
+    prompt_index: Int[Array, " b"]  # with sample_index and step: the row's PRNG stream
+    sample_index: Int[Array, " b"]
+    tokens: Int[Array, "b n"]  # response tokens
+    logprobs: Float[Array, "b n"]  # behaviour log-probs of `tokens`
+
+    @classmethod
+    def empty(cls, cfg: ModelConfig, num_slots: int, capacity: int, max_new_tokens: int) -> DecodeState:
+        """All slots empty (done, nothing written)."""
+        zeros = jnp.zeros((num_slots,), jnp.int32)
+        return cls(
+            cache=KVCache.zeros(cfg, num_slots, capacity),
+            last_token=zeros,
+            num_generated=zeros,
+            budget=zeros,
+            done=jnp.ones((num_slots,), bool),
+            finish=zeros,
+            prompt_index=zeros,
+            sample_index=zeros,
+            tokens=jnp.zeros((num_slots, max_new_tokens), jnp.int32),
+            logprobs=jnp.zeros((num_slots, max_new_tokens), jnp.float32),
+        )
+
+    @property
+    def num_slots(self) -> int:
+        return self.done.shape[0]
+
+
+def decode_state_shardings(state: DecodeState, sharding: ActivationSharding) -> DecodeState:
+    """NamedShardings for a `DecodeState` (same tree): slots over the batch axes, cache heads over tensor."""
+    def named(logical, x):
+        return sharding.sharding(logical, x.shape)
+
+    row = (axes.BATCH,)
+    cache_axes = KVCache.logical_axes()
+    return DecodeState(
+        cache=KVCache(k=named(cache_axes, state.cache.k), v=named(cache_axes, state.cache.v),
+                      lengths=named(row, state.cache.lengths)),
+        last_token=named(row, state.last_token),
+        num_generated=named(row, state.num_generated),
+        budget=named(row, state.budget),
+        done=named(row, state.done),
+        finish=named(row, state.finish),
+        prompt_index=named(row, state.prompt_index),
+        sample_index=named(row, state.sample_index),
+        tokens=named((axes.BATCH, None), state.tokens),
+        logprobs=named((axes.BATCH, None), state.logprobs),
+    )
+
+
+def _finish_codes(
+    tokens: Int[Array, " b"], num_generated: Int[Array, " b"], budget: Int[Array, " b"], sampling: SamplingArrays
+) -> Int[Array, " b"]:
+    """Finish code after sampling `tokens` as the num_generated-th response token (EOS > stop > length)."""
+    eos = tokens == sampling.eos_id
+    stop = jnp.asarray(sampling.is_stop)[tokens]
+    length = num_generated >= budget
+    return jnp.where(eos, EOS_CODE, jnp.where(stop, STOP_CODE, jnp.where(length, LENGTH_CODE, RUNNING_CODE)))
+
+
+def record_tokens(
+    state: DecodeState, logits: Float[Array, "b v"], key: Array, sampling: SamplingArrays
+) -> DecodeState:
+    """Samples the next token of every running row from `logits` and appends it to the row's response."""
+    active = ~state.done
+    keys = row_step_keys(key, state.prompt_index, state.sample_index, state.num_generated)
+    tokens, logprobs = sample_tokens(logits, keys, sampling)
+    rows = jnp.arange(state.num_slots)
+    # finished rows point past the buffer, so the scatter drops their write
+    column = jnp.where(active, state.num_generated, state.tokens.shape[1])
+    num_generated = state.num_generated + active.astype(jnp.int32)
+    finish = jnp.where(active, _finish_codes(tokens, num_generated, state.budget, sampling), state.finish)
+    return state.replace(
+        last_token=jnp.where(active, tokens, state.last_token),
+        num_generated=num_generated,
+        done=state.done | (finish != RUNNING_CODE),
+        finish=finish,
+        tokens=state.tokens.at[rows, column].set(tokens, mode="drop"),
+        logprobs=state.logprobs.at[rows, column].set(logprobs, mode="drop"),
+    )
+
+
+def prefill(
+    model,
+    prompts: Int[Array, "p s"],
+    prompt_lengths: Int[Array, " p"],
+    sharding: ActivationSharding | None,
+) -> tuple[KVCache, Float[Array, "p v"]]:
+    """Runs right-padded prompts through a fresh cache of capacity s.
+
+    Returns that cache (lengths = prompt_lengths) and the float32 logits at each prompt's last token,
+    i.e. the distribution of the first response token.
+    """
+    p, s = prompts.shape
+    mask = jnp.arange(s)[None, :] < prompt_lengths[:, None]
+    positions = jnp.broadcast_to(jnp.arange(s), (p, s))
+    cache = KVCache.zeros(model.cfg, p, s)
+    hidden, cache = model.hidden_states(prompts, positions, mask=mask, cache=cache, sharding=sharding)
+    last = jnp.take_along_axis(hidden, (prompt_lengths - 1)[:, None, None], axis=1)  # p 1 d
+    return cache, model.logits(last)[:, 0]
+
+
+def admit(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    state: DecodeState,
+    prompts: Int[Array, "p s"],
+    prompt_lengths: Int[Array, " p"],
+    slots: Int[Array, " r"],
+    prompt_index: Int[Array, " r"],
+    sample_index: Int[Array, " r"],
+    budgets: Int[Array, " r"],
+    key: Array,
+    sampling: SamplingArrays,
+    *,
+    group_size: int,
+    sharding: ActivationSharding | None = None,
+) -> DecodeState:
+    """Prefills p prompts ONCE and starts `group_size` sequences of each in the given slots.
+
+    New row r = prompt r // group_size; its prefilled cache is copied into slot `slots[r]` (a slot
+    >= num_slots marks a padding row and is dropped), and its first token is sampled there with the
+    row's own key, so the G samples of a prompt share one prefill and still differ.
+    """
+    model = nnx.merge(graphdef, params)
+    s = prompts.shape[1]
+    cache, logits = prefill(model, prompts, prompt_lengths, sharding)
+    repeat = lambda x, axis=0: jnp.repeat(x, group_size, axis=axis)  # noqa: E731
+    new_k = state.cache.k.at[:, slots, :s].set(repeat(cache.k, 1).astype(state.cache.k.dtype), mode="drop")
+    new_v = state.cache.v.at[:, slots, :s].set(repeat(cache.v, 1).astype(state.cache.v.dtype), mode="drop")
+
+    # the new rows as a small state of their own (no cache: sampling never reads it), advanced by one
+    # sampled token, then scattered in; sampling only the r new rows keeps an admit cheap at large vocab
+    r = slots.shape[0]
+    zeros = jnp.zeros((r,), jnp.int32)
+    rows = DecodeState(
+        cache=None,
+        last_token=zeros,
+        num_generated=zeros,
+        budget=budgets,
+        done=jnp.zeros((r,), bool),
+        finish=zeros,
+        prompt_index=prompt_index,
+        sample_index=sample_index,
+        tokens=jnp.zeros((r, state.tokens.shape[1]), jnp.int32),
+        logprobs=jnp.zeros((r, state.tokens.shape[1]), jnp.float32),
+    )
+    rows = record_tokens(rows, repeat(logits), key, sampling)
+
+    def put(old, new):
+        return old.at[slots].set(new, mode="drop")
+
+    return state.replace(
+        cache=KVCache(k=new_k, v=new_v, lengths=put(state.cache.lengths, repeat(prompt_lengths))),
+        last_token=put(state.last_token, rows.last_token),
+        num_generated=put(state.num_generated, rows.num_generated),
+        budget=put(state.budget, rows.budget),
+        done=put(state.done, rows.done),
+        finish=put(state.finish, rows.finish),
+        prompt_index=put(state.prompt_index, rows.prompt_index),
+        sample_index=put(state.sample_index, rows.sample_index),
+        tokens=put(state.tokens, rows.tokens),
+        logprobs=put(state.logprobs, rows.logprobs),
+    )
+
+
+def step_logits(model, state: DecodeState, sharding: ActivationSharding | None) -> tuple[Float[Array, "b v"], KVCache]:
+    """Feeds every row's last token through the cache; logits of the next token and the new cache.
+
+    Finished rows are masked out, so their cache length does not move (their write lands past it).
+    """
+    active = ~state.done
+    hidden, cache = model.hidden_states(
+        state.last_token[:, None], state.cache.lengths[:, None], mask=active[:, None], cache=state.cache, sharding=sharding
+    )
+    return model.logits(hidden)[:, 0], cache
+
+
+def decode(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    state: DecodeState,
+    key: Array,
+    sampling: SamplingArrays,
+    max_steps: Int[Array, ""],
+    *,
+    window: int | None = None,
+    sharding: ActivationSharding | None = None,
+) -> tuple[DecodeState, Int[Array, ""]]:
+    """Up to `max_steps` decode steps (a `lax.while_loop`, no host round trip), stopping early once
+    every row is done. Returns the new state and the number of steps run.
+
+    With a static `window` < capacity, the steps run on the first `window` cache positions only (copied
+    out once, written back once), so attention costs O(window) instead of O(capacity) per step; the
+    loop also stops before any running row would write past the window, so a window chosen too small
+    costs an early return, never a wrong token. Logits are the same: keys past a row's length are masked.
+    """
+    full = state.cache
+    windowed = window is not None and window < full.capacity
+    if windowed:
+        state = state.replace(cache=KVCache(k=full.k[:, :, :window], v=full.v[:, :, :window], lengths=full.lengths))
+
+    def cond(carry):
+        step, s = carry
+        fits = jnp.all(s.done | (s.cache.lengths < s.cache.capacity))
+        return (step < max_steps) & ~jnp.all(s.done) & fits
+
+    def body(carry):
+        step, s = carry
+        model = nnx.merge(graphdef, params)
+        logits, cache = step_logits(model, s, sharding)
+        return step + 1, record_tokens(s.replace(cache=cache), logits, key, sampling)
+
+    steps, state = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))
+    if windowed:
+        cache = state.cache
+        state = state.replace(cache=KVCache(k=full.k.at[:, :, :window].set(cache.k), v=full.v.at[:, :, :window].set(cache.v),
+                                            lengths=cache.lengths))
+    return state, steps

@@ -1,0 +1,319 @@
+"""The sampler: a host controller over two compiled functions, `admit` (prefill into slots) and `decode`.
+
+Continuous batching (`stream`): a fixed number of slots decode in compiled chunks of `chunk_steps`
+steps; between chunks the controller hands out every finished sequence at once and refills free slots
+with pending prompts (a prompt's G samples start together from one prefill). A long response therefore
+holds one slot, not a whole batch. Static batching (`generate_static`) fills all slots, decodes until
+the slowest sequence ends, then starts the next batch: the baseline. Each chunk attends only to the
+first `window` cache positions, the longest running row's length plus the chunk rounded up to
+`window_step`, so attention costs what the sequences need, not the capacity.
+
+Both paths draw the step-th token of (prompt_index, sample_index) with the same key, so for one key
+they return the same sequences, whatever slot or wave a sequence lands in.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Iterator, Sequence
+from functools import partial
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from rpegjax.generate.completion import FINISH_CODES, Completion
+from rpegjax.generate.decode import DecodeState, admit, decode, decode_state_shardings
+from rpegjax.generate.sampling import SamplingConfig, sampling_arrays
+from rpegjax.generate.weight_sync import generation_rules
+from rpegjax.models.config import ModelConfig
+from rpegjax.models.transformer import Decoder
+from rpegjax.sharding.rules import ActivationSharding, ShardingRules, param_shardings
+
+
+@dataclasses.dataclass
+class SamplerStats:
+    """Counters since the sampler was built (mutable on purpose: the controller's bookkeeping)."""
+
+    prefill_calls: int = 0  # compiled admit calls
+    prefilled_prompts: int = 0  # prompts run through a prefill (once per prompt, whatever the group size)
+    decode_calls: int = 0  # compiled decode calls (chunks)
+    decode_steps: int = 0  # decode steps run, summed over calls
+    chunks_per_window: dict[int, int] = dataclasses.field(default_factory=dict)  # attention window -> decode calls
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+        raise ValueError(f"Sampler: {name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+class Sampler:
+    """KV-cache sampler for one model shape, one number of slots and one cache capacity.
+
+    `num_slots` sequences decode together; the cache holds `max_prompt_len + max_new_tokens` tokens
+    per slot. With a `mesh`, slots are split over the rules' batch axes and heads over the tensor axis
+    (default rules: `generation_rules()`); parameters must already be in that layout
+    (`weight_sync.reshard_params`). The compiled functions are built once here; `admit` compiles once
+    per (prompt bucket, group size), `decode` once per attention window (capacity / window_step at most).
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        graphdef: nnx.GraphDef,
+        *,
+        num_slots: int,
+        max_prompt_len: int,
+        max_new_tokens: int,
+        chunk_steps: int = 16,
+        window_step: int = 64,
+        mesh: Mesh | None = None,
+        rules: ShardingRules | None = None,
+    ):
+        self.cfg = cfg
+        self.graphdef = graphdef
+        self.num_slots = _positive_int("num_slots", num_slots)
+        self.max_prompt_len = _positive_int("max_prompt_len", max_prompt_len)
+        self.max_new_tokens = _positive_int("max_new_tokens", max_new_tokens)
+        self.chunk_steps = _positive_int("chunk_steps", chunk_steps)
+        self.window_step = _positive_int("window_step", window_step)
+        self.capacity = self.max_prompt_len + self.max_new_tokens
+        if self.capacity > cfg.max_position_embeddings:
+            raise ValueError(
+                f"Sampler: max_prompt_len + max_new_tokens = {self.capacity} exceeds the model's "
+                f"max_position_embeddings ({cfg.max_position_embeddings})"
+            )
+        self.mesh = mesh
+        self.rules = rules if rules is not None or mesh is None else generation_rules()
+        self.stats = SamplerStats()
+        self._empty = partial(DecodeState.empty, cfg, self.num_slots, self.capacity, self.max_new_tokens)
+        activation = None if mesh is None else ActivationSharding(mesh, self.rules)
+
+        def admit_fn(group_size, *arrays):  # group size positional: jit takes no kwargs with in_shardings
+            return admit(graphdef, *arrays, group_size=group_size, sharding=activation)
+
+        def decode_fn(window, *arrays):  # the attention window is static: one program per window size
+            return decode(graphdef, *arrays, window=window, sharding=activation)
+        if mesh is None:
+            self._admit = jax.jit(admit_fn, static_argnums=(0,), donate_argnums=(2,))
+            self._decode = jax.jit(decode_fn, static_argnums=(0,), donate_argnums=(2,))
+            self._build_state = jax.jit(self._empty)
+            self._params_sharding = None
+        else:
+            abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
+            self._params_sharding = param_shardings(nnx.split(abstract)[1], mesh, self.rules)
+            state_sharding = decode_state_shardings(jax.eval_shape(self._empty), activation)
+            replicated = NamedSharding(mesh, PartitionSpec())
+            self._admit = jax.jit(
+                admit_fn,
+                static_argnums=(0,),
+                # a few small host arrays per admit (their row count varies with the bucket): replicated
+                in_shardings=(self._params_sharding, state_sharding) + (replicated,) * 8,
+                out_shardings=state_sharding,
+                donate_argnums=(2,),
+            )
+            self._decode = jax.jit(
+                decode_fn,
+                static_argnums=(0,),
+                in_shardings=(self._params_sharding, state_sharding, replicated, replicated, replicated),
+                out_shardings=(state_sharding, replicated),
+                donate_argnums=(2,),
+            )
+            self._build_state = jax.jit(self._empty, out_shardings=state_sharding)
+            # a mesh spanning processes splits slots across them: `_fetch` replicates what it reads first
+            self._replicate = jax.jit(lambda values: values, out_shardings=replicated)
+
+    def compile_counts(self) -> dict[str, int]:
+        """Programs compiled so far: `admit` one per (prompt bucket, group size, sampling switches),
+        `decode` one per (attention window, sampling switches); anything more is a retrace bug."""
+        return {"admit": self._admit._cache_size(), "decode": self._decode._cache_size()}
+
+    def new_state(self) -> DecodeState:
+        """All slots empty, placed with the sampler's shardings."""
+        return self._build_state()
+
+    # ---- input checks ------------------------------------------------------------------------------
+    def _check(self, prompts, sampling: SamplingConfig, group_size: int, budgets) -> list[np.ndarray]:
+        if not isinstance(sampling, SamplingConfig):
+            raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
+        if sampling.max_new_tokens > self.max_new_tokens:
+            raise ValueError(
+                f"SamplingConfig.max_new_tokens={sampling.max_new_tokens} exceeds the sampler's "
+                f"max_new_tokens={self.max_new_tokens} (its cache capacity)"
+            )
+        group_size = _positive_int("group_size", group_size)
+        if group_size > self.num_slots:
+            raise ValueError(f"group_size={group_size} exceeds num_slots={self.num_slots}: a group must fit at once")
+        if isinstance(prompts, str | bytes) or not isinstance(prompts, Sequence) or not prompts:
+            raise ValueError("prompts must be a non-empty list of token-id lists")
+        checked = []
+        for index, prompt in enumerate(prompts):
+            ids = np.asarray(prompt)
+            if ids.ndim != 1 or ids.size == 0:
+                raise ValueError(f"prompt {index} is empty or not a flat list of token ids (shape {ids.shape})")
+            if not np.issubdtype(ids.dtype, np.integer):
+                raise ValueError(f"prompt {index} holds non-integer token ids (dtype {ids.dtype})")
+            if ids.size > self.max_prompt_len:
+                raise ValueError(
+                    f"prompt {index} has {ids.size} tokens, more than the sampler's max_prompt_len={self.max_prompt_len}"
+                )
+            if ids.min() < 0 or ids.max() >= self.cfg.vocab_size:
+                raise ValueError(f"prompt {index} has token ids outside [0, {self.cfg.vocab_size})")
+            checked.append(ids.astype(np.int32))
+        if budgets is not None:
+            if len(budgets) != len(prompts):
+                raise ValueError(f"budgets has {len(budgets)} entries for {len(prompts)} prompts")
+            for index, budget in enumerate(budgets):
+                if isinstance(budget, bool) or not isinstance(budget, int | np.integer) or not 1 <= budget <= sampling.max_new_tokens:
+                    raise ValueError(
+                        f"budgets[{index}] must be an integer in [1, max_new_tokens={sampling.max_new_tokens}], got {budget!r}"
+                    )
+        return checked
+
+    # ---- the two compiled calls ----------------------------------------------------------------------
+    def _admit_prompts(self, params, state, prompts, indices, slots, group_size, budgets, key, arrays):
+        """Prefills prompts[indices] once each into `slots` (group_size consecutive slots per prompt)."""
+        n = len(indices)
+        most = self.num_slots // group_size
+        bucket = min(1 << (n - 1).bit_length(), most)  # few shapes: powers of two up to the slot count
+        tokens = np.zeros((bucket, self.max_prompt_len), np.int32)
+        lengths = np.ones((bucket,), np.int32)
+        for row, index in enumerate(indices):
+            tokens[row, : prompts[index].size] = prompts[index]
+            lengths[row] = prompts[index].size
+        rows = bucket * group_size
+        slot_ids = np.full((rows,), self.num_slots, np.int32)  # past the end: dropped
+        slot_ids[: n * group_size] = slots
+        prompt_index = np.zeros((rows,), np.int32)
+        prompt_index[: n * group_size] = np.repeat(indices, group_size)
+        sample_index = np.tile(np.arange(group_size, dtype=np.int32), bucket)
+        row_budgets = np.ones((rows,), np.int32)
+        row_budgets[: n * group_size] = np.repeat([budgets[i] for i in indices], group_size)
+        self.stats.prefill_calls += 1
+        self.stats.prefilled_prompts += n
+        return self._admit(group_size, params, state, tokens, lengths, slot_ids, prompt_index, sample_index,
+                           row_budgets, key, arrays)
+
+    def _window(self, longest: int) -> int:
+        """Cache positions a chunk attends to: enough for the longest running row to take every step of
+        the chunk, rounded up to `window_step` (few compiled sizes), at most the capacity."""
+        need = longest + self.chunk_steps
+        return min(self.capacity, -(-need // self.window_step) * self.window_step)
+
+    def _decode_chunk(self, params, state, key, arrays, window: int):
+        state, steps = self._decode(window, params, state, key, arrays, np.int32(self.chunk_steps))
+        self.stats.decode_calls += 1
+        self.stats.chunks_per_window[window] = self.stats.chunks_per_window.get(window, 0) + 1
+        return state, steps
+
+    @staticmethod
+    def _harvest(host, slot: int, prompt: np.ndarray, owner: tuple[int, int], version) -> Completion:
+        done, num_generated, finish, tokens, logprobs = host
+        n = int(num_generated[slot])
+        return Completion(
+            prompt_index=owner[0],
+            sample_index=owner[1],
+            prompt_ids=prompt.copy(),  # each completion owns its arrays (a group shares one prompt)
+            response_ids=np.array(tokens[slot, :n]),
+            behaviour_logprobs=np.array(logprobs[slot, :n]),
+            finish_reason=FINISH_CODES[int(finish[slot])],
+            version=version,
+        )
+
+    def _fetch(self, state: DecodeState):
+        values = (state.done, state.num_generated, state.finish, state.tokens, state.logprobs)
+        if not all(value.is_fully_addressable for value in values):  # other processes hold some slots
+            values = self._replicate(values)  # one program for the five arrays; then every process reads all
+        return jax.device_get(values)
+
+    def _check_params(self, params: nnx.State) -> None:
+        """On a mesh, parameters must already be in the generation layout (moving them is weight sync's job)."""
+        if self._params_sharding is None:
+            return
+        for (path, variable), (_, wanted) in zip(nnx.to_flat_state(params), nnx.to_flat_state(self._params_sharding),
+                                                 strict=True):
+            value, wanted = variable.get_value(), wanted.get_value()
+            have = getattr(value, "sharding", None)
+            if have is None or not have.is_equivalent_to(wanted, value.ndim):
+                raise ValueError(
+                    f"parameter {'/'.join(map(str, path))} is placed as {have}, not in the sampler's layout {wanted}; "
+                    "move parameters with rpegjax.generate.reshard_params(state, sampler.mesh, sampler.rules)"
+                )
+
+    def _prepare(self, params, prompts, sampling, group_size, budgets, key):
+        self._check_params(params)
+        checked = self._check(prompts, sampling, group_size, budgets)
+        arrays = sampling_arrays(sampling, vocab_size=self.cfg.vocab_size, default_eos_id=self.cfg.eos_token_id)
+        budgets = [sampling.max_new_tokens] * len(checked) if budgets is None else [int(b) for b in budgets]
+        if not isinstance(key, jax.Array):
+            raise TypeError(f"key must be a JAX PRNG key (jax.random.key(seed)), got {type(key).__name__}")
+        return checked, arrays, budgets
+
+    # ---- public API --------------------------------------------------------------------------------
+    def stream(
+        self,
+        params: nnx.State,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingConfig,
+        *,
+        group_size: int = 1,
+        key: jax.Array,
+        version: int | None = None,
+        budgets: Sequence[int] | None = None,
+    ) -> Iterator[Completion]:
+        """Continuous batching: yields each Completion as soon as the chunk it finished in ends.
+
+        `budgets` optionally caps the new tokens of each prompt (<= sampling.max_new_tokens).
+        `version` (the weights' version) is copied into every Completion. Inputs are checked here, at
+        the call, not at the first `next`.
+        """
+        checked, arrays, budgets = self._prepare(params, prompts, sampling, group_size, budgets, key)
+        return self._run(params, checked, arrays, group_size, budgets, key, version, continuous=True)
+
+    def _run(self, params, checked, arrays, group_size, budgets, key, version, *, continuous: bool
+             ) -> Iterator[Completion]:
+        """The controller. Continuous: refill free slots before every chunk. Static: refill only once
+        every slot is free (each batch waits for its slowest sequence). Both decode in chunks over an
+        attention window sized to the longest running row."""
+        pending = collections.deque(range(len(checked)))
+        owners: list[tuple[int, int] | None] = [None] * self.num_slots
+        cache_length = np.zeros(self.num_slots, np.int64)  # per running slot: prompt + response tokens cached
+        state = self.new_state()
+        while pending or any(o is not None for o in owners):
+            free = [slot for slot, owner in enumerate(owners) if owner is None]
+            if continuous or len(free) == self.num_slots:
+                admitted = [pending.popleft() for _ in range(min(len(pending), len(free) // group_size))]
+                if admitted:
+                    slots = free[: len(admitted) * group_size]
+                    state = self._admit_prompts(params, state, checked, admitted, slots, group_size, budgets, key,
+                                                arrays)
+                    for i, slot in enumerate(slots):
+                        owners[slot] = (admitted[i // group_size], i % group_size)
+                        cache_length[slot] = checked[owners[slot][0]].size  # the first token is not cached yet
+            running = [slot for slot, owner in enumerate(owners) if owner is not None]
+            state, steps = self._decode_chunk(params, state, key, arrays, self._window(int(cache_length[running].max())))
+            host = self._fetch(state)
+            self.stats.decode_steps += int(steps)
+            for slot in running:
+                owner = owners[slot]
+                cache_length[slot] = checked[owner[0]].size + int(host[1][slot]) - 1
+                if host[0][slot]:
+                    owners[slot] = None
+                    yield self._harvest(host, slot, checked[owner[0]], owner, version)
+
+    def generate(self, params: nnx.State, prompts, sampling: SamplingConfig, *, group_size: int = 1,
+                 key: jax.Array, version: int | None = None, budgets=None) -> list[Completion]:
+        """All completions of `stream`, ordered by (prompt_index, sample_index)."""
+        completions = self.stream(params, prompts, sampling, group_size=group_size, key=key, version=version,
+                                  budgets=budgets)
+        return sorted(completions, key=lambda c: c.order)
+
+    def generate_static(self, params: nnx.State, prompts, sampling: SamplingConfig, *, group_size: int = 1,
+                        key: jax.Array, version: int | None = None, budgets=None) -> list[Completion]:
+        """Static batching: fill the slots, decode until all are done, repeat; ordered like `generate`."""
+        checked, arrays, budgets = self._prepare(params, prompts, sampling, group_size, budgets, key)
+        completions = self._run(params, checked, arrays, group_size, budgets, key, version, continuous=False)
+        return sorted(completions, key=lambda c: c.order)

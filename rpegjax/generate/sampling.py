@@ -1,0 +1,195 @@
+"""Sampling rules: temperature, top-k, top-p, min-p, greedy; behaviour log-probs; per-row PRNG keys.
+
+`SamplingConfig` is what callers write. Inside jitted code it travels as `SamplingArrays`: the knobs
+that may change between calls without recompiling (temperature, top-p and min-p values, EOS id, the
+stop-token table) are arrays, the ones that change the program (greedy, top-k, whether top-p and
+min-p filters run at all) are static fields of the pytree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int
+
+_NEG_INF = -jnp.inf
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingConfig:
+    """How tokens are drawn and when a sequence ends.
+
+    * `max_new_tokens`: most response tokens per sequence (finish reason `length` when reached).
+    * `temperature`: logits are divided by it before filtering and sampling (ignored when `greedy`).
+    * `top_k` (0 = off), `top_p` (1 = off), `min_p` (0 = off): filters applied in that order to the
+      temperature-scaled distribution, see `filter_logits`.
+    * `greedy`: argmax instead of sampling; behaviour log-probs are then those of temperature 1.
+    * `stop_ids`: tokens that end a sequence (finish reason `stop`); the stop token is kept in the response.
+    * `eos_id`: end-of-sequence token (finish reason `eos`); None takes the model config's `eos_token_id`.
+    * `ignore_eos`: never stop on EOS (benchmarks that need exact lengths).
+    """
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    greedy: bool = False
+    stop_ids: tuple[int, ...] = ()
+    eos_id: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"SamplingConfig.max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if not self.greedy and not (isinstance(self.temperature, int | float) and math.isfinite(self.temperature)
+                                    and self.temperature > 0):
+            raise ValueError(
+                f"SamplingConfig.temperature must be a finite number > 0 (or set greedy=True), got {self.temperature!r}"
+            )
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"SamplingConfig.top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not (isinstance(self.top_p, int | float) and 0.0 < self.top_p <= 1.0):
+            raise ValueError(f"SamplingConfig.top_p must lie in (0, 1] (1 disables it), got {self.top_p!r}")
+        if not (isinstance(self.min_p, int | float) and 0.0 <= self.min_p < 1.0):
+            raise ValueError(f"SamplingConfig.min_p must lie in [0, 1) (0 disables it), got {self.min_p!r}")
+        if isinstance(self.stop_ids, int) or not isinstance(self.stop_ids, Sequence):
+            raise ValueError(f"SamplingConfig.stop_ids must be a sequence of token ids, got {self.stop_ids!r}")
+        stop_ids = tuple(self.stop_ids)
+        for token in stop_ids:
+            if isinstance(token, bool) or not isinstance(token, int | np.integer) or token < 0:
+                raise ValueError(f"SamplingConfig.stop_ids must hold token ids >= 0, got {token!r} in {stop_ids}")
+        object.__setattr__(self, "stop_ids", tuple(int(t) for t in stop_ids))
+        if self.eos_id is not None and (isinstance(self.eos_id, bool) or not isinstance(self.eos_id, int) or self.eos_id < 0):
+            raise ValueError(f"SamplingConfig.eos_id must be None or a token id >= 0, got {self.eos_id!r}")
+
+    def replace(self, **changes) -> SamplingConfig:
+        return dataclasses.replace(self, **changes)
+
+
+@flax.struct.dataclass
+class SamplingArrays:
+    """`SamplingConfig` as jit sees it: traced knobs plus static program switches."""
+
+    temperature: Float[Array, ""]
+    top_p: Float[Array, ""]
+    min_p: Float[Array, ""]
+    eos_id: Int[Array, ""]  # -1 when no token ends a sequence as EOS
+    is_stop: Bool[Array, " v"]
+    greedy: bool = flax.struct.field(pytree_node=False)
+    top_k: int = flax.struct.field(pytree_node=False)
+    filter_top_p: bool = flax.struct.field(pytree_node=False)
+    filter_min_p: bool = flax.struct.field(pytree_node=False)
+
+
+def sampling_arrays(sampling: SamplingConfig, *, vocab_size: int, default_eos_id: int | None) -> SamplingArrays:
+    """Checks the token ids of `sampling` against the vocabulary and builds its jit form."""
+    eos = sampling.eos_id if sampling.eos_id is not None else default_eos_id
+    if sampling.ignore_eos:
+        eos = None
+    if eos is not None and not 0 <= eos < vocab_size:
+        raise ValueError(f"EOS id {eos} is outside the vocabulary [0, {vocab_size})")
+    is_stop = np.zeros((vocab_size,), bool)
+    for token in sampling.stop_ids:
+        if token >= vocab_size:
+            raise ValueError(f"SamplingConfig.stop_ids: {token} is outside the vocabulary [0, {vocab_size})")
+        is_stop[token] = True
+    return SamplingArrays(
+        temperature=np.float32(1.0 if sampling.greedy else sampling.temperature),
+        top_p=np.float32(sampling.top_p),
+        min_p=np.float32(sampling.min_p),
+        eos_id=np.int32(-1 if eos is None else eos),
+        is_stop=is_stop,
+        greedy=sampling.greedy,
+        top_k=0 if sampling.top_k >= vocab_size else sampling.top_k,
+        filter_top_p=sampling.top_p < 1.0,
+        filter_min_p=sampling.min_p > 0.0,
+    )
+
+
+def filter_logits(
+    logits: Float[Array, "b v"],
+    *,
+    top_k: int = 0,
+    top_p: Float[Array, ""] | float | None = None,
+    min_p: Float[Array, ""] | float | None = None,
+) -> Float[Array, "b v"]:
+    """Sets to -inf every logit that top-k, then top-p, then min-p remove (None / 0 = filter off).
+
+    On the tokens sorted by decreasing logit, with p the softmax of what earlier filters kept:
+    * top-k keeps ranks < k;
+    * top-p keeps token i when the mass strictly before it, sum_{j<i} p_j, is < top_p (the smallest
+      prefix whose mass reaches top_p; the most likely token always stays);
+    * min-p keeps p_i >= min_p * p_0, i.e. logit_i - logit_0 >= log(min_p) (renormalising after
+      top-k/top-p does not change that ratio).
+    Each filter keeps a prefix of the sorted order, so the result is a threshold on the logit; tokens
+    tied with the last kept one are kept too. This is the order and maths of `transformers`' warpers.
+    """
+    if not top_k and top_p is None and min_p is None:
+        return logits
+    vocab = logits.shape[-1]
+    sorted_logits = jax.lax.top_k(logits, vocab)[0]  # b v, descending
+    ranks = jnp.arange(vocab)
+    kept = jnp.full(logits.shape[:-1], vocab, jnp.int32)  # length of the kept prefix per row
+    if top_k:
+        kept = jnp.minimum(kept, top_k)
+    if top_p is not None:
+        masked = jnp.where(ranks < kept[:, None], sorted_logits, _NEG_INF)
+        probs = jax.nn.softmax(masked, axis=-1)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        kept = jnp.minimum(kept, jnp.maximum(jnp.sum(mass_before < top_p, axis=-1), 1))
+    if min_p is not None:
+        relative = sorted_logits - sorted_logits[:, :1]
+        kept = jnp.minimum(kept, jnp.maximum(jnp.sum(relative >= jnp.log(min_p), axis=-1), 1))
+    threshold = jnp.take_along_axis(sorted_logits, (kept - 1)[:, None], axis=-1)
+    return jnp.where(logits >= threshold, logits, _NEG_INF)
+
+
+def row_step_keys(
+    key: Array, prompt_index: Int[Array, " b"], sample_index: Int[Array, " b"], step: Int[Array, " b"]
+) -> Array:
+    """One PRNG key per row, a function of (key, prompt_index, sample_index, step) only.
+
+    Whatever slot or batch a sequence lands in, the randomness of its step-th token is the same, so
+    continuous batching, static batching and any sharding draw identical samples for one key.
+    """
+    def one(p, s, n):
+        return jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, p), s), n)
+
+    return jax.vmap(one)(prompt_index, sample_index, step)
+
+
+def sample_tokens(
+    logits: Float[Array, "b v"], keys: Array, sampling: SamplingArrays
+) -> tuple[Int[Array, " b"], Float[Array, " b"]]:
+    """Draws one token per row and returns it with its behaviour log-prob.
+
+    Token: argmax(logits) when greedy, else a draw from softmax(filter_logits(logits / T)).
+    Behaviour log-prob: log softmax(logits / T)[token], i.e. BEFORE top-k/top-p/min-p filtering
+    (T = 1 when greedy). Why: the learner scores the same tokens with a teacher-forced forward at
+    temperature T and no truncation, and the off-policy ratio exp(logp_learner - logp_behaviour) must
+    be exactly 1 when the weights are the same, so that it measures only weight staleness (bounded
+    asynchrony) and numerics. Recording the renormalised truncated probability instead would bias
+    that ratio below 1 on every step even fully on-policy. The price: with filters on, tokens are drawn
+    from the truncated distribution, which the recorded log-probs describe up to its renormalisation.
+    """
+    logits = logits.astype(jnp.float32)
+    scaled = logits / sampling.temperature
+    if sampling.greedy:
+        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    else:
+        filtered = filter_logits(
+            scaled,
+            top_k=sampling.top_k,
+            top_p=sampling.top_p if sampling.filter_top_p else None,
+            min_p=sampling.min_p if sampling.filter_min_p else None,
+        )
+        tokens = jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
+    log_probs = jax.nn.log_softmax(scaled, axis=-1)
+    return tokens, jnp.take_along_axis(log_probs, tokens[:, None], axis=-1)[:, 0]

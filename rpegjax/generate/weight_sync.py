@@ -1,0 +1,43 @@
+"""Weight sync: parameters from the training layout to the generation layout (the graph's weight_sync stage).
+
+Training usually shards parameters over FSDP and tensor axes; generation wants them replicated over the
+slots' data axis and split over heads on the tensor axis, so every decode step reads local weights
+and only the attention/MLP outputs are reduced. The two layouts may live on different meshes (colocated
+or disaggregated stages); `jax.device_put` moves and reshards in one call either way.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+
+from rpegjax.sharding import axes
+from rpegjax.sharding.rules import ShardingRules, param_shardings
+
+
+def generation_rules(*, data_axis: str = axes.DATA_AXIS, tensor_axis: str = axes.TENSOR_AXIS) -> ShardingRules:
+    """Tensor parallelism over heads, KV heads, MLP and vocabulary; slots (batch) over `data_axis`;
+    nothing sharded over the embedding dimension, so a decode step gathers no weights."""
+    tensor = {axes.HEADS: tensor_axis, axes.KV_HEADS: tensor_axis, axes.MLP: tensor_axis, axes.VOCAB: tensor_axis}
+    return ShardingRules(params=dict(tensor), activations={axes.BATCH: data_axis, **tensor})
+
+
+def reshard_params(state: nnx.State, mesh: Mesh, rules: ShardingRules, *, dtype=None) -> nnx.State:
+    """Places every parameter of `state` with the sharding `rules` give it on `mesh`.
+
+    With `dtype` (e.g. jnp.bfloat16), floating-point parameters are also cast, on the target devices
+    after the move, so the sampler can run lower precision than the training master weights.
+    The result never shares buffers with `state` (even where the layouts already agree), so a learner
+    update that donates the training parameters cannot invalidate the generation copy.
+    """
+    shardings = param_shardings(state, mesh, rules)
+    moved = jax.device_put(state, shardings, may_alias=False)
+    if dtype is None:
+        return moved
+
+    def cast(s):
+        return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, s)
+
+    return jax.jit(cast, out_shardings=shardings)(moved)

@@ -1,0 +1,167 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from rpegjax.generate.sampling import SamplingConfig, filter_logits, row_step_keys, sample_tokens, sampling_arrays
+
+
+# ---- config validation -----------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(max_new_tokens=-3), "max_new_tokens"),
+        (dict(max_new_tokens=2.5), "max_new_tokens"),
+        (dict(temperature=0.0), "temperature"),
+        (dict(temperature=-1.0), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_k=-1), "top_k"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(min_p=1.0), "min_p"),
+        (dict(min_p=-0.1), "min_p"),
+        (dict(stop_ids=5), "stop_ids"),
+        (dict(stop_ids=(3, -1)), "stop_ids"),
+        (dict(eos_id=-2), "eos_id"),
+    ],
+)
+def test_bad_sampling_config_names_the_field(changes, field):
+    with pytest.raises(ValueError, match=f"SamplingConfig.{field}"):
+        SamplingConfig(**{"max_new_tokens": 4, **changes})
+
+
+def test_greedy_accepts_any_temperature_and_stop_ids_become_a_tuple():
+    config = SamplingConfig(max_new_tokens=4, greedy=True, temperature=0.0, stop_ids=[3, 5])
+    assert config.stop_ids == (3, 5)
+    arrays = sampling_arrays(config, vocab_size=8, default_eos_id=7)
+    assert float(arrays.temperature) == 1.0 and int(arrays.eos_id) == 7
+    np.testing.assert_array_equal(np.flatnonzero(arrays.is_stop), [3, 5])
+    assert int(sampling_arrays(config.replace(ignore_eos=True), vocab_size=8, default_eos_id=7).eos_id) == -1
+    with pytest.raises(ValueError, match="stop_ids: 9 is outside the vocabulary"):
+        sampling_arrays(config.replace(stop_ids=(9,)), vocab_size=8, default_eos_id=None)
+    with pytest.raises(ValueError, match="EOS id 8 is outside"):
+        sampling_arrays(config, vocab_size=8, default_eos_id=8)
+
+
+# ---- filters on hand-built logits ------------------------------------------------------------------
+PROBS = np.array([0.15, 0.5, 0.05, 0.2, 0.1])  # sorted: 0.5 (1), 0.2 (3), 0.15 (0), 0.1 (4), 0.05 (2)
+
+
+def _kept(**kwargs) -> set[int]:
+    logits = jnp.log(jnp.asarray(PROBS, jnp.float32))[None]
+    out = np.asarray(filter_logits(logits, **kwargs))[0]
+    assert np.all((out == np.asarray(logits[0])) | np.isneginf(out)), "kept logits must be unchanged"
+    return set(np.flatnonzero(np.isfinite(out)).tolist())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        (dict(), {0, 1, 2, 3, 4}),
+        (dict(top_k=1), {1}),
+        (dict(top_k=2), {1, 3}),
+        (dict(top_k=4), {0, 1, 3, 4}),
+        (dict(top_p=0.5), {1}),  # mass before the 2nd token is 0.5, not < 0.5
+        (dict(top_p=0.75), {0, 1, 3}),  # 0.7 < 0.75 keeps the 3rd, 0.85 drops the 4th
+        (dict(top_p=0.01), {1}),  # the most likely token always stays
+        (dict(min_p=0.3), {0, 1, 3}),  # p >= 0.15
+        (dict(min_p=0.5), {1}),  # p >= 0.25
+        # top-k first renormalises over {0.5, 0.2, 0.15, 0.1}: mass before the 3rd is 0.7/0.95 = 0.737 >= 0.72
+        (dict(top_k=4, top_p=0.72), {1, 3}),
+        (dict(top_p=0.72), {0, 1, 3}),  # without top-k the same top-p keeps three (0.7 < 0.72)
+        (dict(top_k=3, min_p=0.35), {1, 3}),
+    ],
+)
+def test_filter_masks_match_hand_computed_sets(kwargs, expected):
+    assert _kept(**kwargs) == expected
+
+
+def _reference_filter(logits: np.ndarray, top_k: int, top_p: float, min_p: float) -> np.ndarray:
+    """Straight from the definitions, one row at a time, in float64."""
+    out = np.full_like(logits, -np.inf)
+    for row, values in enumerate(logits.astype(np.float64)):
+        order = np.argsort(-values, kind="stable")
+        keep = np.ones(values.size, bool)
+        if top_k:
+            keep[order[top_k:]] = False
+        p = np.where(keep, np.exp(values - values.max()), 0.0)
+        p /= p.sum()
+        before = 0.0
+        for index in order:
+            if keep[index] and before >= top_p:
+                keep[index] = False
+            before += p[index]
+        keep &= np.exp(values - values.max()) >= min_p
+        out[row, keep] = logits[row, keep]
+    return out
+
+
+@pytest.mark.parametrize(("top_k", "top_p", "min_p"), [(0, 0.9, 0.0), (7, 1.0, 0.0), (0, 1.0, 0.05), (10, 0.8, 0.02)])
+def test_filter_matches_a_reference_on_random_logits(top_k, top_p, min_p):
+    logits = np.asarray(jax.random.normal(jax.random.key(3), (16, 40)) * 2.0)
+    expected = _reference_filter(logits, top_k, top_p, min_p)
+    got = filter_logits(jnp.asarray(logits), top_k=top_k, top_p=top_p if top_p < 1 else None,
+                        min_p=min_p if min_p > 0 else None)
+    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(expected))
+    np.testing.assert_allclose(np.where(np.isfinite(expected), got, 0), np.where(np.isfinite(expected), expected, 0))
+
+
+# ---- sampled tokens and behaviour log-probs ----------------------------------------------------------
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    return x - x.max(-1, keepdims=True) - np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True))
+
+
+def test_behaviour_logprobs_are_unfiltered_and_temperature_scaled():
+    logits = jax.random.normal(jax.random.key(0), (6, 30)) * 3.0
+    keys = jax.random.split(jax.random.key(1), 6)
+    config = SamplingConfig(max_new_tokens=1, temperature=0.6, top_k=3, top_p=0.9)
+    tokens, logprobs = sample_tokens(logits, keys, sampling_arrays(config, vocab_size=30, default_eos_id=None))
+    reference = _log_softmax(np.asarray(logits) / 0.6)
+    np.testing.assert_allclose(logprobs, reference[np.arange(6), tokens], atol=1e-5)
+    top3 = np.argsort(-np.asarray(logits), axis=-1)[:, :3]
+    assert all(t in row for t, row in zip(tokens.tolist(), top3, strict=True))
+
+    greedy = SamplingConfig(max_new_tokens=1, greedy=True, temperature=0.6)
+    tokens, logprobs = sample_tokens(logits, keys, sampling_arrays(greedy, vocab_size=30, default_eos_id=None))
+    np.testing.assert_array_equal(tokens, np.argmax(logits, -1))
+    np.testing.assert_allclose(logprobs, _log_softmax(np.asarray(logits))[np.arange(6), tokens], atol=1e-5)
+
+
+def _chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
+    """p-value of Pearson's chi-square goodness of fit over the tokens with nonzero probability."""
+    support = probs > 0
+    expected = probs[support] * counts.sum()
+    return float(stats.chisquare(counts[support], expected).pvalue)
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, 0, 1.0), (0.5, 0, 1.0), (1.3, 4, 1.0), (1.0, 0, 0.7)])
+def test_empirical_frequencies_match_the_filtered_softmax(temperature, top_k, top_p):
+    """20,000 draws from fixed logits: chi-square p-value > 1e-3 against the filtered, temperature-scaled
+    softmax, < 1e-6 against the distribution without the temperature/filter (so the test can fail), and no
+    draw outside the filter's support."""
+    base = np.array([1.2, 0.3, -0.4, 0.9, -1.5, 0.0, 0.6, -0.8], np.float32)
+    n = 20000
+    config = SamplingConfig(max_new_tokens=1, temperature=temperature, top_k=top_k, top_p=top_p)
+    keys = row_step_keys(jax.random.key(7), jnp.arange(n), jnp.zeros(n, jnp.int32), jnp.zeros(n, jnp.int32))
+    tokens, _ = jax.jit(sample_tokens)(jnp.broadcast_to(jnp.asarray(base), (n, 8)), keys,
+                                       sampling_arrays(config, vocab_size=8, default_eos_id=None))
+    counts = np.bincount(np.asarray(tokens), minlength=8)
+    filtered = np.asarray(filter_logits(jnp.asarray(base / temperature)[None], top_k=top_k,
+                                        top_p=top_p if top_p < 1 else None))[0]
+    probs = np.exp(_log_softmax(filtered))
+    assert counts[probs == 0].sum() == 0
+    assert _chi_square_p(counts, probs) > 1e-3
+    if (temperature, top_k, top_p) != (1.0, 0, 1.0):
+        assert _chi_square_p(counts, np.exp(_log_softmax(base))) < 1e-6
+
+
+def test_row_keys_depend_only_on_prompt_sample_and_step():
+    key = jax.random.key(0)
+    a = row_step_keys(key, jnp.array([3, 1, 3]), jnp.array([0, 2, 1]), jnp.array([5, 5, 5]))
+    b = row_step_keys(key, jnp.array([3, 3, 1]), jnp.array([1, 0, 2]), jnp.array([5, 5, 5]))  # rows permuted
+    data_a, data_b = np.asarray(jax.random.key_data(a)), np.asarray(jax.random.key_data(b))
+    np.testing.assert_array_equal(data_a[[0, 2, 1]], data_b[[1, 0, 2]])
+    assert len({tuple(np.asarray(row)) for row in data_a}) == 3
