@@ -1,7 +1,8 @@
 """W-small (shared/WORKLOADS.md): seconds per GRPO step through the RPEG runtime.
 
-Three graphs of the same step, measured in one run: synchronous unfused, synchronous fused (reference and
-old log-probs in one program), asynchronous k=1 fused (generation of step t overlaps training of step t-1).
+Four graphs of the same step, measured in one run: synchronous unfused, synchronous fused (reference and
+old log-probs in one program), asynchronous k=1 fused (generation of step t overlaps training of step t-1),
+and synchronous without the old-log-prob pass (one update per batch: the behaviour log-probs serve).
 Each: 2 warm-up steps, then `--steps` timed steps; median / min / max seconds per step, the generation
 stage's median and the rest (the step minus the part of generation that did not overlap), peak RSS, and
 the step as a fraction of the compute floor recomputed from a matmul peak measured in the same run.
@@ -115,6 +116,8 @@ def main() -> None:
         "sync unfused": base,
         "sync fused": transforms.default_fusion(base),
         "async k=1 fused": transforms.default_fusion(builders.grpo_graph(use_reference=True, async_bound=1)),
+        # one update per batch on-policy: the sampler's log-probs are the old policy's, as TRL does it
+        "sync, no old pass": builders.grpo_graph(use_reference=True, recompute_old_logprobs=False),
     }
     results = [measure(name, graph, args.warmup, args.steps) for name, graph in graphs.items()]
     peak = matmul_peak_flops()
@@ -132,7 +135,7 @@ def main() -> None:
               f"{r['rest_median']:>8.3f}{r['dispatches_per_step']:>10}{r['speedup_vs_fastest_peer']:>8.2f}x"
               f"{r['fraction_of_floor']:>7.2f}x")
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"peak RSS of the whole run (three configurations): {rss_mb:.0f} MB; peers: "
+    print(f"peak RSS of the whole run (all configurations): {rss_mb:.0f} MB; peers: "
           + ", ".join(f"{k} {v} s" for k, v in PEERS.items()))
     print("(with asynchrony the generation of step t+1 overlaps step t, so 'rest' can be below the training time)")
     if args.json:
