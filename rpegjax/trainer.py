@@ -3,7 +3,6 @@ progress bar, metrics, checkpoints (every N steps, keep last K; resumable), plot
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import pathlib
 import sys
@@ -131,10 +130,10 @@ class Trainer:
                           key=jax.random.key(cfg.train.seed), trace=trace, concurrent_rollout=jax.process_count() == 1)
         remaining = cfg.train.steps - start_step
         progress = _progress(remaining, start_step, enabled=self.main)
-        tokens_seen, step_started = 0.0, time.perf_counter()
+        step_started = time.perf_counter()
 
         def on_step(result: StepResult, state: Any) -> None:
-            nonlocal tokens_seen, step_started
+            nonlocal step_started
             now = time.perf_counter()
             record = dict(result.metrics)
             record["seconds"] = now - step_started

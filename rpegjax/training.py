@@ -5,9 +5,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
-import pathlib
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -17,29 +14,20 @@ import numpy as np
 from flax import nnx
 
 from rpegjax import distributed
-from rpegjax.checkpoint import Checkpointer, CheckpointError
 from rpegjax.config import AlgorithmKind, RunConfig
 from rpegjax.data.example import Example
-from rpegjax.data.iterator import DataIterator
 from rpegjax.data.jsonl import load_jsonl
 from rpegjax.data.prompts import PromptTemplate
-from rpegjax.evaluation import evaluate_accuracy
 from rpegjax.generate.sampler import Sampler
-from rpegjax.generate.sampling import SamplingConfig
 from rpegjax.graph import builders, transforms
 from rpegjax.graph.ir import Graph, StageKind
-from rpegjax.graph.programs import StagePrograms
-from rpegjax.graph.runtime import Runtime, StepResult
-from rpegjax.graph.trace import Trace, gantt_png
 from rpegjax.learners.grpo import GRPOLearner
 from rpegjax.learners.ppo import PPOLearner
-from rpegjax.metrics import MetricsWriter, plot_metrics, read_metrics
 from rpegjax.models.config import ModelConfig
 from rpegjax.models.hf import load_pretrained
 from rpegjax.models.tokenizer import builtin_tokenizer, load_tokenizer
 from rpegjax.models.transformer import Decoder
 from rpegjax.rewards.dataset_task import MathDatasetTask
-from rpegjax.rewards.runner import RewardRunner
 from rpegjax.rewards.tasks import make_task
 from rpegjax.sharding.mesh import make_mesh
 from rpegjax.warmstart import warm_start

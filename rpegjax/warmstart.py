@@ -11,7 +11,6 @@ import random
 from collections.abc import Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
