@@ -86,7 +86,10 @@ def build_graph(cfg: RunConfig, num_devices: int) -> Graph:
     common = dict(use_reference=algo.kl_coef > 0, async_bound=cfg.graph.async_bound, num_devices=num_devices,
                   epochs=algo.epochs, minibatches=algo.num_minibatches)
     if cfg.algorithm == AlgorithmKind.GRPO:
-        graph = builders.grpo_graph(**common)
+        # on-policy with one optimiser step and no decoupled correction, the old policy is the sampler's:
+        # its behaviour log-probs serve and the old-log-prob pass is skipped (as TRL does)
+        on_policy = cfg.graph.async_bound == 0 and algo.layout.optimizer_steps == 1 and not algo.decoupled
+        graph = builders.grpo_graph(**common, recompute_old_logprobs=not on_policy)
     else:
         graph = builders.ppo_graph(**common, critic=cfg.ppo.critic.value, kl_in_reward=cfg.ppo.kl_in_reward_coef > 0)
     if cfg.graph.fuse:

@@ -147,3 +147,15 @@ def test_a_reward_function_that_throws_is_counted_and_training_goes_on():
 def test_an_impossible_mesh_is_refused_clearly():
     with pytest.raises(ValueError, match="3 devices but 8 are available"):
         build(tiny_config(mesh="data=3"), log=lambda _: None)
+
+
+def test_on_policy_single_step_graphs_skip_the_old_logprob_pass():
+    on_policy = tiny_config(async_bound=0)
+    on_policy = on_policy.replace(grpo=dataclasses.replace(on_policy.grpo, decoupled=False, importance_cap=None))
+    assert not build_graph(on_policy, num_devices=1).has_stage("old_logprob")
+    # bounded staleness needs the proximal policy for the decoupled correction
+    assert build_graph(tiny_config(async_bound=1), num_devices=1).has_stage("old_logprob")
+    two_steps = on_policy.replace(grpo=dataclasses.replace(on_policy.grpo, num_minibatches=2))
+    assert build_graph(two_steps, num_devices=1).has_stage("old_logprob")
+    _, _, _, results, _ = run_runtime(on_policy, 2)
+    assert all(r.metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-5) for r in results)
