@@ -113,6 +113,13 @@ class Runtime:
         self.weight_edge = weight_edges[0]
         self.async_bound = self.weight_edge.version_offset - 1
         rollout_kinds = {StageKind.GENERATE, StageKind.REWARD}
+        if len(graph.placements) > 1:
+            # disaggregated execution (stages on separate device sets) is not implemented yet: refuse
+            # rather than silently run such a plan colocated
+            first, *others = sorted(graph.placements)
+            stage = next(s for s in graph.stages if s.placement in others)
+            raise GraphError(f"the runtime executes colocated graphs (one placement) only; stage {stage.name!r} is on "
+                             f"placement {stage.placement!r} besides {first!r}", stage=stage.name)
         self.train_units = [unit for unit in graph.execution_units()
                             if not set(self._kinds(unit)) <= rollout_kinds]
         self.pieces = self.generate_stage.microbatches

@@ -159,3 +159,14 @@ def test_on_policy_single_step_graphs_skip_the_old_logprob_pass():
     assert build_graph(two_steps, num_devices=1).has_stage("old_logprob")
     _, _, _, results, _ = run_runtime(on_policy, 2)
     assert all(r.metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-5) for r in results)
+
+
+def test_disaggregated_graphs_are_refused_rather_than_run_colocated():
+    from rpegjax.graph import transforms
+    from rpegjax.graph.ir import GraphError
+
+    cfg = tiny_config(async_bound=1)
+    parts = built(cfg)
+    graph = transforms.place(parts.graph, "generate", "rollout", {"data": 1})
+    with pytest.raises(GraphError, match="colocated graphs .* stage 'generate' is on placement 'rollout'"):
+        Runtime(graph, None, None, prompt_ids=None, key=jax.random.key(0))
