@@ -6,13 +6,16 @@ For each configuration (model size, batch, response length, GRPO/PPO, fusion, as
 1. builds the RPEG with the builders and transforms (one CPU device, colocated),
 2. predicts it with `perfmodel.predict` on the spec that `hardware.calibrate()` measured in this same run,
    with `ExecutionOptions.rpegjax_xla()` (dense masked attention, a fixed-slot KV-cache decode loop, padded batches),
-3. executes the graph: every execution unit (a fused group or a stage) is one jit-compiled function built
-   from `rpegjax.models` (decode loop with a KV cache, chunked log-probs, value head, AdamW update) run in the
-   graph's order, each timed into a `Trace` after blocking on its results;
+3. executes the graph with the real runtime (`Runtime` + `StagePrograms`, a `GRPOLearner` or `PPOLearner`, a
+   `Sampler`, a host reward through a `RewardRunner`), set up as benchmarks/bench_grpo_step.py sets up W-small:
+   random token prompts, `ignore_eos=True` so every response has exactly `new_tokens` tokens;
 and prints per-stage and per-step predicted vs measured seconds, the relative errors, their median and maximum
-over configurations, and the Kendall tau of the two rankings of step times. The machine is shared and its
-load changes by the second, so every timed step is preceded by a short calibration and predicted from it;
-a configuration's error is the median of its per-step errors.
+over configurations, and the Kendall tau of the two rankings of step times. Measured stage seconds are the
+durations of the runtime's trace events per execution unit in the timed steps (the runtime blocks on each
+stage's results inside its span); measured step seconds are the times between successive `on_step` callbacks.
+The hardware is calibrated once per configuration, right before its run (not before every step: the runtime's
+rollout thread keeps generating while `on_step` runs, so a calibration there would compete with it); a
+configuration's error is the median of its per-step errors against that one prediction.
 """
 
 from __future__ import annotations
@@ -22,23 +25,28 @@ import dataclasses
 import json
 import statistics
 import time
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
+from rpegjax.data.example import Example
+from rpegjax.data.iterator import DataIterator
+from rpegjax.generate.sampler import Sampler
+from rpegjax.generate.sampling import SamplingConfig
 from rpegjax.graph import builders, hardware, perfmodel, transforms
 from rpegjax.graph.generation_cost import ResponseLengths
-from rpegjax.graph.ir import Graph, StageKind
+from rpegjax.graph.ir import Graph
+from rpegjax.graph.programs import StagePrograms
+from rpegjax.graph.runtime import Runtime
 from rpegjax.graph.stage_costs import ExecutionOptions, Workload
 from rpegjax.graph.trace import Trace
-from rpegjax.models import Decoder, KVCache, ModelConfig
-from rpegjax.models.logprobs import logprobs_from_hidden
-
-CHUNK = 256
+from rpegjax.learners.grpo import GRPOConfig, GRPOLearner
+from rpegjax.learners.optim import OptimizerConfig
+from rpegjax.learners.ppo import PPOConfig, PPOLearner
+from rpegjax.models import Decoder, ModelConfig
+from rpegjax.rewards.runner import Isolation, RewardRunner, RewardRunnerConfig
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -60,7 +68,11 @@ class Config:
                                        async_bound=self.async_bound, num_devices=1, name=self.name)
         else:
             graph = builders.grpo_graph(use_reference=True, async_bound=self.async_bound, num_devices=1, name=self.name)
-        return transforms.default_fusion(graph) if self.fused else graph
+        graph = transforms.default_fusion(graph) if self.fused else graph
+        if graph.has_stage("critic_update"):
+            # PPOLearner steps actor and separate critic in one jitted program: one execution unit (training.build_graph)
+            graph = transforms.fuse(graph, ["actor_update", "critic_update"])
+        return graph
 
     def workload(self) -> Workload:
         return Workload(prompts=self.prompts, group_size=self.group, prompt_tokens=self.prompt_tokens,
@@ -84,177 +96,60 @@ CONFIGS = [
 ]
 
 
-# ------------------------------------------------------------------------------------------- stage programs
-def _decode_program(graphdef, cfg: ModelConfig, prompt: int, new: int):
-    """Prefill + `new` sampled tokens through a fixed-slot KV cache (what the STATIC decode kernel models)."""
-
-    def run(state, prompts, key):
-        model = nnx.merge(graphdef, state)
-        b = prompts.shape[0]
-        cache = KVCache.zeros(cfg, b, prompt + new)
-        positions = jnp.broadcast_to(jnp.arange(prompt), (b, prompt))
-        hidden, cache = model.hidden_states(prompts, positions, cache=cache)
-        logits = model.logits(hidden[:, -1:])[:, 0]
-        tokens = jnp.zeros((b, new), jnp.int32)
-        logps = jnp.zeros((b, new), jnp.float32)
-
-        def step(i, carry):
-            cache, logits, tokens, logps, key = carry
-            key, sub = jax.random.split(key)
-            token = jax.random.categorical(sub, logits)
-            logp = jnp.take_along_axis(jax.nn.log_softmax(logits), token[:, None], axis=-1)[:, 0]
-            tokens, logps = tokens.at[:, i].set(token), logps.at[:, i].set(logp)
-            hidden, cache = model.hidden_states(token[:, None], (prompt + i) * jnp.ones((b, 1), jnp.int32), cache=cache)
-            return cache, model.logits(hidden)[:, 0], tokens, logps, key
-
-        _, _, tokens, logps, _ = jax.lax.fori_loop(0, new, step, (cache, logits, tokens, logps, key))
-        return jnp.concatenate([prompts, tokens], axis=1), logps
-
-    return jax.jit(run)
+# ------------------------------------------------------------------------------------------ the runtime
+def even_token_reward(text: str, example: Example) -> float:
+    """A rule-based host reward (as in bench_grpo_step.py): the fraction of response tokens with an even id."""
+    ids = [int(x) for x in text.split()]
+    return sum(1 for i in ids if i % 2 == 0) / max(len(ids), 1)
 
 
-def _forward(graphdef, state, tokens, *, logprobs: bool, values: bool):
-    model = nnx.merge(graphdef, state)
-    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    hidden, _ = model.hidden_states(tokens, positions)
-    out = {}
-    if logprobs:
-        targets = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
-        out["logprobs"] = logprobs_from_hidden(hidden, model.output_kernel(), targets, chunk_size=CHUNK)[0]
-    if values:
-        out["values"] = model.values(hidden)
-    return out
-
-
-def _update_program(graphdef, optimizer, *, policy: bool, value: bool):
-    """One AdamW step on the whole batch: clipped-ratio policy loss with a k3 KL term and/or a value loss."""
-
-    def loss(state, batch):
-        model = nnx.merge(graphdef, state)
-        tokens = batch["tokens"]
-        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-        hidden, _ = model.hidden_states(tokens, positions)  # one trunk pass, shared by the policy and value heads
-        total = 0.0
-        if policy:
-            targets = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
-            logp = logprobs_from_hidden(hidden, model.output_kernel(), targets, chunk_size=CHUNK)[0]
-            ratio = jnp.exp(logp - batch["old"])
-            adv = batch["advantages"][:, None]
-            total = -jnp.mean(jnp.minimum(ratio * adv, jnp.clip(ratio, 0.8, 1.2) * adv))
-            log_ratio = batch["ref"] - logp
-            total = total + 0.04 * jnp.mean(jnp.exp(log_ratio) - log_ratio - 1)
-        if value:
-            total = total + jnp.mean((model.values(hidden) - batch["returns"]) ** 2)
-        return total
-
-    def step(state, opt_state, batch):
-        value_, grads = jax.value_and_grad(loss)(state, batch)
-        updates, opt_state = optimizer.update(grads, opt_state, state)
-        return optax.apply_updates(state, updates), opt_state, value_
-
-    return jax.jit(step, donate_argnums=(0, 1))
-
-
-class Executor:
-    """Runs a one-device graph with real jitted stage programs and records a measured trace."""
-
-    def __init__(self, config: Config):
-        cfg = config.model
-        self.config = config
-        self.graph = config.graph()
+def run_runtime(config: Config, graph: Graph, steps: int, warmup: int) -> tuple[list[float], Trace]:
+    """Runs `graph` through `Runtime` + `StagePrograms` with the configuration's learner and sampler, as
+    bench_grpo_step.py does for W-small; returns the seconds of the `steps` timed steps (time between
+    successive `on_step` callbacks) and the runtime's trace."""
+    cfg = config.model
+    b = config.prompts * config.group
+    optimizer = OptimizerConfig(learning_rate=1e-5)
+    if config.algorithm == "ppo":
         critic_cfg = cfg.replace(value_head=True)
-        actor_cfg = critic_cfg if config.shared_critic else cfg
-        self.graphdef, self.actor = nnx.split(Decoder(actor_cfg, rngs=nnx.Rngs(0)))
-        _, self.reference = nnx.split(Decoder(actor_cfg, rngs=nnx.Rngs(1)))
-        self.critic_graphdef, self.critic = nnx.split(Decoder(critic_cfg, rngs=nnx.Rngs(2)))
-        self.optimizer = optax.adamw(1e-5)
-        self.actor_opt = self.optimizer.init(self.actor)
-        self.critic_opt = self.optimizer.init(self.critic)
-        self.generate = _decode_program(self.graphdef, actor_cfg, config.prompt_tokens, config.new_tokens)
-        self.programs: dict[tuple[str, ...], Callable] = {}
-        self.trace = Trace(config.name)
-        rng = np.random.default_rng(0)
-        b = config.prompts * config.group
-        self.prompts = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, config.prompt_tokens)), jnp.int32)
-        self.key = jax.random.key(0)
-        self.values: dict[str, jax.Array] = {}
-
-    def _inference(self, unit: tuple[str, ...]):
-        kinds = [set(self.graph.stage(name).kinds) for name in unit]
-        jobs = []  # (output name, which params, logprobs?, values?)
-        for name, stage_kinds in zip(unit, kinds):
-            if StageKind.REF_LOGPROB in stage_kinds:
-                jobs.append((name, "reference", True, False))
-            elif StageKind.OLD_LOGPROB in stage_kinds:
-                jobs.append((name, "actor", True, StageKind.CRITIC_VALUE in stage_kinds))
-            elif StageKind.CRITIC_VALUE in stage_kinds:
-                jobs.append((name, "critic", False, True))
-        graphdefs = {"reference": self.graphdef, "actor": self.graphdef, "critic": self.critic_graphdef}
-
-        def run(params, tokens):
-            return {name: _forward(graphdefs[which], params[which], tokens, logprobs=lp, values=v)
-                    for name, which, lp, v in jobs}
-
-        return jax.jit(run)
-
-    def run_unit(self, unit: tuple[str, ...], step: int) -> None:
-        kinds = set().union(*(self.graph.stage(name).kinds for name in unit))
-        v = self.values
-        if StageKind.GENERATE in kinds:
-            self.key, sub = jax.random.split(self.key)
-            v["tokens"], v["behaviour"] = jax.block_until_ready(self.generate(self.actor, self.prompts, sub))
-        elif StageKind.REWARD in kinds:
-            tokens = np.asarray(v["tokens"])[:, self.config.prompt_tokens:]
-            v["rewards"] = jnp.asarray((tokens % 2 == 0).mean(axis=1), jnp.float32)  # a rule on the host
-        elif kinds & {StageKind.REF_LOGPROB, StageKind.OLD_LOGPROB, StageKind.CRITIC_VALUE}:
-            program = self.programs.setdefault(unit, self._inference(unit))
-            params = {"reference": self.reference, "actor": self.actor, "critic": self.critic}
-            out = jax.block_until_ready(program(params, v["tokens"]))
-            for name, result in out.items():
-                v.update({f"{name}:{key}": value for key, value in result.items()})
-        elif StageKind.ADVANTAGE in kinds:
-            program = self.programs.setdefault(unit, jax.jit(lambda r: (r.reshape(-1, self.config.group)
-                                               - r.reshape(-1, self.config.group).mean(1, keepdims=True)).reshape(-1)))
-            v["advantages"] = jax.block_until_ready(program(v["rewards"]))
-        elif StageKind.ACTOR_UPDATE in kinds:
-            shared = StageKind.CRITIC_UPDATE in kinds
-            program = self.programs.setdefault(unit, _update_program(self.graphdef, self.optimizer, policy=True, value=shared))
-            batch = self._batch(with_returns=shared)
-            self.actor, self.actor_opt, _ = jax.block_until_ready(program(self.actor, self.actor_opt, batch))
-        elif StageKind.CRITIC_UPDATE in kinds:
-            program = self.programs.setdefault(unit, _update_program(self.critic_graphdef, self.optimizer, policy=False, value=True))
-            self.critic, self.critic_opt, _ = jax.block_until_ready(program(self.critic, self.critic_opt, self._batch(with_returns=True)))
-        elif StageKind.WEIGHT_SYNC in kinds:
-            jax.block_until_ready(self.actor)  # one device, one layout: the generation weights are the training weights
-
-    def _batch(self, *, with_returns: bool) -> dict:
-        v = self.values
-        tokens = v["tokens"]
-        old = next((value for key, value in v.items() if key.endswith(":logprobs") and key.startswith("old")), None)
-        ref = next(value for key, value in v.items() if key.endswith(":logprobs") and key.startswith("ref"))
-        batch = {"tokens": tokens, "old": old if old is not None else jnp.zeros(tokens.shape), "ref": ref,
-                 "advantages": v["advantages"]}
-        if with_returns:
-            values = next(value for key, value in v.items() if key.endswith(":values"))
-            batch["returns"] = values + v["advantages"][:, None]
-        return batch
-
-    def run(self, steps: int, warmup: int, before_step: Callable[[int], None]) -> tuple[list[float], Trace]:
-        """Warm-up steps, then `steps` timed steps, each preceded by `before_step(index)` (the calibration)."""
-        step_seconds = []
-        for step in range(warmup + steps):
-            if step >= warmup:
-                before_step(step - warmup)
-            start = time.perf_counter()
-            for unit in self.graph.execution_units():
-                if step < warmup:
-                    self.run_unit(unit, step)
-                    continue
-                with self.trace.span("+".join(unit), step - warmup, None, "cpu"):
-                    self.run_unit(unit, step)
-            if step >= warmup:
-                step_seconds.append(time.perf_counter() - start)
-        return step_seconds, self.trace
+        if config.shared_critic:
+            actor = Decoder(critic_cfg, rngs=nnx.Rngs(0))
+            learner = PPOLearner(PPOConfig(critic="shared", kl_coef=0.04, optimizer=optimizer), actor)
+        else:
+            actor = Decoder(cfg, rngs=nnx.Rngs(0))
+            learner = PPOLearner(PPOConfig(critic="separate", kl_coef=0.04, optimizer=optimizer), actor,
+                                 Decoder(critic_cfg, rngs=nnx.Rngs(2)))
+        learner_programs = dict(policy_logprobs=learner._logprobs_fn, critic_values=learner._values_fn,
+                                actor_params_of=lambda s: s.params["actor"], critic_params_of=lambda s: s.params,
+                                reference_params=learner.params["actor"])
+    else:
+        actor = Decoder(cfg, rngs=nnx.Rngs(0))
+        learner = GRPOLearner(GRPOConfig(group_size=config.group, kl_coef=0.04, clip_low=0.2, clip_high=0.2,
+                                         optimizer=optimizer), actor)
+        learner_programs = dict(policy_logprobs=learner._logprobs_fn, critic_values=None,
+                                reference_params=jax.tree.map(jnp.copy, learner.params))
+    sampler = Sampler(actor.cfg, nnx.split(actor)[0], num_slots=b, max_prompt_len=config.prompt_tokens,
+                      max_new_tokens=config.new_tokens, chunk_steps=config.new_tokens)
+    rewards = RewardRunner(even_token_reward, RewardRunnerConfig(timeout_s=10.0, workers=1, isolation=Isolation.THREAD))
+    rng = np.random.default_rng(0)
+    prompts = {f"p{i}": rng.integers(0, cfg.vocab_size, config.prompt_tokens).tolist() for i in range(8 * config.prompts)}
+    examples = [Example(id=key, prompt=key, answer="0", task=config.name) for key in prompts]
+    programs = StagePrograms(
+        learner=learner, sampler=sampler,
+        sampling=SamplingConfig(max_new_tokens=config.new_tokens, temperature=1.0, ignore_eos=True),
+        group_size=config.group, rewards=rewards, decode=lambda ids: " ".join(str(int(i)) for i in ids), pad_id=0,
+        **learner_programs,
+    )
+    trace = Trace(config.name)
+    runtime = Runtime(graph, programs, DataIterator(examples, batch_size=config.prompts, seed=0),
+                      prompt_ids=lambda batch: [prompts[e.id] for e in batch], key=jax.random.key(0), trace=trace)
+    ends: list[float] = []
+    try:
+        runtime.run(learner.init_state(), start_step=0, num_steps=warmup + steps,
+                    on_step=lambda result, state: ends.append(time.perf_counter()))
+    finally:
+        rewards.close()
+    return [float(t) for t in np.diff(ends)[warmup - 1:]], trace
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -271,6 +166,8 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", help="configuration names to run (default: all)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
+    if args.warmup < 1 or args.steps < 1:
+        parser.error(f"--warmup and --steps must be >= 1, got {args.warmup} and {args.steps}")
     options = ExecutionOptions.rpegjax_xla()
     rows = []
     for config in CONFIGS:
@@ -279,32 +176,31 @@ def main() -> None:
         graph = config.graph()
         critic = config.model.replace(value_head=True)
         units = ["+".join(unit) for unit in graph.execution_units()]
-        predictions: list[dict] = []
-
-        def calibrate_and_predict(index: int) -> None:
-            # this machine is shared: measure its rates right before each timed step and predict that step
-            spec, measured_hw = hardware.calibrate(matmul_size=768, stream_mib=32, repeats=3)
-            prediction = perfmodel.predict(graph, config.model, config.workload(), spec, options, critic=critic)
-            per_unit = {"+".join(unit): sum(prediction.stage(name).seconds for name in unit)
-                        - (len(unit) - 1) * spec.device.dispatch_overhead_s for unit in graph.execution_units()}
-            predictions.append({"step": prediction.step_seconds, "units": per_unit,
-                                "calibration": dataclasses.asdict(measured_hw)})
-
-        executor = Executor(config)
-        step_seconds, trace = executor.run(args.steps, args.warmup, calibrate_and_predict)
+        # calibrated once per configuration, right before it runs: calibrating between steps would compete with
+        # the runtime's rollout thread, which keeps generating the next step while on_step runs
+        spec, measured_hw = hardware.calibrate(matmul_size=768, stream_mib=32, repeats=3)
+        prediction = perfmodel.predict(graph, config.model, config.workload(), spec, options, critic=critic)
+        predicted_units = {"+".join(unit): sum(prediction.stage(name).seconds for name in unit)
+                           - (len(unit) - 1) * spec.device.dispatch_overhead_s for unit in graph.execution_units()}
+        predictions = [{"step": prediction.step_seconds, "units": predicted_units}] * args.steps
+        step_seconds, trace = run_runtime(config, graph, args.steps, args.warmup)
+        # a second calibration after the run, reported only: shows whether the machine's rates drifted during it
+        _, after_hw = hardware.calibrate(matmul_size=768, stream_mib=32, repeats=3)
         measured_units = {unit: [0.0] * args.steps for unit in units}
-        for event in trace.events:
-            measured_units[event.stage][event.step] += event.duration
+        for event in trace.events:  # the runtime blocks on each stage's results inside its span
+            if event.step >= args.warmup:
+                measured_units[event.stage][event.step - args.warmup] += event.duration
         step_errors = [_error(p["step"], m) for p, m in zip(predictions, step_seconds)]
         row = {"name": config.name, "predicted_step": statistics.median(p["step"] for p in predictions),
                "measured_step": statistics.median(step_seconds), "step_error": statistics.median(step_errors),
                "steps": [{"predicted": p["step"], "measured": m} for p, m in zip(predictions, step_seconds)],
-               "calibrations": [p["calibration"] for p in predictions], "units": {}}
-        rates = [p["calibration"]["layer_matmul_flops"] / 1e9 for p in predictions]
+               "calibration": dataclasses.asdict(measured_hw), "calibration_after": dataclasses.asdict(after_hw),
+               "units": {}}
         print(f"\n{config.name}: predicted {row['predicted_step']:.3f} s, measured {row['measured_step']:.3f} s "
               f"(min {min(step_seconds):.3f}, max {max(step_seconds):.3f}); per-step error median "
               f"{row['step_error']:+.1%} (range {min(step_errors):+.1%} .. {max(step_errors):+.1%}); "
-              f"layer matmul rate {min(rates):.0f}..{max(rates):.0f} GFLOP/s")
+              f"layer matmul rate {measured_hw.layer_matmul_flops / 1e9:.0f} GFLOP/s before the run, "
+              f"{after_hw.layer_matmul_flops / 1e9:.0f} after")
         for unit in units:
             errors = [_error(p["units"][unit], m) for p, m in zip(predictions, measured_units[unit])]
             predicted = statistics.median(p["units"][unit] for p in predictions)
