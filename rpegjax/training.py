@@ -68,8 +68,9 @@ def _task_and_examples(cfg: RunConfig):
     train = load_jsonl(data.dataset, dataset_format=data.dataset_format)
     held_out = load_jsonl(data.eval_dataset, dataset_format=data.dataset_format) if data.eval_dataset else None
     task = MathDatasetTask(examples=train, held_out=held_out)
-    return task, task.train_examples(min(data.train_size, len(train)), data.seed), task.eval_examples(
-        data.eval_size, data.seed + 1)
+    # a file is used whole unless train_size / eval_size ask for less
+    return (task, task.train_examples(min(data.train_size, task.split_size(held_out=False)), data.seed),
+            task.eval_examples(min(data.eval_size, task.split_size(held_out=True)), data.seed + 1))
 
 
 def _model_config(cfg: RunConfig, tokenizer, *, value_head: bool) -> ModelConfig:

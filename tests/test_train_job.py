@@ -153,3 +153,33 @@ def test_malformed_dataset_row_names_file_and_line(tmp_path):
     result = run_job(tmp_path / "bad", "--steps=1", f"--dataset={data}")
     assert result.returncode != 0
     assert f"{data}:2" in result.stderr
+
+
+def test_job_trains_a_local_hugging_face_checkpoint_on_a_jsonl_dataset(tmp_path):
+    from flax import nnx
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from rpegjax.models import Decoder, ModelConfig
+    from rpegjax.models.hf import save_pretrained
+
+    vocab = {"<pad>": 0, "<eos>": 1, **{c: i + 2 for i, c in enumerate("0123456789+=")}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tokenizer.decoder = decoders.Fuse()
+    model_dir = tmp_path / "model"
+    cfg = ModelConfig.tiny(vocab_size=len(vocab), eos_token_id=1)
+    save_pretrained(Decoder(cfg, rngs=nnx.Rngs(0)), cfg, model_dir)
+    tokenizer.save(str(model_dir / "tokenizer.json"))
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>", "pad_token": "<pad>"}))
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n"
+                            for a in range(10) for b in range(10)))
+    command = [sys.executable, str(ROOT / "scripts" / "train_grpo.py"), f"--model={model_dir}", f"--dataset={data}",
+               "--steps=2", f"--run-dir={tmp_path / 'run'}", "--prompts-per-step=4", "--group-size=2",
+               "--max-new-tokens=4", "--data.eval_size=8", "--mesh=data=1", "--train.reward_workers=1"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["steps"] == 2
+    assert [r["step"] for r in metrics(tmp_path / "run") if "loss" in r] == [1, 2]

@@ -81,6 +81,10 @@ class MathDatasetTask:
         random.Random(f"{self.name}/{seed}").shuffle(pool)
         return pool[:n]
 
+    def split_size(self, *, held_out: bool) -> int:
+        """How many examples the train (or held-out) split holds."""
+        return len(self._split(held_out))
+
     def train_examples(self, n: int, seed: int) -> list[Example]:
         return self._take(n, seed, held_out=False)
 
