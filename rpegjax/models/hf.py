@@ -39,6 +39,7 @@ from rpegjax.models.hf_layout import (
     state_from_values,
     tensor_layouts,
 )
+from rpegjax.models.json_files import read_json_object
 from rpegjax.models.transformer import Decoder
 
 __all__ = ["CONFIG_FILE", "INDEX_FILE", "WEIGHTS_FILE", "CheckpointError", "hf_tensors_to_state", "load_pretrained",
@@ -56,16 +57,7 @@ PathLike = str | os.PathLike
 
 # ---- reading ------------------------------------------------------------------------------------------------
 def _read_json(path: Path) -> dict:
-    try:
-        with open(path, encoding="utf-8") as handle:
-            data = json.load(handle)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: file not found") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise CheckpointError(f"{path}: not valid JSON ({error})") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
+    return read_json_object(path, CheckpointError)
 
 
 def read_config(path: PathLike) -> ModelConfig:

@@ -21,6 +21,8 @@ import jinja2.ext
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from rpegjax.models.json_files import read_json_object
+
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
@@ -141,16 +143,7 @@ def _token_content(value: Any, *, field: str, source: Path) -> str | None:
 
 
 def _read_json_object(path: Path) -> dict:
-    try:
-        with open(path, encoding="utf-8") as handle:
-            data = json.load(handle)
-    except FileNotFoundError:
-        raise TokenizerError(f"{path}: file not found") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise TokenizerError(f"{path}: not valid JSON ({error})") from None
-    if not isinstance(data, dict):
-        raise TokenizerError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
+    return read_json_object(path, TokenizerError)
 
 
 class HFTokenizer(Tokenizer):
