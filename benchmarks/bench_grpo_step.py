@@ -78,7 +78,7 @@ def measure(graph_name: str, graph, warmup: int, steps: int) -> dict:
     prompts = {f"p{i}": rng.integers(0, cfg.vocab_size, PROMPT_LEN).tolist() for i in range(64)}
     examples = [Example(id=key, prompt=key, answer="0", task="w-small") for key in prompts]
     programs = StagePrograms(
-        learner=learner, policy_logprobs=learner._logprobs_fn, critic_values=None, sampler=sampler,
+        learner=learner, policy_logprobs=learner.logprobs_fn, critic_values=None, sampler=sampler,
         sampling=SamplingConfig(max_new_tokens=NEW_TOKENS, temperature=1.0, ignore_eos=True), group_size=GROUP,
         rewards=rewards, decode=lambda ids: " ".join(str(int(i)) for i in ids), pad_id=0,
         reference_params=jax.tree.map(jnp.copy, learner.params),

@@ -119,14 +119,14 @@ def run_runtime(config: Config, graph: Graph, steps: int, warmup: int) -> tuple[
             actor = Decoder(cfg, rngs=nnx.Rngs(0))
             learner = PPOLearner(PPOConfig(critic="separate", kl_coef=0.04, optimizer=optimizer), actor,
                                  Decoder(critic_cfg, rngs=nnx.Rngs(2)))
-        learner_programs = dict(policy_logprobs=learner._logprobs_fn, critic_values=learner._values_fn,
+        learner_programs = dict(policy_logprobs=learner.logprobs_fn, critic_values=learner.values_fn,
                                 actor_params_of=lambda s: s.params["actor"], critic_params_of=lambda s: s.params,
                                 reference_params=learner.params["actor"])
     else:
         actor = Decoder(cfg, rngs=nnx.Rngs(0))
         learner = GRPOLearner(GRPOConfig(group_size=config.group, kl_coef=0.04, clip_low=0.2, clip_high=0.2,
                                          optimizer=optimizer), actor)
-        learner_programs = dict(policy_logprobs=learner._logprobs_fn, critic_values=None,
+        learner_programs = dict(policy_logprobs=learner.logprobs_fn, critic_values=None,
                                 reference_params=jax.tree.map(jnp.copy, learner.params))
     sampler = Sampler(actor.cfg, nnx.split(actor)[0], num_slots=b, max_prompt_len=config.prompt_tokens,
                       max_new_tokens=config.new_tokens, chunk_steps=config.new_tokens)

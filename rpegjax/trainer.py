@@ -54,8 +54,8 @@ def make_programs(parts: Components, rewards: RewardRunner) -> StagePrograms:
     actor_of = (lambda state: state.params["actor"]) if ppo else (lambda state: state.params)
     return StagePrograms(
         learner=learner,
-        policy_logprobs=learner._logprobs_fn,
-        critic_values=learner._values_fn if ppo else None,
+        policy_logprobs=learner.logprobs_fn,
+        critic_values=learner.values_fn if ppo else None,
         sampler=parts.sampler,
         sampling=SamplingConfig(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                                 top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p),
@@ -63,7 +63,7 @@ def make_programs(parts: Components, rewards: RewardRunner) -> StagePrograms:
         rewards=rewards,
         decode=parts.decode,
         pad_id=parts.tokenizer.pad_id,
-        generation_shardings=parts.sampler._params_sharding,
+        generation_shardings=parts.sampler.params_sharding,
         batch_sharding=(learner.actor if ppo else learner.placement).rows,
         reference_params=initial["actor"] if ppo else initial,
         actor_params_of=actor_of,

@@ -101,24 +101,24 @@ class Sampler:
             self._admit = jax.jit(admit_fn, static_argnums=(0,), donate_argnums=(2,))
             self._decode = jax.jit(decode_fn, static_argnums=(0,), donate_argnums=(2,))
             self._build_state = jax.jit(self._empty)
-            self._params_sharding = None
+            self.params_sharding = None
         else:
             abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
-            self._params_sharding = param_shardings(nnx.split(abstract)[1], mesh, self.rules)
+            self.params_sharding = param_shardings(nnx.split(abstract)[1], mesh, self.rules)
             state_sharding = decode_state_shardings(jax.eval_shape(self._empty), activation)
             replicated = NamedSharding(mesh, PartitionSpec())
             self._admit = jax.jit(
                 admit_fn,
                 static_argnums=(0,),
                 # a few small host arrays per admit (their row count varies with the bucket): replicated
-                in_shardings=(self._params_sharding, state_sharding) + (replicated,) * 8,
+                in_shardings=(self.params_sharding, state_sharding) + (replicated,) * 8,
                 out_shardings=state_sharding,
                 donate_argnums=(2,),
             )
             self._decode = jax.jit(
                 decode_fn,
                 static_argnums=(0,),
-                in_shardings=(self._params_sharding, state_sharding, replicated, replicated, replicated),
+                in_shardings=(self.params_sharding, state_sharding, replicated, replicated, replicated),
                 out_shardings=(state_sharding, replicated),
                 donate_argnums=(2,),
             )
@@ -231,9 +231,9 @@ class Sampler:
 
     def _check_params(self, params: nnx.State) -> None:
         """On a mesh, parameters must already be in the generation layout (moving them is weight sync's job)."""
-        if self._params_sharding is None:
+        if self.params_sharding is None:
             return
-        for (path, variable), (_, wanted) in zip(nnx.to_flat_state(params), nnx.to_flat_state(self._params_sharding),
+        for (path, variable), (_, wanted) in zip(nnx.to_flat_state(params), nnx.to_flat_state(self.params_sharding),
                                                  strict=True):
             value, wanted = variable.get_value(), wanted.get_value()
             have = getattr(value, "sharding", None)

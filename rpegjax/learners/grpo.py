@@ -104,7 +104,7 @@ class GRPOLearner:
             mesh=mesh, donate_argnums=(0,),
         )
         self._logprobs = jit_with_shardings(
-            self._logprobs_fn, (placement.param_shardings, placement.rows, placement.rows), placement.rows, mesh=mesh
+            self.logprobs_fn, (placement.param_shardings, placement.rows, placement.rows), placement.rows, mesh=mesh
         )
         self._advantages = jit_with_shardings(
             self._advantages_fn, (placement.rows, placement.rows), (placement.rows, placement.replicated), mesh=mesh
@@ -119,7 +119,8 @@ class GRPOLearner:
         )
         return policy_objective(cfg, scores.logprobs, scores.entropy, batch, denominators)
 
-    def _logprobs_fn(self, params: Params, tokens, token_mask) -> Float[Array, "b t"]:
+    def logprobs_fn(self, params: Params, tokens, token_mask) -> Float[Array, "b t"]:
+        """Pure (unjitted) per-token log-probs, TrainBatch-aligned; the runtime fuses it into inference programs."""
         return score_sequences(
             self.placement.merge(params), tokens, token_mask, chunk_size=self.cfg.logprob_chunk_size,
             temperature=self.cfg.temperature, sharding=self.placement.activations,

@@ -140,8 +140,8 @@ class PPOLearner:
         self._update = jit_with_shardings(
             counted_update, (self.state_shardings, rows), (self.state_shardings, replicated), mesh=mesh, donate_argnums=(0,)
         )
-        self._logprobs = jit_with_shardings(self._logprobs_fn, (self.actor.param_shardings, rows, rows), rows, mesh=mesh)
-        self._values = jit_with_shardings(self._values_fn, (params_shardings, rows, rows), rows, mesh=mesh)
+        self._logprobs = jit_with_shardings(self.logprobs_fn, (self.actor.param_shardings, rows, rows), rows, mesh=mesh)
+        self._values = jit_with_shardings(self.values_fn, (params_shardings, rows, rows), rows, mesh=mesh)
         self._advantages = jit_with_shardings(self._advantages_fn, (rows,), (rows, replicated), mesh=mesh)
         self._logprobs_and_values = jit_with_shardings(
             self._logprobs_and_values_fn, (params_shardings, rows, rows), (rows, rows), mesh=mesh
@@ -174,13 +174,13 @@ class PPOLearner:
             sharding=self.critic.activations,
         ).values
 
-    def _logprobs_fn(self, params: Params, tokens, token_mask) -> Float[Array, "b t"]:
+    def logprobs_fn(self, params: Params, tokens, token_mask) -> Float[Array, "b t"]:
         return score_sequences(
             self.actor.merge(params), tokens, token_mask, chunk_size=self.cfg.logprob_chunk_size,
             temperature=self.cfg.temperature, sharding=self.actor.activations,
         ).logprobs
 
-    def _values_fn(self, params: Params, tokens, token_mask) -> Float[Array, "b t"]:
+    def values_fn(self, params: Params, tokens, token_mask) -> Float[Array, "b t"]:
         critic_params = params["actor"] if self.cfg.critic == CriticMode.SHARED else params["critic"]
         return self._critic_values(critic_params, tokens, token_mask)
 
@@ -191,7 +191,7 @@ class PPOLearner:
                 temperature=self.cfg.temperature, with_values=True, sharding=self.actor.activations,
             )
             return scores.logprobs, scores.values
-        return self._logprobs_fn(params["actor"], tokens, token_mask), self._critic_values(params["critic"], tokens, token_mask)
+        return self.logprobs_fn(params["actor"], tokens, token_mask), self._critic_values(params["critic"], tokens, token_mask)
 
     def _advantages_fn(self, batch: TrainBatch) -> tuple[TrainBatch, Metrics]:
         cfg = self.cfg
