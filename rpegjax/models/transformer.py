@@ -98,15 +98,20 @@ def rope_inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def apply_rope(x: Float[Array, "b t h e"], positions: Int[Array, "b t"], inv_freq: np.ndarray) -> Float[Array, "b t h e"]:
-    """Rotate-half RoPE, as in the Hugging Face Llama/Qwen implementations."""
+def rope_tables(positions: Int[Array, "b t"], inv_freq: np.ndarray) -> tuple[Array, Array]:
+    """cos and sin of RoPE's angles, each [b, t, 1, e/2] float32: computed once per forward, shared by all layers."""
     angles = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)  # b t e/2
-    cos = jnp.cos(jnp.concatenate([angles, angles], axis=-1))[:, :, None, :]
-    sin = jnp.sin(jnp.concatenate([angles, angles], axis=-1))[:, :, None, :]
+    return jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+
+
+def apply_rope(x: Float[Array, "b t h e"], rope: tuple[Array, Array]) -> Float[Array, "b t h e"]:
+    """Rotate-half RoPE, as in the Hugging Face Llama/Qwen implementations: with x = [x1, x2] (halves of e),
+    x cos + rotate_half(x) sin = [x1 cos - x2 sin, x2 cos + x1 sin] (one concatenate, forward and backward)."""
+    cos, sin = rope
     x32 = x.astype(jnp.float32)
     half = x32.shape[-1] // 2
-    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
-    return (x32 * cos + rotated * sin).astype(x.dtype)
+    x1, x2 = x32[..., :half], x32[..., half:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
 class Attention(nnx.Module):
@@ -125,7 +130,7 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(e, cfg.rms_norm_eps, pdt, axes.HEAD_DIM)
         self.cfg = cfg
 
-    def _project(self, x, kernel: nnx.Param, bias_name: str, norm_name: str | None, positions):
+    def _project(self, x, kernel: nnx.Param, bias_name: str, norm_name: str | None, rope):
         dt = self.cfg.jnp_dtype
         # 2-D matmuls: XLA's CPU backend runs [b*t, d] @ [d, h*e] several times faster than a batched einsum
         w = kernel.get_value().astype(dt)
@@ -135,21 +140,20 @@ class Attention(nnx.Module):
             y = y + getattr(self, bias_name).get_value().astype(dt)
         if self.cfg.qk_norm and norm_name is not None:
             y = getattr(self, norm_name)(y)
-        # computed at trace time from the config: a constant, not a parameter
-        return y if positions is None else apply_rope(y, positions, rope_inverse_frequencies(self.cfg))
+        return y if rope is None else apply_rope(y, rope)
 
     def __call__(
         self,
         x: Float[Array, "b t d"],
-        positions: Int[Array, "b t"],
+        rope: tuple[Array, Array],  # rope_tables(positions, ...)
         key_mask: Bool[Array, "b t"] | None,
         layer_cache: tuple[Array, Array] | None,  # this layer's cache k, v [b k T e]
         cache_offsets: Int[Array, " b"] | None,
         sharding: ActivationSharding | None,
     ) -> tuple[Float[Array, "b t d"], tuple[Array, Array] | None]:
         cfg = self.cfg
-        q = self._project(x, self.q_proj, "q_bias", "q_norm", positions)
-        k = self._project(x, self.k_proj, "k_bias", "k_norm", positions)
+        q = self._project(x, self.q_proj, "q_bias", "q_norm", rope)
+        k = self._project(x, self.k_proj, "k_bias", "k_norm", rope)
         v = self._project(x, self.v_proj, "v_bias", None, None)
         q = constrain(q, sharding, (axes.BATCH, None, axes.HEADS, None))
         if layer_cache is None:
@@ -178,19 +182,26 @@ def _causal_attention(
     v: Float[Array, "b t k e"],
     key_mask: Bool[Array, "b t"] | None,
 ) -> Float[Array, "b t h e"]:
-    """softmax(q k^T / sqrt(e)) v over keys at or before each query (and real per `key_mask`), float32 softmax."""
+    """softmax(q k^T / sqrt(e)) v over keys at or before each query (and real per `key_mask`), float32 softmax.
+
+    Queries are laid out [b, k, g t, e] (the g heads sharing a KV head stacked along time), so each
+    product is one batched GEMM over b k with the transposes done once, and 1/sqrt(e) scales q (smaller
+    than the scores) inside that transpose.
+    """
     b, t, h, e = q.shape
     kv = k.shape[2]
+    g = h // kv
     index = jnp.arange(t)
-    valid = (index[None, :] <= index[:, None])[None]
+    valid = (index[None, :] <= index[:, None])[None]  # 1 t s
     if key_mask is not None:
         valid = valid & key_mask[:, None, :]
-    qg = q.reshape(b, t, kv, h // kv, e)
-    scores = jnp.einsum("btkge,bske->bkgts", qg, k.astype(q.dtype)).astype(jnp.float32)
-    scores = scores / math.sqrt(e)
-    scores = jnp.where(valid[:, None, None, :, :], scores, _NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-    return jnp.einsum("bkgts,bske->btkge", probs, v.astype(q.dtype)).reshape(q.shape)
+    qg = (q / math.sqrt(e)).reshape(b, t, kv, g, e).transpose(0, 2, 3, 1, 4).reshape(b, kv, g * t, e)
+    keys, values = k.astype(q.dtype).transpose(0, 2, 1, 3), v.astype(q.dtype).transpose(0, 2, 1, 3)  # b k s e
+    scores = jnp.einsum("bkqe,bkse->bkqs", qg, keys).astype(jnp.float32).reshape(b, kv, g, t, t)
+    scores = jnp.where(valid[:, None, None], scores, _NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype).reshape(b, kv, g * t, t)
+    out = jnp.einsum("bkqs,bkse->bkqe", probs, values)
+    return out.reshape(b, kv, g, t, e).transpose(0, 3, 1, 2, 4).reshape(b, t, h, e)
 
 
 def _cached_attention(
@@ -246,8 +257,8 @@ class Block(nnx.Module):
         self.post_attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_param_dtype)
         self.mlp = MLP(cfg, rngs=rngs)
 
-    def __call__(self, x, positions, key_mask, layer_cache, cache_offsets, sharding):
-        attended, new_cache = self.attention(self.input_norm(x), positions, key_mask, layer_cache, cache_offsets, sharding)
+    def __call__(self, x, rope, key_mask, layer_cache, cache_offsets, sharding):
+        attended, new_cache = self.attention(self.input_norm(x), rope, key_mask, layer_cache, cache_offsets, sharding)
         x = x + attended
         x = x + self.mlp(self.post_attention_norm(x), sharding)
         return constrain(x, sharding, (axes.BATCH, None, axes.EMBED)), new_cache
@@ -288,11 +299,13 @@ class Decoder(nnx.Module):
         """
         x = self.embed.get_value()[tokens].astype(self.cfg.jnp_dtype)
         x = constrain(x, sharding, (axes.BATCH, None, axes.EMBED))
+        # computed at trace time from the config: a constant, not a parameter
+        rope = rope_tables(positions, rope_inverse_frequencies(self.cfg))
         new_k, new_v = [], []
         for index, layer in enumerate(self.layers):
             layer_cache = None if cache is None else (cache.k[index], cache.v[index])
             offsets = None if cache is None else cache.lengths
-            x, written = layer(x, positions, mask, layer_cache, offsets, sharding)
+            x, written = layer(x, rope, mask, layer_cache, offsets, sharding)
             if written is not None:
                 new_k.append(written[0])
                 new_v.append(written[1])
