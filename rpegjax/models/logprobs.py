@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
 from rpegjax.models.transformer import Decoder
@@ -18,6 +21,44 @@ def _pad_to_multiple(x: Array, multiple: int, axis: int = 1) -> Array:
     return jnp.pad(x, widths)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _chunk_logprobs(h, kernel, y, temperature: float, with_entropy: bool, dtype):
+    """(log p[y], entropy or zeros) of one chunk, p = softmax(h W / temperature); [b, c] each."""
+    return _chunk_forward(h, kernel, y, temperature, with_entropy, dtype)[0]
+
+
+def _chunk_logits(h, kernel, temperature, dtype):
+    return (h.astype(dtype) @ kernel.astype(dtype)).astype(jnp.float32) / temperature
+
+
+def _chunk_forward(h, kernel, y, temperature, with_entropy, dtype):
+    log_probs = jax.nn.log_softmax(_chunk_logits(h, kernel, temperature, dtype), axis=-1)
+    picked = jnp.take_along_axis(log_probs, y[..., None], axis=-1)[..., 0]
+    entropy = -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1) if with_entropy else jnp.zeros_like(picked)
+    # the logits are recomputed in the backward (as jax.checkpoint would): only the inputs are kept
+    return (picked, entropy), (h, kernel, y)
+
+
+def _chunk_backward(temperature, with_entropy, dtype, residuals, grads):
+    """d log p[y] / d logits = onehot(y) - p;  d H / d logits = -p (log p + H); one pass over [b, c, v]."""
+    h, kernel, y = residuals
+    d_picked, d_entropy = grads
+    log_probs = jax.nn.log_softmax(_chunk_logits(h, kernel, temperature, dtype), axis=-1)
+    probs = jnp.exp(log_probs)
+    onehot = y[..., None] == jnp.arange(log_probs.shape[-1])
+    d_logits = d_picked[..., None] * (onehot - probs)
+    if with_entropy:
+        entropy = -jnp.sum(probs * log_probs, axis=-1, keepdims=True)
+        d_logits = d_logits - d_entropy[..., None] * probs * (log_probs + entropy)
+    d_logits = (d_logits / temperature).astype(dtype)
+    d_h = (d_logits @ kernel.astype(dtype).T).astype(h.dtype)
+    d_kernel = jnp.einsum("bcd,bcv->dv", h.astype(dtype), d_logits).astype(kernel.dtype)
+    return d_h, d_kernel, np.zeros(y.shape, jax.dtypes.float0)
+
+
+_chunk_logprobs.defvjp(lambda *args: _chunk_forward(*args), _chunk_backward)
+
+
 def logprobs_from_hidden(
     hidden: Float[Array, "b t d"],
     output_kernel: Float[Array, "d v"],
@@ -30,22 +71,17 @@ def logprobs_from_hidden(
 ) -> tuple[Float[Array, "b t"], Float[Array, "b t"] | None]:
     """log softmax(hidden @ W / temperature)[targets], computed `chunk_size` positions at a time.
 
-    Each chunk's logits are recomputed in the backward pass (`jax.checkpoint`), so the peak is one
-    chunk of `[b, chunk, v]` float32 logits, forward and backward. Optionally also the entropy
-    -sum p log p of each position's distribution.
+    Each chunk's logits are recomputed in the backward pass (a hand-written VJP that keeps only the
+    chunk's inputs), so the peak is one chunk of `[b, chunk, v]` float32 logits, forward and backward.
+    Optionally also the entropy -sum p log p of each position's distribution.
     """
     b, t, d = hidden.shape
     chunk = max(1, min(chunk_size, t))
     hidden_chunks = _pad_to_multiple(hidden, chunk).reshape(b, -1, chunk, d).swapaxes(0, 1)
     target_chunks = _pad_to_multiple(targets, chunk).reshape(b, -1, chunk).swapaxes(0, 1)
 
-    @jax.checkpoint
     def one_chunk(h, y):
-        logits = (h.astype(dtype) @ output_kernel.astype(dtype)).astype(jnp.float32) / temperature
-        log_probs = jax.nn.log_softmax(logits, axis=-1)
-        picked = jnp.take_along_axis(log_probs, y[..., None], axis=-1)[..., 0]
-        entropy = -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1) if with_entropy else jnp.zeros_like(picked)
-        return picked, entropy
+        return _chunk_logprobs(h, output_kernel, y, temperature, with_entropy, dtype)
 
     if hidden_chunks.shape[0] == 1:  # one chunk: no loop (its carries and copies cost more than the chunk saves)
         picked, entropy = jax.tree.map(lambda x: x[None], one_chunk(hidden_chunks[0], target_chunks[0]))
