@@ -65,6 +65,7 @@ def make_programs(parts: Components, rewards: RewardRunner) -> StagePrograms:
         pad_id=parts.tokenizer.pad_id,
         generation_shardings=parts.sampler.params_sharding,
         batch_sharding=(learner.actor if ppo else learner.placement).rows,
+        train_mesh=(learner.actor if ppo else learner.placement).mesh,
         reference_params=initial["actor"] if ppo else initial,
         actor_params_of=actor_of,
         critic_params_of=lambda state: state.params,

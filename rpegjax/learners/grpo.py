@@ -34,7 +34,7 @@ from rpegjax.learners.update import (
     train_state_shardings,
 )
 from rpegjax.models.transformer import Decoder
-from rpegjax.sharding.rules import ShardingRules
+from rpegjax.sharding.rules import ActivationSharding, ShardingRules
 
 _OUTCOME_KINDS = (
     AdvantageKind.GRPO,
@@ -119,11 +119,12 @@ class GRPOLearner:
         )
         return policy_objective(cfg, scores.logprobs, scores.entropy, batch, denominators)
 
-    def logprobs_fn(self, params: Params, tokens, token_mask) -> Float[Array, "b t"]:
-        """Pure (unjitted) per-token log-probs, TrainBatch-aligned; the runtime fuses it into inference programs."""
+    def logprobs_fn(self, params: Params, tokens, token_mask, sharding: ActivationSharding | None = None) -> Float[Array, "b t"]:
+        """Pure (unjitted) per-token log-probs, TrainBatch-aligned; the runtime fuses it into inference programs.
+        `sharding`: the activation layout of another mesh the params were moved to (default the learner's)."""
         return score_sequences(
             self.placement.merge(params), tokens, token_mask, chunk_size=self.cfg.logprob_chunk_size,
-            temperature=self.cfg.temperature, sharding=self.placement.activations,
+            temperature=self.cfg.temperature, sharding=sharding or self.placement.activations,
         ).logprobs
 
     def _advantages_fn(self, rewards: Float[Array, " b"], response_mask: Bool[Array, "b t"]):

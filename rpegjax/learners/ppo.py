@@ -40,7 +40,7 @@ from rpegjax.learners.update import (
     train_state_shardings,
 )
 from rpegjax.models.transformer import Decoder
-from rpegjax.sharding.rules import ShardingRules
+from rpegjax.sharding.rules import ActivationSharding, ShardingRules
 
 
 class CriticMode(enum.StrEnum):
@@ -168,21 +168,23 @@ class PPOLearner:
         metrics.update(vf_metrics)
         return loss + (cfg.vf_coef if shared else 1.0) * vf_loss, metrics
 
-    def _critic_values(self, params: Params, tokens, token_mask) -> Float[Array, "b t"]:
+    def _critic_values(self, params: Params, tokens, token_mask, sharding: ActivationSharding | None = None) -> Float[Array, "b t"]:
         return score_sequences(
             self.critic.merge(params), tokens, token_mask, with_logprobs=False, with_values=True,
-            sharding=self.critic.activations,
+            sharding=sharding or self.critic.activations,
         ).values
 
-    def logprobs_fn(self, params: Params, tokens, token_mask) -> Float[Array, "b t"]:
+    def logprobs_fn(self, params: Params, tokens, token_mask, sharding: ActivationSharding | None = None) -> Float[Array, "b t"]:
+        """Pure per-token log-probs of the actor (`params` its weights); `sharding` as in GRPOLearner.logprobs_fn."""
         return score_sequences(
             self.actor.merge(params), tokens, token_mask, chunk_size=self.cfg.logprob_chunk_size,
-            temperature=self.cfg.temperature, sharding=self.actor.activations,
+            temperature=self.cfg.temperature, sharding=sharding or self.actor.activations,
         ).logprobs
 
-    def values_fn(self, params: Params, tokens, token_mask) -> Float[Array, "b t"]:
+    def values_fn(self, params: Params, tokens, token_mask, sharding: ActivationSharding | None = None) -> Float[Array, "b t"]:
+        """Pure per-token values; `params` the whole state's params (the critic's weights are picked here)."""
         critic_params = params["actor"] if self.cfg.critic == CriticMode.SHARED else params["critic"]
-        return self._critic_values(critic_params, tokens, token_mask)
+        return self._critic_values(critic_params, tokens, token_mask, sharding)
 
     def _logprobs_and_values_fn(self, params: Params, tokens, token_mask):
         if self.cfg.critic == CriticMode.SHARED:  # one pass over the shared trunk
