@@ -1,8 +1,9 @@
 """W-small (shared/WORKLOADS.md): seconds per GRPO step through the RPEG runtime.
 
-Four graphs of the same step, measured in one run: synchronous unfused, synchronous fused (reference and
+Five graphs of the same step, measured in one run: synchronous unfused, synchronous fused (reference and
 old log-probs in one program), asynchronous k=1 fused (generation of step t overlaps training of step t-1),
-and synchronous without the old-log-prob pass (one update per batch: the behaviour log-probs serve).
+synchronous without the old-log-prob pass (one update per batch: the behaviour log-probs serve), and
+asynchronous k=1 fused with generation on a device of its own (two XLA:CPU devices sharing the cores).
 Each: 2 warm-up steps, then `--steps` timed steps; median / min / max seconds per step, the generation
 stage's median and the rest (the step minus the part of generation that did not overlap), peak RSS, and
 the step as a fraction of the compute floor recomputed from a matmul peak measured in the same run.
@@ -11,6 +12,11 @@ the step as a fraction of the compute floor recomputed from a matmul peak measur
 """
 
 from __future__ import annotations
+
+import os
+
+# two XLA:CPU devices (same cores) for the disaggregated row; the other rows use the first only
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
 
 import argparse
 import json
@@ -35,6 +41,7 @@ from rpegjax.learners.grpo import GRPOConfig, GRPOLearner
 from rpegjax.learners.optim import OptimizerConfig
 from rpegjax.models import Decoder, ModelConfig
 from rpegjax.rewards.runner import Isolation, RewardRunner, RewardRunnerConfig
+from rpegjax.training import placed_meshes
 
 PROMPTS, GROUP, PROMPT_LEN, NEW_TOKENS = 8, 4, 32, 64
 PEERS = {"TRL 1.16.0": 1.33, "Tunix 0.1.7": 1.53}  # median s/step on this machine, shared/WORKLOADS.md
@@ -67,12 +74,14 @@ def compute_floor_flops(cfg: ModelConfig) -> float:
 
 
 def measure(graph_name: str, graph, warmup: int, steps: int) -> dict:
+    """Runs `graph`; the learner and the sampler live where its update and generate stages are placed."""
     cfg = ModelConfig.w_small()
     model = Decoder(cfg, rngs=nnx.Rngs(0))
+    train_mesh, rollout_mesh = placed_meshes(graph)
     learner = GRPOLearner(GRPOConfig(group_size=GROUP, kl_coef=0.04, clip_low=0.2, clip_high=0.2,
-                                     optimizer=OptimizerConfig(learning_rate=1e-5)), model)
+                                     optimizer=OptimizerConfig(learning_rate=1e-5)), model, mesh=train_mesh)
     sampler = Sampler(cfg, nnx.split(model)[0], num_slots=PROMPTS * GROUP, max_prompt_len=PROMPT_LEN,
-                      max_new_tokens=NEW_TOKENS, chunk_steps=NEW_TOKENS)
+                      max_new_tokens=NEW_TOKENS, chunk_steps=NEW_TOKENS, mesh=rollout_mesh)
     rewards = RewardRunner(even_token_reward, RewardRunnerConfig(timeout_s=10.0, workers=1, isolation=Isolation.THREAD))
     rng = np.random.default_rng(0)
     prompts = {f"p{i}": rng.integers(0, cfg.vocab_size, PROMPT_LEN).tolist() for i in range(64)}
@@ -81,6 +90,7 @@ def measure(graph_name: str, graph, warmup: int, steps: int) -> dict:
         learner=learner, policy_logprobs=learner.logprobs_fn, critic_values=None, sampler=sampler,
         sampling=SamplingConfig(max_new_tokens=NEW_TOKENS, temperature=1.0, ignore_eos=True), group_size=GROUP,
         rewards=rewards, decode=lambda ids: " ".join(str(int(i)) for i in ids), pad_id=0,
+        generation_shardings=sampler.params_sharding, batch_sharding=learner.placement.rows, train_mesh=train_mesh,
         reference_params=jax.tree.map(jnp.copy, learner.params),
     )
     trace = Trace(graph_name)
@@ -118,7 +128,14 @@ def main() -> None:
         "async k=1 fused": transforms.default_fusion(builders.grpo_graph(use_reference=True, async_bound=1)),
         # one update per batch on-policy: the sampler's log-probs are the old policy's, as TRL does it
         "sync, no old pass": builders.grpo_graph(use_reference=True, recompute_old_logprobs=False),
+        # generation on CPU device 0 and training on device 1 (two XLA:CPU devices on the same cores):
+        # the sampler's small decode programs no longer queue behind the update's
+        "async k=1 split": transforms.default_fusion(transforms.disaggregate(
+            builders.grpo_graph(use_reference=True, async_bound=1, num_devices=2), 1, {"data": 1}, {"data": 1})),
     }
+    if jax.device_count() < 2:
+        print(f"only {jax.device_count()} device (XLA_FLAGS={os.environ.get('XLA_FLAGS')!r}): skipping 'async k=1 split'")
+        del graphs["async k=1 split"]
     results = [measure(name, graph, args.warmup, args.steps) for name, graph in graphs.items()]
     peak = matmul_peak_flops()
     floor = compute_floor_flops(ModelConfig.w_small()) / peak

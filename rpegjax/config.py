@@ -115,8 +115,8 @@ class GraphSection:
 
     `mesh` lays out the training devices. `rollout_devices` = 0 colocates generation with training on all
     devices; n > 0 gives generation the first n devices (laid out by `rollout_mesh`) and training the rest,
-    so that with k >= 1 the two run at the same time. `plan` names a graph JSON (`scripts/plan.py
-    --save-plan`, or a run's graph.json) to execute instead of the graph these fields describe."""
+    so that with k >= 1 the two run at the same time. `plan` names a graph JSON (a run's graph.json,
+    or `scripts/plan.py --json` output: its best plan) to execute instead of the graph these fields describe."""
 
     async_bound: int = 1
     fuse: bool = True
