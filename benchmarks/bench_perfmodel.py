@@ -120,6 +120,7 @@ def run_runtime(config: Config, graph: Graph, steps: int, warmup: int) -> tuple[
             learner = PPOLearner(PPOConfig(critic="separate", kl_coef=0.04, optimizer=optimizer), actor,
                                  Decoder(critic_cfg, rngs=nnx.Rngs(2)))
         learner_programs = dict(policy_logprobs=learner.logprobs_fn, critic_values=learner.values_fn,
+                                logprobs_and_values=learner.logprobs_and_values_fn,
                                 actor_params_of=lambda s: s.params["actor"], critic_params_of=lambda s: s.params,
                                 reference_params=learner.params["actor"])
     else:

@@ -56,6 +56,7 @@ def make_programs(parts: Components, rewards: RewardRunner) -> StagePrograms:
         learner=learner,
         policy_logprobs=learner.logprobs_fn,
         critic_values=learner.values_fn if ppo else None,
+        logprobs_and_values=learner.logprobs_and_values_fn if ppo else None,
         sampler=parts.sampler,
         sampling=SamplingConfig(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                                 top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p),

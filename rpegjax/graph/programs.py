@@ -83,9 +83,9 @@ class StageLayout:
 class StagePrograms:
     """Stage computations for one run.
 
-    `learner` is a GRPOLearner or PPOLearner; `policy_logprobs(params, tokens, mask)` and, for PPO,
-    `critic_values(params, tokens, mask)` are its pure (unjitted) functions, from which fused programs are
-    built. The weight-sync stage copies the actor's weights into `generation_shardings` (the sampler's
+    `learner` is a GRPOLearner or PPOLearner; `policy_logprobs(params, tokens, mask, sharding)` and, for PPO,
+    `critic_values(params, tokens, mask, sharding)` and `logprobs_and_values` (both from the critic's params: one
+    pass over a shared trunk) are its pure (unjitted) functions, from which fused programs are built. The weight-sync stage copies the actor's weights into `generation_shardings` (the sampler's
     layout; None: the same device). Generation runs on the sampler's mesh, every other device stage on
     `train_mesh` (the learner's; None: the default device); the two may be disjoint device sets.
     """
@@ -96,6 +96,7 @@ class StagePrograms:
         learner: Any,
         policy_logprobs: Callable,
         critic_values: Callable | None,
+        logprobs_and_values: Callable | None = None,
         sampler: Sampler,
         sampling: SamplingConfig,
         group_size: int,
@@ -128,6 +129,7 @@ class StagePrograms:
             StageKind.CRITIC_VALUE: critic_params_of,
         }
         self.actor_params_of = actor_params_of
+        self._logprobs_and_values = logprobs_and_values
         self.batch_sharding = batch_sharding
         self.train_mesh = train_mesh
         # a copy, never the same buffers: the next update donates the training ones. Onto other devices
@@ -211,9 +213,19 @@ class StagePrograms:
                 if function is None:
                     raise ValueError(f"stage kind {kind.value} needs a critic, and this learner has none")
             sharding = None if layout is None else layout.activations
+            # log-probs and values of one stage from one pass when the learner can (a shared trunk)
+            joint = self._logprobs_and_values if {StageKind.OLD_LOGPROB, StageKind.CRITIC_VALUE} <= set(kinds) else None
 
             def program(params_by_kind, tokens, token_mask):
-                return tuple(f(p, tokens, token_mask, sharding) for f, p in zip(functions, params_by_kind))
+                outputs = {}
+                if joint is not None:
+                    critic = kinds.index(StageKind.CRITIC_VALUE)
+                    outputs[StageKind.OLD_LOGPROB], outputs[StageKind.CRITIC_VALUE] = joint(
+                        params_by_kind[critic], tokens, token_mask, sharding)
+                for kind, f, p in zip(kinds, functions, params_by_kind):
+                    if kind not in outputs:
+                        outputs[kind] = f(p, tokens, token_mask, sharding)
+                return tuple(outputs[kind] for kind in kinds)
 
             self._inference_programs[key] = jax.jit(program)
         return self._inference_programs[key]

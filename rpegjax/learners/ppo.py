@@ -144,7 +144,7 @@ class PPOLearner:
         self._values = jit_with_shardings(self.values_fn, (params_shardings, rows, rows), rows, mesh=mesh)
         self._advantages = jit_with_shardings(self._advantages_fn, (rows,), (rows, replicated), mesh=mesh)
         self._logprobs_and_values = jit_with_shardings(
-            self._logprobs_and_values_fn, (params_shardings, rows, rows), (rows, rows), mesh=mesh
+            self.logprobs_and_values_fn, (params_shardings, rows, rows), (rows, rows), mesh=mesh
         )
 
     # ---- pure functions ----------------------------------------------------------------------
@@ -186,14 +186,17 @@ class PPOLearner:
         critic_params = params["actor"] if self.cfg.critic == CriticMode.SHARED else params["critic"]
         return self._critic_values(critic_params, tokens, token_mask, sharding)
 
-    def _logprobs_and_values_fn(self, params: Params, tokens, token_mask):
-        if self.cfg.critic == CriticMode.SHARED:  # one pass over the shared trunk
+    def logprobs_and_values_fn(self, params: Params, tokens, token_mask, sharding: ActivationSharding | None = None):
+        """Pure per-token (log-probs, values) from the whole state's params; with a shared critic one pass over
+        the trunk gives both (the runtime uses it when a stage computes both)."""
+        if self.cfg.critic == CriticMode.SHARED:
             scores = score_sequences(
                 self.actor.merge(params["actor"]), tokens, token_mask, chunk_size=self.cfg.logprob_chunk_size,
-                temperature=self.cfg.temperature, with_values=True, sharding=self.actor.activations,
+                temperature=self.cfg.temperature, with_values=True, sharding=sharding or self.actor.activations,
             )
             return scores.logprobs, scores.values
-        return self.logprobs_fn(params["actor"], tokens, token_mask), self._critic_values(params["critic"], tokens, token_mask)
+        return (self.logprobs_fn(params["actor"], tokens, token_mask, sharding),
+                self._critic_values(params["critic"], tokens, token_mask, sharding))
 
     def _advantages_fn(self, batch: TrainBatch) -> tuple[TrainBatch, Metrics]:
         cfg = self.cfg

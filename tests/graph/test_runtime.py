@@ -242,3 +242,27 @@ def test_graphs_whose_placements_the_programs_do_not_honour_are_refused():
     update_elsewhere = transforms.place(parts.graph, "actor_update", "all", {"fsdp": 8})
     with pytest.raises(GraphError, match="stage 'actor_update' .* only inference stages can run with a layout of their own"):
         Runtime(update_elsewhere, programs, None, prompt_ids=None, key=jax.random.key(0))
+
+
+def test_a_shared_critic_stage_gets_log_probs_and_values_from_one_pass():
+    from rpegjax.graph.ir import StageKind
+
+    ppo = tiny_config().replace(algorithm="ppo", ppo=dataclasses.replace(RunConfig().ppo, critic="shared", kl_coef=0.04))
+    parts = built(ppo)
+    programs, state = make_programs(parts, None), parts.learner.init_state()
+    rows = np.random.default_rng(1).integers(3, 90, size=(8, 18)).tolist()
+    batch = pack_rollouts([r[:6] for r in rows], [r[6:] for r in rows], [[0.0] * 12] * 8, pad_id=0, length=18)
+    both, alone = (StageKind.OLD_LOGPROB, StageKind.CRITIC_VALUE), [(StageKind.OLD_LOGPROB,), (StageKind.CRITIC_VALUE,)]
+    joint = programs.infer(both, state, batch)
+    separate = {k: v for kinds in alone for k, v in programs.infer(kinds, state, batch).items()}
+    for field in ("old_logprobs", "values"):
+        np.testing.assert_allclose(np.asarray(joint[field]), np.asarray(separate[field]), atol=1e-6)
+
+    def flops(kinds):  # XLA's count for the compiled program
+        params = tuple(programs._params_of[kind](state) for kind in kinds)
+        program = programs._inference_program(kinds, None)
+        tokens, mask = programs._place(batch.tokens), programs._place(batch.token_mask)
+        return program.lower(params, tokens, mask).compile().cost_analysis()["flops"]
+
+    # one trunk pass: the log-prob pass plus a value head, far from a second pass
+    assert flops(both) < flops(alone[0]) + 0.5 * flops(alone[1])
