@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
@@ -27,7 +26,7 @@ from jaxtyping import Array, Float
 from rpegjax.learners.advantages import gae, outcome_token_rewards, whiten
 from rpegjax.learners.batch import TrainBatch
 from rpegjax.learners.losses import aggregation_denominator, kl_penalty, value_loss
-from rpegjax.learners.objective import PolicyConfig, policy_denominators, policy_objective, update_inputs
+from rpegjax.learners.objective import PolicyConfig, PolicyUpdates, policy_denominators, policy_objective, update_inputs
 from rpegjax.learners.optim import OptimizerConfig, make_optimizer, make_schedule
 from rpegjax.learners.placement import ModelPlacement, Params, jit_with_shardings
 from rpegjax.learners.scoring import score_sequences
@@ -86,7 +85,7 @@ class PPOConfig(PolicyConfig):
         return (*super().required_fields(), "values", "returns")
 
 
-class PPOLearner:
+class PPOLearner(PolicyUpdates):
     """Jitted PPO functions for an actor and a critic (separate model or the actor's own value head)."""
 
     def __init__(
@@ -215,6 +214,10 @@ class PPOLearner:
 
     # ---- public API --------------------------------------------------------------------------
     @property
+    def rows(self):
+        return self.actor.rows
+
+    @property
     def params(self) -> Params:
         """{"actor": ..., "critic": ...?}: the parameters of the models the learner was built from."""
         return self._params
@@ -252,18 +255,3 @@ class PPOLearner:
         inputs = inputs.replace(rewards=jnp.asarray(batch.rewards, jnp.float32))
         result, metrics = self._advantages(inputs)
         return batch.replace(advantages=result.advantages, returns=result.returns), metrics
-
-    def update(self, state: TrainState, batch: TrainBatch) -> tuple[TrainState, Metrics]:
-        """One PPO update (actor and critic) on `batch`; donates `state`."""
-        return self._update(state, self._update_inputs(batch))
-
-    def lower_update(self, state: TrainState, batch: TrainBatch) -> jax.stages.Lowered:
-        """The update lowered for these shapes (see `GRPOLearner.lower_update`)."""
-        return self._update.lower(state, self._update_inputs(batch))
-
-    def _update_inputs(self, batch: TrainBatch) -> TrainBatch:
-        batch.validate()
-        batch.require("PPOLearner.update", *self.cfg.required_fields())
-        self.cfg.layout.check_batch(batch.batch_size)
-        check_rows_divide(batch.batch_size, self.actor.rows, "PPOLearner.update")
-        return update_inputs(batch, self.cfg)
