@@ -12,6 +12,12 @@ n pieces of whole prompt groups as they finish (continuous batching), reward sco
 on the host at once, and inference stages with the same micro-batch count run on each piece while
 the tail of the rollout is still decoding.
 
+Placement: generation runs where the graph places it (the sampler's mesh), every other device stage on the
+training devices (the learner's mesh); `check_placements` refuses programs built elsewhere. When the two are
+disjoint device sets (a disaggregated graph) the rollout worker's and the trainer's device work run on separate
+devices, and the weight-sync stage moves the weights across. An inference stage may ask for a layout of its own
+on the training devices; it then runs on weights re-sharded to it (`StagePrograms.infer`).
+
 Several processes on one mesh (`rpegjax.distributed`) must launch the same device programs in the
 same order, which two threads cannot promise; there the runtime runs with `concurrent_rollout=False`:
 step t's rollout is generated in the calling thread right before step t trains. The weights each
