@@ -31,7 +31,7 @@ from rpegjax.sharding.rules import ActivationSharding
 class DecodeState:
     """Everything the decode loop carries, one row per slot (n = most new tokens per sequence)."""
 
-    cache: KVCache  # k, v [l b t k e]; lengths [b] = prompt + response tokens in the cache
+    cache: KVCache  # k, v: per layer [b k t e]; lengths [b] = prompt + response tokens in the cache
     last_token: Int[Array, " b"]  # latest sampled token, fed to the next step
     num_generated: Int[Array, " b"]  # response tokens sampled so far
     budget: Int[Array, " b"]  # most response tokens this sequence may have
@@ -72,8 +72,8 @@ def decode_state_shardings(state: DecodeState, sharding: ActivationSharding) -> 
     row = (axes.BATCH,)
     cache_axes = KVCache.logical_axes()
     return DecodeState(
-        cache=KVCache(k=named(cache_axes, state.cache.k), v=named(cache_axes, state.cache.v),
-                      lengths=named(row, state.cache.lengths)),
+        cache=KVCache(k=tuple(named(cache_axes, x) for x in state.cache.k),
+                      v=tuple(named(cache_axes, x) for x in state.cache.v), lengths=named(row, state.cache.lengths)),
         last_token=named(row, state.last_token),
         num_generated=named(row, state.num_generated),
         budget=named(row, state.budget),
@@ -164,8 +164,11 @@ def admit(
     s = prompts.shape[1]
     cache, logits = prefill(model, prompts, prompt_lengths, sharding)
     repeat = lambda x, axis=0: jnp.repeat(x, group_size, axis=axis)  # noqa: E731
-    new_k = state.cache.k.at[:, slots, :s].set(repeat(cache.k, 1).astype(state.cache.k.dtype), mode="drop")
-    new_v = state.cache.v.at[:, slots, :s].set(repeat(cache.v, 1).astype(state.cache.v.dtype), mode="drop")
+    def copy_in(slot_cache, prefilled):  # one layer's [b k T e] array
+        return slot_cache.at[slots, :, :s].set(repeat(prefilled).astype(slot_cache.dtype), mode="drop")
+
+    new_k = tuple(map(copy_in, state.cache.k, cache.k))
+    new_v = tuple(map(copy_in, state.cache.v, cache.v))
 
     # the new rows as a small state of their own (no cache: sampling never reads it), advanced by one
     # sampled token, then scattered in; sampling only the r new rows keeps an admit cheap at large vocab
@@ -236,7 +239,8 @@ def decode(
     full = state.cache
     windowed = window is not None and window < full.capacity
     if windowed:
-        state = state.replace(cache=KVCache(k=full.k[:, :, :window], v=full.v[:, :, :window], lengths=full.lengths))
+        state = state.replace(cache=KVCache(k=tuple(x[:, :, :window] for x in full.k),
+                                            v=tuple(x[:, :, :window] for x in full.v), lengths=full.lengths))
 
     def cond(carry):
         step, s = carry
@@ -252,6 +256,9 @@ def decode(
     steps, state = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))
     if windowed:
         cache = state.cache
-        state = state.replace(cache=KVCache(k=full.k.at[:, :, :window].set(cache.k), v=full.v.at[:, :, :window].set(cache.v),
-                                            lengths=cache.lengths))
+        def write_back(whole, part):  # one layer's [b k T e] array
+            return whole.at[:, :, :window].set(part)
+
+        state = state.replace(cache=KVCache(k=tuple(map(write_back, full.k, cache.k)),
+                                            v=tuple(map(write_back, full.v, cache.v)), lengths=cache.lengths))
     return state, steps

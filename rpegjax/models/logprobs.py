@@ -47,7 +47,10 @@ def logprobs_from_hidden(
         entropy = -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1) if with_entropy else jnp.zeros_like(picked)
         return picked, entropy
 
-    picked, entropy = jax.lax.map(lambda args: one_chunk(*args), (hidden_chunks, target_chunks))
+    if hidden_chunks.shape[0] == 1:  # one chunk: no loop (its carries and copies cost more than the chunk saves)
+        picked, entropy = jax.tree.map(lambda x: x[None], one_chunk(hidden_chunks[0], target_chunks[0]))
+    else:
+        picked, entropy = jax.lax.map(lambda args: one_chunk(*args), (hidden_chunks, target_chunks))
     picked = picked.swapaxes(0, 1).reshape(b, -1)[:, :t]
     entropy = entropy.swapaxes(0, 1).reshape(b, -1)[:, :t] if with_entropy else None
     return picked, entropy

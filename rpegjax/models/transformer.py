@@ -30,25 +30,34 @@ _NEG_INF = -1e30
 
 @flax.struct.dataclass
 class KVCache:
-    """Keys and values of every layer for a fixed number of slots (rows) and capacity."""
+    """Keys and values of every layer for a fixed number of slots (rows) and capacity.
 
-    k: Float[Array, "l b t k e"]
-    v: Float[Array, "l b t k e"]
+    `k` and `v` hold one [b, k, t, e] array per layer (slot, KV head, cache index, head dim): a decode
+    step reads and writes each layer's arrays in place, where slicing one layer out of a stacked
+    [l, ...] array would copy it at every step, and head-major rows let one token's attention scan
+    each head's keys contiguously.
+    """
+
+    k: tuple[Float[Array, "b k t e"], ...]
+    v: tuple[Float[Array, "b k t e"], ...]
     lengths: Int[Array, " b"]  # valid tokens per row
 
     @classmethod
     def zeros(cls, cfg: ModelConfig, batch: int, capacity: int, dtype=None) -> KVCache:
-        shape = (cfg.num_layers, batch, capacity, cfg.num_kv_heads, cfg.head_dim)
+        shape = (batch, cfg.num_kv_heads, capacity, cfg.head_dim)
         dtype = cfg.jnp_dtype if dtype is None else dtype
-        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), lengths=jnp.zeros((batch,), jnp.int32))
+        layers = range(cfg.num_layers)
+        return cls(k=tuple(jnp.zeros(shape, dtype) for _ in layers), v=tuple(jnp.zeros(shape, dtype) for _ in layers),
+                   lengths=jnp.zeros((batch,), jnp.int32))
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[2]
+        return self.k[0].shape[2]
 
     @staticmethod
     def logical_axes() -> tuple[str | None, ...]:
-        return (None, axes.BATCH, axes.CACHE_SEQ, axes.KV_HEADS, axes.HEAD_DIM)
+        """Logical axes of each layer's k and v array."""
+        return (axes.BATCH, axes.KV_HEADS, axes.CACHE_SEQ, axes.HEAD_DIM)
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], logical: tuple[str | None, ...], dtype, fan_in: int) -> nnx.Param:
@@ -89,15 +98,20 @@ def rope_inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def apply_rope(x: Float[Array, "b t h e"], positions: Int[Array, "b t"], inv_freq: np.ndarray) -> Float[Array, "b t h e"]:
-    """Rotate-half RoPE, as in the Hugging Face Llama/Qwen implementations."""
+def rope_tables(positions: Int[Array, "b t"], inv_freq: np.ndarray) -> tuple[Array, Array]:
+    """cos and sin of RoPE's angles, each [b, t, 1, e/2] float32: computed once per forward, shared by all layers."""
     angles = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)  # b t e/2
-    cos = jnp.cos(jnp.concatenate([angles, angles], axis=-1))[:, :, None, :]
-    sin = jnp.sin(jnp.concatenate([angles, angles], axis=-1))[:, :, None, :]
+    return jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+
+
+def apply_rope(x: Float[Array, "b t h e"], rope: tuple[Array, Array]) -> Float[Array, "b t h e"]:
+    """Rotate-half RoPE, as in the Hugging Face Llama/Qwen implementations: with x = [x1, x2] (halves of e),
+    x cos + rotate_half(x) sin = [x1 cos - x2 sin, x2 cos + x1 sin] (one concatenate, forward and backward)."""
+    cos, sin = rope
     x32 = x.astype(jnp.float32)
     half = x32.shape[-1] // 2
-    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
-    return (x32 * cos + rotated * sin).astype(x.dtype)
+    x1, x2 = x32[..., :half], x32[..., half:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
 class Attention(nnx.Module):
@@ -116,7 +130,7 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(e, cfg.rms_norm_eps, pdt, axes.HEAD_DIM)
         self.cfg = cfg
 
-    def _project(self, x, kernel: nnx.Param, bias_name: str, norm_name: str | None, positions):
+    def _project(self, x, kernel: nnx.Param, bias_name: str, norm_name: str | None, rope):
         dt = self.cfg.jnp_dtype
         # 2-D matmuls: XLA's CPU backend runs [b*t, d] @ [d, h*e] several times faster than a batched einsum
         w = kernel.get_value().astype(dt)
@@ -126,56 +140,97 @@ class Attention(nnx.Module):
             y = y + getattr(self, bias_name).get_value().astype(dt)
         if self.cfg.qk_norm and norm_name is not None:
             y = getattr(self, norm_name)(y)
-        # computed at trace time from the config: a constant, not a parameter
-        return y if positions is None else apply_rope(y, positions, rope_inverse_frequencies(self.cfg))
+        return y if rope is None else apply_rope(y, rope)
 
     def __call__(
         self,
         x: Float[Array, "b t d"],
-        positions: Int[Array, "b t"],
+        rope: tuple[Array, Array],  # rope_tables(positions, ...)
         key_mask: Bool[Array, "b t"] | None,
-        layer_cache: tuple[Array, Array, int] | None,  # all layers' cache k, v and this layer's index
+        layer_cache: tuple[Array, Array] | None,  # this layer's cache k, v [b k T e]
         cache_offsets: Int[Array, " b"] | None,
         sharding: ActivationSharding | None,
     ) -> tuple[Float[Array, "b t d"], tuple[Array, Array] | None]:
         cfg = self.cfg
-        q = self._project(x, self.q_proj, "q_bias", "q_norm", positions)
-        k = self._project(x, self.k_proj, "k_bias", "k_norm", positions)
+        q = self._project(x, self.q_proj, "q_bias", "q_norm", rope)
+        k = self._project(x, self.k_proj, "k_bias", "k_norm", rope)
         v = self._project(x, self.v_proj, "v_bias", None, None)
         q = constrain(q, sharding, (axes.BATCH, None, axes.HEADS, None))
-        t = x.shape[1]
         if layer_cache is None:
-            keys, values = k, v
-            query_index = jnp.arange(t)[None, :]  # b t
-            key_index = jnp.arange(t)[None, :]
-            valid = (key_index[:, None, :] <= query_index[:, :, None])  # b t s
-            if key_mask is not None:
-                valid = valid & key_mask[:, None, :]
-            new_cache = None
-        else:
-            # layer_cache holds every layer's [l b T k e] arrays: writing only the new tokens into them
-            # (a scatter XLA does in place) avoids copying the whole cache at every decode step
-            cache_k, cache_v, layer = layer_cache
-            rows = jnp.arange(x.shape[0])[:, None]
-            columns = cache_offsets[:, None] + jnp.arange(t)[None, :]
-            cache_k = cache_k.at[layer, rows, columns].set(k.astype(cache_k.dtype), mode="drop")
-            cache_v = cache_v.at[layer, rows, columns].set(v.astype(cache_v.dtype), mode="drop")
-            keys, values = cache_k[layer], cache_v[layer]
-            new_cache = (cache_k, cache_v)
-            query_index = cache_offsets[:, None] + jnp.arange(t)[None, :]  # b t
-            key_index = jnp.arange(keys.shape[1])[None, None, :]
-            valid = key_index <= query_index[:, :, None]  # b t s
-        groups = cfg.num_heads // cfg.num_kv_heads
-        qg = q.reshape(q.shape[0], t, cfg.num_kv_heads, groups, cfg.head_dim)
-        scores = jnp.einsum("btkge,bske->bkgts", qg, keys.astype(q.dtype)).astype(jnp.float32)
-        scores = scores / math.sqrt(cfg.head_dim)
-        scores = jnp.where(valid[:, None, None, :, :], scores, _NEG_INF)
-        probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-        out = jnp.einsum("bkgts,bske->btkge", probs, values.astype(q.dtype)).reshape(q.shape)
-        o_proj = self.o_proj.get_value().astype(cfg.jnp_dtype)
-        b = out.shape[0]
-        out = (out.reshape(b * t, -1) @ o_proj.reshape(-1, o_proj.shape[-1])).reshape(b, t, -1)
-        return out, new_cache
+            return self._output(_causal_attention(q, k, v, key_mask)), None
+        # writing only the new tokens into this layer's [b k T e] arrays (a scatter XLA does in place)
+        # avoids copying the cache at every decode step. The advanced indices (rows, columns) around the
+        # head slice address a [b t k e] block, the layout of k and v.
+        cache_k, cache_v = layer_cache
+        b, t = x.shape[:2]
+        rows = jnp.arange(b)[:, None]
+        columns = cache_offsets[:, None] + jnp.arange(t)[None, :]  # b t: cache index of each new token
+        cache_k = cache_k.at[rows, :, columns].set(k.astype(cache_k.dtype), mode="drop")
+        cache_v = cache_v.at[rows, :, columns].set(v.astype(cache_v.dtype), mode="drop")
+        out = _cached_attention(q, cache_k, cache_v, columns)
+        return self._output(out), (cache_k, cache_v)
+
+    def _output(self, out: Float[Array, "b t h e"]) -> Float[Array, "b t d"]:
+        o_proj = self.o_proj.get_value().astype(self.cfg.jnp_dtype)
+        b, t = out.shape[:2]
+        return (out.reshape(b * t, -1) @ o_proj.reshape(-1, o_proj.shape[-1])).reshape(b, t, -1)
+
+
+def _causal_attention(
+    q: Float[Array, "b t h e"],
+    k: Float[Array, "b t k e"],
+    v: Float[Array, "b t k e"],
+    key_mask: Bool[Array, "b t"] | None,
+) -> Float[Array, "b t h e"]:
+    """softmax(q k^T / sqrt(e)) v over keys at or before each query (and real per `key_mask`), float32 softmax.
+
+    Queries are laid out [b, k, g t, e] (the g heads sharing a KV head stacked along time), so each
+    product is one batched GEMM over b k with the transposes done once, and 1/sqrt(e) scales q (smaller
+    than the scores) inside that transpose.
+    """
+    b, t, h, e = q.shape
+    kv = k.shape[2]
+    g = h // kv
+    index = jnp.arange(t)
+    valid = (index[None, :] <= index[:, None])[None]  # 1 t s
+    if key_mask is not None:
+        valid = valid & key_mask[:, None, :]
+    qg = (q / math.sqrt(e)).reshape(b, t, kv, g, e).transpose(0, 2, 3, 1, 4).reshape(b, kv, g * t, e)
+    keys, values = k.astype(q.dtype).transpose(0, 2, 1, 3), v.astype(q.dtype).transpose(0, 2, 1, 3)  # b k s e
+    scores = jnp.einsum("bkqe,bkse->bkqs", qg, keys).astype(jnp.float32).reshape(b, kv, g, t, t)
+    scores = jnp.where(valid[:, None, None], scores, _NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype).reshape(b, kv, g * t, t)
+    out = jnp.einsum("bkqs,bkse->bkqe", probs, values)
+    return out.reshape(b, kv, g, t, e).transpose(0, 3, 1, 2, 4).reshape(b, t, h, e)
+
+
+def _cached_attention(
+    q: Float[Array, "b t h e"],
+    keys: Float[Array, "b k s e"],
+    values: Float[Array, "b k s e"],
+    query_index: Int[Array, "b t"],
+) -> Float[Array, "b t h e"]:
+    """softmax(q k^T / sqrt(e)) v over cache slots s <= each query's own cache index, in float32.
+
+    One new token per row (decode) is a multiply-and-sum XLA fuses into one pass over the cache, with no
+    transposed copy of it; longer blocks (prefill) use batched matmuls.
+    """
+    b, t, h, e = q.shape
+    kv, s = keys.shape[1], keys.shape[2]
+    g = h // kv
+    valid = jnp.arange(s)[None, None, :] <= query_index[:, :, None]  # b t s
+    if t == 1:
+        qg = q.reshape(b, kv, g, 1, e).astype(jnp.float32)
+        scores = jnp.sum(qg * keys[:, :, None].astype(jnp.float32), axis=-1) / math.sqrt(e)  # b k g s
+        scores = jnp.where(valid[:, :, None, :], scores, _NEG_INF)  # valid b 1 s -> b 1 1 s
+        probs = jax.nn.softmax(scores, axis=-1)
+        out = jnp.sum(probs[..., None] * values[:, :, None].astype(jnp.float32), axis=3)  # b k g e
+        return out.reshape(b, 1, h, e).astype(q.dtype)
+    qg = q.reshape(b, t, kv, g, e)
+    scores = jnp.einsum("btkge,bkse->bkgts", qg, keys.astype(q.dtype)).astype(jnp.float32) / math.sqrt(e)
+    scores = jnp.where(valid[:, None, None], scores, _NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    return jnp.einsum("bkgts,bkse->btkge", probs, values.astype(q.dtype)).reshape(q.shape)
 
 
 class MLP(nnx.Module):
@@ -202,8 +257,8 @@ class Block(nnx.Module):
         self.post_attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_param_dtype)
         self.mlp = MLP(cfg, rngs=rngs)
 
-    def __call__(self, x, positions, key_mask, layer_cache, cache_offsets, sharding):
-        attended, new_cache = self.attention(self.input_norm(x), positions, key_mask, layer_cache, cache_offsets, sharding)
+    def __call__(self, x, rope, key_mask, layer_cache, cache_offsets, sharding):
+        attended, new_cache = self.attention(self.input_norm(x), rope, key_mask, layer_cache, cache_offsets, sharding)
         x = x + attended
         x = x + self.mlp(self.post_attention_norm(x), sharding)
         return constrain(x, sharding, (axes.BATCH, None, axes.EMBED)), new_cache
@@ -244,17 +299,20 @@ class Decoder(nnx.Module):
         """
         x = self.embed.get_value()[tokens].astype(self.cfg.jnp_dtype)
         x = constrain(x, sharding, (axes.BATCH, None, axes.EMBED))
-        all_k, all_v = (None, None) if cache is None else (cache.k, cache.v)
+        # computed at trace time from the config: a constant, not a parameter
+        rope = rope_tables(positions, rope_inverse_frequencies(self.cfg))
+        new_k, new_v = [], []
         for index, layer in enumerate(self.layers):
-            layer_cache = None if cache is None else (all_k, all_v, index)
+            layer_cache = None if cache is None else (cache.k[index], cache.v[index])
             offsets = None if cache is None else cache.lengths
-            x, written = layer(x, positions, mask, layer_cache, offsets, sharding)
+            x, written = layer(x, rope, mask, layer_cache, offsets, sharding)
             if written is not None:
-                all_k, all_v = written
+                new_k.append(written[0])
+                new_v.append(written[1])
         new_cache = None
         if cache is not None:
             added = tokens.shape[1] if mask is None else mask.sum(axis=-1).astype(jnp.int32)
-            new_cache = KVCache(k=all_k, v=all_v, lengths=cache.lengths + added)
+            new_cache = KVCache(k=tuple(new_k), v=tuple(new_v), lengths=cache.lengths + added)
         return self.final_norm(x), new_cache
 
     def output_kernel(self) -> Float[Array, "d v"]:

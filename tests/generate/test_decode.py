@@ -20,10 +20,11 @@ def test_cache_decode_logits_equal_full_forward_at_every_position(tiny_cfg, tiny
     np.testing.assert_allclose(first, full[np.arange(3), lengths - 1], atol=1e-5)
 
     state = DecodeState.empty(tiny_cfg, 3, 6 + steps, steps)
-    grown = cache.k.shape[2]
+    grown = cache.capacity
     state = state.replace(
-        cache=state.cache.replace(k=state.cache.k.at[:, :, :grown].set(cache.k),
-                                  v=state.cache.v.at[:, :, :grown].set(cache.v), lengths=cache.lengths),
+        cache=state.cache.replace(k=tuple(x.at[:, :, :grown].set(y) for x, y in zip(state.cache.k, cache.k)),
+                                  v=tuple(x.at[:, :, :grown].set(y) for x, y in zip(state.cache.v, cache.v)),
+                                  lengths=cache.lengths),
         done=jnp.zeros(3, bool),
     )
     step = jax.jit(lambda s: step_logits(tiny_model, s, None))
@@ -70,7 +71,8 @@ def test_admit_prefills_once_and_decode_stops_when_all_done(tiny_cfg, tiny_split
     np.testing.assert_array_equal(state.prompt_index, [0, 1, 1, 0])
     np.testing.assert_array_equal(state.sample_index, [1, 0, 1, 0])
     # the two samples of a prompt share the prefill: identical cache rows
-    np.testing.assert_array_equal(state.cache.k[:, 3, :3], state.cache.k[:, 0, :3])
+    for layer in state.cache.k:
+        np.testing.assert_array_equal(layer[3, :, :3], layer[0, :, :3])
     run = jax.jit(decode, static_argnums=0, static_argnames="window")
     # a window of 6 cache positions: the loop stops before row 0 (3 cached tokens + 3 more) would overflow it
     windowed, steps = run(graphdef, params, state, jax.random.key(0), arrays, jnp.int32(100), window=6)

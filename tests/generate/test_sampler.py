@@ -250,7 +250,7 @@ def test_sharded_sampler_equals_unsharded(tiny_cfg, tiny_split, reference):
     train = shard_state(params, make_mesh({"data": 2, "fsdp": 2, "tensor": 2}), ShardingRules.fsdp_tp())
     mesh = make_mesh({"data": 4, "tensor": 2})
     sharded = Sampler(tiny_cfg, graphdef, num_slots=4, max_prompt_len=8, max_new_tokens=12, chunk_steps=3, mesh=mesh)
-    assert sharded.new_state().cache.k.sharding.spec == PartitionSpec(None, "data", None, "tensor", None)
+    assert sharded.new_state().cache.k[0].sharding.spec == PartitionSpec("data", "tensor", None, None)
     with pytest.raises(ValueError, match="not in the sampler's layout.*reshard_params"):
         sharded.stream(train, prompts, FILTERED, key=jax.random.key(3))  # still in the training layout
     got = sharded.generate(reshard_params(train, mesh, generation_rules()), prompts, FILTERED, group_size=2,
