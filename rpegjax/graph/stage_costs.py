@@ -113,7 +113,7 @@ class ExecutionOptions:
         # backward ~2.9x the forward; tests/graph/test_costs.py checks this ratio on the compiled programs.
         base = dict(attention=costs.AttentionKernel.DENSE, decode=DecodeKernel.STATIC, continuous_batching=False,
                     sequence_packing=False, remat=Remat.NONE, logprob_chunk=256, microbatch_tokens=1 << 30,
-                    optimizer_bytes_per_param=8.0, backward_traffic_ratio=2.9)
+                    optimizer_bytes_per_param=8.0, backward_traffic_ratio=2.4)
         base.update(changes)
         return cls(**base)
 
