@@ -1,9 +1,10 @@
 """W-small (shared/WORKLOADS.md): seconds per GRPO step through the RPEG runtime.
 
-Five graphs of the same step, measured in one run: synchronous unfused, synchronous fused (reference and
+Six graphs of the same step, measured in one run: synchronous unfused, synchronous fused (reference and
 old log-probs in one program), asynchronous k=1 fused (generation of step t overlaps training of step t-1),
-synchronous without the old-log-prob pass (one update per batch: the behaviour log-probs serve), and
-asynchronous k=1 fused with generation on a device of its own (two XLA:CPU devices sharing the cores).
+synchronous and asynchronous k=1 without the old-log-prob pass (one update per batch without the decoupled
+correction: the old policy is the one being updated, ratio 1), and asynchronous k=1 fused with generation on a
+device of its own (two XLA:CPU devices sharing the cores).
 Each: 2 warm-up steps, then `--steps` timed steps; median / min / max seconds per step, the generation
 stage's median and the rest (the step minus the part of generation that did not overlap), peak RSS, and
 the step as a fraction of the compute floor recomputed from a matmul peak measured in the same run.
@@ -128,6 +129,8 @@ def main() -> None:
         "async k=1 fused": transforms.default_fusion(builders.grpo_graph(use_reference=True, async_bound=1)),
         # one update per batch on-policy: the sampler's log-probs are the old policy's, as TRL does it
         "sync, no old pass": builders.grpo_graph(use_reference=True, recompute_old_logprobs=False),
+        # the same with asynchrony: without the decoupled correction one update's ratio is 1 at any k
+        "async k=1, no old pass": builders.grpo_graph(use_reference=True, async_bound=1, recompute_old_logprobs=False),
         # generation on CPU device 0 and training on device 1 (two XLA:CPU devices on the same cores):
         # the sampler's small decode programs no longer queue behind the update's
         "async k=1 split": transforms.default_fusion(transforms.disaggregate(
@@ -142,13 +145,13 @@ def main() -> None:
     fastest_peer = min(PEERS.values())
     print(f"W-small GRPO step, {args.steps} timed steps after {args.warmup} warm-up; "
           f"matmul peak {peak / 1e9:.0f} GFLOP/s -> compute floor {floor:.2f} s")
-    print(f"{'graph':<18}{'median s':>10}{'min':>8}{'max':>8}{'generate':>10}{'rest':>8}{'dispatch':>10}"
+    print(f"{'graph':<24}{'median s':>10}{'min':>8}{'max':>8}{'generate':>10}{'rest':>8}{'dispatch':>10}"
           f"{'vs TRL':>9}{'/floor':>8}")
     for r in results:
         r["rest_median"] = r["median"] - r["generation_median"]
         r["speedup_vs_fastest_peer"] = fastest_peer / r["median"]
         r["fraction_of_floor"] = r["median"] / floor
-        print(f"{r['graph']:<18}{r['median']:>10.3f}{r['min']:>8.3f}{r['max']:>8.3f}{r['generation_median']:>10.3f}"
+        print(f"{r['graph']:<24}{r['median']:>10.3f}{r['min']:>8.3f}{r['max']:>8.3f}{r['generation_median']:>10.3f}"
               f"{r['rest_median']:>8.3f}{r['dispatches_per_step']:>10}{r['speedup_vs_fastest_peer']:>8.2f}x"
               f"{r['fraction_of_floor']:>7.2f}x")
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

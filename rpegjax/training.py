@@ -99,10 +99,11 @@ def build_graph(cfg: RunConfig, num_devices: int) -> Graph:
     common = dict(use_reference=algo.kl_coef > 0, async_bound=section.async_bound, num_devices=num_devices,
                   parallel=train_sizes, epochs=algo.epochs, minibatches=algo.num_minibatches)
     if cfg.algorithm == AlgorithmKind.GRPO:
-        # on-policy with one optimiser step and no decoupled correction, the old policy is the sampler's:
-        # its behaviour log-probs serve and the old-log-prob pass is skipped (as TRL does)
-        on_policy = section.async_bound == 0 and algo.layout.optimizer_steps == 1 and not algo.decoupled
-        graph = builders.grpo_graph(**common, recompute_old_logprobs=not on_policy)
+        # one optimiser step without the decoupled correction: the old policy is the one being updated (ratio
+        # 1 at its only step, whatever the asynchrony bound), so the old-log-prob pass would recompute what the
+        # update's own forward gives; it is skipped (as TRL does on-policy)
+        single_step = algo.layout.optimizer_steps == 1 and not algo.decoupled
+        graph = builders.grpo_graph(**common, recompute_old_logprobs=not single_step)
     else:
         graph = builders.ppo_graph(**common, critic=cfg.ppo.critic.value, kl_in_reward=cfg.ppo.kl_in_reward_coef > 0)
     if section.rollout_devices:

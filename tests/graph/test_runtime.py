@@ -153,12 +153,14 @@ def test_an_impossible_mesh_is_refused_clearly():
         build(tiny_config(mesh="data=3"), log=lambda _: None)
 
 
-def test_on_policy_single_step_graphs_skip_the_old_logprob_pass():
+def test_single_step_graphs_without_decoupled_correction_skip_the_old_logprob_pass():
     on_policy = tiny_config(async_bound=0)
     on_policy = on_policy.replace(grpo=dataclasses.replace(on_policy.grpo, decoupled=False, importance_cap=None))
     assert not build_graph(on_policy, num_devices=1).has_stage("old_logprob")
-    # bounded staleness needs the proximal policy for the decoupled correction
+    # bounded staleness needs the proximal policy for the decoupled correction; without it one step's ratio is 1
     assert build_graph(tiny_config(async_bound=1), num_devices=1).has_stage("old_logprob")
+    stale = on_policy.replace(graph=dataclasses.replace(on_policy.graph, async_bound=1))
+    assert not build_graph(stale, num_devices=1).has_stage("old_logprob")
     two_steps = on_policy.replace(grpo=dataclasses.replace(on_policy.grpo, num_minibatches=2))
     assert build_graph(two_steps, num_devices=1).has_stage("old_logprob")
     _, _, _, results, _ = run_runtime(on_policy, 2)
