@@ -1,8 +1,10 @@
 """W-small (shared/WORKLOADS.md): seconds per GRPO step through the RPEG runtime.
 
-Four graphs of the same step, measured in one run: synchronous unfused, synchronous fused (reference and
+Six graphs of the same step, measured in one run: synchronous unfused, synchronous fused (reference and
 old log-probs in one program), asynchronous k=1 fused (generation of step t overlaps training of step t-1),
-and synchronous without the old-log-prob pass (one update per batch: the behaviour log-probs serve).
+synchronous and asynchronous k=1 without the old-log-prob pass (one update per batch without the decoupled
+correction: the old policy is the one being updated, ratio 1), and asynchronous k=1 fused with generation on a
+device of its own (two XLA:CPU devices sharing the cores).
 Each: 2 warm-up steps, then `--steps` timed steps; median / min / max seconds per step, the generation
 stage's median and the rest (the step minus the part of generation that did not overlap), peak RSS, and
 the step as a fraction of the compute floor recomputed from a matmul peak measured in the same run.
@@ -11,6 +13,11 @@ the step as a fraction of the compute floor recomputed from a matmul peak measur
 """
 
 from __future__ import annotations
+
+import os
+
+# two XLA:CPU devices (same cores) for the disaggregated row; the other rows use the first only
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
 
 import argparse
 import json
@@ -35,6 +42,7 @@ from rpegjax.learners.grpo import GRPOConfig, GRPOLearner
 from rpegjax.learners.optim import OptimizerConfig
 from rpegjax.models import Decoder, ModelConfig
 from rpegjax.rewards.runner import Isolation, RewardRunner, RewardRunnerConfig
+from rpegjax.training import placed_meshes
 
 PROMPTS, GROUP, PROMPT_LEN, NEW_TOKENS = 8, 4, 32, 64
 PEERS = {"TRL 1.16.0": 1.33, "Tunix 0.1.7": 1.53}  # median s/step on this machine, shared/WORKLOADS.md
@@ -67,12 +75,14 @@ def compute_floor_flops(cfg: ModelConfig) -> float:
 
 
 def measure(graph_name: str, graph, warmup: int, steps: int) -> dict:
+    """Runs `graph`; the learner and the sampler live where its update and generate stages are placed."""
     cfg = ModelConfig.w_small()
     model = Decoder(cfg, rngs=nnx.Rngs(0))
+    train_mesh, rollout_mesh = placed_meshes(graph)
     learner = GRPOLearner(GRPOConfig(group_size=GROUP, kl_coef=0.04, clip_low=0.2, clip_high=0.2,
-                                     optimizer=OptimizerConfig(learning_rate=1e-5)), model)
+                                     optimizer=OptimizerConfig(learning_rate=1e-5)), model, mesh=train_mesh)
     sampler = Sampler(cfg, nnx.split(model)[0], num_slots=PROMPTS * GROUP, max_prompt_len=PROMPT_LEN,
-                      max_new_tokens=NEW_TOKENS, chunk_steps=NEW_TOKENS)
+                      max_new_tokens=NEW_TOKENS, chunk_steps=NEW_TOKENS, mesh=rollout_mesh)
     rewards = RewardRunner(even_token_reward, RewardRunnerConfig(timeout_s=10.0, workers=1, isolation=Isolation.THREAD))
     rng = np.random.default_rng(0)
     prompts = {f"p{i}": rng.integers(0, cfg.vocab_size, PROMPT_LEN).tolist() for i in range(64)}
@@ -81,6 +91,7 @@ def measure(graph_name: str, graph, warmup: int, steps: int) -> dict:
         learner=learner, policy_logprobs=learner.logprobs_fn, critic_values=None, sampler=sampler,
         sampling=SamplingConfig(max_new_tokens=NEW_TOKENS, temperature=1.0, ignore_eos=True), group_size=GROUP,
         rewards=rewards, decode=lambda ids: " ".join(str(int(i)) for i in ids), pad_id=0,
+        generation_shardings=sampler.params_sharding, batch_sharding=learner.placement.rows, train_mesh=train_mesh,
         reference_params=jax.tree.map(jnp.copy, learner.params),
     )
     trace = Trace(graph_name)
@@ -118,20 +129,29 @@ def main() -> None:
         "async k=1 fused": transforms.default_fusion(builders.grpo_graph(use_reference=True, async_bound=1)),
         # one update per batch on-policy: the sampler's log-probs are the old policy's, as TRL does it
         "sync, no old pass": builders.grpo_graph(use_reference=True, recompute_old_logprobs=False),
+        # the same with asynchrony: without the decoupled correction one update's ratio is 1 at any k
+        "async k=1, no old pass": builders.grpo_graph(use_reference=True, async_bound=1, recompute_old_logprobs=False),
+        # generation on CPU device 0 and training on device 1 (two XLA:CPU devices on the same cores):
+        # the sampler's small decode programs no longer queue behind the update's
+        "async k=1 split": transforms.default_fusion(transforms.disaggregate(
+            builders.grpo_graph(use_reference=True, async_bound=1, num_devices=2), 1, {"data": 1}, {"data": 1})),
     }
+    if jax.device_count() < 2:
+        print(f"only {jax.device_count()} device (XLA_FLAGS={os.environ.get('XLA_FLAGS')!r}): skipping 'async k=1 split'")
+        del graphs["async k=1 split"]
     results = [measure(name, graph, args.warmup, args.steps) for name, graph in graphs.items()]
     peak = matmul_peak_flops()
     floor = compute_floor_flops(ModelConfig.w_small()) / peak
     fastest_peer = min(PEERS.values())
     print(f"W-small GRPO step, {args.steps} timed steps after {args.warmup} warm-up; "
           f"matmul peak {peak / 1e9:.0f} GFLOP/s -> compute floor {floor:.2f} s")
-    print(f"{'graph':<18}{'median s':>10}{'min':>8}{'max':>8}{'generate':>10}{'rest':>8}{'dispatch':>10}"
+    print(f"{'graph':<24}{'median s':>10}{'min':>8}{'max':>8}{'generate':>10}{'rest':>8}{'dispatch':>10}"
           f"{'vs TRL':>9}{'/floor':>8}")
     for r in results:
         r["rest_median"] = r["median"] - r["generation_median"]
         r["speedup_vs_fastest_peer"] = fastest_peer / r["median"]
         r["fraction_of_floor"] = r["median"] / floor
-        print(f"{r['graph']:<18}{r['median']:>10.3f}{r['min']:>8.3f}{r['max']:>8.3f}{r['generation_median']:>10.3f}"
+        print(f"{r['graph']:<24}{r['median']:>10.3f}{r['min']:>8.3f}{r['max']:>8.3f}{r['generation_median']:>10.3f}"
               f"{r['rest_median']:>8.3f}{r['dispatches_per_step']:>10}{r['speedup_vs_fastest_peer']:>8.2f}x"
               f"{r['fraction_of_floor']:>7.2f}x")
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -1,21 +1,22 @@
 """Predicted vs measured RL steps on this CPU: the performance model after `calibrate()` against a real execution.
 
-    python benchmarks/bench_perfmodel.py [--steps 3] [--only NAME ...] [--json out.json]
+    python benchmarks/bench_perfmodel.py [--steps 3] [--rounds 2] [--only NAME ...] [--json out.json]
 
 For each configuration (model size, batch, response length, GRPO/PPO, fusion, asynchrony) the script
 1. builds the RPEG with the builders and transforms (one CPU device, colocated),
-2. predicts it with `perfmodel.predict` on the spec that `hardware.calibrate()` measured in this same run,
+2. predicts it with `perfmodel.predict` on the spec calibrated in this same run (below),
    with `ExecutionOptions.rpegjax_xla()` (dense masked attention, a fixed-slot KV-cache decode loop, padded batches),
 3. executes the graph with the real runtime (`Runtime` + `StagePrograms`, a `GRPOLearner` or `PPOLearner`, a
    `Sampler`, a host reward through a `RewardRunner`), set up as benchmarks/bench_grpo_step.py sets up W-small:
    random token prompts, `ignore_eos=True` so every response has exactly `new_tokens` tokens;
 and prints per-stage and per-step predicted vs measured seconds, the relative errors, their median and maximum
-over configurations, and the Kendall tau of the two rankings of step times. Measured stage seconds are the
-durations of the runtime's trace events per execution unit in the timed steps (the runtime blocks on each
-stage's results inside its span); measured step seconds are the times between successive `on_step` callbacks.
-The hardware is calibrated once per configuration, right before its run (not before every step: the runtime's
-rollout thread keeps generating while `on_step` runs, so a calibration there would compete with it); a
-configuration's error is the median of its per-step errors against that one prediction.
+over configurations, the Kendall tau of the two rankings of step times, and the pairs ranked the other way.
+Measured stage seconds are the durations of the runtime's trace events per execution unit in the timed steps (the
+runtime blocks on each stage's results inside its span); measured step seconds are the times between successive
+`on_step` callbacks, medians over `--rounds` passes over all configurations (interleaved in time, so a drift of
+the shared machine's load touches them alike). The machine is calibrated before every run and once at the end;
+every prediction uses the field-wise median of those calibrations (`hardware.median_calibration`), so the
+predicted ranking is the model's alone, not the noise of a calibration made at a busy moment.
 """
 
 from __future__ import annotations
@@ -120,6 +121,7 @@ def run_runtime(config: Config, graph: Graph, steps: int, warmup: int) -> tuple[
             learner = PPOLearner(PPOConfig(critic="separate", kl_coef=0.04, optimizer=optimizer), actor,
                                  Decoder(critic_cfg, rngs=nnx.Rngs(2)))
         learner_programs = dict(policy_logprobs=learner.logprobs_fn, critic_values=learner.values_fn,
+                                logprobs_and_values=learner.logprobs_and_values_fn,
                                 actor_params_of=lambda s: s.params["actor"], critic_params_of=lambda s: s.params,
                                 reference_params=learner.params["actor"])
     else:
@@ -161,63 +163,79 @@ def kendall_tau(a: list[float], b: list[float]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per configuration and round")
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=2, help="passes over all configurations (interleaved in time)")
     parser.add_argument("--only", nargs="*", help="configuration names to run (default: all)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
-    if args.warmup < 1 or args.steps < 1:
-        parser.error(f"--warmup and --steps must be >= 1, got {args.warmup} and {args.steps}")
+    if args.warmup < 1 or args.steps < 1 or args.rounds < 1:
+        parser.error(f"--warmup, --steps and --rounds must be >= 1, got {args.warmup}, {args.steps}, {args.rounds}")
+    configs = [c for c in CONFIGS if not args.only or c.name in args.only]
+    # measure: every configuration once per round, a calibration before each run and one at the end, so that a
+    # slow drift of the shared machine's load touches every configuration alike
+    calibrations = []
+    steps: dict[str, list[float]] = {c.name: [] for c in configs}
+    units: dict[str, dict[str, list[float]]] = {c.name: {} for c in configs}
+    for _ in range(args.rounds):
+        for config in configs:
+            calibrations.append(hardware.measure(matmul_size=768, stream_mib=32, repeats=3))
+            step_seconds, trace = run_runtime(config, config.graph(), args.steps, args.warmup)
+            steps[config.name] += step_seconds
+            per_step: dict[str, list[float]] = {}
+            for event in trace.events:  # the runtime blocks on each stage's results inside its span
+                if event.step >= args.warmup:
+                    per_step.setdefault(event.stage, [0.0] * args.steps)[event.step - args.warmup] += event.duration
+            for unit, seconds in per_step.items():
+                units[config.name].setdefault(unit, []).extend(seconds)
+    calibrations.append(hardware.measure(matmul_size=768, stream_mib=32, repeats=3))
+    # predict: one spec, from the median calibration, for every configuration
+    measured_hw = hardware.median_calibration(calibrations)
+    spec = hardware.spec_from_calibration(measured_hw)
+    rates = [c.layer_matmul_flops / 1e9 for c in calibrations]
+    print(f"{len(calibrations)} calibrations: layer matmul {min(rates):.0f} .. {max(rates):.0f} GFLOP/s (median "
+          f"{statistics.median(rates):.0f}); predictions use the field-wise median calibration")
     options = ExecutionOptions.rpegjax_xla()
     rows = []
-    for config in CONFIGS:
-        if args.only and config.name not in args.only:
-            continue
+    for config in configs:
         graph = config.graph()
-        critic = config.model.replace(value_head=True)
-        units = ["+".join(unit) for unit in graph.execution_units()]
-        # calibrated once per configuration, right before it runs: calibrating between steps would compete with
-        # the runtime's rollout thread, which keeps generating the next step while on_step runs
-        spec, measured_hw = hardware.calibrate(matmul_size=768, stream_mib=32, repeats=3)
-        prediction = perfmodel.predict(graph, config.model, config.workload(), spec, options, critic=critic)
-        predicted_units = {"+".join(unit): sum(prediction.stage(name).seconds for name in unit)
-                           - (len(unit) - 1) * spec.device.dispatch_overhead_s for unit in graph.execution_units()}
-        predictions = [{"step": prediction.step_seconds, "units": predicted_units}] * args.steps
-        step_seconds, trace = run_runtime(config, graph, args.steps, args.warmup)
-        # a second calibration after the run, reported only: shows whether the machine's rates drifted during it
-        _, after_hw = hardware.calibrate(matmul_size=768, stream_mib=32, repeats=3)
-        measured_units = {unit: [0.0] * args.steps for unit in units}
-        for event in trace.events:  # the runtime blocks on each stage's results inside its span
-            if event.step >= args.warmup:
-                measured_units[event.stage][event.step - args.warmup] += event.duration
-        step_errors = [_error(p["step"], m) for p, m in zip(predictions, step_seconds)]
-        row = {"name": config.name, "predicted_step": statistics.median(p["step"] for p in predictions),
-               "measured_step": statistics.median(step_seconds), "step_error": statistics.median(step_errors),
-               "steps": [{"predicted": p["step"], "measured": m} for p, m in zip(predictions, step_seconds)],
-               "calibration": dataclasses.asdict(measured_hw), "calibration_after": dataclasses.asdict(after_hw),
+        prediction = perfmodel.predict(graph, config.model, config.workload(), spec, options,
+                                       critic=config.model.replace(value_head=True))
+        measured = steps[config.name]
+        step_errors = [_error(prediction.step_seconds, m) for m in measured]
+        row = {"name": config.name, "predicted_step": prediction.step_seconds, "measured_step": statistics.median(measured),
+               "measured_steps": measured, "step_error": _error(prediction.step_seconds, statistics.median(measured)),
                "units": {}}
-        print(f"\n{config.name}: predicted {row['predicted_step']:.3f} s, measured {row['measured_step']:.3f} s "
-              f"(min {min(step_seconds):.3f}, max {max(step_seconds):.3f}); per-step error median "
-              f"{row['step_error']:+.1%} (range {min(step_errors):+.1%} .. {max(step_errors):+.1%}); "
-              f"layer matmul rate {measured_hw.layer_matmul_flops / 1e9:.0f} GFLOP/s before the run, "
-              f"{after_hw.layer_matmul_flops / 1e9:.0f} after")
-        for unit in units:
-            errors = [_error(p["units"][unit], m) for p, m in zip(predictions, measured_units[unit])]
-            predicted = statistics.median(p["units"][unit] for p in predictions)
-            measured = statistics.median(measured_units[unit])
-            row["units"][unit] = {"predicted": predicted, "measured": measured, "error": statistics.median(errors)}
-            print(f"    {unit:45s} predicted {predicted:8.4f}  measured {measured:8.4f}  "
-                  f"per-step error median {statistics.median(errors):+7.1%}")
+        print(f"\n{config.name}: predicted {row['predicted_step']:.3f} s, measured median {row['measured_step']:.3f} s "
+              f"(min {min(measured):.3f}, max {max(measured):.3f}, {len(measured)} steps); error "
+              f"{row['step_error']:+.1%} (per step {min(step_errors):+.1%} .. {max(step_errors):+.1%})")
+        for unit in graph.execution_units():
+            name = "+".join(unit)
+            predicted = sum(prediction.stage(stage).seconds for stage in unit) - (len(unit) - 1) * spec.device.dispatch_overhead_s
+            seconds = statistics.median(units[config.name].get(name, [0.0]))
+            row["units"][name] = {"predicted": predicted, "measured": seconds,
+                                  "error": _error(predicted, seconds) if seconds > 0 else None}
+            error = f"{_error(predicted, seconds):+7.1%}" if seconds > 0 else "      -"
+            print(f"    {name:45s} predicted {predicted:8.4f}  measured {seconds:8.4f}  error {error}")
         rows.append(row)
     step_errors = [abs(r["step_error"]) for r in rows]
     big_units = [abs(u["error"]) for r in rows for u in r["units"].values() if u["measured"] > 0.01]
-    tau = kendall_tau([r["predicted_step"] for r in rows], [r["measured_step"] for r in rows])
+    predicted, measured = [r["predicted_step"] for r in rows], [r["measured_step"] for r in rows]
+    tau = kendall_tau(predicted, measured)
     print(f"\nwhole steps over {len(rows)} configurations: median |error| {statistics.median(step_errors):.1%}, "
           f"max {max(step_errors):.1%}; Kendall tau of predicted vs measured step times {tau:.2f}")
-    print(f"stages over 10 ms ({len(big_units)}): median |error| {statistics.median(big_units):.1%}, max {max(big_units):.1%}")
+    if big_units:
+        print(f"stages over 10 ms ({len(big_units)}): median |error| {statistics.median(big_units):.1%}, "
+              f"max {max(big_units):.1%}")
+    for i in range(len(rows)):  # the pairs ranked the other way round, with how far apart they measured
+        for j in range(i + 1, len(rows)):
+            if (predicted[i] - predicted[j]) * (measured[i] - measured[j]) < 0:
+                print(f"  discordant: {rows[i]['name']!r} vs {rows[j]['name']!r}: measured ratio "
+                      f"{measured[i] / measured[j]:.3f}, predicted {predicted[i] / predicted[j]:.3f}")
     if args.json:
         with open(args.json, "w") as file:
-            json.dump({"rows": rows, "kendall_tau": tau}, file, indent=1)
+            json.dump({"rows": rows, "kendall_tau": tau, "calibration": dataclasses.asdict(measured_hw),
+                       "calibrations": [dataclasses.asdict(c) for c in calibrations]}, file, indent=1)
 
 
 def _error(predicted: float, measured: float) -> float:

@@ -111,22 +111,37 @@ class WarmStartSection:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GraphSection:
     """Structure and execution of the RPEG: asynchrony bound k, fusion of inference stages, micro-batches
-    of generation (pieces handed downstream as they finish)."""
+    of generation (pieces handed downstream as they finish), and placement.
+
+    `mesh` lays out the training devices. `rollout_devices` = 0 colocates generation with training on all
+    devices; n > 0 gives generation the first n devices (laid out by `rollout_mesh`) and training the rest,
+    so that with k >= 1 the two run at the same time. `plan` names a graph JSON (a run's graph.json,
+    or `scripts/plan.py --json` output: its best plan) to execute instead of the graph these fields describe."""
 
     async_bound: int = 1
     fuse: bool = True
     generate_microbatches: int = 1
     mesh: str = "data=-1"
+    rollout_devices: int = 0
+    rollout_mesh: str = "data=-1"
+    plan: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.async_bound, bool) or not isinstance(self.async_bound, int) or self.async_bound < 0:
             raise ValueError(f"GraphSection.async_bound must be an integer >= 0, got {self.async_bound!r}")
+        if isinstance(self.rollout_devices, bool) or not isinstance(self.rollout_devices, int) or self.rollout_devices < 0:
+            raise ValueError(f"GraphSection.rollout_devices must be an integer >= 0, got {self.rollout_devices!r}")
         _positive(self, "generate_microbatches")
         parse_mesh(self.mesh)
+        parse_mesh(self.rollout_mesh)
 
     @property
     def mesh_axes(self) -> dict[str, int]:
         return parse_mesh(self.mesh)
+
+    @property
+    def rollout_mesh_axes(self) -> dict[str, int]:
+        return parse_mesh(self.rollout_mesh)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

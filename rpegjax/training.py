@@ -5,6 +5,8 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import pathlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -12,6 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from rpegjax import distributed
 from rpegjax.config import AlgorithmKind, RunConfig
@@ -20,7 +23,8 @@ from rpegjax.data.jsonl import load_jsonl
 from rpegjax.data.prompts import PromptTemplate
 from rpegjax.generate.sampler import Sampler
 from rpegjax.graph import builders, transforms
-from rpegjax.graph.ir import Graph, StageKind
+from rpegjax.graph.ir import Graph, GraphError, StageKind
+from rpegjax.graph.meshes import stage_mesh
 from rpegjax.learners.grpo import GRPOLearner
 from rpegjax.learners.ppo import PPOLearner
 from rpegjax.models.config import ModelConfig
@@ -29,7 +33,7 @@ from rpegjax.models.tokenizer import builtin_tokenizer, load_tokenizer
 from rpegjax.models.transformer import Decoder
 from rpegjax.rewards.dataset_task import MathDatasetTask
 from rpegjax.rewards.tasks import make_task
-from rpegjax.sharding.mesh import make_mesh
+from rpegjax.sharding.mesh import resolve_axis_sizes
 from rpegjax.warmstart import warm_start
 
 
@@ -82,23 +86,35 @@ def _model_config(cfg: RunConfig, tokenizer, *, value_head: bool) -> ModelConfig
 
 
 def build_graph(cfg: RunConfig, num_devices: int) -> Graph:
-    """The RPEG of this run: the algorithm's graph, then the structure and execution transforms."""
+    """The RPEG of this run over `num_devices` devices: the plan file's graph (`graph.plan`), or the
+    algorithm's graph with the structure and execution transforms the graph section asks for."""
+    if cfg.graph.plan is not None:
+        return load_plan(cfg, num_devices)
+    section = cfg.graph
     algo = cfg.grpo if cfg.algorithm == AlgorithmKind.GRPO else cfg.ppo
-    common = dict(use_reference=algo.kl_coef > 0, async_bound=cfg.graph.async_bound, num_devices=num_devices,
-                  epochs=algo.epochs, minibatches=algo.num_minibatches)
+    if section.rollout_devices >= num_devices:
+        raise ValueError(f"graph.rollout_devices={section.rollout_devices} leaves no device for training "
+                         f"({num_devices} devices)")
+    train_sizes = resolve_axis_sizes(section.mesh_axes, num_devices - section.rollout_devices)
+    common = dict(use_reference=algo.kl_coef > 0, async_bound=section.async_bound, num_devices=num_devices,
+                  parallel=train_sizes, epochs=algo.epochs, minibatches=algo.num_minibatches)
     if cfg.algorithm == AlgorithmKind.GRPO:
-        # on-policy with one optimiser step and no decoupled correction, the old policy is the sampler's:
-        # its behaviour log-probs serve and the old-log-prob pass is skipped (as TRL does)
-        on_policy = cfg.graph.async_bound == 0 and algo.layout.optimizer_steps == 1 and not algo.decoupled
-        graph = builders.grpo_graph(**common, recompute_old_logprobs=not on_policy)
+        # one optimiser step without the decoupled correction: the old policy is the one being updated (ratio
+        # 1 at its only step, whatever the asynchrony bound), so the old-log-prob pass would recompute what the
+        # update's own forward gives; it is skipped (as TRL does on-policy)
+        single_step = algo.layout.optimizer_steps == 1 and not algo.decoupled
+        graph = builders.grpo_graph(**common, recompute_old_logprobs=not single_step)
     else:
         graph = builders.ppo_graph(**common, critic=cfg.ppo.critic.value, kl_in_reward=cfg.ppo.kl_in_reward_coef > 0)
-    if cfg.graph.fuse:
+    if section.rollout_devices:
+        rollout_sizes = resolve_axis_sizes(section.rollout_mesh_axes, section.rollout_devices)
+        graph = transforms.disaggregate(graph, section.rollout_devices, rollout_sizes, train_sizes)
+    if section.fuse:
         graph = transforms.default_fusion(graph)
     if graph.has_stage("critic_update"):
         # PPOLearner steps actor and separate critic in one jitted program: one execution unit
         graph = transforms.fuse(graph, ["actor_update", "critic_update"])
-    pieces = cfg.graph.generate_microbatches
+    pieces = section.generate_microbatches
     if pieces > 1:
         graph = transforms.microbatch(graph, "generate", pieces)
         inference = [s.name for s in graph.stages if set(s.kinds) & {StageKind.REF_LOGPROB, StageKind.OLD_LOGPROB,
@@ -107,6 +123,51 @@ def build_graph(cfg: RunConfig, num_devices: int) -> Graph:
             if graph.stage(name).microbatches != pieces:
                 graph = transforms.microbatch(graph, name, pieces)
     return graph.validate()
+
+
+def load_plan(cfg: RunConfig, num_devices: int) -> Graph:
+    """The graph of `graph.plan`: a graph JSON, or a `scripts/plan.py --json` document (its best plan);
+    checked against the run's algorithm, reference model, critic and device count."""
+    path = pathlib.Path(cfg.graph.plan)
+    where = f"graph.plan {path}"
+    try:
+        data = json.loads(path.read_text())
+    except OSError as error:
+        raise ValueError(f"{where}: cannot read it ({error.strerror})") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{where}: not valid JSON ({error})") from None
+    if isinstance(data, dict) and "plans" in data:  # plan.py --json: plans[0] is the best
+        data = data["plans"][0]["graph"]
+    try:
+        graph = Graph.from_dict(data).validate()
+    except GraphError as error:
+        raise ValueError(f"{where}: {error}") from None
+    ppo = cfg.algorithm == AlgorithmKind.PPO
+    algo = cfg.ppo if ppo else cfg.grpo
+    expected = {"algorithm": cfg.algorithm.value, "reference model": algo.kl_coef > 0}
+    found = {"algorithm": graph.algorithm.value if graph.algorithm else None,
+             "reference model": bool(graph.stages_of_kind(StageKind.REF_LOGPROB))}
+    if ppo:
+        expected["shared critic"], found["shared critic"] = cfg.ppo.critic == "shared", graph.shares_actor_critic()
+    for what, value in expected.items():
+        if found[what] != value:
+            raise ValueError(f"{where}: the plan has {what} = {found[what]}, this run {value} "
+                             f"(plan again, or change the run's options)")
+    if graph.num_devices > num_devices:
+        raise ValueError(f"{where}: planned for {graph.num_devices} devices, {num_devices} are available")
+    return graph
+
+
+def placed_meshes(graph: Graph) -> tuple[Mesh | None, Mesh | None]:
+    """(training mesh, generation mesh) the graph places its update and generate stages on; None for the
+    default device alone (no mesh needed)."""
+
+    def mesh_or_none(stage) -> Mesh | None:
+        mesh = stage_mesh(graph, stage.name)
+        return None if mesh.size == 1 and mesh.devices.flat[0] == jax.devices()[0] else mesh
+
+    return (mesh_or_none(graph.stages_of_kind(StageKind.ACTOR_UPDATE)[0]),
+            mesh_or_none(graph.stages_of_kind(StageKind.GENERATE)[0]))
 
 
 def _every_process(flag: bool) -> bool:
@@ -153,10 +214,11 @@ def build(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Components:
         if model_cfg.eos_token_id is None:
             model_cfg = model_cfg.replace(eos_token_id=tokenizer.eos_id)
             model.cfg = model_cfg
-    mesh_axes = cfg.graph.mesh_axes
-    devices = jax.devices()
-    mesh = make_mesh(mesh_axes, devices)
-    mesh = None if mesh.size == 1 else mesh
+    graph = build_graph(cfg, num_devices=len(jax.devices()))
+    mesh, rollout_mesh = placed_meshes(graph)
+    if jax.process_count() > 1 and len({s.placement for s in graph.stages if not s.host}) > 1:
+        raise ValueError("stages on separate device sets (graph.rollout_devices or a disaggregated plan) run in one "
+                         "process only; with several processes generation and training share the devices")
     if ppo:
         critic = None
         if not shared_critic:
@@ -170,8 +232,7 @@ def build(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Components:
     slots = min(rollout.num_slots, max(rollout.prompts_per_step * rollout.group_size, len(eval_examples)))
     slots -= slots % rollout.group_size
     sampler = Sampler(model_cfg, nnx.split(model)[0], num_slots=slots, max_prompt_len=rollout.max_prompt_len,
-                      max_new_tokens=rollout.max_new_tokens, chunk_steps=rollout.chunk_steps, mesh=mesh)
-    graph = build_graph(cfg, num_devices=len(devices) if mesh is not None else 1)
+                      max_new_tokens=rollout.max_new_tokens, chunk_steps=rollout.chunk_steps, mesh=rollout_mesh)
     return Components(cfg=cfg, tokenizer=tokenizer, task=task, train_examples=train_examples,
                       eval_examples=eval_examples, model_cfg=model_cfg, learner=learner, sampler=sampler, graph=graph,
                       template=template, warm_start_metrics=warm_metrics)

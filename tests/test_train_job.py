@@ -37,16 +37,16 @@ LEARNING = [
 ]
 
 
-def job(run_dir, *flags, script="train_grpo.py", config=TINY):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+def job(run_dir, *flags, script="train_grpo.py", config=TINY, devices=1):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
     where = [] if "--resume" in flags else [f"--run-dir={run_dir}"]
     command = [sys.executable, str(ROOT / "scripts" / script), *config, *where,
                f"--warm_start.cache_dir={pathlib.Path(run_dir).parent}/cache", *flags]
     return command, env
 
 
-def run_job(run_dir, *flags, script="train_grpo.py", config=TINY, timeout=600):
-    command, env = job(run_dir, *flags, script=script, config=config)
+def run_job(run_dir, *flags, script="train_grpo.py", config=TINY, timeout=600, devices=1):
+    command, env = job(run_dir, *flags, script=script, config=config, devices=devices)
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -139,12 +139,32 @@ def test_a_checkpoint_interrupted_mid_write_is_never_picked_up(tmp_path):
         (("--async-bound=-1",), "async_bound must be an integer >= 0"),
         (("--rollout.bogus=1",), "unknown field 'bogus'"),
         (("--dataset=/nonexistent.jsonl",), "is not a file"),
+        (("--rollout-devices=1",), "graph.rollout_devices=1 leaves no device for training (1 devices)"),
+        (("--plan=/nonexistent.json",), "graph.plan /nonexistent.json: cannot read it"),
     ],
 )
 def test_bad_flags_fail_with_a_clear_message(tmp_path, flags, message):
     result = run_job(tmp_path / "bad", "--steps=1", *flags)
     assert result.returncode != 0
     assert message in result.stderr
+
+
+def test_generation_on_its_own_device_and_plans_that_do_not_fit_the_run(tmp_path):
+    from rpegjax.graph import builders
+
+    run_dir = tmp_path / "split"
+    result = run_job(run_dir, "--steps=2", "--rollout-devices=1", "--async-bound=1", devices=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    graph = json.loads((run_dir / "graph.json").read_text())
+    assert {p["name"]: p["devices"] for p in graph["placements"]} == {"rollout": [0], "train": [1]}
+    trace = json.loads((run_dir / "trace.json").read_text())
+    threads = {e["args"]["devices"] for e in trace["traceEvents"] if e.get("ph") == "X" and e["name"] == "generate"}
+    assert threads == {"rollout"}
+    plan = tmp_path / "ppo.json"
+    plan.write_text(builders.ppo_graph(use_reference=True).to_json())
+    result = run_job(tmp_path / "bad", "--steps=1", f"--plan={plan}")
+    assert result.returncode != 0
+    assert f"graph.plan {plan}: the plan has algorithm = ppo, this run grpo" in result.stderr
 
 
 def test_malformed_dataset_row_names_file_and_line(tmp_path):

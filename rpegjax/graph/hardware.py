@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 
 GB = 1e9
@@ -293,6 +294,15 @@ class Calibration:
     kernel_overhead_s: float  # seconds per small dependent op inside one program
 
 
+def median_calibration(calibrations: Sequence[Calibration]) -> Calibration:
+    """Field by field, the median of several calibrations: one disturbed measurement on a shared machine
+    moves it little, and every prediction made from it sees the same machine."""
+    if not calibrations:
+        raise ValueError("median_calibration needs at least one calibration")
+    return Calibration(**{field.name: statistics.median(getattr(c, field.name) for c in calibrations)
+                          for field in dataclasses.fields(Calibration)})
+
+
 def _fastest_seconds(run: Callable[[], object], repeats: int) -> float:
     """The fastest of `repeats` timed runs: on a shared machine the least disturbed one is the machine's rate."""
     run()  # compile and warm up
@@ -406,7 +416,10 @@ def spec_from_calibration(measured: Calibration, *, name: str = "calibrated-cpu"
     return HardwareSpec(name=name, device=device, num_devices=1, levels=(level,), usable_memory_fraction=1.0)
 
 
-def calibrate(**measure_options) -> tuple[HardwareSpec, Calibration]:
-    """Measures this machine (see `measure`) and returns the spec that predicts it, with the raw measurements."""
-    measured = measure(**measure_options)
+def calibrate(*, rounds: int = 1, **measure_options) -> tuple[HardwareSpec, Calibration]:
+    """Measures this machine (see `measure`; `rounds` times, then the field-wise median) and returns the spec
+    that predicts it, with the measurements it was made from."""
+    if rounds < 1:
+        raise ValueError(f"calibrate: rounds must be >= 1, got {rounds!r}")
+    measured = median_calibration([measure(**measure_options) for _ in range(rounds)])
     return spec_from_calibration(measured), measured

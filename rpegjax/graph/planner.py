@@ -30,7 +30,7 @@ from rpegjax.graph import stage_costs
 from rpegjax.graph.ir import INFERENCE_KINDS, Algorithm, Graph, Placement, Role, StageKind
 from rpegjax.graph.perfmodel import Evaluator, Prediction
 
-ROLLOUT, TRAIN = "rollout", "train"
+ROLLOUT, TRAIN = transforms.ROLLOUT_PLACEMENT, transforms.TRAIN_PLACEMENT
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

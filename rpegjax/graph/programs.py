@@ -16,7 +16,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rpegjax import distributed
 from rpegjax.data.example import Example
@@ -24,7 +25,10 @@ from rpegjax.generate.completion import Completion
 from rpegjax.generate.sampler import Sampler
 from rpegjax.generate.sampling import SamplingConfig
 from rpegjax.graph.ir import StageKind
+from rpegjax.graph.meshes import device_ids, same_layout
 from rpegjax.learners.batch import TrainBatch, pack_rollouts
+from rpegjax.learners.update import batch_sharding, check_rows_divide
+from rpegjax.sharding.rules import ActivationSharding, ShardingRules, param_shardings
 from rpegjax.rewards.runner import RewardRunner, RewardStats
 
 # Which TrainBatch field each inference kind fills, and whose weights it reads.
@@ -48,13 +52,42 @@ class Piece:
     rewards: concurrent.futures.Future
 
 
+class StageLayout:
+    """An inference stage's own layout on the training devices: FSDP x tensor rules on `mesh` (as training
+    uses), parameters moved there per call (the constant reference weights once), rows over its data axes."""
+
+    def __init__(self, mesh: Mesh, rules: ShardingRules | None = None):
+        self.mesh = mesh
+        self.rules = ShardingRules.fsdp_tp() if rules is None else rules
+        self.key = tuple(mesh.shape.items())
+        self.activations = ActivationSharding(mesh, self.rules)
+        self.rows = batch_sharding(mesh, self.rules)
+        self._constant: tuple[Any, Any] | None = None  # (source, placed) of the reference weights
+
+    def place_params(self, params: Any, *, constant: bool = False) -> Any:
+        """`params` (an NNX state, or a dict of them as a PPO state holds) moved and resharded onto the mesh;
+        `constant` weights (the reference) are moved once and reused while the same tree is passed."""
+        if constant:
+            if self._constant is None or self._constant[0] is not params:
+                self._constant = (params, self.place_params(params))
+            return self._constant[1]
+        if isinstance(params, nnx.State):
+            return jax.device_put(params, param_shardings(params, self.mesh, self.rules), may_alias=False)
+        return {name: self.place_params(value) for name, value in params.items()}
+
+    def place_rows(self, value: Any) -> jax.Array:
+        check_rows_divide(np.shape(value)[0], self.rows, f"stage layout {dict(self.mesh.shape)}")
+        return jax.device_put(value, self.rows)
+
+
 class StagePrograms:
     """Stage computations for one run.
 
-    `learner` is a GRPOLearner or PPOLearner; `policy_logprobs(params, tokens, mask)` and, for PPO,
-    `critic_values(params, tokens, mask)` are its pure (unjitted) functions, from which fused programs are
-    built. The weight-sync stage copies the actor's weights into `generation_shardings` (the sampler's
-    layout; None: the same device).
+    `learner` is a GRPOLearner or PPOLearner; `policy_logprobs(params, tokens, mask, sharding)` and, for PPO,
+    `critic_values(params, tokens, mask, sharding)` and `logprobs_and_values` (both from the critic's params: one
+    pass over a shared trunk) are its pure (unjitted) functions, from which fused programs are built. The weight-sync stage copies the actor's weights into `generation_shardings` (the sampler's
+    layout; None: the same device). Generation runs on the sampler's mesh, every other device stage on
+    `train_mesh` (the learner's; None: the default device); the two may be disjoint device sets.
     """
 
     def __init__(
@@ -63,6 +96,7 @@ class StagePrograms:
         learner: Any,
         policy_logprobs: Callable,
         critic_values: Callable | None,
+        logprobs_and_values: Callable | None = None,
         sampler: Sampler,
         sampling: SamplingConfig,
         group_size: int,
@@ -71,6 +105,7 @@ class StagePrograms:
         pad_id: int,
         generation_shardings: Any = None,
         batch_sharding: Any = None,
+        train_mesh: Mesh | None = None,
         reference_params: Any = None,
         actor_params_of: Callable[[Any], Any] = lambda state: state.params,
         critic_params_of: Callable[[Any], Any] = lambda state: state.params,
@@ -94,11 +129,23 @@ class StagePrograms:
             StageKind.CRITIC_VALUE: critic_params_of,
         }
         self.actor_params_of = actor_params_of
+        self._logprobs_and_values = logprobs_and_values
         self.batch_sharding = batch_sharding
-        # a copy, never the same buffers: the next update donates the training ones
-        self._sync = jax.jit(lambda params: jax.tree.map(jnp.copy, params), out_shardings=generation_shardings)
-        self._inference_programs: dict[tuple[StageKind, ...], Callable] = {}
+        self.train_mesh = train_mesh
+        # a copy, never the same buffers: the next update donates the training ones. Onto other devices
+        # (disaggregated generation) a jitted program cannot output: `device_put` moves and reshards there.
+        if device_ids(sampler.mesh) == device_ids(train_mesh):
+            self._sync = jax.jit(lambda params: jax.tree.map(jnp.copy, params), out_shardings=generation_shardings)
+        else:
+            target = generation_shardings if generation_shardings is not None else jax.devices()[0]
+            self._sync = lambda params: jax.device_put(params, target, may_alias=False)
+        self._inference_programs: dict[tuple, Callable] = {}
+        self._layouts: dict[tuple, StageLayout] = {}  # inference layouts other than the learner's, by mesh shape
         self.dispatches = 0  # device programs launched by inference, advantage, update and sync stages
+
+    def mesh_of(self, kind: StageKind) -> Mesh | None:
+        """The mesh the program of a device stage of `kind` runs on (None: the default device)."""
+        return self.sampler.mesh if kind == StageKind.GENERATE else self.train_mesh
 
     # ---- rollout side ---------------------------------------------------------------------------
     def generate(
@@ -158,29 +205,56 @@ class StagePrograms:
                                     mean_reward=float(rewards.mean()), seconds=float(seconds), first_error=stats.first_error)
 
     # ---- train side ----------------------------------------------------------------------------
-    def _inference_program(self, kinds: tuple[StageKind, ...]) -> Callable:
-        if kinds not in self._inference_programs:
+    def _inference_program(self, kinds: tuple[StageKind, ...], layout: StageLayout | None) -> Callable:
+        key = (kinds, None if layout is None else layout.key)
+        if key not in self._inference_programs:
             functions = [self._kind_functions[kind] for kind in kinds]
             for kind, function in zip(kinds, functions):
                 if function is None:
                     raise ValueError(f"stage kind {kind.value} needs a critic, and this learner has none")
+            sharding = None if layout is None else layout.activations
+            # log-probs and values of one stage from one pass when the learner can (a shared trunk)
+            joint = self._logprobs_and_values if {StageKind.OLD_LOGPROB, StageKind.CRITIC_VALUE} <= set(kinds) else None
 
             def program(params_by_kind, tokens, token_mask):
-                return tuple(f(p, tokens, token_mask) for f, p in zip(functions, params_by_kind))
+                outputs = {}
+                if joint is not None:
+                    critic = kinds.index(StageKind.CRITIC_VALUE)
+                    outputs[StageKind.OLD_LOGPROB], outputs[StageKind.CRITIC_VALUE] = joint(
+                        params_by_kind[critic], tokens, token_mask, sharding)
+                for kind, f, p in zip(kinds, functions, params_by_kind):
+                    if kind not in outputs:
+                        outputs[kind] = f(p, tokens, token_mask, sharding)
+                return tuple(outputs[kind] for kind in kinds)
 
-            self._inference_programs[kinds] = jax.jit(program)
-        return self._inference_programs[kinds]
+            self._inference_programs[key] = jax.jit(program)
+        return self._inference_programs[key]
 
-    def infer(self, kinds: Sequence[StageKind], state: Any, batch: TrainBatch) -> dict[str, jax.Array]:
+    def infer(self, kinds: Sequence[StageKind], state: Any, batch: TrainBatch, mesh: Mesh | None = None) -> dict[str, jax.Array]:
         """Runs the inference kinds of one execution unit as one program, with the weights each kind reads
-        (reference, or the actor/critic of the current training state); returns TrainBatch fields."""
+        (reference, or the actor/critic of the current training state); returns TrainBatch fields.
+
+        `mesh`: the stage's own layout on the training devices when it differs from the learner's (a plan that
+        re-shards inference, e.g. pure FSDP for a forward pass that needs no optimiser state): the weights are
+        moved there first (the reference's once), the batch's rows split over its data axes."""
         kinds = tuple(kinds)
-        program = self._inference_program(kinds)
+        layout = None
+        if mesh is not None and not same_layout(self.train_mesh, dict(mesh.shape)):
+            if device_ids(mesh) != device_ids(self.train_mesh):
+                raise ValueError(f"stages {[k.value for k in kinds]}: mesh on devices {sorted(device_ids(mesh))} is not "
+                                 f"on the training devices {sorted(device_ids(self.train_mesh))}")
+            key = tuple(mesh.shape.items())
+            layout = self._layouts.setdefault(key, StageLayout(mesh))
+        program = self._inference_program(kinds, layout)
         self.dispatches += 1
         params = tuple(self._params_of[kind](state) for kind in kinds)
         if any(p is None for p in params):
             raise ValueError(f"stages {[k.value for k in kinds]}: a reference stage needs reference_params")
-        outputs = program(params, self._place(batch.tokens), self._place(batch.token_mask))
+        if layout is None:
+            outputs = program(params, self._place(batch.tokens), self._place(batch.token_mask))
+        else:
+            params = tuple(layout.place_params(p, constant=kind == StageKind.REF_LOGPROB) for kind, p in zip(kinds, params))
+            outputs = program(params, layout.place_rows(batch.tokens), layout.place_rows(batch.token_mask))
         return {INFERENCE_FIELDS[kind]: output for kind, output in zip(kinds, outputs)}
 
     def _place(self, tree: Any) -> Any:

@@ -12,6 +12,12 @@ n pieces of whole prompt groups as they finish (continuous batching), reward sco
 on the host at once, and inference stages with the same micro-batch count run on each piece while
 the tail of the rollout is still decoding.
 
+Placement: generation runs where the graph places it (the sampler's mesh), every other device stage on the
+training devices (the learner's mesh); `check_placements` refuses programs built elsewhere. When the two are
+disjoint device sets (a disaggregated graph) the rollout worker's and the trainer's device work run on separate
+devices, and the weight-sync stage moves the weights across. An inference stage may ask for a layout of its own
+on the training devices; it then runs on weights re-sharded to it (`StagePrograms.infer`).
+
 Several processes on one mesh (`rpegjax.distributed`) must launch the same device programs in the
 same order, which two threads cannot promise; there the runtime runs with `concurrent_rollout=False`:
 step t's rollout is generated in the calling thread right before step t trains. The weights each
@@ -37,6 +43,7 @@ import numpy as np
 from rpegjax.data.example import Example
 from rpegjax.data.iterator import DataIterator
 from rpegjax.graph.ir import INFERENCE_KINDS, UPDATE_KINDS, Graph, GraphError, Payload, StageKind
+from rpegjax.graph.meshes import device_ids, same_layout, stage_mesh
 from rpegjax.graph.programs import Piece, StagePrograms, concatenate_pieces
 from rpegjax.graph.trace import Trace
 from rpegjax.graph.versions import ParameterStore, RuntimeStopped, generation_version
@@ -113,13 +120,7 @@ class Runtime:
         self.weight_edge = weight_edges[0]
         self.async_bound = self.weight_edge.version_offset - 1
         rollout_kinds = {StageKind.GENERATE, StageKind.REWARD}
-        if len(graph.placements) > 1:
-            # disaggregated execution (stages on separate device sets) is not implemented yet: refuse
-            # rather than silently run such a plan colocated
-            first, *others = sorted(graph.placements)
-            stage = next(s for s in graph.stages if s.placement in others)
-            raise GraphError(f"the runtime executes colocated graphs (one placement) only; stage {stage.name!r} is on "
-                             f"placement {stage.placement!r} besides {first!r}", stage=stage.name)
+        self.stage_meshes = check_placements(graph, programs) if programs is not None else {}
         self.train_units = [unit for unit in graph.execution_units()
                             if not set(self._kinds(unit)) <= rollout_kinds]
         self.pieces = self.generate_stage.microbatches
@@ -260,15 +261,16 @@ class Runtime:
             name, devices = self._unit_name(unit), self._devices(unit)
             microbatches = self.graph.stage(unit[0]).microbatches
             if set(kinds) <= INFERENCE_KINDS:
+                mesh = self.stage_meshes.get(unit[0])
                 if microbatches == self.pieces:  # piece by piece, as the rollout finishes
                     for index, future in enumerate(rollout.pieces):
                         piece = future.result()
                         with self.trace.span(name, step, step, devices, microbatch=index if self.pieces > 1 else None):
-                            piece_outputs[index].update(_block(programs.infer(kinds, state, piece.batch)))
+                            piece_outputs[index].update(_block(programs.infer(kinds, state, piece.batch, mesh)))
                     continue
                 batch = batch if batch is not None else self._assemble(rollout, piece_outputs)
                 with self.trace.span(name, step, step, devices):
-                    outputs = [programs.infer(kinds, state, chunk) for chunk in _split_rows(batch, microbatches)]
+                    outputs = [programs.infer(kinds, state, chunk, mesh) for chunk in _split_rows(batch, microbatches)]
                     merged = {k: jnp.concatenate([o[k] for o in outputs]) for k in outputs[0]}
                     batch = batch.replace(**_block(merged))
             elif StageKind.ADVANTAGE in kinds:
@@ -329,6 +331,32 @@ class Runtime:
         if first_error:
             self.last_reward_error = first_error
         return batch.replace(rewards=rewards), metrics
+
+
+def check_placements(graph: Graph, programs: StagePrograms) -> dict[str, Any]:
+    """Checks that `programs` run every device stage where the graph places it; returns the meshes of the
+    inference stages whose own layout differs from the learner's (they run re-sharded, see `StagePrograms.infer`).
+
+    Generation must run on its placement's devices with its layout (the sampler's mesh); every other device
+    stage on the training devices (the learner's mesh) with the learner's layout, except inference stages,
+    which may ask for another layout of those devices."""
+    meshes = {}
+    for stage in graph.stages:
+        if stage.host:
+            continue
+        kind = StageKind.GENERATE if StageKind.GENERATE in stage.kinds else stage.kinds[0]
+        have, want = programs.mesh_of(kind), stage_mesh(graph, stage.name)
+        where = f"stage {stage.name!r} (placement {stage.placement!r}, layout {dict(want.shape)})"
+        if device_ids(have) != device_ids(want):
+            raise GraphError(f"{where} is placed on devices {sorted(device_ids(want))}, but its program runs on devices "
+                             f"{sorted(device_ids(have))}; build the sampler and learner on the graph's placements "
+                             "(rpegjax.graph.meshes.stage_mesh)", stage=stage.name)
+        if not same_layout(have, dict(want.shape)):
+            if not set(stage.kinds) <= INFERENCE_KINDS:
+                raise GraphError(f"{where}: its program's mesh has layout {dict(have.shape) if have else {}}; only "
+                                 "inference stages can run with a layout of their own", stage=stage.name)
+            meshes[stage.name] = want
+    return meshes
 
 
 def _split_rows(batch, pieces: int):

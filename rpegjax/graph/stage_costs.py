@@ -403,7 +403,7 @@ def reshard_seconds(shape: ModelShape, source: Layout, target: Layout, hardware:
                     crossing_level: int, senders: int, receivers: int) -> float:
     """Moving one model's weights from the `source` layout to the `target` layout.
 
-    Same devices: each device gathers its target shard (weights / target shards) from the source shards held
+    Same devices and layout: a copy. Same devices: each device gathers its target shard (weights / target shards) from the source shards held
     by its group — an all-gather over the source shard group reduced by what the target still shards.
     Different devices: the weights cross level `crossing_level` split over min(senders, receivers) links, then
     the receivers all-gather their target shards among the target's replicas.
@@ -411,7 +411,9 @@ def reshard_seconds(shape: ModelShape, source: Layout, target: Layout, hardware:
     weights = float(shape.weight_bytes)
     if same_devices:
         if (source.fsdp, source.tensor) == (target.fsdp, target.tensor):
-            return 0.0
+            # still a copy: the runtime never lets the generation weights alias the training buffers, which the
+            # next update donates
+            return hardware.device.memory_seconds(2 * weights / target.shards)
         group = max(1, source.shards // max(1, target.shards))
         return collectives.all_gather_seconds(weights / target.shards, hardware, collectives.Group(size=group, stride=source.tensor))
     level = hardware.levels[crossing_level]

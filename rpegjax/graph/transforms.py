@@ -277,7 +277,36 @@ def place(graph: Graph, stage: str, submesh: str, parallel: Mapping[str, int] | 
                     f"has {existing.size} devices", stage=stage)
             own_parallel = None if dict(parallel) == dict(existing.parallel) else parallel
     moved = [dataclasses.replace(s, placement=submesh, parallel=own_parallel) for s in _group_members(graph, stage)]
-    return _rebuild(graph, stages=replace_stages(graph, moved).stages, placements=placements)
+    stages = replace_stages(graph, moved).stages
+    used = {s.placement for s in stages}  # a sub-mesh no stage runs on any more is dropped
+    return _rebuild(graph, stages=stages, placements={name: p for name, p in placements.items() if name in used})
 
 
-__all__ = ["bounded_async", "default_fusion", "fuse", "microbatch", "place", "share_actor_critic"]
+ROLLOUT_PLACEMENT, TRAIN_PLACEMENT = "rollout", "train"
+
+
+def disaggregate(graph: Graph, rollout_devices: int, rollout: Mapping[str, int], train: Mapping[str, int]) -> Graph:
+    """Generation on its own devices, everything else on the rest: the generate stage goes to sub-mesh
+    `rollout` (devices 0 .. rollout_devices-1, layout `rollout`), every other device stage to `train` (the
+    remaining devices, layout `train`). The two then overlap in time under an asynchrony bound k >= 1."""
+    n = graph.num_devices
+    if isinstance(rollout_devices, bool) or not isinstance(rollout_devices, int) or not 0 < rollout_devices < n:
+        raise GraphError(f"disaggregate: rollout_devices must leave devices to both sides of the graph's {n}, "
+                         f"got {rollout_devices!r}")
+    sides = {ROLLOUT_PLACEMENT: (rollout, range(rollout_devices)), TRAIN_PLACEMENT: (train, range(rollout_devices, n))}
+    for name, (sizes, devices) in sides.items():
+        if not isinstance(sizes, Mapping) or math.prod(sizes.values()) != len(devices):
+            raise GraphError(f"disaggregate: the {name} layout {sizes!r} must multiply to its {len(devices)} devices")
+    generates = [s.name for s in graph.stages if StageKind.GENERATE in s.kinds]
+    if len(generates) != 1:
+        raise GraphError(f"disaggregate: needs exactly one generate stage, found {generates}")
+    for stage in [s.name for s in graph.stages if not s.host]:
+        side = ROLLOUT_PLACEMENT if stage in generates else TRAIN_PLACEMENT
+        if graph.stage(stage).placement != side:  # fused partners moved with an earlier stage
+            sizes, devices = sides[side]
+            graph = place(graph, stage, side, dict(sizes), devices=tuple(devices))
+    return graph
+
+
+__all__ = ["ROLLOUT_PLACEMENT", "TRAIN_PLACEMENT", "bounded_async", "default_fusion", "disaggregate", "fuse", "microbatch",
+           "place", "share_actor_critic"]

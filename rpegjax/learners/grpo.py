@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float
 
 from rpegjax.learners.advantages import AdvantageKind, compute_advantages
 from rpegjax.learners.batch import TrainBatch
-from rpegjax.learners.objective import PolicyConfig, policy_denominators, policy_objective, update_inputs
+from rpegjax.learners.objective import PolicyConfig, PolicyUpdates, policy_denominators, policy_objective
 from rpegjax.learners.optim import make_optimizer, make_schedule
 from rpegjax.learners.placement import ModelPlacement, Params, jit_with_shardings
 from rpegjax.learners.scoring import score_sequences
@@ -34,7 +33,7 @@ from rpegjax.learners.update import (
     train_state_shardings,
 )
 from rpegjax.models.transformer import Decoder
-from rpegjax.sharding.rules import ShardingRules
+from rpegjax.sharding.rules import ActivationSharding, ShardingRules
 
 _OUTCOME_KINDS = (
     AdvantageKind.GRPO,
@@ -77,7 +76,7 @@ class GRPOConfig(PolicyConfig):
             raise ValueError(f"GRPOConfig.advantage_eps must be positive, got {self.advantage_eps!r}")
 
 
-class GRPOLearner:
+class GRPOLearner(PolicyUpdates):
     """Holds the jitted functions of one policy model; the state they transform lives outside."""
 
     def __init__(self, cfg: GRPOConfig, model: Decoder, *, mesh: Mesh | None = None, rules: ShardingRules | None = None):
@@ -119,11 +118,12 @@ class GRPOLearner:
         )
         return policy_objective(cfg, scores.logprobs, scores.entropy, batch, denominators)
 
-    def logprobs_fn(self, params: Params, tokens, token_mask) -> Float[Array, "b t"]:
-        """Pure (unjitted) per-token log-probs, TrainBatch-aligned; the runtime fuses it into inference programs."""
+    def logprobs_fn(self, params: Params, tokens, token_mask, sharding: ActivationSharding | None = None) -> Float[Array, "b t"]:
+        """Pure (unjitted) per-token log-probs, TrainBatch-aligned; the runtime fuses it into inference programs.
+        `sharding`: the activation layout of another mesh the params were moved to (default the learner's)."""
         return score_sequences(
             self.placement.merge(params), tokens, token_mask, chunk_size=self.cfg.logprob_chunk_size,
-            temperature=self.cfg.temperature, sharding=self.placement.activations,
+            temperature=self.cfg.temperature, sharding=sharding or self.placement.activations,
         ).logprobs
 
     def _advantages_fn(self, rewards: Float[Array, " b"], response_mask: Bool[Array, "b t"]):
@@ -133,6 +133,10 @@ class GRPOLearner:
         )
 
     # ---- public API --------------------------------------------------------------------------
+    @property
+    def rows(self):
+        return self.placement.rows
+
     @property
     def params(self) -> Params:
         """The parameters of the model the learner was built from (placed on the mesh)."""
@@ -158,20 +162,4 @@ class GRPOLearner:
         check_rows_divide(batch.batch_size, self.placement.rows, "GRPOLearner.compute_advantages")
         advantages, metrics = self._advantages(jnp.asarray(batch.rewards, jnp.float32), jnp.asarray(batch.response_mask, bool))
         return batch.replace(advantages=advantages), metrics
-
-    def update(self, state: TrainState, batch: TrainBatch) -> tuple[TrainState, Metrics]:
-        """One update on `batch` (epochs x mini-batches x micro-batches); donates `state`."""
-        return self._update(state, self._update_inputs(batch))
-
-    def lower_update(self, state: TrainState, batch: TrainBatch) -> jax.stages.Lowered:
-        """The update lowered for these shapes: `.compile().cost_analysis()` / `.memory_analysis()` give
-        XLA's FLOP and memory figures (ground truth for the performance model)."""
-        return self._update.lower(state, self._update_inputs(batch))
-
-    def _update_inputs(self, batch: TrainBatch) -> TrainBatch:
-        batch.validate()
-        batch.require("GRPOLearner.update", *self.cfg.required_fields())
-        self.cfg.layout.check_batch(batch.batch_size)
-        check_rows_divide(batch.batch_size, self.placement.rows, "GRPOLearner.update")
-        return update_inputs(batch, self.cfg)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +26,7 @@ from rpegjax.learners.losses import (
     policy_loss,
 )
 from rpegjax.learners.optim import OptimizerConfig
-from rpegjax.learners.update import UpdateLayout
+from rpegjax.learners.update import UpdateLayout, check_rows_divide
 
 Metrics = dict[str, Array]
 
@@ -179,3 +180,33 @@ def update_inputs(batch: TrainBatch, cfg: PolicyConfig, *extra: str) -> TrainBat
         response_mask=jnp.asarray(batch.response_mask, bool),
         **floats,
     )
+
+
+class PolicyUpdates:
+    """`update` and `lower_update` of a learner: the batch is checked (fields the config needs, rows that split
+    over the mesh) and cut to `update_inputs` before its jitted `_update(state, inputs)` runs. Subclasses set
+    `cfg` and `_update` and give `rows`, their batch sharding."""
+
+    cfg: Any
+    _update: Any
+
+    @property
+    def rows(self):
+        raise NotImplementedError
+
+    def update(self, state, batch: TrainBatch):
+        """One update on `batch` (epochs x mini-batches x micro-batches); donates `state`."""
+        return self._update(state, self._update_inputs(batch))
+
+    def lower_update(self, state, batch: TrainBatch) -> jax.stages.Lowered:
+        """The update lowered for these shapes: `.compile().cost_analysis()` / `.memory_analysis()` give
+        XLA's FLOP and memory figures (ground truth for the performance model)."""
+        return self._update.lower(state, self._update_inputs(batch))
+
+    def _update_inputs(self, batch: TrainBatch) -> TrainBatch:
+        where = f"{type(self).__name__}.update"
+        batch.validate()
+        batch.require(where, *self.cfg.required_fields())
+        self.cfg.layout.check_batch(batch.batch_size)
+        check_rows_divide(batch.batch_size, self.rows, where)
+        return update_inputs(batch, self.cfg)

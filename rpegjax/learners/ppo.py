@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
@@ -27,7 +26,7 @@ from jaxtyping import Array, Float
 from rpegjax.learners.advantages import gae, outcome_token_rewards, whiten
 from rpegjax.learners.batch import TrainBatch
 from rpegjax.learners.losses import aggregation_denominator, kl_penalty, value_loss
-from rpegjax.learners.objective import PolicyConfig, policy_denominators, policy_objective, update_inputs
+from rpegjax.learners.objective import PolicyConfig, PolicyUpdates, policy_denominators, policy_objective, update_inputs
 from rpegjax.learners.optim import OptimizerConfig, make_optimizer, make_schedule
 from rpegjax.learners.placement import ModelPlacement, Params, jit_with_shardings
 from rpegjax.learners.scoring import score_sequences
@@ -40,7 +39,7 @@ from rpegjax.learners.update import (
     train_state_shardings,
 )
 from rpegjax.models.transformer import Decoder
-from rpegjax.sharding.rules import ShardingRules
+from rpegjax.sharding.rules import ActivationSharding, ShardingRules
 
 
 class CriticMode(enum.StrEnum):
@@ -86,7 +85,7 @@ class PPOConfig(PolicyConfig):
         return (*super().required_fields(), "values", "returns")
 
 
-class PPOLearner:
+class PPOLearner(PolicyUpdates):
     """Jitted PPO functions for an actor and a critic (separate model or the actor's own value head)."""
 
     def __init__(
@@ -144,7 +143,7 @@ class PPOLearner:
         self._values = jit_with_shardings(self.values_fn, (params_shardings, rows, rows), rows, mesh=mesh)
         self._advantages = jit_with_shardings(self._advantages_fn, (rows,), (rows, replicated), mesh=mesh)
         self._logprobs_and_values = jit_with_shardings(
-            self._logprobs_and_values_fn, (params_shardings, rows, rows), (rows, rows), mesh=mesh
+            self.logprobs_and_values_fn, (params_shardings, rows, rows), (rows, rows), mesh=mesh
         )
 
     # ---- pure functions ----------------------------------------------------------------------
@@ -168,30 +167,35 @@ class PPOLearner:
         metrics.update(vf_metrics)
         return loss + (cfg.vf_coef if shared else 1.0) * vf_loss, metrics
 
-    def _critic_values(self, params: Params, tokens, token_mask) -> Float[Array, "b t"]:
+    def _critic_values(self, params: Params, tokens, token_mask, sharding: ActivationSharding | None = None) -> Float[Array, "b t"]:
         return score_sequences(
             self.critic.merge(params), tokens, token_mask, with_logprobs=False, with_values=True,
-            sharding=self.critic.activations,
+            sharding=sharding or self.critic.activations,
         ).values
 
-    def logprobs_fn(self, params: Params, tokens, token_mask) -> Float[Array, "b t"]:
+    def logprobs_fn(self, params: Params, tokens, token_mask, sharding: ActivationSharding | None = None) -> Float[Array, "b t"]:
+        """Pure per-token log-probs of the actor (`params` its weights); `sharding` as in GRPOLearner.logprobs_fn."""
         return score_sequences(
             self.actor.merge(params), tokens, token_mask, chunk_size=self.cfg.logprob_chunk_size,
-            temperature=self.cfg.temperature, sharding=self.actor.activations,
+            temperature=self.cfg.temperature, sharding=sharding or self.actor.activations,
         ).logprobs
 
-    def values_fn(self, params: Params, tokens, token_mask) -> Float[Array, "b t"]:
+    def values_fn(self, params: Params, tokens, token_mask, sharding: ActivationSharding | None = None) -> Float[Array, "b t"]:
+        """Pure per-token values; `params` the whole state's params (the critic's weights are picked here)."""
         critic_params = params["actor"] if self.cfg.critic == CriticMode.SHARED else params["critic"]
-        return self._critic_values(critic_params, tokens, token_mask)
+        return self._critic_values(critic_params, tokens, token_mask, sharding)
 
-    def _logprobs_and_values_fn(self, params: Params, tokens, token_mask):
-        if self.cfg.critic == CriticMode.SHARED:  # one pass over the shared trunk
+    def logprobs_and_values_fn(self, params: Params, tokens, token_mask, sharding: ActivationSharding | None = None):
+        """Pure per-token (log-probs, values) from the whole state's params; with a shared critic one pass over
+        the trunk gives both (the runtime uses it when a stage computes both)."""
+        if self.cfg.critic == CriticMode.SHARED:
             scores = score_sequences(
                 self.actor.merge(params["actor"]), tokens, token_mask, chunk_size=self.cfg.logprob_chunk_size,
-                temperature=self.cfg.temperature, with_values=True, sharding=self.actor.activations,
+                temperature=self.cfg.temperature, with_values=True, sharding=sharding or self.actor.activations,
             )
             return scores.logprobs, scores.values
-        return self.logprobs_fn(params["actor"], tokens, token_mask), self._critic_values(params["critic"], tokens, token_mask)
+        return (self.logprobs_fn(params["actor"], tokens, token_mask, sharding),
+                self._critic_values(params["critic"], tokens, token_mask, sharding))
 
     def _advantages_fn(self, batch: TrainBatch) -> tuple[TrainBatch, Metrics]:
         cfg = self.cfg
@@ -209,6 +213,10 @@ class PPOLearner:
         return batch.replace(advantages=advantages, returns=returns), metrics
 
     # ---- public API --------------------------------------------------------------------------
+    @property
+    def rows(self):
+        return self.actor.rows
+
     @property
     def params(self) -> Params:
         """{"actor": ..., "critic": ...?}: the parameters of the models the learner was built from."""
@@ -247,18 +255,3 @@ class PPOLearner:
         inputs = inputs.replace(rewards=jnp.asarray(batch.rewards, jnp.float32))
         result, metrics = self._advantages(inputs)
         return batch.replace(advantages=result.advantages, returns=result.returns), metrics
-
-    def update(self, state: TrainState, batch: TrainBatch) -> tuple[TrainState, Metrics]:
-        """One PPO update (actor and critic) on `batch`; donates `state`."""
-        return self._update(state, self._update_inputs(batch))
-
-    def lower_update(self, state: TrainState, batch: TrainBatch) -> jax.stages.Lowered:
-        """The update lowered for these shapes (see `GRPOLearner.lower_update`)."""
-        return self._update.lower(state, self._update_inputs(batch))
-
-    def _update_inputs(self, batch: TrainBatch) -> TrainBatch:
-        batch.validate()
-        batch.require("PPOLearner.update", *self.cfg.required_fields())
-        self.cfg.layout.check_batch(batch.batch_size)
-        check_rows_divide(batch.batch_size, self.actor.rows, "PPOLearner.update")
-        return update_inputs(batch, self.cfg)

@@ -1,5 +1,6 @@
 """Hardware hierarchy, presets, calibration and α–β collective costs against hand-computed values."""
 
+import dataclasses
 import math
 
 import pytest
@@ -112,3 +113,16 @@ def test_calibrate_measures_this_machine():
     assert spec.device.matmul_seconds(1e9, "float32") == pytest.approx(1e9 / measured.layer_matmul_flops)
     assert spec.device.memory_bandwidth == measured.memory_bandwidth
     assert spec.num_devices == 1
+
+
+def test_the_median_calibration_ignores_one_disturbed_measurement():
+    fields = [f.name for f in dataclasses.fields(hardware.Calibration)]
+    quiet = hardware.Calibration(**{name: 1.0 for name in fields})
+    disturbed = hardware.Calibration(**{name: 0.1 for name in fields})
+    assert hardware.median_calibration([quiet, disturbed, quiet]) == quiet
+    two = hardware.median_calibration([quiet, disturbed])
+    assert all(getattr(two, name) == pytest.approx(0.55) for name in fields)
+    with pytest.raises(ValueError, match="at least one"):
+        hardware.median_calibration([])
+    with pytest.raises(ValueError, match="rounds must be >= 1"):
+        hardware.calibrate(rounds=0)

@@ -168,3 +168,12 @@ def test_unknown_parallel_axes_are_refused():
     graph = builders.grpo_graph(use_reference=False, num_devices=8, parallel={"pipeline": 2, "data": 4})
     with pytest.raises(ValueError, match="knows parallel axes"):
         perfmodel.predict(graph, QWEN05, SMALL, hardware.h100_node(8))
+
+
+def test_colocated_weight_sync_costs_a_copy_of_the_weights():
+    """Same devices and layout: the runtime still copies (the update donates the training buffers)."""
+    hw = hardware.h100_node(8)
+    graph = builders.grpo_graph(use_reference=True, num_devices=8)
+    sync = perfmodel.Evaluator(QWEN05, SMALL, hw).predict(graph).stage("weight_sync").seconds
+    copy = 2 * ModelShape.from_config(QWEN05).weight_bytes / (hw.device.memory_bandwidth * hw.device.memory_efficiency)
+    assert sync == pytest.approx(copy + hw.device.dispatch_overhead_s, rel=1e-6)

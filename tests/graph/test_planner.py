@@ -100,7 +100,10 @@ def test_planning_256_gpus_takes_seconds():
 
 
 
-def test_a_planned_graph_survives_json_and_runs_in_the_runtime():
+@pytest.mark.parametrize("fractions, reshard", [((None,), (False,)), ((0.5,), (True,))], ids=["colocated", "disaggregated"])
+def test_a_planned_graph_survives_json_and_runs_in_the_runtime(tmp_path, fractions, reshard):
+    """The planner's plan for the 8 (virtual) devices, saved as JSON, is what a run executes (`graph.plan`):
+    generation on its sub-mesh, inference stages on the layouts the plan gives them."""
     import jax
 
     from rpegjax.config import DataSection, GraphSection, ModelSection, RolloutSection, RunConfig, TrainSection, WarmStartSection
@@ -111,24 +114,23 @@ def test_a_planned_graph_survives_json_and_runs_in_the_runtime():
     from rpegjax.trainer import make_programs
     from rpegjax.training import build
 
+    model = ModelSection(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64)
+    shape = ModelConfig(vocab_size=99, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
+                        intermediate_size=64)
+    workload = Workload(prompts=4, group_size=2, prompt_tokens=12, responses=ResponseLengths.fixed(6))
+    evaluator = perfmodel.Evaluator(shape, workload, _two_nodes())
+    space = planner.PlanSpace(async_bounds=(0, 1), fusion=(False, True), microbatches=(1, 2), tensor_sizes=(1,),
+                              generation_fractions=fractions, reshard_inference=reshard)
+    best = planner.Planner(evaluator, algorithm="grpo", num_devices=8, use_reference=True, space=space).search(top=1).best
+    path = tmp_path / "plan.json"
+    path.write_text(best.graph.to_json())
     cfg = RunConfig(
-        model=ModelSection(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64),
-        data=DataSection(train_size=32, eval_size=4),
+        model=model, data=DataSection(train_size=32, eval_size=4),
         rollout=RolloutSection(prompts_per_step=4, group_size=2, max_prompt_len=12, max_new_tokens=6, num_slots=8,
                                chunk_steps=3),
-        warm_start=WarmStartSection(steps=0), graph=GraphSection(async_bound=0), train=TrainSection(steps=2, reward_workers=1))
+        warm_start=WarmStartSection(steps=0), graph=GraphSection(plan=str(path)), train=TrainSection(steps=2, reward_workers=1))
+    cfg = cfg.replace(grpo=dataclasses.replace(cfg.grpo, kl_coef=0.04))
     parts = build(cfg, log=lambda _: None)
-    workload = Workload(prompts=4, group_size=2, prompt_tokens=12, responses=ResponseLengths.fixed(6))
-    cpu = hardware.spec_from_calibration(hardware.Calibration(
-        matmul_flops=1e11, layer_matmul_flops=6e10, small_matmul_flops=5e10, attention_flops=2e10, backward_efficiency=1.0,
-        memory_bandwidth=5e9,
-        dispatch_overhead_s=1e-5, kernel_overhead_s=1e-6))
-    evaluator = perfmodel.Evaluator(parts.model_cfg, workload, cpu)
-    space = planner.PlanSpace(async_bounds=(0, 1), fusion=(False, True), microbatches=(1, 2), tensor_sizes=(1,),
-                              generation_fractions=(None,), reshard_inference=(False,))
-    best = planner.Planner(evaluator, algorithm="grpo", num_devices=1, use_reference=parts.graph.has_stage("ref_logprob"),
-                           space=space).search(top=1).best
-    parts.graph = Graph.from_json(best.graph.to_json())
     assert parts.graph == best.graph
     rewards = RewardRunner(parts.task.reward, RewardRunnerConfig(timeout_s=2.0, workers=1, isolation=parts.task.isolation))
     trace = Trace()
@@ -144,3 +146,8 @@ def test_a_planned_graph_survives_json_and_runs_in_the_runtime():
     for unit in parts.graph.execution_units():  # every unit of the planned graph was executed and traced
         assert "+".join(unit) in recorded or set(unit) <= recorded, (unit, recorded)
     assert max_staleness(trace) <= parts.graph.async_bound
+    generation = {d.id for d in parts.sampler.mesh.devices.flat}
+    assert generation == set(parts.graph.placements[parts.graph.stage("generate").placement].devices or range(8))
+    if fractions != (None,):
+        assert generation == {0, 1, 2, 3} and parts.learner.placement.mesh.devices.size == 4
+        assert runtime.stage_meshes, "the plan re-shards inference stages; the runtime must run them so"

@@ -38,14 +38,18 @@ _BUILT = {}
 def built(cfg: RunConfig):
     """Components are shared by configs that differ only in the graph section (saves compilations);
     the graph itself is rebuilt for each config."""
-    key = cfg.replace(graph=GraphSection()).to_json()
+    placement = cfg.graph
+    key = cfg.replace(graph=GraphSection(mesh=placement.mesh, rollout_devices=placement.rollout_devices,
+                                         rollout_mesh=placement.rollout_mesh)).to_json()
     if key not in _BUILT:
         _BUILT[key] = build(cfg, log=lambda _: None)
-    return dataclasses.replace(_BUILT[key], cfg=cfg, graph=build_graph(cfg, num_devices=1))
+    return dataclasses.replace(_BUILT[key], cfg=cfg, graph=build_graph(cfg, num_devices=jax.device_count()))
 
 
-def run_runtime(cfg: RunConfig, steps: int, *, task_reward=None):
+def run_runtime(cfg: RunConfig, steps: int, *, task_reward=None, graph=None):
     parts = built(cfg)
+    if graph is not None:
+        parts = dataclasses.replace(parts, graph=graph)
     fn = parts.task.reward if task_reward is None else task_reward
     rewards = RewardRunner(fn, RewardRunnerConfig(timeout_s=2.0, workers=1, isolation=parts.task.isolation))
     programs = make_programs(parts, rewards)
@@ -149,24 +153,118 @@ def test_an_impossible_mesh_is_refused_clearly():
         build(tiny_config(mesh="data=3"), log=lambda _: None)
 
 
-def test_on_policy_single_step_graphs_skip_the_old_logprob_pass():
+def test_single_step_graphs_without_decoupled_correction_skip_the_old_logprob_pass():
     on_policy = tiny_config(async_bound=0)
     on_policy = on_policy.replace(grpo=dataclasses.replace(on_policy.grpo, decoupled=False, importance_cap=None))
     assert not build_graph(on_policy, num_devices=1).has_stage("old_logprob")
-    # bounded staleness needs the proximal policy for the decoupled correction
+    # bounded staleness needs the proximal policy for the decoupled correction; without it one step's ratio is 1
     assert build_graph(tiny_config(async_bound=1), num_devices=1).has_stage("old_logprob")
+    stale = on_policy.replace(graph=dataclasses.replace(on_policy.graph, async_bound=1))
+    assert not build_graph(stale, num_devices=1).has_stage("old_logprob")
     two_steps = on_policy.replace(grpo=dataclasses.replace(on_policy.grpo, num_minibatches=2))
     assert build_graph(two_steps, num_devices=1).has_stage("old_logprob")
     _, _, _, results, _ = run_runtime(on_policy, 2)
     assert all(r.metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-5) for r in results)
 
 
-def test_disaggregated_graphs_are_refused_rather_than_run_colocated():
+def _device_ids(tree) -> set[int]:
+    return {device.id for leaf in jax.tree.leaves(tree) for device in leaf.sharding.device_set}
+
+
+def _length_reward(text, example):
+    """A reward with signal for an untrained model (its task rewards are all zero): the update then follows
+    the advantages, not round-off that Adam would blow up to a full step."""
+    return float(len(text) % 3) / 2
+
+
+def test_disaggregated_generation_runs_on_its_own_devices_and_matches_colocated():
+    colocated = tiny_config(async_bound=1)
+    split = tiny_config(async_bound=1, rollout_devices=4, mesh="data=4", rollout_mesh="data=2,tensor=2")
+    parts, runtime, state, results, trace = run_runtime(split, 3, task_reward=_length_reward)
+    assert set(parts.graph.placements) == {"rollout", "train"}
+    assert _device_ids(state.params) == {4, 5, 6, 7}  # training on the last four devices
+    assert all(_device_ids(params) == {0, 1, 2, 3} for _, params in runtime.store.items())  # generation weights
+    places = {(e.stage, e.devices) for e in trace.events}
+    assert ("generate", "rollout") in places and any(d == "train" for s, d in places if "update" in s)
+    assert [r.version for r in results] == [0, 0, 1]  # the bound holds across device sets
+    # weight sync moves the trained weights across device sets unchanged
+    synced = runtime.programs.sync(state)
+    assert _device_ids(synced) == {0, 1, 2, 3}
+    for trained, moved in zip(jax.tree.leaves(state.params), jax.tree.leaves(synced)):
+        np.testing.assert_array_equal(np.asarray(trained), np.asarray(moved))
+    # the same run colocated: the same rollouts from the same weights, the same first update. (Later updates
+    # agree only to round-off: Adam's first step turns round-off in zero-gradient coordinates into lr-sized steps.)
+    reference = run_runtime(colocated, 3, task_reward=_length_reward)[3]
+    assert any(r.metrics["reward"] > 0 for r in reference)
+    for mine, theirs in zip(results, reference):
+        if mine.version == 0:
+            assert [list(c.response_ids) for c in mine.completions] == [list(c.response_ids) for c in theirs.completions]
+    for key in ("loss", "reward", "kl_loss", "grad_norm"):
+        assert results[0].metrics[key] == pytest.approx(reference[0].metrics[key], rel=1e-5, abs=1e-7), key
+
+
+def test_an_inference_stage_with_its_own_layout_runs_resharded_with_the_same_numbers():
+    from rpegjax.graph import transforms
+    from rpegjax.graph.ir import StageKind
+    from rpegjax.graph.meshes import stage_mesh
+
+    cfg = tiny_config(async_bound=1, fuse=False)
+    parts = built(cfg)
+    graph = transforms.place(parts.graph, "ref_logprob", "all", {"data": 2, "fsdp": 4})
+    graph = transforms.place(graph, "old_logprob", "all", {"fsdp": 8})
+    _, runtime, _, resharded, trace = run_runtime(cfg, 2, task_reward=_length_reward, graph=graph)
+    assert {name: dict(mesh.shape) for name, mesh in runtime.stage_meshes.items()} == {
+        "ref_logprob": {"data": 2, "fsdp": 4}, "old_logprob": {"fsdp": 8}}
+    assert {"ref_logprob", "old_logprob"} <= {e.stage for e in trace.events}
+    plain = run_runtime(cfg, 2, task_reward=_length_reward)[3]
+    for key in ("loss", "kl_loss", "ratio_mean", "grad_norm"):
+        assert resharded[0].metrics[key] == pytest.approx(plain[0].metrics[key], rel=1e-5, abs=1e-7), key
+    # one fused program on a layout of its own gives the learner-layout numbers
+    programs, state = make_programs(parts, None), parts.learner.init_state()
+    rows = np.random.default_rng(0).integers(3, 90, size=(8, 18)).tolist()
+    batch = pack_rollouts([r[:6] for r in rows], [r[6:] for r in rows], [[0.0] * 12] * 8, pad_id=0, length=18)
+    kinds = [StageKind.REF_LOGPROB, StageKind.OLD_LOGPROB]
+    expected = programs.infer(kinds, state, batch)
+    got = programs.infer(kinds, state, batch, stage_mesh(graph, "ref_logprob"))
+    for field in expected:
+        assert {d.id for d in got[field].sharding.device_set} == set(range(8))
+        np.testing.assert_allclose(np.asarray(got[field]), np.asarray(expected[field]), atol=1e-5)
+
+
+def test_graphs_whose_placements_the_programs_do_not_honour_are_refused():
     from rpegjax.graph import transforms
     from rpegjax.graph.ir import GraphError
 
-    cfg = tiny_config(async_bound=1)
-    parts = built(cfg)
-    graph = transforms.place(parts.graph, "generate", "rollout", {"data": 1})
-    with pytest.raises(GraphError, match="colocated graphs .* stage 'generate' is on placement 'rollout'"):
-        Runtime(graph, None, None, prompt_ids=None, key=jax.random.key(0))
+    parts = built(tiny_config(async_bound=1))  # sampler and learner on all eight devices
+    programs = make_programs(parts, None)
+    split = transforms.disaggregate(parts.graph, 4, {"data": 4}, {"data": 4})
+    with pytest.raises(GraphError, match=r"stage 'generate' .* placed on devices \[0, 1, 2, 3\], but its program runs on "
+                                         r"devices \[0, 1, 2, 3, 4, 5, 6, 7\]"):
+        Runtime(split, programs, None, prompt_ids=None, key=jax.random.key(0))
+    update_elsewhere = transforms.place(parts.graph, "actor_update", "all", {"fsdp": 8})
+    with pytest.raises(GraphError, match="stage 'actor_update' .* only inference stages can run with a layout of their own"):
+        Runtime(update_elsewhere, programs, None, prompt_ids=None, key=jax.random.key(0))
+
+
+def test_a_shared_critic_stage_gets_log_probs_and_values_from_one_pass():
+    from rpegjax.graph.ir import StageKind
+
+    ppo = tiny_config().replace(algorithm="ppo", ppo=dataclasses.replace(RunConfig().ppo, critic="shared", kl_coef=0.04))
+    parts = built(ppo)
+    programs, state = make_programs(parts, None), parts.learner.init_state()
+    rows = np.random.default_rng(1).integers(3, 90, size=(8, 18)).tolist()
+    batch = pack_rollouts([r[:6] for r in rows], [r[6:] for r in rows], [[0.0] * 12] * 8, pad_id=0, length=18)
+    both, alone = (StageKind.OLD_LOGPROB, StageKind.CRITIC_VALUE), [(StageKind.OLD_LOGPROB,), (StageKind.CRITIC_VALUE,)]
+    joint = programs.infer(both, state, batch)
+    separate = {k: v for kinds in alone for k, v in programs.infer(kinds, state, batch).items()}
+    for field in ("old_logprobs", "values"):
+        np.testing.assert_allclose(np.asarray(joint[field]), np.asarray(separate[field]), atol=1e-6)
+
+    def flops(kinds):  # XLA's count for the compiled program
+        params = tuple(programs._params_of[kind](state) for kind in kinds)
+        program = programs._inference_program(kinds, None)
+        tokens, mask = programs._place(batch.tokens), programs._place(batch.token_mask)
+        return program.lower(params, tokens, mask).compile().cost_analysis()["flops"]
+
+    # one trunk pass: the log-prob pass plus a value head, far from a second pass
+    assert flops(both) < flops(alone[0]) + 0.5 * flops(alone[1])

@@ -10,7 +10,6 @@ import pytest
 from rpegjax.learners.losses import (
     KLKind,
     LossAggregation,
-    aggregate,
     aggregation_denominator,
     entropy_bonus,
     gspo_loss,
