@@ -287,7 +287,7 @@ class Calibration:
     matmul_flops: float  # FLOP/s of a large square float32 matmul: the peak
     layer_matmul_flops: float  # FLOP/s of a layer's training matmuls X·W, dY·Wᵀ, Xᵀ·dY at [2048, 512] x [512, 2048]
     small_matmul_flops: float  # FLOP/s of a [32, d] x [d, 4d]-sized matmul (decode-like shapes)
-    attention_flops: float  # FLOP/s of attention's batched score and value matmuls (16 x 4 heads, 128 x 128 x 64)
+    attention_flops: float  # FLOP/s of the model's attention (16 x 4 heads over 2 KV heads, 128 x 128 x 64)
     backward_efficiency: float  # backward matmul FLOP/s / forward, from an MLP block's forward and gradient
     memory_bandwidth: float  # bytes/s of a streaming elementwise kernel (read + write counted)
     dispatch_overhead_s: float  # seconds per dispatch of a trivial jitted program
@@ -332,22 +332,25 @@ def measure(*, matmul_size: int = 1024, stream_mib: int = 64, repeats: int = 7) 
     orientations = (jax.jit(lambda x, w, g: x @ w), jax.jit(lambda x, w, g: g @ w.T), jax.jit(lambda x, w, g: x.T @ g))
     layer = sum(_fastest_seconds(lambda f=f: f(x, weight, grad).block_until_ready(), repeats) for f in orientations)
 
-    b, t, h, e = 16, 128, 4, 64
+    # the model's own kernels (attention, SwiGLU), so that the rates are the ones its programs reach
+    from rpegjax.models.transformer import causal_attention, swiglu
+
+    b, t, h, kv, e = 16, 128, 4, 2, 64
     q = jax.device_put(jax.random.normal(key, (b, t, h, e), jnp.float32), device)
+    keys = jax.device_put(jax.random.normal(key, (b, t, kv, e), jnp.float32), device)
+    attend = jax.jit(lambda q, keys: causal_attention(q, keys, keys, None))
+    attention_seconds = _fastest_seconds(lambda: attend(q, keys).block_until_ready(), repeats)
 
-    def attend(q):
-        probs = jax.nn.softmax(jnp.einsum("bthe,bshe->bhts", q, q), axis=-1)
-        return jnp.einsum("bhts,bshe->bthe", probs, q)
+    up = jax.device_put(jax.random.normal(jax.random.key(1), (k, n), jnp.float32), device)
 
-    attention_seconds = _fastest_seconds(lambda: jax.jit(attend)(q).block_until_ready(), repeats)
-
-    def block(x, w):  # an MLP block: up-projection, SiLU, down-projection
-        return jax.nn.silu(x @ w) @ w.T
+    def block(x, w):  # an MLP block: gate and up projections (distinct weights), SwiGLU, down-projection
+        gate_weight, up_weight = w
+        return swiglu(x @ gate_weight, x @ up_weight) @ gate_weight.T
 
     forward_block = jax.jit(block)
     grad_block = jax.jit(jax.grad(lambda x, w: block(x, w).sum(), argnums=(0, 1)))
-    block_forward = _fastest_seconds(lambda: forward_block(x, weight).block_until_ready(), repeats)
-    block_grad = _fastest_seconds(lambda: jax.block_until_ready(grad_block(x, weight)), repeats)
+    block_forward = _fastest_seconds(lambda: forward_block(x, (weight, up)).block_until_ready(), repeats)
+    block_grad = _fastest_seconds(lambda: jax.block_until_ready(grad_block(x, (weight, up))), repeats)
 
     rows, width = 32, 256
     x = jax.device_put(jnp.ones((rows, width), jnp.float32), device)

@@ -157,7 +157,7 @@ class Attention(nnx.Module):
         v = self._project(x, self.v_proj, "v_bias", None, None)
         q = constrain(q, sharding, (axes.BATCH, None, axes.HEADS, None))
         if layer_cache is None:
-            return self._output(_causal_attention(q, k, v, key_mask)), None
+            return self._output(causal_attention(q, k, v, key_mask)), None
         # writing only the new tokens into this layer's [b k T e] arrays (a scatter XLA does in place)
         # avoids copying the cache at every decode step. The advanced indices (rows, columns) around the
         # head slice address a [b t k e] block, the layout of k and v.
@@ -176,7 +176,7 @@ class Attention(nnx.Module):
         return (out.reshape(b * t, -1) @ o_proj.reshape(-1, o_proj.shape[-1])).reshape(b, t, -1)
 
 
-def _causal_attention(
+def causal_attention(
     q: Float[Array, "b t h e"],
     k: Float[Array, "b t k e"],
     v: Float[Array, "b t k e"],
