@@ -27,7 +27,7 @@ from rpegjax.generate.sampling import SamplingConfig
 from rpegjax.graph.ir import StageKind
 from rpegjax.graph.meshes import device_ids, same_layout
 from rpegjax.learners.batch import TrainBatch, pack_rollouts
-from rpegjax.learners.update import batch_sharding, check_rows_divide
+from rpegjax.learners.update import batch_sharding
 from rpegjax.sharding.rules import ActivationSharding, ShardingRules, param_shardings
 from rpegjax.rewards.runner import RewardRunner, RewardStats
 
@@ -75,18 +75,15 @@ class StageLayout:
             return jax.device_put(params, param_shardings(params, self.mesh, self.rules), may_alias=False)
         return {name: self.place_params(value) for name, value in params.items()}
 
-    def place_rows(self, value: Any) -> jax.Array:
-        check_rows_divide(np.shape(value)[0], self.rows, f"stage layout {dict(self.mesh.shape)}")
-        return jax.device_put(value, self.rows)
-
 
 class StagePrograms:
     """Stage computations for one run.
 
     `learner` is a GRPOLearner or PPOLearner; `policy_logprobs(params, tokens, mask, sharding)` and, for PPO,
     `critic_values(params, tokens, mask, sharding)` and `logprobs_and_values` (both from the critic's params: one
-    pass over a shared trunk) are its pure (unjitted) functions, from which fused programs are built. The weight-sync stage copies the actor's weights into `generation_shardings` (the sampler's
-    layout; None: the same device). Generation runs on the sampler's mesh, every other device stage on
+    pass over a shared trunk) are its pure (unjitted) functions, from which fused programs are built. The
+    weight-sync stage copies the actor's weights into `generation_shardings` (the sampler's layout; None: the
+    same device). Generation runs on the sampler's mesh, every other device stage on
     `train_mesh` (the learner's; None: the default device); the two may be disjoint device sets.
     """
 
@@ -254,25 +251,26 @@ class StagePrograms:
             outputs = program(params, self._place(batch.tokens), self._place(batch.token_mask))
         else:
             params = tuple(layout.place_params(p, constant=kind == StageKind.REF_LOGPROB) for kind, p in zip(kinds, params))
-            outputs = program(params, layout.place_rows(batch.tokens), layout.place_rows(batch.token_mask))
+            outputs = program(params, self._place(batch.tokens, layout.rows), self._place(batch.token_mask, layout.rows))
         return {INFERENCE_FIELDS[kind]: output for kind, output in zip(kinds, outputs)}
 
-    def _place(self, tree: Any) -> Any:
-        """Arrays of `tree` with the learner's batch layout (rows over the data axes; replicated when the rows
-        do not divide, e.g. a micro-batch piece); unchanged without a mesh.
+    def _place(self, tree: Any, rows: NamedSharding | None = None) -> Any:
+        """Arrays of `tree` with the learner's batch layout, or `rows` (rows over the data axes; replicated when
+        the rows do not divide, e.g. a micro-batch piece); unchanged without a mesh.
 
         Pieces computed separately are concatenated without a layout, and host arrays have none. Every process
         holds the whole of each host array, so each builds its own shards from it: no communication (a
         `device_put` onto a mesh spanning processes would first check, across processes, that they agree)."""
-        if self.batch_sharding is None:
+        rows = self.batch_sharding if rows is None else rows
+        if rows is None:
             return tree
-        mesh, rows_spec = self.batch_sharding.mesh, self.batch_sharding.spec[0] if self.batch_sharding.spec else None
+        mesh, rows_spec = rows.mesh, rows.spec[0] if rows.spec else None
         row_axes = (rows_spec,) if isinstance(rows_spec, str) else tuple(rows_spec or ())
         row_shards = math.prod(mesh.shape[name] for name in row_axes)
 
         def place(value):
             split = np.ndim(value) > 0 and np.shape(value)[0] % row_shards == 0
-            sharding = self.batch_sharding if split else NamedSharding(mesh, PartitionSpec())
+            sharding = rows if split else NamedSharding(mesh, PartitionSpec())
             if isinstance(value, jax.Array):
                 return jax.device_put(value, sharding)
             host = np.asarray(value, jax.dtypes.canonicalize_dtype(np.asarray(value).dtype))
