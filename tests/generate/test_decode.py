@@ -1,7 +1,6 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from rpegjax.generate.completion import EOS_CODE, LENGTH_CODE, RUNNING_CODE, STOP_CODE
 from rpegjax.generate.decode import DecodeState, admit, decode, prefill, record_tokens, step_logits
