@@ -149,6 +149,11 @@ class Placement:
     def size(self) -> int:
         return math.prod(self.parallel.values())
 
+    @property
+    def device_indices(self) -> tuple[int, ...]:
+        """The explicit devices, else the first `size` (what the runtime and the performance model pick)."""
+        return self.devices if self.devices is not None else tuple(range(self.size))
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Stage:

@@ -1,14 +1,13 @@
 """The device meshes a graph's placements name: where each device stage runs.
 
-A placement lists device indices (into `jax.devices()`) or leaves them open, meaning the first `size`
-devices. A stage's mesh is its placement's devices arranged by the stage's effective parallel sizes (its own
+A placement's devices are `jax.devices()` at its `device_indices` (explicit ones, else the first `size`). A stage's mesh is its placement's devices arranged by the stage's effective parallel sizes (its own
 layout, else its placement's), axes in the order the graph gives them. The runtime checks that the programs
 it is handed run each stage on exactly these devices; `training.build` builds learner and sampler on them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import jax
 import numpy as np
@@ -17,24 +16,23 @@ from jax.sharding import Mesh
 from rpegjax.graph.ir import Graph, GraphError
 
 
-def placement_devices(graph: Graph, placement: str, devices: Sequence[jax.Device] | None = None) -> list[jax.Device]:
-    """The devices of `placement`, picked from `devices` (default `jax.devices()`) by index."""
-    devices = list(jax.devices() if devices is None else devices)
-    spec = graph.placements[placement]
-    indices = spec.devices if spec.devices is not None else tuple(range(spec.size))
+def placement_devices(graph: Graph, placement: str) -> list[jax.Device]:
+    """The devices of `placement`: `jax.devices()` at its `device_indices`."""
+    devices = jax.devices()
+    indices = graph.placements[placement].device_indices
     if max(indices) >= len(devices):
         raise GraphError(f"placement {placement!r} uses device {max(indices)}, but only {len(devices)} devices exist "
                          f"(graph planned for {graph.num_devices})")
     return [devices[i] for i in indices]
 
 
-def stage_mesh(graph: Graph, stage: str, devices: Sequence[jax.Device] | None = None) -> Mesh:
+def stage_mesh(graph: Graph, stage: str) -> Mesh:
     """The mesh `stage` runs on: its placement's devices shaped by its effective parallel sizes."""
     spec = graph.stage(stage)
     if spec.host:
         raise GraphError(f"stage {stage!r} runs on the host and has no mesh", stage=stage)
     sizes = dict(graph.parallel_of(stage))
-    grid = np.array(placement_devices(graph, spec.placement, devices), dtype=object).reshape(tuple(sizes.values()))
+    grid = np.array(placement_devices(graph, spec.placement), dtype=object).reshape(tuple(sizes.values()))
     return Mesh(grid, tuple(sizes))
 
 

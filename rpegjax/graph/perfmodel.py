@@ -81,9 +81,8 @@ class Prediction:
 
 # ------------------------------------------------------------------------------------------- plan reading
 def placement_devices(graph: Graph, name: str) -> tuple[int, ...]:
-    """A placement's device indices: explicit ones, else the first `size` devices (what the runtime picks)."""
-    placement = graph.placements[name]
-    return placement.devices if placement.devices is not None else tuple(range(placement.size))
+    """A placement's device indices (`Placement.device_indices`)."""
+    return graph.placements[name].device_indices
 
 
 def stage_layout(graph: Graph, stage: Stage) -> Layout:

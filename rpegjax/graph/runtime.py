@@ -120,7 +120,7 @@ class Runtime:
         self.weight_edge = weight_edges[0]
         self.async_bound = self.weight_edge.version_offset - 1
         rollout_kinds = {StageKind.GENERATE, StageKind.REWARD}
-        self.stage_meshes = check_placements(graph, programs) if programs is not None else {}
+        self.stage_meshes = check_placements(graph, programs)
         self.train_units = [unit for unit in graph.execution_units()
                             if not set(self._kinds(unit)) <= rollout_kinds]
         self.pieces = self.generate_stage.microbatches
