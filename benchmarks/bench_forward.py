@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
@@ -22,20 +21,7 @@ from flax import nnx
 
 from rpegjax.models import Decoder, ModelConfig
 from rpegjax.models.hf import save_pretrained
-
-
-def _time_interleaved(calls: dict, runs: int, warmup: int) -> dict[str, list[float]]:
-    """Alternates the contenders run by run, so load from other processes on a shared machine hits both alike."""
-    for _ in range(warmup):
-        for call in calls.values():
-            call()
-    seconds = {name: [] for name in calls}
-    for _ in range(runs):
-        for name, call in calls.items():
-            start = time.perf_counter()
-            call()
-            seconds[name].append(time.perf_counter() - start)
-    return seconds
+from timing import time_interleaved
 
 
 def _summary(name: str, seconds: list[float], tokens: int) -> float:
@@ -87,7 +73,7 @@ def main() -> None:
           f"jax {jax.__version__} on {jax.devices()[0].platform}, torch {torch.__version__} ({torch.get_num_threads()} threads)")
     print(f"max |logits ours - transformers| = {difference:.2e}")
     count = args.batch * args.seq
-    seconds = _time_interleaved({"rpegjax (jit)": ours, "transformers": theirs}, args.runs, args.warmup)
+    seconds = time_interleaved({"rpegjax (jit)": ours, "transformers": theirs}, args.runs, warmup=args.warmup)
     ours_rate = _summary("rpegjax (jit)", seconds["rpegjax (jit)"], count)
     theirs_rate = _summary("transformers", seconds["transformers"], count)
     print(f"ratio rpegjax / transformers tokens/s: {ours_rate / theirs_rate:.2f}x")

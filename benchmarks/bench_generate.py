@@ -35,20 +35,9 @@ from rpegjax.generate import Sampler, SamplingConfig
 from rpegjax.models import Decoder, ModelConfig
 from rpegjax.models.hf import save_pretrained
 
+from timing import time_interleaved
+
 BATCH, PROMPT = 32, 32
-
-
-def _time_interleaved(calls: dict, runs: dict[str, int]) -> dict[str, list[float]]:
-    """Alternates the contenders run by run (each up to its own count), so that load from other
-    processes on a shared machine hits all alike."""
-    seconds = {name: [] for name in calls}
-    for index in range(max(runs.values())):
-        for name, call in calls.items():
-            if index < runs[name]:
-                start = time.perf_counter()
-                call()
-                seconds[name].append(time.perf_counter() - start)
-    return seconds
 
 
 def _line(name: str, seconds: list[float], tokens: int) -> float:
@@ -154,7 +143,7 @@ def part_wgen(args, cfg, graphdef, params, model, torch_model) -> None:
                 calls["transformers"] = hf
             runs = {"ours": args.runs, "recompute": args.recompute_runs_long if long else args.baseline_runs,
                     "transformers": args.transformers_runs_long if long else args.baseline_runs}
-            seconds = _time_interleaved(calls, runs)
+            seconds = time_interleaved(calls, runs)
             tokens = BATCH * new_tokens
             print(f"W-gen, {BATCH} x prompt {PROMPT} + {new_tokens} new tokens, {label} "
                   f"(runs: {', '.join(f'{n} {len(s)}' for n, s in seconds.items())}):")
@@ -197,7 +186,7 @@ def part_long_tail(args, cfg, graphdef, params, chunk_steps: int) -> None:
     print(f"Long tail: {n} prompts on {BATCH} slots, budgets log-normal: mean {budgets.mean():.1f}, "
           f"max {budgets.max()} ({budgets.max() / budgets.mean():.1f}x mean), chunks of {chunk_steps} steps; "
           f"static needs {sum(waves)} steps, the ideal {budgets.sum() / BATCH:.0f}")
-    seconds = _time_interleaved({"continuous": continuous, "static": static}, {"continuous": args.runs, "static": args.runs})
+    seconds = time_interleaved({"continuous": continuous, "static": static}, args.runs)
     tokens = int(budgets.sum())
     rates = {name: _line(name, s, tokens) for name, s in seconds.items()}
     print(f"  continuous / static: {rates['continuous'] / rates['static']:.2f}x; decode steps run: "
