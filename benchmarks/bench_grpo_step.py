@@ -32,17 +32,16 @@ from flax import nnx
 
 from rpegjax.data.example import Example
 from rpegjax.data.iterator import DataIterator
-from rpegjax.generate.sampler import Sampler
 from rpegjax.generate.sampling import SamplingConfig
 from rpegjax.graph import builders, transforms
-from rpegjax.graph.programs import StagePrograms
-from rpegjax.graph.runtime import Runtime
 from rpegjax.graph.trace import Trace
-from rpegjax.learners.grpo import GRPOConfig, GRPOLearner
+from rpegjax.learners.grpo import GRPOConfig
 from rpegjax.learners.optim import OptimizerConfig
 from rpegjax.models import Decoder, ModelConfig
 from rpegjax.rewards.runner import Isolation, RewardRunner, RewardRunnerConfig
-from rpegjax.training import placed_meshes
+from rpegjax.runtime.assembly import RolloutShape, place_models
+from rpegjax.runtime.controller import Runtime
+from rpegjax.runtime.programs import StagePrograms
 
 PROMPTS, GROUP, PROMPT_LEN, NEW_TOKENS = 8, 4, 32, 64
 PEERS = {"TRL 1.16.0": 1.33, "Tunix 0.1.7": 1.53}  # median s/step on this machine, shared/WORKLOADS.md
@@ -78,21 +77,19 @@ def measure(graph_name: str, graph, warmup: int, steps: int) -> dict:
     """Runs `graph`; the learner and the sampler live where its update and generate stages are placed."""
     cfg = ModelConfig.w_small()
     model = Decoder(cfg, rngs=nnx.Rngs(0))
-    train_mesh, rollout_mesh = placed_meshes(graph)
-    learner = GRPOLearner(GRPOConfig(group_size=GROUP, kl_coef=0.04, clip_low=0.2, clip_high=0.2,
-                                     optimizer=OptimizerConfig(learning_rate=1e-5)), model, mesh=train_mesh)
-    sampler = Sampler(cfg, nnx.split(model)[0], num_slots=PROMPTS * GROUP, max_prompt_len=PROMPT_LEN,
-                      max_new_tokens=NEW_TOKENS, chunk_steps=NEW_TOKENS, mesh=rollout_mesh)
+    learner, sampler = place_models(
+        graph, model, GRPOConfig(group_size=GROUP, kl_coef=0.04, clip_low=0.2, clip_high=0.2,
+                                 optimizer=OptimizerConfig(learning_rate=1e-5)),
+        RolloutShape(num_slots=PROMPTS * GROUP, max_prompt_len=PROMPT_LEN, max_new_tokens=NEW_TOKENS,
+                     chunk_steps=NEW_TOKENS))
     rewards = RewardRunner(even_token_reward, RewardRunnerConfig(timeout_s=10.0, workers=1, isolation=Isolation.THREAD))
     rng = np.random.default_rng(0)
     prompts = {f"p{i}": rng.integers(0, cfg.vocab_size, PROMPT_LEN).tolist() for i in range(64)}
     examples = [Example(id=key, prompt=key, answer="0", task="w-small") for key in prompts]
     programs = StagePrograms(
-        learner=learner, policy_logprobs=learner.logprobs_fn, critic_values=None, sampler=sampler,
+        learner=learner, sampler=sampler,
         sampling=SamplingConfig(max_new_tokens=NEW_TOKENS, temperature=1.0, ignore_eos=True), group_size=GROUP,
         rewards=rewards, decode=lambda ids: " ".join(str(int(i)) for i in ids), pad_id=0,
-        generation_shardings=sampler.params_sharding, batch_sharding=learner.placement.rows, train_mesh=train_mesh,
-        reference_params=jax.tree.map(jnp.copy, learner.params),
     )
     trace = Trace(graph_name)
     runtime = Runtime(graph, programs, DataIterator(examples, batch_size=PROMPTS, seed=0),

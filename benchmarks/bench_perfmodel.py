@@ -4,7 +4,7 @@
 
 For each configuration (model size, batch, response length, GRPO/PPO, fusion, asynchrony) the script
 1. builds the RPEG with the builders and transforms (one CPU device, colocated),
-2. predicts it with `perfmodel.predict` on the spec calibrated in this same run (below),
+2. predicts it with `step_model.predict` on the spec calibrated in this same run (below),
    with `ExecutionOptions.rpegjax_xla()` (dense masked attention, a fixed-slot KV-cache decode loop, padded batches),
 3. executes the graph with the real runtime (`Runtime` + `StagePrograms`, a `GRPOLearner` or `PPOLearner`, a
    `Sampler`, a host reward through a `RewardRunner`), set up as benchmarks/bench_grpo_step.py sets up W-small:
@@ -28,26 +28,26 @@ import statistics
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from rpegjax.data.example import Example
 from rpegjax.data.iterator import DataIterator
-from rpegjax.generate.sampler import Sampler
 from rpegjax.generate.sampling import SamplingConfig
-from rpegjax.graph import builders, hardware, perfmodel, transforms
-from rpegjax.graph.generation_cost import ResponseLengths
+from rpegjax.graph import builders, transforms
 from rpegjax.graph.ir import Graph
-from rpegjax.graph.programs import StagePrograms
-from rpegjax.graph.runtime import Runtime
-from rpegjax.graph.stage_costs import ExecutionOptions, Workload
 from rpegjax.graph.trace import Trace
-from rpegjax.learners.grpo import GRPOConfig, GRPOLearner
+from rpegjax.learners.grpo import GRPOConfig
 from rpegjax.learners.optim import OptimizerConfig
-from rpegjax.learners.ppo import PPOConfig, PPOLearner
+from rpegjax.learners.ppo import PPOConfig
 from rpegjax.models import Decoder, ModelConfig
+from rpegjax.perf import hardware, step_model
+from rpegjax.perf.generation_cost import ResponseLengths
+from rpegjax.perf.stage_costs import ExecutionOptions, Workload
 from rpegjax.rewards.runner import Isolation, RewardRunner, RewardRunnerConfig
+from rpegjax.runtime.assembly import RolloutShape, place_models
+from rpegjax.runtime.controller import Runtime
+from rpegjax.runtime.programs import StagePrograms
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -113,25 +113,16 @@ def run_runtime(config: Config, graph: Graph, steps: int, warmup: int) -> tuple[
     optimizer = OptimizerConfig(learning_rate=1e-5)
     if config.algorithm == "ppo":
         critic_cfg = cfg.replace(value_head=True)
-        if config.shared_critic:
-            actor = Decoder(critic_cfg, rngs=nnx.Rngs(0))
-            learner = PPOLearner(PPOConfig(critic="shared", kl_coef=0.04, optimizer=optimizer), actor)
-        else:
-            actor = Decoder(cfg, rngs=nnx.Rngs(0))
-            learner = PPOLearner(PPOConfig(critic="separate", kl_coef=0.04, optimizer=optimizer), actor,
-                                 Decoder(critic_cfg, rngs=nnx.Rngs(2)))
-        learner_programs = dict(policy_logprobs=learner.logprobs_fn, critic_values=learner.values_fn,
-                                logprobs_and_values=learner.logprobs_and_values_fn,
-                                actor_params_of=lambda s: s.params["actor"], critic_params_of=lambda s: s.params,
-                                reference_params=learner.params["actor"])
+        actor = Decoder(critic_cfg if config.shared_critic else cfg, rngs=nnx.Rngs(0))
+        critic = None if config.shared_critic else Decoder(critic_cfg, rngs=nnx.Rngs(2))
+        algorithm = PPOConfig(critic="shared" if config.shared_critic else "separate", kl_coef=0.04,
+                              optimizer=optimizer)
     else:
-        actor = Decoder(cfg, rngs=nnx.Rngs(0))
-        learner = GRPOLearner(GRPOConfig(group_size=config.group, kl_coef=0.04, clip_low=0.2, clip_high=0.2,
-                                         optimizer=optimizer), actor)
-        learner_programs = dict(policy_logprobs=learner.logprobs_fn, critic_values=None,
-                                reference_params=jax.tree.map(jnp.copy, learner.params))
-    sampler = Sampler(actor.cfg, nnx.split(actor)[0], num_slots=b, max_prompt_len=config.prompt_tokens,
-                      max_new_tokens=config.new_tokens, chunk_steps=config.new_tokens)
+        actor, critic = Decoder(cfg, rngs=nnx.Rngs(0)), None
+        algorithm = GRPOConfig(group_size=config.group, kl_coef=0.04, clip_low=0.2, clip_high=0.2, optimizer=optimizer)
+    learner, sampler = place_models(graph, actor, algorithm, RolloutShape(
+        num_slots=b, max_prompt_len=config.prompt_tokens, max_new_tokens=config.new_tokens,
+        chunk_steps=config.new_tokens), critic=critic)
     rewards = RewardRunner(even_token_reward, RewardRunnerConfig(timeout_s=10.0, workers=1, isolation=Isolation.THREAD))
     rng = np.random.default_rng(0)
     prompts = {f"p{i}": rng.integers(0, cfg.vocab_size, config.prompt_tokens).tolist() for i in range(8 * config.prompts)}
@@ -140,7 +131,6 @@ def run_runtime(config: Config, graph: Graph, steps: int, warmup: int) -> tuple[
         learner=learner, sampler=sampler,
         sampling=SamplingConfig(max_new_tokens=config.new_tokens, temperature=1.0, ignore_eos=True),
         group_size=config.group, rewards=rewards, decode=lambda ids: " ".join(str(int(i)) for i in ids), pad_id=0,
-        **learner_programs,
     )
     trace = Trace(config.name)
     runtime = Runtime(graph, programs, DataIterator(examples, batch_size=config.prompts, seed=0),
@@ -199,7 +189,7 @@ def main() -> None:
     rows = []
     for config in configs:
         graph = config.graph()
-        prediction = perfmodel.predict(graph, config.model, config.workload(), spec, options,
+        prediction = step_model.predict(graph, config.model, config.workload(), spec, options,
                                        critic=config.model.replace(value_head=True))
         measured = steps[config.name]
         step_errors = [_error(prediction.step_seconds, m) for m in measured]

@@ -16,11 +16,11 @@ import os
 import sys
 from typing import Any
 
-from rpegjax.graph import hardware, perfmodel, planner
-from rpegjax.graph.generation_cost import ResponseLengths
-from rpegjax.graph.stage_costs import Workload
 from rpegjax.graph.trace import gantt_png
 from rpegjax.models import ModelConfig
+from rpegjax.perf import hardware, planner, step_model
+from rpegjax.perf.generation_cost import ResponseLengths
+from rpegjax.perf.stage_costs import Workload
 
 MODEL_PRESETS = {
     **{f"qwen2.5-{size}": (ModelConfig.qwen2p5, size) for size in ("0.5b", "1.5b", "7b", "32b", "72b")},
@@ -74,7 +74,7 @@ def _gb(value: float) -> str:
     return f"{value / 1e9:.1f}"
 
 
-def table(rows: list[tuple[str, perfmodel.Prediction]]) -> str:
+def table(rows: list[tuple[str, step_model.Prediction]]) -> str:
     """Metrics and per-stage seconds (rows) for each named plan (columns)."""
     names = [name for name, _ in rows]
     stage_names: list[str] = []
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     hw = hardware.preset(args.hardware, args.gpus)
     workload = Workload(prompts=args.prompts, group_size=args.group_size, prompt_tokens=args.prompt_tokens,
                         responses=ResponseLengths.lognormal(args.response_mean, args.response_max))
-    evaluator = perfmodel.Evaluator(model, workload, hw)
+    evaluator = step_model.Evaluator(model, workload, hw)
     use_reference = not args.no_reference
     result = planner.Planner(evaluator, algorithm=args.algo, num_devices=args.gpus, use_reference=use_reference).search(
         top=args.top + 1)

@@ -7,8 +7,8 @@ as `--section.field=value`.
 
 import sys
 
-from rpegjax.config import AlgorithmKind
-from rpegjax.run_cli import main
+from rpegjax.graph.ir import Algorithm
+from rpegjax.train.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:], AlgorithmKind.GRPO))
+    sys.exit(main(sys.argv[1:], Algorithm.GRPO))

@@ -3,8 +3,8 @@ value head: `--critic=separate|shared`) through the RPEG runtime. Same flags as 
 
 import sys
 
-from rpegjax.config import AlgorithmKind
-from rpegjax.run_cli import main
+from rpegjax.graph.ir import Algorithm
+from rpegjax.train.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:], AlgorithmKind.PPO))
+    sys.exit(main(sys.argv[1:], Algorithm.PPO))

@@ -5,10 +5,11 @@ from __future__ import annotations
 import enum
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
+from rpegjax.data.answers import extract_boxed, extract_gsm8k_answer
 from rpegjax.data.example import SOLUTION_KEY, DatasetError, Example
-from rpegjax.rewards.math import check_gold_answer, extract_boxed, extract_gsm8k_answer
 
 
 class DatasetFormat(enum.StrEnum):
@@ -72,14 +73,19 @@ def _example(row: object, dataset_format: DatasetFormat, where: str, default_id:
 
 
 def load_jsonl(
-    path: str | os.PathLike, *, dataset_format: DatasetFormat | str | None = None, task: str = "math"
+    path: str | os.PathLike,
+    *,
+    dataset_format: DatasetFormat | str | None = None,
+    task: str = "math",
+    check_answer: Callable[[Example], None] | None = None,
 ) -> list[Example]:
     """Read one example per non-blank line of `path`.
 
     `dataset_format` None detects it from the first row (`detect_format`); every row must then have that
     format's fields. Gold answers: GSM8K, the text after `####`; MATH, the last `\\boxed{}`; plain, the
-    `answer` field. Each gold answer must parse with math-verify. Any bad row — invalid JSON, not an
-    object, a missing or non-string field, an empty prompt, no or an unparsable gold answer, a repeated
+    `answer` field. `check_answer` (e.g. `rpegjax.rewards.math.check_gold_answer`) is called on each row, so
+    an answer the verifier cannot read is reported by file:line at load. Any bad row — invalid JSON, not an
+    object, a missing or non-string field, an empty prompt, no gold answer, one `check_answer` refuses, a repeated
     `id` — raises `DatasetError` starting with `path:line`. Rows without an `id` get `<file name>:<line>`.
     """
     path = Path(path)
@@ -108,7 +114,8 @@ def load_jsonl(
                 raise DatasetError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
             dataset_format = detect_format(row, where)
         example = _example(row, dataset_format, where, f"{path.name}:{number}", task)
-        check_gold_answer(example)
+        if check_answer is not None:
+            check_answer(example)
         if example.id in first_line_of_id:
             raise DatasetError(f"{where}: id {example.id!r} already used on line {first_line_of_id[example.id]}")
         first_line_of_id[example.id] = number

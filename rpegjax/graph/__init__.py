@@ -5,12 +5,32 @@ convention); `builders` gives the standard GRPO/PPO graphs; `transforms` rewrite
 `trace` records measured or predicted timelines.
 """
 
-from rpegjax.graph.builders import ALL_PLACEMENT, CriticMode, grpo_graph, ppo_graph
+from rpegjax.graph.builders import ALL_PLACEMENT, grpo_graph, ppo_graph
 from rpegjax.graph.ir import (
-    HOST_PLACEMENT, INFERENCE_KINDS, PARAMS_PREFIX, UPDATE_KINDS, Algorithm, Edge, Graph, GraphError, Payload,
-    Placement, Role, Stage, StageKind, is_params_payload,
+    HOST_PLACEMENT,
+    INFERENCE_KINDS,
+    PARAMS_PREFIX,
+    UPDATE_KINDS,
+    Algorithm,
+    CriticMode,
+    Edge,
+    Graph,
+    GraphError,
+    Payload,
+    Placement,
+    Role,
+    Stage,
+    StageKind,
+    is_params_payload,
 )
-from rpegjax.graph.transforms import bounded_async, default_fusion, fuse, microbatch, place, share_actor_critic
+from rpegjax.graph.transforms import (
+    bounded_async,
+    default_fusion,
+    fuse,
+    microbatch,
+    place,
+    share_actor_critic,
+)
 
 __all__ = [
     "ALL_PLACEMENT", "Algorithm", "CriticMode", "Edge", "Graph", "GraphError", "HOST_PLACEMENT", "INFERENCE_KINDS",

@@ -18,20 +18,24 @@ pass; without it the sampler's behaviour log-probs serve as old log-probs), `epo
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Mapping
 
 from rpegjax.graph.ir import (
-    HOST_PLACEMENT, Algorithm, Edge, Graph, GraphError, Payload, Placement, Role, Stage, StageKind,
+    HOST_PLACEMENT,
+    Algorithm,
+    CriticMode,
+    Edge,
+    Graph,
+    GraphError,
+    Payload,
+    Placement,
+    Role,
+    Stage,
+    StageKind,
 )
 from rpegjax.graph.transforms import bounded_async, share_actor_critic
 
 ALL_PLACEMENT = "all"
-
-
-class CriticMode(enum.StrEnum):
-    SEPARATE = "separate"  # its own model and optimiser
-    SHARED = "shared"  # actor trunk + value head (`share_actor_critic`)
 
 
 def _check_options(builder: str, *, num_devices: int, epochs: int, minibatches: int) -> None:

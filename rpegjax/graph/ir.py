@@ -93,6 +93,13 @@ class Algorithm(enum.StrEnum):
     PPO = "ppo"
 
 
+class CriticMode(enum.StrEnum):
+    """Where PPO's critic lives."""
+
+    SEPARATE = "separate"  # its own model and optimiser
+    SHARED = "shared"  # actor trunk + value head (`transforms.share_actor_critic`)
+
+
 INFERENCE_KINDS = frozenset({StageKind.REF_LOGPROB, StageKind.OLD_LOGPROB, StageKind.CRITIC_VALUE})
 UPDATE_KINDS = frozenset({StageKind.ACTOR_UPDATE, StageKind.CRITIC_UPDATE})
 
@@ -413,7 +420,9 @@ class Graph:
     # -------------------------------------------------------------------------------------- validation
     def validate(self) -> Graph:
         """Checks every whole-graph rule and returns self; raises GraphError naming the stage otherwise."""
-        from rpegjax.graph import validation  # one module per concept; imported late to avoid a cycle
+        from rpegjax.graph import (
+            validation,  # one module per concept; imported late to avoid a cycle
+        )
 
         validation.validate_graph(self)
         return self

@@ -16,7 +16,16 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 
 from rpegjax.graph.ir import (
-    HOST_PLACEMENT, INFERENCE_KINDS, Edge, Graph, GraphError, Payload, Placement, Stage, StageKind, replace_stages,
+    HOST_PLACEMENT,
+    INFERENCE_KINDS,
+    Edge,
+    Graph,
+    GraphError,
+    Payload,
+    Placement,
+    Stage,
+    StageKind,
+    replace_stages,
 )
 from rpegjax.graph.validation import check_fusable
 

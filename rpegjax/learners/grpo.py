@@ -77,7 +77,11 @@ class GRPOConfig(PolicyConfig):
 
 
 class GRPOLearner(PolicyUpdates):
-    """Holds the jitted functions of one policy model; the state they transform lives outside."""
+    """Holds the jitted functions of one policy model; the state they transform lives outside.
+    Implements `rpegjax.learners.protocol.Learner` (no critic: `values_fn` is None)."""
+
+    values_fn = None
+    logprobs_and_values_fn = None
 
     def __init__(self, cfg: GRPOConfig, model: Decoder, *, mesh: Mesh | None = None, rules: ShardingRules | None = None):
         self.cfg = cfg
@@ -141,6 +145,10 @@ class GRPOLearner(PolicyUpdates):
     def params(self) -> Params:
         """The parameters of the model the learner was built from (placed on the mesh)."""
         return self._params
+
+    def actor_params(self, params: Params) -> Params:
+        """The policy's parameters: the whole tree (GRPO trains one model)."""
+        return params
 
     def place_params(self, params: Params) -> Params:
         """Places another parameter tree of the same model (e.g. the reference) like the policy's."""

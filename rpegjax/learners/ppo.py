@@ -16,7 +16,6 @@ State: `TrainState` whose params are {"actor": ...} (shared) or {"actor": ..., "
 from __future__ import annotations
 
 import dataclasses
-import enum
 
 import jax.numpy as jnp
 import optax
@@ -38,13 +37,9 @@ from rpegjax.learners.update import (
     make_update,
     train_state_shardings,
 )
+from rpegjax.graph.ir import CriticMode
 from rpegjax.models.transformer import Decoder
 from rpegjax.sharding.rules import ActivationSharding, ShardingRules
-
-
-class CriticMode(enum.StrEnum):
-    SEPARATE = "separate"
-    SHARED = "shared"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -86,7 +81,8 @@ class PPOConfig(PolicyConfig):
 
 
 class PPOLearner(PolicyUpdates):
-    """Jitted PPO functions for an actor and a critic (separate model or the actor's own value head)."""
+    """Jitted PPO functions for an actor and a critic (separate model or the actor's own value head).
+    Implements `rpegjax.learners.protocol.Learner`: its parameters are `{"actor": ..., "critic": ...?}`."""
 
     def __init__(
         self,
@@ -221,6 +217,14 @@ class PPOLearner(PolicyUpdates):
     def params(self) -> Params:
         """{"actor": ..., "critic": ...?}: the parameters of the models the learner was built from."""
         return self._params
+
+    @property
+    def placement(self) -> ModelPlacement:
+        """The actor's placement (the policy's mesh and shardings)."""
+        return self.actor
+
+    def actor_params(self, params: Params) -> Params:
+        return params["actor"]
 
     def init_state(self, params: Params | None = None) -> TrainState:
         if params is None:

@@ -6,7 +6,7 @@ import pytest
 
 from rpegjax.data.example import SOLUTION_KEY, DatasetError
 from rpegjax.data.jsonl import DatasetFormat, load_jsonl
-from rpegjax.rewards.math import math_reward
+from rpegjax.rewards.math import check_gold_answer, math_reward
 
 GSM8K_ROWS = [
     {"question": "Natalia sold 48 clips in April and half as many in May. How many in total?",
@@ -75,7 +75,7 @@ def test_plain_rows_and_blank_lines(tmp_path):
 def test_malformed_rows_name_file_and_line(tmp_path, rows, line, message):
     path = write(tmp_path / "bad.jsonl", rows)
     with pytest.raises(DatasetError) as error:
-        load_jsonl(path)
+        load_jsonl(path, check_answer=check_gold_answer)
     assert str(error.value).startswith(f"{path}:{line}: ")
     assert message in str(error.value)
 

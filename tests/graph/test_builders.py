@@ -2,7 +2,15 @@
 
 import pytest
 
-from rpegjax.graph import ALL_PLACEMENT, Algorithm, GraphError, Role, StageKind, grpo_graph, ppo_graph
+from rpegjax.graph import (
+    ALL_PLACEMENT,
+    Algorithm,
+    GraphError,
+    Role,
+    StageKind,
+    grpo_graph,
+    ppo_graph,
+)
 
 
 def _reads(graph, stage):

@@ -7,8 +7,19 @@ import json
 import pytest
 
 from rpegjax.graph import (
-    HOST_PLACEMENT, Edge, Graph, GraphError, Placement, Role, Stage, StageKind, default_fusion, grpo_graph, microbatch,
-    place, ppo_graph,
+    HOST_PLACEMENT,
+    Edge,
+    Graph,
+    GraphError,
+    Placement,
+    Role,
+    Stage,
+    StageKind,
+    default_fusion,
+    grpo_graph,
+    microbatch,
+    place,
+    ppo_graph,
 )
 from rpegjax.graph.validation import batch_inputs
 

@@ -7,7 +7,14 @@ import threading
 import pytest
 
 from rpegjax.graph.trace import (
-    Trace, TraceEvent, busy_time, gantt_png, max_staleness, overlap_fraction, stage_summary, wall_time,
+    Trace,
+    TraceEvent,
+    busy_time,
+    gantt_png,
+    max_staleness,
+    overlap_fraction,
+    stage_summary,
+    wall_time,
 )
 
 

@@ -5,8 +5,20 @@ import dataclasses
 import pytest
 
 from rpegjax.graph import (
-    Edge, Graph, GraphError, Role, Stage, StageKind, bounded_async, default_fusion, fuse, grpo_graph, microbatch, place,
-    ppo_graph, share_actor_critic,
+    Edge,
+    Graph,
+    GraphError,
+    Role,
+    Stage,
+    StageKind,
+    bounded_async,
+    default_fusion,
+    fuse,
+    grpo_graph,
+    microbatch,
+    place,
+    ppo_graph,
+    share_actor_critic,
 )
 
 

@@ -4,14 +4,9 @@ import os
 
 import pytest
 
+from rpegjax.data.answers import extract_boxed, extract_gsm8k_answer
 from rpegjax.data.example import DatasetError, Example
-from rpegjax.rewards.math import (
-    MathVerifier,
-    check_gold_answer,
-    extract_boxed,
-    extract_gsm8k_answer,
-    math_reward,
-)
+from rpegjax.rewards.math import MathVerifier, check_gold_answer, math_reward
 
 
 def example(answer: str, source: str = "") -> Example:

@@ -17,9 +17,10 @@ import jax
 import numpy as np
 
 from rpegjax import distributed
-from rpegjax.cli_overrides import apply_overrides
-from rpegjax.config import AlgorithmKind, RunConfig
 from rpegjax.distributed import DistributedConfig
+from rpegjax.graph.ir import Algorithm
+from rpegjax.train.config import RunConfig
+from rpegjax.train.overrides import apply_overrides
 
 # short flag -> dotted fields it sets (a flag may set several)
 ALIASES: dict[str, tuple[str, ...]] = {
@@ -59,7 +60,7 @@ ALGORITHM_ALIASES = {
 }
 
 
-def parse_args(argv: list[str], algorithm: AlgorithmKind) -> tuple[RunConfig, str | None]:
+def parse_args(argv: list[str], algorithm: Algorithm) -> tuple[RunConfig, str | None]:
     """The resolved RunConfig and the run directory to resume (None for a new run)."""
     parser = argparse.ArgumentParser(
         prog=f"train_{algorithm.value}.py",
@@ -126,7 +127,7 @@ def parse_args(argv: list[str], algorithm: AlgorithmKind) -> tuple[RunConfig, st
     return config, known.resume
 
 
-def default_run_dir(algorithm: AlgorithmKind) -> str:
+def default_run_dir(algorithm: Algorithm) -> str:
     return str(pathlib.Path("runs") / f"{algorithm.value}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
 
 
@@ -140,7 +141,7 @@ def join_processes(config: RunConfig) -> DistributedConfig:
     return resolved
 
 
-def agree_on_run_dir(config: RunConfig, algorithm: AlgorithmKind) -> RunConfig:
+def agree_on_run_dir(config: RunConfig, algorithm: Algorithm) -> RunConfig:
     """Fills in the default run directory, named by process 0's clock in every process, and checks that every
     process runs the same configuration (the `distributed` section aside: it names the process)."""
     run_dir = config.train.run_dir
@@ -160,7 +161,7 @@ def agree_on_run_dir(config: RunConfig, algorithm: AlgorithmKind) -> RunConfig:
     return config
 
 
-def main(argv: list[str], algorithm: AlgorithmKind) -> int:
+def main(argv: list[str], algorithm: Algorithm) -> int:
     config, resume = parse_args(argv, algorithm)
     say = lambda message: print(message, file=sys.stderr, flush=True)  # stdout carries only the summary line
     try:
@@ -176,9 +177,9 @@ def main(argv: list[str], algorithm: AlgorithmKind) -> int:
     where = f"process {resolved.process_id}: " if resolved.is_multi_process else ""
     log = say if main_process else (lambda _: None)
 
-    from rpegjax.checkpoint import CheckpointError
-    from rpegjax.trainer import Trainer
-    from rpegjax.training import build
+    from rpegjax.train.build import build
+    from rpegjax.train.checkpoint import CheckpointError
+    from rpegjax.train.trainer import Trainer
 
     config = agree_on_run_dir(config.replace(distributed=resolved), algorithm)
     log(f"run directory: {config.train.run_dir}")

@@ -1,5 +1,5 @@
 """rpegjax.distributed: configuration from flags / environment / SLURM, the per-process data helpers,
-and real multi-process runs on localhost (CPU, gloo collectives) launched from tests/distributed_worker.py.
+and real multi-process runs on localhost (CPU, gloo collectives) launched from tests/distributed/worker.py.
 
 The multi-process tests start child processes with their own environment (2 virtual CPU devices
 each); this test process keeps the 8 devices of conftest.py for the in-process tests.
@@ -25,8 +25,8 @@ from rpegjax import distributed
 from rpegjax.distributed import DistributedConfig, expand_nodelist
 from rpegjax.sharding import make_mesh
 
-WORKER = pathlib.Path(__file__).with_name("distributed_worker.py")
-REPO = WORKER.parent.parent
+WORKER = pathlib.Path(__file__).with_name("worker.py")
+REPO = WORKER.parents[2]
 # both runs compile with the same (fast) XLA backend settings, so their results stay comparable
 FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
@@ -268,9 +268,9 @@ def test_two_process_checkpoint_restores_in_one_process(runs):
     process onto a different mesh (8 devices: data=2 x fsdp=2 x tensor=2), bit for bit."""
     from flax import nnx
 
-    from rpegjax.checkpoint import Checkpointer
     from rpegjax.models import Decoder, ModelConfig
     from rpegjax.sharding import ShardingRules, param_shardings
+    from rpegjax.train.checkpoint import Checkpointer
 
     mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     # shapes, dtypes and target shardings only: nothing is initialised or compiled here

@@ -14,17 +14,17 @@ import jax
 import numpy as np
 
 from rpegjax import distributed
-from rpegjax.checkpoint import Checkpointer, CheckpointError
-from rpegjax.config import AlgorithmKind, RunConfig
 from rpegjax.data.iterator import DataIterator
-from rpegjax.evaluation import evaluate_accuracy
 from rpegjax.generate.sampling import SamplingConfig
-from rpegjax.graph.programs import StagePrograms
-from rpegjax.graph.runtime import Runtime, StepResult
 from rpegjax.graph.trace import Trace, gantt_png
-from rpegjax.metrics import MetricsWriter, plot_metrics, read_metrics
 from rpegjax.rewards.runner import RewardRunner
-from rpegjax.training import Components
+from rpegjax.runtime.controller import Runtime, StepResult
+from rpegjax.runtime.programs import StagePrograms
+from rpegjax.train.build import Components
+from rpegjax.train.checkpoint import Checkpointer, CheckpointError
+from rpegjax.train.config import RunConfig
+from rpegjax.train.evaluation import evaluate_accuracy
+from rpegjax.train.metrics import MetricsWriter, plot_metrics, read_metrics
 
 
 def _fingerprint(tree: Any) -> float:
@@ -48,15 +48,9 @@ def _fingerprint(tree: Any) -> float:
 
 
 def make_programs(parts: Components, rewards: RewardRunner) -> StagePrograms:
-    learner, cfg = parts.learner, parts.cfg
-    ppo = cfg.algorithm == AlgorithmKind.PPO
-    initial = learner.params
-    actor_of = (lambda state: state.params["actor"]) if ppo else (lambda state: state.params)
+    cfg = parts.cfg
     return StagePrograms(
-        learner=learner,
-        policy_logprobs=learner.logprobs_fn,
-        critic_values=learner.values_fn if ppo else None,
-        logprobs_and_values=learner.logprobs_and_values_fn if ppo else None,
+        learner=parts.learner,
         sampler=parts.sampler,
         sampling=SamplingConfig(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                                 top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p),
@@ -64,12 +58,6 @@ def make_programs(parts: Components, rewards: RewardRunner) -> StagePrograms:
         rewards=rewards,
         decode=parts.decode,
         pad_id=parts.tokenizer.pad_id,
-        generation_shardings=parts.sampler.params_sharding,
-        batch_sharding=(learner.actor if ppo else learner.placement).rows,
-        train_mesh=(learner.actor if ppo else learner.placement).mesh,
-        reference_params=initial["actor"] if ppo else initial,
-        actor_params_of=actor_of,
-        critic_params_of=lambda state: state.params,
     )
 
 

@@ -18,7 +18,8 @@ On a full-mesh level a device drives one link per peer (`Level.device_bandwidth`
 from __future__ import annotations
 
 import dataclasses
-from rpegjax.graph.hardware import HardwareSpec
+
+from rpegjax.perf.hardware import HardwareSpec
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -7,7 +7,7 @@ stage's `Layout`, and returns a `StageCost` for one execution of the stage (one 
             + exposed FSDP/data-parallel collectives (hidden behind compute when overlap is on)
             + optimiser + kernel and dispatch overheads
 
-Generation is a simulated decode loop (`rpegjax.graph.generation_cost`). The mesh order is the layout's axis
+Generation is a simulated decode loop (`rpegjax.perf.generation_cost`). The mesh order is the layout's axis
 order with the last axis fastest (`rpegjax.sharding.make_mesh`), which gives each collective group its stride.
 """
 
@@ -20,11 +20,15 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from rpegjax.graph import collectives
-from rpegjax.graph import costs
-from rpegjax.graph.costs import DecodeKernel, ModelShape, Remat
-from rpegjax.graph.generation_cost import DecodeStepCost, ResponseLengths, replica_lengths, simulate_decode
-from rpegjax.graph.hardware import HardwareSpec
+from rpegjax.perf import collectives, costs
+from rpegjax.perf.costs import DecodeKernel, ModelShape, Remat
+from rpegjax.perf.generation_cost import (
+    DecodeStepCost,
+    ResponseLengths,
+    replica_lengths,
+    simulate_decode,
+)
+from rpegjax.perf.hardware import HardwareSpec
 
 KNOWN_AXES = ("data", "fsdp", "tensor")
 # Elementwise traffic per token and layer in a forward pass (norms, RoPE, residuals, SwiGLU), in units of the
@@ -110,7 +114,7 @@ class ExecutionOptions:
         """rpegjax's own kernels as they are today: dense masked attention, a fixed-slot sampler, padded batches."""
         # XLA's cost analysis of rpegjax's decoder: a forward + backward program moves ~3.2x the bytes of the
         # forward alone (transposed copies for the weight gradients, float32 attention-score gradients), i.e. the
-        # backward ~2.2x the forward (hand-written SwiGLU and log-prob backward passes); tests/graph/test_costs.py
+        # backward ~2.2x the forward (hand-written SwiGLU and log-prob backward passes); tests/perf/test_costs.py
         # checks this ratio on the compiled programs.
         base = dict(attention=costs.AttentionKernel.DENSE, decode=DecodeKernel.STATIC, continuous_batching=False,
                     sequence_packing=False, remat=Remat.NONE, logprob_chunk=256, microbatch_tokens=1 << 30,

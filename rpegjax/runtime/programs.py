@@ -25,11 +25,12 @@ from rpegjax.generate.completion import Completion
 from rpegjax.generate.sampler import Sampler
 from rpegjax.generate.sampling import SamplingConfig
 from rpegjax.graph.ir import StageKind
-from rpegjax.graph.meshes import device_ids, same_layout
 from rpegjax.learners.batch import TrainBatch, pack_rollouts
+from rpegjax.learners.protocol import Learner
 from rpegjax.learners.update import batch_sharding
-from rpegjax.sharding.rules import ActivationSharding, ShardingRules, param_shardings
 from rpegjax.rewards.runner import RewardRunner, RewardStats
+from rpegjax.runtime.meshes import device_ids, same_layout
+from rpegjax.sharding.rules import ActivationSharding, ShardingRules, param_shardings
 
 # Which TrainBatch field each inference kind fills, and whose weights it reads.
 INFERENCE_FIELDS = {
@@ -77,35 +78,27 @@ class StageLayout:
 
 
 class StagePrograms:
-    """Stage computations for one run.
+    """Stage computations for one run, built from a `Learner` (`rpegjax.learners.protocol`) and a sampler.
 
-    `learner` is a GRPOLearner or PPOLearner; `policy_logprobs(params, tokens, mask, sharding)` and, for PPO,
-    `critic_values(params, tokens, mask, sharding)` and `logprobs_and_values` (both from the critic's params: one
-    pass over a shared trunk) are its pure (unjitted) functions, from which fused programs are built. The
-    weight-sync stage copies the actor's weights into `generation_shardings` (the sampler's layout; None: the
-    same device). Generation runs on the sampler's mesh, every other device stage on
-    `train_mesh` (the learner's; None: the default device); the two may be disjoint device sets.
+    Inference programs are fused from the learner's pure token functions (`logprobs_fn`; with a critic,
+    `values_fn` and `logprobs_and_values_fn`: one pass over a shared trunk). The reference stage reads
+    `reference_params` (default: the learner's initial policy parameters). Generation runs on the sampler's
+    mesh, every other device stage on the learner's (`learner.placement.mesh`; None: the default device); the
+    two may be disjoint device sets. The weight-sync stage copies the actor's weights into the sampler's
+    layout (`sampler.params_sharding`).
     """
 
     def __init__(
         self,
         *,
-        learner: Any,
-        policy_logprobs: Callable,
-        critic_values: Callable | None,
-        logprobs_and_values: Callable | None = None,
+        learner: Learner,
         sampler: Sampler,
         sampling: SamplingConfig,
         group_size: int,
         rewards: RewardRunner,
         decode: Callable[[Sequence[int]], str],
         pad_id: int,
-        generation_shardings: Any = None,
-        batch_sharding: Any = None,
-        train_mesh: Mesh | None = None,
         reference_params: Any = None,
-        actor_params_of: Callable[[Any], Any] = lambda state: state.params,
-        critic_params_of: Callable[[Any], Any] = lambda state: state.params,
     ):
         self.learner = learner
         self.sampler = sampler
@@ -116,22 +109,24 @@ class StagePrograms:
         self.pad_id = pad_id
         self.sequence_length = sampler.max_prompt_len + sampler.max_new_tokens
         self._kind_functions = {
-            StageKind.REF_LOGPROB: policy_logprobs,
-            StageKind.OLD_LOGPROB: policy_logprobs,
-            StageKind.CRITIC_VALUE: critic_values,
+            StageKind.REF_LOGPROB: learner.logprobs_fn,
+            StageKind.OLD_LOGPROB: learner.logprobs_fn,
+            StageKind.CRITIC_VALUE: learner.values_fn,
         }
+        if reference_params is None:
+            reference_params = learner.actor_params(learner.params)
         self._params_of = {
             StageKind.REF_LOGPROB: lambda state: reference_params,
-            StageKind.OLD_LOGPROB: actor_params_of,
-            StageKind.CRITIC_VALUE: critic_params_of,
+            StageKind.OLD_LOGPROB: self.actor_params_of,
+            StageKind.CRITIC_VALUE: lambda state: state.params,
         }
-        self.actor_params_of = actor_params_of
-        self._logprobs_and_values = logprobs_and_values
-        self.batch_sharding = batch_sharding
-        self.train_mesh = train_mesh
+        self._logprobs_and_values = learner.logprobs_and_values_fn
+        self.batch_sharding = learner.placement.rows
+        self.train_mesh = learner.placement.mesh
+        generation_shardings = sampler.params_sharding
         # a copy, never the same buffers: the next update donates the training ones. Onto other devices
         # (disaggregated generation) a jitted program cannot output: `device_put` moves and reshards there.
-        if device_ids(sampler.mesh) == device_ids(train_mesh):
+        if device_ids(sampler.mesh) == device_ids(self.train_mesh):
             self._sync = jax.jit(lambda params: jax.tree.map(jnp.copy, params), out_shardings=generation_shardings)
         else:
             target = generation_shardings if generation_shardings is not None else jax.devices()[0]
@@ -298,6 +293,10 @@ class StagePrograms:
         """Generation-layout copy of the actor weights of `state`."""
         self.dispatches += 1
         return self._sync(self.actor_params_of(state))
+
+    def actor_params_of(self, state: Any) -> Any:
+        """The policy's parameters in a learner's train state."""
+        return self.learner.actor_params(state.params)
 
 
 def process_rows(rows: int, process: int | None = None, count: int | None = None) -> slice:

@@ -4,11 +4,11 @@
 placements and their devices, per-stage parallel sizes, fused groups, micro-batches, the asynchrony bound,
 a shared actor-critic trunk — and returns a `Prediction`:
 
-* per stage: time (roofline + α–β collectives, `rpegjax.graph.stage_costs`), FLOPs, peak memory per device;
+* per stage: time (roofline + α–β collectives, `rpegjax.perf.stage_costs`), FLOPs, peak memory per device;
 * per device: persistent state (weights, optimiser state of every model living there, the generation copy)
   plus the largest transient of the stages it runs (activations, gradients, KV cache, log-prob chunks);
   the KV cache takes what is left, which caps decode concurrency; a plan that does not fit says why;
-* the predicted timeline (a `Trace` of predicted events, `rpegjax.graph.schedule`), steady-state step time,
+* the predicted timeline (a `Trace` of predicted events, `rpegjax.perf.schedule`), steady-state step time,
   generated tokens per second and model FLOPs utilisation (useful FLOPs / (step time · devices · peak)).
 """
 
@@ -20,14 +20,20 @@ from typing import Any
 
 import numpy as np
 
-from rpegjax.graph import schedule as schedule_module
-from rpegjax.graph import stage_costs
-from rpegjax.graph.costs import ModelShape
-from rpegjax.graph.hardware import HardwareSpec
 from rpegjax.graph.ir import Graph, Role, Stage, StageKind
-from rpegjax.graph.stage_costs import CostInputs, ExecutionOptions, Layout, StageCost, Workload
 from rpegjax.graph.trace import Trace
 from rpegjax.models.config import ModelConfig
+from rpegjax.perf import schedule as schedule_module
+from rpegjax.perf import stage_costs
+from rpegjax.perf.costs import ModelShape
+from rpegjax.perf.hardware import HardwareSpec
+from rpegjax.perf.stage_costs import (
+    CostInputs,
+    ExecutionOptions,
+    Layout,
+    StageCost,
+    Workload,
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -12,9 +12,9 @@ import time
 import numpy as np
 import pytest
 
-from rpegjax.checkpoint import Checkpointer
+from rpegjax.train.checkpoint import Checkpointer
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 TINY = [
     "--model.hidden_size=32", "--model.num_layers=1", "--model.num_heads=2", "--model.num_kv_heads=1",
     "--model.head_dim=16", "--model.intermediate_size=64", "--data.train_size=64", "--data.eval_size=4",

@@ -42,11 +42,18 @@ import numpy as np
 
 from rpegjax.data.example import Example
 from rpegjax.data.iterator import DataIterator
-from rpegjax.graph.ir import INFERENCE_KINDS, UPDATE_KINDS, Graph, GraphError, Payload, StageKind
-from rpegjax.graph.meshes import device_ids, same_layout, stage_mesh
-from rpegjax.graph.programs import Piece, StagePrograms, concatenate_pieces
+from rpegjax.graph.ir import (
+    INFERENCE_KINDS,
+    UPDATE_KINDS,
+    Graph,
+    GraphError,
+    Payload,
+    StageKind,
+)
 from rpegjax.graph.trace import Trace
-from rpegjax.graph.versions import ParameterStore, RuntimeStopped, generation_version
+from rpegjax.runtime.meshes import device_ids, same_layout, stage_mesh
+from rpegjax.runtime.programs import Piece, StagePrograms, concatenate_pieces
+from rpegjax.runtime.versions import ParameterStore, RuntimeStopped, generation_version
 
 
 @dataclasses.dataclass
@@ -350,7 +357,7 @@ def check_placements(graph: Graph, programs: StagePrograms) -> dict[str, Any]:
         if device_ids(have) != device_ids(want):
             raise GraphError(f"{where} is placed on devices {sorted(device_ids(want))}, but its program runs on devices "
                              f"{sorted(device_ids(have))}; build the sampler and learner on the graph's placements "
-                             "(rpegjax.graph.meshes.stage_mesh)", stage=stage.name)
+                             "(rpegjax.runtime.meshes.stage_mesh)", stage=stage.name)
         if not same_layout(have, dict(want.shape)):
             if not set(stage.kinds) <= INFERENCE_KINDS:
                 raise GraphError(f"{where}: its program's mesh has layout {dict(have.shape) if have else {}}; only "

@@ -6,13 +6,24 @@ import json
 import numpy as np
 import pytest
 
-from rpegjax.graph import builders, hardware, perfmodel, transforms
-from rpegjax.graph.costs import ModelShape
-from rpegjax.graph.generation_cost import DecodeStepCost, ResponseLengths, simulate_decode
+from rpegjax.graph import builders, transforms
 from rpegjax.graph.ir import Graph
-from rpegjax.graph.stage_costs import ExecutionOptions, Layout, Workload, model_pass_cost, CostInputs
 from rpegjax.graph.trace import Trace
 from rpegjax.models import ModelConfig
+from rpegjax.perf import hardware, step_model
+from rpegjax.perf.costs import ModelShape
+from rpegjax.perf.generation_cost import (
+    DecodeStepCost,
+    ResponseLengths,
+    simulate_decode,
+)
+from rpegjax.perf.stage_costs import (
+    CostInputs,
+    ExecutionOptions,
+    Layout,
+    Workload,
+    model_pass_cost,
+)
 
 SMALL = Workload(prompts=16, group_size=4, prompt_tokens=256, responses=ResponseLengths.lognormal(512, 2048))
 QWEN05 = ModelConfig.qwen2p5("0.5b")
@@ -72,7 +83,7 @@ def _inputs(hw=None, options=None, workload=SMALL):
 
 
 def test_kv_capacity_caps_concurrency_and_the_long_tail_costs_time():
-    from rpegjax.graph.stage_costs import generation_cost, kv_bytes_per_slot
+    from rpegjax.perf.stage_costs import generation_cost, kv_bytes_per_slot
 
     inputs = _inputs()
     layout = Layout.from_parallel({"data": 1, "tensor": 1}, where="test")
@@ -102,14 +113,14 @@ def test_more_devices_never_slow_a_compute_stage_and_fsdp_cuts_memory():
     memory = []
     for fsdp in (1, 2, 8):
         sharded = transforms.place(graph, "actor_update", "all", {"data": 8 // fsdp, "fsdp": fsdp})
-        residents = perfmodel.resident_state(sharded, inputs)
+        residents = step_model.resident_state(sharded, inputs)
         memory.append(sum(r.bytes_per_device for r in residents if "actor" in r.what and "generation" not in r.what))
     assert memory[0] > memory[1] > memory[2] and memory[0] == pytest.approx(8 * memory[2])
 
 
 def test_colocated_stages_add_and_disaggregated_async_stages_overlap():
     hw = hardware.h100_node(8)
-    evaluator = perfmodel.Evaluator(QWEN05, SMALL, hw)
+    evaluator = step_model.Evaluator(QWEN05, SMALL, hw)
     colocated = builders.grpo_graph(use_reference=True, num_devices=8)
     prediction = evaluator.predict(colocated)
     device_total = sum(s.seconds for s in prediction.stages if s.kind != "reward")
@@ -131,7 +142,7 @@ def test_colocated_stages_add_and_disaggregated_async_stages_overlap():
 
 
 def test_predicted_trace_is_a_chrome_trace_of_predicted_events(tmp_path):
-    prediction = perfmodel.predict(builders.grpo_graph(use_reference=False, num_devices=8), QWEN05, SMALL,
+    prediction = step_model.predict(builders.grpo_graph(use_reference=False, num_devices=8), QWEN05, SMALL,
                                    hardware.h100_node(8))
     assert prediction.trace is not None and all(e.predicted for e in prediction.trace.events)
     path = tmp_path / "predicted.json"
@@ -148,7 +159,7 @@ def test_plan_survives_json_round_trip_with_the_same_prediction():
     graph = transforms.place(graph, "generate", "all", {"data": 4, "tensor": 2})
     again = Graph.from_json(graph.to_json())
     assert again == graph
-    evaluator = perfmodel.Evaluator(QWEN05, SMALL, hardware.h100_node(8))
+    evaluator = step_model.Evaluator(QWEN05, SMALL, hardware.h100_node(8))
     assert evaluator.predict(again).step_seconds == evaluator.predict(graph).step_seconds
 
 
@@ -156,10 +167,10 @@ def test_a_plan_that_exceeds_memory_is_reported_not_timed():
     small_memory = hardware.h100_node(8)
     small_memory = dataclasses.replace(small_memory, device=dataclasses.replace(small_memory.device, memory_bytes=16e9))
     graph = builders.ppo_graph(use_reference=True, num_devices=8)  # every model replicated on every device
-    prediction = perfmodel.predict(graph, ModelConfig.qwen2p5("1.5b"), SMALL, small_memory)
+    prediction = step_model.predict(graph, ModelConfig.qwen2p5("1.5b"), SMALL, small_memory)
     assert not prediction.fits and prediction.step_seconds == float("inf")
     assert any("device 0" in p or "stage" in p for p in prediction.problems)
-    sharded = perfmodel.predict(builders.ppo_graph(use_reference=True, num_devices=8, parallel={"fsdp": 8}),
+    sharded = step_model.predict(builders.ppo_graph(use_reference=True, num_devices=8, parallel={"fsdp": 8}),
                                 ModelConfig.qwen2p5("1.5b"), SMALL, small_memory)
     assert sharded.fits and sharded.peak_memory_bytes <= small_memory.usable_memory_bytes
 
@@ -167,13 +178,13 @@ def test_a_plan_that_exceeds_memory_is_reported_not_timed():
 def test_unknown_parallel_axes_are_refused():
     graph = builders.grpo_graph(use_reference=False, num_devices=8, parallel={"pipeline": 2, "data": 4})
     with pytest.raises(ValueError, match="knows parallel axes"):
-        perfmodel.predict(graph, QWEN05, SMALL, hardware.h100_node(8))
+        step_model.predict(graph, QWEN05, SMALL, hardware.h100_node(8))
 
 
 def test_colocated_weight_sync_costs_a_copy_of_the_weights():
     """Same devices and layout: the runtime still copies (the update donates the training buffers)."""
     hw = hardware.h100_node(8)
     graph = builders.grpo_graph(use_reference=True, num_devices=8)
-    sync = perfmodel.Evaluator(QWEN05, SMALL, hw).predict(graph).stage("weight_sync").seconds
+    sync = step_model.Evaluator(QWEN05, SMALL, hw).predict(graph).stage("weight_sync").seconds
     copy = 2 * ModelShape.from_config(QWEN05).weight_bytes / (hw.device.memory_bandwidth * hw.device.memory_efficiency)
     assert sync == pytest.approx(copy + hw.device.dispatch_overhead_s, rel=1e-6)

@@ -14,27 +14,25 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
 
 from rpegjax import distributed
-from rpegjax.config import AlgorithmKind, RunConfig
 from rpegjax.data.example import Example
 from rpegjax.data.jsonl import load_jsonl
 from rpegjax.data.prompts import PromptTemplate
 from rpegjax.generate.sampler import Sampler
 from rpegjax.graph import builders, transforms
-from rpegjax.graph.ir import Graph, GraphError, StageKind
-from rpegjax.graph.meshes import stage_mesh
-from rpegjax.learners.grpo import GRPOLearner
-from rpegjax.learners.ppo import PPOLearner
+from rpegjax.graph.ir import Algorithm, Graph, GraphError, StageKind
 from rpegjax.models.config import ModelConfig
 from rpegjax.models.hf import load_pretrained
 from rpegjax.models.tokenizer import builtin_tokenizer, load_tokenizer
 from rpegjax.models.transformer import Decoder
 from rpegjax.rewards.dataset_task import MathDatasetTask
+from rpegjax.rewards.math import check_gold_answer
 from rpegjax.rewards.tasks import make_task
+from rpegjax.runtime.assembly import RolloutShape, place_models
 from rpegjax.sharding.mesh import resolve_axis_sizes
-from rpegjax.warmstart import warm_start
+from rpegjax.train.config import RunConfig
+from rpegjax.train.warmstart import warm_start
 
 
 @dataclasses.dataclass
@@ -69,8 +67,9 @@ def _task_and_examples(cfg: RunConfig):
     if data.dataset is None:
         task = make_task(data.task, data.difficulty)
         return task, task.train_examples(data.train_size, data.seed), task.eval_examples(data.eval_size, data.seed + 1)
-    train = load_jsonl(data.dataset, dataset_format=data.dataset_format)
-    held_out = load_jsonl(data.eval_dataset, dataset_format=data.dataset_format) if data.eval_dataset else None
+    train = load_jsonl(data.dataset, dataset_format=data.dataset_format, check_answer=check_gold_answer)
+    held_out = (load_jsonl(data.eval_dataset, dataset_format=data.dataset_format, check_answer=check_gold_answer)
+                if data.eval_dataset else None)
     task = MathDatasetTask(examples=train, held_out=held_out)
     # a file is used whole unless train_size / eval_size ask for less
     return (task, task.train_examples(min(data.train_size, task.split_size(held_out=False)), data.seed),
@@ -91,14 +90,14 @@ def build_graph(cfg: RunConfig, num_devices: int) -> Graph:
     if cfg.graph.plan is not None:
         return load_plan(cfg, num_devices)
     section = cfg.graph
-    algo = cfg.grpo if cfg.algorithm == AlgorithmKind.GRPO else cfg.ppo
+    algo = cfg.grpo if cfg.algorithm == Algorithm.GRPO else cfg.ppo
     if section.rollout_devices >= num_devices:
         raise ValueError(f"graph.rollout_devices={section.rollout_devices} leaves no device for training "
                          f"({num_devices} devices)")
     train_sizes = resolve_axis_sizes(section.mesh_axes, num_devices - section.rollout_devices)
     common = dict(use_reference=algo.kl_coef > 0, async_bound=section.async_bound, num_devices=num_devices,
                   parallel=train_sizes, epochs=algo.epochs, minibatches=algo.num_minibatches)
-    if cfg.algorithm == AlgorithmKind.GRPO:
+    if cfg.algorithm == Algorithm.GRPO:
         # one optimiser step without the decoupled correction: the old policy is the one being updated (ratio
         # 1 at its only step, whatever the asynchrony bound), so the old-log-prob pass would recompute what the
         # update's own forward gives; it is skipped (as TRL does on-policy)
@@ -142,7 +141,7 @@ def load_plan(cfg: RunConfig, num_devices: int) -> Graph:
         graph = Graph.from_dict(data).validate()
     except GraphError as error:
         raise ValueError(f"{where}: {error}") from None
-    ppo = cfg.algorithm == AlgorithmKind.PPO
+    ppo = cfg.algorithm == Algorithm.PPO
     algo = cfg.ppo if ppo else cfg.grpo
     expected = {"algorithm": cfg.algorithm.value, "reference model": algo.kl_coef > 0}
     found = {"algorithm": graph.algorithm.value if graph.algorithm else None,
@@ -158,18 +157,6 @@ def load_plan(cfg: RunConfig, num_devices: int) -> Graph:
     return graph
 
 
-def placed_meshes(graph: Graph) -> tuple[Mesh | None, Mesh | None]:
-    """(training mesh, generation mesh) the graph places its update and generate stages on; None for the
-    default device alone (no mesh needed)."""
-
-    def mesh_or_none(stage) -> Mesh | None:
-        mesh = stage_mesh(graph, stage.name)
-        return None if mesh.size == 1 and mesh.devices.flat[0] == jax.devices()[0] else mesh
-
-    return (mesh_or_none(graph.stages_of_kind(StageKind.ACTOR_UPDATE)[0]),
-            mesh_or_none(graph.stages_of_kind(StageKind.GENERATE)[0]))
-
-
 def _every_process(flag: bool) -> bool:
     """Whether `flag` holds in every process (a collective)."""
     return bool(np.all(distributed.gather_to_all(np.array([flag], np.uint8))))
@@ -179,7 +166,7 @@ def build(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Components:
     tokenizer = builtin_tokenizer() if cfg.model.path is None else load_tokenizer(cfg.model.path)
     template = PromptTemplate(template=cfg.data.prompt_template)
     task, train_examples, eval_examples = _task_and_examples(cfg)
-    ppo = cfg.algorithm == AlgorithmKind.PPO
+    ppo = cfg.algorithm == Algorithm.PPO
     shared_critic = ppo and cfg.ppo.critic == "shared"
     warm_metrics: dict[str, float] = {}
     if cfg.model.path is None:
@@ -215,24 +202,22 @@ def build(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Components:
             model_cfg = model_cfg.replace(eos_token_id=tokenizer.eos_id)
             model.cfg = model_cfg
     graph = build_graph(cfg, num_devices=len(jax.devices()))
-    mesh, rollout_mesh = placed_meshes(graph)
     if jax.process_count() > 1 and len({s.placement for s in graph.stages if not s.host}) > 1:
         raise ValueError("stages on separate device sets (graph.rollout_devices or a disaggregated plan) run in one "
                          "process only; with several processes generation and training share the devices")
-    if ppo:
-        critic = None
-        if not shared_critic:
-            critic = Decoder(model_cfg.replace(value_head=True), rngs=nnx.Rngs(cfg.model.seed + 1))
-            # the critic starts from the actor's trunk (as verl and TRL do), with a fresh value head
-            nnx.update(critic, nnx.state(model))
-        learner = PPOLearner(cfg.ppo, model, critic, mesh=mesh)
-    else:
-        learner = GRPOLearner(cfg.grpo, model, mesh=mesh)
+    critic = None
+    if ppo and not shared_critic:
+        critic = Decoder(model_cfg.replace(value_head=True), rngs=nnx.Rngs(cfg.model.seed + 1))
+        # the critic starts from the actor's trunk (as verl and TRL do), with a fresh value head
+        nnx.update(critic, nnx.state(model))
     rollout = cfg.rollout
     slots = min(rollout.num_slots, max(rollout.prompts_per_step * rollout.group_size, len(eval_examples)))
     slots -= slots % rollout.group_size
-    sampler = Sampler(model_cfg, nnx.split(model)[0], num_slots=slots, max_prompt_len=rollout.max_prompt_len,
-                      max_new_tokens=rollout.max_new_tokens, chunk_steps=rollout.chunk_steps, mesh=rollout_mesh)
+    learner, sampler = place_models(
+        graph, model, cfg.ppo if ppo else cfg.grpo,
+        RolloutShape(num_slots=slots, max_prompt_len=rollout.max_prompt_len, max_new_tokens=rollout.max_new_tokens,
+                     chunk_steps=rollout.chunk_steps),
+        critic=critic)
     return Components(cfg=cfg, tokenizer=tokenizer, task=task, train_examples=train_examples,
                       eval_examples=eval_examples, model_cfg=model_cfg, learner=learner, sampler=sampler, graph=graph,
                       template=template, warm_start_metrics=warm_metrics)

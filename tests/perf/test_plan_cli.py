@@ -8,7 +8,7 @@ import sys
 from rpegjax.graph.ir import Graph
 from rpegjax.models import ModelConfig
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = ["--hardware", "gh200", "--gpus", "8", "--prompts", "16", "--group-size", "4", "--prompt-tokens", "256",
          "--response-mean", "512", "--response-max", "2048", "--top", "1"]
 

@@ -18,19 +18,20 @@ import jax
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
+from test_processes import FAST_COMPILE, free_port
 
-from rpegjax.cli_overrides import apply_overrides
-from rpegjax.config import AlgorithmKind, RunConfig
 from rpegjax.distributed import CpuCollectives, DistributedConfig
-from rpegjax.graph.programs import process_rows
-from rpegjax.run_cli import parse_args
+from rpegjax.graph.ir import Algorithm
+from rpegjax.runtime.programs import process_rows
 from rpegjax.sharding import make_mesh
-from rpegjax.trainer import _fingerprint
-from test_distributed import FAST_COMPILE, free_port
+from rpegjax.train.cli import parse_args
+from rpegjax.train.config import RunConfig
+from rpegjax.train.overrides import apply_overrides
+from rpegjax.train.trainer import _fingerprint
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "train_grpo.py"
-# tests/test_train_job.py's tiny job learns nothing in 3 steps (every reward 0, so every loss and gradient
+# tests/train/test_train_job.py's tiny job learns nothing in 3 steps (every reward 0, so every loss and gradient
 # 0), which would make the comparison blind: here a 2-layer d=64 model is warm-started on countdown long
 # enough that rewards differ within groups, so losses, gradients and the next rollouts all depend on
 # every row's reward arriving in the right place.
@@ -71,7 +72,7 @@ def test_resume_takes_the_run_but_not_the_launch_from_config_json(tmp_path):
     saved = RunConfig(distributed=DistributedConfig(coordinator_address="h:1", num_processes=2, process_id=0))
     saved = saved.replace(train=dataclasses.replace(saved.train, steps=5, run_dir=str(tmp_path)))
     (tmp_path / "config.json").write_text(saved.to_json())
-    config, resume = parse_args(["--resume", str(tmp_path), "--distributed.heartbeat_timeout_s=9"], AlgorithmKind.GRPO)
+    config, resume = parse_args(["--resume", str(tmp_path), "--distributed.heartbeat_timeout_s=9"], Algorithm.GRPO)
     assert resume == str(tmp_path) and config.train.steps == 5
     assert config.distributed == DistributedConfig(heartbeat_timeout_s=9)
 

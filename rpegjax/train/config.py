@@ -1,26 +1,21 @@
 """The run configuration: small frozen sections composed into one `RunConfig`; the CLI maps
-`--section.field=value` onto it (`rpegjax.cli_overrides`), and the resolved config is saved as JSON
+`--section.field=value` onto it (`rpegjax.train.overrides`), and the resolved config is saved as JSON
 beside the checkpoints."""
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import json
 import pathlib
 from typing import Any
 
-from rpegjax.cli_overrides import from_jsonable, to_jsonable
 from rpegjax.distributed.launch import DistributedConfig
+from rpegjax.graph.ir import Algorithm
 from rpegjax.learners.grpo import GRPOConfig
 from rpegjax.learners.optim import OptimizerConfig
 from rpegjax.learners.ppo import PPOConfig
 from rpegjax.sharding.mesh import parse_mesh
-
-
-class AlgorithmKind(enum.StrEnum):
-    GRPO = "grpo"
-    PPO = "ppo"
+from rpegjax.train.overrides import from_jsonable, to_jsonable
 
 
 def _positive(section: object, *names: str) -> None:
@@ -179,7 +174,7 @@ class RunConfig:
     rollout's group size and temperature are the algorithm's (`grpo.group_size`, `grpo.temperature` and
     `ppo.temperature` are derived from them)."""
 
-    algorithm: AlgorithmKind = AlgorithmKind.GRPO
+    algorithm: Algorithm = Algorithm.GRPO
     model: ModelSection = dataclasses.field(default_factory=ModelSection)
     data: DataSection = dataclasses.field(default_factory=DataSection)
     rollout: RolloutSection = dataclasses.field(default_factory=RolloutSection)
@@ -193,7 +188,7 @@ class RunConfig:
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "algorithm", AlgorithmKind(self.algorithm))
+        object.__setattr__(self, "algorithm", Algorithm(self.algorithm))
         # one source of truth for the group size and the sampling temperature: the rollout's (GRPO's
         # advantages need the group size; the learners' log-probs must use the sampler's temperature)
         object.__setattr__(self, "grpo", dataclasses.replace(

@@ -25,10 +25,18 @@ import time
 from collections.abc import Iterator
 
 from rpegjax.graph import transforms
-from rpegjax.graph.builders import ALL_PLACEMENT, CriticMode, grpo_graph, ppo_graph
-from rpegjax.graph import stage_costs
-from rpegjax.graph.ir import INFERENCE_KINDS, Algorithm, Graph, Placement, Role, StageKind
-from rpegjax.graph.perfmodel import Evaluator, Prediction
+from rpegjax.graph.builders import ALL_PLACEMENT, grpo_graph, ppo_graph
+from rpegjax.graph.ir import (
+    INFERENCE_KINDS,
+    Algorithm,
+    CriticMode,
+    Graph,
+    Placement,
+    Role,
+    StageKind,
+)
+from rpegjax.perf import stage_costs
+from rpegjax.perf.step_model import Evaluator, Prediction
 
 ROLLOUT, TRAIN = transforms.ROLLOUT_PLACEMENT, transforms.TRAIN_PLACEMENT
 

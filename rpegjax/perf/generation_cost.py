@@ -23,7 +23,7 @@ from statistics import NormalDist
 
 import numpy as np
 
-from rpegjax.graph.costs import DecodeKernel
+from rpegjax.perf.costs import DecodeKernel
 
 
 class LengthDistribution(enum.StrEnum):

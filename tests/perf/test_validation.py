@@ -4,13 +4,14 @@ import dataclasses
 
 import pytest
 
-from rpegjax.graph import pretraining
-from rpegjax.graph.pretraining import KORTHIKANTI_2022, Recompute
+from rpegjax.perf import pretraining
+from rpegjax.perf.pretraining import Recompute
+from rpegjax.perf.validation import KORTHIKANTI_2022, selene
 
 
 @pytest.mark.parametrize("run", KORTHIKANTI_2022, ids=lambda run: run.name)
 def test_megatron_iteration_times_within_20_percent(run):
-    hardware = pretraining.selene(run.devices)
+    hardware = selene(run.devices)
     predicted = pretraining.iteration_seconds(run, hardware)["seconds"]
     assert predicted == pytest.approx(run.measured_seconds, rel=0.20)
     # the MFU formula gives the published utilisation back from the published time
@@ -19,7 +20,7 @@ def test_megatron_iteration_times_within_20_percent(run):
 
 def test_pipeline_bubble_and_recomputation_cost_time():
     run = KORTHIKANTI_2022[1]
-    hardware = pretraining.selene(run.devices)
+    hardware = selene(run.devices)
     base = pretraining.iteration_seconds(run, hardware)
     assert base["schedule"] == pytest.approx((base["micro_batches"] + run.pipeline - 1) * base["per_micro_batch"])
     full = pretraining.iteration_seconds(dataclasses.replace(run, recompute=Recompute.FULL), hardware)

@@ -2,7 +2,7 @@
 
 A placement's devices are `jax.devices()` at its `device_indices` (explicit ones, else the first `size`). A stage's mesh is its placement's devices arranged by the stage's effective parallel sizes (its own
 layout, else its placement's), axes in the order the graph gives them. The runtime checks that the programs
-it is handed run each stage on exactly these devices; `training.build` builds learner and sampler on them.
+it is handed run each stage on exactly these devices; `rpegjax.runtime.assembly` builds learner and sampler on them.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from rpegjax.graph.ir import Graph, GraphError
+from rpegjax.graph.ir import Graph, GraphError, StageKind
 
 
 def placement_devices(graph: Graph, placement: str) -> list[jax.Device]:
@@ -51,3 +51,15 @@ def same_layout(mesh: Mesh | None, sizes: Mapping[str, int]) -> bool:
     """Whether a program on `mesh` (None: one device) has the layout `sizes` asks for."""
     have = {} if mesh is None else layout(dict(mesh.shape))
     return have == layout(sizes)
+
+
+def placed_meshes(graph: Graph) -> tuple[Mesh | None, Mesh | None]:
+    """(training mesh, generation mesh) the graph places its update and generate stages on; None for the
+    default device alone (no mesh needed)."""
+
+    def mesh_or_none(stage) -> Mesh | None:
+        mesh = stage_mesh(graph, stage.name)
+        return None if mesh.size == 1 and mesh.devices.flat[0] == jax.devices()[0] else mesh
+
+    return (mesh_or_none(graph.stages_of_kind(StageKind.ACTOR_UPDATE)[0]),
+            mesh_or_none(graph.stages_of_kind(StageKind.GENERATE)[0]))

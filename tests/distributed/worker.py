@@ -1,7 +1,7 @@
-"""One process of a (multi-process) GRPO run, launched by tests/test_distributed.py.
+"""One process of a (multi-process) GRPO run, launched by tests/distributed/test_processes.py.
 
     JAX_COORDINATOR_ADDRESS=127.0.0.1:PORT JAX_NUM_PROCESSES=2 JAX_PROCESS_ID=0 \
-        XLA_FLAGS=--xla_force_host_platform_device_count=2 python tests/distributed_worker.py train --out DIR
+        XLA_FLAGS=--xla_force_host_platform_device_count=2 python tests/distributed/worker.py train --out DIR
 
 `train`: joins the others (rpegjax.distributed, configured from the environment), builds a mesh over
 every process's devices (fsdp=2 x tensor=2: parameters and batch rows are split across processes),
@@ -62,12 +62,12 @@ def flat_numpy(tree) -> dict[str, np.ndarray]:
 def train(out: pathlib.Path) -> None:
     from flax import nnx
 
-    from rpegjax.checkpoint import Checkpointer
     from rpegjax.learners.batch import TrainBatch
     from rpegjax.learners.grpo import GRPOConfig, GRPOLearner
     from rpegjax.learners.optim import OptimizerConfig
     from rpegjax.models import Decoder, ModelConfig
     from rpegjax.sharding import ShardingRules
+    from rpegjax.train.checkpoint import Checkpointer
 
     mesh = distributed.global_mesh(MESH)
     processes = sorted({device.process_index for device in mesh.devices.flat})

@@ -5,9 +5,9 @@ import math
 
 import pytest
 
-from rpegjax.graph import collectives, hardware
-from rpegjax.graph.collectives import Group
-from rpegjax.graph.hardware import GB, DeviceSpec, HardwareSpec, Level, Topology
+from rpegjax.perf import collectives, hardware
+from rpegjax.perf.collectives import Group
+from rpegjax.perf.hardware import GB, DeviceSpec, HardwareSpec, Level, Topology
 
 
 def _two_level(node_bandwidth=100 * GB, network_bandwidth=10 * GB, alpha_node=1e-6, alpha_net=5e-6, topology=Topology.SWITCH):

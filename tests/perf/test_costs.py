@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from rpegjax.graph import costs
-from rpegjax.graph.costs import AttentionKernel, ModelShape, Remat
 from rpegjax.models import Decoder, ModelConfig
 from rpegjax.models.logprobs import token_logprobs
+from rpegjax.perf import costs
+from rpegjax.perf.costs import AttentionKernel, ModelShape, Remat
 
 SHAPE = ModelShape(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, mlp=128, vocab=128,
                    param_dtype="float32", compute_dtype="float32")
@@ -106,7 +106,7 @@ def test_optimizer_formulas():
 
 
 def test_backward_traffic_ratio_of_the_xla_options_matches_the_compiled_programs(tiny_programs):
-    from rpegjax.graph.stage_costs import ExecutionOptions
+    from rpegjax.perf.stage_costs import ExecutionOptions
 
     _, forward, train = tiny_programs
     ratio = train.cost_analysis()["bytes accessed"] / forward.cost_analysis()["bytes accessed"]

@@ -3,7 +3,7 @@
 A `HardwareSpec` is a device (peak FLOP/s per dtype, memory capacity and bandwidth, fixed overheads) and an
 ordered tuple of `Level`s, innermost first. Level i groups `levels[i].size` consecutive device indices
 (a node, a rack, the cluster); a transfer between two devices uses the innermost level that contains both.
-Collective costs (α–β, hierarchical) live in `rpegjax.graph.collectives`.
+Collective costs (α–β, hierarchical) live in `rpegjax.perf.collectives`.
 
 Peak figures are vendor datasheet numbers (cited beside each preset). Efficiency factors and per-kernel
 overheads are *assumptions* (stated where they are set), never fitted to the validation figures;

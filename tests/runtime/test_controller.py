@@ -8,16 +8,24 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rpegjax.config import DataSection, GraphSection, ModelSection, RolloutSection, RunConfig, TrainSection, WarmStartSection
 from rpegjax.data.iterator import DataIterator
 from rpegjax.generate.sampling import SamplingConfig
 from rpegjax.generate.weight_sync import reshard_params
-from rpegjax.graph.runtime import Runtime
 from rpegjax.graph.trace import Trace, max_staleness
 from rpegjax.learners.batch import pack_rollouts
 from rpegjax.rewards.runner import RewardRunner, RewardRunnerConfig
-from rpegjax.trainer import make_programs
-from rpegjax.training import build, build_graph
+from rpegjax.runtime.controller import Runtime
+from rpegjax.train.build import build, build_graph
+from rpegjax.train.config import (
+    DataSection,
+    GraphSection,
+    ModelSection,
+    RolloutSection,
+    RunConfig,
+    TrainSection,
+    WarmStartSection,
+)
+from rpegjax.train.trainer import make_programs
 
 
 def tiny_config(num_slots: int = 8, **graph) -> RunConfig:
@@ -206,7 +214,7 @@ def test_disaggregated_generation_runs_on_its_own_devices_and_matches_colocated(
 def test_an_inference_stage_with_its_own_layout_runs_resharded_with_the_same_numbers():
     from rpegjax.graph import transforms
     from rpegjax.graph.ir import StageKind
-    from rpegjax.graph.meshes import stage_mesh
+    from rpegjax.runtime.meshes import stage_mesh
 
     cfg = tiny_config(async_bound=1, fuse=False)
     parts = built(cfg)

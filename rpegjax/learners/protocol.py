@@ -1,0 +1,50 @@
+"""What the runtime needs of a learner: one interface that GRPO and PPO both implement.
+
+The runtime builds its stage programs from these functions alone (`rpegjax.runtime.programs`), so a new
+algorithm plugs in by implementing this protocol, without a branch in the runtime.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from jaxtyping import Array, Float
+
+from rpegjax.learners.batch import TrainBatch
+from rpegjax.learners.placement import ModelPlacement, Params
+from rpegjax.learners.update import TrainState
+from rpegjax.sharding.rules import ActivationSharding
+
+Metrics = dict[str, Array]
+# (params, tokens [b, t], token mask [b, t], activation sharding or None) -> per-token values [b, t]
+TokenFunction = Callable[[Params, Any, Any, ActivationSharding | None], Float[Array, "b t"]]
+
+
+class Learner(Protocol):
+    """A learner holds jitted update/inference functions; the state they transform lives outside.
+
+    `params` are the initial parameters of every model it trains (GRPO: the policy's tree; PPO:
+    `{"actor": ..., "critic": ...}`), placed on `placement.mesh`; `actor_params` picks the policy's tree out of
+    such parameters (the reference model and generation read it). The pure (unjitted) token functions are what
+    the runtime fuses into inference programs: `logprobs_fn` takes the policy's parameters; `values_fn` and
+    `logprobs_and_values_fn` (None without a critic) take the learner's parameters.
+    """
+
+    placement: ModelPlacement  # the policy's: mesh, parameter and row shardings
+    values_fn: TokenFunction | None
+    logprobs_and_values_fn: Callable | None
+
+    @property
+    def params(self) -> Params: ...
+
+    def actor_params(self, params: Params) -> Params: ...
+
+    def init_state(self, params: Params | None = None) -> TrainState: ...
+
+    def update(self, state: TrainState, batch: TrainBatch) -> tuple[TrainState, Metrics]: ...
+
+    def compute_advantages(self, batch: TrainBatch) -> tuple[TrainBatch, Metrics]: ...
+
+    def logprobs_fn(self, params: Params, tokens, token_mask, sharding: ActivationSharding | None = None
+                    ) -> Float[Array, "b t"]: ...

@@ -1,0 +1,46 @@
+"""One set-up path from a graph and a model to what the runtime executes: the learner on the mesh of the graph's
+update stage, the sampler on the mesh of its generate stage. The job (`rpegjax.train.build`), the benchmarks and
+the tests all build through here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from flax import nnx
+
+from rpegjax.generate.sampler import Sampler
+from rpegjax.graph.ir import Graph
+from rpegjax.learners.grpo import GRPOConfig, GRPOLearner
+from rpegjax.learners.ppo import PPOConfig, PPOLearner
+from rpegjax.learners.protocol import Learner
+from rpegjax.models.transformer import Decoder
+from rpegjax.runtime.meshes import placed_meshes
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RolloutShape:
+    """The sampler's static sizes: concurrent sequences, prompt and response budgets, decode steps per chunk."""
+
+    num_slots: int
+    max_prompt_len: int
+    max_new_tokens: int
+    chunk_steps: int
+
+
+def place_models(graph: Graph, model: Decoder, algorithm: GRPOConfig | PPOConfig, rollout: RolloutShape, *,
+                 critic: Decoder | None = None) -> tuple[Learner, Sampler]:
+    """The learner of `algorithm` (PPO: with `critic`, or the actor's value head when shared) and the sampler of
+    `model`'s architecture, each on the mesh the graph places its stage on."""
+    train_mesh, rollout_mesh = placed_meshes(graph)
+    if isinstance(algorithm, GRPOConfig):
+        if critic is not None:
+            raise ValueError("place_models: GRPO trains no critic; do not pass one")
+        learner: Learner = GRPOLearner(algorithm, model, mesh=train_mesh)
+    elif isinstance(algorithm, PPOConfig):
+        learner = PPOLearner(algorithm, model, critic, mesh=train_mesh)
+    else:
+        raise TypeError(f"place_models: algorithm must be a GRPOConfig or PPOConfig, got {type(algorithm).__name__}")
+    sampler = Sampler(model.cfg, nnx.split(model)[0], num_slots=rollout.num_slots, max_prompt_len=rollout.max_prompt_len,
+                      max_new_tokens=rollout.max_new_tokens, chunk_steps=rollout.chunk_steps, mesh=rollout_mesh)
+    return learner, sampler

@@ -1,0 +1,111 @@
+"""The package layout shows the architecture: dependencies between sub-packages flow one way.
+
+Read from the source with `ast` (nothing is imported): every `import rpegjax.x...` / `from rpegjax.x... import`
+in `rpegjax/<package>/` is an edge package -> x. Imports inside functions count too: a late import hides a
+cycle, it does not remove it.
+"""
+
+import ast
+import pathlib
+
+import pytest
+
+PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "rpegjax"
+
+# What each sub-package may import (besides itself). Lower layers never import upper ones.
+ALLOWED = {
+    "sharding": set(),
+    "models": {"sharding"},
+    "data": set(),
+    "rewards": {"data"},
+    "distributed": {"sharding"},
+    "generate": {"models", "sharding"},
+    "learners": {"models", "sharding", "graph"},  # graph: the RPEG's vocabulary (CriticMode), pure Python
+    "graph": set(),
+    "perf": {"graph", "models"},
+    "runtime": {"graph", "learners", "generate", "rewards", "data", "models", "sharding", "distributed"},
+    "train": {"runtime", "graph", "perf", "learners", "generate", "rewards", "data", "models", "sharding",
+              "distributed"},
+}
+# Third-party modules a layer must not need: the RPEG is plain Python, the perf model never runs a model
+# (its calibration imports JAX lazily, inside the function that times kernels).
+FORBIDDEN_TOP_LEVEL = {"graph": {"jax", "flax", "optax", "numpy"}, "perf": {"flax", "optax"}}
+
+
+def _imports(path: pathlib.Path, *, top_level_only: bool = False) -> set[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    nodes = tree.body if top_level_only else ast.walk(tree)
+    names = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+            if node.module == "rpegjax":  # `from rpegjax import distributed`
+                names.update(f"rpegjax.{alias.name}" for alias in node.names)
+    return names
+
+
+def package_edges() -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE).parts
+        if len(parts) < 2:
+            continue  # rpegjax/__init__.py re-exports; it belongs to no layer
+        source = parts[0]
+        for name in _imports(path):
+            pieces = name.split(".")
+            if pieces[0] == "rpegjax" and len(pieces) > 1 and pieces[1] != source:
+                edges.setdefault(source, set()).add(pieces[1])
+    return edges
+
+
+def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for target in sorted(edges.get(node, ())):
+            if state.get(target) == 1:
+                return stack[stack.index(target):] + [target]
+            if target not in state and (cycle := visit(target)):
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(edges):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_every_package_is_placed():
+    packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    assert packages == set(ALLOWED), "add new sub-packages to ALLOWED with the layers they may import"
+    loose = sorted(p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py")
+    assert not loose, f"modules outside any sub-package: {loose}"
+
+
+def test_no_cycle_between_packages():
+    assert find_cycle(package_edges()) is None
+
+
+def test_dependencies_flow_one_way():
+    wrong = {f"{source} -> {target}" for source, targets in package_edges().items()
+             for target in targets - ALLOWED[source]}
+    assert not wrong, f"imports against the layering: {sorted(wrong)}"
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN_TOP_LEVEL))
+def test_layer_does_not_need(package):
+    found = {f"{path.name}: {name}" for path in (PACKAGE / package).rglob("*.py")
+             for name in _imports(path, top_level_only=True) if name.split(".")[0] in FORBIDDEN_TOP_LEVEL[package]}
+    assert not found, f"rpegjax/{package} imports {sorted(found)}"
+
+
+def test_cycle_finder_finds_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
