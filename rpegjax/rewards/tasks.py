@@ -2,22 +2,31 @@
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 
 from rpegjax.rewards.arithmetic import ArithmeticTask
 from rpegjax.rewards.countdown import CountdownTask
 from rpegjax.rewards.task import Difficulty, Task
 
-TASKS: dict[str, Callable[..., Task]] = {
-    "arithmetic": ArithmeticTask.preset,
-    "countdown": CountdownTask.preset,
+
+class TaskName(enum.StrEnum):
+    ARITHMETIC = "arithmetic"
+    COUNTDOWN = "countdown"
+
+
+TASKS: dict[TaskName, Callable[..., Task]] = {
+    TaskName.ARITHMETIC: ArithmeticTask.preset,
+    TaskName.COUNTDOWN: CountdownTask.preset,
 }
 
 
-def make_task(name: str, difficulty: Difficulty | str = Difficulty.EASY, **overrides: object) -> Task:
+def make_task(name: TaskName | str, difficulty: Difficulty | str = Difficulty.EASY, **overrides: object) -> Task:
     """The built-in task `name` at `difficulty`; `overrides` set its other fields (e.g. format_bonus=0.1)."""
-    if name not in TASKS:
-        raise ValueError(f"unknown built-in task {name!r}; known: {sorted(TASKS)}")
+    try:
+        name = TaskName(name)
+    except ValueError:
+        raise ValueError(f"unknown built-in task {name!r}; known: {[t.value for t in TaskName]}") from None
     try:
         difficulty = Difficulty(difficulty)
     except ValueError:

@@ -104,9 +104,10 @@ def parse_args(argv: list[str], algorithm: Algorithm) -> tuple[RunConfig, str | 
             overrides.setdefault(f"{algorithm.value}.{field}", value)
     if known.advantage is not None:
         overrides.setdefault("grpo.advantage", known.advantage)
-    for derived, source in (("group_size", "--group-size"), ("temperature", "--temperature")):
-        if f"{algorithm.value}.{derived}" in overrides:
-            parser.error(f"set {derived} with {source} (rollout.{derived}); {algorithm.value}.{derived} follows it")
+    for section in Algorithm:
+        for derived, source in (("group_size", "--group-size"), ("temperature", "--temperature")):
+            if f"{section.value}.{derived}" in overrides:
+                parser.error(f"set {derived} with {source} (rollout.{derived}); {section.value}.{derived} follows it")
     if "data.dataset" in overrides:
         overrides.setdefault("warm_start.steps", "0")  # a dataset has no reference solutions to warm-start on
     if known.resume:

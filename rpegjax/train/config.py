@@ -5,15 +5,19 @@ beside the checkpoints."""
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import pathlib
 from typing import Any
 
+from rpegjax.data.jsonl import DatasetFormat
 from rpegjax.distributed.launch import DistributedConfig
 from rpegjax.graph.ir import Algorithm
 from rpegjax.learners.grpo import GRPOConfig
 from rpegjax.learners.optim import OptimizerConfig
 from rpegjax.learners.ppo import PPOConfig
+from rpegjax.rewards.task import Difficulty
+from rpegjax.rewards.tasks import TaskName
 from rpegjax.sharding.mesh import parse_mesh
 from rpegjax.train.overrides import from_jsonable, to_jsonable
 
@@ -23,6 +27,16 @@ def _positive(section: object, *names: str) -> None:
         value = getattr(section, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{type(section).__name__}.{name} must be a positive integer, got {value!r}")
+
+
+def _choice(section: object, name: str, kind: type[enum.StrEnum]) -> None:
+    """Stores field `name` as a member of `kind`; a value outside it is an error naming field and choices."""
+    value = getattr(section, name)
+    try:
+        object.__setattr__(section, name, kind(value))
+    except ValueError:
+        raise ValueError(f"{type(section).__name__}.{name} must be one of {[m.value for m in kind]}, "
+                         f"got {value!r}") from None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -52,10 +66,10 @@ class DataSection:
     """Either a built-in `task` (generated, with a held-out split) or a JSONL `dataset` (GSM8K, MATH or
     prompt/answer rows) with an optional `eval_dataset`."""
 
-    task: str = "arithmetic"
-    difficulty: str = "easy"
+    task: TaskName = TaskName.ARITHMETIC
+    difficulty: Difficulty = Difficulty.EASY
     dataset: str | None = None
-    dataset_format: str | None = None
+    dataset_format: DatasetFormat | None = None  # None: detected from the first row
     eval_dataset: str | None = None
     train_size: int = 8000
     eval_size: int = 400
@@ -64,6 +78,12 @@ class DataSection:
 
     def __post_init__(self) -> None:
         _positive(self, "train_size", "eval_size")
+        choices = [("task", TaskName), ("difficulty", Difficulty)]
+        choices += [("dataset_format", DatasetFormat)] if self.dataset_format is not None else []
+        for name, kind in choices:
+            _choice(self, name, kind)
+        if self.dataset_format is not None and self.dataset is None:
+            raise ValueError("DataSection.dataset_format is set but no dataset is given (set DataSection.dataset)")
         for name in ("dataset", "eval_dataset"):
             path = getattr(self, name)
             if path is not None and not pathlib.Path(path).is_file():
@@ -188,7 +208,7 @@ class RunConfig:
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "algorithm", Algorithm(self.algorithm))
+        _choice(self, "algorithm", Algorithm)
         # one source of truth for the group size and the sampling temperature: the rollout's (GRPO's
         # advantages need the group size; the learners' log-probs must use the sampler's temperature)
         object.__setattr__(self, "grpo", dataclasses.replace(

@@ -22,6 +22,8 @@ def _parse_value(text: str, annotation: Any, where: str) -> Any:
                 return _parse_value(text, option, where)
             except ValueError as error:
                 errors.append(str(error))
+        if len(errors) == 1:  # `X | None`: X's own message says what is accepted
+            raise ValueError(errors[0])
         raise ValueError(f"{where}: cannot read {text!r} as {annotation}")
     if origin is tuple:
         args = typing.get_args(annotation)

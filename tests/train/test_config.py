@@ -1,0 +1,44 @@
+"""The run configuration: choices are enums validated on construction, derived fields have one source."""
+
+import pytest
+
+from rpegjax.data.jsonl import DatasetFormat
+from rpegjax.graph.ir import Algorithm, CriticMode
+from rpegjax.learners.ppo import PPOConfig
+from rpegjax.rewards.task import Difficulty
+from rpegjax.rewards.tasks import TaskName
+from rpegjax.train.cli import parse_args
+from rpegjax.train.config import DataSection, RolloutSection, RunConfig
+
+
+def test_choices_become_enums_and_round_trip_through_json():
+    config = RunConfig(data=DataSection(task="countdown", difficulty="hard"))
+    assert config.data.task is TaskName.COUNTDOWN and config.data.difficulty is Difficulty.HARD
+    assert config.algorithm is Algorithm.GRPO
+    assert RunConfig.from_json(config.to_json()) == config
+
+
+@pytest.mark.parametrize("field, value", [("task", "algebra"), ("difficulty", "extreme")])
+def test_unknown_choice_names_field_and_choices(field, value):
+    with pytest.raises(ValueError, match=rf"DataSection\.{field} must be one of \[.*\], got '{value}'"):
+        DataSection(**{field: value})
+
+
+def test_dataset_format_needs_a_dataset(tmp_path):
+    with pytest.raises(ValueError, match="dataset_format is set but no dataset"):
+        DataSection(dataset_format="gsm8k")
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "1+1", "answer": "2"}\n')
+    assert DataSection(dataset=str(data), dataset_format="plain").dataset_format is DatasetFormat.PLAIN
+
+
+def test_group_size_and_temperature_come_from_the_rollout():
+    config = RunConfig(rollout=RolloutSection(group_size=4, temperature=0.9))
+    assert config.grpo.group_size == 4 and config.grpo.temperature == 0.9 and config.ppo.temperature == 0.9
+    for flag in ("--grpo.group_size=4", "--ppo.temperature=0.5"):
+        with pytest.raises(SystemExit):
+            parse_args([flag], Algorithm.GRPO)
+
+
+def test_one_critic_mode_for_graph_and_learner():
+    assert PPOConfig(critic="shared").critic is CriticMode.SHARED
