@@ -7,6 +7,7 @@ and raises `GraphError` naming the stage when its precondition fails. The input 
 * `fuse(g, stages)` / `default_fusion(g)`: stages reading one batch on one placement run as one program.
 * `microbatch(g, stage, n)`: a stage (or its whole fused group) runs in n pieces.
 * `place(g, stage, submesh, parallel)`: moves a stage (or its whole fused group) to a sub-mesh.
+* `disaggregate(g, n, rollout, train)`: generation on the first n devices, every other device stage on the rest.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ inference stages; micro-batch count of generation and the stages that consume it
 split of the devices between a rollout sub-mesh and a training sub-mesh; the generation layout (tensor x data);
 the training layout (data x fsdp x tensor); inference stages on the training layout or each re-sharded to the
 layout that is fastest for it. Every candidate is a `Graph` built with the builders and transforms, predicted
-by `perfmodel.Evaluator`; plans that exceed device memory are ranked out.
+by `step_model.Evaluator`; plans that exceed device memory are ranked out.
 
 Exactness: the search is branch and bound over that whole space. The per-step work of the busiest resource
 (`Evaluator.lower_bound`) bounds every plan's step time from below; it does not depend on the asynchrony bound

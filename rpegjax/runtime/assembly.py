@@ -1,6 +1,7 @@
 """One set-up path from a graph and a model to what the runtime executes: the learner on the mesh of the graph's
-update stage, the sampler on the mesh of its generate stage. The job (`rpegjax.train.build`), the benchmarks and
-the tests all build through here.
+update stage, the sampler on the mesh of its generate stage. The job (`rpegjax.train.build`, and so the runtime
+tests), the step benchmarks (`bench_grpo_step`, `bench_perfmodel`) build through here; unit tests of a
+learner or the sampler alone build those directly.
 """
 
 from __future__ import annotations

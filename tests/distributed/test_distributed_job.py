@@ -61,7 +61,7 @@ def test_distributed_section_parses_from_flags_and_round_trips_through_json():
         heartbeat_timeout_s=7, cpu_collectives=CpuCollectives.MPI)
     assert RunConfig.from_json(config.to_json()) == config
     assert RunConfig.from_json(RunConfig().to_json()) == RunConfig()
-    with pytest.raises(ValueError, match="--distributed.process_id: cannot read 'x'"):
+    with pytest.raises(ValueError, match="--distributed.process_id: expected int, got 'x'"):
         apply_overrides(RunConfig(), {"distributed.process_id": "x"})
     with pytest.raises(ValueError, match="local_device_ids must be non-negative"):
         apply_overrides(RunConfig(), {"distributed.local_device_ids": "-1"})
