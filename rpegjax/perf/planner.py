@@ -83,6 +83,7 @@ class PlanChoice:
     generation_layout: tuple[tuple[str, int], ...] = ()
     train_layout: tuple[tuple[str, int], ...] = ()
     inference_layouts: tuple[tuple[str, tuple[tuple[str, int], ...]], ...] = ()  # stage -> own layout
+    optimizer_steps: int = 1  # optimiser steps per RL step (the batch split into this many mini-batches)
 
     def describe(self) -> str:
         placement = "colocated" if not self.generation_devices else (
@@ -94,6 +95,8 @@ class PlanChoice:
         parts.append("fused" if self.fused else "unfused")
         if self.microbatches > 1:
             parts.append(f"{self.microbatches} microbatches")
+        if self.optimizer_steps > 1:
+            parts.append(f"{self.optimizer_steps} optimiser steps")
         if self.inference_layouts:
             parts.append("re-sharded " + ", ".join(f"{s}:{_layout_text(l)}" for s, l in self.inference_layouts))
         return "; ".join(parts)
@@ -127,13 +130,14 @@ def _sizes(layout: tuple[tuple[str, int], ...]) -> dict[str, int]:
 
 @functools.lru_cache(maxsize=128)
 def _structure(algorithm: Algorithm, use_reference: bool, critic_mode: CriticMode, async_bound: int,
-               num_devices: int) -> Graph:
+               num_devices: int, optimizer_steps: int = 1) -> Graph:
     """The builder's graph with asynchrony and actor-critic sharing applied (immutable, so shared)."""
     name = f"{algorithm.value}-plan"
     if algorithm is Algorithm.PPO:
         return ppo_graph(use_reference=use_reference, critic=critic_mode, async_bound=async_bound,
-                         num_devices=num_devices, name=name)
-    return grpo_graph(use_reference=use_reference, async_bound=async_bound, num_devices=num_devices, name=name)
+                         num_devices=num_devices, minibatches=optimizer_steps, name=name)
+    return grpo_graph(use_reference=use_reference, async_bound=async_bound, num_devices=num_devices,
+                      minibatches=optimizer_steps, name=name)
 
 
 def _placed(graph: Graph, choice: PlanChoice) -> Graph:
@@ -163,7 +167,7 @@ def build_graph(choice: PlanChoice) -> Graph:
     """The executable graph of `choice`: builder (asynchrony, critic sharing), placements and layouts, then the
     fusion and micro-batch transforms; validated."""
     graph = _placed(_structure(choice.algorithm, choice.use_reference, choice.critic_mode, choice.async_bound,
-                               choice.num_devices), choice).validate()
+                               choice.num_devices, choice.optimizer_steps), choice).validate()
     if choice.fused:
         graph = transforms.default_fusion(graph)
     if choice.microbatches > 1:

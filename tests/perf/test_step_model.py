@@ -4,6 +4,8 @@ import dataclasses
 import json
 
 import numpy as np
+import math
+
 import pytest
 
 from rpegjax.graph import builders, transforms
@@ -176,9 +178,40 @@ def test_a_plan_that_exceeds_memory_is_reported_not_timed():
 
 
 def test_unknown_parallel_axes_are_refused():
-    graph = builders.grpo_graph(use_reference=False, num_devices=8, parallel={"pipeline": 2, "data": 4})
+    graph = builders.grpo_graph(use_reference=False, num_devices=8, parallel={"expert": 2, "data": 4})
     with pytest.raises(ValueError, match="knows parallel axes"):
         step_model.predict(graph, QWEN05, SMALL, hardware.h100_node(8))
+    # pipeline stages are modelled for training passes only (published Megatron runs), never for generation
+    graph = builders.grpo_graph(use_reference=False, num_devices=8, parallel={"pipeline": 2, "data": 4})
+    with pytest.raises(ValueError, match="generation with pipeline parallelism"):
+        step_model.predict(graph, QWEN05, SMALL, hardware.h100_node(8))
+
+
+def test_pipeline_stages_split_the_work_and_add_a_bubble():
+    """p stages run L/p layers each: per-device work as p-way sharding, times (m + p − 1)/m for m micro-batches."""
+    from rpegjax.perf import stage_costs
+    from rpegjax.perf.stage_costs import CostInputs, ExecutionOptions, Layout
+
+    shape = ModelShape.from_config(QWEN05)
+    hw = hardware.h100_node(8)
+
+    def update(layout, microbatch_tokens):
+        options = ExecutionOptions(microbatch_tokens=microbatch_tokens, overlap_collectives=True)
+        inputs = CostInputs(hardware=hw, actor=shape, critic=shape, workload=SMALL, options=options)
+        return stage_costs.model_pass_cost(inputs, shape, layout, logits=True, backward=True, optimizer_steps=1)
+
+    one = Layout.from_parallel({"data": 2}, where="test")
+    staged = Layout.from_parallel({"data": 2, "pipeline": 4}, where="test")
+    assert staged.shards == 4 and staged.size == 8 and staged.replicas == 2
+    tokens = stage_costs.batch_tokens(CostInputs(hardware=hw, actor=shape, critic=shape, workload=SMALL,
+                                                 options=ExecutionOptions()))[0]
+    few, many = tokens / 2 / 2, tokens / 2 / 64  # 2 and 64 micro-batches per replica
+    ratio_few = update(staged, math.ceil(few)).detail["matmul"] / update(one, math.ceil(few)).detail["matmul"]
+    assert ratio_few == pytest.approx(1 / 4)  # the matmul FLOPs split over the 4 stages
+    bubble = lambda m: (m + 3) / m  # noqa: E731
+    slow, fast = update(staged, math.ceil(few)), update(staged, math.ceil(many))
+    assert slow.seconds > 2 * fast.seconds  # 2 micro-batches: a (2 + 3)/2 bubble; 64: (64 + 3)/64
+    assert slow.seconds / (slow.detail["matmul"] + slow.memory_seconds - slow.detail["optimizer"]) > bubble(2) * 0.99
 
 
 def test_colocated_weight_sync_costs_a_copy_of_the_weights():
