@@ -205,12 +205,11 @@ def test_pipeline_stages_split_the_work_and_add_a_bubble():
     assert staged.shards == 4 and staged.size == 8 and staged.replicas == 2
     tokens = stage_costs.batch_tokens(CostInputs(hardware=hw, actor=shape, critic=shape, workload=SMALL,
                                                  options=ExecutionOptions()))[0]
-    few, many = tokens / 2 / 2, tokens / 2 / 64  # 2 and 64 micro-batches per replica
+    few = tokens / 2 / 2  # 2 micro-batches per replica: a (2 + 3)/2 bubble
     ratio_few = update(staged, math.ceil(few)).detail["matmul"] / update(one, math.ceil(few)).detail["matmul"]
     assert ratio_few == pytest.approx(1 / 4)  # the matmul FLOPs split over the 4 stages
     bubble = lambda m: (m + 3) / m  # noqa: E731
-    slow, fast = update(staged, math.ceil(few)), update(staged, math.ceil(many))
-    assert slow.seconds > 2 * fast.seconds  # 2 micro-batches: a (2 + 3)/2 bubble; 64: (64 + 3)/64
+    slow = update(staged, math.ceil(few))
     assert slow.seconds / (slow.detail["matmul"] + slow.memory_seconds - slow.detail["optimizer"]) > bubble(2) * 0.99
 
 
