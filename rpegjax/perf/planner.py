@@ -119,7 +119,7 @@ class PlanResult:
     alternatives: tuple[Plan, ...]  # next best, ranked
     evaluated: int  # plans predicted in full
     candidates: int  # plans in the space
-    rejected: tuple[str, ...]  # why some candidates were ranked out (first few)
+    rejected: tuple[str, ...]  # why candidates that do not fit were ranked out (the closest few)
     seconds: float
 
 
@@ -284,13 +284,14 @@ class Planner:
             bounded.append((self._bound(skeleton), index, skeleton))
         bounded.sort(key=lambda item: (item[0], item[1]))
         ranked: list[tuple[tuple, Plan]] = []  # the best `top` so far, sorted
-        rejected: list[str] = []
+        rejected: list[tuple[float, str]] = []
         per_skeleton = len(self.space.async_bounds) * len(self.space.fusion) * len(self.space.microbatches)
         evaluated, candidates = 0, per_skeleton * len(bounded)
         for bound, _, skeleton in bounded:
             if math.isinf(bound):
-                if len(rejected) < 5:
-                    rejected.append(f"{skeleton.describe()}: does not fit in memory")
+                if not ranked:  # nothing fits yet: keep the closest misses, to say how far off they are
+                    missed = self._plan(skeleton).prediction
+                    rejected.append((missed.needed_memory_bytes, f"{skeleton.describe()}: {missed.fit_reason}"))
                 continue
             if len(ranked) >= top and bound > ranked[-1][0][0]:
                 break  # sorted by bound: no later candidate can enter the top
@@ -302,11 +303,12 @@ class Planner:
                 ranked.append((_rank_key(plan), plan))
                 ranked.sort(key=lambda item: item[0])
                 del ranked[top:]
+        closest = tuple(text for _, text in sorted(rejected)[:5])
         if not ranked:
-            raise ValueError(f"planner: no plan of {candidates} fits in device memory; first reasons: {rejected}")
+            raise ValueError(f"planner: no plan of {candidates} fits in device memory; the closest: " + "; ".join(closest[:3]))
         plans = [plan for _, plan in ranked]
         return PlanResult(best=plans[0], alternatives=tuple(plans[1:]), evaluated=evaluated, candidates=candidates,
-                          rejected=tuple(rejected), seconds=time.perf_counter() - start)
+                          rejected=closest, seconds=time.perf_counter() - start)
 
     def _plan(self, choice: PlanChoice) -> Plan:
         graph = build_graph(choice)

@@ -75,13 +75,36 @@ class Prediction:
     def stage_seconds(self) -> dict[str, float]:
         return {s.name: s.seconds for s in self.stages}
 
+    @property
+    def needed_memory_bytes(self) -> float:
+        """Per-GPU memory the plan needs: its peak, or the largest need of a stage that did not fit."""
+        return max([self.peak_memory_bytes] + [s.peak_memory_bytes for s in self.stages if np.isfinite(s.peak_memory_bytes)])
+
+    @property
+    def fit_reason(self) -> str | None:
+        """None when the plan fits; else "does not fit: needs X GB per GPU of Y GB usable (first problem)"."""
+        if self.fits:
+            return None
+        first = self.problems[0] if self.problems else "unknown"
+        if self.needed_memory_bytes > self.memory_limit_bytes:
+            return (f"does not fit: needs {self.needed_memory_bytes / 1e9:.1f} GB per GPU of "
+                    f"{self.memory_limit_bytes / 1e9:.1f} GB usable ({first})")
+        return f"does not fit: {first}"
+
     def to_dict(self) -> dict[str, Any]:
+        """A JSON-safe document: times of a plan that does not fit are null, with the reason beside them."""
+        finite = lambda value: float(value) if np.isfinite(value) else None  # noqa: E731 (JSON has no inf)
+        stages = []
+        for s in self.stages:
+            stage = {**dataclasses.asdict(s), "detail": {k: finite(v) for k, v in s.detail.items()}}
+            stages.append({k: finite(v) if isinstance(v, float) else v for k, v in stage.items()})
         return {
-            "graph": self.graph.name, "step_seconds": self.step_seconds, "step_latency_seconds": self.step_latency_seconds,
-            "tokens_per_second": self.tokens_per_second, "mfu": self.mfu, "model_flops_per_step": self.model_flops_per_step,
-            "peak_memory_bytes": self.peak_memory_bytes, "memory_limit_bytes": self.memory_limit_bytes, "fits": self.fits,
-            "problems": list(self.problems),
-            "stages": [{**dataclasses.asdict(s), "detail": dict(s.detail)} for s in self.stages],
+            "graph": self.graph.name, "step_seconds": finite(self.step_seconds),
+            "step_latency_seconds": finite(self.step_latency_seconds),
+            "tokens_per_second": self.tokens_per_second if self.fits else None, "mfu": self.mfu if self.fits else None,
+            "model_flops_per_step": self.model_flops_per_step, "peak_memory_bytes": self.peak_memory_bytes,
+            "needed_memory_bytes": self.needed_memory_bytes, "memory_limit_bytes": self.memory_limit_bytes,
+            "fits": self.fits, "reason": self.fit_reason, "problems": list(self.problems), "stages": stages,
         }
 
 
