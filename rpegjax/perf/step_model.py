@@ -93,7 +93,7 @@ class Prediction:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-safe document: times of a plan that does not fit are null, with the reason beside them."""
-        finite = lambda value: float(value) if np.isfinite(value) else None  # noqa: E731 (JSON has no inf)
+        finite = lambda value: float(value) if np.isfinite(value) else None
         stages = []
         for s in self.stages:
             stage = {**dataclasses.asdict(s), "detail": {k: finite(v) for k, v in s.detail.items()}}
@@ -142,7 +142,7 @@ class _Resident:
 def resident_state(graph: Graph, inputs: CostInputs) -> list[_Resident]:
     """Weights and optimiser states that stay on devices across stages, and the generation copy of the actor."""
     o, out = inputs.options, []
-    state_bytes = lambda shape: shape.param_bytes_each + o.optimizer_bytes_per_param  # noqa: E731
+    state_bytes = lambda shape: shape.param_bytes_each + o.optimizer_bytes_per_param
     for kind, shape, what in ((StageKind.ACTOR_UPDATE, inputs.actor, "actor weights + optimiser"),
                               (StageKind.CRITIC_UPDATE, inputs.critic, "critic weights + optimiser")):
         home = _home(graph, kind, own_kind=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 from rpegjax.graph.ir import Algorithm
 from rpegjax.perf import hardware as hardware_module
@@ -63,7 +63,7 @@ def selene(devices: int) -> HardwareSpec:
 # 4096-token micro-batches), vLLM generation with gpu_memory_utilization 0.6 colocated and 0.8 on its own GPUs,
 # step time averaged over 5 steps (training, generation, log-probs and refit). What is not published: the prompt
 # length (assumed 128 tokens: the table's tokens/s/GPU x GPUs x step time / 2048 exceeds its mean length by
-# 95-135 tokens, i.e. the prompt) and the response-length distribution (assumed log-normal, sigma 1.0, with the
+# 100-135 tokens, i.e. the prompt) and the response-length distribution (assumed log-normal, sigma 1.0, with the
 # table's "G-Average Seq len" as mean, clipped at 4096 - 128 new tokens).
 
 # Hugging Face configs: meta-llama/Llama-3.1-8B-Instruct and Qwen/Qwen3-32B (config.json).
@@ -119,17 +119,17 @@ class RLRun:
 
 
 def _nemo_rl(name: str, **fields) -> RLRun:
-    common = dict(source=NEMO_RL_V05, hardware="h100", prompts=64, group_size=32, prompt_tokens=128,
-                  response_max=4096 - 128, optimizer_steps=2048 // 512, microbatch_tokens=4096)
+    common = {"source": NEMO_RL_V05, "hardware": "h100", "prompts": 64, "group_size": 32, "prompt_tokens": 128,
+              "response_max": 4096 - 128, "optimizer_steps": 2048 // 512, "microbatch_tokens": 4096}
     return RLRun(name=name, **{**common, **fields})
 
 
-_LLAMA_ON = dict(shape=LLAMA31_8B, gpus=16, generation_gpus=0, generation_tensor=1, train_tensor=1, train_pipeline=2,
-                 async_bound=0, remat=True, generation_memory_fraction=0.6)
-_LLAMA_OFF = dict(_LLAMA_ON, generation_gpus=8, train_pipeline=1, async_bound=1, generation_memory_fraction=0.8)
-_QWEN_ON = dict(shape=QWEN3_32B, gpus=32, generation_gpus=0, generation_tensor=4, train_tensor=4, train_pipeline=4,
-                async_bound=0, remat=False, generation_memory_fraction=0.6)
-_QWEN_OFF = dict(_QWEN_ON, gpus=64, generation_gpus=32, async_bound=1, generation_memory_fraction=0.8)
+_LLAMA_ON = {"shape": LLAMA31_8B, "gpus": 16, "generation_gpus": 0, "generation_tensor": 1, "train_tensor": 1,
+             "train_pipeline": 2, "async_bound": 0, "remat": True, "generation_memory_fraction": 0.6}
+_LLAMA_OFF = {**_LLAMA_ON, "generation_gpus": 8, "train_pipeline": 1, "async_bound": 1, "generation_memory_fraction": 0.8}
+_QWEN_ON = {"shape": QWEN3_32B, "gpus": 32, "generation_gpus": 0, "generation_tensor": 4, "train_tensor": 4,
+            "train_pipeline": 4, "async_bound": 0, "remat": False, "generation_memory_fraction": 0.6}
+_QWEN_OFF = {**_QWEN_ON, "gpus": 64, "generation_gpus": 32, "async_bound": 1, "generation_memory_fraction": 0.8}
 
 NEMO_RL_RUNS = (
     _nemo_rl("NeMo-RL v0.5 Llama-3.1-8B on-policy", **_LLAMA_ON, response_mean=1019, measured_seconds=92.8),

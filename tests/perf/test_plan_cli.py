@@ -1,5 +1,7 @@
 """scripts/plan.py end to end: the table, the JSON document, a Hugging Face config.json and the Gantt PNG."""
 
+import dataclasses
+import importlib.util
 import json
 import os
 import subprocess
@@ -9,6 +11,9 @@ import pytest
 
 from rpegjax.graph.ir import Graph
 from rpegjax.models import ModelConfig
+from rpegjax.perf import explain, hardware, planner, step_model
+from rpegjax.perf.generation_cost import ResponseLengths
+from rpegjax.perf.stage_costs import Workload
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = ["--hardware", "gh200", "--gpus", "8", "--prompts", "16", "--group-size", "4", "--prompt-tokens", "256",
@@ -48,12 +53,6 @@ def test_table_output_and_bad_model():
 
 
 # ------------------------------------------------------------------------- for people: help, legend, reasons
-import dataclasses  # noqa: E402
-import importlib.util  # noqa: E402
-
-from rpegjax.perf import explain, hardware, planner, step_model  # noqa: E402
-from rpegjax.perf.generation_cost import ResponseLengths  # noqa: E402
-from rpegjax.perf.stage_costs import Workload  # noqa: E402
 
 
 def _plan_module():

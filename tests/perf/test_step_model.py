@@ -2,10 +2,9 @@
 
 import dataclasses
 import json
-
-import numpy as np
 import math
 
+import numpy as np
 import pytest
 
 from rpegjax.graph import builders, transforms
@@ -208,7 +207,7 @@ def test_pipeline_stages_split_the_work_and_add_a_bubble():
     few = tokens / 2 / 2  # 2 micro-batches per replica: a (2 + 3)/2 bubble
     ratio_few = update(staged, math.ceil(few)).detail["matmul"] / update(one, math.ceil(few)).detail["matmul"]
     assert ratio_few == pytest.approx(1 / 4)  # the matmul FLOPs split over the 4 stages
-    bubble = lambda m: (m + 3) / m  # noqa: E731
+    bubble = lambda m: (m + 3) / m
     slow = update(staged, math.ceil(few))
     assert slow.seconds / (slow.detail["matmul"] + slow.memory_seconds - slow.detail["optimizer"]) > bubble(2) * 0.99
 

@@ -1,12 +1,22 @@
 """Published large-model measurements reproduced by the cost model (no fitting: default efficiencies)."""
 
 import dataclasses
+import math
 
 import pytest
 
-from rpegjax.perf import pretraining
+from rpegjax.graph.ir import StageKind
+from rpegjax.perf import planner, pretraining, validation
 from rpegjax.perf.pretraining import Recompute
-from rpegjax.perf.validation import KORTHIKANTI_2022, selene
+from rpegjax.perf.validation import (
+    DEFAULT_EFFICIENCIES,
+    FIT_RUNS,
+    FITTED_EFFICIENCIES,
+    HELD_OUT_RUNS,
+    KORTHIKANTI_2022,
+    NEMO_RL_RUNS,
+    selene,
+)
 
 
 @pytest.mark.parametrize("run", KORTHIKANTI_2022, ids=lambda run: run.name)
@@ -30,17 +40,6 @@ def test_pipeline_bubble_and_recomputation_cost_time():
 
 
 # ------------------------------------------------------------------------------------------ RL step times
-import math  # noqa: E402
-
-from rpegjax.graph.ir import StageKind  # noqa: E402
-from rpegjax.perf import planner, validation  # noqa: E402
-from rpegjax.perf.validation import (  # noqa: E402
-    DEFAULT_EFFICIENCIES,
-    FIT_RUNS,
-    FITTED_EFFICIENCIES,
-    HELD_OUT_RUNS,
-    NEMO_RL_RUNS,
-)
 
 HELD_OUT_BOUND = 0.25  # issue 15: every held-out case within 25%
 
