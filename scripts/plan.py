@@ -11,6 +11,7 @@ preset name or a Hugging Face config.json (or its directory). `--json` prints on
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -19,9 +20,9 @@ from typing import Any
 
 from rpegjax.graph.trace import gantt_png
 from rpegjax.models import ModelConfig
-from rpegjax.perf import explain, hardware, planner, step_model
+from rpegjax.perf import explain, hardware, planner, step_model, validation
 from rpegjax.perf.generation_cost import ResponseLengths
-from rpegjax.perf.stage_costs import Workload
+from rpegjax.perf.stage_costs import ExecutionOptions, Workload
 
 MODEL_PRESETS = {
     **{f"qwen2.5-{size}": (ModelConfig.qwen2p5, size) for size in ("0.5b", "1.5b", "7b", "32b", "72b")},
@@ -73,6 +74,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="say why the best plan wins: what bounds its step, what overlaps, how the reference "
                              "plans differ")
     parser.add_argument("--gantt", metavar="PNG", help="write a Gantt chart of the predicted schedules to this PNG")
+    parser.add_argument("--fitted-efficiencies", action="store_true",
+                        help="use the efficiencies fitted to NeMo RL's published H100 step times (matmul "
+                             f"{validation.FITTED_EFFICIENCIES.matmul} of peak, decode "
+                             f"{validation.FITTED_EFFICIENCIES.decode_memory} of HBM bandwidth; see "
+                             "rpegjax/perf/validation.py) instead of the presets' assumptions (0.7 and 0.8)")
     args = parser.parse_args(argv)
     for name in ("gpus", "prompts", "group_size", "prompt_tokens", "response_max"):
         if getattr(args, name) < 1:
@@ -126,7 +132,12 @@ def main(argv: list[str] | None = None) -> int:
     hw = hardware.preset(args.hardware, args.gpus)
     workload = Workload(prompts=args.prompts, group_size=args.group_size, prompt_tokens=args.prompt_tokens,
                         responses=ResponseLengths.lognormal(args.response_mean, args.response_max))
-    evaluator = step_model.Evaluator(model, workload, hw)
+    options = None
+    if args.fitted_efficiencies:
+        fitted = validation.FITTED_EFFICIENCIES
+        hw = dataclasses.replace(hw, device=dataclasses.replace(hw.device, matmul_efficiency=fitted.matmul))
+        options = ExecutionOptions(decode_memory_efficiency=fitted.decode_memory)
+    evaluator = step_model.Evaluator(model, workload, hw, options)
     use_reference = not args.no_reference
     try:
         result = planner.Planner(evaluator, algorithm=args.algo, num_devices=args.gpus,

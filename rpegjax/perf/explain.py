@@ -82,7 +82,8 @@ def compare(plan: Plan, other: Plan, name: str) -> str:
         return f"{name}: {other.prediction.fit_reason}"
     mine, theirs = plan.prediction.stage_seconds(), other.prediction.stage_seconds()
     ratio = other.prediction.step_seconds / plan.prediction.step_seconds
-    diffs = sorted(((theirs.get(s, 0.0) - mine.get(s, 0.0), s) for s in set(mine) | set(theirs)), reverse=True)
+    diffs = sorted(((theirs.get(s, 0.0) - mine.get(s, 0.0), s) for s in set(mine) | set(theirs)),
+                   key=lambda item: (-abs(item[0]), item[1]))
     stages = ", ".join(f"{s} {theirs.get(s, 0.0):.1f} s vs {mine.get(s, 0.0):.1f} s" for d, s in diffs[:2] if abs(d) > 0.05)
     text = (f"{name}: {other.prediction.step_seconds:.1f} s/step, {ratio:.2f}x the best plan's "
             f"{plan.prediction.step_seconds:.1f} s ({other.choice.describe()})")
@@ -90,7 +91,8 @@ def compare(plan: Plan, other: Plan, name: str) -> str:
         text += f"; largest stage differences: {stages}"
     if not other.choice.async_bound and plan.choice.async_bound:
         generate = next(s.name for s in plan.graph.stages if StageKind.GENERATE in s.kinds)
-        text += f"; it cannot hide {generate} behind training (k=0)"
+        text += (f"; it cannot hide {generate} behind training (k=0): its stages add up to "
+                 f"{sum(theirs.values()):.1f} s")
     return text
 
 

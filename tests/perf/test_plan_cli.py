@@ -120,3 +120,12 @@ def test_a_plan_that_does_not_fit_says_why_in_table_and_json():
     document = json.loads(json.dumps(prediction.to_dict(), allow_nan=False))  # strict JSON: no Infinity
     assert document["step_seconds"] is None and document["reason"] == reason and document["fits"] is False
     assert "does not fit" in explain.compare(verl, verl, "verl-like")
+
+
+def test_fitted_efficiencies_slow_the_prediction_down():
+    """The efficiencies fitted to NeMo RL's runs (0.5, 0.575) are below the presets' assumptions (0.7, 0.8)."""
+    args = ["--model", "qwen2.5-0.5b", "--json", *SMALL]
+    plain, fitted = _run(*args), _run(*args, "--fitted-efficiencies")
+    assert plain.returncode == 0 and fitted.returncode == 0, plain.stderr + fitted.stderr
+    step = lambda done: json.loads(done.stdout)["plans"][0]["prediction"]["step_seconds"]
+    assert step(fitted) > step(plain)
