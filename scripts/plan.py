@@ -11,16 +11,18 @@ preset name or a Hugging Face config.json (or its directory). `--json` prints on
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import os
 import sys
 from typing import Any
 
 from rpegjax.graph.trace import gantt_png
 from rpegjax.models import ModelConfig
-from rpegjax.perf import hardware, planner, step_model
+from rpegjax.perf import explain, hardware, planner, step_model, validation
 from rpegjax.perf.generation_cost import ResponseLengths
-from rpegjax.perf.stage_costs import Workload
+from rpegjax.perf.stage_costs import ExecutionOptions, Workload
 
 MODEL_PRESETS = {
     **{f"qwen2.5-{size}": (ModelConfig.qwen2p5, size) for size in ("0.5b", "1.5b", "7b", "32b", "72b")},
@@ -48,26 +50,48 @@ def load_model(name: str) -> ModelConfig:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="qwen2.5-7b")
-    parser.add_argument("--hardware", default="gh200", choices=sorted(hardware.PRESETS))
-    parser.add_argument("--gpus", type=int, default=256)
-    parser.add_argument("--algo", default="grpo", choices=["grpo", "ppo"])
-    parser.add_argument("--prompts", type=int, default=512)
-    parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--prompt-tokens", type=int, default=1024)
-    parser.add_argument("--response-mean", type=float, default=4096)
-    parser.add_argument("--response-max", type=int, default=16384)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=explain.LEGEND,
+                                     formatter_class=_HelpFormatter)
+    parser.add_argument("--model", default="qwen2.5-7b", metavar="NAME_OR_CONFIG",
+                        help=f"model: a preset ({', '.join(MODEL_PRESETS)}) or a Hugging Face config.json or its "
+                             f"directory")
+    parser.add_argument("--hardware", default="gh200", choices=sorted(hardware.PRESETS),
+                        help="GPU and cluster preset (peak FLOP/s, HBM, NVLink and network; see rpegjax/perf/hardware.py)")
+    parser.add_argument("--gpus", type=int, default=256, help="GPUs to plan for")
+    parser.add_argument("--algo", default="grpo", choices=["grpo", "ppo"], help="RL algorithm (PPO adds a critic)")
+    parser.add_argument("--prompts", type=int, default=512, help="prompts per RL step")
+    parser.add_argument("--group-size", type=int, default=8, help="responses sampled per prompt")
+    parser.add_argument("--prompt-tokens", type=int, default=1024, help="tokens per prompt")
+    parser.add_argument("--response-mean", type=float, default=4096,
+                        help="mean response length in tokens (log-normal, sigma 1, clipped at --response-max)")
+    parser.add_argument("--response-max", type=int, default=16384, help="maximum response length in tokens")
     parser.add_argument("--no-reference", action="store_true", help="no reference model (no KL term)")
     parser.add_argument("--top", type=int, default=3, help="alternatives to list after the best plan")
-    parser.add_argument("--json", action="store_true", help="print one JSON document")
-    parser.add_argument("--gantt", help="write a Gantt PNG of the predicted schedules here")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON document instead of the table (null times and a reason for plans that "
+                             "do not fit)")
+    parser.add_argument("--explain", action="store_true",
+                        help="say why the best plan wins: what bounds its step, what overlaps, how the reference "
+                             "plans differ")
+    parser.add_argument("--gantt", metavar="PNG", help="write a Gantt chart of the predicted schedules to this PNG")
+    parser.add_argument("--fitted-efficiencies", action="store_true",
+                        help="use the efficiencies fitted to NeMo RL's published H100 step times (matmul "
+                             f"{validation.FITTED_EFFICIENCIES.matmul} of peak, decode "
+                             f"{validation.FITTED_EFFICIENCIES.decode_memory} of HBM bandwidth; see "
+                             "rpegjax/perf/validation.py) instead of the presets' assumptions (0.7 and 0.8)")
     args = parser.parse_args(argv)
-    if args.gpus < 1:
-        parser.error(f"--gpus must be positive, got {args.gpus}")
+    for name in ("gpus", "prompts", "group_size", "prompt_tokens", "response_max"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.top < 0:
+        parser.error(f"--top must be >= 0, got {args.top}")
     if not 1 <= args.response_mean < args.response_max:
         parser.error(f"--response-mean must be in [1, --response-max), got {args.response_mean}")
     return args
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults after every option's help; the legend in the epilog keeps its line breaks."""
 
 
 def _gb(value: float) -> str:
@@ -81,15 +105,16 @@ def table(rows: list[tuple[str, step_model.Prediction]]) -> str:
     for _, prediction in rows:
         stage_names += [s.name for s in prediction.stages if s.name not in stage_names]
     lines = [("", *names)]
-    lines.append(("step time (s)", *(f"{p.step_seconds:.2f}" for _, p in rows)))
-    lines.append(("tokens/s (generated)", *(f"{p.tokens_per_second:,.0f}" for _, p in rows)))
-    lines.append(("MFU", *(f"{100 * p.mfu:.1f}%" for _, p in rows)))
-    lines.append(("peak memory/GPU (GB)", *(_gb(p.peak_memory_bytes) for _, p in rows)))
+    lines.append(("step time (s)", *(f"{p.step_seconds:.2f}" if p.fits else "does not fit" for _, p in rows)))
+    lines.append(("tokens/s (generated)", *(f"{p.tokens_per_second:,.0f}" if p.fits else "-" for _, p in rows)))
+    lines.append(("MFU", *(f"{100 * p.mfu:.1f}%" if p.fits else "-" for _, p in rows)))
+    lines.append(("peak memory/GPU (GB)", *(_gb(p.needed_memory_bytes) for _, p in rows)))
+    lines.append(("usable memory/GPU (GB)", *(_gb(p.memory_limit_bytes) for _, p in rows)))
     for stage in stage_names:
         values = []
         for _, p in rows:
             found = [s.seconds for s in p.stages if s.name == stage]
-            values.append(f"{found[0]:.2f}" if found else "-")
+            values.append("-" if not found else f"{found[0]:.2f}" if math.isfinite(found[0]) else "does not fit")
         lines.append((f"  {stage} (s)", *values))
     widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
     return "\n".join("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths)))
@@ -97,8 +122,8 @@ def table(rows: list[tuple[str, step_model.Prediction]]) -> str:
 
 
 def _plan_json(name: str, plan: planner.Plan) -> dict[str, Any]:
-    return {"name": name, "description": plan.choice.describe(), "prediction": plan.prediction.to_dict(),
-            "graph": plan.graph.to_dict()}
+    return {"name": name, "description": plan.choice.describe(), "fits": plan.prediction.fits,
+            "reason": plan.prediction.fit_reason, "prediction": plan.prediction.to_dict(), "graph": plan.graph.to_dict()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,12 +132,20 @@ def main(argv: list[str] | None = None) -> int:
     hw = hardware.preset(args.hardware, args.gpus)
     workload = Workload(prompts=args.prompts, group_size=args.group_size, prompt_tokens=args.prompt_tokens,
                         responses=ResponseLengths.lognormal(args.response_mean, args.response_max))
-    evaluator = step_model.Evaluator(model, workload, hw)
+    options = None
+    if args.fitted_efficiencies:
+        fitted = validation.FITTED_EFFICIENCIES
+        hw = dataclasses.replace(hw, device=dataclasses.replace(hw.device, matmul_efficiency=fitted.matmul))
+        options = ExecutionOptions(decode_memory_efficiency=fitted.decode_memory)
+    evaluator = step_model.Evaluator(model, workload, hw, options)
     use_reference = not args.no_reference
-    result = planner.Planner(evaluator, algorithm=args.algo, num_devices=args.gpus, use_reference=use_reference).search(
-        top=args.top + 1)
-    verl = planner.verl_like(evaluator, algorithm=args.algo, num_devices=args.gpus, use_reference=use_reference)
-    real = planner.real_like(evaluator, algorithm=args.algo, num_devices=args.gpus, use_reference=use_reference)
+    try:
+        result = planner.Planner(evaluator, algorithm=args.algo, num_devices=args.gpus,
+                                 use_reference=use_reference).search(top=args.top + 1)
+        verl = planner.verl_like(evaluator, algorithm=args.algo, num_devices=args.gpus, use_reference=use_reference)
+        real = planner.real_like(evaluator, algorithm=args.algo, num_devices=args.gpus, use_reference=use_reference)
+    except ValueError as error:  # nothing fits: say why instead of a traceback
+        raise SystemExit(f"plan.py: {error}") from None
     plans = [("best", result.best), ("verl-like", verl), ("ReaL-like", real)]
     if args.gantt:
         traces = []
@@ -132,7 +165,9 @@ def main(argv: list[str] | None = None) -> int:
             "alternatives": [_plan_json(f"alternative {i + 1}", plan) for i, plan in enumerate(result.alternatives)],
             "search": {"evaluated": result.evaluated, "candidates": result.candidates, "seconds": result.seconds},
         }
-        json.dump(document, sys.stdout)
+        if args.explain:
+            document["explain"] = explain.explain(result.best, plans[1:])
+        json.dump(document, sys.stdout, allow_nan=False)  # strict JSON: a plan that does not fit has null times
         print()
         return 0
     print(f"{args.model} ({model.num_params() / 1e9:.1f}B), {args.algo.upper()}, {args.gpus} x {hw.device.name}; "
@@ -143,8 +178,15 @@ def main(argv: list[str] | None = None) -> int:
     print()
     for name, plan in plans:
         print(f"{name}: {plan.choice.describe()}")
+        if not plan.prediction.fits:
+            print(f"  {plan.prediction.fit_reason}")
     for index, plan in enumerate(result.alternatives):
         print(f"alternative {index + 1}: {plan.prediction.step_seconds:.2f} s/step — {plan.choice.describe()}")
+    print()
+    print(explain.LEGEND)
+    if args.explain:
+        print()
+        print(explain.explain(result.best, plans[1:]))
     if args.gantt:
         print(f"\nGantt chart of the predicted schedules: {args.gantt}")
     return 0

@@ -83,6 +83,7 @@ class PlanChoice:
     generation_layout: tuple[tuple[str, int], ...] = ()
     train_layout: tuple[tuple[str, int], ...] = ()
     inference_layouts: tuple[tuple[str, tuple[tuple[str, int], ...]], ...] = ()  # stage -> own layout
+    optimizer_steps: int = 1  # optimiser steps per RL step (the batch split into this many mini-batches)
 
     def describe(self) -> str:
         placement = "colocated" if not self.generation_devices else (
@@ -94,6 +95,8 @@ class PlanChoice:
         parts.append("fused" if self.fused else "unfused")
         if self.microbatches > 1:
             parts.append(f"{self.microbatches} microbatches")
+        if self.optimizer_steps > 1:
+            parts.append(f"{self.optimizer_steps} optimiser steps")
         if self.inference_layouts:
             parts.append("re-sharded " + ", ".join(f"{s}:{_layout_text(l)}" for s, l in self.inference_layouts))
         return "; ".join(parts)
@@ -116,7 +119,7 @@ class PlanResult:
     alternatives: tuple[Plan, ...]  # next best, ranked
     evaluated: int  # plans predicted in full
     candidates: int  # plans in the space
-    rejected: tuple[str, ...]  # why some candidates were ranked out (first few)
+    rejected: tuple[str, ...]  # why candidates that do not fit were ranked out (the closest few)
     seconds: float
 
 
@@ -127,13 +130,14 @@ def _sizes(layout: tuple[tuple[str, int], ...]) -> dict[str, int]:
 
 @functools.lru_cache(maxsize=128)
 def _structure(algorithm: Algorithm, use_reference: bool, critic_mode: CriticMode, async_bound: int,
-               num_devices: int) -> Graph:
+               num_devices: int, optimizer_steps: int = 1) -> Graph:
     """The builder's graph with asynchrony and actor-critic sharing applied (immutable, so shared)."""
     name = f"{algorithm.value}-plan"
     if algorithm is Algorithm.PPO:
         return ppo_graph(use_reference=use_reference, critic=critic_mode, async_bound=async_bound,
-                         num_devices=num_devices, name=name)
-    return grpo_graph(use_reference=use_reference, async_bound=async_bound, num_devices=num_devices, name=name)
+                         num_devices=num_devices, minibatches=optimizer_steps, name=name)
+    return grpo_graph(use_reference=use_reference, async_bound=async_bound, num_devices=num_devices,
+                      minibatches=optimizer_steps, name=name)
 
 
 def _placed(graph: Graph, choice: PlanChoice) -> Graph:
@@ -163,7 +167,7 @@ def build_graph(choice: PlanChoice) -> Graph:
     """The executable graph of `choice`: builder (asynchrony, critic sharing), placements and layouts, then the
     fusion and micro-batch transforms; validated."""
     graph = _placed(_structure(choice.algorithm, choice.use_reference, choice.critic_mode, choice.async_bound,
-                               choice.num_devices), choice).validate()
+                               choice.num_devices, choice.optimizer_steps), choice).validate()
     if choice.fused:
         graph = transforms.default_fusion(graph)
     if choice.microbatches > 1:
@@ -280,13 +284,14 @@ class Planner:
             bounded.append((self._bound(skeleton), index, skeleton))
         bounded.sort(key=lambda item: (item[0], item[1]))
         ranked: list[tuple[tuple, Plan]] = []  # the best `top` so far, sorted
-        rejected: list[str] = []
+        rejected: list[tuple[float, str]] = []
         per_skeleton = len(self.space.async_bounds) * len(self.space.fusion) * len(self.space.microbatches)
         evaluated, candidates = 0, per_skeleton * len(bounded)
         for bound, _, skeleton in bounded:
             if math.isinf(bound):
-                if len(rejected) < 5:
-                    rejected.append(f"{skeleton.describe()}: does not fit in memory")
+                if not ranked:  # nothing fits yet: keep the closest misses, to say how far off they are
+                    missed = self._plan(skeleton).prediction
+                    rejected.append((missed.needed_memory_bytes, f"{skeleton.describe()}: {missed.fit_reason}"))
                 continue
             if len(ranked) >= top and bound > ranked[-1][0][0]:
                 break  # sorted by bound: no later candidate can enter the top
@@ -298,11 +303,12 @@ class Planner:
                 ranked.append((_rank_key(plan), plan))
                 ranked.sort(key=lambda item: item[0])
                 del ranked[top:]
+        closest = tuple(text for _, text in sorted(rejected)[:5])
         if not ranked:
-            raise ValueError(f"planner: no plan of {candidates} fits in device memory; first reasons: {rejected}")
+            raise ValueError(f"planner: no plan of {candidates} fits in device memory; the closest: " + "; ".join(closest[:3]))
         plans = [plan for _, plan in ranked]
         return PlanResult(best=plans[0], alternatives=tuple(plans[1:]), evaluated=evaluated, candidates=candidates,
-                          rejected=tuple(rejected), seconds=time.perf_counter() - start)
+                          rejected=closest, seconds=time.perf_counter() - start)
 
     def _plan(self, choice: PlanChoice) -> Plan:
         graph = build_graph(choice)

@@ -30,7 +30,7 @@ from rpegjax.perf.generation_cost import (
 )
 from rpegjax.perf.hardware import HardwareSpec
 
-KNOWN_AXES = ("data", "fsdp", "tensor")
+KNOWN_AXES = ("data", "fsdp", "tensor", "pipeline")
 # Elementwise traffic per token and layer in a forward pass (norms, RoPE, residuals, SwiGLU), in units of the
 # compute dtype's bytes: 12·d + 4·(q, k heads)·e + 3·f, counted from the decoder's operations. Dense attention
 # adds float32 score traffic (write, mask, max/exp/sum, normalise: ~5 passes of 4 bytes) per (query, key, head).
@@ -41,11 +41,16 @@ SAMPLING_BYTES_PER_VOCAB = 16  # float32 logits: written, softmax read/written, 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Layout:
-    """Parallel sizes of one stage: batch over data x fsdp, parameters sharded over fsdp x tensor."""
+    """Parallel sizes of one stage: batch over data x fsdp, parameters sharded over fsdp x tensor x pipeline.
+
+    `pipeline` (Megatron-style layer stages, 1F1B) is never searched by the planner (rpegjax does not run it);
+    it exists to predict published runs of systems that do (`rpegjax.perf.validation`).
+    """
 
     data: int = 1
     fsdp: int = 1
     tensor: int = 1
+    pipeline: int = 1
     strides: tuple[tuple[str, int], ...] = ()
 
     @classmethod
@@ -58,11 +63,11 @@ class Layout:
             strides[axis] = stride
             stride *= parallel[axis]
         return cls(data=parallel.get("data", 1), fsdp=parallel.get("fsdp", 1), tensor=parallel.get("tensor", 1),
-                   strides=tuple(sorted(strides.items())))
+                   pipeline=parallel.get("pipeline", 1), strides=tuple(sorted(strides.items())))
 
     @property
     def size(self) -> int:
-        return self.data * self.fsdp * self.tensor
+        return self.data * self.fsdp * self.tensor * self.pipeline
 
     @property
     def replicas(self) -> int:
@@ -72,7 +77,7 @@ class Layout:
     @property
     def shards(self) -> int:
         """Ways the parameters are split."""
-        return self.fsdp * self.tensor
+        return self.fsdp * self.tensor * self.pipeline
 
     def group(self, axis: str) -> collectives.Group:
         size = getattr(self, axis)
@@ -96,6 +101,11 @@ class ExecutionOptions:
     kernels_per_layer: int = 16  # kernels per layer and pass, for the per-kernel overhead
     backward_traffic_ratio: float = 2.0  # elementwise bytes of a backward pass relative to its forward pass
     max_decode_slots: int = 1024  # a serving engine's cap on concurrent sequences per replica
+    # A serving engine's share of device memory (vLLM's gpu_memory_utilization): when set, the KV cache gets this
+    # share of the device minus the generation weights, as in systems that offload training state while they
+    # generate; None: whatever the plan's persistent state leaves (rpegjax's runtime)
+    generation_memory_fraction: float | None = None
+    decode_memory_efficiency: float | None = None  # the decode kernels' share of HBM bandwidth; None: the device's
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "attention", costs.AttentionKernel(self.attention))
@@ -105,6 +115,12 @@ class ExecutionOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ExecutionOptions.{name} must be a positive integer, got {value!r}")
+        if self.generation_memory_fraction is not None and not 0 < self.generation_memory_fraction <= 1:
+            raise ValueError(f"ExecutionOptions.generation_memory_fraction must be in (0, 1] or None, "
+                             f"got {self.generation_memory_fraction!r}")
+        if self.decode_memory_efficiency is not None and not 0 < self.decode_memory_efficiency <= 1:
+            raise ValueError(f"ExecutionOptions.decode_memory_efficiency must be in (0, 1] or None, "
+                             f"got {self.decode_memory_efficiency!r}")
         for name in ("optimizer_bytes_per_param", "grad_bytes_per_param", "backward_traffic_ratio"):
             if getattr(self, name) < 0:
                 raise ValueError(f"ExecutionOptions.{name} must be >= 0, got {getattr(self, name)!r}")
@@ -247,32 +263,46 @@ def model_pass_cost(inputs: CostInputs, shape: ModelShape, layout: Layout, *, lo
     flops *= epochs
     matmul = epochs * _compute_seconds(inputs, shape, tokens=tokens, pairs=pairs, logits=logits or backward,
                                        backward=backward) / layout.size
+    # a pipeline stage runs L/p layers of every micro-batch: per-layer terms shrink by p, compute by layout.size
+    stage_layers = math.ceil(shape.layers / layout.pipeline)
+    stage_shape = dataclasses.replace(shape, layers=stage_layers)
     elementwise = traffic_equivalents * epochs * elementwise_bytes(
-        shape, tokens=tokens / layout.replicas, pairs=pairs / layout.replicas, tensor=layout.tensor, options=o)
+        stage_shape, tokens=tokens / layout.replicas, pairs=pairs / layout.replicas, tensor=layout.tensor, options=o)
     memory = device.memory_seconds(elementwise + passes * shape.weight_bytes / layout.shards)
     tensor_bytes = per_replica / (passes / epochs) * shape.hidden * bytes_each
-    tensor_comm = passes * shape.layers * tensor_reductions * collectives.all_reduce_seconds(
+    tensor_comm = passes * stage_layers * tensor_reductions * collectives.all_reduce_seconds(
         tensor_bytes, hw, layout.group("tensor"))
-    shard_bytes = shape.weight_bytes / layout.tensor
+    shard_bytes = shape.weight_bytes / (layout.tensor * layout.pipeline)
     background = passes * fsdp_gathers * collectives.all_gather_seconds(shard_bytes, hw, layout.group("fsdp"))
     optimizer = 0.0
     if backward:
-        grad_bytes = shape.params * o.grad_bytes_per_param / layout.tensor
+        grad_bytes = shape.params * o.grad_bytes_per_param / (layout.tensor * layout.pipeline)
         background += passes * collectives.reduce_scatter_seconds(grad_bytes, hw, layout.group("fsdp"))
         background += epochs * optimizer_steps * collectives.all_reduce_seconds(grad_bytes / layout.fsdp, hw, layout.group("data"))
         step_bytes = costs.optimizer_step_bytes(shape, state_bytes_per_param=o.optimizer_bytes_per_param,
                                                 grad_bytes_per_param=o.grad_bytes_per_param)
         optimizer = epochs * optimizer_steps * device.memory_seconds(step_bytes / layout.shards)
     busy = matmul + memory
+    pipeline_comm = 0.0
+    if layout.pipeline > 1:
+        # 1F1B: m micro-batches per optimiser step (or per inference pass) fill p stages in (m + p − 1) slots;
+        # each micro-batch sends its activations forward (and their gradients back) once per stage boundary
+        micro_batches = max(1.0, passes / (epochs * max(1, optimizer_steps)))
+        bubble = (micro_batches + layout.pipeline - 1) / micro_batches
+        tensor_comm *= bubble
+        busy *= bubble
+        level = hw.level_index(0, dict(layout.strides).get("pipeline", 1))  # neighbouring stages are a stride apart
+        pipeline_comm = (2 if backward else 1) * passes * collectives.point_to_point_seconds(
+            tensor_bytes / layout.tensor, hw, level)
     exposed = max(0.0, background - busy) if o.overlap_collectives else background
-    overhead = passes * forward_equivalents * shape.layers * o.kernels_per_layer * device.kernel_overhead_s
+    overhead = passes * forward_equivalents * stage_layers * o.kernels_per_layer * device.kernel_overhead_s
     overhead += device.dispatch_overhead_s
-    seconds = busy + tensor_comm + exposed + optimizer + overhead
+    seconds = busy + tensor_comm + pipeline_comm + exposed + optimizer + overhead
     useful = costs.model_flops(shape, tokens=_real_tokens(inputs), pairs=_useful_pairs(inputs), backward=backward) * epochs
     if not logits and not backward:
         useful -= 2 * shape.hidden * shape.vocab * _real_tokens(inputs) * epochs
     return StageCost(seconds=seconds, compute_seconds=matmul, memory_seconds=memory + optimizer,
-                     communication_seconds=tensor_comm + exposed, overhead_seconds=overhead, flops=flops,
+                     communication_seconds=tensor_comm + pipeline_comm + exposed, overhead_seconds=overhead, flops=flops,
                      model_flops=useful, transient_bytes=_pass_transient_bytes(inputs, shape, layout, backward, passes / epochs),
                      detail={"tensor_comm": tensor_comm, "background_comm": background, "optimizer": optimizer,
                              "passes": passes, "matmul": matmul, "elementwise": device.memory_seconds(elementwise)})
@@ -336,6 +366,8 @@ def generation_cost(inputs: CostInputs, layout: Layout, *, kv_budget_bytes: floa
     weights every step (costed, never hidden: decode has no compute to hide it behind).
     """
     hw, o, w, shape, device = inputs.hardware, inputs.options, inputs.workload, inputs.actor, inputs.hardware.device
+    if layout.pipeline > 1:
+        raise ValueError(f"generation with pipeline parallelism ({layout.pipeline} stages) is not modelled")
     t = layout.tensor
     replicas = layout.replicas
     share = math.ceil(w.sequences / replicas)
@@ -346,7 +378,8 @@ def generation_cost(inputs: CostInputs, layout: Layout, *, kv_budget_bytes: floa
     peak = device.flops(shape.compute_dtype) * device.matmul_efficiency
     attention_peak = device.flops(shape.compute_dtype) * (
         device.matmul_efficiency if device.attention_efficiency is None else device.attention_efficiency)
-    bandwidth = device.memory_bandwidth * device.memory_efficiency
+    bandwidth = device.memory_bandwidth * (device.memory_efficiency if o.decode_memory_efficiency is None
+                                           else o.decode_memory_efficiency)
     row_flops = 2 * (shape.layers * shape.matmul_params_per_layer + shape.hidden * shape.vocab) / t
     key_flops = 4 * shape.layers * shape.heads * shape.head_dim / t
     kv_per_token = shape.kv_bytes_per_token / min(t, shape.kv_heads)

@@ -75,13 +75,36 @@ class Prediction:
     def stage_seconds(self) -> dict[str, float]:
         return {s.name: s.seconds for s in self.stages}
 
+    @property
+    def needed_memory_bytes(self) -> float:
+        """Per-GPU memory the plan needs: its peak, or the largest need of a stage that did not fit."""
+        return max([self.peak_memory_bytes] + [s.peak_memory_bytes for s in self.stages if np.isfinite(s.peak_memory_bytes)])
+
+    @property
+    def fit_reason(self) -> str | None:
+        """None when the plan fits; else "does not fit: needs X GB per GPU of Y GB usable (first problem)"."""
+        if self.fits:
+            return None
+        first = self.problems[0] if self.problems else "unknown"
+        if self.needed_memory_bytes > self.memory_limit_bytes:
+            return (f"does not fit: needs {self.needed_memory_bytes / 1e9:.1f} GB per GPU of "
+                    f"{self.memory_limit_bytes / 1e9:.1f} GB usable ({first})")
+        return f"does not fit: {first}"
+
     def to_dict(self) -> dict[str, Any]:
+        """A JSON-safe document: times of a plan that does not fit are null, with the reason beside them."""
+        finite = lambda value: float(value) if np.isfinite(value) else None
+        stages = []
+        for s in self.stages:
+            stage = {**dataclasses.asdict(s), "detail": {k: finite(v) for k, v in s.detail.items()}}
+            stages.append({k: finite(v) if isinstance(v, float) else v for k, v in stage.items()})
         return {
-            "graph": self.graph.name, "step_seconds": self.step_seconds, "step_latency_seconds": self.step_latency_seconds,
-            "tokens_per_second": self.tokens_per_second, "mfu": self.mfu, "model_flops_per_step": self.model_flops_per_step,
-            "peak_memory_bytes": self.peak_memory_bytes, "memory_limit_bytes": self.memory_limit_bytes, "fits": self.fits,
-            "problems": list(self.problems),
-            "stages": [{**dataclasses.asdict(s), "detail": dict(s.detail)} for s in self.stages],
+            "graph": self.graph.name, "step_seconds": finite(self.step_seconds),
+            "step_latency_seconds": finite(self.step_latency_seconds),
+            "tokens_per_second": self.tokens_per_second if self.fits else None, "mfu": self.mfu if self.fits else None,
+            "model_flops_per_step": self.model_flops_per_step, "peak_memory_bytes": self.peak_memory_bytes,
+            "needed_memory_bytes": self.needed_memory_bytes, "memory_limit_bytes": self.memory_limit_bytes,
+            "fits": self.fits, "reason": self.fit_reason, "problems": list(self.problems), "stages": stages,
         }
 
 
@@ -119,7 +142,7 @@ class _Resident:
 def resident_state(graph: Graph, inputs: CostInputs) -> list[_Resident]:
     """Weights and optimiser states that stay on devices across stages, and the generation copy of the actor."""
     o, out = inputs.options, []
-    state_bytes = lambda shape: shape.param_bytes_each + o.optimizer_bytes_per_param  # noqa: E731
+    state_bytes = lambda shape: shape.param_bytes_each + o.optimizer_bytes_per_param
     for kind, shape, what in ((StageKind.ACTOR_UPDATE, inputs.actor, "actor weights + optimiser"),
                               (StageKind.CRITIC_UPDATE, inputs.critic, "critic weights + optimiser")):
         home = _home(graph, kind, own_kind=True)
@@ -183,7 +206,11 @@ def stage_cost(graph: Graph, stage: Stage, inputs: CostInputs, persistent: np.nd
     layout = stage_layout(graph, stage)
     devices = placement_devices(graph, stage.placement)
     if StageKind.GENERATE in kinds:
-        budget = inputs.hardware.usable_memory_bytes - float(persistent[list(devices)].max())
+        if inputs.options.generation_memory_fraction is not None:
+            budget = (inputs.options.generation_memory_fraction * inputs.hardware.device.memory_bytes
+                      - inputs.actor.weight_bytes / layout.shards)
+        else:
+            budget = inputs.hardware.usable_memory_bytes - float(persistent[list(devices)].max())
         return stage_costs.generation_cost(inputs, layout, kv_budget_bytes=budget, pieces=stage.microbatches)
     if StageKind.WEIGHT_SYNC in kinds:
         readers = [graph.stage(name) for name in graph.consumers(stage.name)]
@@ -309,8 +336,13 @@ class Evaluator:
                                 f"{stage.placement!r}, the usable memory is {limit / 1e9:.1f} GB")
         return peak, problems
 
-    def predict(self, graph: Graph, *, steps: int | None = None, with_trace: bool = True) -> Prediction:
-        """Predicts one steady-state RL step of `graph` (see the module docstring)."""
+    def predict(self, graph: Graph, *, steps: int | None = None, with_trace: bool = True,
+                enforce_memory: bool = True) -> Prediction:
+        """Predicts one steady-state RL step of `graph` (see the module docstring).
+
+        With `enforce_memory=False` a plan whose memory accounting exceeds the device is still timed (its
+        problems are reported, `fits` stays False): for published runs whose systems offload or shard state in
+        ways this accounting does not express (`rpegjax.perf.validation`)."""
         self._check(graph)
         inputs, hardware = self.inputs, self.inputs.hardware
         costs, persistent, problems = self.stage_costs(graph)
@@ -329,7 +361,8 @@ class Evaluator:
         fits = not problems
         timeline = None
         step_seconds = latency = float("inf")
-        if fits:
+        timed = fits or (not enforce_memory and all(np.isfinite(c.seconds) for c in costs.values()))
+        if timed:
             simulated = steps or max(6, 4 * (graph.async_bound + 1))
             timeline = schedule_module.simulate(graph, _units(graph, costs, hardware), steps=simulated,
                                                 num_devices=graph.num_devices)
@@ -341,8 +374,8 @@ class Evaluator:
         return Prediction(
             graph=graph, stages=tuple(stage_predictions), step_seconds=step_seconds, step_latency_seconds=latency,
             peak_memory_bytes=float(peak.max()), memory_limit_bytes=hardware.usable_memory_bytes, fits=fits,
-            problems=tuple(problems), tokens_per_second=generated / step_seconds if fits else 0.0,
-            mfu=model_flops / (step_seconds * graph.num_devices * peak_flops) if fits else 0.0,
+            problems=tuple(problems), tokens_per_second=generated / step_seconds if timed else 0.0,
+            mfu=model_flops / (step_seconds * graph.num_devices * peak_flops) if timed else 0.0,
             model_flops_per_step=model_flops,
             trace=schedule_module.to_trace(timeline, graph.name or "predicted") if timeline is not None and with_trace else None)
 

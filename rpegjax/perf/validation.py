@@ -1,14 +1,26 @@
 """Published measurements that the performance model is checked against, each cited with its set-up.
 
-Nothing here is fitted: the tests (`tests/perf/test_validation.py`) predict each run with the default
-efficiencies and compare.
+Pre-training (Korthikanti et al. 2022): nothing is fitted, the default efficiencies predict each run.
+RL step times (`RLRun`): each run is predicted with the system's own plan (`rl_plan`); a few efficiency
+constants (`Efficiencies`) are fitted on some runs (`fit_efficiencies`) and the others are held out
+(`tests/perf/test_validation.py` checks the held-out errors).
 """
 
 from __future__ import annotations
 
-from rpegjax.perf.costs import ModelShape
+import dataclasses
+import math
+from collections.abc import Sequence
+
+from rpegjax.graph.ir import Algorithm
+from rpegjax.perf import hardware as hardware_module
+from rpegjax.perf import planner
+from rpegjax.perf.costs import ModelShape, Remat
+from rpegjax.perf.generation_cost import ResponseLengths
 from rpegjax.perf.hardware import HardwareSpec, a100_node
 from rpegjax.perf.pretraining import PipelineRun
+from rpegjax.perf.stage_costs import ExecutionOptions, Workload
+from rpegjax.perf.step_model import Evaluator, Prediction
 
 
 def _gpt(layers: int, hidden: int, heads: int) -> ModelShape:
@@ -39,3 +51,186 @@ KORTHIKANTI_2022 = (
 def selene(devices: int) -> HardwareSpec:
     """The DGX A100 80 GB cluster these runs used."""
     return a100_node(devices)
+
+
+# ============================================================================================ RL step times
+# Published RL step times, each with the system's own plan. NeMo RL, "Performance" page
+# (docs/about/performance-summary.md), section "Nemo RL v0.5", table "H100 BF16 Benchmarks" (page of 2026-01-20,
+# release r0.5.0); set-ups from the recipes it names (examples/configs/recipes/llm/performance/
+# grpo-llama3.1-8b-instruct-2n8g{,-async-1off}.yaml, grpo-qwen3-32b-{4n8g,8n8g-async-1off}.yaml, defaults
+# examples/configs/grpo_math_1B.yaml): GRPO with a reference model (KL 0.01), 64 prompts x 32 samples
+# (G-GBS 2048), 4 optimiser steps of 512 (T-GBS), Megatron training (distributed optimiser, sequence packing with
+# 4096-token micro-batches), vLLM generation with gpu_memory_utilization 0.6 colocated and 0.8 on its own GPUs,
+# step time averaged over 5 steps (training, generation, log-probs and refit). What is not published: the prompt
+# length (assumed 128 tokens: the table's tokens/s/GPU x GPUs x step time / 2048 exceeds its mean length by
+# 100-135 tokens, i.e. the prompt) and the response-length distribution (assumed log-normal, sigma 1.0, with the
+# table's "G-Average Seq len" as mean, clipped at 4096 - 128 new tokens).
+
+# Hugging Face configs: meta-llama/Llama-3.1-8B-Instruct and Qwen/Qwen3-32B (config.json).
+LLAMA31_8B = ModelShape(layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128, mlp=14336, vocab=128256)
+QWEN3_32B = ModelShape(layers=64, hidden=5120, heads=64, kv_heads=8, head_dim=128, mlp=25600, vocab=151936)
+
+NEMO_RL_V05 = "NeMo RL performance summary, section v0.5, table H100 BF16 (2026-01-20, recipes of r0.5.0)"
+# The same page's first version (2025-12-01), section v0.4, one table (DGX-H100, BF16): the same four set-ups
+# measured with the earlier release, except that its 1-step-off Llama recipe keeps PP 2 and has no in-flight
+# weight updates.
+NEMO_RL_V04 = "NeMo RL performance summary, section v0.4, table DGX-H100 BF16 (2025-12-01, recipes of r0.4.0)"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RLRun:
+    """A published RL training run: its workload, its own plan and the measured seconds per step.
+
+    generation_gpus: GPUs given to generation alone (0: generation shares every GPU with training);
+    train_tensor / train_pipeline: Megatron's TP and PP (data parallelism takes the rest of the training GPUs);
+    async_bound: 0 on-policy, 1 one-step off-policy.
+    """
+
+    name: str
+    source: str
+    shape: ModelShape
+    hardware: str  # a preset of `rpegjax.perf.hardware`
+    gpus: int
+    prompts: int
+    group_size: int
+    prompt_tokens: int
+    response_mean: float
+    response_max: int
+    generation_gpus: int
+    generation_tensor: int
+    train_tensor: int
+    train_pipeline: int
+    async_bound: int
+    optimizer_steps: int
+    remat: bool
+    generation_memory_fraction: float
+    microbatch_tokens: int
+    measured_seconds: float
+
+    def __post_init__(self) -> None:
+        train_gpus = self.gpus - self.generation_gpus
+        if train_gpus < 1 or train_gpus % (self.train_tensor * self.train_pipeline):
+            raise ValueError(f"RLRun {self.name!r}: {train_gpus} training GPUs do not split into TP {self.train_tensor} "
+                             f"x PP {self.train_pipeline}")
+        if (self.generation_gpus or self.gpus) % self.generation_tensor:
+            raise ValueError(f"RLRun {self.name!r}: generation GPUs do not split into TP {self.generation_tensor}")
+        if self.measured_seconds <= 0:
+            raise ValueError(f"RLRun {self.name!r}: measured_seconds must be positive, got {self.measured_seconds!r}")
+
+
+def _nemo_rl(name: str, **fields) -> RLRun:
+    common = {"source": NEMO_RL_V05, "hardware": "h100", "prompts": 64, "group_size": 32, "prompt_tokens": 128,
+              "response_max": 4096 - 128, "optimizer_steps": 2048 // 512, "microbatch_tokens": 4096}
+    return RLRun(name=name, **{**common, **fields})
+
+
+_LLAMA_ON = {"shape": LLAMA31_8B, "gpus": 16, "generation_gpus": 0, "generation_tensor": 1, "train_tensor": 1,
+             "train_pipeline": 2, "async_bound": 0, "remat": True, "generation_memory_fraction": 0.6}
+_LLAMA_OFF = {**_LLAMA_ON, "generation_gpus": 8, "train_pipeline": 1, "async_bound": 1, "generation_memory_fraction": 0.8}
+_QWEN_ON = {"shape": QWEN3_32B, "gpus": 32, "generation_gpus": 0, "generation_tensor": 4, "train_tensor": 4,
+            "train_pipeline": 4, "async_bound": 0, "remat": False, "generation_memory_fraction": 0.6}
+_QWEN_OFF = {**_QWEN_ON, "gpus": 64, "generation_gpus": 32, "async_bound": 1, "generation_memory_fraction": 0.8}
+
+NEMO_RL_RUNS = (
+    _nemo_rl("NeMo-RL v0.5 Llama-3.1-8B on-policy", **_LLAMA_ON, response_mean=1019, measured_seconds=92.8),
+    _nemo_rl("NeMo-RL v0.5 Llama-3.1-8B 1-step off", **_LLAMA_OFF, response_mean=1123, measured_seconds=64.8),
+    _nemo_rl("NeMo-RL v0.5 Qwen3-32B on-policy", **_QWEN_ON, response_mean=3251, measured_seconds=376.0),
+    _nemo_rl("NeMo-RL v0.5 Qwen3-32B 1-step off", **_QWEN_OFF, response_mean=3252, measured_seconds=200.0),
+    _nemo_rl("NeMo-RL v0.4 Llama-3.1-8B on-policy", **_LLAMA_ON, response_mean=1060, measured_seconds=97.7,
+             source=NEMO_RL_V04),
+    _nemo_rl("NeMo-RL v0.4 Llama-3.1-8B 1-step off", **{**_LLAMA_OFF, "train_pipeline": 2}, response_mean=1129,
+             measured_seconds=74.6, source=NEMO_RL_V04),
+    _nemo_rl("NeMo-RL v0.4 Qwen3-32B on-policy", **_QWEN_ON, response_mean=3206, measured_seconds=393.0,
+             source=NEMO_RL_V04),
+    _nemo_rl("NeMo-RL v0.4 Qwen3-32B 1-step off", **_QWEN_OFF, response_mean=3207, measured_seconds=215.0,
+             source=NEMO_RL_V04),
+)
+# Fitted on the smallest set-ups (Llama-3.1-8B on 16 GPUs, v0.5), chosen before looking at the errors: a user
+# calibrates on what they can run and plans larger. Everything else is held out.
+FIT_RUNS = NEMO_RL_RUNS[:2]
+HELD_OUT_RUNS = NEMO_RL_RUNS[2:]
+
+
+# ------------------------------------------------------------------------------------ plan and prediction
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Efficiencies:
+    """The fitted constants: fraction of peak FLOP/s that training and log-prob passes reach (Megatron's
+    kernels) and fraction of HBM bandwidth that decoding reaches (vLLM's kernels, per-step scheduling included)."""
+
+    matmul: float
+    decode_memory: float
+
+    def __post_init__(self) -> None:
+        for name in ("matmul", "decode_memory"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"Efficiencies.{name} must be in (0, 1], got {getattr(self, name)!r}")
+
+
+DEFAULT_EFFICIENCIES = Efficiencies(matmul=0.7, decode_memory=0.8)  # the presets' unfitted assumptions
+# What `fit_efficiencies(FIT_RUNS)` returns (tests/perf/test_validation.py recomputes it): Megatron's passes at
+# 50% of peak, vLLM's decode at 57.5% of HBM bandwidth.
+FITTED_EFFICIENCIES = Efficiencies(matmul=0.5, decode_memory=0.575)
+
+
+def rl_plan(run: RLRun) -> planner.PlanChoice:
+    """The run's own plan as a planner choice: its placement (colocated or generation on its own GPUs), its
+    generation TP, its training TP x PP (PP as a `pipeline` axis) with data parallelism over the rest, its
+    asynchrony and its optimiser steps per RL step."""
+    train_gpus = run.gpus - run.generation_gpus
+    data = train_gpus // (run.train_tensor * run.train_pipeline)
+    generation = (run.generation_gpus or run.gpus) // run.generation_tensor
+    return planner.PlanChoice(
+        algorithm=Algorithm.GRPO, use_reference=True, num_devices=run.gpus, async_bound=run.async_bound,
+        generation_devices=run.generation_gpus, optimizer_steps=run.optimizer_steps,
+        generation_layout=(("data", generation), ("fsdp", 1), ("tensor", run.generation_tensor)),
+        train_layout=(("data", data), ("pipeline", run.train_pipeline), ("tensor", run.train_tensor)))
+
+
+def rl_evaluator(run: RLRun, efficiencies: Efficiencies) -> Evaluator:
+    """Model, workload, hardware (with `efficiencies`) and execution options of the run."""
+    hw = hardware_module.preset(run.hardware, run.gpus)
+    # decode streams weights and KV: its bandwidth efficiency stands for the serving engine; the training
+    # passes' elementwise traffic keeps the preset's
+    device = dataclasses.replace(hw.device, matmul_efficiency=efficiencies.matmul)
+    hw = dataclasses.replace(hw, device=device)
+    workload = Workload(prompts=run.prompts, group_size=run.group_size, prompt_tokens=run.prompt_tokens,
+                        responses=ResponseLengths.lognormal(run.response_mean, run.response_max))
+    options = ExecutionOptions(remat=Remat.FULL if run.remat else Remat.NONE, microbatch_tokens=run.microbatch_tokens,
+                               generation_memory_fraction=run.generation_memory_fraction,
+                               decode_memory_efficiency=efficiencies.decode_memory)
+    return Evaluator(run.shape, workload, hw, options)
+
+
+def predict_rl_run(run: RLRun, efficiencies: Efficiencies = DEFAULT_EFFICIENCIES) -> Prediction:
+    """The step model's prediction of `run` under its own plan. Memory is reported, not enforced: these systems
+    offload training state while generating and shard optimiser state over data parallelism (Megatron's
+    distributed optimiser), which the plan-level accounting does not express."""
+    return rl_evaluator(run, efficiencies).predict(planner.build_graph(rl_plan(run)), with_trace=False,
+                                                   enforce_memory=False)
+
+
+def relative_errors(runs: Sequence[RLRun], efficiencies: Efficiencies) -> dict[str, float]:
+    """(predicted − measured) / measured per run."""
+    out = {}
+    for run in runs:
+        predicted = predict_rl_run(run, efficiencies).step_seconds
+        if not math.isfinite(predicted):
+            raise ValueError(f"{run.name}: the model gives no finite step time")
+        out[run.name] = predicted / run.measured_seconds - 1
+    return out
+
+
+def fit_efficiencies(runs: Sequence[RLRun], *, matmul: Sequence[float] = tuple(0.25 + 0.025 * i for i in range(23)),
+                     decode_memory: Sequence[float] = tuple(0.2 + 0.025 * i for i in range(33))) -> Efficiencies:
+    """The grid point that minimises the sum of squared log errors of `runs` (a grid: the step model is a
+    simulation, not differentiable, and two constants on a 0.025 grid are cheap)."""
+    if not runs:
+        raise ValueError("fit_efficiencies needs at least one run")
+    best, best_loss = None, math.inf
+    for m in matmul:
+        for d in decode_memory:
+            candidate = Efficiencies(matmul=m, decode_memory=d)
+            loss = sum(math.log1p(e) ** 2 for e in relative_errors(runs, candidate).values())
+            if loss < best_loss - 1e-12:
+                best, best_loss = candidate, loss
+    return best

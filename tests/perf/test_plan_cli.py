@@ -1,12 +1,19 @@
 """scripts/plan.py end to end: the table, the JSON document, a Hugging Face config.json and the Gantt PNG."""
 
+import dataclasses
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 
+import pytest
+
 from rpegjax.graph.ir import Graph
 from rpegjax.models import ModelConfig
+from rpegjax.perf import explain, hardware, planner, step_model
+from rpegjax.perf.generation_cost import ResponseLengths
+from rpegjax.perf.stage_costs import Workload
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = ["--hardware", "gh200", "--gpus", "8", "--prompts", "16", "--group-size", "4", "--prompt-tokens", "256",
@@ -43,3 +50,82 @@ def test_table_output_and_bad_model():
         assert text in done.stdout
     bad = _run("--model", "gpt-5", *SMALL)
     assert bad.returncode != 0 and "neither a preset" in bad.stderr
+
+
+# ------------------------------------------------------------------------- for people: help, legend, reasons
+
+
+def _plan_module():
+    spec = importlib.util.spec_from_file_location("plan_script", os.path.join(ROOT, "scripts", "plan.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_help_names_every_option_with_its_default_and_the_models():
+    done = _run("--help")
+    assert done.returncode == 0, done.stderr
+    text = " ".join(done.stdout.split())
+    for option in ("--model", "--hardware", "--gpus", "--algo", "--prompts", "--group-size", "--prompt-tokens",
+                   "--response-mean", "--response-max", "--no-reference", "--top", "--json", "--explain", "--gantt"):
+        assert option in text
+    for default in ("(default: qwen2.5-7b)", "(default: gh200)", "(default: 256)", "(default: 512)", "(default: 8)",
+                    "(default: 1024)", "(default: 4096)", "(default: 16384)", "(default: 3)"):
+        assert default in text, default
+    for model in _plan_module().MODEL_PRESETS:
+        assert model in text
+    assert "d48xt4" in text and "k=N" in text  # the legend is part of the help
+
+
+def test_table_prints_the_legend_and_explain_says_why():
+    done = _run("--model", "qwen2.5-0.5b", "--algo", "grpo", "--explain", *SMALL)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "Plan notation:" in out and "asynchrony bound" in out and "FSDP" in out
+    assert "Why the best plan wins" in out
+    why = out[out.index("Why the best plan wins"):]
+    assert "is bound by the" in why and "largest stage is" in why
+    assert "verl-like:" in why and "ReaL-like:" in why and "x the best plan's" in why
+    assert "inf" not in out.split()
+
+
+def test_nothing_fits_says_how_much_memory_is_needed():
+    done = _run("--model", "qwen2.5-32b", "--hardware", "h100", "--gpus", "8", "--prompts", "16", "--group-size", "4",
+                "--prompt-tokens", "256", "--response-mean", "512", "--response-max", "2048", "--top", "1")
+    assert done.returncode != 0
+    assert "no plan of" in done.stderr and "does not fit: needs" in done.stderr and "GB per GPU of 72.0 GB usable" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def _tight_plans():
+    """A 7B model on 4 H100 cut to 40 GB: the verl-like plan (FSDP over 4, its own generation copy) does not fit."""
+    hw = hardware.h100_node(4)
+    hw = dataclasses.replace(hw, device=dataclasses.replace(hw.device, memory_bytes=40e9))
+    workload = Workload(prompts=16, group_size=4, prompt_tokens=256, responses=ResponseLengths.lognormal(512, 2048))
+    evaluator = step_model.Evaluator(ModelConfig.qwen2p5("7b"), workload, hw)
+    verl = planner.verl_like(evaluator, algorithm="grpo", num_devices=4)
+    return evaluator, verl
+
+
+def test_a_plan_that_does_not_fit_says_why_in_table_and_json():
+    _, verl = _tight_plans()
+    prediction = verl.prediction
+    assert not prediction.fits
+    reason = prediction.fit_reason
+    assert reason.startswith("does not fit: needs ") and "GB per GPU of 36.0 GB usable" in reason
+    needed = float(reason.split("needs ")[1].split(" GB")[0])
+    assert needed == pytest.approx(prediction.needed_memory_bytes / 1e9, abs=0.05) and needed > 36.0
+    table = _plan_module().table([("verl-like", prediction)])
+    assert "does not fit" in table and "inf" not in table.split()
+    document = json.loads(json.dumps(prediction.to_dict(), allow_nan=False))  # strict JSON: no Infinity
+    assert document["step_seconds"] is None and document["reason"] == reason and document["fits"] is False
+    assert "does not fit" in explain.compare(verl, verl, "verl-like")
+
+
+def test_fitted_efficiencies_slow_the_prediction_down():
+    """The efficiencies fitted to NeMo RL's runs (0.5, 0.575) are below the presets' assumptions (0.7, 0.8)."""
+    args = ["--model", "qwen2.5-0.5b", "--json", *SMALL]
+    plain, fitted = _run(*args), _run(*args, "--fitted-efficiencies")
+    assert plain.returncode == 0 and fitted.returncode == 0, plain.stderr + fitted.stderr
+    step = lambda done: json.loads(done.stdout)["plans"][0]["prediction"]["step_seconds"]
+    assert step(fitted) > step(plain)

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import math
 
 import numpy as np
 import pytest
@@ -176,9 +177,39 @@ def test_a_plan_that_exceeds_memory_is_reported_not_timed():
 
 
 def test_unknown_parallel_axes_are_refused():
-    graph = builders.grpo_graph(use_reference=False, num_devices=8, parallel={"pipeline": 2, "data": 4})
+    graph = builders.grpo_graph(use_reference=False, num_devices=8, parallel={"expert": 2, "data": 4})
     with pytest.raises(ValueError, match="knows parallel axes"):
         step_model.predict(graph, QWEN05, SMALL, hardware.h100_node(8))
+    # pipeline stages are modelled for training passes only (published Megatron runs), never for generation
+    graph = builders.grpo_graph(use_reference=False, num_devices=8, parallel={"pipeline": 2, "data": 4})
+    with pytest.raises(ValueError, match="generation with pipeline parallelism"):
+        step_model.predict(graph, QWEN05, SMALL, hardware.h100_node(8))
+
+
+def test_pipeline_stages_split_the_work_and_add_a_bubble():
+    """p stages run L/p layers each: per-device work as p-way sharding, times (m + p − 1)/m for m micro-batches."""
+    from rpegjax.perf import stage_costs
+    from rpegjax.perf.stage_costs import CostInputs, ExecutionOptions, Layout
+
+    shape = ModelShape.from_config(QWEN05)
+    hw = hardware.h100_node(8)
+
+    def update(layout, microbatch_tokens):
+        options = ExecutionOptions(microbatch_tokens=microbatch_tokens, overlap_collectives=True)
+        inputs = CostInputs(hardware=hw, actor=shape, critic=shape, workload=SMALL, options=options)
+        return stage_costs.model_pass_cost(inputs, shape, layout, logits=True, backward=True, optimizer_steps=1)
+
+    one = Layout.from_parallel({"data": 2}, where="test")
+    staged = Layout.from_parallel({"data": 2, "pipeline": 4}, where="test")
+    assert staged.shards == 4 and staged.size == 8 and staged.replicas == 2
+    tokens = stage_costs.batch_tokens(CostInputs(hardware=hw, actor=shape, critic=shape, workload=SMALL,
+                                                 options=ExecutionOptions()))[0]
+    few = tokens / 2 / 2  # 2 micro-batches per replica: a (2 + 3)/2 bubble
+    ratio_few = update(staged, math.ceil(few)).detail["matmul"] / update(one, math.ceil(few)).detail["matmul"]
+    assert ratio_few == pytest.approx(1 / 4)  # the matmul FLOPs split over the 4 stages
+    bubble = lambda m: (m + 3) / m
+    slow = update(staged, math.ceil(few))
+    assert slow.seconds / (slow.detail["matmul"] + slow.memory_seconds - slow.detail["optimizer"]) > bubble(2) * 0.99
 
 
 def test_colocated_weight_sync_costs_a_copy_of_the_weights():

@@ -1,12 +1,22 @@
 """Published large-model measurements reproduced by the cost model (no fitting: default efficiencies)."""
 
 import dataclasses
+import math
 
 import pytest
 
-from rpegjax.perf import pretraining
+from rpegjax.graph.ir import StageKind
+from rpegjax.perf import planner, pretraining, validation
 from rpegjax.perf.pretraining import Recompute
-from rpegjax.perf.validation import KORTHIKANTI_2022, selene
+from rpegjax.perf.validation import (
+    DEFAULT_EFFICIENCIES,
+    FIT_RUNS,
+    FITTED_EFFICIENCIES,
+    HELD_OUT_RUNS,
+    KORTHIKANTI_2022,
+    NEMO_RL_RUNS,
+    selene,
+)
 
 
 @pytest.mark.parametrize("run", KORTHIKANTI_2022, ids=lambda run: run.name)
@@ -27,3 +37,68 @@ def test_pipeline_bubble_and_recomputation_cost_time():
     assert full["seconds"] > base["seconds"]
     with pytest.raises(ValueError, match="do not split into 7 stages"):
         pretraining.iteration_seconds(dataclasses.replace(run, pipeline=7), hardware)
+
+
+# ------------------------------------------------------------------------------------------ RL step times
+
+HELD_OUT_BOUND = 0.25  # issue 15: every held-out case within 25%
+
+
+def test_fit_on_the_fit_runs_gives_the_recorded_constants():
+    fitted = validation.fit_efficiencies(FIT_RUNS)
+    assert fitted.matmul == pytest.approx(FITTED_EFFICIENCIES.matmul)
+    assert fitted.decode_memory == pytest.approx(FITTED_EFFICIENCIES.decode_memory)
+    assert set(FIT_RUNS).isdisjoint(HELD_OUT_RUNS) and len(FIT_RUNS) + len(HELD_OUT_RUNS) == len(NEMO_RL_RUNS)
+
+
+@pytest.mark.parametrize("run", HELD_OUT_RUNS, ids=lambda run: run.name)
+def test_held_out_step_times_within_bound(run):
+    error = validation.relative_errors([run], FITTED_EFFICIENCIES)[run.name]
+    assert abs(error) <= HELD_OUT_BOUND, f"{run.name}: predicted {100 * error:+.1f}% off the measured {run.measured_seconds} s"
+
+
+def test_fitting_improves_on_the_unfitted_assumptions():
+    fitted = validation.relative_errors(HELD_OUT_RUNS, FITTED_EFFICIENCIES)
+    unfitted = validation.relative_errors(HELD_OUT_RUNS, DEFAULT_EFFICIENCIES)
+    assert max(map(abs, fitted.values())) < max(map(abs, unfitted.values()))
+
+
+@pytest.mark.parametrize("run", NEMO_RL_RUNS[:4], ids=lambda run: run.name)
+def test_each_run_is_predicted_with_its_own_plan(run):
+    graph = planner.build_graph(validation.rl_plan(run))
+    assert graph.num_devices == run.gpus and graph.async_bound == run.async_bound
+    generate = graph.stages_of_kind(StageKind.GENERATE)[0]
+    update = graph.stages_of_kind(StageKind.ACTOR_UPDATE)[0]
+    assert graph.parallel_of(generate.name)["tensor"] == run.generation_tensor
+    train = graph.parallel_of(update.name)
+    assert (train["tensor"], train["pipeline"]) == (run.train_tensor, run.train_pipeline)
+    assert math.prod(train.values()) == run.gpus - run.generation_gpus
+    assert update.options["minibatches"] == run.optimizer_steps
+    colocated = graph.placements[generate.placement] == graph.placements[update.placement]
+    assert colocated == (run.generation_gpus == 0)
+
+
+def test_asynchrony_overlaps_generation_with_training():
+    on_policy, off_policy = NEMO_RL_RUNS[2], NEMO_RL_RUNS[3]  # Qwen3-32B: 32 colocated GPUs vs 32 + 32
+    on = validation.predict_rl_run(on_policy, FITTED_EFFICIENCIES)
+    off = validation.predict_rl_run(off_policy, FITTED_EFFICIENCIES)
+    busy = off.stage_seconds()
+    assert on.step_seconds == pytest.approx(sum(on.stage_seconds().values()), rel=0.02)  # colocated: stages add
+    training = sum(t for name, t in busy.items() if name != "generate")
+    assert off.step_seconds == pytest.approx(max(busy["generate"], training), rel=0.05)  # one-step off: they overlap
+
+
+def test_memory_is_reported_not_enforced_for_published_runs():
+    run = NEMO_RL_RUNS[0]  # the accounting keeps training state resident; NeMo RL offloads it to generate
+    prediction = validation.predict_rl_run(run, FITTED_EFFICIENCIES)
+    assert not prediction.fits and prediction.problems and math.isfinite(prediction.step_seconds)
+    evaluator = validation.rl_evaluator(run, FITTED_EFFICIENCIES)
+    enforced = evaluator.predict(planner.build_graph(validation.rl_plan(run)), with_trace=False)
+    assert math.isinf(enforced.step_seconds)
+
+
+def test_runs_reject_impossible_plans():
+    with pytest.raises(ValueError, match="do not split into TP 4 x PP 3"):
+        dataclasses.replace(NEMO_RL_RUNS[2], train_pipeline=3)
+    with pytest.raises(ValueError, match="Efficiencies.matmul"):
+        validation.Efficiencies(matmul=1.5, decode_memory=0.5)
