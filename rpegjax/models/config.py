@@ -15,6 +15,22 @@ class Architecture(enum.StrEnum):
     LLAMA = "llama"  # no bias, optional llama3 RoPE scaling
 
 
+class AttentionKind(enum.StrEnum):
+    """Full-sequence attention kernel (training, log-probs, prefill); see `rpegjax.models.attention`."""
+
+    DENSE = "dense"  # materialises [b, h, t, t] scores: fastest for short sequences, memory O(t^2)
+    BLOCKWISE = "blockwise"  # flash attention in plain JAX, any backend and dtype: memory O(t * block)
+    CUDNN = "cudnn"  # cuDNN fused flash attention: CUDA GPU, bfloat16/float16 only
+
+
+class RematPolicy(enum.StrEnum):
+    """What each decoder layer keeps for the backward pass (`nnx.remat` per layer)."""
+
+    NONE = "none"  # keep every activation: fastest, memory grows with layers x tokens x widths
+    DOTS = "dots"  # keep matmul outputs, recompute the elementwise ops between them
+    FULL = "full"  # keep only each layer's input, recompute the whole layer in the backward
+
+
 HF_ARCHITECTURE_CLASS = {
     Architecture.QWEN2: "Qwen2ForCausalLM",
     Architecture.QWEN3: "Qwen3ForCausalLM",
@@ -39,7 +55,9 @@ class ModelConfig:
     """Shape and numerics of a decoder-only transformer.
 
     `param_dtype` is how weights are stored, `dtype` how matmuls are computed; norms, softmax and
-    log-probs always run in float32.
+    log-probs always run in float32. `attention` picks the full-sequence attention kernel
+    (`attention_block_size` is the blockwise kernel's query/key block) and `remat` what each layer keeps
+    for the backward pass; neither changes the model's maths.
     """
 
     architecture: Architecture = Architecture.QWEN2
@@ -60,12 +78,22 @@ class ModelConfig:
     value_head: bool = False
     param_dtype: str = "float32"
     dtype: str = "float32"
+    attention: AttentionKind = AttentionKind.DENSE
+    attention_block_size: int = 512
+    remat: RematPolicy = RematPolicy.NONE
     bos_token_id: int | None = None
     eos_token_id: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "architecture", Architecture(self.architecture))
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size"):
+        for name, kind in (("attention", AttentionKind), ("remat", RematPolicy)):
+            try:
+                object.__setattr__(self, name, kind(getattr(self, name)))
+            except ValueError:
+                raise ValueError(f"ModelConfig.{name} must be one of {[k.value for k in kind]}, "
+                                 f"got {getattr(self, name)!r}") from None
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
+                     "attention_block_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"ModelConfig.{name} must be a positive integer, got {value!r}")

@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
+from rpegjax.models.attention import attend, causal_attention  # noqa: F401  (causal_attention: re-exported)
 from rpegjax.models.config import ModelConfig
 from rpegjax.sharding import axes
 from rpegjax.sharding.rules import ActivationSharding, constrain
@@ -157,7 +158,7 @@ class Attention(nnx.Module):
         v = self._project(x, self.v_proj, "v_bias", None, None)
         q = constrain(q, sharding, (axes.BATCH, None, axes.HEADS, None))
         if layer_cache is None:
-            return self._output(causal_attention(q, k, v, key_mask)), None
+            return self._output(attend(cfg.attention, cfg.attention_block_size, q, k, v, key_mask)), None
         # writing only the new tokens into this layer's [b k T e] arrays (a scatter XLA does in place)
         # avoids copying the cache at every decode step. The advanced indices (rows, columns) around the
         # head slice address a [b t k e] block, the layout of k and v.
@@ -174,34 +175,6 @@ class Attention(nnx.Module):
         o_proj = self.o_proj.get_value().astype(self.cfg.jnp_dtype)
         b, t = out.shape[:2]
         return (out.reshape(b * t, -1) @ o_proj.reshape(-1, o_proj.shape[-1])).reshape(b, t, -1)
-
-
-def causal_attention(
-    q: Float[Array, "b t h e"],
-    k: Float[Array, "b t k e"],
-    v: Float[Array, "b t k e"],
-    key_mask: Bool[Array, "b t"] | None,
-) -> Float[Array, "b t h e"]:
-    """softmax(q k^T / sqrt(e)) v over keys at or before each query (and real per `key_mask`), float32 softmax.
-
-    Queries are laid out [b, k, g t, e] (the g heads sharing a KV head stacked along time), so each
-    product is one batched GEMM over b k with the transposes done once, and 1/sqrt(e) scales q (smaller
-    than the scores) inside that transpose.
-    """
-    b, t, h, e = q.shape
-    kv = k.shape[2]
-    g = h // kv
-    index = jnp.arange(t)
-    valid = (index[None, :] <= index[:, None])[None]  # 1 t s
-    if key_mask is not None:
-        valid = valid & key_mask[:, None, :]
-    qg = (q / math.sqrt(e)).reshape(b, t, kv, g, e).transpose(0, 2, 3, 1, 4).reshape(b, kv, g * t, e)
-    keys, values = k.astype(q.dtype).transpose(0, 2, 1, 3), v.astype(q.dtype).transpose(0, 2, 1, 3)  # b k s e
-    scores = jnp.einsum("bkqe,bkse->bkqs", qg, keys).astype(jnp.float32).reshape(b, kv, g, t, t)
-    scores = jnp.where(valid[:, None, None], scores, _NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype).reshape(b, kv, g * t, t)
-    out = jnp.einsum("bkqs,bkse->bkqe", probs, values)
-    return out.reshape(b, kv, g, t, e).transpose(0, 3, 1, 2, 4).reshape(b, t, h, e)
 
 
 def _cached_attention(

@@ -12,6 +12,7 @@ import os
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -90,6 +91,18 @@ def test_logits_match_transformers_on_left_padded_batch(case, tmp_path):
     ours = _our_logits(model, tokens, mask, positions)
     assert reference[mask].std() > 0.5  # the comparison is not between near-constant logits
     np.testing.assert_allclose(ours[mask], reference[mask], atol=TOLERANCE, rtol=0)
+
+
+@pytest.mark.parametrize("case", ["qwen3", "llama3"])
+def test_blockwise_attention_matches_transformers_on_left_padded_batch(case, tmp_path):
+    path = _hf_checkpoint(case, tmp_path)
+    tokens, mask, positions = _left_padded_batch()
+    reference = _hf_logits(path, tokens, mask, positions)
+    loaded, cfg = load_pretrained(path)
+    # block 4 over 11 tokens: three blocks, the last one padded
+    model = nnx.eval_shape(lambda: Decoder(cfg.replace(attention="blockwise", attention_block_size=4), rngs=nnx.Rngs(0)))
+    nnx.update(model, nnx.state(loaded))
+    np.testing.assert_allclose(_our_logits(model, tokens, mask, positions)[mask], reference[mask], atol=TOLERANCE, rtol=0)
 
 
 @pytest.mark.parametrize("case", ["llama3", "qwen2_tied"])
