@@ -22,7 +22,7 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from rpegjax.models.attention import attend, causal_attention  # noqa: F401  (causal_attention: re-exported)
-from rpegjax.models.config import ModelConfig
+from rpegjax.models.config import ModelConfig, RematPolicy
 from rpegjax.sharding import axes
 from rpegjax.sharding.rules import ActivationSharding, constrain
 
@@ -296,7 +296,11 @@ class Decoder(nnx.Module):
         # computed at trace time from the config: a constant, not a parameter
         rope = rope_tables(positions, rope_inverse_frequencies(self.cfg))
         new_k, new_v = [], []
+        full_sequence = _remat_layer(self.cfg.remat, sharding) if cache is None else None
         for index, layer in enumerate(self.layers):
+            if full_sequence is not None:
+                x, written = full_sequence(layer, x, rope, mask), None
+                continue
             layer_cache = None if cache is None else (cache.k[index], cache.v[index])
             offsets = None if cache is None else cache.lengths
             x, written = layer(x, rope, mask, layer_cache, offsets, sharding)
@@ -339,6 +343,25 @@ class Decoder(nnx.Module):
             positions = default_positions(tokens, mask)
         hidden, _ = self.hidden_states(tokens, positions, mask=mask, sharding=sharding)
         return self.logits(hidden)
+
+
+# What a rematerialised layer saves: DOTS keeps the 2-D projection and MLP matmuls' outputs (not attention's
+# batched [t, t] products, which would undo the point of blockwise attention); FULL keeps only the layer input.
+_REMAT_POLICIES = {
+    RematPolicy.DOTS: jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    RematPolicy.FULL: jax.checkpoint_policies.nothing_saveable,
+}
+
+
+def _remat_layer(policy: RematPolicy, sharding: ActivationSharding | None):
+    """`apply(layer, x, rope, mask) -> x` of one full-sequence layer, under `nnx.remat` unless policy is NONE."""
+
+    def apply(layer: Block, x, rope, mask):
+        return layer(x, rope, mask, None, None, sharding)[0]
+
+    if policy is RematPolicy.NONE:
+        return apply
+    return nnx.remat(apply, policy=_REMAT_POLICIES[policy])
 
 
 def default_positions(tokens: Int[Array, "b t"], mask: Bool[Array, "b t"] | None) -> Int[Array, "b t"]:

@@ -92,3 +92,34 @@ def test_llama3_rope_scaling_changes_low_frequencies_only():
 def test_bad_model_configs(changes, message):
     with pytest.raises(ValueError, match=message):
         ModelConfig.tiny(**changes)
+
+
+def _loss_and_grads(cfg: ModelConfig, tokens, mask):
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+
+    def loss(state):
+        logits = nnx.merge(graphdef, state)(tokens, mask=mask)
+        return jnp.mean(jax.nn.log_softmax(logits)[..., 1] * mask)
+
+    return jax.jit(jax.value_and_grad(loss))(state), jax.make_jaxpr(jax.value_and_grad(loss))(state)
+
+
+@pytest.mark.parametrize("remat", ["dots", "full"])
+def test_remat_gives_the_same_loss_and_gradients(remat):
+    cfg = ModelConfig.tiny(attention="blockwise", attention_block_size=4)
+    tokens = jax.random.randint(jax.random.key(4), (2, 10), 0, cfg.vocab_size)
+    mask = jnp.arange(10)[None, :] < jnp.array([10, 6])[:, None]
+    (loss, grads), plain_jaxpr = _loss_and_grads(cfg, tokens, mask)
+    (remat_loss, remat_grads), remat_jaxpr = _loss_and_grads(cfg.replace(remat=remat), tokens, mask)
+    # remat is really applied: the backward recomputes the layers inside `remat` (jax.checkpoint) equations
+    assert " remat" in str(remat_jaxpr) and " remat" not in str(plain_jaxpr)
+    np.testing.assert_allclose(remat_loss, loss, rtol=1e-6)
+    for (path, ours), expected in zip(jax.tree_util.tree_leaves_with_path(remat_grads), jax.tree.leaves(grads),
+                                      strict=True):
+        np.testing.assert_allclose(ours, expected, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+
+
+def test_remat_policy_is_validated():
+    with pytest.raises(ValueError, match=r"ModelConfig.remat must be one of .* got 'some'"):
+        ModelConfig.tiny(remat="some")
