@@ -57,7 +57,8 @@ class ModelConfig:
     `param_dtype` is how weights are stored, `dtype` how matmuls are computed; norms, softmax and
     log-probs always run in float32. `attention` picks the full-sequence attention kernel
     (`attention_block_size` is the blockwise kernel's query/key block) and `remat` what each layer keeps
-    for the backward pass; neither changes the model's maths.
+    for the backward pass; `scan_layers` runs the full-sequence layer stack as one `lax.scan` (compile time
+    independent of depth; needed for remat to bound memory on XLA's CPU backend). None changes the maths.
     """
 
     architecture: Architecture = Architecture.QWEN2
@@ -81,6 +82,7 @@ class ModelConfig:
     attention: AttentionKind = AttentionKind.DENSE
     attention_block_size: int = 512
     remat: RematPolicy = RematPolicy.NONE
+    scan_layers: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | None = None
 

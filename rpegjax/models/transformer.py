@@ -296,6 +296,8 @@ class Decoder(nnx.Module):
         # computed at trace time from the config: a constant, not a parameter
         rope = rope_tables(positions, rope_inverse_frequencies(self.cfg))
         new_k, new_v = [], []
+        if cache is None and self.cfg.scan_layers:
+            return self.final_norm(_scan_layers(self.layers, x, rope, mask, self.cfg.remat, sharding)), None
         full_sequence = _remat_layer(self.cfg.remat, sharding) if cache is None else None
         for index, layer in enumerate(self.layers):
             if full_sequence is not None:
@@ -362,6 +364,25 @@ def _remat_layer(policy: RematPolicy, sharding: ActivationSharding | None):
     if policy is RematPolicy.NONE:
         return apply
     return nnx.remat(apply, policy=_REMAT_POLICIES[policy])
+
+
+def _scan_layers(layers: nnx.List, x, rope, mask, policy: RematPolicy, sharding: ActivationSharding | None):
+    """The full-sequence layer stack as one `lax.scan` over the layers' parameters stacked at trace time.
+
+    One compiled layer body, whatever the depth; and under remat the recomputation lives inside the backward
+    loop's iterations, where no scheduler can hoist it next to the forward (with unrolled layers XLA's CPU
+    scheduler does, keeping every layer's activations alive). Parameters stay per layer in the model, so
+    checkpoints and the Hugging Face layout are unchanged; the stacking costs one copy of the layer weights.
+    """
+    graphdef = nnx.graphdef(layers[0])
+    stacked = jax.tree.map(lambda *values: jnp.stack(values), *(nnx.state(layer) for layer in layers))
+
+    def body(x, state):
+        return nnx.merge(graphdef, state)(x, rope, mask, None, None, sharding)[0], None
+
+    if policy is not RematPolicy.NONE:
+        body = jax.checkpoint(body, policy=_REMAT_POLICIES[policy])
+    return jax.lax.scan(body, x, stacked)[0]
 
 
 def default_positions(tokens: Int[Array, "b t"], mask: Bool[Array, "b t"] | None) -> Int[Array, "b t"]:
