@@ -6,13 +6,17 @@ Compiles ahead of time on 8 virtual CPU devices with abstract parameters and opt
 
 * update    GRPOLearner's update (GRPO loss with k3 KL to the reference, clip 0.2, AdamW), one optimiser
             step on one row per device of `--tokens` tokens;
-* logprobs  the learner's log-prob stage (reference / old log-probs) on the same batch.
+* logprobs  the learner's log-prob stage (reference / old log-probs) on the same batch;
+* grad      the gradient of the summed token log-probs of one row on one device, no optimiser (the
+            figure issue 12 quotes: 15.7 GiB at 4k and 183 GiB at 16k for 2 layers of 7B in float32).
 
 Beside each row, the planner's predicted peak for the same layout (`rpegjax.graph.stage_costs`:
 persistent weights + optimiser state per device, plus the stage's transient bytes) with flash attention
-and full rematerialisation. The model runs with `--attention`, `--remat` and float32 master parameters
-with `--dtype` compute (defaults: blockwise, full, bfloat16); `--today` is the configuration before
-issue 12 (dense attention, no remat, float32 compute).
+and full rematerialisation. The model runs with `--attention`, `--remat`, layers in one `lax.scan` (unless
+`--unrolled`) and float32 master parameters with `--dtype` compute (defaults: blockwise, full, bfloat16);
+`--today` is the configuration before issue 12 (dense attention, no remat, unrolled layers, float32).
+XLA's CPU backend computes bfloat16 matmuls in float32 (converted copies), so bfloat16 figures here
+overstate a GPU's temporaries.
 
     python benchmarks/bench_memory.py --models 7b --tokens 4096,16384 --layouts fsdp8 [--layers 2]
 """
@@ -37,6 +41,7 @@ from rpegjax.graph.generation_cost import ResponseLengths  # noqa: E402
 from rpegjax.graph.stage_costs import CostInputs, ExecutionOptions, Layout, Workload, model_pass_cost  # noqa: E402
 from rpegjax.learners import GRPOConfig, GRPOLearner, OptimizerConfig  # noqa: E402
 from rpegjax.learners.batch import TrainBatch  # noqa: E402
+from rpegjax.learners.scoring import sequence_logprobs  # noqa: E402
 from rpegjax.learners.update import TrainState  # noqa: E402
 from rpegjax.models import Decoder, ModelConfig  # noqa: E402
 from rpegjax.sharding import make_mesh  # noqa: E402
@@ -48,9 +53,9 @@ LAYOUTS = {"fsdp8": {"fsdp": 8}, "fsdp4xtp2": {"fsdp": 4, "tensor": 2}}
 def model_config(size: str, args: argparse.Namespace) -> ModelConfig:
     cfg = ModelConfig.qwen2p5(size)
     changes = dict(param_dtype="float32", dtype=args.dtype, attention=args.attention,
-                   attention_block_size=args.block, remat=args.remat)
+                   attention_block_size=args.block, remat=args.remat, scan_layers=not args.unrolled)
     if args.today:
-        changes.update(dtype="float32", attention="dense", remat="none")
+        changes.update(dtype="float32", attention="dense", remat="none", scan_layers=False)
     if args.layers:
         changes["num_layers"] = args.layers
     return cfg.replace(**changes)
@@ -108,7 +113,13 @@ def measure(size: str, layout_name: str, tokens: int, programs: list[str], args)
     out = []
     for program in programs:
         started = time.perf_counter()
-        if program == "update":
+        if program == "grad":
+            graphdef, state = nnx.split(model)
+            tokens_in = jax.ShapeDtypeStruct((1, tokens), jnp.int32)
+            mask_in = jax.ShapeDtypeStruct((1, tokens), jnp.bool_)
+            summed = lambda state, t, m: jnp.sum(sequence_logprobs(nnx.merge(graphdef, state), t, m))  # noqa: E731
+            lowered = jax.jit(jax.grad(summed)).lower(state, tokens_in, mask_in)
+        elif program == "update":
             lowered = learner.lower_update(abstract_state(learner), batch)
         else:
             placement = learner.placement
@@ -117,9 +128,9 @@ def measure(size: str, layout_name: str, tokens: int, programs: list[str], args)
             lowered = jitted.lower(learner.params, jnp.asarray(batch.tokens), jnp.asarray(batch.token_mask))
         compiled = lowered.compile()
         seconds = time.perf_counter() - started
-        row = dict(model=size, layers=cfg.num_layers, layout=layout_name, tokens=tokens, program=program,
+        row = dict(model=size, layers=cfg.num_layers, layout="1 device" if program == "grad" else layout_name, tokens=tokens, program=program,
                    compile_s=seconds, **analysis(compiled))
-        if cfg.num_layers == ModelConfig.qwen2p5(size).num_layers:
+        if cfg.num_layers == ModelConfig.qwen2p5(size).num_layers and program != "grad":
             row["predicted"] = predicted_peak(cfg, parallel, tokens, args.prompt, backward=program == "update")
         out.append(row)
         print_row(row, flush=True)
@@ -128,7 +139,8 @@ def measure(size: str, layout_name: str, tokens: int, programs: list[str], args)
 
 def print_header(args) -> None:
     kind = ("today: dense attention, no remat, float32" if args.today else
-            f"attention {args.attention} (block {args.block}), remat {args.remat}, float32 master / {args.dtype} compute")
+            f"attention {args.attention} (block {args.block}), remat {args.remat}, "
+            f"{'unrolled' if args.unrolled else 'scanned'} layers, float32 master / {args.dtype} compute")
     print(f"W-long memory per device (GiB), {jax.device_count()} virtual CPU devices, jax {jax.__version__}; {kind}; "
           f"log-prob chunk {args.logprob_chunk}")
     print(f"| model | layers | layout | tokens/row | program | arguments | outputs | temporaries | args+temps "
@@ -153,6 +165,7 @@ def main() -> None:
     parser.add_argument("--attention", default="blockwise")
     parser.add_argument("--block", type=int, default=512)
     parser.add_argument("--remat", default="full")
+    parser.add_argument("--unrolled", action="store_true", help="a Python loop over layers instead of one lax.scan")
     parser.add_argument("--dtype", default="bfloat16", help="compute dtype (parameters are float32 master copies)")
     parser.add_argument("--today", action="store_true", help="dense attention, no remat, float32 compute")
     parser.add_argument("--prompt", type=int, default=1024, help="prompt tokens of each row")
@@ -163,8 +176,8 @@ def main() -> None:
         if name not in LAYOUTS:
             parser.error(f"--layouts: unknown layout {name!r}; known: {sorted(LAYOUTS)}")
     for program in programs:
-        if program not in ("update", "logprobs"):
-            parser.error(f"--programs: unknown program {program!r}; known: update, logprobs")
+        if program not in ("update", "logprobs", "grad"):
+            parser.error(f"--programs: unknown program {program!r}; known: update, logprobs, grad")
     print_header(args)
     for size in args.models.split(","):
         for layout in args.layouts.split(","):
