@@ -31,6 +31,9 @@ class RematPolicy(enum.StrEnum):
     FULL = "full"  # keep only each layer's input, recompute the whole layer in the backward
 
 
+# How the model executes, not what it computes: changing these keeps the parameters and the maths.
+EXECUTION_FIELDS = ("attention", "attention_block_size", "remat", "scan_layers")
+
 HF_ARCHITECTURE_CLASS = {
     Architecture.QWEN2: "Qwen2ForCausalLM",
     Architecture.QWEN3: "Qwen3ForCausalLM",

@@ -13,6 +13,7 @@ to and is overwritten by the next write, so prompts can be right-padded in a pre
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import flax.struct
 import jax
@@ -22,7 +23,7 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from rpegjax.models.attention import attend, causal_attention  # noqa: F401  (causal_attention: re-exported)
-from rpegjax.models.config import ModelConfig, RematPolicy
+from rpegjax.models.config import EXECUTION_FIELDS, ModelConfig, RematPolicy
 from rpegjax.sharding import axes
 from rpegjax.sharding.rules import ActivationSharding, constrain
 
@@ -314,6 +315,16 @@ class Decoder(nnx.Module):
             added = tokens.shape[1] if mask is None else mask.sum(axis=-1).astype(jnp.int32)
             new_cache = KVCache(k=tuple(new_k), v=tuple(new_v), lengths=cache.lengths + added)
         return self.final_norm(x), new_cache
+
+    def with_execution(self, **changes: Any) -> Decoder:
+        """This model's parameters under a config whose execution fields (`EXECUTION_FIELDS`: attention kernel,
+        remat, layer scan) are changed; e.g. for a checkpoint loaded with the defaults."""
+        unknown = sorted(set(changes) - set(EXECUTION_FIELDS))
+        if unknown:
+            raise ValueError(f"Decoder.with_execution changes only {list(EXECUTION_FIELDS)}, got {unknown}")
+        cfg = self.cfg.replace(**changes)
+        graphdef = nnx.graphdef(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))))
+        return nnx.merge(graphdef, nnx.state(self))
 
     def output_kernel(self) -> Float[Array, "d v"]:
         if self.cfg.tie_word_embeddings:

@@ -12,7 +12,6 @@ import os
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -100,8 +99,8 @@ def test_blockwise_attention_matches_transformers_on_left_padded_batch(case, tmp
     reference = _hf_logits(path, tokens, mask, positions)
     loaded, cfg = load_pretrained(path)
     # block 4 over 11 tokens: three blocks, the last one padded
-    model = nnx.eval_shape(lambda: Decoder(cfg.replace(attention="blockwise", attention_block_size=4), rngs=nnx.Rngs(0)))
-    nnx.update(model, nnx.state(loaded))
+    model = loaded.with_execution(attention="blockwise", attention_block_size=4, remat="full", scan_layers=True)
+    assert model.cfg.attention == "blockwise" and model.layers[0].attention.cfg.attention == "blockwise"
     np.testing.assert_allclose(_our_logits(model, tokens, mask, positions)[mask], reference[mask], atol=TOLERANCE, rtol=0)
 
 

@@ -158,3 +158,13 @@ def test_full_remat_over_scanned_layers_keeps_one_input_per_layer():
     # the layer input, plus the stacked copies of its parameters and of their gradients
     assert per_layer_full < 1.5 * layer_input + 2 * layer_params, (per_layer_full, per_layer_none)
     assert per_layer_none > 2 * per_layer_full, (per_layer_full, per_layer_none)
+
+
+def test_with_execution_keeps_parameters_and_rejects_other_fields():
+    model = Decoder(ModelConfig.tiny(), rngs=nnx.Rngs(0))
+    changed = model.with_execution(attention="blockwise", remat="dots", scan_layers=True)
+    assert changed.cfg.attention == "blockwise" and changed.layers[1].attention.cfg.remat == "dots"
+    for ours, expected in zip(jax.tree.leaves(nnx.state(changed)), jax.tree.leaves(nnx.state(model)), strict=True):
+        assert ours is expected
+    with pytest.raises(ValueError, match=r"changes only .* got \['hidden_size'\]"):
+        model.with_execution(hidden_size=32)
