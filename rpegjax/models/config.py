@@ -34,6 +34,10 @@ class RematPolicy(enum.StrEnum):
 # How the model executes, not what it computes: changing these keeps the parameters and the maths.
 EXECUTION_FIELDS = ("attention", "attention_block_size", "remat", "scan_layers")
 
+# Real-size presets train on 4k-32k-token rows: memory linear in length (blockwise attention, one
+# layer input kept per layer). The field defaults (dense, no remat, unrolled) are fastest for the small CPU models.
+_LONG_SEQUENCE_EXECUTION = dict(attention=AttentionKind.BLOCKWISE, remat=RematPolicy.FULL, scan_layers=True)
+
 HF_ARCHITECTURE_CLASS = {
     Architecture.QWEN2: "Qwen2ForCausalLM",
     Architecture.QWEN3: "Qwen3ForCausalLM",
@@ -166,7 +170,8 @@ class ModelConfig:
         d, l, h, k, f, tied = shapes[size]
         return cls(architecture=Architecture.QWEN2, vocab_size=151936 if size in ("0.5b", "1.5b") else 152064,
                    hidden_size=d, num_layers=l, num_heads=h, num_kv_heads=k, head_dim=d // h, intermediate_size=f,
-                   rope_theta=1e6, tie_word_embeddings=tied, attention_bias=True, param_dtype="bfloat16", dtype="bfloat16")
+                   rope_theta=1e6, tie_word_embeddings=tied, attention_bias=True, param_dtype="bfloat16", dtype="bfloat16",
+                   **_LONG_SEQUENCE_EXECUTION)
 
     @classmethod
     def llama3(cls, size: str) -> ModelConfig:
@@ -179,7 +184,7 @@ class ModelConfig:
                    num_kv_heads=k, head_dim=128, intermediate_size=f, rms_norm_eps=1e-5, rope_theta=500000.0,
                    rope_scaling=Llama3RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                                   original_max_position_embeddings=8192),
-                   param_dtype="bfloat16", dtype="bfloat16")
+                   param_dtype="bfloat16", dtype="bfloat16", **_LONG_SEQUENCE_EXECUTION)
 
     # ---- Hugging Face config.json ---------------------------------------------------------------
     @classmethod
