@@ -47,8 +47,16 @@ class ModelPlacement:
         return placement, placement.place(params)
 
     def place(self, params: Params) -> Params:
-        """Puts `params` (same tree as this model's) where the rules say; unchanged without a mesh."""
-        return params if self.mesh is None else jax.device_put(params, self.param_shardings)
+        """Puts `params` (same tree as this model's) where the rules say; unchanged without a mesh.
+
+        Abstract params (a model built under `nnx.eval_shape`) become ShapeDtypeStructs carrying their
+        shardings, so that a learner can be lowered and compiled ahead of time with nothing allocated."""
+        if self.mesh is None:
+            return params
+        if all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(params)):
+            return jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+                                params, self.param_shardings)
+        return jax.device_put(params, self.param_shardings)
 
     def merge(self, params: Params) -> Decoder:
         return nnx.merge(self.graphdef, params)

@@ -61,7 +61,7 @@ def score_sequences(
         targets = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
         picked, raw_entropy = logprobs_from_hidden(
             hidden, model.output_kernel(), targets, chunk_size=chunk_size, temperature=temperature,
-            with_entropy=with_entropy, dtype=model.cfg.jnp_dtype,
+            with_entropy=with_entropy, dtype=model.cfg.jnp_dtype, sharding=sharding,
         )
         logprobs = aligned(picked)
         entropy = None if raw_entropy is None else aligned(raw_entropy)

@@ -15,6 +15,29 @@ class Architecture(enum.StrEnum):
     LLAMA = "llama"  # no bias, optional llama3 RoPE scaling
 
 
+class AttentionKind(enum.StrEnum):
+    """Full-sequence attention kernel (training, log-probs, prefill); see `rpegjax.models.attention`."""
+
+    DENSE = "dense"  # materialises [b, h, t, t] scores: fastest for short sequences, memory O(t^2)
+    BLOCKWISE = "blockwise"  # flash attention in plain JAX, any backend and dtype: memory O(t * block)
+    CUDNN = "cudnn"  # cuDNN fused flash attention: CUDA GPU, bfloat16/float16 only
+
+
+class RematPolicy(enum.StrEnum):
+    """What each decoder layer keeps for the backward pass (`nnx.remat` per layer)."""
+
+    NONE = "none"  # keep every activation: fastest, memory grows with layers x tokens x widths
+    DOTS = "dots"  # keep matmul outputs, recompute the elementwise ops between them
+    FULL = "full"  # keep only each layer's input, recompute the whole layer in the backward
+
+
+# How the model executes, not what it computes: changing these keeps the parameters and the maths.
+EXECUTION_FIELDS = ("attention", "attention_block_size", "remat", "scan_layers")
+
+# Real-size presets train on 4k-32k-token rows: memory linear in length (blockwise attention, one
+# layer input kept per layer). The field defaults (dense, no remat, unrolled) are fastest for the small CPU models.
+_LONG_SEQUENCE_EXECUTION = dict(attention=AttentionKind.BLOCKWISE, remat=RematPolicy.FULL, scan_layers=True)
+
 HF_ARCHITECTURE_CLASS = {
     Architecture.QWEN2: "Qwen2ForCausalLM",
     Architecture.QWEN3: "Qwen3ForCausalLM",
@@ -39,7 +62,10 @@ class ModelConfig:
     """Shape and numerics of a decoder-only transformer.
 
     `param_dtype` is how weights are stored, `dtype` how matmuls are computed; norms, softmax and
-    log-probs always run in float32.
+    log-probs always run in float32. `attention` picks the full-sequence attention kernel
+    (`attention_block_size` is the blockwise kernel's query/key block) and `remat` what each layer keeps
+    for the backward pass; `scan_layers` runs the full-sequence layer stack as one `lax.scan` (compile time
+    independent of depth; needed for remat to bound memory on XLA's CPU backend). None changes the maths.
     """
 
     architecture: Architecture = Architecture.QWEN2
@@ -60,12 +86,23 @@ class ModelConfig:
     value_head: bool = False
     param_dtype: str = "float32"
     dtype: str = "float32"
+    attention: AttentionKind = AttentionKind.DENSE
+    attention_block_size: int = 512
+    remat: RematPolicy = RematPolicy.NONE
+    scan_layers: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "architecture", Architecture(self.architecture))
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size"):
+        for name, kind in (("attention", AttentionKind), ("remat", RematPolicy)):
+            try:
+                object.__setattr__(self, name, kind(getattr(self, name)))
+            except ValueError:
+                raise ValueError(f"ModelConfig.{name} must be one of {[k.value for k in kind]}, "
+                                 f"got {getattr(self, name)!r}") from None
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
+                     "attention_block_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"ModelConfig.{name} must be a positive integer, got {value!r}")
@@ -133,7 +170,8 @@ class ModelConfig:
         d, l, h, k, f, tied = shapes[size]
         return cls(architecture=Architecture.QWEN2, vocab_size=151936 if size in ("0.5b", "1.5b") else 152064,
                    hidden_size=d, num_layers=l, num_heads=h, num_kv_heads=k, head_dim=d // h, intermediate_size=f,
-                   rope_theta=1e6, tie_word_embeddings=tied, attention_bias=True, param_dtype="bfloat16", dtype="bfloat16")
+                   rope_theta=1e6, tie_word_embeddings=tied, attention_bias=True, param_dtype="bfloat16", dtype="bfloat16",
+                   **_LONG_SEQUENCE_EXECUTION)
 
     @classmethod
     def llama3(cls, size: str) -> ModelConfig:
@@ -146,7 +184,7 @@ class ModelConfig:
                    num_kv_heads=k, head_dim=128, intermediate_size=f, rms_norm_eps=1e-5, rope_theta=500000.0,
                    rope_scaling=Llama3RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                                   original_max_position_embeddings=8192),
-                   param_dtype="bfloat16", dtype="bfloat16")
+                   param_dtype="bfloat16", dtype="bfloat16", **_LONG_SEQUENCE_EXECUTION)
 
     # ---- Hugging Face config.json ---------------------------------------------------------------
     @classmethod

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +11,8 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from rpegjax.models.transformer import Decoder
+from rpegjax.sharding import axes
+from rpegjax.sharding.rules import ActivationSharding, constrain
 
 
 def _pad_to_multiple(x: Array, multiple: int, axis: int = 1) -> Array:
@@ -68,20 +71,36 @@ def logprobs_from_hidden(
     temperature: float = 1.0,
     with_entropy: bool = False,
     dtype=jnp.float32,
+    sharding: ActivationSharding | None = None,
 ) -> tuple[Float[Array, "b t"], Float[Array, "b t"] | None]:
     """log softmax(hidden @ W / temperature)[targets], computed `chunk_size` positions at a time.
 
     Each chunk's logits are recomputed in the backward pass (a hand-written VJP that keeps only the
     chunk's inputs), so the peak is one chunk of `[b, chunk, v]` float32 logits, forward and backward.
     Optionally also the entropy -sum p log p of each position's distribution.
+
+    With `sharding` whose batch axes split the rows s ways, W is broadcast to one copy per batch shard
+    [s, d, v] before the chunk loop: each shard accumulates its own partial dW over the chunks, and the
+    broadcast's transpose sums the s partials once after the loop (one all-reduce per backward instead of
+    one per chunk; costs one [d, v] accumulator per device).
     """
     b, t, d = hidden.shape
     chunk = max(1, min(chunk_size, t))
     hidden_chunks = _pad_to_multiple(hidden, chunk).reshape(b, -1, chunk, d).swapaxes(0, 1)
     target_chunks = _pad_to_multiple(targets, chunk).reshape(b, -1, chunk).swapaxes(0, 1)
+    shards = _batch_shards(sharding, b)
 
     def one_chunk(h, y):
-        return _chunk_logprobs(h, output_kernel, y, temperature, with_entropy, dtype)
+        if shards == 1:
+            return _chunk_logprobs(h, output_kernel, y, temperature, with_entropy, dtype)
+        # rows are sharded in contiguous blocks: [b, ...] -> [s, b / s, ...] keeps each block on its shard
+        per_shard = jax.vmap(lambda h, w, y: _chunk_logprobs(h, w, y, temperature, with_entropy, dtype))
+        outs = per_shard(h.reshape(shards, -1, *h.shape[1:]), kernels, y.reshape(shards, -1, *y.shape[1:]))
+        return jax.tree.map(lambda x: x.reshape(b, *x.shape[2:]), outs)
+
+    if shards > 1:
+        kernels = jnp.broadcast_to(output_kernel, (shards, *output_kernel.shape))
+        kernels = constrain(kernels, sharding, (axes.BATCH, None, axes.VOCAB))
 
     if hidden_chunks.shape[0] == 1:  # one chunk: no loop (its carries and copies cost more than the chunk saves)
         picked, entropy = jax.tree.map(lambda x: x[None], one_chunk(hidden_chunks[0], target_chunks[0]))
@@ -90,6 +109,15 @@ def logprobs_from_hidden(
     picked = picked.swapaxes(0, 1).reshape(b, -1)[:, :t]
     entropy = entropy.swapaxes(0, 1).reshape(b, -1)[:, :t] if with_entropy else None
     return picked, entropy
+
+
+def _batch_shards(sharding: ActivationSharding | None, rows: int) -> int:
+    """How many ways `sharding` splits `rows` rows (1 without sharding or when they do not divide)."""
+    if sharding is None:
+        return 1
+    names = sharding.spec((axes.BATCH,), (rows,))[0]
+    names = (names,) if isinstance(names, str) else tuple(names or ())
+    return math.prod(sharding.mesh.shape[name] for name in names)
 
 
 def token_logprobs(
@@ -113,6 +141,7 @@ def token_logprobs(
     hidden, _ = model.hidden_states(tokens, positions, mask=mask, sharding=sharding)
     targets = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
     picked, _ = logprobs_from_hidden(
-        hidden, model.output_kernel(), targets, chunk_size=chunk_size, temperature=temperature, dtype=model.cfg.jnp_dtype
+        hidden, model.output_kernel(), targets, chunk_size=chunk_size, temperature=temperature, dtype=model.cfg.jnp_dtype,
+        sharding=sharding,
     )
     return picked.at[:, -1].set(0.0)

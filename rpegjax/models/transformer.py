@@ -13,6 +13,7 @@ to and is overwritten by the next write, so prompts can be right-padded in a pre
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import flax.struct
 import jax
@@ -21,7 +22,8 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
-from rpegjax.models.config import ModelConfig
+from rpegjax.models.attention import attend, causal_attention  # noqa: F401  (causal_attention: re-exported)
+from rpegjax.models.config import EXECUTION_FIELDS, ModelConfig, RematPolicy
 from rpegjax.sharding import axes
 from rpegjax.sharding.rules import ActivationSharding, constrain
 
@@ -157,7 +159,7 @@ class Attention(nnx.Module):
         v = self._project(x, self.v_proj, "v_bias", None, None)
         q = constrain(q, sharding, (axes.BATCH, None, axes.HEADS, None))
         if layer_cache is None:
-            return self._output(causal_attention(q, k, v, key_mask)), None
+            return self._output(attend(cfg.attention, cfg.attention_block_size, q, k, v, key_mask)), None
         # writing only the new tokens into this layer's [b k T e] arrays (a scatter XLA does in place)
         # avoids copying the cache at every decode step. The advanced indices (rows, columns) around the
         # head slice address a [b t k e] block, the layout of k and v.
@@ -174,34 +176,6 @@ class Attention(nnx.Module):
         o_proj = self.o_proj.get_value().astype(self.cfg.jnp_dtype)
         b, t = out.shape[:2]
         return (out.reshape(b * t, -1) @ o_proj.reshape(-1, o_proj.shape[-1])).reshape(b, t, -1)
-
-
-def causal_attention(
-    q: Float[Array, "b t h e"],
-    k: Float[Array, "b t k e"],
-    v: Float[Array, "b t k e"],
-    key_mask: Bool[Array, "b t"] | None,
-) -> Float[Array, "b t h e"]:
-    """softmax(q k^T / sqrt(e)) v over keys at or before each query (and real per `key_mask`), float32 softmax.
-
-    Queries are laid out [b, k, g t, e] (the g heads sharing a KV head stacked along time), so each
-    product is one batched GEMM over b k with the transposes done once, and 1/sqrt(e) scales q (smaller
-    than the scores) inside that transpose.
-    """
-    b, t, h, e = q.shape
-    kv = k.shape[2]
-    g = h // kv
-    index = jnp.arange(t)
-    valid = (index[None, :] <= index[:, None])[None]  # 1 t s
-    if key_mask is not None:
-        valid = valid & key_mask[:, None, :]
-    qg = (q / math.sqrt(e)).reshape(b, t, kv, g, e).transpose(0, 2, 3, 1, 4).reshape(b, kv, g * t, e)
-    keys, values = k.astype(q.dtype).transpose(0, 2, 1, 3), v.astype(q.dtype).transpose(0, 2, 1, 3)  # b k s e
-    scores = jnp.einsum("bkqe,bkse->bkqs", qg, keys).astype(jnp.float32).reshape(b, kv, g, t, t)
-    scores = jnp.where(valid[:, None, None], scores, _NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype).reshape(b, kv, g * t, t)
-    out = jnp.einsum("bkqs,bkse->bkqe", probs, values)
-    return out.reshape(b, kv, g, t, e).transpose(0, 3, 1, 2, 4).reshape(b, t, h, e)
 
 
 def _cached_attention(
@@ -323,7 +297,13 @@ class Decoder(nnx.Module):
         # computed at trace time from the config: a constant, not a parameter
         rope = rope_tables(positions, rope_inverse_frequencies(self.cfg))
         new_k, new_v = [], []
+        if cache is None and self.cfg.scan_layers:
+            return self.final_norm(_scan_layers(self.layers, x, rope, mask, self.cfg.remat, sharding)), None
+        full_sequence = _remat_layer(self.cfg.remat, sharding) if cache is None else None
         for index, layer in enumerate(self.layers):
+            if full_sequence is not None:
+                x, written = full_sequence(layer, x, rope, mask), None
+                continue
             layer_cache = None if cache is None else (cache.k[index], cache.v[index])
             offsets = None if cache is None else cache.lengths
             x, written = layer(x, rope, mask, layer_cache, offsets, sharding)
@@ -335,6 +315,16 @@ class Decoder(nnx.Module):
             added = tokens.shape[1] if mask is None else mask.sum(axis=-1).astype(jnp.int32)
             new_cache = KVCache(k=tuple(new_k), v=tuple(new_v), lengths=cache.lengths + added)
         return self.final_norm(x), new_cache
+
+    def with_execution(self, **changes: Any) -> Decoder:
+        """This model's parameters under a config whose execution fields (`EXECUTION_FIELDS`: attention kernel,
+        remat, layer scan) are changed; e.g. for a checkpoint loaded with the defaults."""
+        unknown = sorted(set(changes) - set(EXECUTION_FIELDS))
+        if unknown:
+            raise ValueError(f"Decoder.with_execution changes only {list(EXECUTION_FIELDS)}, got {unknown}")
+        cfg = self.cfg.replace(**changes)
+        graphdef = nnx.graphdef(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))))
+        return nnx.merge(graphdef, nnx.state(self))
 
     def output_kernel(self) -> Float[Array, "d v"]:
         if self.cfg.tie_word_embeddings:
@@ -366,6 +356,44 @@ class Decoder(nnx.Module):
             positions = default_positions(tokens, mask)
         hidden, _ = self.hidden_states(tokens, positions, mask=mask, sharding=sharding)
         return self.logits(hidden)
+
+
+# What a rematerialised layer saves: DOTS keeps the 2-D projection and MLP matmuls' outputs (not attention's
+# batched [t, t] products, which would undo the point of blockwise attention); FULL keeps only the layer input.
+_REMAT_POLICIES = {
+    RematPolicy.DOTS: jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    RematPolicy.FULL: jax.checkpoint_policies.nothing_saveable,
+}
+
+
+def _remat_layer(policy: RematPolicy, sharding: ActivationSharding | None):
+    """`apply(layer, x, rope, mask) -> x` of one full-sequence layer, under `nnx.remat` unless policy is NONE."""
+
+    def apply(layer: Block, x, rope, mask):
+        return layer(x, rope, mask, None, None, sharding)[0]
+
+    if policy is RematPolicy.NONE:
+        return apply
+    return nnx.remat(apply, policy=_REMAT_POLICIES[policy])
+
+
+def _scan_layers(layers: nnx.List, x, rope, mask, policy: RematPolicy, sharding: ActivationSharding | None):
+    """The full-sequence layer stack as one `lax.scan` over the layers' parameters stacked at trace time.
+
+    One compiled layer body, whatever the depth; and under remat the recomputation lives inside the backward
+    loop's iterations, where no scheduler can hoist it next to the forward (with unrolled layers XLA's CPU
+    scheduler does, keeping every layer's activations alive). Parameters stay per layer in the model, so
+    checkpoints and the Hugging Face layout are unchanged; the stacking costs one copy of the layer weights.
+    """
+    graphdef = nnx.graphdef(layers[0])
+    stacked = jax.tree.map(lambda *values: jnp.stack(values), *(nnx.state(layer) for layer in layers))
+
+    def body(x, state):
+        return nnx.merge(graphdef, state)(x, rope, mask, None, None, sharding)[0], None
+
+    if policy is not RematPolicy.NONE:
+        body = jax.checkpoint(body, policy=_REMAT_POLICIES[policy])
+    return jax.lax.scan(body, x, stacked)[0]
 
 
 def default_positions(tokens: Int[Array, "b t"], mask: Bool[Array, "b t"] | None) -> Int[Array, "b t"]:

@@ -22,7 +22,7 @@ from rpegjax.data.prompts import PromptTemplate
 from rpegjax.generate.sampler import Sampler
 from rpegjax.graph import builders, transforms
 from rpegjax.graph.ir import Algorithm, Graph, GraphError, StageKind
-from rpegjax.models.config import ModelConfig
+from rpegjax.models.config import EXECUTION_FIELDS, ModelConfig
 from rpegjax.models.hf import load_pretrained
 from rpegjax.models.tokenizer import builtin_tokenizer, load_tokenizer
 from rpegjax.models.transformer import Decoder
@@ -76,12 +76,17 @@ def _task_and_examples(cfg: RunConfig):
             task.eval_examples(min(data.eval_size, task.split_size(held_out=True)), data.seed + 1))
 
 
+def _numerics(model_cfg: ModelConfig) -> dict:
+    """The model config without its execution fields (they change neither parameters nor results)."""
+    return {k: v for k, v in dataclasses.asdict(model_cfg).items() if k not in EXECUTION_FIELDS}
+
+
 def _model_config(cfg: RunConfig, tokenizer, *, value_head: bool) -> ModelConfig:
     m = cfg.model
     return ModelConfig(vocab_size=tokenizer.vocab_size, hidden_size=m.hidden_size, num_layers=m.num_layers, num_heads=m.num_heads,
                        num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, intermediate_size=m.intermediate_size,
                        attention_bias=True, param_dtype=m.param_dtype, dtype=m.dtype, value_head=value_head,
-                       eos_token_id=tokenizer.eos_id, max_position_embeddings=4096)
+                       eos_token_id=tokenizer.eos_id, max_position_embeddings=4096, **m.execution())
 
 
 def build_graph(cfg: RunConfig, num_devices: int) -> Graph:
@@ -186,7 +191,7 @@ def build(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Components:
                 learning_rate=cfg.warm_start.learning_rate,
                 pad_id=tokenizer.pad_id,
                 seed=cfg.model.seed, cache_dir=cfg.warm_start.cache_dir,
-                cache_key={"model": dataclasses.asdict(model_cfg), "task": task.name, "data": dataclasses.asdict(cfg.data),
+                cache_key={"model": _numerics(model_cfg), "task": task.name, "data": dataclasses.asdict(cfg.data),
                            "warm_start": dataclasses.asdict(dataclasses.replace(cfg.warm_start, cache_dir="")),
                            "seed": cfg.model.seed, "template": cfg.data.prompt_template, "format": 1},
                 agree=None if jax.process_count() == 1 else _every_process,
@@ -198,6 +203,8 @@ def build(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Components:
     else:
         model, model_cfg = load_pretrained(cfg.model.path, param_dtype=cfg.model.param_dtype,
                                            dtype=cfg.model.dtype, value_head=shared_critic)
+        model = model.with_execution(**cfg.model.execution())
+        model_cfg = model.cfg
         if model_cfg.eos_token_id is None:
             model_cfg = model_cfg.replace(eos_token_id=tokenizer.eos_id)
             model.cfg = model_cfg

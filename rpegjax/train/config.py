@@ -16,6 +16,7 @@ from rpegjax.graph.ir import Algorithm
 from rpegjax.learners.grpo import GRPOConfig
 from rpegjax.learners.optim import OptimizerConfig
 from rpegjax.learners.ppo import PPOConfig
+from rpegjax.models.config import EXECUTION_FIELDS, AttentionKind, RematPolicy
 from rpegjax.rewards.task import Difficulty
 from rpegjax.rewards.tasks import TaskName
 from rpegjax.sharding.mesh import parse_mesh
@@ -53,10 +54,26 @@ class ModelSection:
     intermediate_size: int = 384
     param_dtype: str = "float32"
     dtype: str = "float32"
+    # how the model executes (see rpegjax.models.config): long sequences want blockwise, full, scan_layers
+    attention: AttentionKind = AttentionKind.DENSE
+    attention_block_size: int = 512
+    remat: RematPolicy = RematPolicy.NONE
+    scan_layers: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
-        _positive(self, "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size")
+        _positive(self, "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
+                  "attention_block_size")
+        for name, kind in (("attention", AttentionKind), ("remat", RematPolicy)):
+            try:
+                object.__setattr__(self, name, kind(getattr(self, name)))
+            except ValueError:
+                raise ValueError(f"ModelSection.{name} must be one of {[k.value for k in kind]}, "
+                                 f"got {getattr(self, name)!r}") from None
+
+    def execution(self) -> dict[str, Any]:
+        """The model config's execution fields (`rpegjax.models.config.EXECUTION_FIELDS`) from this section."""
+        return {name: getattr(self, name) for name in EXECUTION_FIELDS}
         if self.path is not None and not pathlib.Path(self.path).is_dir():
             raise ValueError(f"ModelSection.path {self.path!r} is not a directory (a local Hugging Face checkpoint)")
 

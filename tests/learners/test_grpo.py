@@ -11,6 +11,7 @@ from rpegjax.learners.grpo import GRPOConfig, GRPOLearner
 from rpegjax.learners.objective import policy_denominators, update_inputs
 from rpegjax.learners.optim import OptimizerConfig
 from rpegjax.learners.update import UpdateLayout, accumulate_gradients, split_rows
+from rpegjax.models import Decoder, ModelConfig
 from rpegjax.sharding import ShardingRules, make_mesh
 
 B, G, LENGTH = 8, 4, 16
@@ -177,3 +178,38 @@ def test_single_step_without_old_logprobs_is_the_policy_gradient(model):
     # the model's own parameters were not donated away
     assert np.isfinite(np.asarray(learner.params["lm_head"].get_value())).all()
     assert not jnp.array_equal(state.params["lm_head"].get_value(), learner.params["lm_head"].get_value())
+
+
+def _matmul_operand_dtypes(jaxpr) -> set:
+    """(lhs, rhs) dtypes of every dot_general in `jaxpr` and the jaxprs nested in it (jit, scan, custom_vjp, remat)."""
+    found = set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            found.add(tuple(var.aval.dtype for var in eqn.invars))
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    found |= _matmul_operand_dtypes(inner)
+    return found
+
+
+def test_mixed_precision_update_computes_in_bfloat16_over_float32_master_weights():
+    """param_dtype float32 + dtype bfloat16: every matmul of the loss runs on bfloat16 operands, while the
+    parameters, their gradients and AdamW's moments stay float32; the update improves like the float32 one."""
+    cfg = ModelConfig.tiny(dtype="bfloat16", attention="blockwise", attention_block_size=8, remat="full",
+                           scan_layers=True)
+    learner = GRPOLearner(GRPOConfig(group_size=G, kl_coef=0.04, optimizer=OptimizerConfig(learning_rate=1e-3)),
+                          Decoder(cfg, rngs=nnx.Rngs(0)))
+    state = learner.init_state()
+    batch = fill(learner, state, make_batch(seed=4))
+    dtypes = _matmul_operand_dtypes(jax.make_jaxpr(learner.update)(state, batch).jaxpr)
+    assert dtypes == {(jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.bfloat16))}, dtypes
+    before = np.sum(np.asarray(learner.logprobs(state.params, batch)) * batch.response_mask, axis=1)
+    state, metrics = learner.update(state, batch)
+    assert np.isfinite(float(metrics["loss"])) and np.isfinite(float(metrics["grad_norm"]))
+    leaves = jax.tree.leaves(state.params) + [x for x in jax.tree.leaves(state.opt_state) if x.ndim > 0]
+    assert {x.dtype for x in leaves} == {jnp.dtype(jnp.float32)}
+    after = np.sum(np.asarray(learner.logprobs(state.params, batch)) * batch.response_mask, axis=1)
+    advantages = np.asarray(batch.advantages)
+    assert np.all((after - before)[advantages > 0] > 0) and np.all((after - before)[advantages < 0] < 0)

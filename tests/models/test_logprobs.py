@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from rpegjax.models import Architecture, Decoder, ModelConfig
 from rpegjax.models.logprobs import logprobs_from_hidden, token_logprobs
+from rpegjax.sharding import ShardingRules, make_mesh
+from rpegjax.sharding.rules import ActivationSharding
 
 CHUNKS = [1, 3, 5, 8, 13, 64]  # 13 = t; 3, 5, 8 do not divide 13; 64 > t
 
@@ -101,3 +106,43 @@ def test_token_logprobs_match_full_logits(architecture):
         assert got.shape == tokens.shape and (got[:, -1] == 0).all()
         np.testing.assert_allclose(got[:, :-1][mask[:, 1:]], expected[mask[:, 1:]], atol=1e-4, rtol=1e-5,
                                    err_msg=f"chunk_size={chunk_size}")
+
+
+def _loop_reductions(hlo: str) -> tuple[int, int]:
+    """(all-reduce / reduce-scatter ops inside while-loop bodies, in the whole program) of compiled HLO text."""
+    computations = {}
+    for block in hlo.split("\n\n"):
+        header = block.strip().split(" ", 2)
+        name = header[1] if header[0] == "ENTRY" else header[0]
+        computations[name.lstrip("%")] = block
+    pattern = re.compile(r"(all-reduce|reduce-scatter|all-reduce-start)\(")
+    bodies = set(re.findall(r"body=%?([\w.\-]+)", hlo))
+    return sum(len(pattern.findall(computations.get(body, ""))) for body in bodies), len(pattern.findall(hlo))
+
+
+def test_sharded_chunk_loop_reduces_the_output_gradient_once():
+    """Rows over 8 devices: the output-layer gradient is summed across devices once, after the chunk loop."""
+    mesh = make_mesh({"fsdp": 8})
+    activations = ActivationSharding(mesh, ShardingRules.fsdp_tp())
+    rng = np.random.default_rng(1)
+    hidden = jnp.asarray(rng.normal(size=(8, 64, 16)), jnp.float32)
+    kernel = jnp.asarray(rng.normal(size=(16, 40)), jnp.float32)
+    targets = jnp.asarray(rng.integers(0, 40, size=(8, 64)))
+    weights = jnp.asarray(rng.normal(size=(8, 64)), jnp.float32)
+
+    def gradient(sharding):
+        def loss(h, w):
+            picked, entropy = logprobs_from_hidden(h, w, targets, chunk_size=8, with_entropy=True, sharding=sharding)
+            return jnp.sum(picked * weights) + jnp.sum(entropy * weights[::-1])
+
+        shardings = (NamedSharding(mesh, PartitionSpec("fsdp")), NamedSharding(mesh, PartitionSpec("fsdp")))
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), in_shardings=shardings)
+
+    inside, total = _loop_reductions(gradient(activations).lower(hidden, kernel).compile().as_text())
+    assert (inside, total) == (0, 1)
+    # without the per-shard accumulator every chunk iteration all-reduces (what this layout avoids)
+    assert _loop_reductions(gradient(None).lower(hidden, kernel).compile().as_text())[0] >= 1
+    (value, grads), (expected_value, expected_grads) = gradient(activations)(hidden, kernel), gradient(None)(hidden, kernel)
+    np.testing.assert_allclose(value, expected_value, rtol=1e-6)
+    for ours, expected in zip(grads, expected_grads, strict=True):
+        np.testing.assert_allclose(ours, expected, atol=1e-5 * max(1.0, float(np.abs(expected).max())))

@@ -92,6 +92,18 @@ def test_logits_match_transformers_on_left_padded_batch(case, tmp_path):
     np.testing.assert_allclose(ours[mask], reference[mask], atol=TOLERANCE, rtol=0)
 
 
+@pytest.mark.parametrize("case", ["qwen3", "llama3"])
+def test_blockwise_attention_matches_transformers_on_left_padded_batch(case, tmp_path):
+    path = _hf_checkpoint(case, tmp_path)
+    tokens, mask, positions = _left_padded_batch()
+    reference = _hf_logits(path, tokens, mask, positions)
+    loaded, cfg = load_pretrained(path)
+    # block 4 over 11 tokens: three blocks, the last one padded
+    model = loaded.with_execution(attention="blockwise", attention_block_size=4, remat="full", scan_layers=True)
+    assert model.cfg.attention == "blockwise" and model.layers[0].attention.cfg.attention == "blockwise"
+    np.testing.assert_allclose(_our_logits(model, tokens, mask, positions)[mask], reference[mask], atol=TOLERANCE, rtol=0)
+
+
 @pytest.mark.parametrize("case", ["llama3", "qwen2_tied"])
 def test_round_trip_through_our_save_pretrained(case, tmp_path):
     original = _hf_checkpoint(case, tmp_path)

@@ -92,3 +92,79 @@ def test_llama3_rope_scaling_changes_low_frequencies_only():
 def test_bad_model_configs(changes, message):
     with pytest.raises(ValueError, match=message):
         ModelConfig.tiny(**changes)
+
+
+def _loss_and_grads(cfg: ModelConfig, tokens, mask):
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+
+    def loss(state):
+        logits = nnx.merge(graphdef, state)(tokens, mask=mask)
+        return jnp.mean(jax.nn.log_softmax(logits)[..., 1] * mask)
+
+    return jax.jit(jax.value_and_grad(loss))(state), jax.make_jaxpr(jax.value_and_grad(loss))(state)
+
+
+@pytest.mark.parametrize("remat", ["dots", "full"])
+def test_remat_gives_the_same_loss_and_gradients(remat):
+    cfg = ModelConfig.tiny(attention="blockwise", attention_block_size=4)
+    tokens = jax.random.randint(jax.random.key(4), (2, 10), 0, cfg.vocab_size)
+    mask = jnp.arange(10)[None, :] < jnp.array([10, 6])[:, None]
+    (loss, grads), plain_jaxpr = _loss_and_grads(cfg, tokens, mask)
+    (remat_loss, remat_grads), remat_jaxpr = _loss_and_grads(cfg.replace(remat=remat), tokens, mask)
+    # remat is really applied: the backward recomputes the layers inside `remat` (jax.checkpoint) equations
+    assert " remat" in str(remat_jaxpr) and " remat" not in str(plain_jaxpr)
+    np.testing.assert_allclose(remat_loss, loss, rtol=1e-6)
+    for (path, ours), expected in zip(jax.tree_util.tree_leaves_with_path(remat_grads), jax.tree.leaves(grads),
+                                      strict=True):
+        np.testing.assert_allclose(ours, expected, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+
+
+def test_remat_policy_is_validated():
+    with pytest.raises(ValueError, match=r"ModelConfig.remat must be one of .* got 'some'"):
+        ModelConfig.tiny(remat="some")
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_scanned_layers_give_the_same_loss_and_gradients(remat):
+    cfg = ModelConfig.tiny(attention="blockwise", attention_block_size=4, remat=remat)
+    tokens = jax.random.randint(jax.random.key(5), (2, 10), 0, cfg.vocab_size)
+    mask = jnp.arange(10)[None, :] < jnp.array([10, 7])[:, None]
+    (loss, grads), _ = _loss_and_grads(cfg, tokens, mask)
+    (scan_loss, scan_grads), scan_jaxpr = _loss_and_grads(cfg.replace(scan_layers=True), tokens, mask)
+    assert " scan" in str(scan_jaxpr)
+    np.testing.assert_allclose(scan_loss, loss, rtol=1e-6)
+    for (path, ours), expected in zip(jax.tree_util.tree_leaves_with_path(scan_grads), jax.tree.leaves(grads),
+                                      strict=True):
+        np.testing.assert_allclose(ours, expected, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+
+
+def test_full_remat_over_scanned_layers_keeps_one_input_per_layer():
+    """Compiled temporaries per extra layer: full remat keeps the layer input, no remat every activation."""
+
+    def temporaries(layers: int, remat: str) -> int:
+        cfg = ModelConfig(vocab_size=128, hidden_size=128, num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=32,
+                          intermediate_size=512, attention="blockwise", attention_block_size=256, remat=remat,
+                          scan_layers=True)
+        graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))))
+        tokens = jax.ShapeDtypeStruct((1, 2048), jnp.int32)
+        grad = jax.jit(jax.grad(lambda state, tokens: jnp.sum(nnx.merge(graphdef, state)(tokens)[..., 0])))
+        return grad.lower(state, tokens).compile().memory_analysis().temp_size_in_bytes
+
+    per_layer_full = (temporaries(6, "full") - temporaries(2, "full")) / 4
+    per_layer_none = (temporaries(6, "none") - temporaries(2, "none")) / 4
+    layer_input = 2048 * 128 * 4
+    layer_params = 4 * (128 * 4 * 32 * 2 + 128 * 2 * 32 * 2 + 3 * 128 * 512)
+    # the layer input, plus the stacked copies of its parameters and of their gradients
+    assert per_layer_full < 1.5 * layer_input + 2 * layer_params, (per_layer_full, per_layer_none)
+    assert per_layer_none > 2 * per_layer_full, (per_layer_full, per_layer_none)
+
+
+def test_with_execution_keeps_parameters_and_rejects_other_fields():
+    model = Decoder(ModelConfig.tiny(), rngs=nnx.Rngs(0))
+    changed = model.with_execution(attention="blockwise", remat="dots", scan_layers=True)
+    assert changed.cfg.attention == "blockwise" and changed.layers[1].attention.cfg.remat == "dots"
+    for ours, expected in zip(jax.tree.leaves(nnx.state(changed)), jax.tree.leaves(nnx.state(model)), strict=True):
+        assert ours is expected
+    with pytest.raises(ValueError, match=r"changes only .* got \['hidden_size'\]"):
+        model.with_execution(hidden_size=32)

@@ -1,0 +1,189 @@
+"""W-long (shared/WORKLOADS.md): per-device memory of the actor update and a log-prob stage at real shapes.
+
+Compiles ahead of time on 8 virtual CPU devices with abstract parameters and optimiser state
+(`jax.ShapeDtypeStruct` with shardings: nothing of the model is allocated) and reads XLA's
+`compiled.memory_analysis()` of the partitioned program, i.e. bytes per device:
+
+* update    GRPOLearner's update (GRPO loss with k3 KL to the reference, clip 0.2, AdamW), one optimiser
+            step on one row per device of `--tokens` tokens;
+* logprobs  the learner's log-prob stage (reference / old log-probs) on the same batch;
+* grad      the gradient of the summed token log-probs of one row on one device, no optimiser (the
+            figure issue 12 quotes: 15.7 GiB at 4k and 183 GiB at 16k for 2 layers of 7B in float32).
+
+Beside each row, the planner's predicted peak for the same layout (`rpegjax.graph.stage_costs`:
+persistent weights + optimiser state per device, plus the stage's transient bytes) with flash attention
+and full rematerialisation. The model runs with `--attention`, `--remat`, layers in one `lax.scan` (unless
+`--unrolled`) and float32 master parameters with `--dtype` compute (defaults: blockwise, full, bfloat16);
+`--today` is the configuration before issue 12 (dense attention, no remat, unrolled layers, float32).
+XLA's CPU backend computes bfloat16 matmuls in float32 (converted copies), so bfloat16 figures here
+overstate a GPU's temporaries.
+
+    python benchmarks/bench_memory.py --models 7b --tokens 4096,16384 --layouts fsdp8 [--layers 2]
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from rpegjax.graph import costs, hardware  # noqa: E402
+from rpegjax.graph.generation_cost import ResponseLengths  # noqa: E402
+from rpegjax.graph.stage_costs import CostInputs, ExecutionOptions, Layout, Workload, model_pass_cost  # noqa: E402
+from rpegjax.learners import GRPOConfig, GRPOLearner, OptimizerConfig  # noqa: E402
+from rpegjax.learners.batch import TrainBatch  # noqa: E402
+from rpegjax.learners.scoring import sequence_logprobs  # noqa: E402
+from rpegjax.learners.update import TrainState  # noqa: E402
+from rpegjax.models import Decoder, ModelConfig  # noqa: E402
+from rpegjax.sharding import make_mesh  # noqa: E402
+
+GIB = 1 << 30
+LAYOUTS = {"fsdp8": {"fsdp": 8}, "fsdp4xtp2": {"fsdp": 4, "tensor": 2}}
+
+
+def model_config(size: str, args: argparse.Namespace) -> ModelConfig:
+    cfg = ModelConfig.qwen2p5(size)
+    changes = dict(param_dtype="float32", dtype=args.dtype, attention=args.attention,
+                   attention_block_size=args.block, remat=args.remat, scan_layers=not args.unrolled)
+    if args.today:
+        changes.update(dtype="float32", attention="dense", remat="none", scan_layers=False)
+    if args.layers:
+        changes["num_layers"] = args.layers
+    return cfg.replace(**changes)
+
+
+def abstract_state(learner: GRPOLearner) -> TrainState:
+    """The learner's TrainState as ShapeDtypeStructs with its shardings (optimiser moments follow the params' dtype)."""
+    shapes = jax.eval_shape(learner.optimizer.init, learner.params)
+    with_sharding = lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)  # noqa: E731
+    opt_state = jax.tree.map(with_sharding, shapes, learner.state_shardings.opt_state)
+    step = jax.ShapeDtypeStruct((), jnp.int32, sharding=learner.state_shardings.step)
+    return TrainState(params=learner.params, opt_state=opt_state, step=step)
+
+
+def batch_of(rows: int, tokens: int, prompt: int) -> TrainBatch:
+    """One full-length row per device: a prompt, then response tokens to the end (small host arrays)."""
+    response = np.broadcast_to(np.arange(tokens) >= prompt, (rows, tokens))
+    zeros = np.zeros((rows, tokens), np.float32)
+    return TrainBatch(tokens=np.ones((rows, tokens), np.int32), token_mask=np.ones((rows, tokens), bool),
+                      response_mask=response.copy(), behaviour_logprobs=zeros, ref_logprobs=zeros,
+                      advantages=np.linspace(-1, 1, rows, dtype=np.float32))
+
+
+def analysis(compiled) -> dict[str, float]:
+    memory = compiled.memory_analysis()
+    return {"arguments": memory.argument_size_in_bytes, "outputs": memory.output_size_in_bytes,
+            "temporaries": memory.temp_size_in_bytes, "aliased": memory.alias_size_in_bytes}
+
+
+def predicted_peak(cfg: ModelConfig, parallel: dict[str, int], tokens: int, prompt: int, *, backward: bool) -> float:
+    """The planner's per-device peak: persistent state (weights, + optimiser moments for the update) + transient bytes."""
+    shape = costs.ModelShape.from_config(cfg)
+    layout = Layout.from_parallel(parallel, where="bench_memory")
+    options = ExecutionOptions(attention=costs.AttentionKernel.FLASH, remat=costs.Remat.FULL, microbatch_tokens=tokens,
+                               optimizer_bytes_per_param=8.0, grad_bytes_per_param=4.0)
+    workload = Workload(prompts=layout.replicas, group_size=1, prompt_tokens=prompt,
+                        responses=ResponseLengths.fixed(tokens - prompt))
+    inputs = CostInputs(hardware=hardware.h100_node(8), actor=shape, critic=shape, workload=workload, options=options)
+    cost = model_pass_cost(inputs, shape, layout, logits=True, backward=backward, optimizer_steps=1 if backward else 0)
+    state_bytes = shape.param_bytes_each + (options.optimizer_bytes_per_param if backward else 0.0)
+    return shape.params * state_bytes / layout.shards + cost.transient_bytes
+
+
+def measure(size: str, layout_name: str, tokens: int, programs: list[str], args) -> list[dict]:
+    cfg = model_config(size, args)
+    parallel = LAYOUTS[layout_name]
+    mesh = make_mesh(parallel)
+    rows = mesh.devices.size // parallel.get("tensor", 1)  # one row per data shard
+    model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
+    grpo = GRPOConfig(group_size=rows, clip_low=0.2, clip_high=0.2, kl_coef=0.04, kl_kind="k3",
+                      logprob_chunk_size=args.logprob_chunk,
+                      optimizer=OptimizerConfig(learning_rate=1e-6, weight_decay=0.0, max_grad_norm=1.0))
+    learner = GRPOLearner(grpo, model, mesh=mesh)
+    batch = batch_of(rows, tokens, args.prompt)
+    out = []
+    for program in programs:
+        started = time.perf_counter()
+        if program == "grad":
+            graphdef, state = nnx.split(model)
+            tokens_in = jax.ShapeDtypeStruct((1, tokens), jnp.int32)
+            mask_in = jax.ShapeDtypeStruct((1, tokens), jnp.bool_)
+            summed = lambda state, t, m: jnp.sum(sequence_logprobs(nnx.merge(graphdef, state), t, m))  # noqa: E731
+            lowered = jax.jit(jax.grad(summed)).lower(state, tokens_in, mask_in)
+        elif program == "update":
+            lowered = learner.lower_update(abstract_state(learner), batch)
+        else:
+            placement = learner.placement
+            jitted = jax.jit(learner.logprobs_fn, in_shardings=(placement.param_shardings, placement.rows, placement.rows),
+                             out_shardings=placement.rows)
+            lowered = jitted.lower(learner.params, jnp.asarray(batch.tokens), jnp.asarray(batch.token_mask))
+        compiled = lowered.compile()
+        seconds = time.perf_counter() - started
+        row = dict(model=size, layers=cfg.num_layers, layout="1 device" if program == "grad" else layout_name, tokens=tokens, program=program,
+                   compile_s=seconds, **analysis(compiled))
+        if cfg.num_layers == ModelConfig.qwen2p5(size).num_layers and program != "grad":
+            row["predicted"] = predicted_peak(cfg, parallel, tokens, args.prompt, backward=program == "update")
+        out.append(row)
+        print_row(row, flush=True)
+    return out
+
+
+def print_header(args) -> None:
+    kind = ("today: dense attention, no remat, float32" if args.today else
+            f"attention {args.attention} (block {args.block}), remat {args.remat}, "
+            f"{'unrolled' if args.unrolled else 'scanned'} layers, float32 master / {args.dtype} compute")
+    print(f"W-long memory per device (GiB), {jax.device_count()} virtual CPU devices, jax {jax.__version__}; {kind}; "
+          f"log-prob chunk {args.logprob_chunk}")
+    print(f"| model | layers | layout | tokens/row | program | arguments | outputs | temporaries | args+temps "
+          f"| planner peak | compile s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def print_row(row: dict, flush: bool = False) -> None:
+    predicted = f"{row['predicted'] / GIB:.2f}" if "predicted" in row else "n/a (not full depth)"
+    print(f"| {row['model']} | {row['layers']} | {row['layout']} | {row['tokens']} | {row['program']} "
+          f"| {row['arguments'] / GIB:.2f} | {row['outputs'] / GIB:.2f} | {row['temporaries'] / GIB:.2f} "
+          f"| {(row['arguments'] + row['temporaries']) / GIB:.2f} | {predicted} | {row['compile_s']:.1f} |", flush=flush)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="0.5b,7b,32b", help="Qwen2.5 sizes, comma-separated")
+    parser.add_argument("--tokens", default="4096,16384,32768", help="tokens per row, comma-separated")
+    parser.add_argument("--layouts", default="fsdp8,fsdp4xtp2", help=f"comma-separated, of {sorted(LAYOUTS)}")
+    parser.add_argument("--programs", default="update,logprobs")
+    parser.add_argument("--layers", type=int, default=0, help="override the depth (0: the model's own)")
+    parser.add_argument("--attention", default="blockwise")
+    parser.add_argument("--block", type=int, default=512)
+    parser.add_argument("--remat", default="full")
+    parser.add_argument("--unrolled", action="store_true", help="a Python loop over layers instead of one lax.scan")
+    parser.add_argument("--dtype", default="bfloat16", help="compute dtype (parameters are float32 master copies)")
+    parser.add_argument("--today", action="store_true", help="dense attention, no remat, float32 compute")
+    parser.add_argument("--prompt", type=int, default=1024, help="prompt tokens of each row")
+    parser.add_argument("--logprob-chunk", type=int, default=256)
+    args = parser.parse_args()
+    programs = args.programs.split(",")
+    for name in args.layouts.split(","):
+        if name not in LAYOUTS:
+            parser.error(f"--layouts: unknown layout {name!r}; known: {sorted(LAYOUTS)}")
+    for program in programs:
+        if program not in ("update", "logprobs", "grad"):
+            parser.error(f"--programs: unknown program {program!r}; known: update, logprobs, grad")
+    print_header(args)
+    for size in args.models.split(","):
+        for layout in args.layouts.split(","):
+            for tokens in (int(t) for t in args.tokens.split(",")):
+                measure(size, layout, tokens, programs, args)
+
+
+if __name__ == "__main__":
+    main()
