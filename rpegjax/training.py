@@ -21,7 +21,7 @@ from rpegjax.config import AlgorithmKind, RunConfig
 from rpegjax.data.example import Example
 from rpegjax.data.jsonl import load_jsonl
 from rpegjax.data.prompts import PromptTemplate
-from rpegjax.generate.sampler import Sampler
+from rpegjax.generate.sampler import Sampler, usable_slots
 from rpegjax.graph import builders, transforms
 from rpegjax.graph.ir import Graph, GraphError, StageKind
 from rpegjax.graph.meshes import stage_mesh
@@ -79,7 +79,10 @@ def _task_and_examples(cfg: RunConfig):
 
 def _model_config(cfg: RunConfig, tokenizer, *, value_head: bool) -> ModelConfig:
     m = cfg.model
-    return ModelConfig(vocab_size=tokenizer.vocab_size, hidden_size=m.hidden_size, num_layers=m.num_layers, num_heads=m.num_heads,
+    # the vocabulary padded to a multiple of 8, as checkpoints pad theirs: tensor parallelism up to 8 splits
+    # the embedding and output layer evenly (the sharding rules refuse an axis that does not divide)
+    vocab = -(-tokenizer.vocab_size // 8) * 8
+    return ModelConfig(vocab_size=vocab, hidden_size=m.hidden_size, num_layers=m.num_layers, num_heads=m.num_heads,
                        num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, intermediate_size=m.intermediate_size,
                        attention_bias=True, param_dtype=m.param_dtype, dtype=m.dtype, value_head=value_head,
                        eos_token_id=tokenizer.eos_id, max_position_embeddings=4096)
@@ -230,7 +233,7 @@ def build(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Components:
         learner = GRPOLearner(cfg.grpo, model, mesh=mesh)
     rollout = cfg.rollout
     slots = min(rollout.num_slots, max(rollout.prompts_per_step * rollout.group_size, len(eval_examples)))
-    slots -= slots % rollout.group_size
+    slots = usable_slots(slots, rollout.group_size, rollout_mesh)
     sampler = Sampler(model_cfg, nnx.split(model)[0], num_slots=slots, max_prompt_len=rollout.max_prompt_len,
                       max_new_tokens=rollout.max_new_tokens, chunk_steps=rollout.chunk_steps, mesh=rollout_mesh)
     return Components(cfg=cfg, tokenizer=tokenizer, task=task, train_examples=train_examples,
