@@ -18,10 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from timing import time_interleaved
 
 from rpegjax.models import Decoder, ModelConfig
 from rpegjax.models.hf import save_pretrained
-from timing import time_interleaved
 
 
 def _summary(name: str, seconds: list[float], tokens: int) -> float:

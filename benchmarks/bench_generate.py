@@ -1,20 +1,24 @@
-"""W-gen (shared/WORKLOADS.md): rollout throughput of our sampler vs a full-recompute loop and transformers.generate.
+"""W-gen and W-tail (shared/WORKLOADS.md): rollout throughput of our sampler vs a full-recompute loop and
+transformers.generate; KV memory of the paged cache vs the static layout on a long tail.
 
     python benchmarks/bench_generate.py [--new-tokens 64 256] [--runs 5] [--long-tail-prompts 128]
 
 Part 1, W-gen: the W-small model (random weights, float32), 32 sequences, prompts of 32 tokens, exactly
 N new tokens (EOS ignored), greedy and temperature 1.0. Contenders, timed interleaved run by run so that
 load from other processes hits all alike:
-  * ours        `Sampler.generate` (KV cache, compiled decode loop), after one warm-up (compilation);
+  * ours        `Sampler.generate` (KV cache, compiled decode loop), after one warm-up (compilation), with
+                the contiguous cache (today's layout, "before") and the paged cache ("paged", "after");
   * recompute   a plain loop without a cache: each step a jitted full forward of the sequence so far
                 (lengths bucketed by 32 so it compiles a handful of shapes), then argmax / categorical;
   * transformers `generate` on torch CPU with the same weights (our `save_pretrained` -> from_pretrained).
 Greedy outputs of all three are checked equal before timing.
 
-Part 2, long tail: many prompts whose response lengths are drawn log-normal (sigma 1, max 8x the mean),
+Part 2, W-tail: many prompts whose response lengths are drawn log-normal (sigma 1, max 8x the mean),
 enforced with per-prompt budgets, on 32 slots: continuous batching (`stream`) vs static batching
-(`generate_static`, fill all slots, wait for the slowest, refill), same key, same sequences; once per
-refill granularity in --long-tail-chunk-steps.
+(`generate_static`, fill all slots, wait for the slowest, refill), and continuous batching on the paged
+cache with a pool of --tail-pool-tokens-per-slot x 32 tokens; same key, same sequences; once per refill
+granularity in --long-tail-chunk-steps. KV memory, time-averaged over decode steps: tokens reserved
+(static: slots x capacity; paged: the whole pool, and the pages held by sequences) over tokens cached.
 
 Prints medians (min, max) of the timed runs (--runs for ours, fewer for the slow baselines), tokens/s, and ratios against the baselines of the same run.
 """
@@ -30,12 +34,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from timing import time_interleaved
 
 from rpegjax.generate import Sampler, SamplingConfig
+from rpegjax.generate.paged_cache import CacheConfig, kv_bytes_per_token
 from rpegjax.models import Decoder, ModelConfig
 from rpegjax.models.hf import save_pretrained
-
-from timing import time_interleaved
 
 BATCH, PROMPT = 32, 32
 
@@ -108,8 +112,9 @@ def part_wgen(args, cfg, graphdef, params, model, torch_model) -> None:
     prompt_list = prompts.tolist()
     recompute, recompute_warm = make_recompute_loop(graphdef)
     for new_tokens in args.new_tokens:
-        sampler = Sampler(cfg, graphdef, num_slots=BATCH, max_prompt_len=PROMPT, max_new_tokens=new_tokens,
-                          chunk_steps=args.chunk_steps)
+        shape = dict(num_slots=BATCH, max_prompt_len=PROMPT, max_new_tokens=new_tokens, chunk_steps=args.chunk_steps)
+        sampler = Sampler(cfg, graphdef, **shape)
+        paged = Sampler(cfg, graphdef, **shape, cache=CacheConfig.paged(page_size=args.page_size))
         for greedy in (True, False):
             label = "greedy" if greedy else "temperature 1.0"
             sampling = SamplingConfig(max_new_tokens=new_tokens, greedy=greedy, temperature=1.0, ignore_eos=True)
@@ -117,6 +122,9 @@ def part_wgen(args, cfg, graphdef, params, model, torch_model) -> None:
 
             def ours():
                 return sampler.generate(params, prompt_list, sampling, key=key)
+
+            def ours_paged():
+                return paged.generate(params, prompt_list, sampling, key=key)
 
             def plain():
                 return recompute(params, prompts, new_tokens, key, greedy)
@@ -130,6 +138,8 @@ def part_wgen(args, cfg, graphdef, params, model, torch_model) -> None:
 
             first = ours()  # compiles
             assert all(c.length == new_tokens for c in first)
+            first_paged = ours_paged()
+            assert [c.response_ids.tolist() for c in first_paged] == [c.response_ids.tolist() for c in first]
             long = new_tokens > 64
             if greedy:  # the contenders agree before they race (recompute only where a run is cheap)
                 ours_ids = np.stack([c.response_ids for c in first])
@@ -138,17 +148,21 @@ def part_wgen(args, cfg, graphdef, params, model, torch_model) -> None:
                 if torch_model is not None:
                     np.testing.assert_array_equal(hf()[:, PROMPT:].numpy(), ours_ids)
             recompute_warm(params, prompts, new_tokens)
-            calls = {"ours": ours, "recompute": plain}
+            calls = {"ours": ours, "paged": ours_paged, "recompute": plain}
             if torch_model is not None:
                 calls["transformers"] = hf
-            runs = {"ours": args.runs, "recompute": args.recompute_runs_long if long else args.baseline_runs,
+            runs = {"ours": args.runs, "paged": args.runs, "recompute": args.recompute_runs_long if long else args.baseline_runs,
                     "transformers": args.transformers_runs_long if long else args.baseline_runs}
+            calls = {name: call for name, call in calls.items() if runs[name] > 0}  # a count of 0 skips one
             seconds = time_interleaved(calls, runs)
             tokens = BATCH * new_tokens
             print(f"W-gen, {BATCH} x prompt {PROMPT} + {new_tokens} new tokens, {label} "
                   f"(runs: {', '.join(f'{n} {len(s)}' for n, s in seconds.items())}):")
             rates = {name: _line(name, s, tokens) for name, s in seconds.items()}
-            ratios = ", ".join(f"{rates['ours'] / rates[n]:.2f}x {n}" for n in rates if n != "ours")
+            ratios = ", ".join(f"{rates['ours'] / rates[n]:.2f}x {n}" for n in rates if n not in ("ours", "paged"))
+            ratios += "; paged / ours (after / before): " + f"{rates['paged'] / rates['ours']:.3f}"
+            ratios += "; paged / baselines: " + ", ".join(
+                f"{rates['paged'] / rates[n]:.2f}x {n}" for n in rates if n not in ("ours", "paged"))
             windows = ", ".join(f"{w}: {n}" for w, n in sorted(sampler.stats.chunks_per_window.items()))
             print(f"  ours / baselines: {ratios};  ours = {statistics.median(seconds['ours']) / new_tokens * 1e3:.2f} "
                   f"ms per token step (decode chunks per attention window so far: {windows})")
@@ -161,36 +175,62 @@ def part_long_tail(args, cfg, graphdef, params, chunk_steps: int) -> None:
     budgets = np.clip(np.round(raw / raw.mean() * mean), 1, 8 * mean).astype(int)
     budgets[np.argmax(raw)] = 8 * mean  # the tail reaches its cap: max = 8 x the target mean
     prompts = rng.integers(0, cfg.vocab_size, (n, PROMPT)).tolist()
-    sampler = Sampler(cfg, graphdef, num_slots=BATCH, max_prompt_len=PROMPT, max_new_tokens=8 * mean,
-                      chunk_steps=chunk_steps)
+    shape = dict(num_slots=BATCH, max_prompt_len=PROMPT, max_new_tokens=8 * mean, chunk_steps=chunk_steps)
+    sampler = Sampler(cfg, graphdef, **shape)
+    pool_pages = -(-args.tail_pool_tokens_per_slot * BATCH // args.page_size)
+    paged = Sampler(cfg, graphdef, **shape, cache=CacheConfig.paged(page_size=args.page_size,
+                                                                    pages_per_replica=pool_pages))
     sampling = SamplingConfig(max_new_tokens=8 * mean, temperature=1.0, ignore_eos=True)
     key = jax.random.key(2)
     kwargs = dict(key=key, budgets=budgets.tolist())
 
-    steps = {}
+    steps, memory = {}, {}
 
-    def counted(name, run):
+    def counted(name, run, which):
         def call():
-            before = sampler.stats.decode_steps
+            stats = which.stats
+            before = stats.decode_steps, stats.reserved_token_steps, stats.cached_token_steps, stats.preemptions
             out = run()
-            steps[name] = sampler.stats.decode_steps - before
+            steps[name] = stats.decode_steps - before[0]
+            memory[name] = (stats.reserved_token_steps - before[1], stats.cached_token_steps - before[2],
+                            stats.preemptions - before[3])
             return out
         return call
 
-    continuous = counted("continuous", lambda: list(sampler.stream(params, prompts, sampling, **kwargs)))
-    static = counted("static", lambda: sampler.generate_static(params, prompts, sampling, **kwargs))
+    continuous = counted("continuous", lambda: list(sampler.stream(params, prompts, sampling, **kwargs)), sampler)
+    static = counted("static", lambda: sampler.generate_static(params, prompts, sampling, **kwargs), sampler)
+    paged_run = counted("paged", lambda: list(paged.stream(params, prompts, sampling, **kwargs)), paged)
 
     streamed, batched = sorted(continuous(), key=lambda c: c.order), static()  # compiles, and checks equality
     assert [c.response_ids.tolist() for c in streamed] == [c.response_ids.tolist() for c in batched]
+    paged_out = sorted(paged_run(), key=lambda c: c.order)
+    assert [c.response_ids.tolist() for c in paged_out] == [c.response_ids.tolist() for c in batched]
     waves = [budgets[i:i + BATCH].max() for i in range(0, n, BATCH)]
-    print(f"Long tail: {n} prompts on {BATCH} slots, budgets log-normal: mean {budgets.mean():.1f}, "
+    print(f"W-tail: {n} prompts on {BATCH} slots, budgets log-normal: mean {budgets.mean():.1f}, "
           f"max {budgets.max()} ({budgets.max() / budgets.mean():.1f}x mean), chunks of {chunk_steps} steps; "
           f"static needs {sum(waves)} steps, the ideal {budgets.sum() / BATCH:.0f}")
-    seconds = time_interleaved({"continuous": continuous, "static": static}, args.runs)
+    seconds = time_interleaved({"continuous": continuous, "static": static, "paged": paged_run}, args.runs)
     tokens = int(budgets.sum())
     rates = {name: _line(name, s, tokens) for name, s in seconds.items()}
-    print(f"  continuous / static: {rates['continuous'] / rates['static']:.2f}x; decode steps run: "
-          f"{steps['continuous']} continuous, {steps['static']} static")
+    print(f"  continuous / static: {rates['continuous'] / rates['static']:.2f}x; paged / continuous: "
+          f"{rates['paged'] / rates['continuous']:.3f}; decode steps run: {steps['continuous']} continuous, "
+          f"{steps['static']} static, {steps['paged']} paged")
+    # KV memory, time-averaged over the decode steps of the last timed run of each
+    per_token = kv_bytes_per_token(cfg)
+    static_reserved, static_cached, _ = memory["continuous"]
+    held, paged_cached, preemptions = memory["paged"]
+    static_tokens = static_reserved / steps["continuous"]
+    pool_tokens = pool_pages * args.page_size
+    paged_cached_tokens = paged_cached / steps["paged"]
+    print(f"  KV memory (time-averaged, {per_token} bytes per token):")
+    print(f"    static layout: reserved {static_tokens * per_token / 2**20:8.2f} MiB, cached "
+          f"{static_cached / steps['continuous'] * per_token / 2**20:8.2f} MiB -> reserved / cached "
+          f"{static_reserved / static_cached:.2f}x")
+    print(f"    paged, pool {pool_pages} pages of {args.page_size}: reserved (pool) {pool_tokens * per_token / 2**20:8.2f} MiB, "
+          f"pages held {held / steps['paged'] * per_token / 2**20:8.2f} MiB, cached "
+          f"{paged_cached_tokens * per_token / 2**20:8.2f} MiB -> pool / cached {pool_tokens / paged_cached_tokens:.2f}x, "
+          f"held / cached {held / paged_cached:.2f}x; {preemptions} preemptions")
+    print(f"    static reserved / paged pool: {static_tokens / pool_tokens:.2f}x")
 
 
 def main() -> None:
@@ -206,6 +246,9 @@ def main() -> None:
                         help="refill granularity of the long-tail runs, one comparison each")
     parser.add_argument("--long-tail-prompts", type=int, default=128)
     parser.add_argument("--long-tail-mean", type=int, default=32)
+    parser.add_argument("--page-size", type=int, default=16, help="tokens per page of the paged cache")
+    parser.add_argument("--tail-pool-tokens-per-slot", type=int, default=80,
+                        help="W-tail paged pool: this many tokens per slot (static reserves prompt + 8 x mean)")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--skip-wgen", action="store_true")
     parser.add_argument("--skip-long-tail", action="store_true")

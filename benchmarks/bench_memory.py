@@ -35,10 +35,16 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
+from rpegjax.graph.generation_cost import ResponseLengths  # noqa: E402
+from rpegjax.graph.stage_costs import (  # noqa: E402
+    CostInputs,
+    ExecutionOptions,
+    Layout,
+    Workload,
+    model_pass_cost,
+)
 
 from rpegjax.graph import costs, hardware  # noqa: E402
-from rpegjax.graph.generation_cost import ResponseLengths  # noqa: E402
-from rpegjax.graph.stage_costs import CostInputs, ExecutionOptions, Layout, Workload, model_pass_cost  # noqa: E402
 from rpegjax.learners import GRPOConfig, GRPOLearner, OptimizerConfig  # noqa: E402
 from rpegjax.learners.batch import TrainBatch  # noqa: E402
 from rpegjax.learners.scoring import sequence_logprobs  # noqa: E402

@@ -1,20 +1,41 @@
 """KV-cache sampler: jit prefill + decode loop, continuous batching, group sampling, behaviour log-probs."""
 
-from rpegjax.generate.completion import Completion, CompletionBatch, FinishReason, stack_completions
-from rpegjax.generate.sampler import Sampler, SamplerStats
+from rpegjax.generate.compilation_cache import (
+    default_compilation_cache_dir,
+    enable_compilation_cache,
+)
+from rpegjax.generate.completion import (
+    Completion,
+    CompletionBatch,
+    FinishReason,
+    stack_completions,
+)
+from rpegjax.generate.paged_cache import CacheConfig, CacheLayout
+from rpegjax.generate.sampler import Sampler, SamplerStats, slot_replicas, usable_slots
 from rpegjax.generate.sampling import SamplingConfig, filter_logits, sample_tokens
-from rpegjax.generate.weight_sync import generation_rules, reshard_params
+from rpegjax.generate.weight_sync import (
+    generation_batch_axes,
+    generation_rules,
+    reshard_params,
+)
 
 __all__ = [
+    "CacheConfig",
+    "CacheLayout",
     "Completion",
     "CompletionBatch",
     "FinishReason",
+    "default_compilation_cache_dir",
+    "enable_compilation_cache",
     "Sampler",
     "SamplerStats",
     "SamplingConfig",
     "filter_logits",
+    "generation_batch_axes",
     "generation_rules",
     "reshard_params",
     "sample_tokens",
+    "slot_replicas",
     "stack_completions",
+    "usable_slots",
 ]

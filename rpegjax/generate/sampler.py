@@ -6,7 +6,12 @@ with pending prompts (a prompt's G samples start together from one prefill). A l
 holds one slot, not a whole batch. Static batching (`generate_static`) fills all slots, decodes until
 the slowest sequence ends, then starts the next batch: the baseline. Each chunk attends only to the
 first `window` cache positions, the longest running row's length plus the chunk rounded up to
-`window_step`, so attention costs what the sequences need, not the capacity.
+`window_step` times a power of two, so attention costs what the sequences need, not the capacity, and
+few decode programs compile. After a chunk only the small per-slot arrays and the rows of finished
+sequences come back to the host.
+
+The KV cache is contiguous (`CacheLayout.CONTIGUOUS`, every slot reserves the capacity: the reference)
+or paged (`CacheLayout.PAGED`, `paged_sampler.PagedController`: memory follows the tokens in flight).
 
 Both paths draw the step-th token of (prompt_index, sample_index) with the same key, so for one key
 they return the same sequences, whatever slot or wave a sequence lands in.
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 from collections.abc import Iterator, Sequence
 from functools import partial
 
@@ -26,11 +32,19 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rpegjax.generate.completion import FINISH_CODES, Completion
 from rpegjax.generate.decode import DecodeState, admit, decode, decode_state_shardings
+from rpegjax.generate.paged_cache import CacheConfig, CacheLayout
+from rpegjax.generate.paged_sampler import PagedController
 from rpegjax.generate.sampling import SamplingConfig, sampling_arrays
-from rpegjax.generate.weight_sync import generation_rules
+from rpegjax.generate.weight_sync import generation_batch_axes, generation_rules
 from rpegjax.models.config import ModelConfig
 from rpegjax.models.transformer import Decoder
-from rpegjax.sharding.rules import ActivationSharding, ShardingRules, param_shardings
+from rpegjax.sharding import axes
+from rpegjax.sharding.rules import (
+    ActivationSharding,
+    ShardingRules,
+    logical_to_spec,
+    param_shardings,
+)
 
 
 @dataclasses.dataclass
@@ -42,6 +56,44 @@ class SamplerStats:
     decode_calls: int = 0  # compiled decode calls (chunks)
     decode_steps: int = 0  # decode steps run, summed over calls
     chunks_per_window: dict[int, int] = dataclasses.field(default_factory=dict)  # attention window -> decode calls
+    preemptions: int = 0  # paged layout: sequences sent back to pending because their replica's pool ran dry
+    peak_pages: int = 0  # paged layout: most pages held at once, over all replicas
+    shared_page_references: int = 0  # paged layout: prompt pages a group sample uses without a copy of its own
+    # KV memory, time-averaged over decode steps: sum over chunks of steps x tokens the cache reserves
+    # (static: slots x capacity; paged: pages held x page size) and x tokens actually cached
+    reserved_token_steps: float = 0.0
+    cached_token_steps: float = 0.0
+
+    def record_memory(self, steps: int, *, reserved: float, cached: float) -> None:
+        self.reserved_token_steps += steps * reserved
+        self.cached_token_steps += steps * cached
+
+    def reserved_over_cached(self) -> float:
+        """Time-averaged KV tokens reserved / tokens cached (1 = no waste)."""
+        return self.reserved_token_steps / self.cached_token_steps
+
+
+def slot_replicas(mesh: Mesh, rules: ShardingRules) -> int:
+    """How many ways `rules` split slots (the batch axis) on `mesh`."""
+    spec = logical_to_spec((axes.BATCH,), rules.activations, mesh)[0]
+    names = () if spec is None else (spec,) if isinstance(spec, str) else spec
+    return math.prod(mesh.shape[name] for name in names)
+
+
+def usable_slots(requested: int, group_size: int, mesh: Mesh | None, rules: ShardingRules | None = None) -> int:
+    """The most slots <= `requested` that hold whole groups and split evenly over the mesh's slot replicas
+    (default generation rules); raises when not even one such set fits."""
+    if mesh is None:
+        replicas = 1
+    else:
+        replicas = slot_replicas(mesh, generation_rules(batch_axes=generation_batch_axes(mesh)) if rules is None else rules)
+    step = math.lcm(group_size, replicas)
+    if requested < step:
+        raise ValueError(
+            f"{requested} slots cannot hold a group of {group_size} on each of {replicas} slot replicas "
+            f"(need a multiple of {step})"
+        )
+    return requested - requested % step
 
 
 def _positive_int(name: str, value) -> int:
@@ -55,9 +107,11 @@ class Sampler:
 
     `num_slots` sequences decode together; the cache holds `max_prompt_len + max_new_tokens` tokens
     per slot. With a `mesh`, slots are split over the rules' batch axes and heads over the tensor axis
-    (default rules: `generation_rules()`); parameters must already be in that layout
+    (default rules: `generation_rules` with every mesh axis but tensor as a batch axis, so no device
+    repeats another's slots; `num_slots` must divide by their product); parameters must already be in that layout
     (`weight_sync.reshard_params`). The compiled functions are built once here; `admit` compiles once
-    per (prompt bucket, group size), `decode` once per attention window (capacity / window_step at most).
+    per (prompt bucket, group size), `decode` once per attention window (2 + log2(capacity / window_step)
+    at most). `cache` chooses the KV layout (default contiguous; `CacheConfig.paged(...)` for pages).
     """
 
     def __init__(
@@ -72,6 +126,7 @@ class Sampler:
         window_step: int = 64,
         mesh: Mesh | None = None,
         rules: ShardingRules | None = None,
+        cache: CacheConfig | None = None,
     ):
         self.cfg = cfg
         self.graphdef = graphdef
@@ -87,8 +142,19 @@ class Sampler:
                 f"max_position_embeddings ({cfg.max_position_embeddings})"
             )
         self.mesh = mesh
-        self.rules = rules if rules is not None or mesh is None else generation_rules()
+        if rules is None and mesh is not None:
+            rules = generation_rules(batch_axes=generation_batch_axes(mesh))
+        self.rules = rules
+        self.replicas = 1 if mesh is None else slot_replicas(mesh, rules)
+        if self.num_slots % self.replicas:
+            raise ValueError(
+                f"Sampler: num_slots={self.num_slots} does not split over the {self.replicas} slot replicas of mesh "
+                f"{dict(mesh.shape)}; use a multiple of {self.replicas} (see rpegjax.generate.usable_slots)"
+            )
         self.stats = SamplerStats()
+        self.cache = CacheConfig() if cache is None else cache
+        if not isinstance(self.cache, CacheConfig):
+            raise TypeError(f"Sampler: cache must be a CacheConfig, got {type(self.cache).__name__}")
         self._empty = partial(DecodeState.empty, cfg, self.num_slots, self.capacity, self.max_new_tokens)
         activation = None if mesh is None else ActivationSharding(mesh, self.rules)
 
@@ -125,15 +191,28 @@ class Sampler:
             self._build_state = jax.jit(self._empty, out_shardings=state_sharding)
             # a mesh spanning processes splits slots across them: `_fetch` replicates what it reads first
             self._replicate = jax.jit(lambda values: values, out_shardings=replicated)
+        rows_fn = lambda tokens, logprobs, rows: (tokens[rows], logprobs[rows])  # noqa: E731
+        # the rows of finished sequences only, replicated so that every process can read them
+        self._rows = jax.jit(rows_fn) if mesh is None else jax.jit(rows_fn, out_shardings=(replicated, replicated))
+        self.paged = None
+        if self.cache.layout == CacheLayout.PAGED:
+            self.paged = PagedController(
+                cfg, graphdef, self.cache, num_slots=self.num_slots, replicas=self.replicas, capacity=self.capacity,
+                max_new_tokens=self.max_new_tokens, chunk_steps=self.chunk_steps, stats=self.stats, mesh=mesh,
+                activation=activation, params_sharding=self.params_sharding)
 
     def compile_counts(self) -> dict[str, int]:
         """Programs compiled so far: `admit` one per (prompt bucket, group size, sampling switches),
-        `decode` one per (attention window, sampling switches); anything more is a retrace bug."""
+        `decode` one per (attention window, sampling switches); anything more is a retrace bug.
+        Paged layout: `prefill` per (prompt rows, chunk, page window), `start` per row bucket, `decode` per
+        page window (a power of two)."""
+        if self.paged is not None:
+            return self.paged.compile_counts()
         return {"admit": self._admit._cache_size(), "decode": self._decode._cache_size()}
 
     def new_state(self) -> DecodeState:
         """All slots empty, placed with the sampler's shardings."""
-        return self._build_state()
+        return self._build_state() if self.paged is None else self.paged.new_state()
 
     # ---- input checks ------------------------------------------------------------------------------
     def _check(self, prompts, sampling: SamplingConfig, group_size: int, budgets) -> list[np.ndarray]:
@@ -147,6 +226,9 @@ class Sampler:
         group_size = _positive_int("group_size", group_size)
         if group_size > self.num_slots:
             raise ValueError(f"group_size={group_size} exceeds num_slots={self.num_slots}: a group must fit at once")
+        if self.paged is not None and group_size > self.num_slots // self.replicas:
+            raise ValueError(f"group_size={group_size} exceeds the {self.num_slots // self.replicas} slots of one replica: "
+                             "a group shares its prompt pages, so it must fit in one replica")
         if isinstance(prompts, str | bytes) or not isinstance(prompts, Sequence) or not prompts:
             raise ValueError("prompts must be a non-empty list of token-id lists")
         checked = []
@@ -179,6 +261,7 @@ class Sampler:
         n = len(indices)
         most = self.num_slots // group_size
         bucket = min(1 << (n - 1).bit_length(), most)  # few shapes: powers of two up to the slot count
+        bucket = -(-bucket // self.replicas) * self.replicas  # prompt rows split over the slot replicas too
         tokens = np.zeros((bucket, self.max_prompt_len), np.int32)
         lengths = np.ones((bucket,), np.int32)
         for row, index in enumerate(indices):
@@ -199,9 +282,10 @@ class Sampler:
 
     def _window(self, longest: int) -> int:
         """Cache positions a chunk attends to: enough for the longest running row to take every step of
-        the chunk, rounded up to `window_step` (few compiled sizes), at most the capacity."""
-        need = longest + self.chunk_steps
-        return min(self.capacity, -(-need // self.window_step) * self.window_step)
+        the chunk, `window_step` times a power of two (at most 2 + log2(capacity / window_step) compiled
+        sizes), at most the capacity."""
+        steps = -(-(longest + self.chunk_steps) // self.window_step)
+        return min(self.capacity, self.window_step * (1 << (steps - 1).bit_length()))
 
     def _decode_chunk(self, params, state, key, arrays, window: int):
         state, steps = self._decode(window, params, state, key, arrays, np.int32(self.chunk_steps))
@@ -209,25 +293,19 @@ class Sampler:
         self.stats.chunks_per_window[window] = self.stats.chunks_per_window.get(window, 0) + 1
         return state, steps
 
-    @staticmethod
-    def _harvest(host, slot: int, prompt: np.ndarray, owner: tuple[int, int], version) -> Completion:
-        done, num_generated, finish, tokens, logprobs = host
-        n = int(num_generated[slot])
-        return Completion(
-            prompt_index=owner[0],
-            sample_index=owner[1],
-            prompt_ids=prompt.copy(),  # each completion owns its arrays (a group shares one prompt)
-            response_ids=np.array(tokens[slot, :n]),
-            behaviour_logprobs=np.array(logprobs[slot, :n]),
-            finish_reason=FINISH_CODES[int(finish[slot])],
-            version=version,
-        )
-
     def _fetch(self, state: DecodeState):
-        values = (state.done, state.num_generated, state.finish, state.tokens, state.logprobs)
+        """The small per-slot arrays: done, num_generated, finish."""
+        values = (state.done, state.num_generated, state.finish)
         if not all(value.is_fully_addressable for value in values):  # other processes hold some slots
-            values = self._replicate(values)  # one program for the five arrays; then every process reads all
+            values = self._replicate(values)  # one program for the three arrays; then every process reads all
         return jax.device_get(values)
+
+    def _fetch_rows(self, state: DecodeState, slots: list[int]):
+        """Tokens and log-probs of `slots` only (a power-of-two bucket of rows: few compiled gathers)."""
+        bucket = 1 << (len(slots) - 1).bit_length()
+        rows = np.full((min(bucket, self.num_slots),), slots[0], np.int32)
+        rows[: len(slots)] = slots
+        return jax.device_get(self._rows(state.tokens, state.logprobs, rows))
 
     def _check_params(self, params: nnx.State) -> None:
         """On a mesh, parameters must already be in the generation layout (moving them is weight sync's job)."""
@@ -278,6 +356,9 @@ class Sampler:
         """The controller. Continuous: refill free slots before every chunk. Static: refill only once
         every slot is free (each batch waits for its slowest sequence). Both decode in chunks over an
         attention window sized to the longest running row."""
+        if self.paged is not None:
+            yield from self.paged.run(params, checked, arrays, group_size, budgets, key, version, continuous=continuous)
+            return
         pending = collections.deque(range(len(checked)))
         owners: list[tuple[int, int] | None] = [None] * self.num_slots
         cache_length = np.zeros(self.num_slots, np.int64)  # per running slot: prompt + response tokens cached
@@ -294,15 +375,26 @@ class Sampler:
                         owners[slot] = (admitted[i // group_size], i % group_size)
                         cache_length[slot] = checked[owners[slot][0]].size  # the first token is not cached yet
             running = [slot for slot, owner in enumerate(owners) if owner is not None]
+            before = int(cache_length[running].sum())
             state, steps = self._decode_chunk(params, state, key, arrays, self._window(int(cache_length[running].max())))
-            host = self._fetch(state)
-            self.stats.decode_steps += int(steps)
+            done, num_generated, finish = self._fetch(state)
+            steps = int(steps)
+            self.stats.decode_steps += steps
             for slot in running:
-                owner = owners[slot]
-                cache_length[slot] = checked[owner[0]].size + int(host[1][slot]) - 1
-                if host[0][slot]:
-                    owners[slot] = None
-                    yield self._harvest(host, slot, checked[owner[0]], owner, version)
+                cache_length[slot] = checked[owners[slot][0]].size + int(num_generated[slot]) - 1
+            self.stats.record_memory(steps, reserved=self.num_slots * self.capacity,
+                                     cached=(before + int(cache_length[running].sum())) / 2)
+            finished = [slot for slot in running if done[slot]]
+            if not finished:
+                continue
+            tokens, logprobs = self._fetch_rows(state, finished)
+            for row, slot in enumerate(finished):
+                (prompt, sample), n = owners[slot], int(num_generated[slot])
+                owners[slot] = None
+                yield Completion(prompt_index=prompt, sample_index=sample,
+                                 prompt_ids=checked[prompt].copy(),  # each completion owns its arrays
+                                 response_ids=np.array(tokens[row, :n]), behaviour_logprobs=np.array(logprobs[row, :n]),
+                                 finish_reason=FINISH_CODES[int(finish[slot])], version=version)
 
     def generate(self, params: nnx.State, prompts, sampling: SamplingConfig, *, group_size: int = 1,
                  key: jax.Array, version: int | None = None, budgets=None) -> list[Completion]:

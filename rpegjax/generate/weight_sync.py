@@ -17,11 +17,26 @@ from rpegjax.sharding import axes
 from rpegjax.sharding.rules import ShardingRules, param_shardings
 
 
-def generation_rules(*, data_axis: str = axes.DATA_AXIS, tensor_axis: str = axes.TENSOR_AXIS) -> ShardingRules:
-    """Tensor parallelism over heads, KV heads, MLP and vocabulary; slots (batch) over `data_axis`;
-    nothing sharded over the embedding dimension, so a decode step gathers no weights."""
+def generation_rules(
+    *,
+    batch_axes: tuple[str, ...] = (axes.DATA_AXIS, axes.FSDP_AXIS),
+    tensor_axis: str = axes.TENSOR_AXIS,
+) -> ShardingRules:
+    """Tensor parallelism over heads, KV heads, MLP and vocabulary; slots (batch) over `batch_axes`;
+    nothing sharded over the embedding dimension, so a decode step gathers no weights.
+
+    Every mesh axis that is not the tensor axis should be a batch axis (`generation_batch_axes`):
+    an axis left out would hold a full copy of every slot and repeat its decode work.
+    """
+    if tensor_axis in batch_axes:
+        raise ValueError(f"generation_rules: batch_axes {batch_axes} must not contain the tensor axis {tensor_axis!r}")
     tensor = {axes.HEADS: tensor_axis, axes.KV_HEADS: tensor_axis, axes.MLP: tensor_axis, axes.VOCAB: tensor_axis}
-    return ShardingRules(params=dict(tensor), activations={axes.BATCH: data_axis, **tensor})
+    return ShardingRules(params=dict(tensor), activations={axes.BATCH: tuple(batch_axes), **tensor})
+
+
+def generation_batch_axes(mesh: Mesh, *, tensor_axis: str = axes.TENSOR_AXIS) -> tuple[str, ...]:
+    """The mesh axes slots split over in generation: all but the tensor axis, in mesh order."""
+    return tuple(name for name in mesh.axis_names if name != tensor_axis)
 
 
 def reshard_params(state: nnx.State, mesh: Mesh, rules: ShardingRules, *, dtype=None) -> nnx.State:

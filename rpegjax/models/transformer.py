@@ -61,6 +61,14 @@ class KVCache:
         """Logical axes of each layer's k and v array."""
         return (axes.BATCH, axes.KV_HEADS, axes.CACHE_SEQ, axes.HEAD_DIM)
 
+    def layer(self, index: int) -> tuple[Array, Array]:
+        """What `Attention` receives for layer `index`. Another cache type (the sampler's paged cache)
+        offers the same `layer` / `with_layers` pair and hands out a layer object with `write_and_attend`."""
+        return self.k[index], self.v[index]
+
+    def with_layers(self, written: list[tuple[Array, Array]], added: Int[Array, " b"]) -> KVCache:
+        return KVCache(k=tuple(k for k, _ in written), v=tuple(v for _, v in written), lengths=self.lengths + added)
+
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], logical: tuple[str | None, ...], dtype, fan_in: int) -> nnx.Param:
     value = jax.random.normal(rngs.params(), shape, jnp.float32) / math.sqrt(fan_in)
@@ -160,6 +168,9 @@ class Attention(nnx.Module):
         q = constrain(q, sharding, (axes.BATCH, None, axes.HEADS, None))
         if layer_cache is None:
             return self._output(attend(cfg.attention, cfg.attention_block_size, q, k, v, key_mask)), None
+        if not isinstance(layer_cache, tuple):  # a cache with its own layout (paged) writes and attends itself
+            out, layer_cache = layer_cache.write_and_attend(q, k, v, cache_offsets, key_mask)
+            return self._output(out), layer_cache
         # writing only the new tokens into this layer's [b k T e] arrays (a scatter XLA does in place)
         # avoids copying the cache at every decode step. The advanced indices (rows, columns) around the
         # head slice address a [b t k e] block, the layout of k and v.
@@ -296,24 +307,22 @@ class Decoder(nnx.Module):
         x = constrain(x, sharding, (axes.BATCH, None, axes.EMBED))
         # computed at trace time from the config: a constant, not a parameter
         rope = rope_tables(positions, rope_inverse_frequencies(self.cfg))
-        new_k, new_v = [], []
+        written = []
         if cache is None and self.cfg.scan_layers:
             return self.final_norm(_scan_layers(self.layers, x, rope, mask, self.cfg.remat, sharding)), None
         full_sequence = _remat_layer(self.cfg.remat, sharding) if cache is None else None
         for index, layer in enumerate(self.layers):
             if full_sequence is not None:
-                x, written = full_sequence(layer, x, rope, mask), None
+                x = full_sequence(layer, x, rope, mask)
                 continue
-            layer_cache = None if cache is None else (cache.k[index], cache.v[index])
+            layer_cache = cache.layer(index)
             offsets = None if cache is None else cache.lengths
-            x, written = layer(x, rope, mask, layer_cache, offsets, sharding)
-            if written is not None:
-                new_k.append(written[0])
-                new_v.append(written[1])
+            x, new_layer = layer(x, rope, mask, layer_cache, offsets, sharding)
+            written.append(new_layer)
         new_cache = None
         if cache is not None:
             added = tokens.shape[1] if mask is None else mask.sum(axis=-1).astype(jnp.int32)
-            new_cache = KVCache(k=tuple(new_k), v=tuple(new_v), lengths=cache.lengths + added)
+            new_cache = cache.with_layers(written, added)
         return self.final_norm(x), new_cache
 
     def with_execution(self, **changes: Any) -> Decoder:

@@ -1,8 +1,10 @@
 """Rules tables: logical axis -> mesh axes, for parameters and for activations.
 
 A parallelism strategy is a `ShardingRules`; the planner chooses one, models only name logical axes.
-A logical dimension that the mapped mesh axes do not divide is replicated instead (checked per array),
-so small models still run on large meshes; `check_param_shardings` reports where that happened.
+A logical dimension that its mapped mesh axes do not divide is an error naming the array, dimension and
+axes (replicating it silently would repeat that work on every device of those axes): pick a mesh or
+shapes that divide. Mesh axes the mesh lacks or has at size 1 are skipped, so one table serves meshes
+with and without, say, a `fsdp` axis.
 """
 
 from __future__ import annotations
@@ -64,23 +66,33 @@ def logical_to_spec(
     table: Mapping[str, MeshAxes],
     mesh: Mesh,
     shape: Sequence[int] | None = None,
+    *,
+    name: str = "array",
 ) -> PartitionSpec:
     """Maps logical axis names to a PartitionSpec on `mesh`.
 
-    Mesh axes absent from the mesh, of size 1, already used by an earlier dimension, or not dividing
-    the dimension (when `shape` is given) are dropped, i.e. that dimension is replicated over them.
+    Mesh axes absent from the mesh, of size 1, or already used by an earlier dimension are skipped.
+    With `shape`, a dimension that the product of its mesh axes does not divide raises ValueError
+    naming `name`, the dimension, its logical axis and the mesh axes.
     """
+    if shape is not None and len(shape) != len(logical):
+        raise ValueError(f"{name}: logical axes {tuple(logical)} do not match shape {tuple(shape)}")
     used: set[str] = set()
     spec: list[MeshAxes] = []
-    for dim, name in enumerate(logical):
+    for dim, logical_name in enumerate(logical):
         chosen = []
-        for mesh_axis in _mesh_axes_tuple(table.get(name) if name else None):
+        for mesh_axis in _mesh_axes_tuple(table.get(logical_name) if logical_name else None):
             if mesh_axis not in mesh.shape or mesh.shape[mesh_axis] == 1 or mesh_axis in used:
                 continue
             chosen.append(mesh_axis)
-        if shape is not None:
-            while chosen and shape[dim] % math.prod(mesh.shape[a] for a in chosen):
-                chosen.pop()
+        if shape is not None and chosen:
+            shards = math.prod(mesh.shape[a] for a in chosen)
+            if shape[dim] % shards:
+                raise ValueError(
+                    f"{name} of shape {tuple(shape)}: dimension {dim} ({logical_name!r}, size {shape[dim]}) is not "
+                    f"divisible by mesh axes {tuple(chosen)} ({shards} devices); change the mesh or the shape "
+                    "rather than repeating that work on every device"
+                )
         used.update(chosen)
         spec.append(None if not chosen else chosen[0] if len(chosen) == 1 else tuple(chosen))
     return PartitionSpec(*spec)
@@ -93,7 +105,7 @@ def _is_variable(x: Any) -> bool:
 def param_specs(state: nnx.State, mesh: Mesh, rules: ShardingRules) -> nnx.State:
     """PartitionSpecs for every variable of an NNX state, from its `logical_axes` metadata."""
 
-    def spec_of(variable: nnx.Variable) -> nnx.Variable:
+    def spec_of(path, variable: nnx.Variable) -> nnx.Variable:
         logical = variable.get_metadata().get("logical_axes")
         if logical is None:
             spec = PartitionSpec()
@@ -101,10 +113,10 @@ def param_specs(state: nnx.State, mesh: Mesh, rules: ShardingRules) -> nnx.State
             value = variable.get_value()
             if len(logical) != value.ndim:
                 raise ValueError(f"logical axes {logical} do not match a parameter of shape {value.shape}")
-            spec = logical_to_spec(logical, rules.params, mesh, value.shape)
+            spec = logical_to_spec(logical, rules.params, mesh, value.shape, name=f"parameter {jax.tree_util.keystr(path)}")
         return variable.replace(spec)
 
-    return jax.tree.map(spec_of, state, is_leaf=_is_variable)
+    return jax.tree_util.tree_map_with_path(spec_of, state, is_leaf=_is_variable)
 
 
 def param_shardings(state: nnx.State, mesh: Mesh, rules: ShardingRules) -> nnx.State:
@@ -143,14 +155,16 @@ class ActivationSharding:
     mesh: Mesh
     rules: ShardingRules
 
-    def spec(self, logical: Sequence[str | None], shape: Sequence[int] | None = None) -> PartitionSpec:
-        return logical_to_spec(logical, self.rules.activations, self.mesh, shape)
+    def spec(self, logical: Sequence[str | None], shape: Sequence[int] | None = None, *,
+             name: str = "activation") -> PartitionSpec:
+        return logical_to_spec(logical, self.rules.activations, self.mesh, shape, name=name)
 
-    def sharding(self, logical: Sequence[str | None], shape: Sequence[int] | None = None) -> NamedSharding:
-        return NamedSharding(self.mesh, self.spec(logical, shape))
+    def sharding(self, logical: Sequence[str | None], shape: Sequence[int] | None = None, *,
+                 name: str = "activation") -> NamedSharding:
+        return NamedSharding(self.mesh, self.spec(logical, shape, name=name))
 
-    def constrain(self, x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
-        return jax.lax.with_sharding_constraint(x, self.sharding(logical, x.shape))
+    def constrain(self, x: jax.Array, logical: Sequence[str | None], *, name: str = "activation") -> jax.Array:
+        return jax.lax.with_sharding_constraint(x, self.sharding(logical, x.shape, name=name))
 
 
 def constrain(x: jax.Array, sharding: ActivationSharding | None, logical: Sequence[str | None]) -> jax.Array:

@@ -19,7 +19,7 @@ from rpegjax import distributed
 from rpegjax.data.example import Example
 from rpegjax.data.jsonl import load_jsonl
 from rpegjax.data.prompts import PromptTemplate
-from rpegjax.generate.sampler import Sampler
+from rpegjax.generate.sampler import Sampler, usable_slots
 from rpegjax.graph import builders, transforms
 from rpegjax.graph.ir import Algorithm, Graph, GraphError, StageKind
 from rpegjax.models.config import EXECUTION_FIELDS, ModelConfig
@@ -30,6 +30,7 @@ from rpegjax.rewards.dataset_task import MathDatasetTask
 from rpegjax.rewards.math import check_gold_answer
 from rpegjax.rewards.tasks import make_task
 from rpegjax.runtime.assembly import RolloutShape, place_models
+from rpegjax.runtime.meshes import placed_meshes
 from rpegjax.sharding.mesh import resolve_axis_sizes
 from rpegjax.train.config import RunConfig
 from rpegjax.train.warmstart import warm_start
@@ -83,7 +84,10 @@ def _numerics(model_cfg: ModelConfig) -> dict:
 
 def _model_config(cfg: RunConfig, tokenizer, *, value_head: bool) -> ModelConfig:
     m = cfg.model
-    return ModelConfig(vocab_size=tokenizer.vocab_size, hidden_size=m.hidden_size, num_layers=m.num_layers, num_heads=m.num_heads,
+    # the vocabulary padded to a multiple of 8, as checkpoints pad theirs: tensor parallelism up to 8 splits
+    # the embedding and output layer evenly (the sharding rules refuse an axis that does not divide)
+    vocab = -(-tokenizer.vocab_size // 8) * 8
+    return ModelConfig(vocab_size=vocab, hidden_size=m.hidden_size, num_layers=m.num_layers, num_heads=m.num_heads,
                        num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, intermediate_size=m.intermediate_size,
                        attention_bias=True, param_dtype=m.param_dtype, dtype=m.dtype, value_head=value_head,
                        eos_token_id=tokenizer.eos_id, max_position_embeddings=4096, **m.execution())
@@ -219,7 +223,8 @@ def build(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Components:
         nnx.update(critic, nnx.state(model))
     rollout = cfg.rollout
     slots = min(rollout.num_slots, max(rollout.prompts_per_step * rollout.group_size, len(eval_examples)))
-    slots -= slots % rollout.group_size
+    # whole groups that split evenly over the generation mesh's slot replicas
+    slots = usable_slots(slots, rollout.group_size, placed_meshes(graph)[1])
     learner, sampler = place_models(
         graph, model, cfg.ppo if ppo else cfg.grpo,
         RolloutShape(num_slots=slots, max_prompt_len=rollout.max_prompt_len, max_new_tokens=rollout.max_new_tokens,

@@ -36,7 +36,7 @@ SCRIPT = ROOT / "scripts" / "train_grpo.py"
 # enough that rewards differ within groups, so losses, gradients and the next rollouts all depend on
 # every row's reward arriving in the right place.
 SMALL = [
-    "--model.hidden_size=64", "--model.num_layers=2", "--model.num_heads=2", "--model.num_kv_heads=1",
+    "--model.hidden_size=64", "--model.num_layers=2", "--model.num_heads=2", "--model.num_kv_heads=2",
     "--model.head_dim=32", "--model.intermediate_size=128", "--task=countdown", "--data.train_size=64",
     "--data.eval_size=4", "--prompts-per-step=4", "--group-size=4", "--rollout.max_prompt_len=12",
     "--max-new-tokens=12", "--rollout.num_slots=16", "--temperature=1.0", "--warm-start-steps=60",

@@ -258,3 +258,23 @@ def test_sharded_sampler_equals_unsharded(tiny_cfg, tiny_split, reference):
     assert _responses(got) == _responses(expected)
     for a, b in zip(got, expected, strict=True):
         np.testing.assert_allclose(a.behaviour_logprobs, b.behaviour_logprobs, atol=1e-5)
+
+
+@pytest.mark.parametrize("mesh_sizes", [{"fsdp": 4, "tensor": 2}, {"data": 2, "fsdp": 2, "tensor": 2}])
+def test_slots_split_over_every_axis_but_tensor(tiny_cfg, tiny_split, mesh_sizes):
+    """No device repeats another's slots: 16 slots on 4 slot replicas x tensor 2 leave 4 per device."""
+    from rpegjax.generate import usable_slots
+    from rpegjax.sharding import make_mesh
+
+    mesh = make_mesh(mesh_sizes)
+    sampler = Sampler(tiny_cfg, tiny_split[0], num_slots=16, max_prompt_len=4, max_new_tokens=4, mesh=mesh)
+    state = sampler.new_state()
+    for array in (state.cache.k[0], state.cache.lengths, state.tokens, state.done):
+        assert {shard.data.shape[0] for shard in array.addressable_shards} == {16 // 4}
+    # heads split over tensor: each device holds one of the 2 KV heads
+    assert {shard.data.shape[1] for shard in state.cache.k[0].addressable_shards} == {1}
+    with pytest.raises(ValueError, match=r"num_slots=6 does not split over the 4 slot replicas.*multiple of 4"):
+        Sampler(tiny_cfg, tiny_split[0], num_slots=6, max_prompt_len=4, max_new_tokens=4, mesh=mesh)
+    assert usable_slots(14, 2, mesh) == 12 and usable_slots(14, 3, mesh) == 12 and usable_slots(6, 2, None) == 6
+    with pytest.raises(ValueError, match="3 slots cannot hold a group of 2 on each of 4 slot replicas"):
+        usable_slots(3, 2, mesh)

@@ -28,11 +28,12 @@ from rpegjax.train.config import (
 from rpegjax.train.trainer import make_programs
 
 
-def tiny_config(num_slots: int = 8, **graph) -> RunConfig:
+def tiny_config(num_slots: int = 8, prompts_per_step: int = 4, num_kv_heads: int = 1, **graph) -> RunConfig:
     return RunConfig(
-        model=ModelSection(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64),
+        model=ModelSection(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=num_kv_heads, head_dim=16,
+                           intermediate_size=64),
         data=DataSection(train_size=64, eval_size=4),
-        rollout=RolloutSection(prompts_per_step=4, group_size=2, max_prompt_len=12, max_new_tokens=6, num_slots=num_slots,
+        rollout=RolloutSection(prompts_per_step=prompts_per_step, group_size=2, max_prompt_len=12, max_new_tokens=6, num_slots=num_slots,
                                chunk_steps=3),
         warm_start=WarmStartSection(steps=0),
         graph=GraphSection(**{"async_bound": 0, **graph}),
@@ -129,10 +130,11 @@ def test_fused_graph_gives_the_same_numbers_with_fewer_dispatches():
 
 
 def test_microbatched_rollout_hands_pieces_downstream_and_matches_the_whole_batch():
-    _, _, whole_state, whole, _ = run_runtime(tiny_config(num_slots=4, async_bound=0), 2)
-    # 4 slots hold the 2 prompts x 2 samples of one piece: the second piece decodes after the first finished
+    # 8 slots (one per device: slots split over all 8) hold the 4 prompts x 2 samples of one piece: the second
+    # piece decodes after the first finished
+    _, _, whole_state, whole, _ = run_runtime(tiny_config(num_slots=8, prompts_per_step=8, async_bound=0), 2)
     _, runtime, pieces_state, pieces, trace = run_runtime(
-        tiny_config(num_slots=4, async_bound=0, generate_microbatches=2), 2)
+        tiny_config(num_slots=8, prompts_per_step=8, async_bound=0, generate_microbatches=2), 2)
     for a, b in zip(whole, pieces):
         assert a.metrics["reward"] == b.metrics["reward"]
         assert a.metrics["loss"] == pytest.approx(b.metrics["loss"], abs=1e-5)
@@ -186,8 +188,9 @@ def _length_reward(text, example):
 
 
 def test_disaggregated_generation_runs_on_its_own_devices_and_matches_colocated():
-    colocated = tiny_config(async_bound=1)
-    split = tiny_config(async_bound=1, rollout_devices=4, mesh="data=4", rollout_mesh="data=2,tensor=2")
+    # 2 KV heads: tensor=2 splits them (the sharding rules refuse to replicate 1 head over 2 devices)
+    colocated = tiny_config(async_bound=1, num_kv_heads=2)
+    split = tiny_config(async_bound=1, num_kv_heads=2, rollout_devices=4, mesh="data=4", rollout_mesh="data=2,tensor=2")
     parts, runtime, state, results, trace = run_runtime(split, 3, task_reward=_length_reward)
     assert set(parts.graph.placements) == {"rollout", "train"}
     assert _device_ids(state.params) == {4, 5, 6, 7}  # training on the last four devices
@@ -225,8 +228,11 @@ def test_an_inference_stage_with_its_own_layout_runs_resharded_with_the_same_num
         "ref_logprob": {"data": 2, "fsdp": 4}, "old_logprob": {"fsdp": 8}}
     assert {"ref_logprob", "old_logprob"} <= {e.stage for e in trace.events}
     plain = run_runtime(cfg, 2, task_reward=_length_reward)[3]
-    for key in ("loss", "kl_loss", "ratio_mean", "grad_norm"):
+    for key in ("loss", "kl_loss", "ratio_mean"):
         assert resharded[0].metrics[key] == pytest.approx(plain[0].metrics[key], rel=1e-5, abs=1e-7), key
+    # equal rewards: plain's gradient is exactly 0 (zero advantages, KL of identical log-probs); the resharded
+    # reference log-probs differ by float32 rounding (~1e-7), which leaves a KL gradient of that order
+    assert resharded[0].metrics["grad_norm"] == pytest.approx(plain[0].metrics["grad_norm"], rel=1e-5, abs=1e-6)
     # one fused program on a layout of its own gives the learner-layout numbers
     programs, state = make_programs(parts, None), parts.learner.init_state()
     rows = np.random.default_rng(0).integers(3, 90, size=(8, 18)).tolist()

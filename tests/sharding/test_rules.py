@@ -18,17 +18,35 @@ from rpegjax.sharding import (
 from rpegjax.sharding import axes
 
 
-def test_logical_to_spec_drops_absent_unit_and_non_dividing_axes():
+def test_logical_to_spec_skips_absent_and_unit_axes():
     mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     table = ShardingRules.fsdp_tp().params
     assert logical_to_spec((axes.EMBED, axes.MLP), table, mesh, (64, 128)) == P("fsdp", "tensor")
-    # 3 rows cannot be split over fsdp=2: replicated there
-    assert logical_to_spec((axes.EMBED, axes.MLP), table, mesh, (3, 128)) == P(None, "tensor")
     one = make_mesh({"data": 8, "fsdp": 1, "tensor": 1})
     assert logical_to_spec((axes.EMBED, axes.MLP), table, one, (64, 128)) == P(None, None)
     acts = ShardingRules.fsdp_tp().activations
     assert logical_to_spec((axes.BATCH, None), acts, mesh, (8, 3)) == P(("data", "fsdp"), None)
-    assert logical_to_spec((axes.BATCH, None), acts, mesh, (2, 3)) == P("data", None)
+    no_fsdp = make_mesh({"data": 4, "tensor": 2})
+    assert logical_to_spec((axes.BATCH, None), acts, no_fsdp, (8, 3)) == P("data", None)
+
+
+def test_rules_refuse_a_mesh_axis_that_does_not_divide():
+    """Replicating instead would repeat that dimension's work on every device of the axis."""
+    mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    table = ShardingRules.fsdp_tp().params
+    with pytest.raises(ValueError, match=r"w_in of shape \(3, 128\): dimension 0 \('embed', size 3\) is not divisible "
+                                         r"by mesh axes \('fsdp',\) \(2 devices\)"):
+        logical_to_spec((axes.EMBED, axes.MLP), table, mesh, (3, 128), name="w_in")
+    acts = ActivationSharding(mesh, ShardingRules.fsdp_tp())
+    with pytest.raises(ValueError, match=r"dimension 0 \('batch', size 2\) is not divisible by mesh axes "
+                                         r"\('data', 'fsdp'\) \(4 devices\)"):
+        acts.spec((axes.BATCH, None), (2, 3))
+    cfg = ModelConfig.tiny(num_heads=4, num_kv_heads=2)  # 2 KV heads cannot split over tensor=4
+    state = nnx.state(Decoder(cfg, rngs=nnx.Rngs(0)))
+    with pytest.raises(ValueError, match=r"parameter \['layers'\]\[0\]\['attention'\]\['k_bias'\] of shape \(2, 16\): "
+                                         r"dimension 0 \('kv_heads', size 2\) is not divisible "
+                                         r"by mesh axes \('tensor',\) \(4 devices\)"):
+        param_specs(state, make_mesh({"fsdp": 2, "tensor": 4}), ShardingRules.fsdp_tp())
 
 
 @pytest.mark.parametrize("architecture", list(Architecture))

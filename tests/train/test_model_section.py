@@ -1,9 +1,9 @@
 """ModelSection's execution fields: validated, and passed to the model without changing its parameters."""
 
 import pytest
-from rpegjax.config import ModelSection
 
 from rpegjax.models.config import AttentionKind, RematPolicy
+from rpegjax.train.config import ModelSection
 
 
 def test_model_section_execution_fields():

@@ -1,0 +1,157 @@
+"""Pure functions of the paged sampler: chunked prefill into pages, starting rows, the decode loop.
+
+The host (`paged_sampler.PagedController`) owns the page tables; it uploads them (small int arrays)
+with each call. A prompt is prefilled once, in chunks of at most `prefill_chunk` tokens, through the
+page table of the first sample of its group; the other samples' tables point at the same full pages,
+and `start_rows` gives each of them its own copy of a partial last page before it decodes.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Bool, Float, Int
+
+from rpegjax.generate.decode import DecodeState, record_tokens, step_logits
+from rpegjax.generate.paged_cache import PagedKVCache
+from rpegjax.generate.sampling import SamplingArrays
+from rpegjax.models.config import ModelConfig
+from rpegjax.sharding import axes
+from rpegjax.sharding.rules import ActivationSharding
+
+
+def empty_paged_state(cfg: ModelConfig, *, num_slots: int, replicas: int, pages_per_replica: int, page_size: int,
+                      max_pages: int, max_new_tokens: int) -> DecodeState:
+    """All slots empty (done), every pool page zero."""
+    state = DecodeState.empty(cfg, num_slots, 1, max_new_tokens)
+    cache = PagedKVCache.zeros(cfg, num_slots=num_slots, replicas=replicas, pages_per_replica=pages_per_replica,
+                               page_size=page_size, max_pages=max_pages)
+    return state.replace(cache=cache)
+
+
+def paged_state_shardings(state: DecodeState, sharding: ActivationSharding) -> DecodeState:
+    """NamedShardings of a paged `DecodeState`: slots and pool replicas over the batch axes, KV heads over tensor."""
+    def named(logical, x, name):
+        return sharding.sharding(logical, x.shape, name=name)
+
+    row = (axes.BATCH,)
+    pool = PagedKVCache.pool_logical_axes()
+    cache = state.cache
+    return DecodeState(
+        cache=PagedKVCache(k=tuple(named(pool, x, "key page pool") for x in cache.k),
+                           v=tuple(named(pool, x, "value page pool") for x in cache.v),
+                           page_table=named((axes.BATCH, None), cache.page_table, "page table"),
+                           lengths=named(row, cache.lengths, "cache lengths"),
+                           limits=named(row, cache.limits, "cache limits")),
+        **{field: named(row, getattr(state, field), field)
+           for field in ("last_token", "num_generated", "budget", "done", "finish", "prompt_index", "sample_index")},
+        tokens=named((axes.BATCH, None), state.tokens, "tokens"),
+        logprobs=named((axes.BATCH, None), state.logprobs, "logprobs"),
+    )
+
+
+def prefill_pages(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    state: DecodeState,
+    page_table: Int[Array, "p m"],
+    starts: Int[Array, " p"],
+    tokens: Int[Array, "p c"],
+    counts: Int[Array, " p"],
+    ends: Bool[Array, " p"],
+    last_logits: Float[Array, "p v"],
+    *,
+    window_pages: int,
+    sharding: ActivationSharding | None = None,
+) -> tuple[DecodeState, Float[Array, "p v"]]:
+    """Runs one chunk of p prompts: row i's `counts[i]` tokens at cache indices starts[i] onwards, written
+    into the pages of `page_table[i]`. Rows whose prompt ends in this chunk (`ends`) replace their entry of
+    `last_logits` with the float32 logits at their last token (the first response token's distribution)."""
+    model = nnx.merge(graphdef, params)
+    c = tokens.shape[1]
+    mask = jnp.arange(c)[None, :] < counts[:, None]
+    positions = starts[:, None] + jnp.arange(c)[None, :]
+    rows = PagedKVCache(k=state.cache.k, v=state.cache.v, page_table=page_table, lengths=starts,
+                        limits=starts + counts, window_pages=window_pages)
+    hidden, rows = model.hidden_states(tokens, positions, mask=mask, cache=rows, sharding=sharding)
+    last = jnp.take_along_axis(hidden, jnp.maximum(counts - 1, 0)[:, None, None], axis=1)  # p 1 d
+    logits = jnp.where(ends[:, None], model.logits(last)[:, 0], last_logits)
+    return state.replace(cache=state.cache.with_pools(rows.k, rows.v)), logits
+
+
+def start_rows(
+    state: DecodeState,
+    logits: Float[Array, "p v"],
+    lead: Int[Array, " r"],
+    slots: Int[Array, " r"],
+    prompt_lengths: Int[Array, " r"],
+    prompt_index: Int[Array, " r"],
+    sample_index: Int[Array, " r"],
+    budgets: Int[Array, " r"],
+    copy_replica: Int[Array, " c"],
+    copy_source: Int[Array, " c"],
+    copy_target: Int[Array, " c"],
+    key: Array,
+    sampling: SamplingArrays,
+) -> DecodeState:
+    """Starts r sequences in `slots` (a slot >= num_slots marks a padding row): row i samples its first
+    token from `logits[lead[i]]` with its own key. First, page `copy_source[j]` of replica
+    `copy_replica[j]` is copied to `copy_target[j]` (a target past the pool is padding): a sample's own
+    copy of its prompt's partial last page."""
+    def copy(pool):
+        return pool.at[copy_replica, copy_target].set(pool[copy_replica, copy_source], mode="drop")
+
+    cache = state.cache.with_pools(map(copy, state.cache.k), map(copy, state.cache.v))
+    r = slots.shape[0]
+    zeros = jnp.zeros((r,), jnp.int32)
+    width = state.tokens.shape[1]
+    rows = DecodeState(cache=None, last_token=zeros, num_generated=zeros, budget=budgets, done=jnp.zeros((r,), bool),
+                       finish=zeros, prompt_index=prompt_index, sample_index=sample_index,
+                       tokens=jnp.zeros((r, width), jnp.int32), logprobs=jnp.zeros((r, width), jnp.float32))
+    rows = record_tokens(rows, logits[lead], key, sampling)
+
+    def put(old, new):
+        return old.at[slots].set(new, mode="drop")
+
+    return state.replace(
+        cache=cache.replace(lengths=put(cache.lengths, prompt_lengths)),
+        **{field: put(getattr(state, field), getattr(rows, field))
+           for field in ("last_token", "num_generated", "budget", "done", "finish", "prompt_index", "sample_index",
+                         "tokens", "logprobs")},
+    )
+
+
+def decode_paged(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    state: DecodeState,
+    page_table: Int[Array, "b m"],
+    limits: Int[Array, " b"],
+    evict: Bool[Array, " b"],
+    key: Array,
+    sampling: SamplingArrays,
+    max_steps: Int[Array, ""],
+    *,
+    window_pages: int,
+    sharding: ActivationSharding | None = None,
+) -> tuple[DecodeState, Int[Array, ""]]:
+    """Up to `max_steps` decode steps over the paged cache (a `lax.while_loop`), stopping early once every
+    row is done or before a running row would write past its pages (`limits`). Rows in `evict` (preempted
+    by the host, their pages already reused) are marked done first. Returns the new state and the steps run."""
+    cache = state.cache.replace(page_table=page_table, limits=limits, window_pages=window_pages)
+    state = state.replace(cache=cache, done=state.done | evict)
+
+    def cond(carry):
+        step, s = carry
+        fits = jnp.all(s.done | (s.cache.lengths < s.cache.limits))
+        return (step < max_steps) & ~jnp.all(s.done) & fits
+
+    def body(carry):
+        step, s = carry
+        model = nnx.merge(graphdef, params)
+        logits, new_cache = step_logits(model, s, sharding)
+        return step + 1, record_tokens(s.replace(cache=new_cache), logits, key, sampling)
+
+    steps, state = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))
+    return state.replace(cache=state.cache.replace(window_pages=0)), steps

@@ -1,0 +1,292 @@
+"""Host controller of the paged sampler: page tables, admission by free pages, preemption, chunked prefill.
+
+Per decode chunk the controller (1) admits pending groups while a replica has enough free slots and
+free pages for the group's prompt and first chunk plus the next chunk of every sequence already
+running there, (2) gives every running sequence the pages its next chunk writes, preempting the most
+recently admitted sequence of a replica whose pool ran dry (its pages are freed and it restarts from
+its prompt later: per-row keys make the restart draw the same tokens), (3) runs the chunk over a
+power-of-two number of page-table columns and (4) fetches to the host only the small per-slot arrays
+plus the rows of the sequences that finished.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterator
+from functools import partial
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from rpegjax.generate.completion import FINISH_CODES, Completion
+from rpegjax.generate.paged_cache import CacheConfig, PagePool, pages_for, pow2_at_least
+from rpegjax.generate.paged_decode import (
+    decode_paged,
+    empty_paged_state,
+    paged_state_shardings,
+    prefill_pages,
+    start_rows,
+)
+from rpegjax.models.config import ModelConfig
+from rpegjax.sharding import axes
+from rpegjax.sharding.rules import ActivationSharding
+
+
+class PagedController:
+    """Compiled functions and host bookkeeping of a paged sampler (built by `Sampler`)."""
+
+    def __init__(self, cfg: ModelConfig, graphdef: nnx.GraphDef, cache: CacheConfig, *, num_slots: int,
+                 replicas: int, capacity: int, max_new_tokens: int, chunk_steps: int, stats,
+                 mesh: Mesh | None, activation: ActivationSharding | None, params_sharding):
+        self.cfg = cfg
+        self.page_size = cache.page_size
+        self.prefill_chunk = cache.prefill_chunk
+        self.num_slots = num_slots
+        self.replicas = replicas
+        self.slots_per_replica = num_slots // replicas
+        self.chunk_steps = chunk_steps
+        self.max_pages = pages_for(capacity, cache.page_size)
+        self.pages_per_replica = (self.slots_per_replica * self.max_pages if cache.pages_per_replica is None
+                                  else cache.pages_per_replica)
+        if self.pages_per_replica < self.max_pages:
+            raise ValueError(
+                f"CacheConfig.pages_per_replica={self.pages_per_replica} cannot hold one sequence of the sampler's "
+                f"capacity ({capacity} tokens = {self.max_pages} pages of {cache.page_size})"
+            )
+        self.stats = stats
+        self._empty = partial(empty_paged_state, cfg, num_slots=num_slots, replicas=replicas,
+                              pages_per_replica=self.pages_per_replica, page_size=cache.page_size,
+                              max_pages=self.max_pages, max_new_tokens=max_new_tokens)
+
+        def prefill_fn(window_pages, *arrays):
+            return prefill_pages(graphdef, *arrays, window_pages=window_pages, sharding=activation)
+
+        def decode_fn(window_pages, *arrays):
+            return decode_paged(graphdef, *arrays, window_pages=window_pages, sharding=activation)
+
+        def rows_fn(tokens, logprobs, rows):
+            return tokens[rows], logprobs[rows]
+
+        if mesh is None:
+            self._prefill = jax.jit(prefill_fn, static_argnums=(0,), donate_argnums=(2,))
+            self._start = jax.jit(start_rows, donate_argnums=(0,))
+            self._decode = jax.jit(decode_fn, static_argnums=(0,), donate_argnums=(2,))
+            self._build_state = jax.jit(self._empty)
+            self._rows = jax.jit(rows_fn)
+        else:
+            state_sharding = paged_state_shardings(jax.eval_shape(self._empty), activation)
+            replicated = NamedSharding(mesh, PartitionSpec())
+            rows = activation.sharding((axes.BATCH,), (num_slots,), name="slot rows")
+            self._prefill = jax.jit(prefill_fn, static_argnums=(0,),
+                                    in_shardings=(params_sharding, state_sharding) + (replicated,) * 6,
+                                    out_shardings=(state_sharding, replicated), donate_argnums=(2,))
+            self._start = jax.jit(start_rows, in_shardings=(state_sharding,) + (replicated,) * 12,
+                                  out_shardings=state_sharding, donate_argnums=(0,))
+            self._decode = jax.jit(
+                decode_fn, static_argnums=(0,),
+                in_shardings=(params_sharding, state_sharding, state_sharding.cache.page_table, rows, rows,
+                              replicated, replicated, replicated),
+                out_shardings=(state_sharding, replicated), donate_argnums=(2,))
+            self._build_state = jax.jit(self._empty, out_shardings=state_sharding)
+            # only finished rows come back, replicated, so every process can read them
+            self._rows = jax.jit(rows_fn, out_shardings=(replicated, replicated))
+
+    def compile_counts(self) -> dict[str, int]:
+        return {"prefill": self._prefill._cache_size(), "start": self._start._cache_size(),
+                "decode": self._decode._cache_size()}
+
+    def new_state(self):
+        return self._build_state()
+
+    # ---- the controller ----------------------------------------------------------------------------
+    def run(self, params, checked: list[np.ndarray], arrays, group_size: int, budgets: list[int], key: jax.Array,
+            version, *, continuous: bool) -> Iterator[Completion]:
+        page = self.page_size
+        pool = PagePool(self.replicas, self.pages_per_replica)
+        table = np.zeros((self.num_slots, self.max_pages), np.int32)
+        held: list[list[int]] = [[] for _ in range(self.num_slots)]  # pages of each slot, in table order
+        owners: list[tuple[int, int] | None] = [None] * self.num_slots
+        admitted_at = np.zeros(self.num_slots, np.int64)  # admission order: preemption takes the newest
+        cache_length = np.zeros(self.num_slots, np.int64)
+        evict = np.zeros(self.num_slots, bool)
+        pending = collections.deque((index, tuple(range(group_size))) for index in range(len(checked)))
+        counter = 0
+        state = self.new_state()
+
+        def replica_of(slot: int) -> int:
+            return slot // self.slots_per_replica
+
+        def most_tokens(slot: int) -> int:  # the last sampled token is never written to the cache
+            prompt = owners[slot][0]
+            return checked[prompt].size + budgets[prompt] - 1
+
+        def chunk_need(slot: int) -> int:  # pages the slot's next chunk writes into, beyond what it holds
+            tokens = min(int(cache_length[slot]) + self.chunk_steps, most_tokens(slot))
+            return max(0, pages_for(tokens, page) - len(held[slot]))
+
+        def release(slot: int) -> None:
+            pool.release(replica_of(slot), held[slot])
+            held[slot] = []
+            table[slot] = 0
+            owners[slot] = None
+
+        while pending or any(o is not None for o in owners):
+            # ---- admission ----
+            if continuous or all(o is None for o in owners):
+                admitted = []  # (prompt index, sample indices, slots)
+                while pending:
+                    prompt, samples = pending[0]
+                    size, g = checked[prompt].size, len(samples)
+                    full = size // page
+                    # prompt pages (full ones shared, a partial one per sample) + each sample's first chunk
+                    first = pages_for(min(size + self.chunk_steps, size + budgets[prompt] - 1), page) - full
+                    need = full + g * max(first, 1)
+                    choice = None
+                    for replica in range(self.replicas):
+                        slots = [s for s in range(replica * self.slots_per_replica,
+                                                  (replica + 1) * self.slots_per_replica) if owners[s] is None]
+                        running = [s for s in range(replica * self.slots_per_replica,
+                                                    (replica + 1) * self.slots_per_replica) if owners[s] is not None]
+                        reserve = sum(chunk_need(s) for s in running)
+                        if len(slots) >= g and pool.num_free(replica) >= need + reserve:
+                            if choice is None or pool.num_free(replica) > pool.num_free(choice[0]):
+                                choice = (replica, slots[:g])
+                    if choice is None:
+                        break
+                    pending.popleft()
+                    replica, slots = choice
+                    shared = pool.take(replica, full)
+                    pool.share(replica, shared, g - 1)
+                    self.stats.shared_page_references += len(shared) * (g - 1)
+                    for slot, sample in zip(slots, samples, strict=True):
+                        held[slot] = shared + pool.take(replica, 1 if size % page else 0)
+                        table[slot, : len(held[slot])] = held[slot]
+                        owners[slot] = (prompt, sample)
+                        evict[slot] = False  # a slot preempted and refilled before any decode: start_rows resets it
+                        cache_length[slot] = size
+                        admitted_at[slot] = counter
+                        counter += 1
+                    admitted.append((prompt, samples, slots))
+                if admitted:
+                    state = self._admit(params, state, checked, admitted, table, held, budgets, key, arrays)
+                elif not any(o is not None for o in owners):
+                    prompt, samples = pending[0]
+                    raise ValueError(
+                        f"paged sampler: prompt {prompt} ({checked[prompt].size} tokens, {len(samples)} samples) does not "
+                        f"fit an empty replica of {self.pages_per_replica} pages of {page} tokens; raise "
+                        "CacheConfig.pages_per_replica or lower group_size"
+                    )
+
+            # ---- pages for the next chunk; preempt the newest sequences of a replica that ran dry ----
+            for slot in sorted((s for s in range(self.num_slots) if owners[s] is not None), key=lambda s: admitted_at[s]):
+                if owners[slot] is None:  # preempted by an older sequence in this pass
+                    continue
+                replica = replica_of(slot)
+                while chunk_need(slot) > pool.num_free(replica):
+                    victim = max((s for s in range(self.num_slots) if owners[s] is not None and replica_of(s) == replica),
+                                 key=lambda s: admitted_at[s])
+                    pending.appendleft((owners[victim][0], (owners[victim][1],)))
+                    release(victim)
+                    evict[victim] = True
+                    self.stats.preemptions += 1
+                    if victim == slot:
+                        break
+                if owners[slot] is None:
+                    continue
+                extra = pool.take(replica, chunk_need(slot))
+                table[slot, len(held[slot]): len(held[slot]) + len(extra)] = extra
+                held[slot] += extra
+            running = [s for s in range(self.num_slots) if owners[s] is not None]
+            self.stats.peak_pages = max(self.stats.peak_pages, pool.held())
+            if not running:
+                continue
+            limits = np.array([len(h) * page for h in held], np.int32)
+            window = pow2_at_least(max(len(held[s]) for s in running), self.max_pages)
+            before = int(cache_length[running].sum())
+            state, steps = self._decode(window, params, state, table, limits, evict, key, arrays,
+                                        np.int32(self.chunk_steps))
+            evict[:] = False
+            done, num_generated, finish = jax.device_get((state.done, state.num_generated, state.finish))
+            steps = int(steps)
+            self.stats.decode_calls += 1
+            self.stats.decode_steps += steps
+            self.stats.chunks_per_window[window] = self.stats.chunks_per_window.get(window, 0) + 1
+            for slot in running:
+                cache_length[slot] = checked[owners[slot][0]].size + int(num_generated[slot]) - 1
+            after = int(cache_length[running].sum())
+            self.stats.record_memory(steps, reserved=pool.held() * page, cached=(before + after) / 2)
+            finished = [slot for slot in running if done[slot]]
+            if not finished:
+                continue
+            bucket = pow2_at_least(len(finished), self.num_slots)
+            rows = np.full((bucket,), finished[0], np.int32)
+            rows[: len(finished)] = finished
+            tokens, logprobs = jax.device_get(self._rows(state.tokens, state.logprobs, rows))
+            for row, slot in enumerate(finished):
+                prompt, sample = owners[slot]
+                n = int(num_generated[slot])
+                release(slot)
+                yield Completion(prompt_index=prompt, sample_index=sample, prompt_ids=checked[prompt].copy(),
+                                 response_ids=np.array(tokens[row, :n]), behaviour_logprobs=np.array(logprobs[row, :n]),
+                                 finish_reason=FINISH_CODES[int(finish[slot])], version=version)
+
+    def _admit(self, params, state, checked, admitted, table, held, budgets, key, arrays):
+        """Chunked prefill of the admitted prompts through their first sample's pages, then the start of every sample."""
+        page = self.page_size
+        by_replica = [[] for _ in range(self.replicas)]
+        for item in admitted:
+            by_replica[item[2][0] // self.slots_per_replica].append(item)
+        per_replica = pow2_at_least(max(map(len, by_replica)), self.slots_per_replica)
+        p = per_replica * self.replicas  # prefill rows, replica-major like the slots
+        lengths = np.zeros((p,), np.int64)
+        prefill_table = np.zeros((p, self.max_pages), np.int32)
+        lead = {}  # (prompt, first sample) -> prefill row
+        for replica, items in enumerate(by_replica):
+            for i, (prompt, samples, slots) in enumerate(items):
+                row = replica * per_replica + i
+                lengths[row] = checked[prompt].size
+                prefill_table[row] = table[slots[0]]
+                lead[(prompt, samples[0])] = row
+        logits = np.zeros((p, self.cfg.vocab_size), np.float32)
+        longest = int(lengths.max())
+        chunk = min(self.prefill_chunk, longest)
+        chunk = pow2_at_least(chunk, self.prefill_chunk)  # few chunk shapes
+        for start in range(0, longest, chunk):
+            counts = np.clip(lengths - start, 0, chunk).astype(np.int32)
+            tokens = np.zeros((p, chunk), np.int32)
+            for replica, items in enumerate(by_replica):
+                for i, (prompt, _, _) in enumerate(items):
+                    row = replica * per_replica + i
+                    tokens[row, : counts[row]] = checked[prompt][start: start + counts[row]]
+            ends = (lengths > start) & (lengths <= start + chunk)
+            window = pow2_at_least(pages_for(min(longest, start + chunk), page), self.max_pages)
+            state, logits = self._prefill(window, params, state, prefill_table, np.full((p,), start, np.int32), tokens,
+                                          counts, ends, logits)
+            self.stats.prefill_calls += 1
+        self.stats.prefilled_prompts += len(admitted)
+
+        samples_total = sum(len(item[1]) for item in admitted)
+        r = pow2_at_least(samples_total, self.num_slots)
+        slot_ids = np.full((r,), self.num_slots, np.int32)  # past the end: dropped
+        lead_rows, prompt_lengths, prompt_index, sample_index = (np.zeros((r,), np.int32) for _ in range(4))
+        row_budgets = np.ones((r,), np.int32)
+        copies = []  # (replica, source page, target page): each later sample's own partial last page
+        i = 0
+        for prompt, samples, slots in admitted:
+            size = checked[prompt].size
+            for sample, slot in zip(samples, slots, strict=True):
+                slot_ids[i], lead_rows[i] = slot, lead[(prompt, samples[0])]
+                prompt_lengths[i], prompt_index[i], sample_index[i] = size, prompt, sample
+                row_budgets[i] = budgets[prompt]
+                if size % page and slot != slots[0]:
+                    copies.append((slot // self.slots_per_replica, held[slots[0]][-1], held[slot][-1]))
+                i += 1
+        c = pow2_at_least(max(len(copies), 1), self.num_slots)
+        copy = np.zeros((3, c), np.int32)
+        copy[2] = self.pages_per_replica  # past the pool: dropped
+        if copies:
+            copy[:, : len(copies)] = np.array(copies, np.int32).T
+        return self._start(state, logits, lead_rows, slot_ids, prompt_lengths, prompt_index, sample_index, row_budgets,
+                           copy[0], copy[1], copy[2], key, arrays)
