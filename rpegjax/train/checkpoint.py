@@ -57,6 +57,14 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
+    def set_aside(self, step: int, destination: pathlib.Path) -> pathlib.Path:
+        """Moves damaged checkpoint `step` to `destination` (kept for inspection, out of the way of a new
+        save of that step); returns where it went."""
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        (self.directory / str(step)).rename(destination)
+        self._manager.reload()
+        return destination
+
     def all_steps(self) -> list[int]:
         """The steps of the complete checkpoints, oldest first."""
         return sorted(self._manager.all_steps())

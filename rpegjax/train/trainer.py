@@ -218,6 +218,10 @@ class Trainer:
                 continue
             if failures:
                 self.log(f"falling back to checkpoint {step}: damaged newer checkpoint(s) {failures} are skipped")
+                if self.main:  # out of the way of the new saves of those steps, kept for inspection
+                    for bad in failures:
+                        moved = checkpoints.set_aside(bad, self.run_dir / "damaged_checkpoints" / f"{bad}-{time.time():.0f}")
+                        self.log(f"moved damaged checkpoint {bad} to {moved}")
             history = sorted((int(v), p) for v, p in arrays["history"].items())
             return arrays["state"], history, meta
         raise CheckpointError(f"{checkpoints.directory}: no checkpoint can be restored (damaged: {failures})")
