@@ -222,3 +222,11 @@ def test_a_refused_resume_leaves_the_run_and_a_damaged_checkpoint_falls_back(tmp
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "falling back to checkpoint 1" in resumed.stderr
     assert Checkpointer(run_dir / "checkpoints").latest_step() == 3
+
+
+def test_a_run_directory_that_cannot_be_written_is_one_clear_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    result = run_job(blocker / "run", "--steps=1")
+    assert result.returncode == 1
+    assert "error: cannot write the run:" in result.stderr and "Traceback" not in result.stderr
