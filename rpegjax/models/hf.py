@@ -69,8 +69,9 @@ def read_config(path: PathLike) -> ModelConfig:
         return ModelConfig.from_hf_dict(_read_json(config_path), source=str(config_path))
     except CheckpointError:
         raise
-    except (ValueError, TypeError) as error:
-        raise CheckpointError(str(error)) from None
+    except (ValueError, TypeError) as error:  # a field of the wrong type or value: name the file too
+        message = str(error)
+        raise CheckpointError(message if message.startswith(str(config_path)) else f"{config_path}: {message}") from None
 
 
 def _tensor_files(directory: Path) -> dict[str, Path]:

@@ -19,7 +19,13 @@ import re
 
 from rpegjax.data.example import DatasetError, Example
 from rpegjax.rewards.runner import Isolation
-from rpegjax.rewards.task import ANSWER_PREFIX, Difficulty, GeneratedTask, check_fraction, extract_answer_line
+from rpegjax.rewards.task import (
+    ANSWER_PREFIX,
+    Difficulty,
+    GeneratedTask,
+    check_fraction,
+    extract_answer_line,
+)
 
 _OPERATIONS = ("+", "-")
 _DIGITS_FOR = {Difficulty.EASY: 2, Difficulty.MEDIUM: 3, Difficulty.HARD: 4}

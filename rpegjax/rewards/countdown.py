@@ -23,7 +23,13 @@ from fractions import Fraction
 from rpegjax.data.example import DatasetError, Example
 from rpegjax.rewards.expression import ExpressionError, parse_expression
 from rpegjax.rewards.runner import Isolation
-from rpegjax.rewards.task import ANSWER_PREFIX, Difficulty, GeneratedTask, check_fraction, extract_answer_line
+from rpegjax.rewards.task import (
+    ANSWER_PREFIX,
+    Difficulty,
+    GeneratedTask,
+    check_fraction,
+    extract_answer_line,
+)
 
 # An expression tree: an int leaf, or (operator, left, right).
 Tree = int | tuple[str, "Tree", "Tree"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import threading
 
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
@@ -51,12 +52,30 @@ def parse_gold_answer(answer: str, timeout_s: int = 5) -> tuple:
     return tuple(parsed)
 
 
+_TEXT_COMMANDS = re.compile(r"\\(?:text|textbf|textit|mathrm|mbox|operatorname)\s*\{[^{}]*\}")
+_COMMAND = re.compile(r"\\[A-Za-z]+")
+_WORD = re.compile(r"[A-Za-z]{2,}")
+
+
 def check_gold_answer(example: Example) -> None:
-    """Raise `DatasetError` naming the row when the example's gold answer does not parse."""
+    """Raise `DatasetError` naming the row when the example's gold answer does not parse, is bare text
+    (math-verify would read `hello` as the product E*h*l*l*o and `nan` as n*a*n, so such a gold could only
+    ever match nonsense) or is not a number where it looks like one (NaN). Text answers are fine inside
+    `\\text{...}`, as MATH writes them."""
+    where = example.where()
     try:
-        parse_gold_answer(example.answer)
+        parsed = parse_gold_answer(example.answer)
     except ValueError as error:
-        raise DatasetError(f"{example.where()}: {error}") from None
+        raise DatasetError(f"{where}: {error}") from None
+    bare = _COMMAND.sub(" ", _TEXT_COMMANDS.sub(" ", example.answer))
+    word = _WORD.search(bare)
+    if word is not None and word.group().lower() in ("nan", "inf", "infinity"):
+        raise DatasetError(f"{where}: the gold answer {example.answer!r} is not a finite number")
+    if word is not None:
+        raise DatasetError(f"{where}: the gold answer {example.answer!r} is text ({word.group()!r}), which math-verify "
+                           f"reads as {parsed[0]} (a product of letters); put text answers in \\text{{...}}")
+    if str(parsed[0]) in ("nan", "zoo"):
+        raise DatasetError(f"{where}: the gold answer {example.answer!r} is not a number ({parsed[0]})")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

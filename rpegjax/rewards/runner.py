@@ -30,6 +30,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
@@ -54,17 +55,38 @@ class Isolation(enum.StrEnum):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class ResourceLimits:
+    """Limits of each worker process (`resource.setrlimit`), so that a reward function cannot take the
+    machine down: `memory_mb` caps the process's address space (RLIMIT_AS; an allocation past it raises
+    MemoryError, a failed call), `cpu_s` the CPU seconds of one call (RLIMIT_CPU, raised before each call;
+    past it the worker is killed by SIGXCPU, a failed call). None: no limit. Threads cannot be limited."""
+
+    memory_mb: int | None = 4096
+    cpu_s: int | None = 60
+
+    def __post_init__(self) -> None:
+        for name in ("memory_mb", "cpu_s"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"ResourceLimits.{name} must be a positive integer or None, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class RewardRunnerConfig:
     """`timeout_s`: seconds one reward call may take; `workers`: calls run concurrently;
-    `start_timeout_s`: seconds a worker process may take to start (interpreter and imports)."""
+    `start_timeout_s`: seconds a worker process may take to start (interpreter and imports);
+    `limits`: memory and CPU limits of worker processes (`Isolation.PROCESS`)."""
 
     timeout_s: float = 10.0
     workers: int = 2
     isolation: Isolation = Isolation.PROCESS
     start_timeout_s: float = 120.0
+    limits: ResourceLimits = dataclasses.field(default_factory=ResourceLimits)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "isolation", Isolation(self.isolation))
+        if not isinstance(self.limits, ResourceLimits):
+            raise ValueError(f"RewardRunnerConfig.limits must be a ResourceLimits, got {self.limits!r}")
         for name in ("timeout_s", "start_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
@@ -83,6 +105,7 @@ class RewardStats:
     mean_reward: float
     seconds: float
     first_error: str = ""
+    nonfinite: int = 0  # of the errors: calls that returned NaN, inf or a value float32 cannot hold
 
     def metrics(self, prefix: str = "reward/") -> dict[str, float]:
         """Flat metrics for the logger; errors and timeouts also as fractions of the batch."""
@@ -91,29 +114,44 @@ class RewardStats:
             f"{prefix}mean": self.mean_reward,
             f"{prefix}errors": float(self.errors),
             f"{prefix}timeouts": float(self.timeouts),
+            f"{prefix}nonfinite": float(self.nonfinite),
             f"{prefix}error_fraction": self.errors / count,
             f"{prefix}timeout_fraction": self.timeouts / count,
             f"{prefix}seconds": self.seconds,
         }
 
 
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+class NonFiniteReward(ValueError):
+    """A reward function returned NaN, inf, or a number too large for the float32 rewards (1e300 -> inf)."""
+
+
 def _call(fn: RewardFn, text: str, example: Example) -> float:
     value = fn(text, example)
     if isinstance(value, (bool, np.bool_)):
         return float(value)
-    if not isinstance(value, (int, float, np.integer, np.floating)) or not math.isfinite(value):
+    if not isinstance(value, (int, float, np.integer, np.floating)):
         raise TypeError(f"reward function returned {value!r}; expected a finite float")
+    if not math.isfinite(value) or abs(float(value)) > _FLOAT32_MAX:
+        raise NonFiniteReward(f"reward function returned {value!r}; rewards are float32, finite and at most "
+                              f"{_FLOAT32_MAX:.3g} in magnitude")
     return float(value)
 
 
-def _serve(conn: multiprocessing.connection.Connection, fn: RewardFn) -> None:
+def _serve(conn: multiprocessing.connection.Connection, fn: RewardFn,
+           before_call: Callable[[], None] = lambda: None) -> None:
     """Worker loop (a worker process's main thread, or a daemon thread): score items until told to stop."""
     try:
         conn.send(("ready",))
         while (chunk := conn.recv()) is not None:
             for index, text, example in chunk:  # one reply per item: the runner times each call
                 try:
+                    before_call()
                     conn.send((index, "ok", _call(fn, text, example)))
+                except NonFiniteReward as error:
+                    conn.send((index, "nonfinite", str(error)[:500]))
                 except Exception as error:  # a reward function's failure is data, not a crash
                     conn.send((index, "error", f"{type(error).__name__}: {error}"[:500]))
     except (EOFError, OSError):  # the runner closed our pipe (shutdown, or this worker was abandoned)
@@ -122,16 +160,32 @@ def _serve(conn: multiprocessing.connection.Connection, fn: RewardFn) -> None:
         conn.close()
 
 
-def serve_process(fd: int) -> None:
-    """Entry point of a worker process: read the pickled reward function from socket `fd`, then serve."""
+def serve_process(fd: int, memory_mb: int | None = None, cpu_s: int | None = None) -> None:
+    """Entry point of a worker process: read the pickled reward function from socket `fd`, limit this
+    process (see `ResourceLimits`; after the imports, which are not the user's doing), then serve."""
+    import resource
+
     conn = multiprocessing.connection.Connection(fd)
     try:
         fn = pickle.loads(conn.recv_bytes())
+        if memory_mb is not None:
+            limit = memory_mb * 2**20
+            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     except Exception as error:
         conn.send(("failed", f"{type(error).__name__}: {error}"))
         conn.close()
         return
-    _serve(conn, fn)
+
+    def before_call() -> None:
+        # RLIMIT_CPU counts the process's whole life: move the soft limit to cpu_s past what is used now
+        if cpu_s is not None:
+            usage = resource.getrusage(resource.RUSAGE_SELF)
+            used = int(usage.ru_utime + usage.ru_stime) + 1
+            _, hard = resource.getrlimit(resource.RLIMIT_CPU)
+            soft = used + cpu_s
+            resource.setrlimit(resource.RLIMIT_CPU, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
+
+    _serve(conn, fn, before_call)
 
 
 class _Worker:
@@ -143,7 +197,7 @@ class _Worker:
     resolves as it did here.
     """
 
-    def __init__(self, fn: RewardFn, isolation: Isolation, payload: bytes) -> None:
+    def __init__(self, fn: RewardFn, isolation: Isolation, payload: bytes, limits: ResourceLimits | None = None) -> None:
         self.isolation = isolation
         self.ready = False
         self.pending: collections.deque[int] = collections.deque()  # sent, not answered; the first is running
@@ -154,7 +208,9 @@ class _Worker:
         if isolation is Isolation.PROCESS:
             fd = theirs.detach()
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-            command = [sys.executable, "-c", f"from rpegjax.rewards.runner import serve_process; serve_process({fd})"]
+            limits = limits or ResourceLimits(memory_mb=None, cpu_s=None)
+            command = [sys.executable, "-c", "from rpegjax.rewards.runner import serve_process; "
+                       f"serve_process({fd}, memory_mb={limits.memory_mb!r}, cpu_s={limits.cpu_s!r})"]
             self.handle: Any = subprocess.Popen(command, pass_fds=(fd,), stdin=subprocess.DEVNULL, env=env)
             os.close(fd)  # so that a dead child reads as EOF here
             self.conn.send_bytes(payload)
@@ -204,9 +260,14 @@ class _Worker:
     def exit_detail(self) -> str:
         if self.isolation is Isolation.PROCESS:
             try:
-                return f"exit code {self.handle.wait(timeout=1)}"
+                code = self.handle.wait(timeout=1)
             except subprocess.TimeoutExpired:
                 return "process still running"
+            if code < 0:
+                name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(-code)
+                why = {"SIGXCPU": ": past its CPU limit", "SIGKILL": ": killed (out of memory?)"}.get(name, "")
+                return f"killed by {name}{why}"
+            return f"exit code {code}"
         return "thread ended"
 
 
@@ -248,13 +309,15 @@ class RewardRunner:
         self._finalizer = weakref.finalize(self, _stop_all, self._workers)
 
     @classmethod
-    def for_task(cls, task: Any, *, timeout_s: float = 10.0, workers: int = 2) -> RewardRunner:
+    def for_task(cls, task: Any, *, timeout_s: float = 10.0, workers: int = 2,
+                 limits: ResourceLimits | None = None) -> RewardRunner:
         """A runner for `task.reward` with the isolation the task asks for (`task.isolation`)."""
-        config = RewardRunnerConfig(timeout_s=timeout_s, workers=workers, isolation=task.isolation)
+        config = RewardRunnerConfig(timeout_s=timeout_s, workers=workers, isolation=task.isolation,
+                                    limits=limits if limits is not None else ResourceLimits())
         return cls(task.reward, config)
 
     def _start_worker(self) -> _Worker:
-        return _Worker(self._fn, self.config.isolation, self._payload)
+        return _Worker(self._fn, self.config.isolation, self._payload, self.config.limits)
 
     def submit(self, texts: Sequence[str], examples: Sequence[Example]) -> concurrent.futures.Future:
         """Score in the background; the future holds `(rewards float32 [b], RewardStats)`.
@@ -293,7 +356,7 @@ class RewardRunner:
         start = time.monotonic()
         rewards = np.zeros(len(texts), np.float32)
         todo = collections.deque(range(len(texts)))
-        errors, timeouts, first_error = 0, 0, ""
+        errors, timeouts, nonfinite, first_error = 0, 0, 0, ""
         timeout_s, start_timeout_s = self.config.timeout_s, self.config.start_timeout_s
         while todo or any(worker.pending for worker in self._workers):
             for worker in self._workers:
@@ -334,6 +397,7 @@ class RewardRunner:
                     rewards[index] = value
                 else:
                     errors += 1
+                    nonfinite += status == "nonfinite"
                     first_error = first_error or value
             now = time.monotonic()
             for position, worker in enumerate(self._workers):
@@ -352,6 +416,7 @@ class RewardRunner:
             mean_reward=float(rewards.mean()) if len(texts) else 0.0,
             seconds=time.monotonic() - start,
             first_error=first_error,
+            nonfinite=nonfinite,
         )
         return rewards, stats
 

@@ -333,6 +333,7 @@ class Runtime:
         # accuracy: rewards are correctness (1) plus at most a format bonus below 1
         metrics = {"reward": float(rewards.mean()), "accuracy": float((rewards >= 1.0).mean()),
                    "reward/errors": float(errors), "reward/timeouts": float(timeouts),
+                   "reward/nonfinite": float(sum(s.nonfinite for s in stats)),
                    "reward/seconds": float(sum(s.seconds for s in stats))}
         first_error = next((s.first_error for s in stats if s.first_error), "")
         if first_error:

@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 
 from rpegjax import distributed
-from rpegjax.data.example import Example
+from rpegjax.data.example import DatasetError, Example
 from rpegjax.data.jsonl import load_jsonl
 from rpegjax.data.prompts import PromptTemplate
 from rpegjax.generate.sampler import Sampler, usable_slots
@@ -51,6 +51,7 @@ class Components:
     graph: Graph
     template: PromptTemplate
     warm_start_metrics: dict[str, float]
+    max_prompt_len: int  # rollout.max_prompt_len, or the longest prompt of the data when that is unset
 
     def prompt_ids(self, examples) -> list[list[int]]:
         return [self.tokenizer.encode(self.template.render(e, self.tokenizer)) for e in examples]
@@ -72,6 +73,10 @@ def _task_and_examples(cfg: RunConfig):
     held_out = (load_jsonl(data.eval_dataset, dataset_format=data.dataset_format, check_answer=check_gold_answer)
                 if data.eval_dataset else None)
     task = MathDatasetTask(examples=train, held_out=held_out)
+    for split, name in ((True, "held-out"), (False, "training")):
+        if task.split_size(held_out=split) == 0:  # an empty evaluation would report accuracy 0, measured on nothing
+            raise DatasetError(f"{data.dataset}: the {name} split is empty ({len(train)} rows, of which a fraction "
+                               f"{task.eval_fraction} is held out by hash); give more rows or --eval-dataset")
     # a file is used whole unless train_size / eval_size ask for less
     return (task, task.train_examples(min(data.train_size, task.split_size(held_out=False)), data.seed),
             task.eval_examples(min(data.eval_size, task.split_size(held_out=True)), data.seed + 1))
@@ -80,6 +85,22 @@ def _task_and_examples(cfg: RunConfig):
 def _numerics(model_cfg: ModelConfig) -> dict:
     """The model config without its execution fields (they change neither parameters nor results)."""
     return {k: v for k, v in dataclasses.asdict(model_cfg).items() if k not in EXECUTION_FIELDS}
+
+
+def check_prompt_lengths(examples: list[Example], prompt_ids: list[list[int]], limit: int | None) -> int:
+    """The prompt length the sampler needs: `limit`, or the longest prompt when None. A prompt longer than
+    `limit` raises DatasetError naming its row (file:line), so that it is found at load, not mid-run."""
+    lengths = [len(ids) for ids in prompt_ids]
+    longest = max(lengths, default=0)
+    if limit is None:
+        return max(longest, 1)
+    too_long = [index for index, length in enumerate(lengths) if length > limit]
+    if too_long:
+        first = too_long[0]
+        raise DatasetError(f"{examples[first].where()}: the prompt has {lengths[first]} tokens, more than "
+                           f"rollout.max_prompt_len={limit} ({len(too_long)} of {len(lengths)} prompts are; the "
+                           f"longest has {longest}): raise --max-prompt-len, or leave it unset to size it from the data")
+    return limit
 
 
 def _model_config(cfg: RunConfig, tokenizer, *, value_head: bool) -> ModelConfig:
@@ -175,6 +196,9 @@ def build(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Components:
     tokenizer = builtin_tokenizer() if cfg.model.path is None else load_tokenizer(cfg.model.path)
     template = PromptTemplate(template=cfg.data.prompt_template)
     task, train_examples, eval_examples = _task_and_examples(cfg)
+    examples = [*train_examples, *eval_examples]
+    max_prompt_len = check_prompt_lengths(
+        examples, [tokenizer.encode(template.render(e, tokenizer)) for e in examples], cfg.rollout.max_prompt_len)
     ppo = cfg.algorithm == Algorithm.PPO
     shared_critic = ppo and cfg.ppo.critic == "shared"
     warm_metrics: dict[str, float] = {}
@@ -227,9 +251,9 @@ def build(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Components:
     slots = usable_slots(slots, rollout.group_size, placed_meshes(graph)[1])
     learner, sampler = place_models(
         graph, model, cfg.ppo if ppo else cfg.grpo,
-        RolloutShape(num_slots=slots, max_prompt_len=rollout.max_prompt_len, max_new_tokens=rollout.max_new_tokens,
+        RolloutShape(num_slots=slots, max_prompt_len=max_prompt_len, max_new_tokens=rollout.max_new_tokens,
                      chunk_steps=rollout.chunk_steps),
         critic=critic)
     return Components(cfg=cfg, tokenizer=tokenizer, task=task, train_examples=train_examples,
                       eval_examples=eval_examples, model_cfg=model_cfg, learner=learner, sampler=sampler, graph=graph,
-                      template=template, warm_start_metrics=warm_metrics)
+                      template=template, warm_start_metrics=warm_metrics, max_prompt_len=max_prompt_len)

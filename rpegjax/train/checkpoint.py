@@ -8,6 +8,7 @@ deleted only after a newer one is committed, so a crash never loses the last com
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
 from typing import Any
 
@@ -30,15 +31,43 @@ class Checkpointer:
         self._manager = ocp.CheckpointManager(self.directory, options=options)
 
     def save(self, step: int, arrays: Any, metadata: dict[str, Any]) -> None:
-        """Starts writing checkpoint `step` (in the background when asynchronous)."""
-        self._manager.save(
-            step,
-            args=ocp.args.Composite(arrays=ocp.args.StandardSave(arrays), metadata=ocp.args.JsonSave(metadata)),
-            force=True,
-        )
+        """Starts writing checkpoint `step` (in the background when asynchronous). A write that fails (a full
+        disk, a read-only directory; here or in the background write of the previous one) raises
+        CheckpointError naming the directory; the committed checkpoints are left as they were."""
+        with self._writing(step):
+            self._manager.save(
+                step,
+                args=ocp.args.Composite(arrays=ocp.args.StandardSave(arrays), metadata=ocp.args.JsonSave(metadata)),
+                force=True,
+            )
+
+    @contextlib.contextmanager
+    def _writing(self, step: int | None):
+        try:
+            yield
+        except CheckpointError:
+            raise
+        except Exception as error:  # orbax wraps OS errors in its own types: find the cause to name it
+            cause = _os_error(error)
+            what = f"checkpoint {self.directory / str(step)}" if step is not None else f"checkpoints in {self.directory}"
+            reason = f"{cause.strerror or cause} ({cause.filename})" if cause is not None else f"{type(error).__name__}: {error}"
+            raise CheckpointError(f"cannot write {what}: {reason}; the earlier complete checkpoints are intact "
+                                  f"({self.all_steps() or 'none'})") from error
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
+
+    def set_aside(self, step: int, destination: pathlib.Path) -> pathlib.Path:
+        """Moves damaged checkpoint `step` to `destination` (kept for inspection, out of the way of a new
+        save of that step); returns where it went."""
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        (self.directory / str(step)).rename(destination)
+        self._manager.reload()
+        return destination
+
+    def all_steps(self) -> list[int]:
+        """The steps of the complete checkpoints, oldest first."""
+        return sorted(self._manager.all_steps())
 
     def restore(self, like: Any, step: int | None = None) -> tuple[Any, dict[str, Any]]:
         """Restores the arrays with the structure, shapes, dtypes and shardings of `like`."""
@@ -67,8 +96,23 @@ class Checkpointer:
         return dict(restored.metadata)
 
     def wait(self) -> None:
-        self._manager.wait_until_finished()
+        with self._writing(None):
+            self._manager.wait_until_finished()
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
+        try:
+            with self._writing(None):
+                self._manager.wait_until_finished()
+        finally:
+            self._manager.close()
+
+
+def _os_error(error: BaseException) -> OSError | None:
+    """The OSError behind `error` (itself, or along its chain of causes), if any."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, OSError):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None

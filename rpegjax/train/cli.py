@@ -9,8 +9,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import difflib
 import json
 import pathlib
+import shutil
 import sys
 
 import jax
@@ -39,14 +41,23 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "microbatches": ("graph.generate_microbatches",),
     "group-size": ("rollout.group_size",),
     "prompts-per-step": ("rollout.prompts_per_step",),
+    "max-prompt-len": ("rollout.max_prompt_len",),
     "max-new-tokens": ("rollout.max_new_tokens",),
     "temperature": ("rollout.temperature",),
     "steps": ("train.steps",),
     "seed": ("train.seed",),
     "run-dir": ("train.run_dir",),
     "checkpoint-every": ("train.checkpoint_every",),
+    "eval-every": ("train.eval_every",),
+    "max-nonfinite-steps": ("train.max_nonfinite_steps",),
+    "reward-memory-mb": ("train.reward_memory_mb",),
+    "reward-cpu-s": ("train.reward_cpu_s",),
     "warm-start-steps": ("warm_start.steps",),
-    "critic": ("ppo.critic",),
+}
+# flags of one algorithm's script only
+ALGORITHM_ONLY: dict[Algorithm, dict[str, tuple[str, ...]]] = {
+    Algorithm.GRPO: {"advantage": ("grpo.advantage",)},
+    Algorithm.PPO: {"critic": ("ppo.critic",)},
 }
 ALGORITHM_ALIASES = {
     "lr": "optimizer.learning_rate",
@@ -58,33 +69,82 @@ ALGORITHM_ALIASES = {
     "epochs": "epochs",
     "minibatches": "num_minibatches",
 }
+_ACTION_FLAGS = ("resume", "overwrite", "config", "print-config", "help")
 
 
-def parse_args(argv: list[str], algorithm: Algorithm) -> tuple[RunConfig, str | None]:
-    """The resolved RunConfig and the run directory to resume (None for a new run)."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Command:
+    """What the command line asks for: the resolved config, the run to resume (None: a new run), whether an
+    existing run directory may be replaced, and whether to only print the config."""
+
+    config: RunConfig
+    resume: str | None = None
+    overwrite: bool = False
+    print_config: bool = False
+
+
+def _field(config: object, dotted: str) -> tuple[object, object]:
+    """The value and type annotation of the field `dotted` of `config`."""
+    import typing
+
+    node, annotation = config, None
+    for name in dotted.split("."):
+        annotation = typing.get_type_hints(type(node))[name]
+        node = getattr(node, name)
+    return node, annotation
+
+
+def _flag_help(defaults: RunConfig, fields: tuple[str, ...]) -> str:
+    import enum
+    import typing
+
+    value, annotation = _field(defaults, fields[0])
+    options = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
+    choices = [m.value for option in options if isinstance(option, type) and issubclass(option, enum.Enum)
+               for m in option]
+    shown = value.value if isinstance(value, enum.Enum) else value
+    text = f"{', '.join(fields)} (default: {shown})"
+    return text + (f"; one of {', '.join(choices)}" if choices else "")
+
+
+def _known_flags(algorithm: Algorithm) -> list[str]:
+    return [*ALIASES, *ALGORITHM_ONLY[algorithm], *ALGORITHM_ALIASES, *_ACTION_FLAGS]
+
+
+def parse_command(argv: list[str], algorithm: Algorithm) -> Command:
+    """Parses the command line into a `Command`; a bad flag or value exits with a message (status 2)."""
+    defaults = RunConfig(algorithm=algorithm)
     parser = argparse.ArgumentParser(
-        prog=f"train_{algorithm.value}.py",
+        prog=f"train_{algorithm.value}.py", allow_abbrev=False,
         description=f"Train a reasoning policy with {algorithm.value.upper()} through the RPEG runtime. Without "
                     "arguments: a small model learns the built-in arithmetic task on the CPU.",
         epilog="Any config field: --section.field=value (sections: model, data, rollout, warm_start, graph, train, "
-               f"{algorithm.value}, distributed; e.g. --{algorithm.value}.optimizer.learning_rate=1e-4). Several "
+               f"{algorithm.value}, distributed; e.g. --{algorithm.value}.optimizer.learning_rate=1e-4; "
+               "--print-config shows them all with their values). Several "
                "processes: --distributed.coordinator_address=HOST:PORT --distributed.num_processes=N "
                "--distributed.process_id=I, or the JAX_* / SLURM_* variables.",
     )
-    for flag, fields in ALIASES.items():
-        parser.add_argument(f"--{flag}", dest=flag, help=f"sets {', '.join(fields)}")
-    for flag, field in ALGORITHM_ALIASES.items():
-        parser.add_argument(f"--{flag}", dest=flag, help=f"sets {algorithm.value}.{field}")
-    parser.add_argument("--advantage", help="grpo.advantage (grpo, dr-grpo, rloo, reinforce++, ...)")
+    short = {**ALIASES, **ALGORITHM_ONLY[algorithm],
+             **{flag: (f"{algorithm.value}.{field}",) for flag, field in ALGORITHM_ALIASES.items()}}
+    for flag, fields in short.items():
+        parser.add_argument(f"--{flag}", dest=flag, metavar="VALUE", help=_flag_help(defaults, fields))
     parser.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last complete "
                         "checkpoint (its config.json is used; further flags override it)")
+    parser.add_argument("--overwrite", action="store_true", help="replace what an earlier run left in --run-dir "
+                        "(without it a non-empty run directory is refused)")
+    parser.add_argument("--config", metavar="FILE", help="start from the config in FILE (JSON, e.g. a run's "
+                        "config.json or --print-config output); further flags override it")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
     known, rest = parser.parse_known_args(argv)
     overrides: dict[str, str] = {}
     index = 0
     while index < len(rest):
         item = rest[index]
         if not item.startswith("--") or "." not in item.split("=")[0]:
-            parser.error(f"unrecognised argument {item!r}; config fields are --section.field=value")
+            name = item.split("=")[0].lstrip("-")
+            close = difflib.get_close_matches(name, _known_flags(algorithm), n=1)
+            hint = f"; did you mean --{close[0]}?" if close else ""
+            parser.error(f"unrecognised argument {item!r}{hint} (config fields are --section.field=value)")
         name, sep, value = item[2:].partition("=")
         if not sep:
             if index + 1 >= len(rest):
@@ -93,43 +153,85 @@ def parse_args(argv: list[str], algorithm: Algorithm) -> tuple[RunConfig, str | 
             value = rest[index]
         overrides[name] = value
         index += 1
-    for flag, fields in ALIASES.items():
+    for flag, fields in short.items():
         value = getattr(known, flag)
         if value is not None:
             for field in fields:
                 overrides.setdefault(field, value)
-    for flag, field in ALGORITHM_ALIASES.items():
-        value = getattr(known, flag)
-        if value is not None:
-            overrides.setdefault(f"{algorithm.value}.{field}", value)
-    if known.advantage is not None:
-        overrides.setdefault("grpo.advantage", known.advantage)
     for section in Algorithm:
         for derived, source in (("group_size", "--group-size"), ("temperature", "--temperature")):
             if f"{section.value}.{derived}" in overrides:
                 parser.error(f"set {derived} with {source} (rollout.{derived}); {section.value}.{derived} follows it")
     if "data.dataset" in overrides:
         overrides.setdefault("warm_start.steps", "0")  # a dataset has no reference solutions to warm-start on
-    if known.resume:
-        config_path = pathlib.Path(known.resume) / "config.json"
-        if not config_path.is_file():
-            parser.error(f"--resume {known.resume}: no config.json there (not a run directory)")
-        # the distributed section describes a launch (which process this is), not the run: start afresh
-        base = RunConfig.from_json(config_path.read_text()).replace(distributed=DistributedConfig())
-        overrides.setdefault("train.run_dir", known.resume)
-    else:
-        base = RunConfig(algorithm=algorithm)
+    if known.resume and known.config:
+        parser.error("--resume takes the run's own config.json; --config cannot be combined with it")
+    if known.resume and known.overwrite:
+        parser.error("--resume continues the run in its directory; --overwrite would delete it")
     try:
+        if known.resume:
+            config_path = pathlib.Path(known.resume) / "config.json"
+            if not config_path.is_file():
+                parser.error(f"--resume {known.resume}: no config.json there (not a run directory)")
+            # the distributed section describes a launch (which process this is), not the run: start afresh
+            base = RunConfig.from_file(config_path).replace(distributed=DistributedConfig())
+            overrides.setdefault("train.run_dir", known.resume)
+        elif known.config:
+            base = RunConfig.from_file(known.config)
+        else:
+            base = defaults
         config = apply_overrides(base, overrides)
-    except ValueError as error:
+    except ValueError as error:  # ConfigFileError included: it names the file and the field
         parser.error(str(error))
     if config.algorithm != algorithm:
-        parser.error(f"--resume: that run used {config.algorithm.value}, not {algorithm.value}")
-    return config, known.resume
+        source = "--resume: that run" if known.resume else f"--config {known.config}: it"
+        parser.error(f"{source} used {config.algorithm.value}, not {algorithm.value}")
+    return Command(config=config, resume=known.resume, overwrite=known.overwrite, print_config=known.print_config)
+
+
+def parse_args(argv: list[str], algorithm: Algorithm) -> tuple[RunConfig, str | None]:
+    """The resolved RunConfig and the run directory to resume (None for a new run)."""
+    command = parse_command(argv, algorithm)
+    return command.config, command.resume
 
 
 def default_run_dir(algorithm: Algorithm) -> str:
     return str(pathlib.Path("runs") / f"{algorithm.value}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
+
+
+def claim_new_run_dir(algorithm: Algorithm) -> str:
+    """Creates and returns a fresh default run directory: the time, then -2, -3... when runs started in the
+    same second took it (the mkdir is atomic: two runs never share one)."""
+    base = default_run_dir(algorithm)
+    for attempt in range(1, 1000):
+        candidate = base if attempt == 1 else f"{base}-{attempt}"
+        try:
+            pathlib.Path(candidate).mkdir(parents=True, exist_ok=False)
+        except FileExistsError:
+            continue
+        return candidate
+    raise RuntimeError(f"cannot find a free run directory name {base}-N")
+
+
+def check_run_dir(run_dir: str, *, resume: bool, overwrite: bool) -> None:
+    """Refuses to start a new run in a directory that holds files (an earlier run's checkpoints and metrics
+    would mix with this one's) unless `overwrite`; raises ValueError saying what to do."""
+    path = pathlib.Path(run_dir)
+    if resume:
+        return
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"run directory {run_dir} exists and is not a directory")
+    if path.is_dir() and any(path.iterdir()) and not overwrite:
+        raise ValueError(f"run directory {run_dir} is not empty (an earlier run?): continue it with --resume "
+                         f"{run_dir}, replace it with --overwrite, or choose another --run-dir")
+
+
+def clear_run_dir(run_dir: str) -> None:
+    """Deletes what an earlier run left in `run_dir` (for `--overwrite`, once everything is validated)."""
+    path = pathlib.Path(run_dir)
+    if path.is_dir():
+        for child in path.iterdir():
+            shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
 
 
 def join_processes(config: RunConfig) -> DistributedConfig:
@@ -151,19 +253,24 @@ def agree_on_run_dir(config: RunConfig, algorithm: Algorithm) -> RunConfig:
 
         if run_dir is None:  # one name for all: the wall clock differs between hosts
             encoded = np.zeros(512, np.uint8)
-            name = default_run_dir(algorithm).encode()
-            encoded[: len(name)] = np.frombuffer(name, np.uint8)
+            if jax.process_index() == 0:
+                name = claim_new_run_dir(algorithm).encode()
+                encoded[: len(name)] = np.frombuffer(name, np.uint8)
             run_dir = bytes(multihost_utils.broadcast_one_to_all(encoded)).rstrip(b"\0").decode()
         config = config.replace(train=dataclasses.replace(config.train, run_dir=run_dir))
         distributed.assert_same_across_processes(
             config.replace(distributed=DistributedConfig()).to_json(), "the run configuration")
     elif run_dir is None:
-        config = config.replace(train=dataclasses.replace(config.train, run_dir=default_run_dir(algorithm)))
+        config = config.replace(train=dataclasses.replace(config.train, run_dir=claim_new_run_dir(algorithm)))
     return config
 
 
 def main(argv: list[str], algorithm: Algorithm) -> int:
-    config, resume = parse_args(argv, algorithm)
+    command = parse_command(argv, algorithm)
+    config, resume = command.config, command.resume
+    if command.print_config:
+        print(config.to_json(), flush=True)
+        return 0
     say = lambda message: print(message, file=sys.stderr, flush=True)  # stdout carries only the summary line
     try:
         resolved = join_processes(config)
@@ -180,20 +287,47 @@ def main(argv: list[str], algorithm: Algorithm) -> int:
 
     from rpegjax.train.build import build
     from rpegjax.train.checkpoint import CheckpointError
-    from rpegjax.train.trainer import Trainer
+    from rpegjax.train.trainer import Trainer, TrainingError
 
-    config = agree_on_run_dir(config.replace(distributed=resolved), algorithm)
-    log(f"run directory: {config.train.run_dir}")
+    claimed = config.train.run_dir is None and resume is None
+    try:
+        if config.train.run_dir is not None:  # refused before anything is built or written
+            check_run_dir(config.train.run_dir, resume=resume is not None, overwrite=command.overwrite)
+        config = agree_on_run_dir(config.replace(distributed=resolved), algorithm)
+    except (ValueError, OSError) as error:
+        say(f"{where}error: {error}")
+        return 2
+    run_dir = config.train.run_dir
+    log(f"run directory: {run_dir}")
     if resolved.is_multi_process:
         log(f"{resolved.num_processes} processes joined (coordinator {resolved.coordinator_address})")
     try:
         parts = build(config, log=log)
         log(parts.graph.to_text())
-        summary = Trainer(parts, config.train.run_dir, resume=resume is not None, is_main_process=main_process,
-                          log=log).run()
+        if command.overwrite and main_process:
+            clear_run_dir(run_dir)
+            log(f"--overwrite: removed the earlier contents of {run_dir}")
+        summary = Trainer(parts, run_dir, resume=resume is not None, is_main_process=main_process, log=log).run()
     except (ValueError, CheckpointError) as error:  # bad input: say what and where, no traceback
         say(f"{where}error: {error}")
+        _drop_if_empty(run_dir, claimed and main_process)
         return 2
+    except TrainingError as error:  # the run went wrong (non-finite values): its checkpoints are kept
+        say(f"{where}error: {error}")
+        return 1
+    except OSError as error:  # the file system refused (read-only directory, full disk): one line, no traceback
+        name = f"{error.filename}: " if error.filename else ""
+        say(f"{where}error: cannot write the run: {name}{error.strerror or error} (completed checkpoints in "
+            f"{run_dir}/checkpoints are intact)")
+        _drop_if_empty(run_dir, claimed and main_process)
+        return 1
     if main_process:
         print(json.dumps(summary), flush=True)
     return 0
+
+
+def _drop_if_empty(run_dir: str, claimed: bool) -> None:
+    """Removes a default run directory this launch created if the run failed before writing into it."""
+    path = pathlib.Path(run_dir)
+    if claimed and path.is_dir() and not any(path.iterdir()):
+        path.rmdir()

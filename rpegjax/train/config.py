@@ -19,8 +19,12 @@ from rpegjax.learners.ppo import PPOConfig
 from rpegjax.models.config import EXECUTION_FIELDS, AttentionKind, RematPolicy
 from rpegjax.rewards.task import Difficulty
 from rpegjax.rewards.tasks import TaskName
+from rpegjax.sharding.axes import DATA_AXIS, FSDP_AXIS, TENSOR_AXIS
 from rpegjax.sharding.mesh import parse_mesh
-from rpegjax.train.overrides import from_jsonable, to_jsonable
+from rpegjax.train.overrides import ConfigFileError, from_jsonable, to_jsonable
+
+MESH_AXES = (DATA_AXIS, FSDP_AXIS, TENSOR_AXIS)
+"""The mesh axis names the sharding rules know."""
 
 
 def _positive(section: object, *names: str) -> None:
@@ -111,7 +115,7 @@ class DataSection:
 class RolloutSection:
     prompts_per_step: int = 32
     group_size: int = 8
-    max_prompt_len: int = 16
+    max_prompt_len: int | None = None  # None: the longest prompt of the data (train and held out)
     max_new_tokens: int = 32
     temperature: float = 0.7
     top_k: int = 0
@@ -120,7 +124,9 @@ class RolloutSection:
     chunk_steps: int = 8
 
     def __post_init__(self) -> None:
-        _positive(self, "prompts_per_step", "group_size", "max_prompt_len", "max_new_tokens", "num_slots", "chunk_steps")
+        _positive(self, "prompts_per_step", "group_size", "max_new_tokens", "num_slots", "chunk_steps")
+        if self.max_prompt_len is not None:
+            _positive(self, "max_prompt_len")
         if self.num_slots < self.group_size:
             raise ValueError(f"RolloutSection.num_slots ({self.num_slots}) must hold a whole group ({self.group_size})")
 
@@ -164,8 +170,12 @@ class GraphSection:
         if isinstance(self.rollout_devices, bool) or not isinstance(self.rollout_devices, int) or self.rollout_devices < 0:
             raise ValueError(f"GraphSection.rollout_devices must be an integer >= 0, got {self.rollout_devices!r}")
         _positive(self, "generate_microbatches")
-        parse_mesh(self.mesh)
-        parse_mesh(self.rollout_mesh)
+        for name in ("mesh", "rollout_mesh"):
+            # an unknown axis name would match no sharding rule and silently replicate everything
+            unknown = [axis for axis in parse_mesh(getattr(self, name)) if axis not in MESH_AXES]
+            if unknown:
+                raise ValueError(f"GraphSection.{name} {getattr(self, name)!r}: unknown mesh axis {unknown[0]!r}; "
+                                 f"axes are {list(MESH_AXES)}")
 
     @property
     def mesh_axes(self) -> dict[str, int]:
@@ -186,9 +196,22 @@ class TrainSection:
     eval_every: int = 0  # 0: only at the start and the end
     reward_timeout_s: float = 10.0
     reward_workers: int = 2
+    # limits of each reward worker process (a user's reward must not take the machine down); None: no limit
+    reward_memory_mb: int | None = 4096
+    reward_cpu_s: int | None = 60
+    # steps with a non-finite loss or gradient norm (or rewards a worker returned as non-finite) tolerated
+    # before the run stops with an error; checkpoints are never written from non-finite weights
+    max_nonfinite_steps: int = 3
 
     def __post_init__(self) -> None:
         _positive(self, "steps", "checkpoint_every", "keep_checkpoints", "reward_workers")
+        for name in ("reward_memory_mb", "reward_cpu_s"):
+            if getattr(self, name) is not None:
+                _positive(self, name)
+        if isinstance(self.max_nonfinite_steps, bool) or not isinstance(self.max_nonfinite_steps, int) \
+                or self.max_nonfinite_steps < 0:
+            raise ValueError(f"TrainSection.max_nonfinite_steps must be an integer >= 0, "
+                             f"got {self.max_nonfinite_steps!r}")
         if self.eval_every < 0:
             raise ValueError(f"TrainSection.eval_every must be >= 0, got {self.eval_every!r}")
         if self.reward_timeout_s <= 0:
@@ -249,6 +272,26 @@ class RunConfig:
     @classmethod
     def from_json(cls, text: str) -> RunConfig:
         return from_jsonable(cls, json.loads(text))
+
+    @classmethod
+    def from_file(cls, path: str | pathlib.Path) -> RunConfig:
+        """The RunConfig saved in `path` (a run's config.json, or a `--config` file); an unreadable file,
+        invalid JSON, a non-object, an unknown field or a mistyped value raises `ConfigFileError` naming
+        the file and the field."""
+        path = pathlib.Path(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as error:
+            raise ConfigFileError(f"{path}: cannot read it ({error})") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ConfigFileError(f"{path}: not valid JSON ({error.msg} at line {error.lineno} column "
+                                  f"{error.colno}; truncated?)") from None
+        try:
+            return from_jsonable(cls, data)
+        except ConfigFileError as error:
+            raise ConfigFileError(f"{path}: {error}") from None
 
     def replace(self, **changes: Any) -> RunConfig:
         return dataclasses.replace(self, **changes)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import enum
 import types
 import typing
@@ -64,7 +65,9 @@ def _apply_one(node: Any, path: list[str], text: str, dotted: str) -> Any:
     fields = {f.name for f in dataclasses.fields(node)}
     head = path[0]
     if head not in fields:
-        raise ValueError(f"--{dotted}: unknown field {head!r} of {type(node).__name__}; known: {sorted(fields)}")
+        close = difflib.get_close_matches(head, fields, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ValueError(f"--{dotted}: unknown field {head!r} of {type(node).__name__}; {hint}known: {sorted(fields)}")
     if len(path) == 1:
         value = _parse_value(text, hints[head], f"--{dotted}")
     else:
@@ -85,37 +88,92 @@ def to_jsonable(config: Any) -> Any:
     return config
 
 
-def from_jsonable(cls: type, data: Mapping[str, Any]) -> Any:
-    """Inverse of `to_jsonable` for a dataclass type `cls`."""
+class ConfigFileError(ValueError):
+    """A config file's value has the wrong type or names no field; the message gives the dotted field."""
+
+
+def from_jsonable(cls: type, data: Any, where: str = "") -> Any:
+    """Inverse of `to_jsonable` for a dataclass type `cls`, strict about what a JSON file holds: an unknown
+    key, or a value of the wrong JSON type (a string "no" for a bool, a string for a number), raises
+    `ConfigFileError` naming the dotted field (`where` is the prefix of the fields of `cls`)."""
+    if not isinstance(data, Mapping):
+        raise ConfigFileError(f"{where or 'the config'} must be a JSON object, got {type(data).__name__} {_short(data)}")
     hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(data) - set(names))
+    if unknown:
+        prefix = f"{where}." if where else ""
+        close = difflib.get_close_matches(unknown[0], names, n=1)
+        hint = f"; did you mean {prefix}{close[0]}?" if close else ""
+        raise ConfigFileError(f"unknown field {prefix}{unknown[0]}{hint} ({cls.__name__} has {names})")
     values = {}
-    for field in dataclasses.fields(cls):
-        if field.name not in data:
-            continue
-        values[field.name] = _from_json_value(data[field.name], hints[field.name])
-    return cls(**values)
+    for name in names:
+        if name in data:
+            values[name] = _from_json_value(data[name], hints[name], f"{where}.{name}" if where else name)
+    try:
+        return cls(**values)
+    except (TypeError, ValueError) as error:
+        if isinstance(error, ConfigFileError):
+            raise
+        raise ConfigFileError(f"{where or cls.__name__}: {error}") from None
 
 
-def _from_json_value(value: Any, annotation: Any) -> Any:
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _from_json_value(value: Any, annotation: Any, where: str) -> Any:
     origin = typing.get_origin(annotation)
-    if value is None:
-        return None
     if origin in (typing.Union, types.UnionType):
-        for option in typing.get_args(annotation):
+        options = typing.get_args(annotation)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
             if option is type(None):
                 continue
             try:
-                return _from_json_value(value, option)
-            except (TypeError, ValueError):
-                continue
-        return value
-    if dataclasses.is_dataclass(annotation) and isinstance(value, Mapping):
-        return from_jsonable(annotation, value)
+                return _from_json_value(value, option, where)
+            except ConfigFileError as error:
+                errors.append(str(error))
+        if len(errors) == 1:
+            raise ConfigFileError(errors[0])
+        raise ConfigFileError(f"{where}: {_short(value)} is not a {annotation}")
+    if dataclasses.is_dataclass(annotation):
+        return from_jsonable(annotation, value, where)
     if origin is tuple:
+        if not isinstance(value, list | tuple):
+            raise ConfigFileError(f"{where}: expected a JSON list, got {type(value).__name__} {_short(value)}")
         args = typing.get_args(annotation)
-        return tuple(_from_json_value(item, args[0]) if args else item for item in value)
+        element = args[0] if args else Any
+        return tuple(_from_json_value(item, element, f"{where}[{i}]") for i, item in enumerate(value))
     if origin in (dict, Mapping) or annotation is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigFileError(f"{where}: expected a JSON object, got {type(value).__name__} {_short(value)}")
         return dict(value)
     if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
-        return annotation(value)
+        try:
+            return annotation(value)
+        except ValueError:
+            raise ConfigFileError(f"{where}: {_short(value)} is not one of {[m.value for m in annotation]}") from None
+    # JSON has no tuples or enums, but it does have exact types: "no" is not a bool, "3" not an int
+    if annotation is bool:
+        if not isinstance(value, bool):
+            raise ConfigFileError(f"{where}: expected true or false, got {type(value).__name__} {_short(value)}")
+        return value
+    if annotation is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigFileError(f"{where}: expected an integer, got {type(value).__name__} {_short(value)}")
+        return value
+    if annotation is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigFileError(f"{where}: expected a number, got {type(value).__name__} {_short(value)}")
+        return float(value)
+    if annotation is str:
+        if not isinstance(value, str):
+            raise ConfigFileError(f"{where}: expected a string, got {type(value).__name__} {_short(value)}")
+        return value
+    if value is None:
+        raise ConfigFileError(f"{where}: null is not a {annotation}")
     return value

@@ -17,13 +17,14 @@ from rpegjax import distributed
 from rpegjax.data.iterator import DataIterator
 from rpegjax.generate.sampling import SamplingConfig
 from rpegjax.graph.trace import Trace, gantt_png
-from rpegjax.rewards.runner import RewardRunner
+from rpegjax.rewards.runner import ResourceLimits, RewardRunner
 from rpegjax.runtime.controller import Runtime, StepResult
 from rpegjax.runtime.programs import StagePrograms
 from rpegjax.train.build import Components
 from rpegjax.train.checkpoint import Checkpointer, CheckpointError
-from rpegjax.train.config import RunConfig
+from rpegjax.train.config import RunConfig, TrainSection
 from rpegjax.train.evaluation import evaluate_accuracy
+from rpegjax.train.health import NonFiniteGuard, TrainingError, nonfinite_leaves
 from rpegjax.train.metrics import MetricsWriter, plot_metrics, read_metrics
 
 
@@ -45,6 +46,20 @@ def _fingerprint(tree: Any) -> float:
         gathered = distributed.gather_to_all(np.array([total], np.float64).view(np.uint8), tiled=False)
         total = float(np.ascontiguousarray(gathered).view(np.float64).sum())
     return total
+
+
+def reward_limits(train: TrainSection) -> ResourceLimits:
+    return ResourceLimits(memory_mb=train.reward_memory_mb, cpu_s=train.reward_cpu_s)
+
+
+def _write_atomically(path: pathlib.Path, text: str) -> None:
+    """Writes `text` to `path` through a temporary file and a rename: a full disk leaves the old file whole."""
+    staging = path.with_name(f".{path.name}.tmp")
+    try:
+        staging.write_text(text)
+        staging.replace(path)
+    finally:
+        staging.unlink(missing_ok=True)
 
 
 def make_programs(parts: Components, rewards: RewardRunner) -> StagePrograms:
@@ -73,10 +88,14 @@ class Trainer:
         self.resume = resume
         self.main = is_main_process
         self.log = log if is_main_process else (lambda _: None)
+
+    def _write_config(self) -> None:
+        """config.json and graph.json: written only once a resumed run has been checked against its
+        checkpoint, so that a refused `--resume` leaves the run as it was."""
         if self.main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.json").write_text(self.cfg.to_json())
-            (self.run_dir / "graph.json").write_text(parts.graph.to_json())
+            _write_atomically(self.run_dir / "config.json", self.cfg.to_json())
+            _write_atomically(self.run_dir / "graph.json", self.parts.graph.to_json())
 
     def _evaluate(self, params: Any) -> float:
         parts = self.parts
@@ -94,9 +113,14 @@ class Trainer:
         checkpoints = Checkpointer(self.run_dir / "checkpoints", keep=cfg.train.keep_checkpoints)
         state = learner.init_state()
         reference_print = _fingerprint(learner.params)
+        if not np.isfinite(reference_print):  # NaN weights would train to garbage without a word
+            where = cfg.model.path or "the built model (warm start?)"
+            raise ValueError(f"{where}: the initial weights hold NaN or inf values "
+                             f"(in {', '.join(nonfinite_leaves(learner.params))})")
+        guard = NonFiniteGuard(cfg.train.max_nonfinite_steps)
         start_step, history, start_accuracy = 0, [], None
         rewards = RewardRunner.for_task(parts.task, timeout_s=cfg.train.reward_timeout_s,
-                                        workers=cfg.train.reward_workers)
+                                        workers=cfg.train.reward_workers, limits=reward_limits(cfg.train))
         programs = make_programs(parts, rewards)
         if self.resume and checkpoints.latest_step() is not None:
             state, history, meta = self._restore(checkpoints, state, programs)
@@ -109,6 +133,7 @@ class Trainer:
             self.log(f"resumed from step {start_step} ({checkpoints.directory / str(start_step)})")
         elif self.resume:
             self.log(f"no complete checkpoint in {checkpoints.directory}: starting from scratch")
+        self._write_config()
         metrics = MetricsWriter(self.run_dir, enabled=self.main)
         if start_accuracy is None:
             start_accuracy = self._evaluate(programs.sync(state))
@@ -132,6 +157,11 @@ class Trainer:
             step = result.step + 1  # steps completed
             if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
                 record["eval/accuracy"] = self._evaluate(programs.sync(state))
+            bad = guard.observe(step, record)
+            if bad:
+                self.log(f"step {step}: non-finite {', '.join(bad)} ({guard.count} such steps; "
+                         f"train.max_nonfinite_steps={cfg.train.max_nonfinite_steps})")
+            record["nonfinite_steps"] = guard.count
             metrics.log(step, record)
             if runtime.last_reward_error and record.get("reward/errors", 0) > 0:
                 self.log(f"step {step}: reward function failed on {int(record['reward/errors'])} completions "
@@ -160,6 +190,10 @@ class Trainer:
     # ---- checkpoints -----------------------------------------------------------------------------
     def _save(self, checkpoints: Checkpointer, step: int, state, runtime: Runtime, result: StepResult,
               start_accuracy: float, reference_print: float) -> None:
+        if not np.isfinite(_fingerprint(state.params)):  # a checkpoint of NaN weights would poison every resume
+            bad = ", ".join(nonfinite_leaves(state.params)) or "another process's shards"
+            raise TrainingError(f"step {step}: the weights hold NaN or inf (in {bad}); not checkpointed. "
+                                f"The last checkpoint ({checkpoints.latest_step()}) holds finite weights")
         # the k older weights versions that the next rollouts will still read
         history = {str(v): p for v, p in runtime.store.items() if v < step}
         meta = {"next_step": step, "data_state": result.data_state, "start_accuracy": start_accuracy,
@@ -168,13 +202,29 @@ class Trainer:
         checkpoints.save(step, {"state": state, "history": history}, meta)
 
     def _restore(self, checkpoints: Checkpointer, state, programs: StagePrograms):
-        step = checkpoints.latest_step()
-        versions = checkpoints.metadata(step)["history_versions"]
+        """The newest checkpoint that restores; a damaged newer one is reported and passed over (it is
+        overwritten when training reaches its step again)."""
         template = programs.sync(state)
-        like = {"state": state, "history": {str(v): template for v in versions}}
-        arrays, meta = checkpoints.restore(like, step)
-        history = sorted((int(v), p) for v, p in arrays["history"].items())
-        return arrays["state"], history, meta
+        failures = []
+        for step in reversed(checkpoints.all_steps()):
+            try:
+                versions = checkpoints.metadata(step)["history_versions"]
+                like = {"state": state, "history": {str(v): template for v in versions}}
+                arrays, meta = checkpoints.restore(like, step)
+            except (CheckpointError, KeyError, TypeError) as error:
+                failures.append(step)
+                self.log(f"checkpoint {checkpoints.directory / str(step)} is damaged and cannot be restored "
+                         f"({str(error)[:300]}); trying the previous one")
+                continue
+            if failures:
+                self.log(f"falling back to checkpoint {step}: damaged newer checkpoint(s) {failures} are skipped")
+                if self.main:  # out of the way of the new saves of those steps, kept for inspection
+                    for bad in failures:
+                        moved = checkpoints.set_aside(bad, self.run_dir / "damaged_checkpoints" / f"{bad}-{time.time():.0f}")
+                        self.log(f"moved damaged checkpoint {bad} to {moved}")
+            history = sorted((int(v), p) for v, p in arrays["history"].items())
+            return arrays["state"], history, meta
+        raise CheckpointError(f"{checkpoints.directory}: no checkpoint can be restored (damaged: {failures})")
 
     def _truncate_metrics(self, next_step: int) -> None:
         """Drops records of steps after the checkpoint: they are trained again. Records are numbered by steps

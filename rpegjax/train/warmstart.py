@@ -97,7 +97,8 @@ def warm_start(
     if agree is not None:
         found = agree(found)
     if found:
-        loaded, _ = load_pretrained(cache)
+        # as saved: with the value head a shared critic needs (save_pretrained writes it), in the run's dtypes
+        loaded, _ = load_pretrained(cache, param_dtype=cfg.param_dtype, dtype=cfg.dtype, value_head=cfg.value_head)
         return loaded, {"warm_start/cached": 1.0, "warm_start/steps": float(steps)}
     rng = random.Random(seed)
     encoded = [(encode_prompt(e), encode_target(e)) for e in examples]

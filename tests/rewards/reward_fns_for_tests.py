@@ -29,3 +29,19 @@ def misbehave(text, example):
 def slow(text, example):
     time.sleep(0.2)
     return 1.0
+
+
+def huge(text, example):
+    """1e300 fits a Python float but not the float32 rewards (it would become inf)."""
+    return 1e300 if text == "huge" else 1.0
+
+
+def hog(text, example):
+    """Grabs memory ("memory": 2 GiB) or burns CPU ("cpu": forever), else 1."""
+    if text == "memory":
+        block = bytearray(2 * 2**30)
+        return float(len(block))
+    if text == "cpu":
+        while True:
+            pass
+    return 1.0

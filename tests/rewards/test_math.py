@@ -95,3 +95,19 @@ def test_verifier_config_is_validated():
         MathVerifier(timeout_s=0)
     with pytest.raises(ValueError, match="MathVerifier.timeout_s"):
         MathVerifier(timeout_s=1.5)
+
+
+@pytest.mark.parametrize("answer, message", [
+    ("hello", r"the gold answer 'hello' is text \('hello'\), which math-verify reads as E\*h\*l\*l\*o"),
+    ("nan", "the gold answer 'nan' is not a finite number"),
+    ("NaN", "the gold answer 'NaN' is not a finite number"),
+    ("0/0", r"the gold answer '0/0' is not a number \(nan\)"),
+])
+def test_text_and_nan_gold_answers_are_refused_naming_the_row(answer, message):
+    from rpegjax.data.example import DatasetError
+    from rpegjax.rewards.math import check_gold_answer
+
+    with pytest.raises(DatasetError, match=f"data.jsonl:3: {message}"):
+        check_gold_answer(Example(id="1", prompt="q", answer=answer, task="math", source="data.jsonl:3"))
+    for fine in ("x+1", "\\text{Evelyn}", "5\\text{ cm}", "\\infty", "\\frac{1}{2}", "-3.5"):
+        check_gold_answer(Example(id="1", prompt="q", answer=fine, task="math"))

@@ -11,7 +11,7 @@ import reward_fns_for_tests as fns
 
 from rpegjax.data.example import Example
 from rpegjax.rewards.math import math_reward
-from rpegjax.rewards.runner import Isolation, RewardRunner, RewardRunnerConfig, RewardStats
+from rpegjax.rewards.runner import Isolation, ResourceLimits, RewardRunner, RewardRunnerConfig, RewardStats
 from rpegjax.rewards.tasks import make_task
 
 EXAMPLE = Example(id="e", prompt="q", answer="1/2", task="math")
@@ -130,3 +130,24 @@ def test_bad_functions_and_inputs_fail_clearly():
 def test_config_is_validated(field, value):
     with pytest.raises(ValueError, match=field if field != "isolation" else "fork"):
         RewardRunnerConfig(**{field: value})
+
+
+@pytest.mark.parametrize("isolation", list(Isolation))
+def test_a_reward_float32_cannot_hold_is_an_error_not_inf(isolation):
+    with runner(fns.huge, isolation, timeout_s=30) as reward_runner:
+        rewards, stats = reward_runner.score(["huge", "ok"], [EXAMPLE] * 2)
+    np.testing.assert_array_equal(rewards, [0.0, 1.0])
+    assert stats.errors == 1 and stats.nonfinite == 1 and stats.metrics()["reward/nonfinite"] == 1.0
+    assert "1e+300" in stats.first_error and "float32" in stats.first_error
+
+
+def test_worker_processes_are_limited_and_a_limit_is_a_failed_reward():
+    limits = ResourceLimits(memory_mb=1024, cpu_s=1)
+    config = RewardRunnerConfig(timeout_s=20, workers=1, isolation=Isolation.PROCESS, limits=limits)
+    with RewardRunner(fns.hog, config) as reward_runner:
+        rewards, stats = reward_runner.score(["memory", "ok", "cpu", "ok"], [EXAMPLE] * 4)
+    np.testing.assert_array_equal(rewards, [0.0, 1.0, 0.0, 1.0])
+    assert stats.errors == 2 and stats.timeouts == 0  # the CPU limit (1 s) ends the loop, not the timeout (20 s)
+    assert "MemoryError" in stats.first_error
+    with pytest.raises(ValueError, match="ResourceLimits.memory_mb must be a positive integer or None, got 0"):
+        ResourceLimits(memory_mb=0)

@@ -203,3 +203,30 @@ def test_job_trains_a_local_hugging_face_checkpoint_on_a_jsonl_dataset(tmp_path)
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["steps"] == 2
     assert [r["step"] for r in metrics(tmp_path / "run") if "loss" in r] == [1, 2]
+
+
+def test_a_refused_resume_leaves_the_run_and_a_damaged_checkpoint_falls_back(tmp_path):
+    run_dir = tmp_path / "run"
+    first = run_job(run_dir, "--steps=2", "--checkpoint-every=1")
+    assert first.returncode == 0, first.stderr[-3000:]
+    saved = (run_dir / "config.json").read_bytes()
+    refused = run_job(run_dir, "--resume", str(run_dir), "--model.seed=5")
+    assert refused.returncode == 2 and "other initial weights" in refused.stderr
+    assert (run_dir / "config.json").read_bytes() == saved
+    again = run_job(run_dir, "--steps=1")  # a new run into it is refused too
+    assert again.returncode == 2 and "is not empty" in again.stderr
+    for file in (run_dir / "checkpoints" / "2" / "arrays").rglob("*"):
+        if file.is_file():
+            file.write_bytes(b"damaged")
+    resumed = run_job(run_dir, "--resume", str(run_dir), "--steps=3")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "falling back to checkpoint 1" in resumed.stderr
+    assert Checkpointer(run_dir / "checkpoints").latest_step() == 3
+
+
+def test_a_run_directory_that_cannot_be_written_is_one_clear_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    result = run_job(blocker / "run", "--steps=1")
+    assert result.returncode == 1
+    assert "error: cannot write the run:" in result.stderr and "Traceback" not in result.stderr
