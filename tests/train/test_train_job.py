@@ -97,11 +97,15 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(tmp_path):
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 600
     while time.time() < deadline and process.poll() is None:
-        if Checkpointer(run_dir / "checkpoints", asynchronous=False).latest_step() in (2, 4):
+        # opening a Checkpointer creates its directory: look only once the job has made it, or the job would
+        # find its fresh run directory non-empty and refuse to start
+        if (run_dir / "checkpoints").is_dir() and Checkpointer(
+                run_dir / "checkpoints", asynchronous=False).latest_step() in (2, 4):
             break
         time.sleep(0.2)
     process.send_signal(signal.SIGKILL)
     process.wait()
+    assert (run_dir / "checkpoints").is_dir(), "the job ended before making its checkpoint directory"
     saved = Checkpointer(run_dir / "checkpoints", asynchronous=False).latest_step()
     assert saved in (2, 4), "the job was killed before its first checkpoint"
 
