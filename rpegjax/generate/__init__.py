@@ -1,9 +1,5 @@
 """KV-cache sampler: jit prefill + decode loop, continuous batching, group sampling, behaviour log-probs."""
 
-from rpegjax.generate.compilation_cache import (
-    default_compilation_cache_dir,
-    enable_compilation_cache,
-)
 from rpegjax.generate.completion import (
     Completion,
     CompletionBatch,
@@ -25,8 +21,6 @@ __all__ = [
     "Completion",
     "CompletionBatch",
     "FinishReason",
-    "default_compilation_cache_dir",
-    "enable_compilation_cache",
     "Sampler",
     "SamplerStats",
     "SamplingConfig",

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from rpegjax.generate.compilation_cache import default_compilation_cache_dir, enable_compilation_cache
+from rpegjax.runtime.compilation_cache import default_compilation_cache_dir, enable_compilation_cache
 
 
 def test_enabled_cache_receives_compiled_programs(tmp_path):
@@ -14,7 +14,7 @@ def test_enabled_cache_receives_compiled_programs(tmp_path):
     directory = tmp_path / "jax-cache"
     script = textwrap.dedent(f"""
         import jax, jax.numpy as jnp
-        from rpegjax.generate.compilation_cache import enable_compilation_cache
+        from rpegjax.runtime.compilation_cache import enable_compilation_cache
         print(enable_compilation_cache({str(directory)!r}, min_compile_seconds=0))
         jax.jit(lambda x: jnp.sin(x) @ x.T)(jnp.ones((64, 64))).block_until_ready()
     """)
