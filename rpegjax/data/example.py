@@ -59,6 +59,11 @@ class Example:
                 return value
         raise KeyError(f"example {self.id!r} of task {self.task!r} has no meta field {key!r}; it has {[k for k, _ in self.meta]}")
 
+    def as_dict(self) -> dict[str, str]:
+        """The example as a user's reward function receives it: the row's further fields (`meta`), then
+        `prompt`, `answer` (the gold answer), `id` and `task`, which win over fields of the same name."""
+        return {**dict(self.meta), "prompt": self.prompt, "answer": self.answer, "id": self.id, "task": self.task}
+
     def where(self) -> str:
         """`file:line` when known, else the example id — for error messages."""
         return self.source or f"example {self.id!r}"
