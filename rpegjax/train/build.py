@@ -210,8 +210,8 @@ def build(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Components:
                               chat_template=cfg.data.chat_template)
     task, train_examples, eval_examples = make_task_and_examples(cfg)
     if cfg.data.reward:
-        log(f"reward: {' + '.join(term.name if term.weight == 1 else f'{term.weight:g} * {term.name}' for term in task.reward.terms)} "
-            f"(replaces the {task.name} task's; held-out accuracy is still its verifier's)")
+        log(f"reward: {' + '.join(term.name for term in task.reward.terms)} (weighted sum; replaces the "
+            f"{task.name} task's reward, held-out accuracy is still its verifier's)")
     if template.uses_chat_template(tokenizer):
         log("prompts: rendered with the model tokenizer's chat template (--chat-template none to turn it off)")
     examples = [*train_examples, *eval_examples]
