@@ -89,7 +89,7 @@ class StagePrograms:
 
     `rewards` is a `RewardRunner`, or any reward function `fn(completion: str, example) -> float`, which is
     then run by a `RewardRunner` of default settings (worker processes, timeouts, limits) that these
-    programs own: `close()` stops it.
+    programs own: `close()` stops it (None: programs that never generate, as in tests of other stages).
     """
 
     def __init__(
@@ -99,7 +99,7 @@ class StagePrograms:
         sampler: Sampler,
         sampling: SamplingConfig,
         group_size: int,
-        rewards: RewardRunner | RewardFn,
+        rewards: RewardRunner | RewardFn | None,
         decode: Callable[[Sequence[int]], str],
         pad_id: int,
         reference_params: Any = None,
@@ -108,7 +108,7 @@ class StagePrograms:
         self.sampler = sampler
         self.sampling = sampling
         self.group_size = group_size
-        self._own_rewards = not isinstance(rewards, RewardRunner)
+        self._own_rewards = rewards is not None and not isinstance(rewards, RewardRunner)
         self.rewards = RewardRunner(rewards) if self._own_rewards else rewards
         self.decode = decode
         self.pad_id = pad_id

@@ -128,6 +128,8 @@ class DataSection:
             path = getattr(self, name)
             if path is not None and not pathlib.Path(path).exists():
                 raise ValueError(f"DataSection.{name} {path!r}: no such file or directory")
+        if isinstance(self.reward, str):
+            raise ValueError(f"DataSection.reward must be a list of specs, got the string {self.reward!r}")
         object.__setattr__(self, "reward", tuple(self.reward))
         for spec in self.reward:  # the syntax here; importing the functions is the build's
             try:
