@@ -52,7 +52,7 @@ def rows(pairs):
 
 
 @pytest.mark.slow  # about 1-2 minutes on 2 loaded cores
-def test_job_trains_on_a_custom_reward_with_parquet_and_saved_datasets(tmp_path):
+def test_job_trains_on_a_custom_reward_with_parquet_and_saved_datasets(tmp_path, monkeypatch):
     model_dir = tmp_path / "model"
     write_checkpoint(model_dir)
     pq.write_table(pa.Table.from_pylist(rows((a, b) for a in range(10) for b in range(5))), tmp_path / "train.parquet")
@@ -78,7 +78,9 @@ def test_job_trains_on_a_custom_reward_with_parquet_and_saved_datasets(tmp_path)
     saved = json.loads((run_dir / "config.json").read_text())["data"]
     assert saved["reward"] == ["myrewards:bonus=2", "myrewards:zero_if_answered"]
     assert (saved["prompt_field"], saved["answer_field"], saved["chat_template"]) == ("q", "a", "auto")
-    # --resume takes the reward (and the data mapping) from the run's config.json
+    # --resume (from the same directory: the paths are relative) takes the reward and the data mapping from
+    # the run's config.json
+    monkeypatch.chdir(tmp_path)
     resumed = parse_command(["--resume", str(run_dir)], Algorithm.GRPO).config.data
     assert resumed.reward == ("myrewards:bonus=2", "myrewards:zero_if_answered") and resumed.prompt_field == "q"
 
