@@ -70,19 +70,6 @@ class PromptTemplate:
             raise ValueError("PromptTemplate.chat_template='required' but the tokenizer has no chat template "
                              "(use 'auto' or 'none' for a base model)")
         return has_template and self.chat_template is not ChatTemplateMode.NONE
-        try:
-            object.__setattr__(self, "chat_template", ChatTemplateMode(self.chat_template))
-        except ValueError:
-            raise ValueError(f"PromptTemplate.chat_template must be one of {[m.value for m in ChatTemplateMode]}, "
-                             f"got {self.chat_template!r}") from None
-
-    def uses_chat_template(self, tokenizer: ChatTokenizer | None) -> bool:
-        """Whether prompts for `tokenizer` go through its chat template; `REQUIRED` without one raises."""
-        has_template = tokenizer is not None and tokenizer.has_chat_template
-        if self.chat_template is ChatTemplateMode.REQUIRED and not has_template:
-            raise ValueError("PromptTemplate.chat_template='required' but the tokenizer has no chat template "
-                             "(use 'auto' or 'none' for a base model)")
-        return has_template and self.chat_template is not ChatTemplateMode.NONE
 
     @classmethod
     def raw(cls) -> PromptTemplate:
