@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 SOLUTION_KEY = "solution"
 """`Example.meta` key of a row's worked solution (GSM8K `answer`, MATH `solution`) when its file has one."""
@@ -14,7 +14,7 @@ class DatasetError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Example:
+class Example(Mapping):
     """A problem shown to the policy and the answer its reward checks against.
 
     `prompt` is the raw question (templating into an instruction or a chat turn happens later, see
@@ -23,6 +23,10 @@ class Example:
     task-specific fields as sorted `(key, value)` string pairs, so an Example stays hashable, immutable and
     picklable (reward functions receive it in worker processes); pass a dict and it is converted.
     `source` is `file:line` for rows read from a file, else empty.
+
+    An Example also reads as a (read-only) dict, which is how a user's reward function sees it:
+    `example["prompt"]`, `example["answer"]`, `example["id"]`, `example["task"]`, then the `meta` fields
+    (a dataset row's further fields), e.g. `example.get("difficulty")`; `dict(example)` copies it.
     """
 
     id: str
@@ -58,6 +62,26 @@ class Example:
             if name == key:
                 return value
         raise KeyError(f"example {self.id!r} of task {self.task!r} has no meta field {key!r}; it has {[k for k, _ in self.meta]}")
+
+    def _own(self) -> dict[str, str]:
+        return {"prompt": self.prompt, "answer": self.answer, "id": self.id, "task": self.task}
+
+    def __getitem__(self, key: str) -> str:
+        own = self._own()
+        if key in own:
+            return own[key]
+        for name, value in self.meta:
+            if name == key:
+                return value
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator[str]:
+        own = self._own()
+        yield from own
+        yield from (name for name, _ in self.meta if name not in own)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
 
     def where(self) -> str:
         """`file:line` when known, else the example id — for error messages."""

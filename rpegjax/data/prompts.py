@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import string
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
@@ -25,16 +26,22 @@ class ChatTokenizer(Protocol):
     def apply_chat_template(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True) -> str: ...
 
 
+class ChatTemplateMode(enum.StrEnum):
+    AUTO = "auto"  # the tokenizer's chat template when it has one (an instruct model), else the plain text
+    NONE = "none"  # never: the plain text (a base model, or prompts already in the model's format)
+    REQUIRED = "required"  # always: a tokenizer without a chat template is an error
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PromptTemplate:
     """`template` with a `{question}` field (literal braces doubled, `{{ }}`) becomes the user turn;
-    `system`, if set, the system turn. When the tokenizer has a chat template (and `use_chat_template`),
-    the turns go through `tokenizer.apply_chat_template(..., add_generation_prompt=True)`; otherwise the
-    text is `system + "\\n\\n" + user` (or just the user turn)."""
+    `system`, if set, the system turn. Under `chat_template` (`ChatTemplateMode`) the turns go through
+    `tokenizer.apply_chat_template(..., add_generation_prompt=True)`; otherwise the text is
+    `system + "\\n\\n" + user` (or just the user turn)."""
 
     template: str = "{question}"
     system: str | None = None
-    use_chat_template: bool = True
+    chat_template: ChatTemplateMode = ChatTemplateMode.AUTO
 
     def __post_init__(self) -> None:
         if not isinstance(self.template, str):
@@ -50,6 +57,19 @@ class PromptTemplate:
             )
         if self.system is not None and not isinstance(self.system, str):
             raise ValueError(f"PromptTemplate.system must be a string or None, got {self.system!r}")
+        try:
+            object.__setattr__(self, "chat_template", ChatTemplateMode(self.chat_template))
+        except ValueError:
+            raise ValueError(f"PromptTemplate.chat_template must be one of {[m.value for m in ChatTemplateMode]}, "
+                             f"got {self.chat_template!r}") from None
+
+    def uses_chat_template(self, tokenizer: ChatTokenizer | None) -> bool:
+        """Whether prompts for `tokenizer` go through its chat template; `REQUIRED` without one raises."""
+        has_template = tokenizer is not None and tokenizer.has_chat_template
+        if self.chat_template is ChatTemplateMode.REQUIRED and not has_template:
+            raise ValueError("PromptTemplate.chat_template='required' but the tokenizer has no chat template "
+                             "(use 'auto' or 'none' for a base model)")
+        return has_template and self.chat_template is not ChatTemplateMode.NONE
 
     @classmethod
     def raw(cls) -> PromptTemplate:
@@ -71,7 +91,7 @@ class PromptTemplate:
     def render(self, example: Example, tokenizer: ChatTokenizer | None = None) -> str:
         """The prompt text for `example` (see the class docstring)."""
         user = self.user_message(example)
-        if tokenizer is not None and self.use_chat_template and tokenizer.has_chat_template:
+        if self.uses_chat_template(tokenizer):
             messages = [{"role": "system", "content": self.system}] if self.system is not None else []
             messages.append({"role": "user", "content": user})
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)

@@ -4,5 +4,6 @@ Modules (imported one by one, so that a reward worker process loads only what it
 `math` (math-verify answer checking), `format` (think/answer format, DAPO over-length penalty),
 `runner` (`RewardRunner`: timeouts, thread or process isolation, async submit), `expression` (safe
 arithmetic parser), `task` (the `Task` protocol, held-out split), `arithmetic` and `countdown` (built-in
-generated tasks), `tasks` (`TASKS`, `make_task`), `dataset_task` (a JSONL dataset as a math-verify task).
+generated tasks), `tasks` (`TASKS`, `make_task`), `dataset_task` (a loaded dataset as a math-verify task),
+`custom` (user reward functions named by `module:function=weight` specs, their weighted sum, `RewardedTask`).
 """

@@ -128,16 +128,21 @@ class NonFiniteReward(ValueError):
     """A reward function returned NaN, inf, or a number too large for the float32 rewards (1e300 -> inf)."""
 
 
-def _call(fn: RewardFn, text: str, example: Example) -> float:
-    value = fn(text, example)
+def checked_reward(value: object, who: str = "reward function") -> float:
+    """`value` as a float reward: a bool or a number float32 holds finitely; otherwise `TypeError`, or
+    `NonFiniteReward` for NaN, inf or a magnitude past float32's, each naming `who`."""
     if isinstance(value, (bool, np.bool_)):
         return float(value)
     if not isinstance(value, (int, float, np.integer, np.floating)):
-        raise TypeError(f"reward function returned {value!r}; expected a finite float")
+        raise TypeError(f"{who} returned {type(value).__name__} {value!r:.80}; expected a finite float")
     if not math.isfinite(value) or abs(float(value)) > _FLOAT32_MAX:
-        raise NonFiniteReward(f"reward function returned {value!r}; rewards are float32, finite and at most "
+        raise NonFiniteReward(f"{who} returned {value!r}; rewards are float32, finite and at most "
                               f"{_FLOAT32_MAX:.3g} in magnitude")
     return float(value)
+
+
+def _call(fn: RewardFn, text: str, example: Example) -> float:
+    return checked_reward(fn(text, example))
 
 
 def _serve(conn: multiprocessing.connection.Connection, fn: RewardFn,

@@ -28,7 +28,7 @@ from rpegjax.graph.ir import StageKind
 from rpegjax.learners.batch import TrainBatch, pack_rollouts
 from rpegjax.learners.protocol import Learner
 from rpegjax.learners.update import batch_sharding
-from rpegjax.rewards.runner import RewardRunner, RewardStats
+from rpegjax.rewards.runner import RewardFn, RewardRunner, RewardStats
 from rpegjax.runtime.meshes import device_ids, same_layout
 from rpegjax.sharding.rules import ActivationSharding, ShardingRules, param_shardings
 
@@ -86,6 +86,10 @@ class StagePrograms:
     mesh, every other device stage on the learner's (`learner.placement.mesh`; None: the default device); the
     two may be disjoint device sets. The weight-sync stage copies the actor's weights into the sampler's
     layout (`sampler.params_sharding`).
+
+    `rewards` is a `RewardRunner`, or any reward function `fn(completion: str, example) -> float`, which is
+    then run by a `RewardRunner` of default settings (worker processes, timeouts, limits) that these
+    programs own: `close()` stops it (None: programs that never generate, as in tests of other stages).
     """
 
     def __init__(
@@ -95,7 +99,7 @@ class StagePrograms:
         sampler: Sampler,
         sampling: SamplingConfig,
         group_size: int,
-        rewards: RewardRunner,
+        rewards: RewardRunner | RewardFn | None,
         decode: Callable[[Sequence[int]], str],
         pad_id: int,
         reference_params: Any = None,
@@ -104,7 +108,8 @@ class StagePrograms:
         self.sampler = sampler
         self.sampling = sampling
         self.group_size = group_size
-        self.rewards = rewards
+        self._own_rewards = rewards is not None and not isinstance(rewards, RewardRunner)
+        self.rewards = RewardRunner(rewards) if self._own_rewards else rewards
         self.decode = decode
         self.pad_id = pad_id
         self.sequence_length = sampler.max_prompt_len + sampler.max_new_tokens
@@ -134,6 +139,12 @@ class StagePrograms:
         self._inference_programs: dict[tuple, Callable] = {}
         self._layouts: dict[tuple, StageLayout] = {}  # inference layouts other than the learner's, by mesh shape
         self.dispatches = 0  # device programs launched by inference, advantage, update and sync stages
+
+    def close(self) -> None:
+        """Stops the reward runner these programs made from a reward function (a runner passed in is the
+        caller's to close)."""
+        if self._own_rewards:
+            self.rewards.close()
 
     def mesh_of(self, kind: StageKind) -> Mesh | None:
         """The mesh the program of a device stage of `kind` runs on (None: the default device)."""

@@ -17,8 +17,9 @@ from flax import nnx
 
 from rpegjax import distributed
 from rpegjax.data.example import DatasetError, Example
-from rpegjax.data.jsonl import load_jsonl
+from rpegjax.data.files import load_examples
 from rpegjax.data.prompts import PromptTemplate
+from rpegjax.data.rows import RowSchema
 from rpegjax.generate.sampler import Sampler, usable_slots
 from rpegjax.graph import builders, transforms
 from rpegjax.graph.ir import Algorithm, Graph, GraphError, StageKind
@@ -26,6 +27,7 @@ from rpegjax.models.config import EXECUTION_FIELDS, ModelConfig
 from rpegjax.models.hf import load_pretrained
 from rpegjax.models.tokenizer import builtin_tokenizer, load_tokenizer
 from rpegjax.models.transformer import Decoder
+from rpegjax.rewards.custom import RewardedTask, load_rewards
 from rpegjax.rewards.dataset_task import MathDatasetTask
 from rpegjax.rewards.math import check_gold_answer
 from rpegjax.rewards.tasks import make_task
@@ -69,9 +71,10 @@ def _task_and_examples(cfg: RunConfig):
     if data.dataset is None:
         task = make_task(data.task, data.difficulty)
         return task, task.train_examples(data.train_size, data.seed), task.eval_examples(data.eval_size, data.seed + 1)
-    train = load_jsonl(data.dataset, dataset_format=data.dataset_format, check_answer=check_gold_answer)
-    held_out = (load_jsonl(data.eval_dataset, dataset_format=data.dataset_format, check_answer=check_gold_answer)
-                if data.eval_dataset else None)
+    schema = RowSchema(dataset_format=data.dataset_format, prompt_field=data.prompt_field,
+                       answer_field=data.answer_field)
+    train = load_examples(data.dataset, schema=schema, check_answer=check_gold_answer)
+    held_out = load_examples(data.eval_dataset, schema=schema, check_answer=check_gold_answer) if data.eval_dataset else None
     task = MathDatasetTask(examples=train, held_out=held_out)
     for split, name in ((True, "held-out"), (False, "training")):
         if task.split_size(held_out=split) == 0:  # an empty evaluation would report accuracy 0, measured on nothing
@@ -80,6 +83,15 @@ def _task_and_examples(cfg: RunConfig):
     # a file is used whole unless train_size / eval_size ask for less
     return (task, task.train_examples(min(data.train_size, task.split_size(held_out=False)), data.seed),
             task.eval_examples(min(data.eval_size, task.split_size(held_out=True)), data.seed + 1))
+
+
+def make_task_and_examples(cfg: RunConfig):
+    """The run's task (trained on the user's reward functions when `data.reward` names some) and its
+    training and held-out examples."""
+    task, train, held_out = _task_and_examples(cfg)
+    if cfg.data.reward:
+        task = RewardedTask(task, load_rewards(cfg.data.reward))
+    return task, train, held_out
 
 
 def _numerics(model_cfg: ModelConfig) -> dict:
@@ -194,8 +206,14 @@ def _every_process(flag: bool) -> bool:
 
 def build(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Components:
     tokenizer = builtin_tokenizer() if cfg.model.path is None else load_tokenizer(cfg.model.path)
-    template = PromptTemplate(template=cfg.data.prompt_template)
-    task, train_examples, eval_examples = _task_and_examples(cfg)
+    template = PromptTemplate(template=cfg.data.prompt_template, system=cfg.data.system_prompt,
+                              chat_template=cfg.data.chat_template)
+    task, train_examples, eval_examples = make_task_and_examples(cfg)
+    if cfg.data.reward:
+        log(f"reward: {' + '.join(term.name for term in task.reward.terms)} (weighted sum; replaces the "
+            f"{task.name} task's reward, held-out accuracy is still its verifier's)")
+    if template.uses_chat_template(tokenizer):
+        log("prompts: rendered with the model tokenizer's chat template (--chat-template none to turn it off)")
     examples = [*train_examples, *eval_examples]
     max_prompt_len = check_prompt_lengths(
         examples, [tokenizer.encode(template.render(e, tokenizer)) for e in examples], cfg.rollout.max_prompt_len)
@@ -219,7 +237,9 @@ def build(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Components:
                 learning_rate=cfg.warm_start.learning_rate,
                 pad_id=tokenizer.pad_id,
                 seed=cfg.model.seed, cache_dir=cfg.warm_start.cache_dir,
-                cache_key={"model": _numerics(model_cfg), "task": task.name, "data": dataclasses.asdict(cfg.data),
+                cache_key={"model": _numerics(model_cfg), "task": task.name,
+                           # the reward does not change supervised targets
+                           "data": dataclasses.asdict(dataclasses.replace(cfg.data, reward=())),
                            "warm_start": dataclasses.asdict(dataclasses.replace(cfg.warm_start, cache_dir="")),
                            "seed": cfg.model.seed, "template": cfg.data.prompt_template, "format": 1},
                 agree=None if jax.process_count() == 1 else _every_process,

@@ -30,6 +30,10 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "dataset": ("data.dataset",),
     "eval-dataset": ("data.eval_dataset",),
     "dataset-format": ("data.dataset_format",),
+    "prompt-field": ("data.prompt_field",),
+    "answer-field": ("data.answer_field",),
+    "chat-template": ("data.chat_template",),
+    "system-prompt": ("data.system_prompt",),
     "task": ("data.task",),
     "difficulty": ("data.difficulty",),
     "mesh": ("graph.mesh",),
@@ -70,6 +74,7 @@ ALGORITHM_ALIASES = {
     "minibatches": "num_minibatches",
 }
 _ACTION_FLAGS = ("resume", "overwrite", "config", "print-config", "help")
+REWARD_FLAG = "reward"  # repeatable: each one a term of data.reward
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -108,7 +113,7 @@ def _flag_help(defaults: RunConfig, fields: tuple[str, ...]) -> str:
 
 
 def _known_flags(algorithm: Algorithm) -> list[str]:
-    return [*ALIASES, *ALGORITHM_ONLY[algorithm], *ALGORITHM_ALIASES, *_ACTION_FLAGS]
+    return [*ALIASES, *ALGORITHM_ONLY[algorithm], *ALGORITHM_ALIASES, *_ACTION_FLAGS, REWARD_FLAG]
 
 
 def parse_command(argv: list[str], algorithm: Algorithm) -> Command:
@@ -128,6 +133,10 @@ def parse_command(argv: list[str], algorithm: Algorithm) -> Command:
              **{flag: (f"{algorithm.value}.{field}",) for flag, field in ALGORITHM_ALIASES.items()}}
     for flag, fields in short.items():
         parser.add_argument(f"--{flag}", dest=flag, metavar="VALUE", help=_flag_help(defaults, fields))
+    parser.add_argument(f"--{REWARD_FLAG}", action="append", metavar="MODULE:FUNCTION[=WEIGHT]",
+                        help="train on your reward function(completion: str, example: dict) -> float, from a module "
+                        "in the current directory or on PYTHONPATH; repeat for a weighted sum (data.reward; "
+                        "default: the task's own reward)")
     parser.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last complete "
                         "checkpoint (its config.json is used; further flags override it)")
     parser.add_argument("--overwrite", action="store_true", help="replace what an earlier run left in --run-dir "
@@ -158,6 +167,8 @@ def parse_command(argv: list[str], algorithm: Algorithm) -> Command:
         if value is not None:
             for field in fields:
                 overrides.setdefault(field, value)
+    if known.reward:
+        overrides.setdefault("data.reward", ",".join(known.reward))
     for section in Algorithm:
         for derived, source in (("group_size", "--group-size"), ("temperature", "--temperature")):
             if f"{section.value}.{derived}" in overrides:

@@ -10,13 +10,15 @@ import json
 import pathlib
 from typing import Any
 
-from rpegjax.data.jsonl import DatasetFormat
+from rpegjax.data.prompts import ChatTemplateMode
+from rpegjax.data.rows import DatasetFormat
 from rpegjax.distributed.launch import DistributedConfig
 from rpegjax.graph.ir import Algorithm
 from rpegjax.learners.grpo import GRPOConfig
 from rpegjax.learners.optim import OptimizerConfig
 from rpegjax.learners.ppo import PPOConfig
 from rpegjax.models.config import EXECUTION_FIELDS, AttentionKind, RematPolicy
+from rpegjax.rewards.custom import RewardSpec
 from rpegjax.rewards.task import Difficulty
 from rpegjax.rewards.tasks import TaskName
 from rpegjax.sharding.axes import DATA_AXIS, FSDP_AXIS, TENSOR_AXIS
@@ -84,31 +86,56 @@ class ModelSection:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DataSection:
-    """Either a built-in `task` (generated, with a held-out split) or a JSONL `dataset` (GSM8K, MATH or
-    prompt/answer rows) with an optional `eval_dataset`."""
+    """Either a built-in `task` (generated, with a held-out split) or a `dataset` (a JSONL or Parquet file, a
+    directory of Parquet files, or a Hugging Face `save_to_disk` directory) of GSM8K, MATH or prompt/answer
+    rows, with an optional `eval_dataset`. `prompt_field` / `answer_field` name the row fields when they are
+    not the format's own. `reward`: specs `package.module:function[=weight]` of user reward functions whose
+    weighted sum replaces the task's reward in training (`rpegjax.rewards.custom`); held-out accuracy stays
+    the task's verifier. Prompts go through the model tokenizer's chat template per `chat_template`, with
+    `system_prompt` as the system turn."""
 
     task: TaskName = TaskName.ARITHMETIC
     difficulty: Difficulty = Difficulty.EASY
     dataset: str | None = None
     dataset_format: DatasetFormat | None = None  # None: detected from the first row
     eval_dataset: str | None = None
+    prompt_field: str | None = None  # None: the format's ("question", "problem" or "prompt")
+    answer_field: str | None = None  # None: the format's ("answer" or "solution")
     train_size: int = 8000
     eval_size: int = 400
     prompt_template: str = "{question}"
+    chat_template: ChatTemplateMode = ChatTemplateMode.AUTO
+    system_prompt: str | None = None
+    reward: tuple[str, ...] = ()
     seed: int = 0
 
     def __post_init__(self) -> None:
         _positive(self, "train_size", "eval_size")
-        choices = [("task", TaskName), ("difficulty", Difficulty)]
+        choices = [("task", TaskName), ("difficulty", Difficulty), ("chat_template", ChatTemplateMode)]
         choices += [("dataset_format", DatasetFormat)] if self.dataset_format is not None else []
         for name, kind in choices:
             _choice(self, name, kind)
-        if self.dataset_format is not None and self.dataset is None:
-            raise ValueError("DataSection.dataset_format is set but no dataset is given (set DataSection.dataset)")
+        for name in ("dataset_format", "prompt_field", "answer_field", "eval_dataset"):
+            if getattr(self, name) is not None and self.dataset is None:
+                raise ValueError(f"DataSection.{name} is set but no dataset is given (set DataSection.dataset)")
+        for name in ("prompt_field", "answer_field"):
+            value = getattr(self, name)
+            if value is not None and not value:
+                raise ValueError(f"DataSection.{name} must be a non-empty field name or None, got {value!r}")
+        if self.prompt_field is not None and self.prompt_field == self.answer_field:
+            raise ValueError(f"DataSection.prompt_field and answer_field are both {self.prompt_field!r}")
         for name in ("dataset", "eval_dataset"):
             path = getattr(self, name)
-            if path is not None and not pathlib.Path(path).is_file():
-                raise ValueError(f"DataSection.{name} {path!r} is not a file")
+            if path is not None and not pathlib.Path(path).exists():
+                raise ValueError(f"DataSection.{name} {path!r}: no such file or directory")
+        if isinstance(self.reward, str):
+            raise ValueError(f"DataSection.reward must be a list of specs, got the string {self.reward!r}")
+        object.__setattr__(self, "reward", tuple(self.reward))
+        for spec in self.reward:  # the syntax here; importing the functions is the build's
+            try:
+                RewardSpec.parse(spec)
+            except ValueError as error:
+                raise ValueError(f"DataSection.reward: {error}") from None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -31,3 +31,17 @@ def test_invalid_examples(fields, message):
     with pytest.raises(DatasetError, match=message) as error:
         Example(**{**base, **fields})
     assert "f.jsonl:9" in str(error.value)
+
+
+def test_an_example_reads_as_a_dict():
+    example = Example(id="e1", prompt="2+2?", answer="4", task="math", meta={"level": "3", "prompt": "shadowed"},
+                      source="f.jsonl:1")
+    assert dict(example) == {"prompt": "2+2?", "answer": "4", "id": "e1", "task": "math", "level": "3"}
+    assert len(example) == 5 and "level" in example and example.get("missing", "x") == "x"
+    assert example["answer"] == "4" and example["level"] == "3"
+    with pytest.raises(KeyError):
+        example["source"]
+    # still a value: hashable, compared field by field
+    assert hash(example) == hash(Example(**{f: getattr(example, f) for f in ("id", "prompt", "answer", "task", "meta",
+                                                                              "source")}))
+    assert example != dict(example)

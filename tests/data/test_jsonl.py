@@ -68,7 +68,7 @@ def test_plain_rows_and_blank_lines(tmp_path):
         ([PLAIN_ROWS[0], {"prompt": "x", "answer": "{"}], 2, "math-verify cannot parse the gold answer"),
         ([{"question": "q", "answer": "#### \\frac{"}], 1, "math-verify cannot parse the gold answer"),
         ([{"prompt": "x", "answer": ""}], 1, "empty gold answer"),
-        ([{"prompt": "a", "answer": "1", "id": 7}, {"prompt": "b", "answer": "2", "id": "7"}], 2, "already used on line 1"),
+        ([{"prompt": "a", "answer": "1", "id": 7}, {"prompt": "b", "answer": "2", "id": "7"}], 2, "already used at"),
         ([{"prompt": "a", "answer": "1", "id": [7]}], 1, "field 'id'"),
     ],
 )

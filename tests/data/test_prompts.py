@@ -62,7 +62,7 @@ def test_chat_template_is_used_when_the_tokenizer_has_one():
 def test_without_a_chat_template_the_text_is_used_directly():
     tokenizer = ChatTemplateTokenizer(None)
     assert PromptTemplate.plain().render(EXAMPLE, tokenizer) == "What is 1/4 + 1/4?\nAnswer:"
-    assert PromptTemplate(use_chat_template=False).render(EXAMPLE, ChatTemplateTokenizer(CHATML)) == EXAMPLE.prompt
+    assert PromptTemplate(chat_template="none").render(EXAMPLE, ChatTemplateTokenizer(CHATML)) == EXAMPLE.prompt
     assert tokenizer.calls == []
 
 
@@ -86,3 +86,16 @@ def test_a_template_returning_ids_is_an_error():
 
     with pytest.raises(TypeError, match="expected str"):
         PromptTemplate.raw().render(EXAMPLE, IdsTokenizer(CHATML))
+
+
+def test_chat_template_modes():
+    chat, plain = ChatTemplateTokenizer(CHATML), ChatTemplateTokenizer(None)
+    expected = "<|im_start|>user\nWhat is 1/4 + 1/4?<|im_end|>\n<|im_start|>assistant\n"
+    assert PromptTemplate(chat_template="auto").render(EXAMPLE, chat) == expected
+    assert PromptTemplate(chat_template="required").render(EXAMPLE, chat) == expected
+    assert PromptTemplate(chat_template="auto").render(EXAMPLE, plain) == EXAMPLE.prompt
+    assert PromptTemplate(chat_template="none").render(EXAMPLE, chat) == EXAMPLE.prompt
+    with pytest.raises(ValueError, match="chat_template='required' but the tokenizer has no chat template"):
+        PromptTemplate(chat_template="required").render(EXAMPLE, plain)
+    with pytest.raises(ValueError, match="chat_template must be one of"):
+        PromptTemplate(chat_template="always")

@@ -282,3 +282,25 @@ def test_a_shared_critic_stage_gets_log_probs_and_values_from_one_pass():
 
     # one trunk pass: the log-prob pass plus a value head, far from a second pass
     assert flops(both) < flops(alone[0]) + 0.5 * flops(alone[1])
+
+
+def test_a_plain_reward_function_is_enough_for_the_stage_programs(tmp_path, monkeypatch):
+    import sys
+
+    # a user's function in a module of its own (the worker processes import it, as they receive our sys.path)
+    (tmp_path / "user_length_reward.py").write_text(
+        "def length(completion, example):\n    return len(completion) + (example['answer'] != '')\n")
+    monkeypatch.setattr(sys, "path", [*sys.path, str(tmp_path)])
+    from user_length_reward import length
+
+    cfg = tiny_config(async_bound=0)
+    parts = built(cfg)
+    programs = make_programs(parts, length)  # no RewardRunner: the programs make one and own it
+    data = DataIterator(parts.train_examples, batch_size=cfg.rollout.prompts_per_step, seed=0)
+    results = []
+    Runtime(parts.graph, programs, data, prompt_ids=parts.prompt_ids, key=jax.random.key(7)).run(
+        parts.learner.init_state(), start_step=0, num_steps=1, on_step=lambda result, _: results.append(result))
+    programs.close()
+    texts = [parts.decode(c.response_ids) for c in results[0].completions]
+    assert results[0].metrics["reward"] == pytest.approx(np.mean([len(t) + 1 for t in texts]), abs=1e-6)
+    assert results[0].metrics["reward/errors"] == 0

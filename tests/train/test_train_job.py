@@ -142,7 +142,7 @@ def test_a_checkpoint_interrupted_mid_write_is_never_picked_up(tmp_path):
         (("--mesh=data=3",), "3 devices but 1 are available"),
         (("--async-bound=-1",), "async_bound must be an integer >= 0"),
         (("--rollout.bogus=1",), "unknown field 'bogus'"),
-        (("--dataset=/nonexistent.jsonl",), "is not a file"),
+        (("--dataset=/nonexistent.jsonl",), "no such file or directory"),
         (("--rollout-devices=1",), "graph.rollout_devices=1 leaves no device for training (1 devices)"),
         (("--plan=/nonexistent.json",), "graph.plan /nonexistent.json: cannot read it"),
     ],
