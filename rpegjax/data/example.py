@@ -24,7 +24,7 @@ class Example(Mapping):
     picklable (reward functions receive it in worker processes); pass a dict and it is converted.
     `source` is `file:line` for rows read from a file, else empty.
 
-    An Example also reads as a (read-only) dict, which is how a user's reward function sees it:
+    An Example also reads as a (read-only) dict (a user's reward function gets a `dict` copy):
     `example["prompt"]`, `example["answer"]`, `example["id"]`, `example["task"]`, then the `meta` fields
     (a dataset row's further fields), e.g. `example.get("difficulty")`; `dict(example)` copies it.
     """

@@ -1,8 +1,9 @@
 """Bring your own reward: functions `function(completion: str, example) -> float` named by specs
 `package.module:function[=weight]`, their weighted sum as one reward function, and a task trained on it.
 
-`example` is the `rpegjax.data.example.Example` being answered; it reads as a dict (`example["answer"]`,
-`example["prompt"]`, a dataset row's further fields such as `example.get("difficulty")`). The sum runs in
+`example` is a plain dict of the example being answered (a fresh copy for each function, so one term cannot
+change what the next sees): `example["answer"]`, `example["prompt"]`, `example["id"]`, `example["task"]` and a
+dataset row's further fields such as `example.get("difficulty")`. The sum runs in
 the `RewardRunner`'s worker processes (timeouts, memory and CPU limits), so each function must be
 importable in a fresh interpreter: defined with `def` (or a picklable object) at module level, in a module
 on `PYTHONPATH` or in the current directory.
@@ -167,7 +168,7 @@ class WeightedReward:
         total = 0.0
         for term in self.terms:
             try:
-                value = term.fn(completion, example)
+                value = term.fn(completion, dict(example))
             except Exception as error:
                 raise RuntimeError(f"reward {term.name}: {type(error).__name__}: {error}") from error
             total += term.weight * checked_reward(value, f"reward {term.name}")

@@ -173,3 +173,20 @@ def test_a_rewarded_task_keeps_the_task_but_its_reward():
 
 def lambda_free_constant(completion, example):
     return 0.125
+
+
+def _mutates_and_reports_type(completion: str, example: dict) -> float:
+    kind = 1.0 if type(example) is dict else -100.0
+    example["answer"] = "changed"
+    return kind
+
+
+def _reads_answer(completion: str, example: dict) -> float:
+    return 1.0 if example["answer"] != "changed" else -100.0
+
+
+def test_each_term_receives_its_own_plain_dict():
+    example = Example(id="0", prompt="2+2", answer="4", task="arithmetic")
+    reward = WeightedReward.of(_mutates_and_reports_type, _reads_answer)
+    assert reward("4", example) == 2.0
+    assert example.answer == "4"
