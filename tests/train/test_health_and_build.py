@@ -42,3 +42,25 @@ def test_a_cached_warm_start_keeps_the_value_head_of_a_shared_critic(tmp_path):
     assert cached.cfg.value_head
     for a, b in zip(jax.tree.leaves(nnx.state(trained)), jax.tree.leaves(nnx.state(cached))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_separate_critic_starts_from_the_actors_placed_trunk_with_a_zero_value_head():
+    """The critic shares the actor's (sharded) trunk arrays, without initialising a model on one device, and
+    equals the earlier construction: a freshly initialised critic updated with the actor's state."""
+    from rpegjax.models import Decoder, ModelConfig
+    from rpegjax.sharding import ShardingRules, make_mesh, shard_state
+    from rpegjax.train.build import critic_from_actor
+
+    cfg = ModelConfig.tiny()
+    actor = Decoder(cfg, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(actor)
+    actor = nnx.merge(graphdef, shard_state(state, make_mesh({"fsdp": 4, "tensor": 2}), ShardingRules.fsdp_tp()))
+    critic = critic_from_actor(actor, cfg)
+    expected = Decoder(cfg.replace(value_head=True), rngs=nnx.Rngs(1))
+    nnx.update(expected, nnx.state(actor))
+    assert critic.cfg.value_head
+    assert critic.layers[0].mlp.up_proj.get_value() is actor.layers[0].mlp.up_proj.get_value()
+    ours, theirs = nnx.to_flat_state(nnx.state(critic)), nnx.to_flat_state(nnx.state(expected))
+    assert [path for path, _ in ours] == [path for path, _ in theirs]
+    for (path, a), (_, b) in zip(ours, theirs):
+        np.testing.assert_array_equal(np.asarray(a.get_value()), np.asarray(b.get_value()), err_msg=str(path))
