@@ -48,8 +48,16 @@ from rpegjax.models.hf_layout import (
     tensor_layouts,
 )
 from rpegjax.models.json_files import read_json_object
-from rpegjax.models.safetensors_file import SafetensorsError, SafetensorsFile, write_safetensors
-from rpegjax.models.tokenizer import CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
+from rpegjax.models.safetensors_file import (
+    SafetensorsError,
+    SafetensorsFile,
+    write_safetensors,
+)
+from rpegjax.models.tokenizer import (
+    CHAT_TEMPLATE_FILE,
+    TOKENIZER_CONFIG_FILE,
+    TOKENIZER_FILE,
+)
 from rpegjax.models.transformer import Decoder
 from rpegjax.sharding.rules import ShardingRules, param_shardings
 
@@ -105,7 +113,7 @@ def _tensor_files(directory: Path) -> dict[str, Path]:
             files[name] = shard_path
         return files
     if single.is_file():
-        return {name: single for name in _open_safetensors(single).keys()}
+        return dict.fromkeys(_open_safetensors(single).keys(), single)
     legacy = [p.name for p in directory.glob("*.bin")]
     hint = f" ({legacy} are pickle files, which we never load; convert them to safetensors)" if legacy else ""
     raise CheckpointError(f"{directory}: no {WEIGHTS_FILE} or {INDEX_FILE}{hint}")
@@ -154,18 +162,18 @@ def load_pretrained(
     opened = {file: _open_safetensors(file) for file in dict.fromkeys(files[name] for name in to_read)}
     for name, layout in to_read.items():  # in config order, so that errors are deterministic
         file = opened[files[name]]
-        if name not in file.keys():
+        if name not in file:
             raise CheckpointError(f"{file.path}: index lists tensor {name!r} in this shard but it is not there")
         check_tensor(file.shape(name), file.dtype_code(name), layout, str(file.path))
 
     graphdef, abstract = abstract_split(cfg)
-    shapes = {path: variable.get_value() for path, variable in nnx.to_flat_state(abstract)}
+    shapes = {key: variable.get_value() for key, variable in nnx.to_flat_state(abstract)}
     if mesh is None:
         device = SingleDeviceSharding(jax.local_devices()[0])
-        shardings = {path: device for path in shapes}
+        shardings = {key: device for key in shapes}
     else:
         placed = param_shardings(abstract, mesh, rules or ShardingRules.fsdp_tp())
-        shardings = {path: variable.get_value() for path, variable in nnx.to_flat_state(placed)}
+        shardings = {key: variable.get_value() for key, variable in nnx.to_flat_state(placed)}
     tied_copy = to_read.pop("lm_head.weight") if cfg.tie_word_embeddings and "lm_head.weight" in to_read else None
     values = {}
     for name, layout in to_read.items():
@@ -173,14 +181,14 @@ def load_pretrained(
         values[layout.path] = _read_placed(opened[files[name]], layout, shapes[layout.path], shardings[layout.path],
                                            copy=copy)
     filled = []
-    for path, variable in nnx.to_flat_state(abstract):
-        spec = shapes[path]
-        value = values.get(path)
+    for key, variable in nnx.to_flat_state(abstract):
+        spec = shapes[key]
+        value = values.get(key)
         if value is None:  # only a new value head: zero
-            value = jax.make_array_from_callback(spec.shape, shardings[path],
+            value = jax.make_array_from_callback(spec.shape, shardings[key],
                                                  lambda index, spec=spec: np.zeros(_window_shape(index, spec.shape),
                                                                                    spec.dtype))
-        filled.append((path, variable.replace(value)))
+        filled.append((key, variable.replace(value)))
     return nnx.merge(graphdef, nnx.from_flat_state(filled)), cfg
 
 

@@ -83,6 +83,9 @@ class SafetensorsFile:
     def keys(self) -> list[str]:
         return list(self._entries)
 
+    def __contains__(self, name: str) -> bool:
+        return name in self._entries
+
     def dtype_code(self, name: str) -> str:
         return self._entries[name][0]
 

@@ -7,7 +7,12 @@ import pytest
 from flax import nnx
 
 from rpegjax.models import Architecture, Decoder, ModelConfig
-from rpegjax.models.hf_layout import CheckpointError, hf_tensors_to_state, params_to_hf_tensors, tensor_layouts
+from rpegjax.models.hf_layout import (
+    CheckpointError,
+    hf_tensors_to_state,
+    params_to_hf_tensors,
+    tensor_layouts,
+)
 
 
 def _assert_same_params(a: Decoder, b: Decoder) -> None:

@@ -10,8 +10,8 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from rpegjax.models import Architecture, Decoder, ModelConfig
-from rpegjax.models.hf_layout import abstract_split
 from rpegjax.models.hf import CheckpointError, load_pretrained, save_pretrained
+from rpegjax.models.hf_layout import abstract_split
 from rpegjax.sharding import ShardingRules, make_mesh, param_shardings
 
 MESHES = {
@@ -95,7 +95,11 @@ def test_export_from_an_8_device_model_matches_transformers_logits(tmp_path):
     """A transformers checkpoint loaded onto 8 devices (fsdp=2 x tensor=2 x data=2), exported with the
     tokenizer files of a source directory, loads in transformers with the same logits as the original."""
     pytest.importorskip("transformers")
-    from test_parity import _hf_checkpoint, _hf_logits, _left_padded_batch  # the parity helpers
+    from test_parity import (  # the parity helpers
+        _hf_checkpoint,
+        _hf_logits,
+        _left_padded_batch,
+    )
 
     original = _hf_checkpoint("qwen2", tmp_path)
     tokenizer_dir = tmp_path / "tokenizer"

@@ -9,7 +9,11 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from rpegjax.models import safetensors_file
-from rpegjax.models.safetensors_file import SafetensorsError, SafetensorsFile, write_safetensors
+from rpegjax.models.safetensors_file import (
+    SafetensorsError,
+    SafetensorsFile,
+    write_safetensors,
+)
 
 BF16 = np.dtype(jnp.bfloat16)
 
