@@ -283,8 +283,8 @@ def keep_native_output_off_stdout() -> None:
     reaches standard output, which then carries only what the program prints there (the job: its summary
     line). Child processes inherit descriptor 1, so theirs goes to standard error too. Idempotent.
     """
-    if getattr(sys.stdout, "_rpegjax_original_stdout", False):
-        return
+    if sys.stdout is None or getattr(sys.stdout, "_rpegjax_original_stdout", False):
+        return  # no standard output to protect (pythonw), or already done
     sys.stdout.flush()
     original = os.dup(1)
     os.dup2(2, 1)

@@ -122,6 +122,15 @@ def test_from_env_bad_variables_are_named():
         DistributedConfig.from_env({}, processes=2)
 
 
+def test_native_writes_to_stdout_go_to_stderr_and_print_keeps_stdout():
+    code = ("import os; from rpegjax.distributed import keep_native_output_off_stdout as keep\n"
+            "print('before'); keep(); keep(); os.write(1, b'native\\n'); print('summary')")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True,
+                            env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))))
+    assert result.stdout == "before\nsummary\n"
+    assert result.stderr == "native\n"
+
+
 # ---- per-process helpers, in one process ------------------------------------------------------
 
 
