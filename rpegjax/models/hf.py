@@ -273,8 +273,10 @@ def save_pretrained(model: Decoder, config: ModelConfig, path: PathLike, *, max_
     directory first and renamed into place, so a crash never leaves a half-written checkpoint at `path`.
 
     The parameters may be sharded, across processes too: then every process must call this (each tensor is
-    replicated over its mesh in turn, a collective) and process 0 writes `path`; every process returns once
-    it is in place. Host memory: one tensor at a time (in our layout and in the HF layout).
+    replicated over its mesh in turn, a collective: every device holds one whole tensor at a time) and
+    process 0 writes `path`; every process returns once it is in place. Host memory: one tensor at a time
+    (in our layout and in the HF layout). A model whose arrays this process holds entirely is written by
+    this process alone, as in a single-process run.
     """
     for name in _SHAPE_FIELDS:
         wanted, actual = getattr(config, name), getattr(model.cfg, name)
@@ -295,7 +297,11 @@ def save_pretrained(model: Decoder, config: ModelConfig, path: PathLike, *, max_
     shards = _plan_shards(sizes, max_shard_bytes)
     hf_shapes = {layout.name: layout.hf_shape for layout in layouts}
     to_host = _host_fetcher()
-    if jax.process_index() != 0:  # take part in every tensor's collective fetch, then wait for process 0's files
+    # parameters spread over processes: a collective export that process 0 writes; otherwise each process
+    # holds a whole model and writes it alone (several writers of one path: the last rename wins, all equal)
+    collective = any(isinstance(leaf, jax.Array) and not leaf.is_fully_addressable
+                     for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    if collective and jax.process_index() != 0:  # take part in every tensor's fetch, then wait for process 0
         for names in shards:
             for _ in iter_hf_tensors(model, hf_cfg, dtype, set(names), to_host):
                 pass
@@ -328,7 +334,7 @@ def save_pretrained(model: Decoder, config: ModelConfig, path: PathLike, *, max_
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    if jax.process_count() > 1:
+    if collective:
         multihost_utils.sync_global_devices(f"save_pretrained {target}")
     return target
 
