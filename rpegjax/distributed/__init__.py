@@ -27,7 +27,11 @@ raises naming `what` if any process disagrees.
 Dying peers: `jax.distributed`'s coordination service tracks heartbeats; when a process stops
 sending them for `heartbeat_timeout_s`, every surviving process is terminated with "the JAX
 distributed service detected fatal errors ... another task died" instead of waiting forever in a
-collective. Set `heartbeat_timeout_s` and `shutdown_timeout_s` to bound how long that takes.
+collective. Set `heartbeat_timeout_s` and `shutdown_timeout_s` to bound how long that takes (the
+default 10 s heartbeat ends survivors about 11 s after a peer is killed; a dead process 0 ends them at once).
+
+Standard output: `initialize` sends native libraries' writes to it (gloo's connection messages) to
+standard error, so that standard output carries only what the program prints (the job's summary line).
 
 Modules: `launch` (configuration, start-up), `data` (mesh, per-process rows, gathers, the check).
 Nothing here holds module-level state besides what `jax.distributed` itself holds.
@@ -47,6 +51,7 @@ from rpegjax.distributed.launch import (
     expand_nodelist,
     initialize,
     is_main_process,
+    keep_native_output_off_stdout,
 )
 
 __all__ = [
@@ -59,6 +64,7 @@ __all__ = [
     "host_local_to_global",
     "initialize",
     "is_main_process",
+    "keep_native_output_off_stdout",
     "process_slice",
     "tree_digest",
 ]

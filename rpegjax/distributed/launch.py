@@ -10,6 +10,7 @@ import dataclasses
 import enum
 import os
 import re
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -48,7 +49,7 @@ class DistributedConfig:
     process_id: int | None = None
     local_device_ids: tuple[int, ...] | None = None
     initialization_timeout_s: int = 300
-    heartbeat_timeout_s: int = 100
+    heartbeat_timeout_s: int = 10
     shutdown_timeout_s: int = 300
     cpu_collectives: CpuCollectives = CpuCollectives.GLOO
 
@@ -246,11 +247,13 @@ def initialize(cfg: DistributedConfig) -> bool:
 
     Call it first, before any JAX computation (JAX refuses afterwards). On CPU, selects the
     cross-process collectives (`cfg.cpu_collectives`, gloo by default); on GPU, XLA uses NCCL.
-    Returns True when a multi-process runtime was started.
+    Native libraries' output to standard output is sent to standard error first
+    (`keep_native_output_off_stdout`). Returns True when a multi-process runtime was started.
     """
     cfg.check_complete()
     if not cfg.is_multi_process:
         return False
+    keep_native_output_off_stdout()
     jax.config.update("jax_cpu_collectives_implementation", cfg.cpu_collectives.value)
     try:
         jax.distributed.initialize(
@@ -270,6 +273,24 @@ def initialize(cfg: DistributedConfig) -> bool:
             f"(coordinator {cfg.coordinator_address}, timeout {cfg.initialization_timeout_s}s): {error}"
         ) from error
     return True
+
+
+def keep_native_output_off_stdout() -> None:
+    """Points file descriptor 1 at standard error and `sys.stdout` at a copy of the original standard output.
+
+    Native libraries write to descriptor 1 directly (gloo prints "[Gloo] Rank 0 is connected to 1 peer
+    ranks" when collectives connect); afterwards that lands on standard error, while Python's `print` still
+    reaches standard output, which then carries only what the program prints there (the job: its summary
+    line). Child processes inherit descriptor 1, so theirs goes to standard error too. Idempotent.
+    """
+    if sys.stdout is None or getattr(sys.stdout, "_rpegjax_original_stdout", False):
+        return  # no standard output to protect (pythonw), or already done
+    sys.stdout.flush()
+    original = os.dup(1)
+    os.dup2(2, 1)
+    stream = open(original, "w", buffering=1, encoding=sys.stdout.encoding, errors=sys.stdout.errors)  # noqa: SIM115
+    stream._rpegjax_original_stdout = True
+    sys.stdout = stream
 
 
 def is_main_process() -> bool:

@@ -2,8 +2,18 @@
 
 Tensor names and layouts are in `rpegjax.models.hf_layout`. The value head lives in `model.safetensors`
 next to the trunk: `transformers` loads such a checkpoint and reports the two value-head tensors as
-unexpected (checked by the tests). Tensors are read with the safetensors numpy API (never pickle), one
-at a time, so peak host memory is about one tensor beyond the model.
+unexpected (checked by the tests). Tensors are read with our safetensors reader (never pickle).
+
+Loading is sharded: given a mesh and rules, each parameter is created with its target sharding
+(`jax.make_array_from_callback`) and each process reads from the files only the windows of each tensor
+that its own devices hold, so a process's peak memory is about its share of the model (plus, for windows
+that keep some columns of a tensor, one block of rows being read), no device ever holds a whole model, and
+no weight is compared across processes.
+
+Export (`save_pretrained`) streams: tensors are fetched to host one at a time and written as they come, so
+the host holds one tensor (in our layout and in the HF layout) at a time. A tensor whose shards this process
+holds is assembled on host from its shards; one spread over several processes is first replicated over its
+mesh (every device then holds that one tensor, never the whole model), and process 0 writes the files.
 """
 
 from __future__ import annotations
@@ -21,8 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors import SafetensorError, safe_open
-from safetensors.numpy import save_file
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from rpegjax.models.config import ModelConfig
 from rpegjax.models.hf_layout import (
@@ -30,17 +40,26 @@ from rpegjax.models.hf_layout import (
     TensorLayout,
     abstract_split,
     check_tensor,
-    convert_tensor,
     hf_config,
     hf_incompatibilities,
     hf_tensors_to_state,
     iter_hf_tensors,
     params_to_hf_tensors,
-    state_from_values,
     tensor_layouts,
 )
 from rpegjax.models.json_files import read_json_object
+from rpegjax.models.safetensors_file import (
+    SafetensorsError,
+    SafetensorsFile,
+    write_safetensors,
+)
+from rpegjax.models.tokenizer import (
+    CHAT_TEMPLATE_FILE,
+    TOKENIZER_CONFIG_FILE,
+    TOKENIZER_FILE,
+)
 from rpegjax.models.transformer import Decoder
+from rpegjax.sharding.rules import ShardingRules, param_shardings
 
 __all__ = ["CONFIG_FILE", "INDEX_FILE", "WEIGHTS_FILE", "CheckpointError", "hf_tensors_to_state", "load_pretrained",
            "params_to_hf_tensors", "read_config", "save_pretrained", "tensor_layouts"]
@@ -49,6 +68,9 @@ CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+# What `save_pretrained(tokenizer_dir=...)` copies: the files of the tokenizers transformers loads for our models.
+TOKENIZER_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, CHAT_TEMPLATE_FILE, "special_tokens_map.json",
+                   "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model")
 # Buffers that older transformers versions saved although they are recomputed from the config.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _VALUE_HEAD_NAMES = ("value_head.weight", "value_head.bias")
@@ -91,55 +113,123 @@ def _tensor_files(directory: Path) -> dict[str, Path]:
             files[name] = shard_path
         return files
     if single.is_file():
-        return {name: single for name in _open_safetensors(single, lambda handle: list(handle.keys()))}
+        return dict.fromkeys(_open_safetensors(single).keys(), single)
     legacy = [p.name for p in directory.glob("*.bin")]
     hint = f" ({legacy} are pickle files, which we never load; convert them to safetensors)" if legacy else ""
     raise CheckpointError(f"{directory}: no {WEIGHTS_FILE} or {INDEX_FILE}{hint}")
 
 
-def _open_safetensors(path: Path, body: Callable):
-    """Runs `body(handle)` on an open safetensors file, turning a corrupt or truncated file into CheckpointError."""
+def _open_safetensors(path: Path) -> SafetensorsFile:
+    """The header of a safetensors file; a corrupt or truncated file is a CheckpointError."""
     try:
-        with safe_open(str(path), framework="np") as handle:
-            return body(handle)
-    except SafetensorError as error:
-        raise CheckpointError(f"{path}: corrupt or truncated safetensors file ({error})") from None
+        return SafetensorsFile(path)
+    except (SafetensorsError, OSError) as error:
+        raise _corrupt(path, error) from None
+
+
+def _corrupt(path: Path, error: Exception) -> CheckpointError:
+    detail = str(error).removeprefix(f"{path}: ")
+    return CheckpointError(f"{path}: corrupt or truncated safetensors file ({detail})")
 
 
 def load_pretrained(
-    path: PathLike, *, param_dtype: str | None = None, dtype: str | None = None, value_head: bool = False
+    path: PathLike, *, param_dtype: str | None = None, dtype: str | None = None, value_head: bool = False,
+    mesh: Mesh | None = None, rules: ShardingRules | None = None,
 ) -> tuple[Decoder, ModelConfig]:
     """Loads a local HF checkpoint directory (config.json + model.safetensors, or shards + index).
 
     `param_dtype`/`dtype` override the storage/compute dtypes (default: the checkpoint's `dtype`; `dtype`
     follows `param_dtype` when only that is given). With `value_head=True` the value head is read when
     the checkpoint has one and starts at zero otherwise (a fresh critic on a pretrained trunk); with
-    `value_head=False` value-head tensors are skipped. Raises CheckpointError naming the file and tensor
-    on any mismatch; tensor names are all checked first, and each file's shapes and dtypes before its data.
+    `value_head=False` value-head tensors are skipped.
+
+    With `mesh`, every parameter is created sharded as `rules` (default `ShardingRules.fsdp_tp()`) place it
+    on `mesh`, and this process reads only the windows of each tensor that its devices of `mesh` hold: call
+    it in every process of a multi-process run with the same arguments. Without, parameters land on this
+    process's first device. Raises CheckpointError naming the file and tensor on any mismatch; every name,
+    shape and dtype is checked before any data is read.
     """
     directory = Path(path)
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: checkpoint directory not found")
+    if rules is not None and mesh is None:
+        raise ValueError("load_pretrained: sharding rules were given without a mesh")
     cfg = read_config(directory)
     cfg = cfg.replace(param_dtype=param_dtype or cfg.param_dtype, dtype=dtype or param_dtype or cfg.dtype,
                       value_head=value_head)
     files = _tensor_files(directory)
     to_read = _select_tensors(directory, files, cfg)
-    by_file: dict[Path, list[str]] = {}
-    for name in to_read:  # in config order, so that errors are deterministic
-        by_file.setdefault(files[name], []).append(name)
-    values: dict[tuple, jax.Array] = {}
-    for file, names in by_file.items():
-        _open_safetensors(file, lambda handle: _read_tensors(handle, file, [to_read[n] for n in names], cfg, values))
-    tied_copy = values.pop(_TIED_LM_HEAD_PATH, None)
-    if tied_copy is not None and not bool(jnp.array_equal(tied_copy, values[("embed",)])):
-        raise CheckpointError(
-            f"{files['lm_head.weight']}: tie_word_embeddings is true but lm_head.weight differs from embed_tokens")
-    graphdef, _ = abstract_split(cfg)
-    return nnx.merge(graphdef, state_from_values(cfg, values)), cfg
+    opened = {file: _open_safetensors(file) for file in dict.fromkeys(files[name] for name in to_read)}
+    for name, layout in to_read.items():  # in config order, so that errors are deterministic
+        file = opened[files[name]]
+        if name not in file:
+            raise CheckpointError(f"{file.path}: index lists tensor {name!r} in this shard but it is not there")
+        check_tensor(file.shape(name), file.dtype_code(name), layout, str(file.path))
+
+    graphdef, abstract = abstract_split(cfg)
+    shapes = {key: variable.get_value() for key, variable in nnx.to_flat_state(abstract)}
+    if mesh is None:
+        device = SingleDeviceSharding(jax.local_devices()[0])
+        shardings = {key: device for key in shapes}
+    else:
+        placed = param_shardings(abstract, mesh, rules or ShardingRules.fsdp_tp())
+        shardings = {key: variable.get_value() for key, variable in nnx.to_flat_state(placed)}
+    tied_copy = to_read.pop("lm_head.weight") if cfg.tie_word_embeddings and "lm_head.weight" in to_read else None
+    values = {}
+    for name, layout in to_read.items():
+        copy = None if tied_copy is None or layout.path != ("embed",) else (opened[files[tied_copy.name]], tied_copy)
+        values[layout.path] = _read_placed(opened[files[name]], layout, shapes[layout.path], shardings[layout.path],
+                                           copy=copy)
+    filled = []
+    for key, variable in nnx.to_flat_state(abstract):
+        spec = shapes[key]
+        value = values.get(key)
+        if value is None:  # only a new value head: zero
+            value = jax.make_array_from_callback(spec.shape, shardings[key],
+                                                 lambda index, spec=spec: np.zeros(_window_shape(index, spec.shape),
+                                                                                   spec.dtype))
+        filled.append((key, variable.replace(value)))
+    return nnx.merge(graphdef, nnx.from_flat_state(filled)), cfg
 
 
 _TIED_LM_HEAD_PATH = ("<tied lm_head copy>",)
+
+
+def _concrete(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
+    """A device's index (slices that may be open) as explicit [start, stop) windows."""
+    return tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape, strict=True))
+
+
+def _window_shape(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(s.stop - s.start for s in _concrete(index, shape))
+
+
+def _read_placed(file: SafetensorsFile, layout: TensorLayout, spec: jax.ShapeDtypeStruct, sharding,
+                 *, copy: tuple[SafetensorsFile, TensorLayout] | None = None) -> jax.Array:
+    """The parameter of `layout` created with `sharding`, reading only the windows this process's devices hold
+    (each distinct window once: replicas share it). `copy`: a tensor that must equal this one where it is read
+    (a tied checkpoint's lm_head.weight)."""
+    dtype = np.dtype(spec.dtype)
+    blocks: dict[tuple, np.ndarray] = {}
+    for index in sharding.addressable_devices_indices_map(spec.shape).values():
+        window = _concrete(index, spec.shape)
+        key = tuple((s.start, s.stop) for s in window)
+        if key in blocks:
+            continue
+        hf_window, finish = layout.window(window)
+        try:
+            block = finish(file.read(layout.name, hf_window)).astype(dtype, order="C")
+            if copy is not None:
+                copy_file, copy_layout = copy
+                copy_window, copy_finish = copy_layout.window(window)
+                if not np.array_equal(copy_finish(copy_file.read(copy_layout.name, copy_window)).astype(dtype), block):
+                    raise CheckpointError(f"{copy_file.path}: tie_word_embeddings is true but lm_head.weight differs "
+                                          "from embed_tokens")
+        except (SafetensorsError, OSError) as error:
+            raise _corrupt(file.path, error) from None
+        blocks[key] = block
+    return jax.make_array_from_callback(
+        spec.shape, sharding, lambda index: blocks[tuple((s.start, s.stop) for s in _concrete(index, spec.shape))])
 
 
 def _select_tensors(directory: Path, files: Mapping[str, Path], cfg: ModelConfig) -> dict[str, TensorLayout]:
@@ -167,30 +257,26 @@ def _select_tensors(directory: Path, files: Mapping[str, Path], cfg: ModelConfig
     return layouts
 
 
-def _read_tensors(handle, file: Path, layouts: list[TensorLayout], cfg: ModelConfig, into: dict) -> None:
-    """Checks every listed tensor's name, shape and dtype in the open file, then reads and converts them one by one."""
-    present = set(handle.keys())
-    for layout in layouts:
-        if layout.name not in present:
-            raise CheckpointError(f"{file}: index lists tensor {layout.name!r} in this shard but it is not there")
-        view = handle.get_slice(layout.name)
-        check_tensor(tuple(view.get_shape()), view.get_dtype(), layout, str(file))
-    for layout in layouts:
-        into[layout.path] = convert_tensor(handle.get_tensor(layout.name), layout, cfg, str(file))
-
-
 # ---- writing ------------------------------------------------------------------------------------------------
 _SHAPE_FIELDS = ("architecture", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                  "intermediate_size", "tie_word_embeddings", "attention_bias", "qk_norm", "value_head")
 
 
-def save_pretrained(model: Decoder, config: ModelConfig, path: PathLike, *, max_shard_bytes: int | None = None) -> Path:
+def save_pretrained(model: Decoder, config: ModelConfig, path: PathLike, *, max_shard_bytes: int | None = None,
+                    tokenizer_dir: PathLike | None = None) -> Path:
     """Writes `path/` as a HF checkpoint that `transformers.AutoModelForCausalLM.from_pretrained` loads.
 
     Tensors are stored in `config.param_dtype`; `config` must describe `model`'s shapes. With
     `max_shard_bytes`, tensors are split over `model-0000i-of-0000n.safetensors` files (a tensor larger
-    than the limit gets a file of its own) plus an index. Everything is written to a temporary sibling
+    than the limit gets a file of its own) plus an index. `tokenizer_dir`: a directory whose tokenizer files
+    (`TOKENIZER_FILES`, those present) are copied alongside. Everything is written to a temporary sibling
     directory first and renamed into place, so a crash never leaves a half-written checkpoint at `path`.
+
+    The parameters may be sharded, across processes too: then every process must call this (each tensor is
+    replicated over its mesh in turn, a collective: every device holds one whole tensor at a time) and
+    process 0 writes `path`; every process returns once it is in place. Host memory: one tensor at a time
+    (in our layout and in the HF layout). A model whose arrays this process holds entirely is written by
+    this process alone, as in a single-process run.
     """
     for name in _SHAPE_FIELDS:
         wanted, actual = getattr(config, name), getattr(model.cfg, name)
@@ -201,14 +287,28 @@ def save_pretrained(model: Decoder, config: ModelConfig, path: PathLike, *, max_
         raise CheckpointError(f"save_pretrained: transformers cannot represent this model: {'; '.join(problems)}")
     if max_shard_bytes is not None and (not isinstance(max_shard_bytes, int) or max_shard_bytes < 1):
         raise ValueError(f"save_pretrained: max_shard_bytes must be a positive int or None, got {max_shard_bytes!r}")
+    if tokenizer_dir is not None and not Path(tokenizer_dir, TOKENIZER_FILE).is_file():
+        raise CheckpointError(f"save_pretrained: tokenizer_dir {tokenizer_dir} has no {TOKENIZER_FILE}")
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
     hf_cfg = hf_config(config)
     dtype = np.dtype(jnp.dtype(config.jnp_param_dtype))
     layouts = tensor_layouts(hf_cfg)
     sizes = [(layout.name, math.prod(layout.hf_shape) * dtype.itemsize) for layout in layouts]
     shards = _plan_shards(sizes, max_shard_bytes)
+    hf_shapes = {layout.name: layout.hf_shape for layout in layouts}
+    to_host = _host_fetcher()
+    # parameters spread over processes: a collective export that process 0 writes; otherwise each process
+    # holds a whole model and writes it alone (several writers of one path: the last rename wins, all equal)
+    collective = any(isinstance(leaf, jax.Array) and not leaf.is_fully_addressable
+                     for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    if collective and jax.process_index() != 0:  # take part in every tensor's fetch, then wait for process 0
+        for names in shards:
+            for _ in iter_hf_tensors(model, hf_cfg, dtype, set(names), to_host):
+                pass
+        multihost_utils.sync_global_devices(f"save_pretrained {target}")
+        return target
 
+    target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         staging.chmod(0o755)  # mkdtemp makes it private; a checkpoint should be as readable as any directory
@@ -216,12 +316,15 @@ def save_pretrained(model: Decoder, config: ModelConfig, path: PathLike, *, max_
         if config.bos_token_id is not None or config.eos_token_id is not None:
             _write_json(staging / GENERATION_CONFIG_FILE, {
                 "_from_model_config": True, "bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id})
+        if tokenizer_dir is not None:
+            for name in TOKENIZER_FILES:
+                if Path(tokenizer_dir, name).is_file():
+                    shutil.copyfile(Path(tokenizer_dir, name), staging / name)
         weight_map = {}
         for number, names in enumerate(shards, start=1):
             file = WEIGHTS_FILE if len(shards) == 1 else f"model-{number:05d}-of-{len(shards):05d}.safetensors"
-            tensors = dict(iter_hf_tensors(model, hf_cfg, dtype, set(names)))
-            save_file(tensors, str(staging / file), metadata={"format": "pt"})
-            _fsync(staging / file)
+            write_safetensors(staging / file, [(name, dtype, hf_shapes[name]) for name in names],
+                              iter_hf_tensors(model, hf_cfg, dtype, set(names), to_host), metadata={"format": "pt"})
             weight_map.update({name: file for name in names})
         if len(shards) > 1:
             total = sum(size for _, size in sizes)
@@ -231,7 +334,25 @@ def save_pretrained(model: Decoder, config: ModelConfig, path: PathLike, *, max_
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    if collective:
+        multihost_utils.sync_global_devices(f"save_pretrained {target}")
     return target
+
+
+def _host_fetcher() -> Callable[[jax.Array], np.ndarray]:
+    """Fetches one parameter to host: assembled from this process's shards when it holds them all, else first
+    replicated over its mesh (one compiled program per mesh, shape and dtype)."""
+    replicate: dict[Mesh, Callable] = {}
+
+    def to_host(array: jax.Array) -> np.ndarray:
+        if not isinstance(array, jax.Array) or array.is_fully_addressable:
+            return np.asarray(jax.device_get(array))
+        mesh = array.sharding.mesh
+        if mesh not in replicate:
+            replicate[mesh] = jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, PartitionSpec()))
+        return np.asarray(replicate[mesh](array).addressable_data(0))
+
+    return to_host
 
 
 def _plan_shards(sizes: list[tuple[str, int]], max_shard_bytes: int | None) -> list[list[str]]:

@@ -37,32 +37,83 @@ class CheckpointError(ValueError):
     """A checkpoint directory or file that cannot be read as the model it claims to be."""
 
 
+Window = tuple[slice, ...]  # one slice per dimension, with explicit start and stop and unit step
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TensorLayout:
-    """How one HF tensor maps onto one parameter of our `Decoder` state."""
+    """How one HF tensor maps onto one parameter of our `Decoder` state.
+
+    `window(ours)` maps a window of our parameter (a device's shard) to the window of the HF tensor that
+    holds it and a function turning that HF block into our block: a process reads only what it places.
+    """
 
     name: str  # HF name
     path: tuple[str | int, ...]  # path in `nnx.state(decoder)`
     hf_shape: tuple[int, ...]
     to_ours: Callable[[np.ndarray], np.ndarray]
     to_hf: Callable[[np.ndarray], np.ndarray]
+    window: Callable[[Window], tuple[Window, Callable[[np.ndarray], np.ndarray]]]
 
 
 def _identity(x: np.ndarray) -> np.ndarray:
     return x
 
 
-def _in_projection(d: int, n: int, e: int) -> tuple[Callable, Callable]:
+def _same_window(ours: Window) -> tuple[Window, Callable]:
+    return ours, _identity
+
+
+def _heads(window: slice, e: int) -> slice:
+    """HF rows (or columns) of heads `window` in a head-major [n*e] dimension."""
+    return slice(window.start * e, window.stop * e)
+
+
+def _length(window: slice) -> int:
+    return window.stop - window.start
+
+
+def _in_projection(d: int, n: int, e: int) -> tuple[Callable, Callable, Callable]:
     """HF [n*e, d] <-> ours [d, n, e]."""
-    return (lambda w: w.T.reshape(d, n, e)), (lambda w: w.reshape(d, n * e).T)
+
+    def window(ours: Window) -> tuple[Window, Callable]:
+        dims, heads, head_dim = ours
+        return (_heads(heads, e), dims), lambda w: w.T.reshape(_length(dims), _length(heads), e)[:, :, head_dim]
+
+    return (lambda w: w.T.reshape(d, n, e)), (lambda w: w.reshape(d, n * e).T), window
 
 
-def _reshaped(ours: tuple[int, ...], hf: tuple[int, ...]) -> tuple[Callable, Callable]:
-    return (lambda w: w.reshape(ours)), (lambda w: w.reshape(hf))
+def _out_projection(h: int, e: int, d: int) -> tuple[Callable, Callable, Callable]:
+    """HF [d, h*e] <-> ours [h, e, d]."""
+
+    def window(ours: Window) -> tuple[Window, Callable]:
+        heads, head_dim, dims = ours
+        return (dims, _heads(heads, e)), lambda w: w.T.reshape(_length(heads), e, _length(dims))[:, head_dim, :]
+
+    return (lambda w: w.T.reshape(h, e, d)), (lambda w: w.reshape(h * e, d).T), window
 
 
-def _transposed() -> tuple[Callable, Callable]:
-    return (lambda w: w.T), (lambda w: w.T)
+def _bias(n: int, e: int) -> tuple[Callable, Callable, Callable]:
+    """HF [n*e] <-> ours [n, e]."""
+
+    def window(ours: Window) -> tuple[Window, Callable]:
+        heads, head_dim = ours
+        return (_heads(heads, e),), lambda w: w.reshape(_length(heads), e)[:, head_dim]
+
+    return (lambda w: w.reshape(n, e)), (lambda w: w.reshape(n * e)), window
+
+
+def _leading_one(ours_shape: tuple[int, ...]) -> tuple[Callable, Callable, Callable]:
+    """HF [1, *s] <-> ours [*s] (the value head's weight [1, d] and bias [1])."""
+
+    def window(ours: Window) -> tuple[Window, Callable]:
+        return (slice(0, 1), *ours), lambda w: w.reshape(w.shape[1:])
+
+    return (lambda w: w.reshape(ours_shape)), (lambda w: w.reshape(1, *ours_shape)), window
+
+
+def _transposed() -> tuple[Callable, Callable, Callable]:
+    return (lambda w: w.T), (lambda w: w.T), (lambda ours: (ours[::-1], lambda w: w.T))
 
 
 def tensor_layouts(cfg: ModelConfig) -> list[TensorLayout]:
@@ -71,8 +122,9 @@ def tensor_layouts(cfg: ModelConfig) -> list[TensorLayout]:
                         cfg.vocab_size)
     out: list[TensorLayout] = []
 
-    def add(name, path, hf_shape, maps=(_identity, _identity)):
-        out.append(TensorLayout(name=name, path=path, hf_shape=hf_shape, to_ours=maps[0], to_hf=maps[1]))
+    def add(name, path, hf_shape, maps=(_identity, _identity, _same_window)):
+        out.append(TensorLayout(name=name, path=path, hf_shape=hf_shape, to_ours=maps[0], to_hf=maps[1],
+                                window=maps[2]))
 
     add("model.embed_tokens.weight", ("embed",), (v, d))
     for i in range(cfg.num_layers):
@@ -82,9 +134,8 @@ def tensor_layouts(cfg: ModelConfig) -> list[TensorLayout]:
                 _in_projection(d, heads, e))
             if cfg.attention_bias:
                 add(f"{hf}self_attn.{proj}_proj.bias", (*attention, f"{proj}_bias"), (heads * e,),
-                    _reshaped((heads, e), (heads * e,)))
-        add(f"{hf}self_attn.o_proj.weight", (*attention, "o_proj"), (d, h * e),  # HF [d, h*e] <-> ours [h, e, d]
-            ((lambda w: w.T.reshape(h, e, d)), (lambda w: w.reshape(h * e, d).T)))
+                    _bias(heads, e))
+        add(f"{hf}self_attn.o_proj.weight", (*attention, "o_proj"), (d, h * e), _out_projection(h, e, d))
         if cfg.qk_norm:
             add(f"{hf}self_attn.q_norm.weight", (*attention, "q_norm", "scale"), (e,))
             add(f"{hf}self_attn.k_norm.weight", (*attention, "k_norm", "scale"), (e,))
@@ -97,8 +148,8 @@ def tensor_layouts(cfg: ModelConfig) -> list[TensorLayout]:
     if not cfg.tie_word_embeddings:
         add("lm_head.weight", ("lm_head",), (v, d), _transposed())
     if cfg.value_head:
-        add("value_head.weight", ("value_kernel",), (1, d), _reshaped((d,), (1, d)))
-        add("value_head.bias", ("value_bias",), (1,), _reshaped((), (1,)))
+        add("value_head.weight", ("value_kernel",), (1, d), _leading_one((d,)))
+        add("value_head.bias", ("value_bias",), (1,), _leading_one(()))
     return out
 
 
@@ -127,15 +178,20 @@ def params_to_hf_tensors(model: Decoder, *, dtype=None) -> dict[str, np.ndarray]
 
 
 def iter_hf_tensors(
-    model: Decoder, cfg: ModelConfig, dtype, names: set[str] | None = None
+    model: Decoder, cfg: ModelConfig, dtype, names: set[str] | None = None,
+    to_host: Callable[[jax.Array], np.ndarray] | None = None,
 ) -> Iterator[tuple[str, np.ndarray]]:
-    """(HF name, host array) for the layouts of `cfg` (only `names` when given), converted one at a time."""
+    """(HF name, host array) for the layouts of `cfg` (only `names` when given), converted one at a time.
+
+    `to_host` fetches one parameter (default `jax.device_get`: each shard copied to host and assembled there,
+    for arrays whose shards this process holds)."""
+    to_host = to_host or jax.device_get
     flat = {path: variable for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param))}
     for layout in tensor_layouts(cfg):
         if names is not None and layout.name not in names:
             continue
         if layout.path in flat:
-            ours = np.asarray(jax.device_get(flat[layout.path].get_value()))
+            ours = np.asarray(to_host(flat[layout.path].get_value()))
         else:  # a bias of a bias-less Qwen2: zero is exactly "no bias"
             ours = np.zeros(layout.to_ours(np.zeros(layout.hf_shape)).shape, np.float32)
         target = np.dtype(dtype if dtype is not None else ours.dtype)

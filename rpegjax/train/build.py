@@ -199,6 +199,20 @@ def load_plan(cfg: RunConfig, num_devices: int) -> Graph:
     return graph
 
 
+def critic_from_actor(actor: Decoder, cfg: ModelConfig) -> Decoder:
+    """A critic that starts from the actor's trunk (as verl and TRL do) with a zero value head, built without
+    initialising or copying any weight: its trunk arrays are the actor's, already placed (the learner's
+    `init_state` gives the train state fresh buffers)."""
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Decoder(cfg.replace(value_head=True), rngs=nnx.Rngs(0))))
+    trunk = dict(nnx.to_flat_state(nnx.state(actor)))
+    filled = []
+    for path, variable in nnx.to_flat_state(abstract):
+        spec = variable.get_value()
+        filled.append((path, variable.replace(trunk[path].get_value() if path in trunk
+                                              else jax.numpy.zeros(spec.shape, spec.dtype))))
+    return nnx.merge(graphdef, nnx.from_flat_state(filled))
+
+
 def _every_process(flag: bool) -> bool:
     """Whether `flag` holds in every process (a collective)."""
     return bool(np.all(distributed.gather_to_all(np.array([flag], np.uint8))))
@@ -220,6 +234,8 @@ def build(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Components:
     ppo = cfg.algorithm == Algorithm.PPO
     shared_critic = ppo and cfg.ppo.critic == "shared"
     warm_metrics: dict[str, float] = {}
+    graph = build_graph(cfg, num_devices=len(jax.devices()))
+    train_mesh = placed_meshes(graph)[0]
     if cfg.model.path is None:
         model_cfg = _model_config(cfg, tokenizer, value_head=shared_critic)
         model = Decoder(model_cfg, rngs=nnx.Rngs(cfg.model.seed))
@@ -249,22 +265,20 @@ def build(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Components:
                 f"({'cached' if warm_metrics['warm_start/cached'] else 'trained'}, "
                 f"{warm_metrics['warm_start/seconds']:.1f} s)")
     else:
+        # straight into the training layout: each process reads only the windows its devices hold
         model, model_cfg = load_pretrained(cfg.model.path, param_dtype=cfg.model.param_dtype,
-                                           dtype=cfg.model.dtype, value_head=shared_critic)
+                                           dtype=cfg.model.dtype, value_head=shared_critic, mesh=train_mesh)
         model = model.with_execution(**cfg.model.execution())
         model_cfg = model.cfg
         if model_cfg.eos_token_id is None:
             model_cfg = model_cfg.replace(eos_token_id=tokenizer.eos_id)
             model.cfg = model_cfg
-    graph = build_graph(cfg, num_devices=len(jax.devices()))
     if jax.process_count() > 1 and len({s.placement for s in graph.stages if not s.host}) > 1:
         raise ValueError("stages on separate device sets (graph.rollout_devices or a disaggregated plan) run in one "
                          "process only; with several processes generation and training share the devices")
     critic = None
     if ppo and not shared_critic:
-        critic = Decoder(model_cfg.replace(value_head=True), rngs=nnx.Rngs(cfg.model.seed + 1))
-        # the critic starts from the actor's trunk (as verl and TRL do), with a fresh value head
-        nnx.update(critic, nnx.state(model))
+        critic = critic_from_actor(model, model_cfg)
     rollout = cfg.rollout
     slots = min(rollout.num_slots, max(rollout.prompts_per_step * rollout.group_size, len(eval_examples)))
     # whole groups that split evenly over the generation mesh's slot replicas

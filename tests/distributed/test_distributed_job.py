@@ -172,8 +172,10 @@ def finish(started, timeout: float) -> list[tuple[str, str]]:
 
 
 def summary(stdout: str) -> dict | None:
-    lines = [line for line in stdout.splitlines() if line.startswith("{")]  # gloo also prints to stdout
-    return json.loads(lines[-1]) if lines else None
+    """The summary line, or None: standard output carries nothing else (gloo's messages go to standard error)."""
+    lines = stdout.splitlines()
+    assert len(lines) <= 1, stdout
+    return json.loads(lines[0]) if lines else None
 
 
 def records(run_dir: pathlib.Path) -> list[dict]:

@@ -10,8 +10,13 @@ model, gathers the parameters and (process 0) writes result.json + params.npz, a
 checkpoint (DIR/ckpt) collectively. Run with JAX_NUM_PROCESSES=1 and 4 devices it is the
 single-process reference.
 
-`die`: process --victim (default 1) exits abruptly right after joining; the other keeps computing
-over the global mesh and must be terminated by the distributed runtime (missing heartbeats), not hang.
+`load`: loads --checkpoint onto the same global mesh with `load_pretrained(mesh=...)` (each process reads
+only its own windows), writes the gathered parameters (params.npz) and exports the sharded model to
+DIR/export with `save_pretrained` (process 0 writes).
+
+`die`: process --victim (default 1) kills itself (SIGKILL) right after joining, writing the time to
+DIR/died_at; the other keeps computing over the global mesh and must be terminated by the distributed
+runtime (missing heartbeats), not hang.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import json
 import os
 import pathlib
 import resource
+import signal
 import sys
 import time
 
@@ -125,11 +131,33 @@ def train(out: pathlib.Path) -> None:
         (out / "result.json").write_text(json.dumps(result))
 
 
-def die(cfg: distributed.DistributedConfig, victim: int) -> None:
+def load(out: pathlib.Path, checkpoint: pathlib.Path) -> None:
+    """Loads `checkpoint` onto the global mesh (each process reading its own windows), writes the gathered
+    parameters (process 0) and exports the sharded model to out/export (collectively)."""
+    from flax import nnx
+
+    from rpegjax.models.hf import load_pretrained, save_pretrained
+
+    mesh = distributed.global_mesh(MESH)
+    model, cfg = load_pretrained(checkpoint, mesh=mesh)
+    state = nnx.state(model)
+    leaves = jax.tree.leaves(state)
+    spread = sum(not leaf.is_fully_addressable for leaf in leaves)
+    assert jax.process_count() == 1 or spread == len(leaves), f"only {spread} of {len(leaves)} span processes"
+    params = flat_numpy(distributed.gather_to_all(state))
+    save_pretrained(model, cfg, out / "export")
+    assert (out / "export" / "config.json").is_file() or jax.process_index() != 0
+    if distributed.is_main_process():
+        np.savez(out / "params.npz", **params)
+        (out / "result.json").write_text(json.dumps({"process_count": jax.process_count()}))
+
+
+def die(cfg: distributed.DistributedConfig, victim: int, out: pathlib.Path) -> None:
     mesh = distributed.global_mesh(MESH)
     if cfg.process_id == victim:
-        print(f"process {victim}: exiting abruptly", flush=True)
-        os._exit(3)
+        (out / "died_at").write_text(repr(time.time()))  # wall clock: compared with the survivor's exit
+        print(f"process {victim}: killing itself", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
     x = jax.device_put(np.ones((8, 8), np.float32), NamedSharding(mesh, PartitionSpec("fsdp", "tensor")))
     total = jax.jit(lambda a: jnp.sum(a * a))
     start = time.monotonic()
@@ -141,9 +169,10 @@ def die(cfg: distributed.DistributedConfig, victim: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["train", "die"])
+    parser.add_argument("mode", choices=["train", "load", "die"])
     parser.add_argument("--out", default=".")
-    parser.add_argument("--heartbeat-timeout", type=int, default=30)
+    parser.add_argument("--checkpoint", help="load: the checkpoint directory")
+    parser.add_argument("--heartbeat-timeout", type=int, default=None, help="default: DistributedConfig's")
     parser.add_argument("--victim", type=int, default=1, help="die: the process that exits abruptly")
     args = parser.parse_args()
     # a process the distributed runtime aborts (SIGABRT) must not leave a core file behind
@@ -155,8 +184,10 @@ def main() -> None:
     print(f"process {cfg.process_id} of {cfg.num_processes}: joined", flush=True)
     if args.mode == "train":
         train(pathlib.Path(args.out))
+    elif args.mode == "load":
+        load(pathlib.Path(args.out), pathlib.Path(args.checkpoint))
     else:
-        die(cfg, args.victim)
+        die(cfg, args.victim, pathlib.Path(args.out))
         sys.exit(1)
 
 

@@ -128,7 +128,7 @@ def test_failed_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     def crash(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(hf, "save_file", crash)
+    monkeypatch.setattr(hf, "write_safetensors", crash)
     with pytest.raises(OSError, match="disk full"):
         save_pretrained(Decoder(cfg, rngs=nnx.Rngs(11)), cfg, tmp_path / "m")
     assert sorted(os.listdir(tmp_path)) == ["m"]

@@ -7,7 +7,12 @@ import pytest
 from flax import nnx
 
 from rpegjax.models import Architecture, Decoder, ModelConfig
-from rpegjax.models.hf_layout import CheckpointError, hf_tensors_to_state, params_to_hf_tensors, tensor_layouts
+from rpegjax.models.hf_layout import (
+    CheckpointError,
+    hf_tensors_to_state,
+    params_to_hf_tensors,
+    tensor_layouts,
+)
 
 
 def _assert_same_params(a: Decoder, b: Decoder) -> None:
@@ -62,3 +67,24 @@ def test_bias_less_qwen2_exports_zero_biases_and_casts_dtype():
     bias = tensors["model.layers.0.self_attn.k_proj.bias"]
     assert bias.shape == (cfg.num_kv_heads * cfg.head_dim,) and not bias.any()
     assert {array.dtype for array in tensors.values()} == {np.dtype(np.float16)}
+
+
+@pytest.mark.parametrize("architecture", list(Architecture))
+def test_windows_read_exactly_the_converted_block(architecture):
+    """For every tensor, reading the HF window a layout names and finishing it gives the same block of our
+    parameter as converting the whole tensor and slicing it: random windows, single elements, whole tensors."""
+    cfg = ModelConfig.tiny(architecture, value_head=True, attention_bias=architecture == Architecture.QWEN2)
+    rng = np.random.default_rng(0)
+    for layout in tensor_layouts(cfg):
+        hf = rng.normal(size=layout.hf_shape).astype(np.float32)
+        ours = layout.to_ours(hf)
+        windows = [tuple(slice(0, n) for n in ours.shape)]
+        for _ in range(6):
+            window = []
+            for n in ours.shape:
+                start = int(rng.integers(0, n))
+                window.append(slice(start, int(rng.integers(start + 1, n + 1))))
+            windows.append(tuple(window))
+        for window in windows:
+            hf_window, finish = layout.window(window)
+            np.testing.assert_array_equal(finish(hf[hf_window]), ours[window], err_msg=f"{layout.name} {window}")
