@@ -134,3 +134,49 @@ def _prompt_of(parts, completion) -> str:
     questions = {e.prompt for e in parts.train_examples if parts.prompt_ids([e])[0] == prompt}
     assert len(questions) == 1
     return questions.pop()
+
+
+def test_at_the_cap_the_step_trains_on_what_it_found_and_says_so():
+    # every group agrees: nothing to keep; one extra round, then the batch is all filler, masked out of the loss
+    _, results, _, generated = run(tiny_config(async_bound=0), 1, _constant_reward,
+                                   dynamic=DynamicSamplingConfig(max_extra_rounds=1))
+    m = results[0].metrics
+    assert m["dynamic_sampling/cap_hit"] == 1.0
+    assert (m["dynamic_sampling/rounds"], m["dynamic_sampling/kept_groups"], m["dynamic_sampling/filler_groups"]) == (
+        2.0, 0.0, PROMPTS)
+    assert len(generated) == 2 and len(results[0].completions) == PROMPTS * GROUP
+    assert m["loss"] == 0.0 and m["grad_norm"] == 0.0  # filler rows carry no loss and no gradient
+    assert "dynamic_sampling/batch_reward" not in m  # no trained row to average
+
+
+def test_at_the_cap_the_run_stops_with_an_error_when_configured_so():
+    with pytest.raises(DynamicSamplingError, match=r"step 0: dynamic sampling found 0 of 4 groups .* 3 rounds"):
+        run(tiny_config(async_bound=1), 2, _constant_reward,
+            dynamic=DynamicSamplingConfig(max_extra_rounds=2, on_cap="error"))
+
+
+def _numpy_overlong(length: int, max_length: int, cache: int, factor: float) -> float:
+    """DAPO eq. 13 (Yu et al. 2025), scaled by the penalty factor."""
+    if length <= max_length - cache:
+        return 0.0
+    if length <= max_length:
+        return factor * ((max_length - cache) - length) / cache
+    return -factor
+
+
+def test_overlong_shaping_is_added_to_the_rewards_the_advantages_read():
+    cfg = tiny_config(async_bound=0)
+    section = dataclasses.replace(cfg.grpo, overlong_buffer=4, overlong_penalty=0.5)
+    parts, results, _, _ = run(cfg, 2, _length_reward, dynamic=None, shaping=section.overlong_shaping(NEW_TOKENS))
+    for result in results:
+        lengths = [c.length for c in result.completions]
+        texts_reward = np.array([_length_reward(parts.decode(c.response_ids), None) for c in result.completions])
+        shaping = np.array([_numpy_overlong(length, NEW_TOKENS, 4, 0.5) for length in lengths])
+        assert result.metrics["reward/shaping"] == pytest.approx(shaping.mean(), abs=1e-6)
+        assert result.metrics["reward"] == pytest.approx(texts_reward.mean(), abs=1e-6)  # the task's, unshaped
+        # the advantage stage read task reward + shaping
+        assert result.metrics["advantage/reward_mean"] == pytest.approx((texts_reward + shaping).mean(), abs=1e-6)
+
+
+def _length_reward(text, example):
+    return float(len(text) % 3) / 2
