@@ -149,6 +149,8 @@ class Runtime:
     ):
         graph.validate()
         self.concurrent_rollout = concurrent_rollout
+        if dynamic_sampling is not None and programs.group_size < 2:  # a group of one never has differing rewards
+            raise ValueError(f"dynamic sampling needs groups of at least 2 samples, got group_size={programs.group_size}")
         self.dynamic_sampling = dynamic_sampling
         self.reward_shaping = reward_shaping
         self.graph = graph
@@ -514,7 +516,7 @@ def _group_piece(index: int, groups: Sequence[_SampledGroup], trained: np.ndarra
     # process's rows, as a generated piece's does
     local = task[process_rows(len(task))]
     rewards: concurrent.futures.Future = concurrent.futures.Future()
-    rewards.set_result((local, RewardStats(count=len(local), errors=0, timeouts=0, mean_reward=float(local.mean()) if len(local) else 0.0,
-                                           seconds=0.0)))
+    rewards.set_result((local, RewardStats(count=len(local), errors=0, timeouts=0, seconds=0.0,
+                                           mean_reward=float(local.mean()) if len(local) else 0.0)))
     return Piece(index=index, examples=examples, completions=[c for g in groups for c in g.piece.completions[g.rows]],
                  batch=batch, rewards=rewards)
