@@ -145,7 +145,7 @@ class Trainer:
         grpo = cfg.grpo if cfg.algorithm == Algorithm.GRPO else None
         runtime = Runtime(parts.graph, programs, data, prompt_ids=parts.prompt_ids,
                           key=jax.random.key(cfg.train.seed), trace=trace, concurrent_rollout=jax.process_count() == 1,
-                          dynamic_sampling=grpo.dynamic_sampling_config() if grpo and grpo.dynamic_sampling else None,
+                          dynamic_sampling=grpo.dynamic_sampling_config() if grpo else None,
                           reward_shaping=grpo.overlong_shaping(cfg.rollout.max_new_tokens) if grpo else None)
         remaining = cfg.train.steps - start_step
         progress = _progress(remaining, start_step, enabled=self.main)

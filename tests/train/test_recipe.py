@@ -11,7 +11,7 @@ from rpegjax.graph.ir import Algorithm
 from rpegjax.learners.dynamic_sampling import SamplingCapAction
 from rpegjax.learners.grpo import GRPOConfig
 from rpegjax.train.cli import parse_args
-from rpegjax.train.config import GRPOSection, Recipe, RolloutSection, RunConfig
+from rpegjax.train.config import RECIPE_FIELDS, GRPOSection, Recipe, RolloutSection, RunConfig, recipe_overrides
 
 DAPO = {"clip_low": 0.2, "clip_high": 0.28, "aggregation": "token-mean", "kl_coef": 0.0, "dynamic_sampling": True}
 
@@ -32,6 +32,9 @@ def test_the_dapo_preset_has_the_papers_values():
 def test_the_default_preset_restores_the_jobs_grpo_values():
     dapo = RunConfig().with_recipe("dapo")
     assert dapo.with_recipe("default") == RunConfig()
+    # both presets set the same fields, the ones RECIPE_FIELDS names
+    for recipe in Recipe:
+        assert sorted(recipe_overrides(recipe, max_new_tokens=32)) == sorted(["recipe", *RECIPE_FIELDS])
 
 
 def test_explicit_flags_override_the_preset_in_either_order():
@@ -74,7 +77,7 @@ def test_dapo_is_refused_for_ppo_and_bad_values_name_the_field(capsys):
     assert "invalid choice: 'dapo2'" in capsys.readouterr().err
     with pytest.raises(ValueError, match="GRPOSection.max_extra_rounds must be an integer >= 0"):
         GRPOSection(group_size=2, max_extra_rounds=-1)
-    with pytest.raises(ValueError, match="GRPOSection.on_sampling_cap must be one of"):
+    with pytest.raises(ValueError, match="GRPOSection.on_sampling_cap must be one of \\['train', 'error'\\]"):
         GRPOSection(group_size=2, on_sampling_cap="ignore")
     with pytest.raises(ValueError, match="GRPOSection.overlong_buffer must be an integer >= 0"):
         GRPOSection(group_size=2, overlong_buffer=-1)
