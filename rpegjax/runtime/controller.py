@@ -12,7 +12,7 @@ n pieces of whole prompt groups as they finish (continuous batching), reward sco
 on the host at once, and inference stages with the same micro-batch count run on each piece while
 the tail of the rollout is still decoding.
 
-Dynamic sampling (DAPO; `rpegjax.learners.dynamic_sampling`) is part of the rollout stage: with it, the
+Dynamic sampling (DAPO; `rpegjax.learners.group_filter`) is part of the rollout stage: with it, the
 stage waits for each round's rewards, keeps the groups whose rewards differ and generates further rounds of
 prompts, with the same weights version, until the step's batch holds as many groups as prompts per step
 (or the extra-round cap is reached). The trainer receives a batch of the usual shape, every row generated
@@ -62,7 +62,7 @@ from rpegjax.graph.ir import (
     StageKind,
 )
 from rpegjax.graph.trace import Trace
-from rpegjax.learners.dynamic_sampling import DynamicSamplingConfig, GroupBatchFiller
+from rpegjax.learners.group_filter import DynamicSamplingConfig, GroupBatchFiller
 from rpegjax.rewards.runner import RewardStats
 from rpegjax.runtime.meshes import device_ids, same_layout, stage_mesh
 from rpegjax.runtime.programs import Piece, StagePrograms, concatenate_pieces, process_rows

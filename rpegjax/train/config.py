@@ -18,7 +18,7 @@ from rpegjax.data.jsonl import DatasetFormat
 from rpegjax.distributed.launch import DistributedConfig
 from rpegjax.graph.ir import Algorithm
 from rpegjax.learners.advantages import AdvantageKind
-from rpegjax.learners.dynamic_sampling import DynamicSamplingConfig, SamplingCapAction
+from rpegjax.learners.group_filter import DynamicSamplingConfig, SamplingCapAction
 from rpegjax.learners.grpo import GRPOConfig
 from rpegjax.learners.optim import OptimizerConfig
 from rpegjax.learners.ppo import PPOConfig
@@ -229,7 +229,7 @@ class TrainSection:
 class GRPOSection(GRPOConfig):
     """The GRPO learner's settings (`GRPOConfig`) and what the job does around the learner:
 
-    - `dynamic_sampling`: DAPO's dynamic sampling (`rpegjax.learners.dynamic_sampling`), run by the rollout
+    - `dynamic_sampling`: DAPO's dynamic sampling (`rpegjax.learners.group_filter`), run by the rollout
       stage: groups whose rewards all agree are dropped and more prompts sampled, at most `max_extra_rounds`
       rounds past the first; a batch still short then trains on the groups found (`on_sampling_cap=train`,
       logged as `dynamic_sampling/cap_hit`) or stops the run (`error`).

@@ -11,7 +11,7 @@ import pytest
 
 from rpegjax.data.iterator import DataIterator
 from rpegjax.graph.trace import Trace, max_staleness
-from rpegjax.learners.dynamic_sampling import DynamicSamplingConfig, DynamicSamplingError
+from rpegjax.learners.group_filter import DynamicSamplingConfig, DynamicSamplingError
 from rpegjax.rewards.runner import RewardRunner, RewardRunnerConfig
 from rpegjax.runtime.controller import Runtime
 from rpegjax.train.build import build, build_graph

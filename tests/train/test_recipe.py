@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from rpegjax.graph.ir import Algorithm
-from rpegjax.learners.dynamic_sampling import SamplingCapAction
+from rpegjax.learners.group_filter import SamplingCapAction
 from rpegjax.learners.grpo import GRPOConfig
 from rpegjax.train.cli import parse_args
 from rpegjax.train.config import RECIPE_FIELDS, GRPOSection, Recipe, RolloutSection, RunConfig, recipe_overrides

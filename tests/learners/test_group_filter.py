@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from rpegjax.learners.advantages import grpo_advantages, rloo_advantages
-from rpegjax.learners.dynamic_sampling import (
+from rpegjax.learners.group_filter import (
     DynamicSamplingConfig,
     DynamicSamplingError,
     GroupBatchFiller,
