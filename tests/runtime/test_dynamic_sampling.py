@@ -29,11 +29,11 @@ from rpegjax.train.trainer import make_programs
 PROMPTS, GROUP, NEW_TOKENS = 4, 2, 6
 
 
-def tiny_config(**graph) -> RunConfig:
+def tiny_config(prompts: int = PROMPTS, **graph) -> RunConfig:
     return RunConfig(
         model=ModelSection(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64),
         data=DataSection(train_size=64, eval_size=4),
-        rollout=RolloutSection(prompts_per_step=PROMPTS, group_size=GROUP, max_prompt_len=12,
+        rollout=RolloutSection(prompts_per_step=prompts, group_size=GROUP, max_prompt_len=12,
                                max_new_tokens=NEW_TOKENS, num_slots=8, chunk_steps=3),
         warm_start=WarmStartSection(steps=0),
         graph=GraphSection(**{"async_bound": 1, **graph}),
@@ -78,7 +78,7 @@ def run(cfg: RunConfig, steps: int, reward, *, dynamic: DynamicSamplingConfig | 
             yield piece
 
     programs.generate = counting_generate
-    data = DataIterator(parts.train_examples, batch_size=PROMPTS, seed=0)
+    data = DataIterator(parts.train_examples, batch_size=cfg.rollout.prompts_per_step, seed=0)
     trace = Trace()
     runtime = Runtime(parts.graph, programs, data, prompt_ids=parts.prompt_ids, key=jax.random.key(3), trace=trace,
                       dynamic_sampling=dynamic, reward_shaping=shaping)
@@ -180,3 +180,19 @@ def test_overlong_shaping_is_added_to_the_rewards_the_advantages_read():
 
 def _length_reward(text, example):
     return float(len(text) % 3) / 2
+
+
+@pytest.mark.slow  # about 40 s on a loaded 2-core machine (a build of its own); not essential for CI
+def test_a_batch_handed_over_in_pieces_trains_like_the_whole_batch():
+    """With two generation micro-batches the kept groups go downstream piece by piece (the first before the
+    rounds end when it is full); the step must train on the same rows as without pieces."""
+    # 8 prompts: each piece's 8 rows divide the 8 devices
+    dynamic = DynamicSamplingConfig(max_extra_rounds=30)
+    _, whole, _, _ = run(tiny_config(prompts=8, async_bound=0), 2, _half_decided_reward, dynamic=dynamic)
+    _, pieces, trace, _ = run(tiny_config(prompts=8, async_bound=0, generate_microbatches=2), 2, _half_decided_reward,
+                              dynamic=dynamic)
+    for a, b in zip(whole, pieces):
+        assert [list(c.response_ids) for c in a.completions] == [list(c.response_ids) for c in b.completions]
+        assert a.metrics["dynamic_sampling/rounds"] == b.metrics["dynamic_sampling/rounds"]
+        assert a.metrics["loss"] == pytest.approx(b.metrics["loss"], abs=1e-5)
+    assert sorted(e.microbatch for e in trace.events if "old_logprob" in e.stage and e.step == 0) == [0, 1]
