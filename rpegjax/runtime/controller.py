@@ -65,7 +65,8 @@ from rpegjax.graph.trace import Trace
 from rpegjax.learners.group_filter import DynamicSamplingConfig, GroupBatchFiller
 from rpegjax.rewards.runner import RewardStats
 from rpegjax.runtime.meshes import device_ids, same_layout, stage_mesh
-from rpegjax.runtime.programs import Piece, StagePrograms, concatenate_pieces, process_rows
+from rpegjax.runtime.programs import Piece, StagePrograms, concatenate_pieces
+from rpegjax.runtime.sampled_groups import SampledGroup, group_piece, split_groups
 from rpegjax.runtime.versions import ParameterStore, RuntimeStopped, generation_version
 
 
@@ -90,16 +91,6 @@ class Rollout:
     pieces: list[concurrent.futures.Future]
     data_state: dict[str, Any]  # the data iterator's position after this step's batch (and extra rounds)
     scores: RolloutScores | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class _SampledGroup:
-    """One prompt's group of samples in a generated piece, with its scores."""
-
-    piece: Piece
-    rows: slice
-    task: np.ndarray
-    shaping: np.ndarray
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,7 +235,7 @@ class Runtime:
         step, version, group_size = rollout.step, rollout.version, self.programs.group_size
         target = len(rollout.examples)
         per_piece = target // self.pieces
-        filler: GroupBatchFiller[_SampledGroup] = GroupBatchFiller(target, group_size, self.dynamic_sampling,
+        filler: GroupBatchFiller[SampledGroup] = GroupBatchFiller(target, group_size, self.dynamic_sampling,
                                                                    where=f"step {step}: ")
         examples, handed, generated_tokens = rollout.examples, 0, 0
         sampled_task, sampled_shaping, stats = [], [], []
@@ -265,13 +256,12 @@ class Runtime:
                 sampled_shaping.append(shaping)
                 stats.append(piece_stats)
                 rewards.append(task + shaping)
-                groups += [_SampledGroup(piece, slice(row, row + group_size), task[row:row + group_size],
-                                         shaping[row:row + group_size]) for row in range(0, len(task), group_size)]
+                groups += split_groups(piece, task, shaping, group_size)
             filler.add_round(np.concatenate(rewards), groups)
             # every piece but the last goes downstream as soon as its groups are kept: its inference can start
             while handed < self.pieces - 1 and len(filler.kept) >= (handed + 1) * per_piece:
                 chunk = filler.kept[handed * per_piece:(handed + 1) * per_piece]
-                rollout.pieces[handed].set_result(_group_piece(handed, chunk, np.ones(per_piece, bool)))
+                rollout.pieces[handed].set_result(group_piece(handed, chunk, np.ones(per_piece, bool)))
                 handed += 1
             if not filler.needs_more:
                 break
@@ -290,7 +280,7 @@ class Runtime:
         rollout.data_state = self.data.state()
         for index in range(handed, self.pieces):
             chunk = slice(index * per_piece, (index + 1) * per_piece)
-            rollout.pieces[index].set_result(_group_piece(index, filled.groups[chunk], filled.trained[chunk]))
+            rollout.pieces[index].set_result(group_piece(index, filled.groups[chunk], filled.trained[chunk]))
 
     def _shaping(self, completions: Sequence[Any]) -> np.ndarray:
         if self.reward_shaping is None:
@@ -499,24 +489,3 @@ def _split_rows(batch, pieces: int):
     size = rows // pieces
     return [jax.tree.map(lambda x: x[i * size:(i + 1) * size], batch) for i in range(pieces)]
 
-
-def _group_piece(index: int, groups: Sequence[_SampledGroup], trained: np.ndarray) -> Piece:
-    """Piece `index` of a dynamically sampled batch: the rows of `groups` in order. Rows of groups that are not
-    `trained` (filler when the extra-round cap was reached) get an empty response mask: no loss, no gradient."""
-    batch = jax.tree.map(lambda *rows: np.concatenate(rows),
-                         *[jax.tree.map(lambda x, g=g: np.asarray(x)[g.rows], g.piece.batch) for g in groups])
-    untrained = ~np.repeat(np.asarray(trained, bool), [g.rows.stop - g.rows.start for g in groups])
-    if untrained.any():
-        mask = np.array(batch.response_mask, copy=True)
-        mask[untrained] = False
-        batch = batch.replace(response_mask=mask)
-    examples = [e for g in groups for e in g.piece.examples[g.rows]]
-    task = np.concatenate([g.task for g in groups])
-    # scored by the rollout stage (`Rollout.scores`, with the failures of every round): the future holds this
-    # process's rows, as a generated piece's does
-    local = task[process_rows(len(task))]
-    rewards: concurrent.futures.Future = concurrent.futures.Future()
-    rewards.set_result((local, RewardStats(count=len(local), errors=0, timeouts=0, seconds=0.0,
-                                           mean_reward=float(local.mean()) if len(local) else 0.0)))
-    return Piece(index=index, examples=examples, completions=[c for g in groups for c in g.piece.completions[g.rows]],
-                 batch=batch, rewards=rewards)
