@@ -48,7 +48,9 @@ _OUTCOME_KINDS = (
 class GRPOConfig(PolicyConfig):
     """Critic-free policy optimisation: advantages from the rewards of each prompt's group of samples.
 
-    DAPO = clip_high > clip_low (e.g. 0.28 / 0.2), token-mean aggregation, no KL; Dr.GRPO =
+    DAPO = clip_high > clip_low (e.g. 0.28 / 0.2), token-mean aggregation, no KL, plus dynamic sampling
+    (`rpegjax.learners.group_filter`, run by the runtime's rollout stage) and overlong reward shaping
+    (`rpegjax.rewards.format.overlong_penalty`); the job's `--recipe dapo` sets all five. Dr.GRPO =
     advantage 'dr-grpo' with aggregation 'seq-mean-token-sum-norm'; GSPO = loss 'gspo'.
     """
 

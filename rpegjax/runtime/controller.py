@@ -12,6 +12,17 @@ n pieces of whole prompt groups as they finish (continuous batching), reward sco
 on the host at once, and inference stages with the same micro-batch count run on each piece while
 the tail of the rollout is still decoding.
 
+Dynamic sampling (DAPO; `rpegjax.learners.group_filter`) is part of the rollout stage: with it, the
+stage waits for each round's rewards, keeps the groups whose rewards differ and generates further rounds of
+prompts, with the same weights version, until the step's batch holds as many groups as prompts per step
+(or the extra-round cap is reached). The trainer receives a batch of the usual shape, every row generated
+with version t - k, so the asynchrony bound and the version bookkeeping are those of a plain rollout. Pieces
+of the batch are handed over as soon as their groups are kept, the last one when the stage ends.
+
+Reward shaping (e.g. DAPO's overlong penalty) is an additive term of the response lengths: advantages and
+dynamic sampling read task reward + shaping; the `reward` and `accuracy` metrics are the task's, over every
+sequence sampled in the step.
+
 Placement: generation runs where the graph places it (the sampler's mesh), every other device stage on the
 training devices (the learner's mesh); `check_placements` refuses programs built elsewhere. When the two are
 disjoint device sets (a disaggregated graph) the rollout worker's and the trainer's device work run on separate
@@ -51,20 +62,35 @@ from rpegjax.graph.ir import (
     StageKind,
 )
 from rpegjax.graph.trace import Trace
+from rpegjax.learners.group_filter import DynamicSamplingConfig, GroupBatchFiller
+from rpegjax.rewards.runner import RewardStats
 from rpegjax.runtime.meshes import device_ids, same_layout, stage_mesh
 from rpegjax.runtime.programs import Piece, StagePrograms, concatenate_pieces
+from rpegjax.runtime.sampled_groups import SampledGroup, group_piece, split_groups
 from rpegjax.runtime.versions import ParameterStore, RuntimeStopped, generation_version
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutScores:
+    """What the advantage stage reads, per row of the step's batch, and the step's reward metrics."""
+
+    task: np.ndarray  # float32 [rows]: the task's rewards
+    shaping: np.ndarray  # float32 [rows]: the additive shaping term (zeros without shaping)
+    metrics: dict[str, float]
 
 
 @dataclasses.dataclass
 class Rollout:
-    """One step's rollout as the trainer receives it; pieces are filled in by the worker as they finish."""
+    """One step's rollout as the trainer receives it; pieces are filled in by the worker as they finish.
+    With dynamic sampling the rollout stage also sets `scores` and the final `data_state` before it hands
+    over the last piece."""
 
     step: int
     version: int
     examples: list[Example]
     pieces: list[concurrent.futures.Future]
-    data_state: dict[str, Any]  # the data iterator's position after this step's batch
+    data_state: dict[str, Any]  # the data iterator's position after this step's batch (and extra rounds)
+    scores: RolloutScores | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +120,9 @@ class Runtime:
     worker). `key` seeds generation: step t samples with `fold_in(key, t)`, so runs are reproducible
     whatever the thread timing. `concurrent_rollout=False` generates in the calling thread instead of a
     worker thread (the same results, without overlap; required with several processes, see above).
+    `dynamic_sampling`: keep only groups whose rewards differ, sampling more rounds of prompts (see above);
+    extra round r of step t samples with `fold_in(fold_in(key, t), r)`. `reward_shaping(lengths) -> term`:
+    an additive reward term from the response lengths (int [rows] -> float [rows]).
     """
 
     def __init__(
@@ -106,9 +135,15 @@ class Runtime:
         key: jax.Array,
         trace: Trace | None = None,
         concurrent_rollout: bool = True,
+        dynamic_sampling: DynamicSamplingConfig | None = None,
+        reward_shaping: Callable[[np.ndarray], np.ndarray] | None = None,
     ):
         graph.validate()
         self.concurrent_rollout = concurrent_rollout
+        if dynamic_sampling is not None and programs.group_size < 2:  # a group of one never has differing rewards
+            raise ValueError(f"dynamic sampling needs groups of at least 2 samples, got group_size={programs.group_size}")
+        self.dynamic_sampling = dynamic_sampling
+        self.reward_shaping = reward_shaping
         self.graph = graph
         self.programs = programs
         self.data = data
@@ -178,9 +213,12 @@ class Runtime:
     def _generate(self, rollout: Rollout, params: Any) -> None:
         """Runs the generate stage of `rollout`, completing its pieces as they finish."""
         step, version = rollout.step, rollout.version
-        prompts, key = self.prompt_ids(rollout.examples), jax.random.fold_in(self.key, step)
         try:
             with self.trace.span(self.generate_stage.name, step, version, self.generate_stage.placement):
+                if self.dynamic_sampling is not None:
+                    self._generate_filled(rollout, params)
+                    return
+                prompts, key = self.prompt_ids(rollout.examples), jax.random.fold_in(self.key, step)
                 for piece in self.programs.generate(params, rollout.examples, prompts, key=key, version=version,
                                                     pieces=self.pieces):
                     self._trace_reward(piece, step)
@@ -190,6 +228,68 @@ class Runtime:
                 if not future.done():
                     future.set_exception(error)
             raise
+
+    def _generate_filled(self, rollout: Rollout, params: Any) -> None:
+        """Dynamic sampling: rounds of generation with `rollout`'s weights until its batch holds one group with
+        differing rewards per prompt of the step (or the cap is reached); see the module docstring."""
+        step, version, group_size = rollout.step, rollout.version, self.programs.group_size
+        target = len(rollout.examples)
+        per_piece = target // self.pieces
+        filler: GroupBatchFiller[SampledGroup] = GroupBatchFiller(target, group_size, self.dynamic_sampling,
+                                                                   where=f"step {step}: ")
+        examples, handed, generated_tokens = rollout.examples, 0, 0
+        sampled_task, sampled_shaping, stats = [], [], []
+        while True:
+            key = jax.random.fold_in(self.key, step)
+            key = jax.random.fold_in(key, filler.rounds) if filler.rounds else key
+            pieces = []
+            for piece in self.programs.generate(params, examples, self.prompt_ids(examples), key=key, version=version,
+                                                pieces=self.pieces):
+                self._trace_reward(piece, step)
+                pieces.append(piece)
+                generated_tokens += sum(c.length for c in piece.completions)
+            rewards, groups = [], []
+            for piece in sorted(pieces, key=lambda p: p.index):  # collecting rewards is a collective: one order
+                task, piece_stats = self.programs.collect_rewards(piece)
+                shaping = self._shaping(piece.completions)
+                sampled_task.append(task)
+                sampled_shaping.append(shaping)
+                stats.append(piece_stats)
+                rewards.append(task + shaping)
+                groups += split_groups(piece, task, shaping, group_size)
+            filler.add_round(np.concatenate(rewards), groups)
+            # every piece but the last goes downstream as soon as its groups are kept: its inference can start
+            while handed < self.pieces - 1 and len(filler.kept) >= (handed + 1) * per_piece:
+                chunk = filler.kept[handed * per_piece:(handed + 1) * per_piece]
+                rollout.pieces[handed].set_result(group_piece(handed, chunk, np.ones(per_piece, bool)))
+                handed += 1
+            if not filler.needs_more:
+                break
+            examples = self.data.next_batch()
+        filled = filler.finish()
+        task = np.concatenate([g.task for g in filled.groups])
+        shaping = np.concatenate([g.shaping for g in filled.groups])
+        metrics = self._reward_metrics(np.concatenate(sampled_task), np.concatenate(sampled_shaping), stats)
+        metrics.update(filled.metrics)
+        metrics["dynamic_sampling/generated_sequences"] = float(sum(len(t) for t in sampled_task))
+        metrics["dynamic_sampling/generated_tokens"] = float(generated_tokens)
+        trained = np.repeat(filled.trained, group_size)
+        if trained.any():
+            metrics["dynamic_sampling/batch_reward"] = float(task[trained].mean())
+        rollout.scores = RolloutScores(task=task, shaping=shaping, metrics=metrics)
+        rollout.data_state = self.data.state()
+        for index in range(handed, self.pieces):
+            chunk = slice(index * per_piece, (index + 1) * per_piece)
+            rollout.pieces[index].set_result(group_piece(index, filled.groups[chunk], filled.trained[chunk]))
+
+    def _shaping(self, completions: Sequence[Any]) -> np.ndarray:
+        if self.reward_shaping is None:
+            return np.zeros(len(completions), np.float32)
+        term = np.asarray(self.reward_shaping(np.array([c.length for c in completions], np.int64)), np.float32)
+        if term.shape != (len(completions),) or not np.isfinite(term).all():
+            raise ValueError(f"reward_shaping must return one finite value per sequence ({len(completions)}), got "
+                             f"{term!r}")
+        return term
 
     def _trace_reward(self, piece: Piece, step: int) -> None:
         rewards = self.graph.stages_of_kind(StageKind.REWARD)
@@ -323,22 +423,35 @@ class Runtime:
         return batch
 
     def _attach_rewards(self, rollout: Rollout, batch):
-        rewards, stats = [], []
-        for future in rollout.pieces:  # in piece order in every process: gathering rewards is a collective
-            piece_rewards, piece_stats = self.programs.collect_rewards(future.result())
-            rewards.append(piece_rewards)
-            stats.append(piece_stats)
-        rewards = np.concatenate(rewards).astype(np.float32)
+        """`batch` with the rewards the advantages read (task + shaping), and the step's reward metrics; a
+        rollout of dynamic sampling was scored by the rollout stage."""
+        if rollout.scores is None:
+            task, shaping, stats = [], [], []
+            for future in rollout.pieces:  # in piece order in every process: gathering rewards is a collective
+                piece = future.result()
+                piece_rewards, piece_stats = self.programs.collect_rewards(piece)
+                task.append(piece_rewards)
+                shaping.append(self._shaping(piece.completions))
+                stats.append(piece_stats)
+            task, shaping = np.concatenate(task).astype(np.float32), np.concatenate(shaping)
+            rollout.scores = RolloutScores(task=task, shaping=shaping, metrics=self._reward_metrics(task, shaping, stats))
+        scores = rollout.scores
+        return batch.replace(rewards=(scores.task + scores.shaping).astype(np.float32)), dict(scores.metrics)
+
+    def _reward_metrics(self, task: np.ndarray, shaping: np.ndarray, stats: Sequence[RewardStats]) -> dict[str, float]:
+        """Metrics of the task rewards and shaping terms of every sequence sampled in a step."""
         errors, timeouts = sum(s.errors for s in stats), sum(s.timeouts for s in stats)
         # accuracy: rewards are correctness (1) plus at most a format bonus below 1
-        metrics = {"reward": float(rewards.mean()), "accuracy": float((rewards >= 1.0).mean()),
+        metrics = {"reward": float(task.mean()), "accuracy": float((task >= 1.0).mean()),
                    "reward/errors": float(errors), "reward/timeouts": float(timeouts),
                    "reward/nonfinite": float(sum(s.nonfinite for s in stats)),
                    "reward/seconds": float(sum(s.seconds for s in stats))}
+        if self.reward_shaping is not None:
+            metrics["reward/shaping"] = float(shaping.mean())
         first_error = next((s.first_error for s in stats if s.first_error), "")
         if first_error:
             self.last_reward_error = first_error
-        return batch.replace(rewards=rewards), metrics
+        return metrics
 
 
 def check_placements(graph: Graph, programs: StagePrograms) -> dict[str, Any]:
@@ -375,3 +488,4 @@ def _split_rows(batch, pieces: int):
         raise GraphError(f"{rows} rows cannot be split into {pieces} micro-batches")
     size = rows // pieces
     return [jax.tree.map(lambda x: x[i * size:(i + 1) * size], batch) for i in range(pieces)]
+

@@ -21,7 +21,7 @@ import numpy as np
 from rpegjax import distributed
 from rpegjax.distributed import DistributedConfig
 from rpegjax.graph.ir import Algorithm
-from rpegjax.train.config import RunConfig
+from rpegjax.train.config import Recipe, RunConfig, recipe_overrides
 from rpegjax.train.overrides import apply_overrides
 
 # short flag -> dotted fields it sets (a flag may set several)
@@ -60,7 +60,8 @@ ALIASES: dict[str, tuple[str, ...]] = {
 }
 # flags of one algorithm's script only
 ALGORITHM_ONLY: dict[Algorithm, dict[str, tuple[str, ...]]] = {
-    Algorithm.GRPO: {"advantage": ("grpo.advantage",)},
+    Algorithm.GRPO: {"advantage": ("grpo.advantage",), "dynamic-sampling": ("grpo.dynamic_sampling",),
+                     "overlong-buffer": ("grpo.overlong_buffer",), "overlong-penalty": ("grpo.overlong_penalty",)},
     Algorithm.PPO: {"critic": ("ppo.critic",)},
 }
 ALGORITHM_ALIASES = {
@@ -73,7 +74,7 @@ ALGORITHM_ALIASES = {
     "epochs": "epochs",
     "minibatches": "num_minibatches",
 }
-_ACTION_FLAGS = ("resume", "overwrite", "config", "print-config", "help")
+_ACTION_FLAGS = ("recipe", "resume", "overwrite", "config", "print-config", "help")
 REWARD_FLAG = "reward"  # repeatable: each one a term of data.reward
 
 
@@ -137,6 +138,9 @@ def parse_command(argv: list[str], algorithm: Algorithm) -> Command:
                         help="train on your reward function(completion: str, example: dict) -> float, from a module "
                         "in the current directory or on PYTHONPATH; repeat for a weighted sum (data.reward; "
                         "default: the task's own reward)")
+    parser.add_argument("--recipe", choices=[r.value for r in Recipe], help="start from a preset (dapo: clip-higher "
+                        "0.2/0.28, token-mean loss, no KL, dynamic sampling, overlong shaping; Yu et al. 2025, "
+                        "arXiv:2503.14476); flags given explicitly win over it")
     parser.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last complete "
                         "checkpoint (its config.json is used; further flags override it)")
     parser.add_argument("--overwrite", action="store_true", help="replace what an earlier run left in --run-dir "
@@ -192,6 +196,9 @@ def parse_command(argv: list[str], algorithm: Algorithm) -> Command:
         else:
             base = defaults
         config = apply_overrides(base, overrides)
+        if known.recipe:  # the preset under the explicit flags; its sizes follow the resolved config
+            preset = recipe_overrides(known.recipe, max_new_tokens=config.rollout.max_new_tokens)
+            config = apply_overrides(base, {**preset, **overrides})
     except ValueError as error:  # ConfigFileError included: it names the file and the field
         parser.error(str(error))
     if config.algorithm != algorithm:

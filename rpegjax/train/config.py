@@ -6,24 +6,31 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import json
 import pathlib
+from collections.abc import Callable
 from typing import Any
+
+import numpy as np
 
 from rpegjax.data.prompts import ChatTemplateMode
 from rpegjax.data.rows import DatasetFormat
 from rpegjax.distributed.launch import DistributedConfig
 from rpegjax.graph.ir import Algorithm
+from rpegjax.learners.advantages import AdvantageKind
+from rpegjax.learners.group_filter import DynamicSamplingConfig, SamplingCapAction
 from rpegjax.learners.grpo import GRPOConfig
 from rpegjax.learners.optim import OptimizerConfig
 from rpegjax.learners.ppo import PPOConfig
 from rpegjax.models.config import EXECUTION_FIELDS, AttentionKind, RematPolicy
 from rpegjax.rewards.custom import RewardSpec
+from rpegjax.rewards.format import overlong_penalty
 from rpegjax.rewards.task import Difficulty
 from rpegjax.rewards.tasks import TaskName
 from rpegjax.sharding.axes import DATA_AXIS, FSDP_AXIS, TENSOR_AXIS
 from rpegjax.sharding.mesh import parse_mesh
-from rpegjax.train.overrides import ConfigFileError, from_jsonable, to_jsonable
+from rpegjax.train.overrides import ConfigFileError, apply_overrides, from_jsonable, to_jsonable
 
 MESH_AXES = (DATA_AXIS, FSDP_AXIS, TENSOR_AXIS)
 """The mesh axis names the sharding rules know."""
@@ -245,6 +252,90 @@ class TrainSection:
             raise ValueError(f"TrainSection.reward_timeout_s must be positive, got {self.reward_timeout_s!r}")
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GRPOSection(GRPOConfig):
+    """The GRPO learner's settings (`GRPOConfig`) and what the job does around the learner:
+
+    - `dynamic_sampling`: DAPO's dynamic sampling (`rpegjax.learners.group_filter`), run by the rollout
+      stage: groups whose rewards all agree are dropped and more prompts sampled, at most `max_extra_rounds`
+      rounds past the first; a batch still short then trains on the groups found (`on_sampling_cap=train`,
+      logged as `dynamic_sampling/cap_hit`) or stops the run (`error`).
+    - `overlong_buffer` > 0: DAPO's soft overlong punishment (`rpegjax.rewards.format.overlong_penalty`) over the
+      last `overlong_buffer` tokens of the response budget (`rollout.max_new_tokens`), scaled by
+      `overlong_penalty` and added to the task reward.
+    """
+
+    dynamic_sampling: bool = False
+    max_extra_rounds: int = 4
+    on_sampling_cap: SamplingCapAction = SamplingCapAction.TRAIN
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _choice(self, "on_sampling_cap", SamplingCapAction)
+        for name in ("max_extra_rounds", "overlong_buffer"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"GRPOSection.{name} must be an integer >= 0, got {value!r}")
+        if not self.overlong_penalty >= 0:
+            raise ValueError(f"GRPOSection.overlong_penalty must be >= 0, got {self.overlong_penalty!r}")
+        if self.dynamic_sampling and self.advantage == AdvantageKind.REINFORCE_PP:
+            raise ValueError("GRPOSection.dynamic_sampling drops groups of zero advantage, which needs a group baseline; "
+                             f"advantage {self.advantage.value!r} has none (use grpo, dr-grpo, rloo or "
+                             "reinforce++-baseline)")
+
+    def dynamic_sampling_config(self) -> DynamicSamplingConfig | None:
+        """What the runtime's rollout stage needs for dynamic sampling, or None when off."""
+        if not self.dynamic_sampling:
+            return None
+        return DynamicSamplingConfig(max_extra_rounds=self.max_extra_rounds, on_cap=self.on_sampling_cap)
+
+    def overlong_shaping(self, max_new_tokens: int) -> Callable[[np.ndarray], np.ndarray] | None:
+        """The additive reward term of response lengths (int [rows] -> float32 [rows]), or None when off."""
+        if self.overlong_buffer == 0:
+            return None
+        return functools.partial(_scaled_overlong_penalty, max_length=max_new_tokens,
+                                 cache_length=self.overlong_buffer, scale=self.overlong_penalty)
+
+
+def _scaled_overlong_penalty(lengths: np.ndarray, *, max_length: int, cache_length: int, scale: float) -> np.ndarray:
+    return (scale * overlong_penalty(lengths, max_length=max_length, cache_length=cache_length)).astype(np.float32)
+
+
+class Recipe(enum.StrEnum):
+    DEFAULT = "default"
+    DAPO = "dapo"
+
+
+# The fields a recipe sets; everything else keeps its value.
+RECIPE_FIELDS = ("grpo.clip_low", "grpo.clip_high", "grpo.aggregation", "grpo.kl_coef", "grpo.dynamic_sampling",
+                 "grpo.overlong_buffer", "grpo.overlong_penalty")
+
+
+def recipe_overrides(recipe: Recipe | str, *, max_new_tokens: int) -> dict[str, str]:
+    """The `--section.field` values of `recipe` (flags given explicitly win over them; `RunConfig.with_recipe`).
+
+    - `default`: the job's GRPO defaults (`default_grpo()`): clip 0.2/0.2, token-mean, no KL, no dynamic
+      sampling, no overlong shaping.
+    - `dapo`: DAPO (Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement Learning System at Scale",
+      arXiv:2503.14476): clip-higher eps_low 0.2 / eps_high 0.28 (section 3.1), token-level loss (3.3),
+      no KL (2.3), dynamic sampling (3.2), overlong reward shaping (3.4) with a buffer of 20% of the response
+      budget (the paper: L_cache 4096 of L_max 20480) and penalty factor 1.
+    """
+    recipe = Recipe(recipe)
+    if recipe == Recipe.DEFAULT:
+        base = default_grpo()
+        values = {"grpo.clip_low": base.clip_low, "grpo.clip_high": base.clip_high,
+                  "grpo.aggregation": base.aggregation.value, "grpo.kl_coef": base.kl_coef,
+                  "grpo.dynamic_sampling": False, "grpo.overlong_buffer": 0, "grpo.overlong_penalty": 1.0}
+    else:
+        values = {"grpo.clip_low": 0.2, "grpo.clip_high": 0.28, "grpo.aggregation": "token-mean", "grpo.kl_coef": 0.0,
+                  "grpo.dynamic_sampling": True, "grpo.overlong_buffer": max(1, round(0.2 * max_new_tokens)),
+                  "grpo.overlong_penalty": 1.0}
+    return {"recipe": recipe.value, **{name: str(value) for name, value in values.items()}}
+
+
 # Where the job's defaults differ from the library's, and why (the one place this is written down):
 # - `GRPOConfig()` / `PPOConfig()` are on-policy (decoupled=False, no importance cap), with `OptimizerConfig()`'s
 #   lr 1e-6, b2 0.999 and weight decay 0.01 — the usual settings for fine-tuning billion-parameter checkpoints.
@@ -253,9 +344,9 @@ class TrainSection:
 #   trained from a warm start, which learns in minutes only at lr 1e-4, b2 0.99, no weight decay. PPO's GAE uses
 #   lam = 1 (outcome rewards on the last token; the library's 0.95 suits per-token rewards).
 # Set any of them back with flags (`--grpo.decoupled=false`, `--lr 1e-6`, ...).
-def default_grpo() -> GRPOConfig:
-    return GRPOConfig(group_size=8, decoupled=True, importance_cap=5.0,
-                      optimizer=OptimizerConfig(learning_rate=1e-4, b2=0.99, weight_decay=0.0))
+def default_grpo() -> GRPOSection:
+    return GRPOSection(group_size=8, decoupled=True, importance_cap=5.0,
+                       optimizer=OptimizerConfig(learning_rate=1e-4, b2=0.99, weight_decay=0.0))
 
 
 def default_ppo() -> PPOConfig:
@@ -270,13 +361,15 @@ class RunConfig:
     `ppo.temperature` are derived from them)."""
 
     algorithm: Algorithm = Algorithm.GRPO
+    # the preset the run started from (`with_recipe`, `--recipe`); its values are in the sections below
+    recipe: Recipe = Recipe.DEFAULT
     model: ModelSection = dataclasses.field(default_factory=ModelSection)
     data: DataSection = dataclasses.field(default_factory=DataSection)
     rollout: RolloutSection = dataclasses.field(default_factory=RolloutSection)
     warm_start: WarmStartSection = dataclasses.field(default_factory=WarmStartSection)
     graph: GraphSection = dataclasses.field(default_factory=GraphSection)
     train: TrainSection = dataclasses.field(default_factory=TrainSection)
-    grpo: GRPOConfig = dataclasses.field(default_factory=default_grpo)
+    grpo: GRPOSection = dataclasses.field(default_factory=default_grpo)
     ppo: PPOConfig = dataclasses.field(default_factory=default_ppo)
     # how this launch joins other processes (flags here win over JAX_* / SLURM_* variables); describes
     # the launch, not the run: `--resume` starts from the defaults again
@@ -284,11 +377,20 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         _choice(self, "algorithm", Algorithm)
+        _choice(self, "recipe", Recipe)
+        if not isinstance(self.grpo, GRPOSection):  # a library GRPOConfig: the job's own options at their defaults
+            object.__setattr__(self, "grpo", GRPOSection(**{f.name: getattr(self.grpo, f.name)
+                                                            for f in dataclasses.fields(GRPOConfig)}))
         # one source of truth for the group size and the sampling temperature: the rollout's (GRPO's
         # advantages need the group size; the learners' log-probs must use the sampler's temperature)
         object.__setattr__(self, "grpo", dataclasses.replace(
             self.grpo, group_size=self.rollout.group_size, temperature=self.rollout.temperature))
         object.__setattr__(self, "ppo", dataclasses.replace(self.ppo, temperature=self.rollout.temperature))
+        if self.grpo.overlong_buffer > self.rollout.max_new_tokens:
+            raise ValueError(f"grpo.overlong_buffer ({self.grpo.overlong_buffer}) must not exceed the response budget "
+                             f"rollout.max_new_tokens ({self.rollout.max_new_tokens})")
+        if self.recipe == Recipe.DAPO and self.algorithm != Algorithm.GRPO:
+            raise ValueError(f"recipe {self.recipe.value!r} is a GRPO recipe; this run uses {self.algorithm.value}")
         if self.rollout.prompts_per_step % self.graph.generate_microbatches:
             raise ValueError(f"graph.generate_microbatches ({self.graph.generate_microbatches}) must divide "
                              f"rollout.prompts_per_step ({self.rollout.prompts_per_step})")
@@ -322,3 +424,7 @@ class RunConfig:
 
     def replace(self, **changes: Any) -> RunConfig:
         return dataclasses.replace(self, **changes)
+
+    def with_recipe(self, recipe: Recipe | str) -> RunConfig:
+        """This config with `recipe`'s preset values (`recipe_overrides`) and `recipe` recorded."""
+        return apply_overrides(self, recipe_overrides(recipe, max_new_tokens=self.rollout.max_new_tokens))

@@ -16,6 +16,7 @@ import numpy as np
 from rpegjax import distributed
 from rpegjax.data.iterator import DataIterator
 from rpegjax.generate.sampling import SamplingConfig
+from rpegjax.graph.ir import Algorithm
 from rpegjax.graph.trace import Trace, gantt_png
 from rpegjax.rewards.runner import ResourceLimits, RewardRunner
 from rpegjax.runtime.controller import Runtime, StepResult
@@ -141,8 +142,11 @@ class Trainer:
             self.log(f"held-out accuracy at start: {start_accuracy:.3f} ({len(parts.eval_examples)} examples)")
         trace = Trace(parts.graph.name)
         # processes sharing a mesh must launch device programs in one order: no rollout thread then
+        grpo = cfg.grpo if cfg.algorithm == Algorithm.GRPO else None
         runtime = Runtime(parts.graph, programs, data, prompt_ids=parts.prompt_ids,
-                          key=jax.random.key(cfg.train.seed), trace=trace, concurrent_rollout=jax.process_count() == 1)
+                          key=jax.random.key(cfg.train.seed), trace=trace, concurrent_rollout=jax.process_count() == 1,
+                          dynamic_sampling=grpo.dynamic_sampling_config() if grpo else None,
+                          reward_shaping=grpo.overlong_shaping(cfg.rollout.max_new_tokens) if grpo else None)
         remaining = cfg.train.steps - start_step
         progress = _progress(remaining, start_step, enabled=self.main)
         step_started = time.perf_counter()

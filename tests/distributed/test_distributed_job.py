@@ -226,3 +226,17 @@ def test_two_processes_train_like_one_and_their_checkpoint_resumes_in_one(tmp_pa
     assert_same_records(two_records[:3], one_records[:3])
     assert "resumed from step 2" in resume_err
     assert_same_records(records(two), one_records)
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_decides_alike_in_every_process(tmp_path):
+    """`--recipe dapo` with 2 processes x 2 devices against 1 process with the same 4 devices: the rollout stage
+    gathers each round's rewards, so every process keeps the same groups and draws the same extra rounds, and
+    every metric of every step agrees (rounds, kept and dropped groups, generated tokens, loss)."""
+    two, one = tmp_path / "two", tmp_path / "one"
+    flags = ["--recipe=dapo", "--steps=2", "--grpo.max_extra_rounds=8", f"--warm_start.cache_dir={tmp_path}/cache"]
+    finish(start(two, *flags, processes=2, devices=2), timeout=600)
+    finish(start(one, *flags, processes=1, devices=4), timeout=600)
+    two_records = records(two)
+    assert sum(r.get("dynamic_sampling/extra_rounds", 0) for r in two_records) > 0  # not a blind comparison
+    assert_same_records(two_records, records(one))
