@@ -1,0 +1,48 @@
+"""How many bytes of activations a forward pass of one row needs on one device, before anything compiles.
+
+Inference stages (reference / old log-probs, values) choose their row micro-batch from this estimate and a
+per-device memory budget (`rpegjax.learners.inference`). A forward pass keeps no activation across layers
+(nothing is saved for a backward), so its peak is the widest point of one layer plus the residual stream
+and the log-prob chunk, per row of t tokens (c: compute-dtype bytes, widths split over `tensor` shards):
+
+    residual stream      4 * t * d * 4                 (layer input, output, normed copy, float32 norm)
+    attention in/out     t * (2h + 2k) * e * c / tensor (q, k, v, attention output)
+    attention scores     dense: 2 * h * t * t * 4 / tensor;  blockwise: 3 * h * block^2 * 4 / tensor;
+                         cuDNN: 2 * h * t * 4 / tensor (its log-sum-exp statistics)
+    MLP                  3 * t * f * c / tensor         (gate, up, their product)
+    log-prob chunk       3 * chunk * v * 4 / tensor     (float32 logits, log-softmax, and its exp)
+
+The sum of the terms (not the max) makes it an upper bound of what XLA schedules, which a test checks
+against `memory_analysis()` of compiled programs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from rpegjax.models.config import AttentionKind, ModelConfig
+
+_FLOAT32 = 4
+
+
+def forward_bytes_per_row(cfg: ModelConfig, length: int, *, logprob_chunk: int, tensor: int = 1) -> int:
+    """Estimated peak activation bytes, on one device, of a forward pass (with log-probs) over one row of
+    `length` tokens, the model's widths split over `tensor` shards (see the module docstring)."""
+    if length < 1 or logprob_chunk < 1 or tensor < 1:
+        raise ValueError(f"forward_bytes_per_row: length {length}, logprob_chunk {logprob_chunk} and tensor {tensor} "
+                         "must be positive")
+    t, d, f, v = length, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    h, k, e = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    c = np.dtype(cfg.jnp_dtype).itemsize
+    residual = 4 * t * d * _FLOAT32
+    attention_io = t * (2 * h + 2 * k) * e * c / tensor
+    if cfg.attention == AttentionKind.DENSE:
+        scores = 2 * h * t * t * _FLOAT32 / tensor
+    elif cfg.attention == AttentionKind.BLOCKWISE:
+        block = min(cfg.attention_block_size, t)
+        scores = 3 * h * block * block * _FLOAT32 / tensor
+    else:
+        scores = 2 * h * t * _FLOAT32 / tensor
+    mlp = 3 * t * f * c / tensor
+    logits = 3 * min(logprob_chunk, t) * v * _FLOAT32 / tensor
+    return int(residual + attention_io + scores + mlp + logits)
