@@ -31,6 +31,7 @@ from rpegjax.learners.lengths import pad_columns
 from rpegjax.learners.protocol import Learner
 from rpegjax.learners.update import batch_sharding, row_shards
 from rpegjax.rewards.runner import RewardRunner, RewardStats
+from rpegjax.models.precision import cast_floating
 from rpegjax.runtime.meshes import device_ids, same_layout
 from rpegjax.sharding import axes
 from rpegjax.sharding.rules import ActivationSharding, ShardingRules, param_shardings
@@ -88,7 +89,7 @@ class StagePrograms:
     `reference_params` (default: the learner's initial policy parameters). Generation runs on the sampler's
     mesh, every other device stage on the learner's (`learner.placement.mesh`; None: the default device); the
     two may be disjoint device sets. The weight-sync stage copies the actor's weights into the sampler's
-    layout (`sampler.params_sharding`).
+    layout (`sampler.params_sharding`), cast to `generation_dtype` when given (`rpegjax.models.precision`).
     """
 
     def __init__(
@@ -102,6 +103,7 @@ class StagePrograms:
         decode: Callable[[Sequence[int]], str],
         pad_id: int,
         reference_params: Any = None,
+        generation_dtype: str | None = None,
     ):
         self.learner = learner
         self.sampler = sampler
@@ -129,11 +131,16 @@ class StagePrograms:
         generation_shardings = sampler.params_sharding
         # a copy, never the same buffers: the next update donates the training ones. Onto other devices
         # (disaggregated generation) a jitted program cannot output: `device_put` moves and reshards there.
+        # Weights are cast to `generation_dtype` (None: kept as trained) on the training devices, in the copy.
+        cast = (lambda params: jax.tree.map(jnp.copy, params)) if generation_dtype is None else (
+            lambda params: cast_floating(params, generation_dtype))
         if device_ids(sampler.mesh) == device_ids(self.train_mesh):
-            self._sync = jax.jit(lambda params: jax.tree.map(jnp.copy, params), out_shardings=generation_shardings)
+            self._sync = jax.jit(cast, out_shardings=generation_shardings)
         else:
             target = generation_shardings if generation_shardings is not None else jax.devices()[0]
-            self._sync = lambda params: jax.device_put(params, target, may_alias=False)
+            cast_here = None if generation_dtype is None else jax.jit(cast)
+            self._sync = lambda params: jax.device_put(params if cast_here is None else cast_here(params), target,
+                                                       may_alias=False)
         self._inference_programs: dict[tuple, Callable] = {}
         self._layouts: dict[tuple, StageLayout] = {}  # inference layouts other than the learner's, by mesh shape
         self.dispatches = 0  # device programs launched by inference, advantage, update and sync stages

@@ -66,3 +66,24 @@ def test_a_row_over_the_inference_budget_is_refused_before_compiling(parts):
                                          r"activations per device, more than the memory budget of 1e-06 GiB"):
         programs.infer((StageKind.REF_LOGPROB,), parts.learner.init_state(), batch)
     assert not programs._inference_programs  # nothing was built
+
+
+def test_weight_sync_casts_the_generation_copy_and_generation_runs_on_it(parts):
+    import jax
+    import jax.numpy as jnp
+
+    from rpegjax.generate.sampling import SamplingConfig
+
+    cast_parts = dataclasses.replace(parts, cfg=parts.cfg.replace(
+        model=dataclasses.replace(parts.cfg.model, generation_dtype="bfloat16")))
+    programs = make_programs(cast_parts, None)
+    state = parts.learner.init_state()
+    copy_ = programs.sync(state)
+    shardings = jax.tree.leaves(parts.sampler.params_sharding)
+    for trained, generated, sharding in zip(jax.tree.leaves(state.params), jax.tree.leaves(copy_), shardings, strict=True):
+        assert generated.dtype == jnp.bfloat16 and trained.dtype == jnp.float32
+        assert generated.sharding.is_equivalent_to(sharding, generated.ndim)  # the generation layout
+        np.testing.assert_array_equal(np.asarray(generated, np.float32), np.asarray(trained.astype(jnp.bfloat16), np.float32))
+    completions = list(parts.sampler.stream(copy_, [[5, 6, 7]] * 2, SamplingConfig(max_new_tokens=4), group_size=2,
+                                            key=jax.random.key(0), version=0))
+    assert len(completions) == 4 and all(1 <= len(c.response_ids) <= 4 for c in completions)
