@@ -8,8 +8,8 @@ moves; the outputs are put back in row order. Each row's outputs depend on that 
 equals the whole-batch computation.
 
 m is `InferenceMicroBatching.rows` (at most), or chosen from `memory_gib`, a per-device budget for the
-activations, and `rpegjax.models.memory.forward_bytes_per_row`; a row that does not fit is refused before
-anything compiles.
+activations, and `rpegjax.models.memory` (bytes per row + weights gathered whatever the rows); a row that does
+not fit is refused before anything compiles.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding
 
 from rpegjax.learners.update import constrain_micro_batches, row_shards
 from rpegjax.models.config import ModelConfig
-from rpegjax.models.memory import forward_bytes_per_row
+from rpegjax.models.memory import forward_bytes_per_row, forward_fixed_bytes
 
 GIB = 1 << 30
 
@@ -52,15 +52,20 @@ class InferenceMicroBatching:
         if self.memory_gib is not None:
             budget = self.memory_gib * GIB
             per_row = forward_bytes_per_row(cfg, length, logprob_chunk=logprob_chunk, tensor=tensor)
-            if per_row > budget:
-                raise ValueError(f"{where}: one row of {length} tokens needs an estimated {per_row / GIB:.3f} GiB of "
-                                 f"activations per device, more than the memory budget of {self.memory_gib} GiB "
-                                 "(InferenceMicroBatching.memory_gib)")
-            per_device = int(budget // per_row)
+            fixed = forward_fixed_bytes(cfg, tensor=tensor)
+
+            def needs(rows_per_device: int) -> str:
+                return (f"an estimated {(fixed + rows_per_device * per_row) / GIB:.3f} GiB per device ({per_row / GIB:.3f} "
+                        f"per row + {fixed / GIB:.3f} of gathered weights)")
+
+            if fixed + per_row > budget:
+                raise ValueError(f"{where}: one row of {length} tokens needs {needs(1)}, more than the memory budget of "
+                                 f"{self.memory_gib} GiB (InferenceMicroBatching.memory_gib)")
+            per_device = int((budget - fixed) // per_row)
             if self.rows is not None and -(-self.rows // shards) > per_device:
                 raise ValueError(f"{where}: {self.rows} rows per micro-batch ({-(-self.rows // shards)} per device) of "
-                                 f"{length} tokens need an estimated {-(-self.rows // shards) * per_row / GIB:.3f} GiB "
-                                 f"per device, more than the memory budget of {self.memory_gib} GiB")
+                                 f"{length} tokens need {needs(-(-self.rows // shards))}, more than the memory budget "
+                                 f"of {self.memory_gib} GiB")
             limit = min(limit, per_device * shards)
         # the fewest micro-batches that divide the rows, each micro-batch's rows split evenly over the shards
         # (the sharding rules refuse a row axis the devices do not divide)

@@ -11,7 +11,7 @@ from rpegjax.learners.grpo import GRPOConfig, GRPOLearner
 from rpegjax.learners.inference import GIB, InferenceMicroBatching, map_micro_batches
 from rpegjax.learners.scoring import sequence_logprobs
 from rpegjax.models import Decoder, ModelConfig
-from rpegjax.models.memory import forward_bytes_per_row
+from rpegjax.models.memory import forward_bytes_per_row, forward_fixed_bytes
 from rpegjax.sharding import make_mesh
 
 
@@ -47,6 +47,7 @@ def test_micro_batched_log_probs_equal_the_whole_batch(tiny_model, sharded):
 def test_micro_batches_fit_the_rows_and_the_budget():
     cfg = ModelConfig.tiny()
     per_row = forward_bytes_per_row(cfg, 64, logprob_chunk=32)
+    fixed = forward_fixed_bytes(cfg)
     plan = InferenceMicroBatching(rows=4)
     assert plan.micro_batches(16, 64, cfg, logprob_chunk=32) == 4
     assert plan.micro_batches(6, 64, cfg, logprob_chunk=32) == 2  # at most 4 rows: 3 divide 6
@@ -56,18 +57,19 @@ def test_micro_batches_fit_the_rows_and_the_budget():
         plan.micro_batches(16, 64, cfg, logprob_chunk=32, shards=8)
     assert InferenceMicroBatching().micro_batches(16, 64, cfg, logprob_chunk=32) == 1
     # a budget of 3 rows per device over 2 devices: 6 rows a micro-batch at most, so 4 of 4 rows (even over devices)
-    budget = InferenceMicroBatching(memory_gib=3.5 * per_row / GIB)
+    budget = InferenceMicroBatching(memory_gib=(fixed + 3.5 * per_row) / GIB)
     assert budget.micro_batches(16, 64, cfg, logprob_chunk=32, shards=2) == 4
     assert budget.micro_batches(16, 64, cfg, logprob_chunk=32, shards=1) == 8
     with pytest.raises(ValueError, match=r"8 rows per micro-batch \(4 per device\) of 64 tokens need an estimated"):
-        InferenceMicroBatching(rows=8, memory_gib=3.5 * per_row / GIB).micro_batches(16, 64, cfg, logprob_chunk=32, shards=2)
+        InferenceMicroBatching(rows=8, memory_gib=(fixed + 3.5 * per_row) / GIB).micro_batches(16, 64, cfg, logprob_chunk=32, shards=2)
 
 
 def test_a_row_that_does_not_fit_the_budget_is_refused_with_the_estimate_and_the_budget():
     cfg = ModelConfig.qwen2p5("7b")
     plan = InferenceMicroBatching(memory_gib=1.0)
-    with pytest.raises(ValueError, match=r"ref: one row of 16384 tokens needs an estimated \d+\.\d+ GiB of activations "
-                                         r"per device, more than the memory budget of 1.0 GiB"):
+    with pytest.raises(ValueError, match=r"ref: one row of 16384 tokens needs an estimated \d+\.\d+ GiB per device "
+                                         r"\(\d+\.\d+ per row \+ \d+\.\d+ of gathered weights\), more than the "
+                                         r"memory budget of 1.0 GiB"):
         plan.micro_batches(8, 16384, cfg, logprob_chunk=256, where="ref")
 
 
@@ -91,5 +93,5 @@ def test_the_estimate_bounds_what_xla_allocates_for_one_row(attention):
     mask = jax.ShapeDtypeStruct((1, length), jnp.bool_)
     forward = jax.jit(lambda s, t, m: sequence_logprobs(nnx.merge(graphdef, s), t, m, chunk_size=chunk))
     measured = forward.lower(state, tokens, mask).compile().memory_analysis().temp_size_in_bytes
-    estimate = forward_bytes_per_row(cfg, length, logprob_chunk=chunk)
+    estimate = forward_bytes_per_row(cfg, length, logprob_chunk=chunk) + forward_fixed_bytes(cfg)
     assert measured <= estimate <= 4 * measured, (measured, estimate)
