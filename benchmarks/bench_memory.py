@@ -166,7 +166,7 @@ def measure(size: str, layout_name: str, tokens: int, programs: list[str], args)
             per_device = rows // micro_batches // row_shards(learner.placement.rows)
             tensor = parallel.get("tensor", 1)
             estimate = (forward_fixed_bytes(cfg, tensor=tensor)
-                        + per_device * forward_bytes_per_row(cfg, length, logprob_chunk=args.logprob_chunk, tensor=tensor))
+                        + per_device * forward_bytes_per_row(cfg, length, logprob_chunk=args.logprob_chunk))
             ran += f"; estimate {estimate / GIB:.2f}"
         row = dict(model=size, layers=cfg.num_layers, layout="1 device" if program == "grad" else layout_name, tokens=tokens,
                    ran=ran, program=program, compile_s=seconds, **analysis(compiled))

@@ -51,7 +51,7 @@ class InferenceMicroBatching:
         limit = rows if self.rows is None else min(self.rows, rows)
         if self.memory_gib is not None:
             budget = self.memory_gib * GIB
-            per_row = forward_bytes_per_row(cfg, length, logprob_chunk=logprob_chunk, tensor=tensor)
+            per_row = forward_bytes_per_row(cfg, length, logprob_chunk=logprob_chunk)
             fixed = forward_fixed_bytes(cfg, tensor=tensor)
 
             def needs(rows_per_device: int) -> str:

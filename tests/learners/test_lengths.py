@@ -65,3 +65,23 @@ def test_bucketing_a_length_normalised_loss_needs_max_length():
         GRPOConfig(group_size=2, length_bucket=128, aggregation="seq-mean-token-sum-norm")
     with pytest.raises(ValueError, match="PPOConfig.length_bucket must be a positive integer"):
         PPOConfig(length_bucket=0)
+
+
+@pytest.mark.slow  # two PPO update compilations (~1 min on the loaded 2-core machine)
+def test_a_bucketed_ppo_update_equals_the_padded_one(tiny_model, tiny_critic):
+    from rpegjax.learners.ppo import PPOLearner
+
+    common = dict(gamma=0.99, lam=0.9, kl_coef=0.02)
+    padded = PPOLearner(PPOConfig(**common), tiny_model, tiny_critic)
+    bucketed = PPOLearner(PPOConfig(**common, length_bucket=8), tiny_model, tiny_critic)
+    batch = make_batch()
+    batch = batch.replace(ref_logprobs=np.asarray(padded.logprobs(padded.params["actor"], batch)) * 1.01,
+                          values=np.asarray(padded.values(padded.params, batch)))
+    batch, _ = padded.compute_advantages(batch)
+    assert bucketed.trimmed_length(batch.token_mask) < LENGTH
+    state_a, metrics_a = padded.update(padded.init_state(), batch)
+    state_b, metrics_b = bucketed.update(bucketed.init_state(), batch)
+    for key in ("policy_loss", "value_loss", "kl_loss", "grad_norm"):
+        if key in metrics_a:
+            np.testing.assert_allclose(metrics_b[key], metrics_a[key], rtol=1e-5, atol=1e-7, err_msg=key)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6), state_a.params, state_b.params)
