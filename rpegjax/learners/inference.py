@@ -21,7 +21,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding
 
-from rpegjax.learners.update import constrain_micro_batches, row_shards
+from rpegjax.learners.update import constrain_micro_batches
 from rpegjax.models.config import ModelConfig
 from rpegjax.models.memory import forward_bytes_per_row, forward_fixed_bytes
 
@@ -96,5 +96,3 @@ def map_micro_batches(function: Callable[..., Any], micro_batches: int, *rows_ar
     outputs = jax.lax.map(lambda xs: function(*xs), pieces)
     return jax.tree.map(merge, outputs)
 
-
-__all__ = ["InferenceMicroBatching", "map_micro_batches", "row_shards"]
