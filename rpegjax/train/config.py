@@ -82,6 +82,8 @@ class ModelSection:
             if getattr(self, name) not in (None, *PRECISION_DTYPES):
                 raise ValueError(f"ModelSection.{name} must be one of {list(PRECISION_DTYPES)} or unset (the "
                                  f"mixed-precision policy), got {getattr(self, name)!r}")
+        if self.path is not None and not pathlib.Path(self.path).is_dir():
+            raise ValueError(f"ModelSection.path {self.path!r} is not a directory (a local Hugging Face checkpoint)")
 
     def precision(self, *, backend: str, checkpoint_dtype: str | None) -> Precision:
         """The dtypes this section gives on `backend` for a checkpoint stored in `checkpoint_dtype` (None: the
@@ -92,8 +94,6 @@ class ModelSection:
     def execution(self) -> dict[str, Any]:
         """The model config's execution fields (`rpegjax.models.config.EXECUTION_FIELDS`) from this section."""
         return {name: getattr(self, name) for name in EXECUTION_FIELDS}
-        if self.path is not None and not pathlib.Path(self.path).is_dir():
-            raise ValueError(f"ModelSection.path {self.path!r} is not a directory (a local Hugging Face checkpoint)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
