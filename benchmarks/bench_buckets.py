@@ -4,8 +4,8 @@ The W-small model and GRPO settings (shared/WORKLOADS.md: vocab 512, d 256, 4 la
 tokens, k3 KL 0.04, AdamW) with responses of varying length, as sampling with EOS gives them: log-normal with
 mean `--mean` tokens, capped at `--max-new` (rows padded to 32 + max-new, as the runtime packs them). Times
 `GRPOLearner.update` and `GRPOLearner.logprobs`-like inference (the runtime's trimmed path) with
-`length_bucket=None` (padded) and `--bucket`, min / median of `--runs` timed calls after a warm-up, and checks
-that both give the same loss.
+`length_bucket=None` (padded) and `--bucket`, interleaved run by run (`timing.py`), min / median of `--runs`
+timed calls after a warm-up round, and checks that both give the same loss.
 
     python benchmarks/bench_buckets.py [--mean 64] [--max-new 256] [--bucket 64] [--runs 5]
 """
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -24,18 +23,9 @@ from flax import nnx
 from rpegjax.learners import GRPOConfig, GRPOLearner, OptimizerConfig, pack_rollouts
 from rpegjax.learners.lengths import pad_columns
 from rpegjax.models import Decoder, ModelConfig
+from timing import time_interleaved
 
 ROWS, GROUP, PROMPT_LEN = 32, 4, 32
-
-
-def timed(fn, runs: int) -> list[float]:
-    jax.block_until_ready(fn())  # compile
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return times
 
 
 def main() -> None:
@@ -58,33 +48,34 @@ def main() -> None:
           f"{jax.device_count()} device(s)")
     print("| program | length_bucket | ran at | min s | median s | loss |")
     print("|---|---|---|---|---|---|")
-    results = {}
+    calls, losses, lengths_run = {}, {}, {}
     for bucket in (None, args.bucket):
         cfg = GRPOConfig(group_size=GROUP, kl_coef=0.04, kl_kind="k3", clip_low=0.2, clip_high=0.2, length_bucket=bucket,
                          optimizer=OptimizerConfig(learning_rate=1e-5))
         learner = GRPOLearner(cfg, model)
         prepared, _ = learner.compute_advantages(batch)
         prepared = prepared.replace(ref_logprobs=np.asarray(learner.logprobs(learner.params, prepared)))
-        length = learner.trimmed_length(batch.token_mask)
-        logprobs = jax.jit(lambda p, t, m, full=batch.length: pad_columns(learner.logprobs_fn(p, t, m), full))
+        length = lengths_run[bucket] = learner.trimmed_length(batch.token_mask)
+        logprobs = jax.jit(lambda p, t, m, learner=learner, full=batch.length: pad_columns(learner.logprobs_fn(p, t, m), full))
         tokens, mask = jnp.asarray(batch.tokens[:, :length]), jnp.asarray(batch.token_mask[:, :length])
-        inference = timed(lambda: logprobs(learner.params, tokens, mask), args.runs)
         _, metrics = learner.update(learner.init_state(), prepared)  # compile, and the loss to compare
-        loss = float(metrics["loss"])
+        losses[bucket] = float(metrics["loss"])
         states = [learner.init_state()]
 
-        def update_step():  # the update donates its state: chain them
+        def update_step(learner=learner, prepared=prepared, states=states):  # the update donates its state: chain
             states[0], step_metrics = learner.update(states[0], prepared)
-            return step_metrics["loss"]
+            return jax.block_until_ready(step_metrics["loss"])
 
-        update = timed(update_step, args.runs)
-        for name, times in (("ref_logprobs", inference), ("update", update)):
-            results[name, bucket] = statistics.median(times)
-            print(f"| {name} | {bucket} | {length} | {min(times):.4f} | {statistics.median(times):.4f} | "
-                  f"{loss if name == 'update' else '':} |", flush=True)
+        calls["ref_logprobs", bucket] = (lambda f=logprobs, p=learner.params, t=tokens, m=mask:
+                                         jax.block_until_ready(f(p, t, m)))
+        calls["update", bucket] = update_step
+    seconds = time_interleaved(calls, args.runs, warmup=1)  # contenders alternate run by run
+    for (name, bucket), times in seconds.items():
+        print(f"| {name} | {bucket} | {lengths_run[bucket]} | {min(times):.4f} | {statistics.median(times):.4f} | "
+              f"{losses[bucket] if name == 'update' else ''} |")
     for name in ("ref_logprobs", "update"):
-        print(f"{name}: bucketed / padded median time = {results[name, args.bucket] / results[name, None]:.2f}")
-
+        ratio = statistics.median(seconds[name, args.bucket]) / statistics.median(seconds[name, None])
+        print(f"{name}: bucketed / padded median time = {ratio:.2f}")
 
 if __name__ == "__main__":
     main()
