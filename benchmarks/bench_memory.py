@@ -7,8 +7,15 @@ Compiles ahead of time on 8 virtual CPU devices with abstract parameters and opt
 * update    GRPOLearner's update (GRPO loss with k3 KL to the reference, clip 0.2, AdamW), one optimiser
             step on one row per device of `--tokens` tokens;
 * logprobs  the learner's log-prob stage (reference / old log-probs) on the same batch;
+* logprobs-micro  the same stage as the runtime runs it in row micro-batches (`rpegjax.learners.inference`):
+            `--inference-rows` rows (all devices) per micro-batch, or as many as `--inference-memory-gib` allows;
+            log-prob rows also give the memory budget's estimate of their temporaries (`rpegjax.models.memory`);
 * grad      the gradient of the summed token log-probs of one row on one device, no optimiser (the
             figure issue 12 quotes: 15.7 GiB at 4k and 183 GiB at 16k for 2 layers of 7B in float32).
+
+`--rows-per-device` rows per data shard (default 1); `--longest` real tokens per row (default all: no padding)
+with `--bucket` (the learner's length_bucket) runs update and log-prob stages trimmed as the runtime does
+(`rpegjax.learners.lengths`); the table gives the length each program ran at.
 
 Beside each row, the planner's predicted peak for the same layout (`rpegjax.graph.stage_costs`:
 persistent weights + optimiser state per device, plus the stage's transient bytes) with flash attention
@@ -35,8 +42,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
-from rpegjax.graph.generation_cost import ResponseLengths  # noqa: E402
-from rpegjax.graph.stage_costs import (  # noqa: E402
+from rpegjax.perf.generation_cost import ResponseLengths  # noqa: E402
+from rpegjax.perf.stage_costs import (  # noqa: E402
     CostInputs,
     ExecutionOptions,
     Layout,
@@ -44,12 +51,14 @@ from rpegjax.graph.stage_costs import (  # noqa: E402
     model_pass_cost,
 )
 
-from rpegjax.graph import costs, hardware  # noqa: E402
+from rpegjax.perf import costs, hardware  # noqa: E402
 from rpegjax.learners import GRPOConfig, GRPOLearner, OptimizerConfig  # noqa: E402
 from rpegjax.learners.batch import TrainBatch  # noqa: E402
+from rpegjax.learners.inference import map_micro_batches  # noqa: E402
 from rpegjax.learners.scoring import sequence_logprobs  # noqa: E402
-from rpegjax.learners.update import TrainState  # noqa: E402
+from rpegjax.learners.update import TrainState, row_shards  # noqa: E402
 from rpegjax.models import Decoder, ModelConfig  # noqa: E402
+from rpegjax.models.memory import forward_bytes_per_row, forward_fixed_bytes  # noqa: E402
 from rpegjax.sharding import make_mesh  # noqa: E402
 
 GIB = 1 << 30
@@ -76,12 +85,14 @@ def abstract_state(learner: GRPOLearner) -> TrainState:
     return TrainState(params=learner.params, opt_state=opt_state, step=step)
 
 
-def batch_of(rows: int, tokens: int, prompt: int) -> TrainBatch:
-    """One full-length row per device: a prompt, then response tokens to the end (small host arrays)."""
-    response = np.broadcast_to(np.arange(tokens) >= prompt, (rows, tokens))
+def batch_of(rows: int, tokens: int, prompt: int, longest: int) -> TrainBatch:
+    """Rows of `tokens` columns: a prompt, then response tokens up to `longest`, padding after (host arrays)."""
+    columns = np.arange(tokens)
+    real = np.broadcast_to(columns < longest, (rows, tokens)).copy()
+    response = real & (columns >= prompt)
     zeros = np.zeros((rows, tokens), np.float32)
-    return TrainBatch(tokens=np.ones((rows, tokens), np.int32), token_mask=np.ones((rows, tokens), bool),
-                      response_mask=response.copy(), behaviour_logprobs=zeros, ref_logprobs=zeros,
+    return TrainBatch(tokens=np.ones((rows, tokens), np.int32), token_mask=real,
+                      response_mask=response, behaviour_logprobs=zeros, ref_logprobs=zeros,
                       advantages=np.linspace(-1, 1, rows, dtype=np.float32))
 
 
@@ -109,13 +120,15 @@ def measure(size: str, layout_name: str, tokens: int, programs: list[str], args)
     cfg = model_config(size, args)
     parallel = LAYOUTS[layout_name]
     mesh = make_mesh(parallel)
-    rows = mesh.devices.size // parallel.get("tensor", 1)  # one row per data shard
+    rows = mesh.devices.size // parallel.get("tensor", 1) * args.rows_per_device
     model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
     grpo = GRPOConfig(group_size=rows, clip_low=0.2, clip_high=0.2, kl_coef=0.04, kl_kind="k3",
-                      logprob_chunk_size=args.logprob_chunk,
+                      logprob_chunk_size=args.logprob_chunk, length_bucket=args.bucket or None,
+                      inference_rows=args.inference_rows or None, inference_memory_gib=args.inference_memory_gib or None,
                       optimizer=OptimizerConfig(learning_rate=1e-6, weight_decay=0.0, max_grad_norm=1.0))
     learner = GRPOLearner(grpo, model, mesh=mesh)
-    batch = batch_of(rows, tokens, args.prompt)
+    batch = batch_of(rows, tokens, args.prompt, args.longest or tokens)
+    length = learner.trimmed_length(batch.token_mask)
     out = []
     for program in programs:
         started = time.perf_counter()
@@ -129,14 +142,37 @@ def measure(size: str, layout_name: str, tokens: int, programs: list[str], args)
             lowered = learner.lower_update(abstract_state(learner), batch)
         else:
             placement = learner.placement
-            jitted = jax.jit(learner.logprobs_fn, in_shardings=(placement.param_shardings, placement.rows, placement.rows),
+            micro_batches = 1
+            if program == "logprobs-micro":
+                micro_batches = learner.inference_micro_batches(rows, length, shards=row_shards(placement.rows),
+                                                                tensor=parallel.get("tensor", 1))
+
+            def stage(params, tokens, mask, micro_batches=micro_batches):
+                return map_micro_batches(lambda t, m: learner.logprobs_fn(params, t, m), micro_batches, tokens, mask,
+                                         sharding=placement.rows)
+
+            jitted = jax.jit(stage, in_shardings=(placement.param_shardings, placement.rows, placement.rows),
                              out_shardings=placement.rows)
-            lowered = jitted.lower(learner.params, jnp.asarray(batch.tokens), jnp.asarray(batch.token_mask))
+            lowered = jitted.lower(learner.params, jnp.asarray(batch.tokens[:, :length]),
+                                   jnp.asarray(batch.token_mask[:, :length]))
         compiled = lowered.compile()
         seconds = time.perf_counter() - started
-        row = dict(model=size, layers=cfg.num_layers, layout="1 device" if program == "grad" else layout_name, tokens=tokens, program=program,
-                   compile_s=seconds, **analysis(compiled))
-        if cfg.num_layers == ModelConfig.qwen2p5(size).num_layers and program != "grad":
+        ran = f"{length}" if program != "grad" else f"{tokens}"
+        if program == "logprobs-micro":
+            ran += f", {micro_batches} x {rows // micro_batches} rows"
+        elif program != "grad":
+            ran += f", {rows} rows"
+        if program.startswith("logprobs"):  # the budget's estimate (rpegjax.models.memory) of the temporaries
+            per_device = rows // micro_batches // row_shards(learner.placement.rows)
+            tensor = parallel.get("tensor", 1)
+            estimate = (forward_fixed_bytes(cfg, tensor=tensor)
+                        + per_device * forward_bytes_per_row(cfg, length, logprob_chunk=args.logprob_chunk))
+            ran += f"; estimate {estimate / GIB:.2f}"
+        row = dict(model=size, layers=cfg.num_layers, layout="1 device" if program == "grad" else layout_name, tokens=tokens,
+                   ran=ran, program=program, compile_s=seconds, **analysis(compiled))
+        # the planner's figure is for one full-length row per data shard, the whole model
+        if (cfg.num_layers == ModelConfig.qwen2p5(size).num_layers and program != "grad" and args.rows_per_device == 1
+                and length == tokens):
             row["predicted"] = predicted_peak(cfg, parallel, tokens, args.prompt, backward=program == "update")
         out.append(row)
         print_row(row, flush=True)
@@ -149,14 +185,14 @@ def print_header(args) -> None:
             f"{'unrolled' if args.unrolled else 'scanned'} layers, float32 master / {args.dtype} compute")
     print(f"W-long memory per device (GiB), {jax.device_count()} virtual CPU devices, jax {jax.__version__}; {kind}; "
           f"log-prob chunk {args.logprob_chunk}")
-    print(f"| model | layers | layout | tokens/row | program | arguments | outputs | temporaries | args+temps "
-          f"| planner peak | compile s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print(f"| model | layers | layout | tokens/row | program | ran at (length, rows) | arguments | outputs | temporaries "
+          f"| args+temps | planner peak | compile s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def print_row(row: dict, flush: bool = False) -> None:
-    predicted = f"{row['predicted'] / GIB:.2f}" if "predicted" in row else "n/a (not full depth)"
-    print(f"| {row['model']} | {row['layers']} | {row['layout']} | {row['tokens']} | {row['program']} "
+    predicted = f"{row['predicted'] / GIB:.2f}" if "predicted" in row else "n/a"
+    print(f"| {row['model']} | {row['layers']} | {row['layout']} | {row['tokens']} | {row['program']} | {row['ran']} "
           f"| {row['arguments'] / GIB:.2f} | {row['outputs'] / GIB:.2f} | {row['temporaries'] / GIB:.2f} "
           f"| {(row['arguments'] + row['temporaries']) / GIB:.2f} | {predicted} | {row['compile_s']:.1f} |", flush=flush)
 
@@ -176,14 +212,20 @@ def main() -> None:
     parser.add_argument("--today", action="store_true", help="dense attention, no remat, float32 compute")
     parser.add_argument("--prompt", type=int, default=1024, help="prompt tokens of each row")
     parser.add_argument("--logprob-chunk", type=int, default=256)
+    parser.add_argument("--rows-per-device", type=int, default=1, help="rows per data shard")
+    parser.add_argument("--inference-rows", type=int, default=0, help="logprobs-micro: rows per micro-batch (0: unset)")
+    parser.add_argument("--inference-memory-gib", type=float, default=0.0,
+                        help="logprobs-micro: per-device activation budget (0: unset)")
+    parser.add_argument("--longest", type=int, default=0, help="real tokens of each row (0: all of --tokens)")
+    parser.add_argument("--bucket", type=int, default=0, help="length bucket: rows trimmed to --longest rounded up (0: off)")
     args = parser.parse_args()
     programs = args.programs.split(",")
     for name in args.layouts.split(","):
         if name not in LAYOUTS:
             parser.error(f"--layouts: unknown layout {name!r}; known: {sorted(LAYOUTS)}")
     for program in programs:
-        if program not in ("update", "logprobs", "grad"):
-            parser.error(f"--programs: unknown program {program!r}; known: update, logprobs, grad")
+        if program not in ("update", "logprobs", "logprobs-micro", "grad"):
+            parser.error(f"--programs: unknown program {program!r}; known: update, logprobs, logprobs-micro, grad")
     print_header(args)
     for size in args.models.split(","):
         for layout in args.layouts.split(","):

@@ -87,6 +87,7 @@ class GRPOLearner(PolicyUpdates):
 
     def __init__(self, cfg: GRPOConfig, model: Decoder, *, mesh: Mesh | None = None, rules: ShardingRules | None = None):
         self.cfg = cfg
+        self.model_cfg = model.cfg
         self.placement, self._params = ModelPlacement.split(model, mesh, rules)
         self.optimizer = make_optimizer(cfg.optimizer)
         placement = self.placement

@@ -15,6 +15,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from rpegjax.learners.batch import TrainBatch
+from rpegjax.learners.inference import InferenceMicroBatching
+from rpegjax.learners.lengths import bucket_length, longest_row, trim_batch
 from rpegjax.learners.losses import (
     KLKind,
     LossAggregation,
@@ -27,6 +29,7 @@ from rpegjax.learners.losses import (
 )
 from rpegjax.learners.optim import OptimizerConfig
 from rpegjax.learners.update import UpdateLayout, check_rows_divide
+from rpegjax.models.config import ModelConfig
 
 Metrics = dict[str, Array]
 
@@ -67,6 +70,13 @@ class PolicyConfig:
     importance_cap: float | None = None
     temperature: float = 1.0  # the sampler's temperature: log-probs are of softmax(logits / temperature)
     logprob_chunk_size: int = 256
+    # rows trimmed to the longest real row rounded up to a multiple of this (None: padded to the maximum);
+    # see rpegjax.learners.lengths
+    length_bucket: int | None = None
+    # inference stages in row micro-batches of at most this many rows / chosen from this per-device
+    # activation budget (see rpegjax.learners.inference); neither: the whole batch at once
+    inference_rows: int | None = None
+    inference_memory_gib: float | None = None
     epochs: int = 1
     num_minibatches: int = 1
     num_microbatches: int = 1
@@ -102,6 +112,16 @@ class PolicyConfig:
             raise ValueError(f"{name}.temperature must be positive, got {self.temperature!r}")
         if self.logprob_chunk_size < 1:
             raise ValueError(f"{name}.logprob_chunk_size must be positive, got {self.logprob_chunk_size!r}")
+        if self.length_bucket is not None:
+            if isinstance(self.length_bucket, bool) or not isinstance(self.length_bucket, int) or self.length_bucket < 1:
+                raise ValueError(f"{name}.length_bucket must be a positive integer or None, got {self.length_bucket!r}")
+            if self.aggregation == LossAggregation.SEQ_MEAN_TOKEN_SUM_NORM and self.max_length is None:
+                raise ValueError(f"{name}.length_bucket with aggregation 'seq-mean-token-sum-norm' needs max_length: "
+                                 "its constant would otherwise be the trimmed batch length")
+        try:
+            _ = self.inference_micro_batching
+        except ValueError as error:
+            raise ValueError(f"{name}: {error}") from None
         if not isinstance(self.optimizer, OptimizerConfig):
             raise ValueError(f"{name}.optimizer must be an OptimizerConfig, got {type(self.optimizer).__name__}")
         _ = self.layout  # validates epochs / mini-batches / micro-batches
@@ -109,6 +129,10 @@ class PolicyConfig:
     @property
     def layout(self) -> UpdateLayout:
         return UpdateLayout(epochs=self.epochs, num_minibatches=self.num_minibatches, num_microbatches=self.num_microbatches)
+
+    @property
+    def inference_micro_batching(self) -> InferenceMicroBatching:
+        return InferenceMicroBatching(rows=self.inference_rows, memory_gib=self.inference_memory_gib)
 
     def required_fields(self) -> tuple[str, ...]:
         """TrainBatch fields the policy part of the update reads (besides tokens and masks)."""
@@ -188,6 +212,7 @@ class PolicyUpdates:
     `cfg` and `_update` and give `rows`, their batch sharding."""
 
     cfg: Any
+    model_cfg: ModelConfig  # the policy's, for memory estimates
     _update: Any
 
     @property
@@ -203,10 +228,23 @@ class PolicyUpdates:
         XLA's FLOP and memory figures (ground truth for the performance model)."""
         return self._update.lower(state, self._update_inputs(batch))
 
+    def trimmed_length(self, token_mask) -> int:
+        """The length inference and update programs run rows of this mask at (`rpegjax.learners.lengths`)."""
+        full = token_mask.shape[1]
+        if self.cfg.length_bucket is None:
+            return full
+        return bucket_length(longest_row(token_mask), full, self.cfg.length_bucket)
+
+    def inference_micro_batches(self, rows: int, length: int, *, shards: int = 1, tensor: int = 1) -> int:
+        """How many row micro-batches an inference stage over `rows` rows of `length` tokens runs in."""
+        return self.cfg.inference_micro_batching.micro_batches(
+            rows, length, self.model_cfg, logprob_chunk=self.cfg.logprob_chunk_size, shards=shards, tensor=tensor,
+            where=f"{type(self).__name__} inference")
+
     def _update_inputs(self, batch: TrainBatch) -> TrainBatch:
         where = f"{type(self).__name__}.update"
         batch.validate()
         batch.require(where, *self.cfg.required_fields())
         self.cfg.layout.check_batch(batch.batch_size)
         check_rows_divide(batch.batch_size, self.rows, where)
-        return update_inputs(batch, self.cfg)
+        return update_inputs(trim_batch(batch, self.trimmed_length(batch.token_mask)), self.cfg)

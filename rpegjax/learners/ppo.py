@@ -104,6 +104,7 @@ class PPOLearner(PolicyUpdates):
             if not critic.cfg.value_head:
                 raise ValueError("PPOLearner: the critic model needs ModelConfig(value_head=True)")
         self.cfg = cfg
+        self.model_cfg = actor.cfg
         self.actor, actor_params = ModelPlacement.split(actor, mesh, rules)
         self._params = {"actor": actor_params}
         shardings = {"actor": self.actor.param_shardings}

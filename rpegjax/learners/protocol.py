@@ -48,3 +48,11 @@ class Learner(Protocol):
 
     def logprobs_fn(self, params: Params, tokens, token_mask, sharding: ActivationSharding | None = None
                     ) -> Float[Array, "b t"]: ...
+
+    def trimmed_length(self, token_mask) -> int:
+        """The length a batch with this token mask runs at (`rpegjax.learners.lengths`)."""
+        ...
+
+    def inference_micro_batches(self, rows: int, length: int, *, shards: int = 1, tensor: int = 1) -> int:
+        """How many row micro-batches an inference stage runs in (`rpegjax.learners.inference`)."""
+        ...

@@ -133,7 +133,7 @@ def make_update(
         rows = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), minibatch)
         denominators = denominator_fn(rows)
         if micro_batch_sharding is not None:
-            minibatch = _constrain_micro_batches(minibatch, micro_batch_sharding)
+            minibatch = constrain_micro_batches(minibatch, micro_batch_sharding)
         grads, loss, metrics = accumulate_gradients(loss_fn, state.params, minibatch, denominators)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
@@ -165,7 +165,7 @@ def _row_axes(sharding: NamedSharding) -> tuple[tuple[str, ...], int]:
     return names, shards
 
 
-def _constrain_micro_batches(minibatch: TrainBatch, sharding: NamedSharding) -> TrainBatch:
+def constrain_micro_batches(minibatch: TrainBatch, sharding: NamedSharding) -> TrainBatch:
     """Keeps each micro-batch's rows sharded over the data axes (axis 1 of [U, m, ...]) when they divide m."""
     names, shards = _row_axes(sharding)
 
@@ -183,6 +183,11 @@ def _constrain_micro_batches(minibatch: TrainBatch, sharding: NamedSharding) -> 
 def batch_sharding(mesh: Mesh, rules: ShardingRules) -> NamedSharding:
     """Rows over the mesh axes the activation rules give the batch axis; every other dim replicated."""
     return NamedSharding(mesh, logical_to_spec((axes.BATCH,), rules.activations, mesh))
+
+
+def row_shards(sharding: NamedSharding | None) -> int:
+    """How many shards the rows of a batch with `sharding` are split into (1 without a mesh)."""
+    return 1 if sharding is None else _row_axes(sharding)[1]
 
 
 def check_rows_divide(rows: int, sharding: NamedSharding | None, where: str) -> None:

@@ -26,10 +26,14 @@ from rpegjax.generate.sampler import Sampler
 from rpegjax.generate.sampling import SamplingConfig
 from rpegjax.graph.ir import StageKind
 from rpegjax.learners.batch import TrainBatch, pack_rollouts
+from rpegjax.learners.inference import map_micro_batches
+from rpegjax.learners.lengths import pad_columns
 from rpegjax.learners.protocol import Learner
-from rpegjax.learners.update import batch_sharding
+from rpegjax.learners.update import batch_sharding, row_shards
+from rpegjax.models.precision import cast_floating
 from rpegjax.rewards.runner import RewardFn, RewardRunner, RewardStats
 from rpegjax.runtime.meshes import device_ids, same_layout
+from rpegjax.sharding import axes
 from rpegjax.sharding.rules import ActivationSharding, ShardingRules, param_shardings
 
 # Which TrainBatch field each inference kind fills, and whose weights it reads.
@@ -85,7 +89,7 @@ class StagePrograms:
     `reference_params` (default: the learner's initial policy parameters). Generation runs on the sampler's
     mesh, every other device stage on the learner's (`learner.placement.mesh`; None: the default device); the
     two may be disjoint device sets. The weight-sync stage copies the actor's weights into the sampler's
-    layout (`sampler.params_sharding`).
+    layout (`sampler.params_sharding`), cast to `generation_dtype` when given (`rpegjax.models.precision`).
 
     `rewards` is a `RewardRunner`, or any reward function `fn(completion: str, example) -> float`, which is
     then run by a `RewardRunner` of default settings (worker processes, timeouts, limits) that these
@@ -103,6 +107,7 @@ class StagePrograms:
         decode: Callable[[Sequence[int]], str],
         pad_id: int,
         reference_params: Any = None,
+        generation_dtype: str | None = None,
     ):
         self.learner = learner
         self.sampler = sampler
@@ -131,11 +136,16 @@ class StagePrograms:
         generation_shardings = sampler.params_sharding
         # a copy, never the same buffers: the next update donates the training ones. Onto other devices
         # (disaggregated generation) a jitted program cannot output: `device_put` moves and reshards there.
+        # Weights are cast to `generation_dtype` (None: kept as trained) on the training devices, in the copy.
+        cast = (lambda params: jax.tree.map(jnp.copy, params)) if generation_dtype is None else (
+            lambda params: cast_floating(params, generation_dtype))
         if device_ids(sampler.mesh) == device_ids(self.train_mesh):
-            self._sync = jax.jit(lambda params: jax.tree.map(jnp.copy, params), out_shardings=generation_shardings)
+            self._sync = jax.jit(cast, out_shardings=generation_shardings)
         else:
             target = generation_shardings if generation_shardings is not None else jax.devices()[0]
-            self._sync = lambda params: jax.device_put(params, target, may_alias=False)
+            cast_here = None if generation_dtype is None else jax.jit(cast)
+            self._sync = lambda params: jax.device_put(params if cast_here is None else cast_here(params), target,
+                                                       may_alias=False)
         self._inference_programs: dict[tuple, Callable] = {}
         self._layouts: dict[tuple, StageLayout] = {}  # inference layouts other than the learner's, by mesh shape
         self.dispatches = 0  # device programs launched by inference, advantage, update and sync stages
@@ -208,27 +218,35 @@ class StagePrograms:
                                     mean_reward=float(rewards.mean()), seconds=float(seconds), first_error=stats.first_error)
 
     # ---- train side ----------------------------------------------------------------------------
-    def _inference_program(self, kinds: tuple[StageKind, ...], layout: StageLayout | None) -> Callable:
-        key = (kinds, None if layout is None else layout.key)
+    def _inference_program(self, kinds: tuple[StageKind, ...], layout: StageLayout | None, micro_batches: int,
+                           length: int) -> Callable:
+        """The jitted program of inference `kinds`: rows in `micro_batches` micro-batches
+        (`rpegjax.learners.inference`), outputs padded with zeros to `length` columns (inputs may come trimmed)."""
+        key = (kinds, None if layout is None else layout.key, micro_batches, length)
         if key not in self._inference_programs:
             functions = [self._kind_functions[kind] for kind in kinds]
             for kind, function in zip(kinds, functions):
                 if function is None:
                     raise ValueError(f"stage kind {kind.value} needs a critic, and this learner has none")
             sharding = None if layout is None else layout.activations
+            rows = self.batch_sharding if layout is None else layout.rows
             # log-probs and values of one stage from one pass when the learner can (a shared trunk)
             joint = self._logprobs_and_values if {StageKind.OLD_LOGPROB, StageKind.CRITIC_VALUE} <= set(kinds) else None
 
             def program(params_by_kind, tokens, token_mask):
-                outputs = {}
-                if joint is not None:
-                    critic = kinds.index(StageKind.CRITIC_VALUE)
-                    outputs[StageKind.OLD_LOGPROB], outputs[StageKind.CRITIC_VALUE] = joint(
-                        params_by_kind[critic], tokens, token_mask, sharding)
-                for kind, f, p in zip(kinds, functions, params_by_kind):
-                    if kind not in outputs:
-                        outputs[kind] = f(p, tokens, token_mask, sharding)
-                return tuple(outputs[kind] for kind in kinds)
+                def rows_program(tokens, token_mask):
+                    outputs = {}
+                    if joint is not None:
+                        critic = kinds.index(StageKind.CRITIC_VALUE)
+                        outputs[StageKind.OLD_LOGPROB], outputs[StageKind.CRITIC_VALUE] = joint(
+                            params_by_kind[critic], tokens, token_mask, sharding)
+                    for kind, f, p in zip(kinds, functions, params_by_kind):
+                        if kind not in outputs:
+                            outputs[kind] = f(p, tokens, token_mask, sharding)
+                    return tuple(outputs[kind] for kind in kinds)
+
+                outputs = map_micro_batches(rows_program, micro_batches, tokens, token_mask, sharding=rows)
+                return tuple(pad_columns(output, length) for output in outputs)
 
             self._inference_programs[key] = jax.jit(program)
         return self._inference_programs[key]
@@ -237,6 +255,8 @@ class StagePrograms:
         """Runs the inference kinds of one execution unit as one program, with the weights each kind reads
         (reference, or the actor/critic of the current training state); returns TrainBatch fields.
 
+        The rows run trimmed to the learner's length bucket and in its row micro-batches
+        (`Learner.trimmed_length`, `Learner.inference_micro_batches`); the outputs have the batch's length.
         `mesh`: the stage's own layout on the training devices when it differs from the learner's (a plan that
         re-shards inference, e.g. pure FSDP for a forward pass that needs no optimiser state): the weights are
         moved there first (the reference's once), the batch's rows split over its data axes."""
@@ -248,16 +268,24 @@ class StagePrograms:
                                  f"on the training devices {sorted(device_ids(self.train_mesh))}")
             key = tuple(mesh.shape.items())
             layout = self._layouts.setdefault(key, StageLayout(mesh))
-        program = self._inference_program(kinds, layout)
+        rows_sharding = self.batch_sharding if layout is None else layout.rows
+        stage_mesh = None if rows_sharding is None else rows_sharding.mesh
+        shards = row_shards(rows_sharding)
+        shards = shards if batch.batch_size % shards == 0 else 1  # rows that do not divide are replicated
+        tensor = 1 if stage_mesh is None else stage_mesh.shape.get(axes.TENSOR_AXIS, 1)
+        length = self.learner.trimmed_length(batch.token_mask)
+        micro_batches = self.learner.inference_micro_batches(batch.batch_size, length, shards=shards, tensor=tensor)
+        program = self._inference_program(kinds, layout, micro_batches, batch.length)
         self.dispatches += 1
         params = tuple(self._params_of[kind](state) for kind in kinds)
         if any(p is None for p in params):
             raise ValueError(f"stages {[k.value for k in kinds]}: a reference stage needs reference_params")
+        tokens, token_mask = batch.tokens[:, :length], batch.token_mask[:, :length]
         if layout is None:
-            outputs = program(params, self._place(batch.tokens), self._place(batch.token_mask))
+            outputs = program(params, self._place(tokens), self._place(token_mask))
         else:
             params = tuple(layout.place_params(p, constant=kind == StageKind.REF_LOGPROB) for kind, p in zip(kinds, params))
-            outputs = program(params, self._place(batch.tokens, layout.rows), self._place(batch.token_mask, layout.rows))
+            outputs = program(params, self._place(tokens, layout.rows), self._place(token_mask, layout.rows))
         return {INFERENCE_FIELDS[kind]: output for kind, output in zip(kinds, outputs)}
 
     def _place(self, tree: Any, rows: NamedSharding | None = None) -> Any:

@@ -24,7 +24,7 @@ from rpegjax.generate.sampler import Sampler, usable_slots
 from rpegjax.graph import builders, transforms
 from rpegjax.graph.ir import Algorithm, Graph, GraphError, StageKind
 from rpegjax.models.config import EXECUTION_FIELDS, ModelConfig
-from rpegjax.models.hf import load_pretrained
+from rpegjax.models.hf import load_pretrained, read_config
 from rpegjax.models.tokenizer import builtin_tokenizer, load_tokenizer
 from rpegjax.models.transformer import Decoder
 from rpegjax.rewards.custom import RewardedTask, load_rewards
@@ -117,12 +117,13 @@ def check_prompt_lengths(examples: list[Example], prompt_ids: list[list[int]], l
 
 def _model_config(cfg: RunConfig, tokenizer, *, value_head: bool) -> ModelConfig:
     m = cfg.model
+    precision = m.precision(backend=jax.default_backend(), checkpoint_dtype=None)
     # the vocabulary padded to a multiple of 8, as checkpoints pad theirs: tensor parallelism up to 8 splits
     # the embedding and output layer evenly (the sharding rules refuse an axis that does not divide)
     vocab = -(-tokenizer.vocab_size // 8) * 8
     return ModelConfig(vocab_size=vocab, hidden_size=m.hidden_size, num_layers=m.num_layers, num_heads=m.num_heads,
                        num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, intermediate_size=m.intermediate_size,
-                       attention_bias=True, param_dtype=m.param_dtype, dtype=m.dtype, value_head=value_head,
+                       attention_bias=True, param_dtype=precision.param_dtype, dtype=precision.dtype, value_head=value_head,
                        eos_token_id=tokenizer.eos_id, max_position_embeddings=4096, **m.execution())
 
 
@@ -265,9 +266,11 @@ def build(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Components:
                 f"({'cached' if warm_metrics['warm_start/cached'] else 'trained'}, "
                 f"{warm_metrics['warm_start/seconds']:.1f} s)")
     else:
+        precision = cfg.model.precision(backend=jax.default_backend(),
+                                        checkpoint_dtype=read_config(cfg.model.path).param_dtype)
         # straight into the training layout: each process reads only the windows its devices hold
-        model, model_cfg = load_pretrained(cfg.model.path, param_dtype=cfg.model.param_dtype,
-                                           dtype=cfg.model.dtype, value_head=shared_critic, mesh=train_mesh)
+        model, model_cfg = load_pretrained(cfg.model.path, param_dtype=precision.param_dtype,
+                                           dtype=precision.dtype, value_head=shared_critic, mesh=train_mesh)
         model = model.with_execution(**cfg.model.execution())
         model_cfg = model.cfg
         if model_cfg.eos_token_id is None:

@@ -24,6 +24,7 @@ from rpegjax.learners.grpo import GRPOConfig
 from rpegjax.learners.optim import OptimizerConfig
 from rpegjax.learners.ppo import PPOConfig
 from rpegjax.models.config import EXECUTION_FIELDS, AttentionKind, RematPolicy
+from rpegjax.models.precision import PRECISION_DTYPES, Precision, resolve_precision
 from rpegjax.rewards.custom import RewardSpec
 from rpegjax.rewards.format import overlong_penalty
 from rpegjax.rewards.task import Difficulty
@@ -65,8 +66,11 @@ class ModelSection:
     num_kv_heads: int = 2
     head_dim: int = 32
     intermediate_size: int = 384
-    param_dtype: str = "float32"
-    dtype: str = "float32"
+    # None: the mixed-precision policy (rpegjax.models.precision): float32 everywhere on CPU; on a GPU float32
+    # master weights computing in a checkpoint's own dtype, generation in the compute dtype
+    param_dtype: str | None = None
+    dtype: str | None = None
+    generation_dtype: str | None = None
     # how the model executes (see rpegjax.models.config): long sequences want blockwise, full, scan_layers
     attention: AttentionKind = AttentionKind.DENSE
     attention_block_size: int = 512
@@ -83,12 +87,22 @@ class ModelSection:
             except ValueError:
                 raise ValueError(f"ModelSection.{name} must be one of {[k.value for k in kind]}, "
                                  f"got {getattr(self, name)!r}") from None
+        for name in ("param_dtype", "dtype", "generation_dtype"):
+            if getattr(self, name) not in (None, *PRECISION_DTYPES):
+                raise ValueError(f"ModelSection.{name} must be one of {list(PRECISION_DTYPES)} or unset (the "
+                                 f"mixed-precision policy), got {getattr(self, name)!r}")
+        if self.path is not None and not pathlib.Path(self.path).is_dir():
+            raise ValueError(f"ModelSection.path {self.path!r} is not a directory (a local Hugging Face checkpoint)")
+
+    def precision(self, *, backend: str, checkpoint_dtype: str | None) -> Precision:
+        """The dtypes this section gives on `backend` for a checkpoint stored in `checkpoint_dtype` (None: the
+        built-in model), by `rpegjax.models.precision.resolve_precision`."""
+        return resolve_precision(backend=backend, checkpoint_dtype=checkpoint_dtype, param_dtype=self.param_dtype,
+                                 dtype=self.dtype, generation_dtype=self.generation_dtype)
 
     def execution(self) -> dict[str, Any]:
         """The model config's execution fields (`rpegjax.models.config.EXECUTION_FIELDS`) from this section."""
         return {name: getattr(self, name) for name in EXECUTION_FIELDS}
-        if self.path is not None and not pathlib.Path(self.path).is_dir():
-            raise ValueError(f"ModelSection.path {self.path!r} is not a directory (a local Hugging Face checkpoint)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -18,6 +18,7 @@ from rpegjax.data.iterator import DataIterator
 from rpegjax.generate.sampling import SamplingConfig
 from rpegjax.graph.ir import Algorithm
 from rpegjax.graph.trace import Trace, gantt_png
+from rpegjax.models.precision import generation_cast
 from rpegjax.rewards.runner import ResourceLimits, RewardRunner
 from rpegjax.runtime.controller import Runtime, StepResult
 from rpegjax.runtime.programs import StagePrograms
@@ -74,6 +75,7 @@ def make_programs(parts: Components, rewards: RewardRunner) -> StagePrograms:
         rewards=rewards,
         decode=parts.decode,
         pad_id=parts.tokenizer.pad_id,
+        generation_dtype=generation_cast(parts.model_cfg.param_dtype, parts.model_cfg.dtype, cfg.model.generation_dtype),
     )
 
 

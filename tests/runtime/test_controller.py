@@ -276,7 +276,7 @@ def test_a_shared_critic_stage_gets_log_probs_and_values_from_one_pass():
 
     def flops(kinds):  # XLA's count for the compiled program
         params = tuple(programs._params_of[kind](state) for kind in kinds)
-        program = programs._inference_program(kinds, None)
+        program = programs._inference_program(kinds, None, 1, batch.length)
         tokens, mask = programs._place(batch.tokens), programs._place(batch.token_mask)
         return program.lower(params, tokens, mask).compile().cost_analysis()["flops"]
 

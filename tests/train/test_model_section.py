@@ -16,3 +16,9 @@ def test_model_section_execution_fields():
         ModelSection(remat="all")
     with pytest.raises(ValueError, match=r"ModelSection.attention_block_size must be a positive integer, got 0"):
         ModelSection(attention_block_size=0)
+
+
+def test_a_model_path_that_is_not_a_directory_is_refused(tmp_path):
+    assert ModelSection(path=str(tmp_path)).path == str(tmp_path)
+    with pytest.raises(ValueError, match=r"ModelSection.path '.*missing' is not a directory"):
+        ModelSection(path=str(tmp_path / "missing"))

@@ -1,0 +1,89 @@
+"""Stage programs: inference in row micro-batches, trimmed to a length bucket, equals the whole padded batch."""
+
+import copy
+import dataclasses
+
+import numpy as np
+import pytest
+
+from rpegjax.graph.ir import StageKind
+from rpegjax.learners.batch import pack_rollouts
+from rpegjax.train.build import build
+from rpegjax.train.config import (
+    DataSection,
+    ModelSection,
+    RolloutSection,
+    RunConfig,
+    TrainSection,
+    WarmStartSection,
+)
+from rpegjax.train.trainer import make_programs
+
+
+@pytest.fixture(scope="module")
+def parts():
+    cfg = RunConfig(
+        model=ModelSection(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64),
+        data=DataSection(train_size=16, eval_size=4),
+        rollout=RolloutSection(prompts_per_step=8, group_size=2, max_prompt_len=12, max_new_tokens=20, num_slots=8),
+        warm_start=WarmStartSection(steps=0),
+        train=TrainSection(steps=1, reward_workers=1),
+    ).replace(grpo=dataclasses.replace(RunConfig().grpo, kl_coef=0.04))
+    return build(cfg, log=lambda _: None)
+
+
+def with_settings(parts, **changes):
+    """The same learner (same parameters and jitted functions) with other inference/bucketing settings."""
+    learner = copy.copy(parts.learner)
+    learner.cfg = dataclasses.replace(learner.cfg, **changes)
+    return make_programs(dataclasses.replace(parts, learner=learner), None)
+
+
+def test_micro_batched_bucketed_inference_equals_the_whole_padded_batch(parts):
+    rng = np.random.default_rng(0)
+    rows = 16
+    prompts = [list(rng.integers(3, 60, size=rng.integers(2, 12))) for _ in range(rows)]
+    responses = [list(rng.integers(3, 60, size=rng.integers(1, 9))) for _ in range(rows)]
+    batch = pack_rollouts(prompts, responses, pad_id=0, length=32)
+    kinds = (StageKind.REF_LOGPROB, StageKind.OLD_LOGPROB)
+    state = parts.learner.init_state()
+    expected = with_settings(parts).infer(kinds, state, batch)
+    programs = with_settings(parts, inference_rows=8, length_bucket=8)
+    assert parts.learner.placement.mesh.devices.size == 8
+    assert programs.learner.trimmed_length(batch.token_mask) in (16, 24)
+    assert programs.learner.inference_micro_batches(rows, 16, shards=8) == 2
+    got = programs.infer(kinds, state, batch)
+    for field in expected:
+        assert got[field].shape == (rows, 32)
+        assert got[field].sharding.is_equivalent_to(expected[field].sharding, 2)
+        np.testing.assert_allclose(np.asarray(got[field]), np.asarray(expected[field]), rtol=1e-6, atol=1e-6)
+
+
+def test_a_row_over_the_inference_budget_is_refused_before_compiling(parts):
+    programs = with_settings(parts, inference_memory_gib=1e-6)
+    batch = pack_rollouts([[5, 6, 7]] * 8, [[8, 9]] * 8, pad_id=0, length=32)
+    with pytest.raises(ValueError, match=r"GRPOLearner inference: one row of 32 tokens needs an estimated .* GiB per "
+                                         r"device .*, more than the memory budget of 1e-06 GiB"):
+        programs.infer((StageKind.REF_LOGPROB,), parts.learner.init_state(), batch)
+    assert not programs._inference_programs  # nothing was built
+
+
+def test_weight_sync_casts_the_generation_copy_and_generation_runs_on_it(parts):
+    import jax
+    import jax.numpy as jnp
+
+    from rpegjax.generate.sampling import SamplingConfig
+
+    cast_parts = dataclasses.replace(parts, cfg=parts.cfg.replace(
+        model=dataclasses.replace(parts.cfg.model, generation_dtype="bfloat16")))
+    programs = make_programs(cast_parts, None)
+    state = parts.learner.init_state()
+    copy_ = programs.sync(state)
+    shardings = jax.tree.leaves(parts.sampler.params_sharding)
+    for trained, generated, sharding in zip(jax.tree.leaves(state.params), jax.tree.leaves(copy_), shardings, strict=True):
+        assert generated.dtype == jnp.bfloat16 and trained.dtype == jnp.float32
+        assert generated.sharding.is_equivalent_to(sharding, generated.ndim)  # the generation layout
+        np.testing.assert_array_equal(np.asarray(generated, np.float32), np.asarray(trained.astype(jnp.bfloat16), np.float32))
+    completions = list(parts.sampler.stream(copy_, [[5, 6, 7]] * 2, SamplingConfig(max_new_tokens=4), group_size=2,
+                                            key=jax.random.key(0), version=0))
+    assert len(completions) == 4 and all(1 <= len(c.response_ids) <= 4 for c in completions)
