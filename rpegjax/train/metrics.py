@@ -1,4 +1,4 @@
-"""Run metrics: one JSON line per step, TensorBoard scalars, and PNG plots at the end."""
+"""Run metrics: one JSON line per step, TensorBoard scalars and text, and the PNG dashboard at the end."""
 
 from __future__ import annotations
 
@@ -54,6 +54,11 @@ class MetricsWriter:
                         self._tb.add_scalar(key, value, step)
         return record
 
+    def log_text(self, step: int, tag: str, text: str) -> None:
+        """A TensorBoard text summary (rendered as Markdown in the TEXT tab)."""
+        if self.enabled and self._tb is not None:
+            self._tb.add_text(tag, text, step)
+
     def close(self) -> None:
         if not self.enabled:
             return
@@ -67,26 +72,65 @@ def read_metrics(path: str | pathlib.Path) -> list[dict[str, Any]]:
         return [json.loads(line) for line in handle if line.strip()]
 
 
-def plot_metrics(records: Iterable[Mapping[str, Any]], keys: Iterable[str], path: str | pathlib.Path, *, title: str = "") -> None:
-    """One PNG with a panel per key (x = step); keys absent from every record are skipped."""
+# The dashboard's panels: (title, [(metric, label)], smoothed). A panel is drawn when one of its metrics was
+# logged; smoothed panels show the raw values faintly under a trailing moving average.
+DASHBOARD: tuple[tuple[str, tuple[tuple[str, str], ...], bool], ...] = (
+    ("reward (training rollouts)", (("reward", "reward"), ("accuracy", "reward >= 1")), True),
+    ("held-out accuracy (greedy)", (("eval/accuracy", "held-out accuracy"),), False),
+    ("KL", (("kl_loss", "KL(policy || reference)"), ("approx_kl", "KL(old || policy), per update")), True),
+    ("clip fraction", (("clip_fraction", "clipped tokens"),), True),
+    ("gradient norm", (("grad_norm", "before clipping"),), True),
+    ("policy entropy (nats per token)", (("entropy", "entropy"),), True),
+    ("response length (tokens)", (("response_length", "mean length"),), True),
+    ("throughput", (("tokens_per_second", "generated tokens / s"),), True),
+)
+
+
+def smooth(values: Iterable[float], window: int) -> np.ndarray:
+    """Trailing moving average: point i is the mean of values[max(0, i - window + 1) : i + 1]."""
+    values = np.asarray(list(values), np.float64)
+    sums = np.cumsum(np.concatenate([[0.0], values]))
+    index = np.arange(1, len(values) + 1)
+    start = np.maximum(index - window, 0)
+    return (sums[index] - sums[start]) / (index - start)
+
+
+def plot_dashboard(records: Iterable[Mapping[str, Any]], path: str | pathlib.Path, *, title: str = "") -> list[str]:
+    """The run's dashboard as one PNG: the DASHBOARD panels that have data, in a grid of two columns. Returns
+    the titles of the panels drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     records = list(records)
-    keys = [key for key in keys if any(key in record for record in records)]
-    if not keys:
-        return
-    figure, panels = plt.subplots(len(keys), 1, figsize=(7, 2.4 * len(keys)), squeeze=False)
-    for panel, key in zip(panels[:, 0], keys):
-        points = [(record["step"], record[key]) for record in records if key in record]
-        panel.plot([p[0] for p in points], [p[1] for p in points], marker="." if len(points) < 40 else None)
-        panel.set_ylabel(key)
-        panel.grid(alpha=0.3)
-    panels[-1, 0].set_xlabel("step")
+    panels = [(name, [(key, label) for key, label in series if any(key in r for r in records)], smoothed)
+              for name, series, smoothed in DASHBOARD]
+    panels = [panel for panel in panels if panel[1]]
+    if not panels:
+        return []
+    rows = -(-len(panels) // 2)
+    figure, axes = plt.subplots(rows, 2, figsize=(12, 2.8 * rows), squeeze=False)
+    for axis, (name, series, smoothed) in zip(axes.flat, panels):
+        for number, (key, label) in enumerate(series):
+            points = [(r["step"], r[key]) for r in records if key in r]
+            steps, values = [p[0] for p in points], [p[1] for p in points]
+            colour = f"C{number}"
+            if smoothed and len(values) > 2:
+                window = max(2, min(25, len(values) // 10))
+                axis.plot(steps, values, color=colour, alpha=0.25, linewidth=0.8)
+                axis.plot(steps, smooth(values, window), color=colour, label=f"{label} (mean of {window})")
+            else:  # measured points (evaluations): each one marked, joined by lines
+                axis.plot(steps, values, color=colour, marker="o", markersize=4, label=label)
+        axis.set_title(name, fontsize=10)
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=7, loc="best")
+        axis.set_xlabel("step", fontsize=8)
+    for axis in list(axes.flat)[len(panels):]:
+        axis.set_visible(False)
     if title:
         figure.suptitle(title)
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)
+    return [panel[0] for panel in panels]
