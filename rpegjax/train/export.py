@@ -33,22 +33,32 @@ def policy_model(parts: Components, params: Any) -> Decoder:
     return nnx.merge(parts.sampler.graphdef, params)
 
 
+def _byte_level_symbol(character: str) -> str:
+    """GPT-2's printable stand-in for a byte (byte-level BPE vocabularies spell a space "Ġ", a newline "Ċ")."""
+    code = ord(character)
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    if code in printable:
+        return character
+    return chr(256 + [b for b in range(256) if b not in printable].index(code))
+
+
 def write_char_tokenizer(directory: pathlib.Path) -> None:
-    """The built-in character tokenizer as `tokenizer.json` + `tokenizer_config.json`: one id per character,
-    the same ids (`<pad>`=0, `<eos>`=1, `<bos>`=2, then newline and printable ASCII), so that `transformers`'
-    `AutoTokenizer` and our `load_tokenizer` encode as `CharTokenizer` does."""
+    """The built-in character tokenizer as `tokenizer.json` + `tokenizer_config.json`, with the same ids
+    (`<pad>`=0, `<eos>`=1, `<bos>`=2, then newline and printable ASCII). It is written as a byte-level BPE
+    without merges (one token per character, spelled as GPT-2 spells bytes): `transformers` reads a Qwen2
+    checkpoint's tokenizer as such a BPE whatever the file declares, and then encodes as `CharTokenizer` does."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     vocab = {token: index for index, token in enumerate(BUILTIN_SPECIAL_TOKENS)}
-    vocab.update({character: len(BUILTIN_SPECIAL_TOKENS) + i for i, character in enumerate(BUILTIN_CHARACTERS)})
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")  # every character a token
-    tokenizer.decoder = decoders.Fuse()
+    vocab.update({_byte_level_symbol(c): len(BUILTIN_SPECIAL_TOKENS) + i for i, c in enumerate(BUILTIN_CHARACTERS)})
+    tokenizer = Tokenizer(models.BPE(vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in BUILTIN_SPECIAL_TOKENS])
     tokenizer.save(str(directory / "tokenizer.json"))
     pad, eos, bos = BUILTIN_SPECIAL_TOKENS
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "pad_token": pad, "eos_token": eos, "bos_token": bos,
-              "model_max_length": 4096, "clean_up_tokenization_spaces": False}
+    config = {"tokenizer_class": "Qwen2Tokenizer", "pad_token": pad, "eos_token": eos, "bos_token": bos,
+              "model_max_length": 4096, "clean_up_tokenization_spaces": False, "add_prefix_space": False}
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
