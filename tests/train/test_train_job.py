@@ -358,6 +358,10 @@ def test_job_trains_a_local_hugging_face_checkpoint_on_a_jsonl_dataset(tmp_path)
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["steps"] == 2
     assert [r["step"] for r in metrics(tmp_path / "run") if "loss" in r] == [1, 2]
+    exported = tmp_path / "run" / "hf"  # the final policy, with the checkpoint's own tokenizer files
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (exported / name).read_bytes() == (model_dir / name).read_bytes()
+    assert json.loads((exported / "config.json").read_text())["vocab_size"] == cfg.vocab_size
 
 
 def test_a_refused_resume_leaves_the_run_and_a_damaged_checkpoint_falls_back(tmp_path):
