@@ -292,10 +292,13 @@ def main(argv: list[str], algorithm: Algorithm) -> int:
 
     from rpegjax.train.build import build
     from rpegjax.train.checkpoint import CheckpointError
+    from rpegjax.train.metrics import require_wandb
     from rpegjax.train.trainer import Trainer, TrainingError
 
     claimed = config.train.run_dir is None and resume is None
     try:
+        if config.train.wandb and main_process:  # before anything is built: a missing package is found at once
+            require_wandb()
         if config.train.run_dir is not None:  # refused before anything is built or written
             check_run_dir(config.train.run_dir, resume=resume is not None, overwrite=command.overwrite)
         config = agree_on_run_dir(config.replace(distributed=resolved), algorithm)

@@ -186,6 +186,11 @@ class GraphSection:
         return parse_mesh(self.rollout_mesh)
 
 
+class WandbMode(enum.StrEnum):
+    OFFLINE = "offline"
+    ONLINE = "online"
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainSection:
     steps: int = 300
@@ -199,6 +204,11 @@ class TrainSection:
     sample_every: int = 10
     samples_per_step: int = 4
     export_hf: bool = True  # write the final policy as a Hugging Face directory, RUN_DIR/hf
+    # also log metrics and samples to Weights & Biases (the optional `wandb` package: pip install rpegjax[wandb]);
+    # offline by default (RUN_DIR/wandb, `wandb sync` uploads it), online sends as the run goes
+    wandb: bool = False
+    wandb_project: str = "rpegjax"
+    wandb_mode: WandbMode = WandbMode.OFFLINE
     reward_timeout_s: float = 10.0
     reward_workers: int = 2
     # limits of each reward worker process (a user's reward must not take the machine down); None: no limit
@@ -222,6 +232,7 @@ class TrainSection:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"TrainSection.{name} must be an integer >= 0, got {value!r}")
         _positive(self, "samples_per_step")
+        _choice(self, "wandb_mode", WandbMode)
         if self.reward_timeout_s <= 0:
             raise ValueError(f"TrainSection.reward_timeout_s must be positive, got {self.reward_timeout_s!r}")
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import math
 import pathlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+
+from rpegjax.train.samples import Sample, markdown
 
 
 def _scalar(value: Any) -> float | int | str | None:
@@ -21,18 +23,36 @@ def _scalar(value: Any) -> float | int | str | None:
     return number if math.isfinite(number) else None
 
 
+def require_wandb() -> Any:
+    """The `wandb` module; a clear error when the optional package is missing."""
+    try:
+        import wandb
+    except ImportError:
+        raise ValueError("train.wandb=true needs the optional `wandb` package: pip install 'rpegjax[wandb]' "
+                         "(or leave --train.wandb unset)") from None
+    return wandb
+
+
 class MetricsWriter:
-    """Appends `{"step": s, ...}` records to `metrics.jsonl` and mirrors numeric ones to TensorBoard.
+    """Appends `{"step": s, ...}` records to `metrics.jsonl` and mirrors numeric ones to TensorBoard (and to
+    Weights & Biases when `wandb` is given: `{"project", "mode", "config"}`, a run under `run_dir/wandb`).
 
     `enabled=False` (non-zero processes of a multi-host run) makes every call a no-op.
     """
 
-    def __init__(self, run_dir: str | pathlib.Path, *, enabled: bool = True, tensorboard: bool = True):
+    def __init__(self, run_dir: str | pathlib.Path, *, enabled: bool = True, tensorboard: bool = True,
+                 wandb: Mapping[str, Any] | None = None):
         self.run_dir = pathlib.Path(run_dir)
         self.enabled = enabled
         self._tb = None
+        self._wandb = None
         if not enabled:
             return
+        if wandb is not None:
+            module = require_wandb()
+            self._wandb_module = module
+            self._wandb = module.init(project=wandb["project"], mode=wandb["mode"], dir=str(self.run_dir),
+                                      name=self.run_dir.name, config=dict(wandb.get("config", {})))
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._file = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
         if tensorboard:
@@ -52,12 +72,22 @@ class MetricsWriter:
                 for key, value in record.items():
                     if key != "step" and isinstance(value, float | int):
                         self._tb.add_scalar(key, value, step)
+            if self._wandb is not None:
+                self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=int(step))
         return record
 
-    def log_text(self, step: int, tag: str, text: str) -> None:
-        """A TensorBoard text summary (rendered as Markdown in the TEXT tab)."""
-        if self.enabled and self._tb is not None:
-            self._tb.add_text(tag, text, step)
+    def log_samples(self, step: int, samples: Sequence[Sample]) -> None:
+        """Sample completions as a TensorBoard text table (Markdown, in the TEXT tab; tag samples/<source>) and
+        a W&B table."""
+        if not self.enabled or not samples:
+            return
+        tag = f"samples/{samples[0].source}"
+        if self._tb is not None:
+            self._tb.add_text(tag, markdown(samples), step)
+        if self._wandb is not None:
+            columns = ["prompt", "response", "answer", "reward", "correct", "finish_reason"]
+            rows = [[getattr(s, c) for c in columns] for s in samples]
+            self._wandb.log({tag: self._wandb_module.Table(columns=columns, data=rows)}, step=int(step))
 
     def close(self) -> None:
         if not self.enabled:
@@ -65,6 +95,8 @@ class MetricsWriter:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
 
 
 def read_metrics(path: str | pathlib.Path) -> list[dict[str, Any]]:

@@ -30,7 +30,7 @@ from rpegjax.train.evaluation import evaluate_accuracy
 from rpegjax.train.export import export_policy
 from rpegjax.train.health import NonFiniteGuard, TrainingError, nonfinite_leaves
 from rpegjax.train.metrics import MetricsWriter, plot_dashboard, read_metrics
-from rpegjax.train.samples import Sample, SampleLog, console_lines, evaluation_samples, markdown, training_samples
+from rpegjax.train.samples import Sample, SampleLog, console_lines, evaluation_samples, training_samples
 
 GANTT_STEPS = 3  # steps shown by gantt.png: the last ones, past compilation (trace.json has them all)
 
@@ -115,8 +115,7 @@ class Trainer:
 
     def _record_samples(self, step: int, samples: list[Sample], *, console: bool) -> None:
         self.samples.write(samples)
-        if samples:
-            self.metrics.log_text(step, f"samples/{samples[0].source}", markdown(samples))
+        self.metrics.log_samples(step, samples)
         if console:
             for line in console_lines(samples):
                 self.log(line)
@@ -150,7 +149,9 @@ class Trainer:
         elif self.resume:
             self.log(f"no complete checkpoint in {checkpoints.directory}: starting from scratch")
         self._write_config()
-        metrics = self.metrics = MetricsWriter(self.run_dir, enabled=self.main)
+        wandb = ({"project": cfg.train.wandb_project, "mode": cfg.train.wandb_mode.value,
+                  "config": json.loads(cfg.to_json())} if cfg.train.wandb else None)
+        metrics = self.metrics = MetricsWriter(self.run_dir, enabled=self.main, wandb=wandb)
         self.samples = SampleLog(self.run_dir, enabled=self.main)
         if start_step:
             self.samples.truncate(start_step)

@@ -104,3 +104,12 @@ def test_verbose_is_a_flag_and_ppo_flags_are_only_in_train_ppo(capsys):
             parse_command(["--help"], algorithm)
         text = capsys.readouterr().out
         assert present in text and absent not in text and "--verbose" in text and "YAML" in text
+
+
+def test_wandb_without_the_package_is_one_clear_error_before_anything_is_built(tmp_path, capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    assert main([f"--run-dir={tmp_path / 'run'}", "--train.wandb=true"], Algorithm.GRPO) == 2
+    assert "pip install 'rpegjax[wandb]'" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
