@@ -49,6 +49,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "run-dir": ("train.run_dir",),
     "checkpoint-every": ("train.checkpoint_every",),
     "eval-every": ("train.eval_every",),
+    "sample-every": ("train.sample_every",),
     "max-nonfinite-steps": ("train.max_nonfinite_steps",),
     "reward-memory-mb": ("train.reward_memory_mb",),
     "reward-cpu-s": ("train.reward_cpu_s",),
@@ -138,7 +139,7 @@ def parse_command(argv: list[str], algorithm: Algorithm) -> Command:
                         "further flags override it")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
     parser.add_argument("--verbose", action="store_true", help="also print developer detail: the executed graph "
-                        "(stages, edges, placements) and the resolved device layouts")
+                        "(stages, edges, placements and their meshes)")
     known, rest = parser.parse_known_args(argv)
     overrides: dict[str, str] = {}
     index = 0
