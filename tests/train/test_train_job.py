@@ -251,7 +251,9 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(tmp_path):
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 600
     while time.time() < deadline and process.poll() is None:
-        if Checkpointer(run_dir / "checkpoints", asynchronous=False).latest_step() in (2, 4):
+        # only once the job made it: a Checkpointer creates its directory, and the job refuses a non-empty run dir
+        if (run_dir / "checkpoints").is_dir() and \
+                Checkpointer(run_dir / "checkpoints", asynchronous=False).latest_step() in (2, 4):
             break
         time.sleep(0.2)
     process.send_signal(signal.SIGKILL)
