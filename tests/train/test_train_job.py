@@ -148,7 +148,6 @@ def _script(name):
     return module
 
 
-@pytest.mark.slow  # essential for CI: about 50 s on a loaded 2-core machine
 def test_the_final_hugging_face_directory_loads_in_transformers_with_logit_parity(tiny_run):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
@@ -204,7 +203,6 @@ def test_export_hf_script_writes_the_checkpoint_it_is_asked_for(tiny_run, tmp_pa
     assert "no checkpoint of step 1; there are [2, 3]" in capsys.readouterr().err
 
 
-@pytest.mark.slow  # essential for CI: about 50 s on a loaded 2-core machine
 def test_evaluate_reproduces_the_jobs_final_evaluation_and_generate_samples(tiny_run, tmp_path, capsys):
     run_dir, result = tiny_run
     answers = tmp_path / "answers.jsonl"
