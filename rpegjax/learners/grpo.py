@@ -121,7 +121,7 @@ class GRPOLearner(PolicyUpdates):
         cfg = self.cfg
         scores = score_sequences(
             self.placement.merge(params), batch.tokens, batch.token_mask, chunk_size=cfg.logprob_chunk_size,
-            temperature=cfg.temperature, with_entropy=cfg.entropy_coef > 0, sharding=self.placement.activations,
+            temperature=cfg.temperature, with_entropy=True, sharding=self.placement.activations,
         )
         return policy_objective(cfg, scores.logprobs, scores.entropy, batch, denominators)
 

@@ -2,6 +2,9 @@
 
     loss = policy loss (PPO clipped surrogate, or GSPO)  +  kl_coef * aggregate(KL(pi_theta || pi_ref))
            +  entropy_coef * (-aggregate(entropy))
+
+Its metrics include `entropy`, the policy's mean per-token entropy over response tokens, whatever entropy_coef is
+(never differentiated).
 """
 
 from __future__ import annotations
@@ -183,6 +186,9 @@ def policy_objective(
         kl_loss = aggregate(kl, mask, **terms)
         loss = loss + cfg.kl_coef * kl_loss
         metrics["kl_loss"] = kl_loss
+    if entropy is not None:  # logged whether or not it is in the loss: a collapsing policy shows here first
+        mask_f = mask.astype(jnp.float32)
+        metrics["entropy"] = jax.lax.stop_gradient((entropy * mask_f).sum() / jnp.maximum(mask_f.sum(), 1.0))
     if cfg.entropy_coef > 0:
         bonus, _ = entropy_bonus(entropy, mask, **terms)
         loss = loss + cfg.entropy_coef * bonus

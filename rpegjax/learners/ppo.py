@@ -152,7 +152,7 @@ class PPOLearner(PolicyUpdates):
         shared = cfg.critic == CriticMode.SHARED
         scores = score_sequences(
             self.actor.merge(params["actor"]), batch.tokens, batch.token_mask, chunk_size=cfg.logprob_chunk_size,
-            temperature=cfg.temperature, with_entropy=cfg.entropy_coef > 0, with_values=shared,
+            temperature=cfg.temperature, with_entropy=True, with_values=shared,
             sharding=self.actor.activations,
         )
         loss, metrics = policy_objective(cfg, scores.logprobs, scores.entropy, batch, denominators)

@@ -100,6 +100,8 @@ class StepResult:
     metrics: dict[str, float]
     data_state: dict[str, Any]
     completions: list[Any]
+    examples: list[Example] = dataclasses.field(default_factory=list)  # the step's prompts (Completion.prompt_index)
+    rewards: np.ndarray | None = None  # float32 [completions], in the order of `completions`
 
 
 def _block(tree: Any) -> Any:
@@ -362,7 +364,7 @@ class Runtime:
         dispatches_before = programs.dispatches
         metrics: dict[str, float] = {}
         piece_outputs: list[dict[str, jax.Array]] = [dict() for _ in range(self.pieces)]
-        batch = None
+        batch = rewards = None
         for unit in self.train_units:
             kinds = self._kinds(unit)
             name, devices = self._unit_name(unit), self._devices(unit)
@@ -383,6 +385,7 @@ class Runtime:
             elif StageKind.ADVANTAGE in kinds:
                 batch = batch if batch is not None else self._assemble(rollout, piece_outputs)
                 batch, reward_metrics = self._attach_rewards(rollout, batch)
+                rewards = batch.rewards
                 metrics.update(reward_metrics)
                 with self.trace.span(name, step, step, devices):
                     batch, advantage_metrics = programs.advantages(batch)
@@ -413,7 +416,7 @@ class Runtime:
             "dispatches": float(self.dispatches_per_step[-1]),
         })
         return state, StepResult(step=step, version=rollout.version, metrics=metrics, data_state=rollout.data_state,
-                                 completions=completions)
+                                 completions=completions, examples=rollout.examples, rewards=rewards)
 
     def _assemble(self, rollout: Rollout, piece_outputs: list[dict[str, jax.Array]]):
         pieces = [future.result() for future in rollout.pieces]

@@ -53,6 +53,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "run-dir": ("train.run_dir",),
     "checkpoint-every": ("train.checkpoint_every",),
     "eval-every": ("train.eval_every",),
+    "sample-every": ("train.sample_every",),
     "max-nonfinite-steps": ("train.max_nonfinite_steps",),
     "reward-memory-mb": ("train.reward_memory_mb",),
     "reward-cpu-s": ("train.reward_cpu_s",),
@@ -74,7 +75,7 @@ ALGORITHM_ALIASES = {
     "epochs": "epochs",
     "minibatches": "num_minibatches",
 }
-_ACTION_FLAGS = ("recipe", "resume", "overwrite", "config", "print-config", "help")
+_ACTION_FLAGS = ("recipe", "resume", "overwrite", "config", "print-config", "verbose", "help")
 REWARD_FLAG = "reward"  # repeatable: each one a term of data.reward
 
 
@@ -87,6 +88,7 @@ class Command:
     resume: str | None = None
     overwrite: bool = False
     print_config: bool = False
+    verbose: bool = False
 
 
 def _field(config: object, dotted: str) -> tuple[object, object]:
@@ -145,9 +147,12 @@ def parse_command(argv: list[str], algorithm: Algorithm) -> Command:
                         "checkpoint (its config.json is used; further flags override it)")
     parser.add_argument("--overwrite", action="store_true", help="replace what an earlier run left in --run-dir "
                         "(without it a non-empty run directory is refused)")
-    parser.add_argument("--config", metavar="FILE", help="start from the config in FILE (JSON, e.g. a run's "
-                        "config.json or --print-config output); further flags override it")
+    parser.add_argument("--config", metavar="FILE", help="start from the config in FILE: JSON (a run's config.json, "
+                        "--print-config output) or YAML (.yaml/.yml); fields it leaves out keep their defaults, "
+                        "further flags override it")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
+    parser.add_argument("--verbose", action="store_true", help="also print developer detail: the executed graph "
+                        "(stages, edges, placements and their meshes)")
     known, rest = parser.parse_known_args(argv)
     overrides: dict[str, str] = {}
     index = 0
@@ -204,7 +209,8 @@ def parse_command(argv: list[str], algorithm: Algorithm) -> Command:
     if config.algorithm != algorithm:
         source = "--resume: that run" if known.resume else f"--config {known.config}: it"
         parser.error(f"{source} used {config.algorithm.value}, not {algorithm.value}")
-    return Command(config=config, resume=known.resume, overwrite=known.overwrite, print_config=known.print_config)
+    return Command(config=config, resume=known.resume, overwrite=known.overwrite, print_config=known.print_config,
+                   verbose=known.verbose)
 
 
 def parse_args(argv: list[str], algorithm: Algorithm) -> tuple[RunConfig, str | None]:
@@ -305,10 +311,13 @@ def main(argv: list[str], algorithm: Algorithm) -> int:
 
     from rpegjax.train.build import build
     from rpegjax.train.checkpoint import CheckpointError
+    from rpegjax.train.metrics import require_wandb
     from rpegjax.train.trainer import Trainer, TrainingError
 
     claimed = config.train.run_dir is None and resume is None
     try:
+        if config.train.wandb and main_process:  # before anything is built: a missing package is found at once
+            require_wandb()
         if config.train.run_dir is not None:  # refused before anything is built or written
             check_run_dir(config.train.run_dir, resume=resume is not None, overwrite=command.overwrite)
         config = agree_on_run_dir(config.replace(distributed=resolved), algorithm)
@@ -321,7 +330,9 @@ def main(argv: list[str], algorithm: Algorithm) -> int:
         log(f"{resolved.num_processes} processes joined (coordinator {resolved.coordinator_address})")
     try:
         parts = build(config, log=log)
-        log(parts.graph.to_text())
+        log(describe_run(parts))
+        if command.verbose:
+            log(parts.graph.to_text())
         if command.overwrite and main_process:
             clear_run_dir(run_dir)
             log(f"--overwrite: removed the earlier contents of {run_dir}")
@@ -342,6 +353,30 @@ def main(argv: list[str], algorithm: Algorithm) -> int:
     if main_process:
         print(json.dumps(summary), flush=True)
     return 0
+
+
+def describe_run(parts) -> str:
+    """A few lines that tell a newcomer what this run does and where to look (the graph is `--verbose`'s)."""
+    cfg = parts.cfg
+    data, rollout, train, model = cfg.data, cfg.rollout, cfg.train, parts.model_cfg
+    source = data.dataset if data.dataset is not None else f"the built-in {data.task.value} task ({data.difficulty.value})"
+    weights = sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(parts.learner.actor_params(parts.learner.params)))
+    what = cfg.model.path or "a new Qwen2-style model for the character tokenizer"
+    lag = (f"generation uses weights {cfg.graph.async_bound} step(s) old while the previous step trains"
+           if cfg.graph.async_bound else "on-policy: generation waits for the newest weights")
+    every = lambda n, what: f"{what} every {n} steps" if n else f"no {what}"
+    return "\n".join([
+        f"{cfg.algorithm.value.upper()} on {source}: {len(parts.train_examples)} training, "
+        f"{len(parts.eval_examples)} held-out problems",
+        f"model: {what} ({model.num_layers} layers, hidden {model.hidden_size}, {weights / 1e6:.2f} M parameters)",
+        f"each step: {rollout.prompts_per_step} prompts x {rollout.group_size} samples of up to "
+        f"{rollout.max_new_tokens} tokens; {lag}",
+        f"{train.steps} steps on {len(jax.devices())} {jax.devices()[0].platform} device(s); held-out accuracy at "
+        f"the start and end, {every(train.eval_every, 'evaluation')}, {every(train.sample_every, 'samples')}, "
+        f"{every(train.checkpoint_every, 'checkpoint')}",
+        f"watch: tensorboard --logdir {pathlib.Path(train.run_dir) / 'tensorboard'}  (samples.jsonl, training.png "
+        "at the end; --verbose shows the executed graph)",
+    ])
 
 
 def _drop_if_empty(run_dir: str, claimed: bool) -> None:

@@ -31,7 +31,7 @@ from rpegjax.rewards.task import Difficulty
 from rpegjax.rewards.tasks import TaskName
 from rpegjax.sharding.axes import DATA_AXIS, FSDP_AXIS, TENSOR_AXIS
 from rpegjax.sharding.mesh import parse_mesh
-from rpegjax.train.overrides import ConfigFileError, apply_overrides, from_jsonable, to_jsonable
+from rpegjax.train.overrides import ConfigFileError, apply_overrides, from_jsonable, read_config_file, to_jsonable
 
 MESH_AXES = (DATA_AXIS, FSDP_AXIS, TENSOR_AXIS)
 """The mesh axis names the sharding rules know."""
@@ -234,6 +234,11 @@ class GraphSection:
         return parse_mesh(self.rollout_mesh)
 
 
+class WandbMode(enum.StrEnum):
+    OFFLINE = "offline"
+    ONLINE = "online"
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainSection:
     steps: int = 300
@@ -241,7 +246,17 @@ class TrainSection:
     run_dir: str | None = None
     checkpoint_every: int = 50
     keep_checkpoints: int = 2
-    eval_every: int = 0  # 0: only at the start and the end
+    eval_every: int = 50  # held-out accuracy every N steps besides the start and the end (0: only those two)
+    # every N steps, `samples_per_step` completions (prompt, response, reward, verdict) go to the console,
+    # samples.jsonl and TensorBoard (0: never); evaluations write their first samples there too
+    sample_every: int = 10
+    samples_per_step: int = 4
+    export_hf: bool = True  # write the final policy as a Hugging Face directory, RUN_DIR/hf
+    # also log metrics and samples to Weights & Biases (the optional `wandb` package: pip install rpegjax[wandb]);
+    # offline by default (RUN_DIR/wandb, `wandb sync` uploads it), online sends as the run goes
+    wandb: bool = False
+    wandb_project: str = "rpegjax"
+    wandb_mode: WandbMode = WandbMode.OFFLINE
     reward_timeout_s: float = 10.0
     reward_workers: int = 2
     # limits of each reward worker process (a user's reward must not take the machine down); None: no limit
@@ -260,8 +275,12 @@ class TrainSection:
                 or self.max_nonfinite_steps < 0:
             raise ValueError(f"TrainSection.max_nonfinite_steps must be an integer >= 0, "
                              f"got {self.max_nonfinite_steps!r}")
-        if self.eval_every < 0:
-            raise ValueError(f"TrainSection.eval_every must be >= 0, got {self.eval_every!r}")
+        for name in ("eval_every", "sample_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"TrainSection.{name} must be an integer >= 0, got {value!r}")
+        _positive(self, "samples_per_step")
+        _choice(self, "wandb_mode", WandbMode)
         if self.reward_timeout_s <= 0:
             raise ValueError(f"TrainSection.reward_timeout_s must be positive, got {self.reward_timeout_s!r}")
 
@@ -418,21 +437,19 @@ class RunConfig:
 
     @classmethod
     def from_file(cls, path: str | pathlib.Path) -> RunConfig:
-        """The RunConfig saved in `path` (a run's config.json, or a `--config` file); an unreadable file,
-        invalid JSON, a non-object, an unknown field or a mistyped value raises `ConfigFileError` naming
-        the file and the field."""
+        """The RunConfig saved in `path` (a run's config.json, or a `--config` file: JSON, or YAML when it ends
+        in .yaml/.yml); an unreadable file, invalid JSON/YAML, a non-object, an unknown field or a mistyped
+        value raises `ConfigFileError` naming the file and the field."""
         path = pathlib.Path(path)
+        data = read_config_file(path)
         try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as error:
-            raise ConfigFileError(f"{path}: cannot read it ({error})") from None
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as error:
-            raise ConfigFileError(f"{path}: not valid JSON ({error.msg} at line {error.lineno} column "
-                                  f"{error.colno}; truncated?)") from None
-        try:
-            return from_jsonable(cls, data)
+            # fields the file leaves out keep the job's defaults (of the file's algorithm)
+            algorithm = data.get("algorithm", Algorithm.GRPO) if isinstance(data, dict) else Algorithm.GRPO
+            try:
+                base = cls(algorithm=algorithm)
+            except (TypeError, ValueError):
+                raise ConfigFileError(f"algorithm: {algorithm!r} is not one of {[a.value for a in Algorithm]}") from None
+            return from_jsonable(cls, data, base=base)
         except ConfigFileError as error:
             raise ConfigFileError(f"{path}: {error}") from None
 

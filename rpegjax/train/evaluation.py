@@ -1,7 +1,10 @@
-"""Held-out accuracy: greedy answers to evaluation examples, checked by the task's verifier."""
+"""Held-out evaluation: greedy accuracy and pass@k of a policy on evaluation examples, checked by the task's
+verifier."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -10,6 +13,47 @@ import jax
 from rpegjax.data.example import Example
 from rpegjax.generate.sampler import Sampler
 from rpegjax.generate.sampling import SamplingConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Answer:
+    """One completion of one evaluation example and the verifier's verdict."""
+
+    example: Example
+    response: str
+    correct: bool
+    finish_reason: str
+
+
+def _verdict(is_correct: Callable[[str, Example], bool], text: str, example: Example) -> bool:
+    try:
+        return bool(is_correct(text, example))
+    except Exception:  # a verifier failing on odd output counts as wrong, as in training
+        return False
+
+
+def generate_answers(
+    sampler: Sampler,
+    params: Any,
+    examples: Sequence[Example],
+    prompt_ids: Sequence[Sequence[int]],
+    *,
+    is_correct: Callable[[str, Example], bool],
+    decode: Callable[[Sequence[int]], str],
+    sampling: SamplingConfig,
+    samples_per_example: int = 1,
+    seed: int = 0,
+) -> list[list[Answer]]:
+    """`samples_per_example` completions of every example (outer list in the order of `examples`), verified."""
+    completions = sampler.generate(params, prompt_ids, sampling, group_size=samples_per_example,
+                                   key=jax.random.key(seed))
+    answers: list[list[Answer]] = [[] for _ in examples]
+    for completion in sorted(completions, key=lambda c: c.order):
+        example = examples[completion.prompt_index]
+        text = decode(completion.response_ids)
+        answers[completion.prompt_index].append(
+            Answer(example, text, _verdict(is_correct, text, example), str(completion.finish_reason)))
+    return answers
 
 
 def evaluate_accuracy(
@@ -21,17 +65,26 @@ def evaluate_accuracy(
     is_correct: Callable[[str, Example], bool],
     decode: Callable[[Sequence[int]], str],
     max_new_tokens: int,
-) -> tuple[float, list[tuple[str, str, bool]]]:
-    """Fraction of `examples` whose greedy completion verifies, and (prompt, completion, correct) per example."""
-    sampling = SamplingConfig(max_new_tokens=max_new_tokens, greedy=True)
-    completions = sampler.generate(params, prompt_ids, sampling, group_size=1, key=jax.random.key(0))
-    results = []
-    for example, completion in zip(examples, completions):
-        text = decode(completion.response_ids)
-        try:
-            correct = bool(is_correct(text, example))
-        except Exception:  # a verifier failing on odd output counts as wrong, as in training
-            correct = False
-        results.append((example.prompt, text, correct))
-    accuracy = sum(r[2] for r in results) / max(len(results), 1)
-    return accuracy, results
+) -> tuple[float, list[Answer]]:
+    """Fraction of `examples` whose greedy completion verifies, and the answer to each example."""
+    answers = generate_answers(sampler, params, examples, prompt_ids, is_correct=is_correct, decode=decode,
+                               sampling=SamplingConfig(max_new_tokens=max_new_tokens, greedy=True))
+    flat = [group[0] for group in answers]
+    return sum(a.correct for a in flat) / max(len(flat), 1), flat
+
+
+def pass_at_k(samples: int, correct: int, k: int) -> float:
+    """The unbiased estimate of pass@k from `samples` >= k completions of which `correct` verify (Chen et al.
+    2021, "Evaluating Large Language Models Trained on Code"): 1 - C(n - c, k) / C(n, k), the probability that
+    at least one of k completions drawn without replacement from the n is correct."""
+    if not 1 <= k <= samples:
+        raise ValueError(f"pass@k needs 1 <= k <= samples, got k={k}, samples={samples}")
+    if not 0 <= correct <= samples:
+        raise ValueError(f"pass@k: correct={correct} is outside [0, samples={samples}]")
+    return 1.0 - math.comb(samples - correct, k) / math.comb(samples, k)
+
+
+def mean_pass_at_k(answers: Sequence[Sequence[Answer]], ks: Sequence[int]) -> dict[int, float]:
+    """pass@k averaged over examples, for each k in `ks` (every example needs at least max(ks) answers)."""
+    return {k: sum(pass_at_k(len(group), sum(a.correct for a in group), k) for group in answers) / max(len(answers), 1)
+            for k in ks}

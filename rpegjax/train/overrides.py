@@ -1,10 +1,13 @@
-"""`--section.field=value` command-line overrides onto nested frozen dataclasses, and JSON round trip."""
+"""`--section.field=value` command-line overrides onto nested frozen dataclasses, config files (JSON or YAML)
+and the JSON round trip."""
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
 import enum
+import json
+import pathlib
 import types
 import typing
 from collections.abc import Mapping
@@ -92,10 +95,13 @@ class ConfigFileError(ValueError):
     """A config file's value has the wrong type or names no field; the message gives the dotted field."""
 
 
-def from_jsonable(cls: type, data: Any, where: str = "") -> Any:
+def from_jsonable(cls: type, data: Any, where: str = "", *, base: Any = None) -> Any:
     """Inverse of `to_jsonable` for a dataclass type `cls`, strict about what a JSON file holds: an unknown
     key, or a value of the wrong JSON type (a string "no" for a bool, a string for a number), raises
-    `ConfigFileError` naming the dotted field (`where` is the prefix of the fields of `cls`)."""
+    `ConfigFileError` naming the dotted field (`where` is the prefix of the fields of `cls`).
+
+    With `base` (an instance of `cls`), fields that `data` leaves out keep `base`'s values, section by
+    section: a file that sets only `train.steps` changes nothing else."""
     if not isinstance(data, Mapping):
         raise ConfigFileError(f"{where or 'the config'} must be a JSON object, got {type(data).__name__} {_short(data)}")
     hints = typing.get_type_hints(cls)
@@ -109,13 +115,59 @@ def from_jsonable(cls: type, data: Any, where: str = "") -> Any:
     values = {}
     for name in names:
         if name in data:
-            values[name] = _from_json_value(data[name], hints[name], f"{where}.{name}" if where else name)
+            inner = getattr(base, name) if base is not None else None
+            values[name] = _from_json_value(data[name], hints[name], f"{where}.{name}" if where else name, base=inner)
     try:
-        return cls(**values)
+        return dataclasses.replace(base, **values) if base is not None else cls(**values)
     except (TypeError, ValueError) as error:
         if isinstance(error, ConfigFileError):
             raise
         raise ConfigFileError(f"{where or cls.__name__}: {error}") from None
+
+
+YAML_SUFFIXES = (".yaml", ".yml")
+
+
+def _yaml_loader():
+    """PyYAML's safe loader, reading numbers as YAML 1.2 does: `1e-4` is a float (YAML 1.1 wants `1.0e-4`
+    and would hand the learning rate over as a string)."""
+    import re
+
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(r"^[-+]?(?:[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?|\.[0-9_]+(?:[eE][-+]?[0-9]+)?"
+                   r"|[0-9][0-9_]*[eE][-+]?[0-9]+|\.(?:inf|Inf|INF)|[-+]\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+        list("-+0123456789."))
+    return Loader
+
+
+def read_config_file(path: pathlib.Path) -> Any:
+    """The plain data of a config file: YAML when its name ends in .yaml/.yml, JSON otherwise. A file that
+    cannot be read or parsed raises `ConfigFileError` naming the file and the line."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigFileError(f"{path}: cannot read it ({error})") from None
+    if path.suffix.lower() in YAML_SUFFIXES:
+        import yaml
+
+        try:
+            return yaml.load(text, Loader=_yaml_loader())
+        except yaml.YAMLError as error:
+            mark = getattr(error, "problem_mark", None)
+            where = f" at line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(error, "problem", None) or str(error)
+            raise ConfigFileError(f"{path}: not valid YAML ({problem}{where})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ConfigFileError(f"{path}: not valid JSON ({error.msg} at line {error.lineno} column "
+                              f"{error.colno}; truncated?)") from None
 
 
 def _short(value: Any) -> str:
@@ -123,7 +175,7 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _from_json_value(value: Any, annotation: Any, where: str) -> Any:
+def _from_json_value(value: Any, annotation: Any, where: str, *, base: Any = None) -> Any:
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(annotation)
@@ -134,14 +186,14 @@ def _from_json_value(value: Any, annotation: Any, where: str) -> Any:
             if option is type(None):
                 continue
             try:
-                return _from_json_value(value, option, where)
+                return _from_json_value(value, option, where, base=base if isinstance(base, option) else None)
             except ConfigFileError as error:
                 errors.append(str(error))
         if len(errors) == 1:
             raise ConfigFileError(errors[0])
         raise ConfigFileError(f"{where}: {_short(value)} is not a {annotation}")
     if dataclasses.is_dataclass(annotation):
-        return from_jsonable(annotation, value, where)
+        return from_jsonable(annotation, value, where, base=base if isinstance(base, annotation) else None)
     if origin is tuple:
         if not isinstance(value, list | tuple):
             raise ConfigFileError(f"{where}: expected a JSON list, got {type(value).__name__} {_short(value)}")

@@ -1,8 +1,11 @@
-"""Runs a built training job through the RPEG runtime: held-out evaluation at the start and end,
-progress bar, metrics, checkpoints (every N steps, keep last K; resumable), plots and traces."""
+"""Runs a built training job through the RPEG runtime: held-out evaluation at the start, every N steps and
+at the end, progress bar, metrics, sample completions, checkpoints (every N steps, keep last K; resumable),
+plots, traces and the final policy as a Hugging Face directory."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import pathlib
 import sys
@@ -26,8 +29,12 @@ from rpegjax.train.build import Components
 from rpegjax.train.checkpoint import Checkpointer, CheckpointError
 from rpegjax.train.config import RunConfig, TrainSection
 from rpegjax.train.evaluation import evaluate_accuracy
+from rpegjax.train.export import export_policy
 from rpegjax.train.health import NonFiniteGuard, TrainingError, nonfinite_leaves
-from rpegjax.train.metrics import MetricsWriter, plot_metrics, read_metrics
+from rpegjax.train.metrics import MetricsWriter, plot_dashboard, read_metrics
+from rpegjax.train.samples import Sample, SampleLog, console_lines, evaluation_samples, training_samples
+
+GANTT_STEPS = 3  # steps shown by gantt.png: the last ones, past compilation (trace.json has them all)
 
 
 def _fingerprint(tree: Any) -> float:
@@ -100,13 +107,21 @@ class Trainer:
             _write_atomically(self.run_dir / "config.json", self.cfg.to_json())
             _write_atomically(self.run_dir / "graph.json", self.parts.graph.to_json())
 
-    def _evaluate(self, params: Any) -> float:
+    def _evaluate(self, params: Any, step: int) -> float:
+        """Held-out accuracy after `step` steps; its first answers go to the samples."""
         parts = self.parts
-        accuracy, samples = evaluate_accuracy(
+        accuracy, answers = evaluate_accuracy(
             parts.sampler, params, parts.eval_examples, parts.prompt_ids(parts.eval_examples),
             is_correct=parts.task.is_correct, decode=parts.decode, max_new_tokens=self.cfg.rollout.max_new_tokens)
-        self.last_eval_samples = samples[:8]
+        self._record_samples(step, evaluation_samples(step, answers, self.cfg.train.samples_per_step), console=False)
         return accuracy
+
+    def _record_samples(self, step: int, samples: list[Sample], *, console: bool) -> None:
+        self.samples.write(samples)
+        self.metrics.log_samples(step, samples)
+        if console:
+            for line in console_lines(samples):
+                self.log(line)
 
     def run(self) -> dict[str, Any]:
         started = time.perf_counter()
@@ -137,9 +152,14 @@ class Trainer:
         elif self.resume:
             self.log(f"no complete checkpoint in {checkpoints.directory}: starting from scratch")
         self._write_config()
-        metrics = MetricsWriter(self.run_dir, enabled=self.main)
+        wandb = ({"project": cfg.train.wandb_project, "mode": cfg.train.wandb_mode.value,
+                  "config": json.loads(cfg.to_json())} if cfg.train.wandb else None)
+        metrics = self.metrics = MetricsWriter(self.run_dir, enabled=self.main, wandb=wandb)
+        self.samples = SampleLog(self.run_dir, enabled=self.main)
+        if start_step:
+            self.samples.truncate(start_step)
         if start_accuracy is None:
-            start_accuracy = self._evaluate(programs.sync(state))
+            start_accuracy = self._evaluate(programs.sync(state), 0)
             metrics.log(0, {"eval/accuracy": start_accuracy, **parts.warm_start_metrics})
             self.log(f"held-out accuracy at start: {start_accuracy:.3f} ({len(parts.eval_examples)} examples)")
         trace = Trace(parts.graph.name)
@@ -161,8 +181,17 @@ class Trainer:
             record["tokens_per_second"] = result.metrics["tokens"] / max(now - step_started, 1e-9)
             step_started = now
             step = result.step + 1  # steps completed
+            if cfg.train.sample_every and (step % cfg.train.sample_every == 0 or step == start_step + 1) \
+                    and result.rewards is not None:
+                with _progress_paused(progress):
+                    self.log(f"step {step}: reward {record.get('reward', 0):.3f}, samples:")
+                    self._record_samples(step, training_samples(step, result.completions, result.examples,
+                                                                result.rewards, parts.decode,
+                                                                cfg.train.samples_per_step), console=True)
             if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
-                record["eval/accuracy"] = self._evaluate(programs.sync(state))
+                record["eval/accuracy"] = self._evaluate(programs.sync(state), step)
+                with _progress_paused(progress):
+                    self.log(f"step {step}: held-out accuracy {record['eval/accuracy']:.3f}")
             bad = guard.observe(step, record)
             if bad:
                 self.log(f"step {step}: non-finite {', '.join(bad)} ({guard.count} such steps; "
@@ -184,12 +213,16 @@ class Trainer:
             progress.close()
             checkpoints.close()
             rewards.close()
-        end_accuracy = self._evaluate(programs.sync(state))
+        end_accuracy = self._evaluate(programs.sync(state), cfg.train.steps)
         metrics.log(cfg.train.steps, {"eval/accuracy": end_accuracy})
         metrics.close()
         self.log(f"held-out accuracy at end: {end_accuracy:.3f} (start {start_accuracy:.3f})")
         if self.main:
             self._write_outputs(trace)
+        if cfg.train.export_hf:  # with several processes a collective: every process takes part
+            path = export_policy(parts, learner.actor_params(state.params), self.run_dir / "hf",
+                                 is_main_process=self.main)
+            self.log(f"final policy as a Hugging Face model: {path}")
         return {"start_accuracy": start_accuracy, "end_accuracy": end_accuracy, "steps": cfg.train.steps,
                 "wall_seconds": round(time.perf_counter() - started, 2), "run_dir": str(self.run_dir)}
 
@@ -246,12 +279,36 @@ class Trainer:
     # ---- outputs ---------------------------------------------------------------------------------
     def _write_outputs(self, trace: Trace) -> None:
         records = read_metrics(self.run_dir / "metrics.jsonl")
-        plot_metrics(records, ["reward", "accuracy", "eval/accuracy"], self.run_dir / "reward_accuracy.png",
-                     title=f"{self.parts.graph.name}: reward and accuracy")
-        plot_metrics(records, ["loss", "staleness", "tokens_per_second", "response_length"],
-                     self.run_dir / "training.png", title="training")
+        plot_dashboard(records, self.run_dir / "training.png", title=f"{self.parts.graph.name} ({self.run_dir.name})")
         trace.to_chrome_json(self.run_dir / "trace.json")
-        gantt_png(trace, self.run_dir / "gantt.png", title="measured stage timeline")
+        window, first, last = steady_window(trace, GANTT_STEPS)
+        if len(window):
+            gantt_png(window, self.run_dir / "gantt.png",
+                      title=f"measured stage timeline of the last {last - first + 1} steps (trace steps {first}-{last}, "
+                            "numbered from 0); the whole run is in trace.json")
+
+
+def steady_window(trace: Trace, steps: int) -> tuple[Trace, int, int]:
+    """The events of the last `steps` steps of `trace` (the steady state: compilation happens in the first),
+    with times from the window's first event; and the first and last step shown (trace numbering)."""
+    numbers = sorted({event.step for event in trace.events})
+    if not numbers:
+        return Trace(trace.name), 0, 0
+    chosen = set(numbers[-steps:])
+    events = [event for event in trace.events if event.step in chosen]
+    origin = min(event.start for event in events)
+    shifted = [dataclasses.replace(event, start=event.start - origin, end=event.end - origin) for event in events]
+    return Trace.from_events(shifted, name=trace.name or "measured"), min(chosen), max(chosen)
+
+
+@contextlib.contextmanager
+def _progress_paused(progress):
+    """Clears the progress bar while lines are printed, then draws it again below them."""
+    progress.clear()
+    try:
+        yield
+    finally:
+        progress.refresh()
 
 
 def _progress(total: int, initial: int, *, enabled: bool):

@@ -55,24 +55,176 @@ def metrics(run_dir):
     return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in records]
 
 
-def test_main_job_writes_its_run_directory_and_a_summary(tmp_path):
-    run_dir = tmp_path / "run"
-    result = run_job(run_dir, "--steps=3", "--checkpoint-every=2")
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A 3-step run with an evaluation every 2 steps and samples every 2 steps (shared by the tests that read
+    its directory)."""
+    run_dir = tmp_path_factory.mktemp("job") / "run"
+    result = run_job(run_dir, "--steps=3", "--checkpoint-every=2", "--eval-every=2", "--train.sample_every=2",
+                     "--train.samples_per_step=3")
     assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir, result
+
+
+def test_main_job_writes_its_run_directory_and_a_summary(tiny_run):
+    run_dir, result = tiny_run
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert set(summary) == {"start_accuracy", "end_accuracy", "steps", "wall_seconds", "run_dir"}
     assert summary["steps"] == 3 and summary["run_dir"] == str(run_dir)
-    for name in ("config.json", "graph.json", "metrics.jsonl", "reward_accuracy.png", "training.png", "trace.json",
-                 "gantt.png"):
+    for name in ("config.json", "graph.json", "metrics.jsonl", "samples.jsonl", "training.png", "trace.json",
+                 "gantt.png", "hf/config.json", "hf/model.safetensors", "hf/tokenizer.json", "hf/tokenizer_config.json"):
         assert (run_dir / name).stat().st_size > 0, name
+    assert not (run_dir / "reward_accuracy.png").exists()  # one dashboard, no duplicate panels
     assert list((run_dir / "tensorboard").iterdir())
     assert Checkpointer(run_dir / "checkpoints").latest_step() == 3
     records = metrics(run_dir)
-    evals = [r["eval/accuracy"] for r in records if "eval/accuracy" in r]
-    assert evals == [summary["start_accuracy"], summary["end_accuracy"]]
-    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3]
+    # held-out accuracy at the start, every 2 steps, and at the end
+    evals = [(r["step"], r["eval/accuracy"]) for r in records if "eval/accuracy" in r]
+    assert [step for step, _ in evals] == [0, 2, 3]
+    assert evals[0][1] == summary["start_accuracy"] and evals[-1][1] == summary["end_accuracy"]
+    training = [r for r in records if "loss" in r]
+    assert [r["step"] for r in training] == [1, 2, 3]
+    assert all(0 < r["entropy"] <= np.log(104) for r in training)  # nats per token, at most log(vocabulary)
     trace = json.loads((run_dir / "trace.json").read_text())
     assert {e["name"] for e in trace["traceEvents"] if e.get("ph") == "X"} >= {"generate", "actor_update", "weight_sync"}
+    # the newcomer's banner, without the graph dump (that is --verbose's)
+    assert "each step: 4 prompts x 2 samples" in result.stderr and "tensorboard --logdir" in result.stderr
+    assert "RPEG grpo" not in result.stderr
+
+
+def test_samples_show_prompts_responses_rewards_and_verdicts(tiny_run):
+    run_dir, result = tiny_run
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert {s["source"] for s in samples} == {"train", "eval"}
+    # training samples at the first step and every 2 steps; evaluation samples at every evaluation
+    assert sorted({s["step"] for s in samples if s["source"] == "train"}) == [1, 2]
+    assert sorted({s["step"] for s in samples if s["source"] == "eval"}) == [0, 2, 3]
+    by_step = {}
+    for s in samples:
+        by_step.setdefault((s["source"], s["step"]), []).append(s)
+    assert all(len(group) == 3 for group in by_step.values())
+    steps = {r["step"]: r for r in metrics(run_dir) if "loss" in r}
+    for s in samples:
+        assert s["prompt"].startswith("Q:") and s["answer"] and isinstance(s["response"], str)
+        if s["source"] == "train":
+            assert s["correct"] == (s["reward"] >= 1.0)
+            assert 0 <= s["reward"] <= max(1.0, steps[s["step"]]["reward"] * 8)
+        else:
+            assert s["reward"] is None
+    for s in by_step[("train", 2)]:
+        assert json.dumps(s["prompt"])[1:-1][:20] in result.stderr  # shown on the console too
+    texts = tensorboard_texts(run_dir / "tensorboard")
+    assert {tag for tag, _ in texts} == {"samples/train/text_summary", "samples/eval/text_summary"}
+    assert all("| verdict | reward | prompt | response | gold |" in text for _, text in texts)
+
+
+def tensorboard_texts(directory):
+    """(tag, text) of every text summary in the TensorBoard event files of `directory` (TFRecord framing:
+    length u64, its CRC u32, the Event proto, its CRC u32)."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    found = []
+    for path in pathlib.Path(directory).rglob("events.out.tfevents.*"):
+        data, offset = path.read_bytes(), 0
+        while offset < len(data):
+            (length,) = struct.unpack_from("<Q", data, offset)
+            event = event_pb2.Event.FromString(data[offset + 12: offset + 12 + length])
+            offset += 12 + length + 4
+            for value in event.summary.value:
+                if value.metadata.plugin_data.plugin_name == "text":
+                    found.append((value.tag, value.tensor.string_val[0].decode()))
+    return found
+
+
+def _script(name):
+    """scripts/<name>.py as a module, to call its main() in this process."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_final_hugging_face_directory_loads_in_transformers_with_logit_parity(tiny_run):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    import jax.numpy as jnp
+
+    from rpegjax.models.tokenizer import builtin_tokenizer
+    from rpegjax.train.export import load_run, policy_model
+
+    run_dir, _ = tiny_run
+    parts, params, step = load_run(run_dir)  # the last checkpoint: the weights the run ended with
+    assert step == 3
+    texts = ["Q:12+30\nA:", "Q:7-5\n"]
+    ours_tokenizer = builtin_tokenizer()
+    theirs_tokenizer = transformers.AutoTokenizer.from_pretrained(str(run_dir / "hf"))
+    for text in texts:
+        ids = ours_tokenizer.encode(text)
+        assert theirs_tokenizer.encode(text, add_special_tokens=False) == ids
+        assert theirs_tokenizer.decode(ids + [ours_tokenizer.eos_id], skip_special_tokens=True) == text
+    assert theirs_tokenizer.eos_token_id == ours_tokenizer.eos_id and theirs_tokenizer.pad_token_id == ours_tokenizer.pad_id
+    width = max(len(ours_tokenizer.encode(t)) for t in texts)
+    tokens = np.array([ours_tokenizer.encode(t) + [0] * (width - len(ours_tokenizer.encode(t))) for t in texts])
+    mask = np.array([[i < len(ours_tokenizer.encode(t)) for i in range(width)] for t in texts])
+    positions = np.broadcast_to(np.arange(width), tokens.shape)
+    ours = np.asarray(policy_model(parts, params)(jnp.asarray(tokens), jnp.asarray(positions), mask=jnp.asarray(mask)))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(run_dir / "hf"), dtype=torch.float32)
+    with torch.no_grad():
+        theirs = model(input_ids=torch.tensor(tokens), attention_mask=torch.tensor(mask.astype(np.int64)),
+                       position_ids=torch.tensor(positions.copy())).logits.numpy()
+    assert theirs[mask].std() > 0.1  # not a comparison of near-constant logits
+    np.testing.assert_allclose(ours[mask], theirs[mask], atol=1e-4, rtol=0)
+
+
+def test_export_hf_script_writes_the_checkpoint_it_is_asked_for(tiny_run, tmp_path, capsys):
+    from rpegjax.models.hf import load_pretrained
+    from rpegjax.train.export import load_run
+
+    run_dir, _ = tiny_run
+    export = _script("export_hf")
+    out = tmp_path / "step2"
+    assert export.main([str(run_dir), "--step=2", f"--out={out}"]) == 0
+    exported, _ = load_pretrained(out)
+    _, params, _ = load_run(run_dir, 2)
+    from flax import nnx
+
+    ours = dict(nnx.to_flat_state(params))
+    theirs = dict(nnx.to_flat_state(nnx.state(exported)))
+    assert ours.keys() == theirs.keys()
+    for key in ours:
+        np.testing.assert_array_equal(np.asarray(theirs[key].get_value()), np.asarray(ours[key].get_value()), err_msg=str(key))
+    assert export.main([str(run_dir), "--step=2", f"--out={out}"]) == 2  # never replaced without --overwrite
+    assert "exists" in capsys.readouterr().err
+    assert export.main([str(run_dir), "--step=1", f"--out={tmp_path / 'none'}"]) == 2
+    assert "no checkpoint of step 1; there are [2, 3]" in capsys.readouterr().err
+
+
+def test_evaluate_reproduces_the_jobs_final_evaluation_and_generate_samples(tiny_run, tmp_path, capsys):
+    run_dir, result = tiny_run
+    answers = tmp_path / "answers.jsonl"
+    assert _script("evaluate").main([str(run_dir), "--samples=2", f"--out={answers}"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["problems"] == 4 and summary["source"] == f"{run_dir} at step 3"
+    assert summary["accuracy"] == json.loads(result.stdout.strip().splitlines()[-1])["end_accuracy"]
+    assert 0 <= summary["pass@1"] <= summary["pass@2"] <= 1
+    rows = [json.loads(line) for line in answers.read_text().splitlines()]
+    greedy = [r for r in rows if r["kind"] == "greedy"]
+    assert len(greedy) == 4 and len([r for r in rows if r["kind"] == "sampled"]) == 8
+    # the job's own final evaluation wrote its first answers to samples.jsonl: the same greedy responses
+    final = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    final = [s for s in final if s["source"] == "eval" and s["step"] == 3]
+    assert [(s["prompt"], s["response"]) for s in final] == [(r["prompt"], r["response"]) for r in greedy[:3]]
+
+    assert _script("generate").main([str(run_dir / "hf"), "--prompt", "Q:1+2\n", "--prompt", "Q:40-2\n",
+                                     "--samples=2"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+    assert [(row["prompt"], row["sample"]) for row in lines] == [("Q:1+2\n", 0), ("Q:1+2\n", 1), ("Q:40-2\n", 0),
+                                                                  ("Q:40-2\n", 1)]
+    assert all(row["finish_reason"] in ("eos", "length") for row in lines)
 
 
 @pytest.mark.slow
@@ -157,8 +309,9 @@ def test_generation_on_its_own_device_and_plans_that_do_not_fit_the_run(tmp_path
     from rpegjax.graph import builders
 
     run_dir = tmp_path / "split"
-    result = run_job(run_dir, "--steps=2", "--rollout-devices=1", "--async-bound=1", devices=2)
+    result = run_job(run_dir, "--steps=2", "--rollout-devices=1", "--async-bound=1", "--verbose", devices=2)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "RPEG grpo" in result.stderr and "placements:" in result.stderr  # --verbose: the executed graph
     graph = json.loads((run_dir / "graph.json").read_text())
     assert {p["name"]: p["devices"] for p in graph["placements"]} == {"rollout": [0], "train": [1]}
     trace = json.loads((run_dir / "trace.json").read_text())
@@ -207,6 +360,10 @@ def test_job_trains_a_local_hugging_face_checkpoint_on_a_jsonl_dataset(tmp_path)
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["steps"] == 2
     assert [r["step"] for r in metrics(tmp_path / "run") if "loss" in r] == [1, 2]
+    exported = tmp_path / "run" / "hf"  # the final policy, with the checkpoint's own tokenizer files
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (exported / name).read_bytes() == (model_dir / name).read_bytes()
+    assert json.loads((exported / "config.json").read_text())["vocab_size"] == cfg.vocab_size
 
 
 def test_a_refused_resume_leaves_the_run_and_a_damaged_checkpoint_falls_back(tmp_path):
