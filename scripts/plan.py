@@ -20,7 +20,8 @@ from typing import Any
 
 from rpegjax.graph.trace import gantt_png
 from rpegjax.models import ModelConfig
-from rpegjax.perf import explain, hardware, planner, step_model, validation
+from rpegjax.graph.ir import ATTENTION_KINDS, DTYPES, REMAT_POLICIES
+from rpegjax.perf import executable, explain, hardware, planner, step_model, validation
 from rpegjax.perf.generation_cost import ResponseLengths
 from rpegjax.perf.stage_costs import ExecutionOptions, Workload
 
@@ -66,6 +67,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="mean response length in tokens (log-normal, sigma 1, clipped at --response-max)")
     parser.add_argument("--response-max", type=int, default=16384, help="maximum response length in tokens")
     parser.add_argument("--no-reference", action="store_true", help="no reference model (no KL term)")
+    parser.add_argument("--attention", default="cudnn,blockwise,dense",
+                        help=f"attention kernels to search, comma-separated, of {', '.join(ATTENTION_KINDS)} (those "
+                             f"the runtime cannot run on --hardware are skipped; asking only for those is refused)")
+    parser.add_argument("--remat", default="full,dots,none",
+                        help=f"remat policies to search, comma-separated, of {', '.join(REMAT_POLICIES)}")
+    parser.add_argument("--param-dtype", default="float32", choices=DTYPES,
+                        help="weights and optimiser moments (the run's model.param_dtype)")
+    parser.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="matmul compute (the run's model.dtype)")
     parser.add_argument("--top", type=int, default=3, help="alternatives to list after the best plan")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON document instead of the table (null times and a reason for plans that "
@@ -87,6 +96,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--top must be >= 0, got {args.top}")
     if not 1 <= args.response_mean < args.response_max:
         parser.error(f"--response-mean must be in [1, --response-max), got {args.response_mean}")
+    for name, known in (("attention", ATTENTION_KINDS), ("remat", REMAT_POLICIES)):
+        values = tuple(v.strip() for v in getattr(args, name).split(",") if v.strip())
+        unknown = [v for v in values if v not in known]
+        if not values or unknown:
+            parser.error(f"--{name}: {unknown or 'nothing'} given; choose from {', '.join(known)}")
+        setattr(args, name, values)
     return args
 
 
@@ -137,16 +152,23 @@ def main(argv: list[str] | None = None) -> int:
         fitted = validation.FITTED_EFFICIENCIES
         hw = dataclasses.replace(hw, device=dataclasses.replace(hw.device, matmul_efficiency=fitted.matmul))
         options = ExecutionOptions(decode_memory_efficiency=fitted.decode_memory)
-    evaluator = step_model.Evaluator(model, workload, hw, options)
+    # every plan is predicted as rpegjax's runtime executes it (its kernels, padding, micro-batching)
+    evaluator = step_model.Evaluator.for_runtime(model, workload, hw, options)
+    space = planner.PlanSpace(attention=args.attention, remat=args.remat, param_dtype=args.param_dtype, dtype=args.dtype)
     use_reference = not args.no_reference
+    common = dict(algorithm=args.algo, num_devices=args.gpus, use_reference=use_reference, space=space)
     try:
-        result = planner.Planner(evaluator, algorithm=args.algo, num_devices=args.gpus,
-                                 use_reference=use_reference).search(top=args.top + 1)
-        verl = planner.verl_like(evaluator, algorithm=args.algo, num_devices=args.gpus, use_reference=use_reference)
-        real = planner.real_like(evaluator, algorithm=args.algo, num_devices=args.gpus, use_reference=use_reference)
-    except ValueError as error:  # nothing fits: say why instead of a traceback
+        result = planner.Planner(evaluator, **common).search(top=args.top + 1)
+        verl = planner.verl_like(evaluator, **common)
+        real = planner.real_like(evaluator, **common)
+    except ValueError as error:  # nothing fits, or nothing the runtime can run: say why instead of a traceback
         raise SystemExit(f"plan.py: {error}") from None
     plans = [("best", result.best), ("verl-like", verl), ("ReaL-like", real)]
+    for name, plan in [*plans, *((f"alternative {i + 1}", p) for i, p in enumerate(result.alternatives))]:
+        try:  # never print a prediction for a plan the runtime cannot execute
+            executable.require_executable(plan.graph, hw, follows_runtime=evaluator.follow_graph, where=f"the {name} plan")
+        except ValueError as error:
+            raise SystemExit(f"plan.py: {error}") from None
     if args.gantt:
         traces = []
         for name, plan in plans:

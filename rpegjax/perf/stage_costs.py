@@ -20,8 +20,9 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from rpegjax.graph.ir import Execution
 from rpegjax.perf import collectives, costs
-from rpegjax.perf.costs import DecodeKernel, ModelShape, Remat
+from rpegjax.perf.costs import DTYPE_BYTES, DecodeKernel, ModelShape, Remat
 from rpegjax.perf.generation_cost import (
     DecodeStepCost,
     ResponseLengths,
@@ -106,6 +107,9 @@ class ExecutionOptions:
     # generate; None: whatever the plan's persistent state leaves (rpegjax's runtime)
     generation_memory_fraction: float | None = None
     decode_memory_efficiency: float | None = None  # the decode kernels' share of HBM bandwidth; None: the device's
+    # rpegjax's runtime: an update takes optimiser steps x this many passes, an inference stage one pass per
+    # piece (its micro-batches); None: passes of `microbatch_tokens` tokens (systems that size them by tokens)
+    update_microbatches: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "attention", costs.AttentionKernel(self.attention))
@@ -124,7 +128,22 @@ class ExecutionOptions:
         for name in ("optimizer_bytes_per_param", "grad_bytes_per_param", "backward_traffic_ratio"):
             if getattr(self, name) < 0:
                 raise ValueError(f"ExecutionOptions.{name} must be >= 0, got {getattr(self, name)!r}")
+        micro = self.update_microbatches
+        if micro is not None and (isinstance(micro, bool) or not isinstance(micro, int) or micro < 1):
+            raise ValueError(f"ExecutionOptions.update_microbatches must be a positive integer or None, got {micro!r}")
 
+    def executing(self, execution: Execution) -> ExecutionOptions:
+        """These options (efficiencies, overheads) with the kernels and batching of rpegjax's runtime running
+        `execution`: blockwise and cuDNN attention skip causal blocks (FLASH), dense scores every pair; the
+        sampler decodes every slot each step over its window (STATIC) with continuous batching, and its KV cache
+        reserves each slot's capacity (the paged pool is sized for every slot at capacity); rows are padded to
+        the longest (no packing); AdamW moments and gradients in the weights' dtype."""
+        param_bytes = DTYPE_BYTES[execution.param_dtype]
+        attention = costs.AttentionKernel.DENSE if execution.attention == "dense" else costs.AttentionKernel.FLASH
+        return dataclasses.replace(
+            self, attention=attention, remat=Remat(execution.remat), decode=DecodeKernel.STATIC, continuous_batching=True,
+            sequence_packing=False, update_microbatches=execution.update_microbatches,
+            optimizer_bytes_per_param=2.0 * param_bytes, grad_bytes_per_param=float(param_bytes))
     @classmethod
     def rpegjax_xla(cls, **changes) -> ExecutionOptions:
         """rpegjax's own kernels as they are today: dense masked attention, a fixed-slot sampler, padded batches."""
@@ -236,24 +255,30 @@ def elementwise_bytes(shape: ModelShape, *, tokens: float, pairs: float, tensor:
     return shape.layers * (per_token * tokens + scores)
 
 
-def _passes(tokens_per_replica: float, options: ExecutionOptions, minimum: int = 1) -> int:
-    return max(minimum, math.ceil(tokens_per_replica / options.microbatch_tokens))
+def _passes(tokens_per_replica: float, options: ExecutionOptions, *, optimizer_steps: int, backward: bool,
+            pieces: int) -> int:
+    """Forward(/backward) passes over the batch per epoch: the runtime's micro-batching, or token-sized passes."""
+    if options.update_microbatches is not None:
+        return max(1, optimizer_steps) * options.update_microbatches if backward else pieces
+    return max(max(1, optimizer_steps), math.ceil(tokens_per_replica / options.microbatch_tokens))
 
 
 # ------------------------------------------------------------------------------ forward and backward passes
 def model_pass_cost(inputs: CostInputs, shape: ModelShape, layout: Layout, *, logits: bool, backward: bool,
-                    epochs: int = 1, optimizer_steps: int = 0) -> StageCost:
-    """Forward (log-probs / values) or forward + backward + optimiser (an update) over the whole batch."""
+                    epochs: int = 1, optimizer_steps: int = 0, pieces: int = 1) -> StageCost:
+    """Forward (log-probs / values) or forward + backward + optimiser (an update) over the whole batch; an
+    inference stage of `pieces` micro-batches runs one pass per piece under the runtime's micro-batching."""
     hw, o, device = inputs.hardware, inputs.options, inputs.hardware.device
     tokens, pairs, _ = batch_tokens(inputs)
     per_replica = tokens / layout.replicas
-    passes = _passes(per_replica, o, minimum=max(1, optimizer_steps)) * epochs
+    passes = _passes(per_replica, o, optimizer_steps=optimizer_steps, backward=backward, pieces=pieces) * epochs
     bytes_each = shape.compute_bytes_each
     if backward:
         flops = costs.training_flops(shape, tokens=tokens, pairs=pairs, remat=o.remat)
         flops += 2 * shape.hidden * shape.vocab * tokens  # chunked log-probs recompute their logits backward
         forward_equivalents = 3 + (1 if o.remat is Remat.FULL else 0)
-        traffic_equivalents = 1 + o.backward_traffic_ratio + (1 if o.remat is Remat.FULL else 0)
+        # DOTS recomputes the elementwise work (and FULL everything) of the forward once more
+        traffic_equivalents = 1 + o.backward_traffic_ratio + (0 if o.remat is Remat.NONE else 1)
         # all-reduces per layer: 2 forward, 2 backward (input gradients), 2 more for a recomputed forward
         tensor_reductions = 4 + (2 if o.remat is Remat.FULL else 0)
         fsdp_gathers = 2 + (1 if o.remat is Remat.FULL else 0)

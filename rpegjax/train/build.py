@@ -21,7 +21,7 @@ from rpegjax.data.jsonl import load_jsonl
 from rpegjax.data.prompts import PromptTemplate
 from rpegjax.generate.sampler import Sampler, usable_slots
 from rpegjax.graph import builders, transforms
-from rpegjax.graph.ir import Algorithm, Graph, GraphError, StageKind
+from rpegjax.graph.ir import Algorithm, Execution, Graph, GraphError, StageKind
 from rpegjax.models.config import EXECUTION_FIELDS, ModelConfig
 from rpegjax.models.hf import load_pretrained
 from rpegjax.models.tokenizer import builtin_tokenizer, load_tokenizer
@@ -114,9 +114,19 @@ def _model_config(cfg: RunConfig, tokenizer, *, value_head: bool) -> ModelConfig
                        eos_token_id=tokenizer.eos_id, max_position_embeddings=4096, **m.execution())
 
 
+def run_execution(cfg: RunConfig) -> Execution:
+    """The execution options of a run without a plan: the model section's kernel, remat and precision, the
+    algorithm's update micro-batches, the contiguous KV cache."""
+    m = cfg.model
+    algo = cfg.grpo if cfg.algorithm == Algorithm.GRPO else cfg.ppo
+    return Execution(param_dtype=m.param_dtype, dtype=m.dtype, update_microbatches=algo.num_microbatches,
+                     **{name: getattr(m, name) for name in ("attention", "attention_block_size", "remat", "scan_layers")})
+
+
 def build_graph(cfg: RunConfig, num_devices: int) -> Graph:
-    """The RPEG of this run over `num_devices` devices: the plan file's graph (`graph.plan`), or the
-    algorithm's graph with the structure and execution transforms the graph section asks for."""
+    """The RPEG of this run over `num_devices` devices: the plan file's graph (`graph.plan`, with the plan's
+    execution options), or the algorithm's graph with the structure and execution transforms the graph section
+    asks for and the run's execution options (`run_execution`)."""
     if cfg.graph.plan is not None:
         return load_plan(cfg, num_devices)
     section = cfg.graph
@@ -151,7 +161,7 @@ def build_graph(cfg: RunConfig, num_devices: int) -> Graph:
         for name in dict.fromkeys(inference):
             if graph.stage(name).microbatches != pieces:
                 graph = transforms.microbatch(graph, name, pieces)
-    return graph.validate()
+    return dataclasses.replace(graph, execution=run_execution(cfg)).validate()
 
 
 def load_plan(cfg: RunConfig, num_devices: int) -> Graph:
@@ -184,6 +194,11 @@ def load_plan(cfg: RunConfig, num_devices: int) -> Graph:
                              f"(plan again, or change the run's options)")
     if graph.num_devices > num_devices:
         raise ValueError(f"{where}: planned for {graph.num_devices} devices, {num_devices} are available")
+    precision = (graph.execution.param_dtype, graph.execution.dtype)
+    if precision != (cfg.model.param_dtype, cfg.model.dtype):
+        raise ValueError(f"{where}: the plan executes with {precision[0]} weights and {precision[1]} compute, this run "
+                         f"has model.param_dtype={cfg.model.param_dtype}, model.dtype={cfg.model.dtype} (plan again "
+                         f"with the run's, or set the run's to the plan's)")
     return graph
 
 
@@ -237,6 +252,7 @@ def build(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Components:
             model_cfg = model_cfg.replace(eos_token_id=tokenizer.eos_id)
             model.cfg = model_cfg
     graph = build_graph(cfg, num_devices=len(jax.devices()))
+    model_cfg = model_cfg.replace(**graph.execution.model_fields())  # what place_models runs the model with
     if jax.process_count() > 1 and len({s.placement for s in graph.stages if not s.host}) > 1:
         raise ValueError("stages on separate device sets (graph.rollout_devices or a disaggregated plan) run in one "
                          "process only; with several processes generation and training share the devices")
