@@ -82,6 +82,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--explain", action="store_true",
                         help="say why the best plan wins: what bounds its step, what overlaps, how the reference "
                              "plans differ")
+    parser.add_argument("--verify", action="store_true",
+                        help="dry run of the best plan: compile every stage program ahead of time on the plan's meshes "
+                             "(virtual CPU devices when --gpus exceeds the devices here), print per-device memory "
+                             "against the usable memory, compiled FLOPs and the predicted step; exit 3 when it does "
+                             "not fit. Slow: compiling real models on many virtual devices takes minutes")
     parser.add_argument("--gantt", metavar="PNG", help="write a Gantt chart of the predicted schedules to this PNG")
     parser.add_argument("--fitted-efficiencies", action="store_true",
                         help="use the efficiencies fitted to NeMo RL's published H100 step times (matmul "
@@ -141,8 +146,36 @@ def _plan_json(name: str, plan: planner.Plan) -> dict[str, Any]:
             "reason": plan.prediction.fit_reason, "prediction": plan.prediction.to_dict(), "graph": plan.graph.to_dict()}
 
 
+def verify(args: argparse.Namespace, model: ModelConfig, best: planner.Plan, hw: hardware.HardwareSpec):
+    """The dry run of `best` (`rpegjax.train.dry_run`): the step batch padded to the longest response, the
+    sampler with the slots the prediction gives generation."""
+    from rpegjax.learners import GRPOConfig, PPOConfig
+    from rpegjax.train import dry_run
+
+    choice, prediction, execution = best.choice, best.prediction, best.graph.execution
+    kl = 0.04 if choice.use_reference else 0.0
+    if choice.algorithm.value == "ppo":
+        algorithm = PPOConfig(critic=choice.critic_mode.value, kl_coef=kl, num_minibatches=choice.optimizer_steps)
+    else:
+        algorithm = GRPOConfig(group_size=args.group_size, kl_coef=kl, num_minibatches=choice.optimizer_steps)
+    generate = next(s for s in prediction.stages if s.kind == "generate")
+    replicas = math.prod(size for axis, size in choice.generation_layout if axis != "tensor")
+    batch = dry_run.Batch(rows=args.prompts * args.group_size, prompt=args.prompt_tokens, new=args.response_max,
+                          slots=int(generate.detail["slots"]) * replicas)
+    model = model.replace(param_dtype=execution.param_dtype, dtype=execution.dtype,
+                          max_position_embeddings=max(model.max_position_embeddings, batch.prompt + batch.new))
+    log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    return dry_run.dry_run(best.graph, model, algorithm, batch, capacity_bytes=hw.usable_memory_bytes,
+                           predicted={s.name: s.peak_memory_bytes for s in prediction.stages},
+                           predicted_step_seconds=prediction.step_seconds, log=log)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.verify:
+        from rpegjax.train.dry_run import ensure_devices
+
+        ensure_devices(args.gpus)  # re-runs this script on virtual CPU devices when there are fewer devices
     model = load_model(args.model)
     hw = hardware.preset(args.hardware, args.gpus)
     workload = Workload(prompts=args.prompts, group_size=args.group_size, prompt_tokens=args.prompt_tokens,
@@ -189,9 +222,14 @@ def main(argv: list[str] | None = None) -> int:
         }
         if args.explain:
             document["explain"] = explain.explain(result.best, plans[1:])
+        report = verify(args, model, result.best, hw) if args.verify else None
+        if report is not None:
+            document["verify"] = {"fits": report.fits, "reason": report.refusal(), "capacity_bytes": report.capacity_bytes,
+                                  "devices": report.devices,
+                                  "programs": [{**dataclasses.asdict(p), "peak": p.peak} for p in report.programs]}
         json.dump(document, sys.stdout, allow_nan=False)  # strict JSON: a plan that does not fit has null times
         print()
-        return 0
+        return 0 if report is None or report.fits else 3
     print(f"{args.model} ({model.num_params() / 1e9:.1f}B), {args.algo.upper()}, {args.gpus} x {hw.device.name}; "
           f"{workload.prompts} prompts x {workload.group_size}, prompt {workload.prompt_tokens}, responses log-normal "
           f"mean {args.response_mean:.0f} max {args.response_max}")
@@ -211,6 +249,13 @@ def main(argv: list[str] | None = None) -> int:
         print(explain.explain(result.best, plans[1:]))
     if args.gantt:
         print(f"\nGantt chart of the predicted schedules: {args.gantt}")
+    if args.verify:
+        report = verify(args, model, result.best, hw)
+        print()
+        print(report.table(), flush=True)
+        if not report.fits:
+            print(f"plan.py: {report.refusal()}", file=sys.stderr)
+            return 3
     return 0
 
 

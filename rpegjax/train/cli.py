@@ -81,6 +81,8 @@ class Command:
     resume: str | None = None
     overwrite: bool = False
     print_config: bool = False
+    dry_run: bool = False
+    memory_gb: float | None = None
 
 
 def _field(config: object, dotted: str) -> tuple[object, object]:
@@ -135,6 +137,12 @@ def parse_command(argv: list[str], algorithm: Algorithm) -> Command:
     parser.add_argument("--config", metavar="FILE", help="start from the config in FILE (JSON, e.g. a run's "
                         "config.json or --print-config output); further flags override it")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
+    parser.add_argument("--dry-run", action="store_true", help="compile every stage program of the run's graph (its "
+                        "--plan) ahead of time without allocating, print per-device memory against the capacity, "
+                        "compiled FLOPs and the planned step time, and exit (non-zero when it does not fit); on "
+                        "virtual CPU devices when the plan needs more devices than exist")
+    parser.add_argument("--memory-gb", type=float, metavar="GB", help="--dry-run: usable memory per device "
+                        "(default: what the devices report; required on CPU)")
     known, rest = parser.parse_known_args(argv)
     overrides: dict[str, str] = {}
     index = 0
@@ -186,7 +194,8 @@ def parse_command(argv: list[str], algorithm: Algorithm) -> Command:
     if config.algorithm != algorithm:
         source = "--resume: that run" if known.resume else f"--config {known.config}: it"
         parser.error(f"{source} used {config.algorithm.value}, not {algorithm.value}")
-    return Command(config=config, resume=known.resume, overwrite=known.overwrite, print_config=known.print_config)
+    return Command(config=config, resume=known.resume, overwrite=known.overwrite, print_config=known.print_config,
+                   dry_run=known.dry_run, memory_gb=known.memory_gb)
 
 
 def parse_args(argv: list[str], algorithm: Algorithm) -> tuple[RunConfig, str | None]:
@@ -272,6 +281,8 @@ def main(argv: list[str], algorithm: Algorithm) -> int:
         print(config.to_json(), flush=True)
         return 0
     say = lambda message: print(message, file=sys.stderr, flush=True)  # stdout carries only the summary line
+    if command.dry_run:
+        return _dry_run(config, command.memory_gb, say)
     try:
         resolved = join_processes(config)
     except ValueError as error:  # a flag or variable that does not parse
@@ -323,6 +334,23 @@ def main(argv: list[str], algorithm: Algorithm) -> int:
         return 1
     if main_process:
         print(json.dumps(summary), flush=True)
+    return 0
+
+
+def _dry_run(config: RunConfig, memory_gb: float | None, say) -> int:
+    """`--dry-run`: the table on stdout; 0 when every program fits, 3 when one does not, 2 for bad input."""
+    from rpegjax.train import dry_run
+
+    try:
+        dry_run.ensure_devices(dry_run.plan_devices(config))  # may re-run this process on virtual devices
+        report = dry_run.dry_run_config(config, capacity_bytes=None if memory_gb is None else memory_gb * 1e9, log=say)
+    except ValueError as error:
+        say(f"error: {error}")
+        return 2
+    print(report.table(), flush=True)
+    if not report.fits:
+        say(f"error: {report.refusal()}")
+        return 3
     return 0
 
 

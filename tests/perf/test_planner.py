@@ -41,7 +41,7 @@ def test_plans_never_exceed_memory_and_infeasible_ones_are_ranked_out():
     hw = _two_nodes(memory_bytes=40e9)
     evaluator = step_model.Evaluator.for_runtime(ModelConfig.qwen2p5("7b"), WORKLOAD, hw)
     search = planner.Planner(evaluator, algorithm=Algorithm.PPO, num_devices=8, space=dataclasses.replace(
-        SPACE, async_bounds=(0,), microbatches=(1,), reshard_inference=(False,)))
+        SPACE, async_bounds=(0,), microbatches=(1,), reshard_inference=(False,), param_dtype="bfloat16"))
     everything = [search._plan(choice) for skeleton in search.skeletons() for choice in search.variants(skeleton)]
     assert any(not p.prediction.fits for p in everything) and any(p.prediction.fits for p in everything)
     result = search.search(top=3)
