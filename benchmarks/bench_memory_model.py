@@ -48,11 +48,11 @@ def compare(model: ModelConfig, parallel: dict[str, int], tokens: int, prompt: i
     replicas = parallel["data"] * parallel["fsdp"]
     cfg = model.replace(param_dtype=execution.param_dtype, dtype=execution.dtype,
                         max_position_embeddings=max(model.max_position_embeddings, tokens))
-    workload = Workload(prompts=replicas, group_size=1, prompt_tokens=prompt, responses=ResponseLengths.fixed(tokens - prompt))
+    workload = Workload(prompts=1, group_size=replicas, prompt_tokens=prompt, responses=ResponseLengths.fixed(tokens - prompt))
     hw = hardware.h100_node(8)
     prediction = step_model.Evaluator.for_runtime(cfg, workload, hw).predict(graph, enforce_memory=False, with_trace=False)
     predicted = {s.name: s.peak_memory_bytes for s in prediction.stages}
-    report = dry_run(graph, cfg, GRPOConfig(group_size=1, kl_coef=0.04, logprob_chunk_size=logprob_chunk),
+    report = dry_run(graph, cfg, GRPOConfig(group_size=replicas, kl_coef=0.04, logprob_chunk_size=logprob_chunk),
                      Batch(rows=replicas, prompt=prompt, new=tokens - prompt, slots=replicas),
                      capacity_bytes=hw.usable_memory_bytes, predicted=predicted)
     rows = []

@@ -199,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     plans = [("best", result.best), ("verl-like", verl), ("ReaL-like", real)]
     for name, plan in [*plans, *((f"alternative {i + 1}", p) for i, p in enumerate(result.alternatives))]:
         try:  # never print a prediction for a plan the runtime cannot execute
-            executable.require_executable(plan.graph, hw, follows_runtime=evaluator.follow_graph, where=f"the {name} plan")
+            executable.require_executable(plan.graph, hw, follows_runtime=evaluator.follow_graph,
+                                          sequences=workload.sequences, where=f"the {name} plan")
         except ValueError as error:
             raise SystemExit(f"plan.py: {error}") from None
     if args.gantt:

@@ -8,12 +8,15 @@ printed. The rules mirror the runtime:
   (`rpegjax.models.attention.cudnn_attention`); "dense" and "blockwise" run on any backend and dtype;
 * the runtime's meshes shard over `data`, `fsdp` and `tensor` only (no pipeline stages);
 * there is no sequence packing and no token-sized micro-batching: the cost options must be those of
-  `ExecutionOptions.executing` (an `Evaluator.for_runtime`), not another system's.
+  `ExecutionOptions.executing` (an `Evaluator.for_runtime`), not another system's;
+* every batch a program sees splits evenly over its layout's data x fsdp replicas: an update micro-batch
+  (sequences / (mini-batches x micro-batches)) and an inference piece (sequences / the stage's micro-batches)
+  (`rpegjax.sharding.rules` refuses an activation whose batch does not divide).
 """
 
 from __future__ import annotations
 
-from rpegjax.graph.ir import Execution, Graph
+from rpegjax.graph.ir import INFERENCE_KINDS, UPDATE_KINDS, Execution, Graph
 from rpegjax.perf.hardware import HardwareSpec
 
 RUNTIME_AXES = ("data", "fsdp", "tensor")
@@ -34,7 +37,29 @@ def execution_problems(execution: Execution, hardware: HardwareSpec) -> list[str
     return problems
 
 
-def plan_problems(graph: Graph, hardware: HardwareSpec, *, follows_runtime: bool = True) -> list[str]:
+def batch_problems(graph: Graph, sequences: int) -> list[str]:
+    """Why a step of `sequences` rows does not split evenly over the replicas of the programs that read it."""
+    problems = []
+    for stage in graph.stages:
+        if stage.host:
+            continue
+        parallel = graph.parallel_of(stage.name)
+        replicas = parallel.get("data", 1) * parallel.get("fsdp", 1)
+        if set(stage.kinds) & UPDATE_KINDS:
+            parts = int(stage.options.get("minibatches", 1)) * graph.execution.update_microbatches
+            what = f"{parts} update micro-batches"
+        elif set(stage.kinds) & INFERENCE_KINDS:
+            parts, what = stage.microbatches, f"{stage.microbatches} pieces"
+        else:
+            continue
+        if sequences % parts or (sequences // parts) % replicas:
+            problems.append(f"stage {stage.name!r}: {sequences} sequences in {what} do not split over its "
+                            f"{replicas} data x fsdp replicas")
+    return problems
+
+
+def plan_problems(graph: Graph, hardware: HardwareSpec, *, follows_runtime: bool = True,
+                  sequences: int | None = None) -> list[str]:
     """Why the runtime cannot execute `graph` on `hardware` as predicted (empty when it can).
 
     `follows_runtime`: whether the prediction used the runtime's kernels and batching for the graph's
@@ -52,14 +77,17 @@ def plan_problems(graph: Graph, hardware: HardwareSpec, *, follows_runtime: bool
             problems.append(f"{where} splits over {unknown}; the runtime's meshes have axes {RUNTIME_AXES} only")
     if graph.num_devices > hardware.num_devices:
         problems.append(f"the plan needs {graph.num_devices} devices, {hardware.name!r} has {hardware.num_devices}")
+    if sequences is not None:
+        problems += batch_problems(graph, sequences)
     return problems
 
 
-def require_executable(graph: Graph, hardware: HardwareSpec, *, follows_runtime: bool = True, where: str = "plan") -> None:
+def require_executable(graph: Graph, hardware: HardwareSpec, *, follows_runtime: bool = True,
+                       sequences: int | None = None, where: str = "plan") -> None:
     """Raises ValueError naming every reason the runtime cannot execute `graph`."""
-    problems = plan_problems(graph, hardware, follows_runtime=follows_runtime)
+    problems = plan_problems(graph, hardware, follows_runtime=follows_runtime, sequences=sequences)
     if problems:
         raise ValueError(f"{where} cannot be executed by rpegjax's runtime: " + "; ".join(problems))
 
 
-__all__ = ["CUDNN_DTYPES", "RUNTIME_AXES", "execution_problems", "plan_problems", "require_executable"]
+__all__ = ["CUDNN_DTYPES", "RUNTIME_AXES", "batch_problems", "execution_problems", "plan_problems", "require_executable"]

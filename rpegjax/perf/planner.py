@@ -293,6 +293,8 @@ class Planner:
             choice = dataclasses.replace(skeleton, execution=dataclasses.replace(skeleton.execution,
                                                                                  update_microbatches=count))
             graph = build_graph(choice)
+            if self._batch_problems(graph):
+                continue
             costs, persistent, _ = self.evaluator.stage_costs(graph)
             limit = self.evaluator.inputs.hardware.usable_memory_bytes
             if all(persistent[list(placement_devices(graph, s.placement))].max() + costs[s.name].transient_bytes <= limit
@@ -323,8 +325,13 @@ class Planner:
         for k, fused, m in itertools.product(self.space.async_bounds, self.space.fusion, self.space.microbatches):
             yield dataclasses.replace(skeleton, async_bound=k, fused=fused, microbatches=m)
 
+    def _batch_problems(self, graph: Graph) -> list[str]:
+        return executable.batch_problems(graph, self.evaluator.inputs.workload.sequences)
+
     def _bound(self, skeleton: PlanChoice) -> float:
         graph = build_graph(skeleton)
+        if self._batch_problems(graph):  # the runtime could not split the batch (more pieces only make it worse)
+            return float("inf")
         bound = self.evaluator.lower_bound(graph)
         fusable = sum(1 for s in graph.stages if INFERENCE_KINDS & set(s.kinds))
         return bound - max(0, fusable - 1) * self.evaluator.inputs.hardware.device.dispatch_overhead_s
@@ -343,22 +350,24 @@ class Planner:
         for bound, _, skeleton in bounded:
             if math.isinf(bound):
                 if not ranked:  # nothing fits yet: keep the closest misses, to say how far off they are
-                    missed = self._plan(skeleton).prediction
-                    rejected.append((missed.needed_memory_bytes, f"{skeleton.describe()}: {missed.fit_reason}"))
+                    missed = self._plan(skeleton)
+                    reason = missed.prediction.fit_reason or "; ".join(self._batch_problems(missed.graph))
+                    rejected.append((missed.prediction.needed_memory_bytes, f"{skeleton.describe()}: {reason}"))
                 continue
             if len(ranked) >= top and bound > ranked[-1][0][0]:
                 break  # sorted by bound: no later candidate can enter the top
             for choice in self.variants(skeleton):
                 plan = self._plan(choice)
                 evaluated += 1
-                if not plan.prediction.fits:
+                if not plan.prediction.fits or self._batch_problems(plan.graph):
                     continue
                 ranked.append((_rank_key(plan), plan))
                 ranked.sort(key=lambda item: item[0])
                 del ranked[top:]
         closest = tuple(text for _, text in sorted(rejected)[:5])
         if not ranked:
-            raise ValueError(f"planner: no plan of {candidates} fits in device memory; the closest: " + "; ".join(closest[:3]))
+            raise ValueError(f"planner: no plan of {candidates} fits in device memory and splits its batch evenly; the "
+                             f"closest: " + "; ".join(closest[:3]))
         plans = [plan for _, plan in ranked]
         return PlanResult(best=plans[0], alternatives=tuple(plans[1:]), evaluated=evaluated, candidates=candidates,
                           rejected=closest, seconds=time.perf_counter() - start)
@@ -370,7 +379,7 @@ class Planner:
     def brute_force(self, *, top: int = 5) -> list[Plan]:
         """Predicts every plan of the space (slow; for tests) and ranks those that fit."""
         plans = [self._plan(choice) for skeleton in self.skeletons() for choice in self.variants(skeleton)]
-        fitting = sorted((p for p in plans if p.prediction.fits), key=_rank_key)
+        fitting = sorted((p for p in plans if p.prediction.fits and not self._batch_problems(p.graph)), key=_rank_key)
         return fitting[:top]
 
 
@@ -440,7 +449,7 @@ def real_like(evaluator: Evaluator, *, algorithm: Algorithm | str, num_devices: 
             graph = build_graph(dataclasses.replace(choice, inference_layouts=own))
             plan = Plan(choice=dataclasses.replace(choice, inference_layouts=own), graph=graph,
                         prediction=evaluator.predict(graph))
-            if plan.prediction.fits:
+            if plan.prediction.fits and not planner._batch_problems(plan.graph):
                 return plan
             fallback = fallback or plan
     return fallback

@@ -110,6 +110,10 @@ class ExecutionOptions:
     # rpegjax's runtime: an update takes optimiser steps x this many passes, an inference stage one pass per
     # piece (its micro-batches); None: passes of `microbatch_tokens` tokens (systems that size them by tokens)
     update_microbatches: int | None = None
+    # rpegjax's sampler: generation weights are always a copy of the training weights, split over the tensor axis
+    # only (every other axis holds slots), so no weight gathers while decoding; False: FSDP-sharded generation
+    # weights gathered every step, shared with training when the layouts agree
+    replicated_generation_weights: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "attention", costs.AttentionKernel(self.attention))
@@ -142,7 +146,7 @@ class ExecutionOptions:
         attention = costs.AttentionKernel.DENSE if execution.attention == "dense" else costs.AttentionKernel.FLASH
         return dataclasses.replace(
             self, attention=attention, remat=Remat(execution.remat), decode=DecodeKernel.STATIC, continuous_batching=True,
-            sequence_packing=False, update_microbatches=execution.update_microbatches,
+            sequence_packing=False, update_microbatches=execution.update_microbatches, replicated_generation_weights=True,
             optimizer_bytes_per_param=2.0 * param_bytes, grad_bytes_per_param=float(param_bytes))
     @classmethod
     def rpegjax_xla(cls, **changes) -> ExecutionOptions:
@@ -412,7 +416,8 @@ def generation_cost(inputs: CostInputs, layout: Layout, *, kv_budget_bytes: floa
                  + kv_per_token + SAMPLING_BYTES_PER_VOCAB * shape.vocab)
     tensor_comm = 2 * shape.layers * collectives.all_reduce_seconds(slots * shape.hidden * shape.compute_bytes_each, hw,
                                                                    layout.group("tensor"))
-    fsdp_comm = collectives.all_gather_seconds(shape.weight_bytes / t, hw, layout.group("fsdp"))
+    fsdp_comm = 0.0 if o.replicated_generation_weights else collectives.all_gather_seconds(
+        shape.weight_bytes / t, hw, layout.group("fsdp"))
     capacity = w.prompt_tokens + w.responses.max
     prompt_pairs = w.prompt_tokens * (capacity if o.attention is costs.AttentionKernel.DENSE else (w.prompt_tokens + 1) / 2)
     prefill_seconds = (costs.forward_flops(shape, tokens=w.prompt_tokens, pairs=0, logit_tokens=1) / peak

@@ -158,6 +158,9 @@ def resident_state(graph: Graph, inputs: CostInputs) -> list[_Resident]:
     generate, actor = _home(graph, StageKind.GENERATE), _home(graph, StageKind.ACTOR_UPDATE)
     if generate is not None and actor is not None:
         gen_layout, gen_devices = stage_layout(graph, generate), placement_devices(graph, generate.placement)
+        if o.replicated_generation_weights:  # rpegjax's sampler: its own copy, split over the tensor axis only
+            out.append(_Resident("generation weights", gen_devices, gen_layout, inputs.actor.weight_bytes / gen_layout.tensor))
+            return out
         same = gen_devices == placement_devices(graph, actor.placement) and (
             (gen_layout.fsdp, gen_layout.tensor) == (stage_layout(graph, actor).fsdp, stage_layout(graph, actor).tensor))
         if not same:
