@@ -22,18 +22,18 @@ import os
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import argparse  # noqa: E402
-import dataclasses  # noqa: E402
-import itertools  # noqa: E402
+import argparse
+import dataclasses
+import itertools
 
-from rpegjax.graph import builders  # noqa: E402
-from rpegjax.graph.ir import Execution  # noqa: E402
-from rpegjax.learners import GRPOConfig  # noqa: E402
-from rpegjax.models import ModelConfig  # noqa: E402
-from rpegjax.perf import hardware, step_model  # noqa: E402
-from rpegjax.perf.generation_cost import ResponseLengths  # noqa: E402
-from rpegjax.perf.stage_costs import Workload  # noqa: E402
-from rpegjax.train.dry_run import Batch, dry_run  # noqa: E402
+from rpegjax.graph import builders
+from rpegjax.graph.ir import Execution
+from rpegjax.learners import GRPOConfig
+from rpegjax.models import ModelConfig
+from rpegjax.perf import hardware, step_model
+from rpegjax.perf.generation_cost import ResponseLengths
+from rpegjax.perf.stage_costs import Workload
+from rpegjax.train.dry_run import Batch, dry_run
 
 GIB = 1 << 30
 LAYOUTS = {"fsdp8": {"data": 1, "fsdp": 8, "tensor": 1}, "fsdp4xtp2": {"data": 1, "fsdp": 4, "tensor": 2},
@@ -57,9 +57,9 @@ def compare(model: ModelConfig, parallel: dict[str, int], tokens: int, prompt: i
                      capacity_bytes=hw.usable_memory_bytes, predicted=predicted)
     rows = []
     for program in report.programs:
-        rows.append(dict(stage=program.stage, program=program.program.split(" ")[0], compiled=program.peak,
-                         xla_program=program.program_bytes, resident=program.resident, predicted=program.predicted,
-                         compile_s=program.compile_seconds))
+        rows.append({"stage": program.stage, "program": program.program.split(" ")[0], "compiled": program.peak,
+                     "xla_program": program.program_bytes, "resident": program.resident,
+                     "predicted": program.predicted, "compile_s": program.compile_seconds})
     return rows
 
 
@@ -74,8 +74,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", help="compute dtype (master weights float32)")
     parser.add_argument("--prompt", type=int, default=512)
     args = parser.parse_args()
-    print(f"| model | layout | tokens/row | attention | remat | stage | program | XLA program GiB | resident GiB "
-          f"| compiled peak GiB | predicted GiB | error | compile s |")
+    print("| model | layout | tokens/row | attention | remat | stage | program | XLA program GiB | resident GiB "
+          "| compiled peak GiB | predicted GiB | error | compile s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     errors = []
     for size, layout, tokens, attention, remat in itertools.product(

@@ -18,9 +18,9 @@ import os
 import sys
 from typing import Any
 
+from rpegjax.graph.ir import ATTENTION_KINDS, DTYPES, REMAT_POLICIES
 from rpegjax.graph.trace import gantt_png
 from rpegjax.models import ModelConfig
-from rpegjax.graph.ir import ATTENTION_KINDS, DTYPES, REMAT_POLICIES
 from rpegjax.perf import executable, explain, hardware, planner, step_model, validation
 from rpegjax.perf.generation_cost import ResponseLengths
 from rpegjax.perf.stage_costs import ExecutionOptions, Workload
@@ -164,7 +164,7 @@ def verify(args: argparse.Namespace, model: ModelConfig, best: planner.Plan, hw:
                           slots=int(generate.detail["slots"]) * replicas)
     model = model.replace(param_dtype=execution.param_dtype, dtype=execution.dtype,
                           max_position_embeddings=max(model.max_position_embeddings, batch.prompt + batch.new))
-    log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    log = lambda line: print(line, file=sys.stderr, flush=True)
     return dry_run.dry_run(best.graph, model, algorithm, batch, capacity_bytes=hw.usable_memory_bytes,
                            predicted={s.name: s.peak_memory_bytes for s in prediction.stages},
                            predicted_step_seconds=prediction.step_seconds, log=log)
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     evaluator = step_model.Evaluator.for_runtime(model, workload, hw, options)
     space = planner.PlanSpace(attention=args.attention, remat=args.remat, param_dtype=args.param_dtype, dtype=args.dtype)
     use_reference = not args.no_reference
-    common = dict(algorithm=args.algo, num_devices=args.gpus, use_reference=use_reference, space=space)
+    common = {"algorithm": args.algo, "num_devices": args.gpus, "use_reference": use_reference, "space": space}
     try:
         result = planner.Planner(evaluator, **common).search(top=args.top + 1)
         verl = planner.verl_like(evaluator, **common)

@@ -376,6 +376,12 @@ def _pass_transient_bytes(inputs: CostInputs, shape: ModelShape, layout: Layout,
     activations = costs.training_activation_bytes(shape, tokens=tokens_per_pass, keys_per_query=keys_per_query,
                                                   kernel=o.attention, remat=o.remat, tensor=layout.tensor)
     grads = shape.params * o.grad_bytes_per_param / layout.shards
+    if layout.fsdp > 1:
+        # FSDP gathers the embedding table and the output matrix whole for the update (the token lookup and every
+        # log-prob chunk use them), and the output matrix's gradient accumulates whole over the chunks before it is
+        # reduce-scattered: large for big vocabularies (Qwen2.5: 152k x d), checked against XLA's compiled update
+        gathered += (shape.embedding_params * shape.param_bytes_each
+                     + shape.vocab * shape.hidden * o.grad_bytes_per_param) / layout.tensor
     return activations + chunk + gathered + grads
 
 

@@ -37,11 +37,14 @@ from rpegjax.graph.ir import INFERENCE_KINDS, UPDATE_KINDS, Graph, Role, StageKi
 from rpegjax.learners.batch import TrainBatch
 from rpegjax.learners.grpo import GRPOConfig
 from rpegjax.learners.ppo import PPOConfig
-from rpegjax.learners.update import TrainState
 from rpegjax.models.config import ModelConfig
 from rpegjax.models.transformer import Decoder
 from rpegjax.runtime.assembly import RolloutShape, place_models
-from rpegjax.runtime.meshes import device_ids, placement_devices, same_layout, stage_mesh
+from rpegjax.runtime.meshes import (
+    device_ids,
+    same_layout,
+    stage_mesh,
+)
 from rpegjax.runtime.programs import StageLayout
 from rpegjax.sharding.rules import param_shardings
 
@@ -117,8 +120,8 @@ class DryRunReport:
 
     def table(self) -> str:
         lines = [f"dry run on {self.devices}; GB per device, capacity {self.capacity_bytes / GB:.1f} GB",
-                 "| stage | program | mesh | arguments | outputs | temporaries | aliased | resident | peak | predicted "
-                 "| fits | TFLOP/device | compile s |",
+                 ("| stage | program | mesh | arguments | outputs | temporaries | aliased | resident | peak | predicted "
+                  "| fits | TFLOP/device | compile s |"),
                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for p in self.programs:
             mesh = "x".join(f"{a[0]}{s}" for a, s in p.mesh.items() if s > 1) or "1"
@@ -190,6 +193,11 @@ def dry_run(graph: Graph, model_cfg: ModelConfig, algorithm: GRPOConfig | PPOCon
     if jax.device_count() < graph.num_devices:
         raise ValueError(f"dry run: the plan needs {graph.num_devices} devices, {jax.device_count()} exist "
                          f"(call ensure_devices first)")
+    if graph.execution.attention == "cudnn" and jax.default_backend() != "gpu":
+        # cuDNN's kernel compiles only for CUDA; the blockwise kernel has the same O(T x block) memory class
+        graph = dataclasses.replace(graph, execution=dataclasses.replace(graph.execution, attention="blockwise"))
+        log(f"dry run: attention 'cudnn' compiles only on a CUDA GPU; compiling with 'blockwise' on "
+            f"{jax.default_backend()} (same memory class, O(tokens x block))")
     ppo = isinstance(algorithm, PPOConfig)
     abstract_model = nnx.eval_shape(lambda: Decoder(model_cfg.replace(value_head=ppo and algorithm.critic == "shared"),
                                                     rngs=nnx.Rngs(0)))
@@ -261,7 +269,9 @@ def dry_run(graph: Graph, model_cfg: ModelConfig, algorithm: GRPOConfig | PPOCon
         role_critic = stage.role is Role.CRITIC and StageKind.REF_LOGPROB not in kinds
         fn = learner.values_fn if role_critic and hasattr(learner, "values_fn") else learner.logprobs_fn
         params = _placed_params(learner, layout, critic=role_critic)
-        compiled, seconds = _compile(lambda: jax.jit(lambda p, t, m: fn(p, t, m, sharding)).lower(params, token_in, mask_in))
+        program = jax.jit(lambda p, t, m, fn=fn, sharding=sharding: fn(p, t, m, sharding))
+        compiled, seconds = _compile(lambda program=program, params=params, token_in=token_in, mask_in=mask_in:
+                                     program.lower(params, token_in, mask_in))
         held = ("reference",) if StageKind.REF_LOGPROB in kinds else ()
         # a stage on the training layout reads the training state's weights; re-sharded, it reads a fresh copy
         resident = resident_beside(device_ids(mesh), *held) - (params_bytes if layout is None and not held else 0.0)
@@ -290,7 +300,7 @@ def _update_batch(learner, algorithm, rows: int, tokens: int) -> TrainBatch:
     """The update's inputs as abstract arrays on the learner's row sharding (the fields the config reads)."""
     algorithm.layout.check_batch(rows)
     sharding = learner.rows
-    floats = lambda: jax.ShapeDtypeStruct((rows, tokens), jnp.float32, sharding=sharding)  # noqa: E731
+    floats = lambda: jax.ShapeDtypeStruct((rows, tokens), jnp.float32, sharding=sharding)
     fields = set(algorithm.required_fields()) | {"old_logprobs"} if getattr(algorithm, "decoupled", False) else \
         set(algorithm.required_fields())
     values = {name: (jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=_rows_1d(sharding))

@@ -9,7 +9,15 @@ from flax import nnx
 
 from rpegjax.generate.paged_cache import CacheLayout
 from rpegjax.graph import builders
-from rpegjax.graph.ir import ATTENTION_KINDS, DTYPES, KV_CACHE_LAYOUTS, REMAT_POLICIES, Execution, Graph, GraphError
+from rpegjax.graph.ir import (
+    ATTENTION_KINDS,
+    DTYPES,
+    KV_CACHE_LAYOUTS,
+    REMAT_POLICIES,
+    Execution,
+    Graph,
+    GraphError,
+)
 from rpegjax.learners import GRPOConfig
 from rpegjax.models import ModelConfig
 from rpegjax.models.config import _DTYPES, AttentionKind, RematPolicy
