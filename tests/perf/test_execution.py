@@ -155,3 +155,15 @@ def test_plan_cli_refuses_a_space_the_hardware_cannot_run(capsys):
     for entry in document["plans"]:
         execution = Execution.from_dict(entry["graph"]["execution"])
         assert not executable.execution_problems(execution, hardware.preset("h100", 8))
+
+
+def test_batches_must_split_over_every_program_replicas():
+    graph = builders.grpo_graph(use_reference=True, num_devices=8, parallel={"data": 2, "fsdp": 4})
+    assert not executable.batch_problems(dataclasses.replace(graph, execution=Execution(update_microbatches=4)), 64)
+    uneven = dataclasses.replace(graph, execution=Execution(update_microbatches=16))  # 4 rows over 8 replicas
+    assert "64 sequences in 16 update micro-batches do not split over its 8" in executable.batch_problems(uneven, 64)[0]
+    evaluator = step_model.Evaluator.for_runtime(ModelConfig.qwen2p5("0.5b"), WORKLOAD, _hardware("gpu"))
+    search = planner.Planner(evaluator, algorithm="grpo", num_devices=8,
+                             space=dataclasses.replace(SMALL_SPACE, update_microbatches=(1, 2, 4, 8, 16, 32)))
+    for plan in search.brute_force(top=1000):
+        assert not executable.batch_problems(plan.graph, WORKLOAD.sequences)

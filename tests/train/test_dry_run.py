@@ -25,7 +25,9 @@ def _graph(parallel):
                                                           scan_layers=True))
 
 
+@pytest.mark.slow
 def test_dry_run_measures_every_stage_program_and_refuses_what_does_not_fit():
+    """~30 s on an idle machine (4 programs compiled on 4 virtual devices)."""
     assert jax.device_count() >= 4
     graph = _graph({"fsdp": 2, "tensor": 2})
     batch = Batch(rows=8, prompt=16, new=48, slots=8)
@@ -65,3 +67,20 @@ def test_train_cli_dry_run_refuses_before_anything_starts(tmp_path):
     assert "re-running on 4 virtual CPU devices" in result.stderr
     assert "does not fit: stage" in result.stderr and "| actor_update | update | f4 |" in result.stdout
     assert not (tmp_path / "run").exists()  # nothing started
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("remat", ["full", "none"])
+def test_predicted_memory_is_within_15_percent_of_the_compiled_programs(remat):
+    """The performance model's per-device peak against XLA's, for the update, the log-prob and the decode
+    programs of a small Qwen2-shaped model (the large shapes: benchmarks/bench_memory_model.py). ~1 min."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_memory_model", ROOT / "benchmarks" / "bench_memory_model.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    model = ModelConfig.tiny(vocab_size=16384, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
+                             head_dim=64, intermediate_size=1024)
+    execution = Execution(attention="blockwise", attention_block_size=128, remat=remat, scan_layers=True)
+    for row in bench.compare(model, {"data": 1, "fsdp": 8, "tensor": 1}, 1024, 256, execution):
+        assert row["predicted"] == pytest.approx(row["compiled"], rel=0.15), row
