@@ -33,7 +33,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from rpegjax.generate.sampling import SamplingConfig, sampling_arrays
-from rpegjax.graph.ir import INFERENCE_KINDS, UPDATE_KINDS, Graph, Role, StageKind
+from rpegjax.graph.ir import INFERENCE_KINDS, UPDATE_KINDS, Graph, StageKind
 from rpegjax.learners.batch import TrainBatch
 from rpegjax.learners.grpo import GRPOConfig
 from rpegjax.learners.ppo import PPOConfig
@@ -232,6 +232,8 @@ def dry_run(graph: Graph, model_cfg: ModelConfig, algorithm: GRPOConfig | PPOCon
         if not same_layout(learner.placement.mesh, dict(ref_mesh.shape)):
             reference_layout = StageLayout(ref_mesh)
         ref_params = _placed_params(learner, reference_layout)
+        if ppo:
+            ref_params = ref_params["actor"]
         residents.append(("reference", device_ids(ref_mesh), shard_bytes(ref_params)))
 
     def resident_beside(devices: frozenset[int], *held: str) -> float:
@@ -266,9 +268,7 @@ def dry_run(graph: Graph, model_cfg: ModelConfig, algorithm: GRPOConfig | PPOCon
         piece = batch.rows // stage.microbatches
         token_in = jax.ShapeDtypeStruct((piece, tokens), jnp.int32, sharding=rows)
         mask_in = jax.ShapeDtypeStruct((piece, tokens), jnp.bool_, sharding=rows)
-        role_critic = stage.role is Role.CRITIC and StageKind.REF_LOGPROB not in kinds
-        fn = learner.values_fn if role_critic and hasattr(learner, "values_fn") else learner.logprobs_fn
-        params = _placed_params(learner, layout, critic=role_critic)
+        fn, params = _inference_function(learner, kinds, layout, ppo=ppo)
         program = jax.jit(lambda p, t, m, fn=fn, sharding=sharding: fn(p, t, m, sharding))
         compiled, seconds = _compile(lambda program=program, params=params, token_in=token_in, mask_in=mask_in:
                                      program.lower(params, token_in, mask_in))
@@ -287,13 +287,26 @@ def dry_run(graph: Graph, model_cfg: ModelConfig, algorithm: GRPOConfig | PPOCon
                         predicted_step_seconds=predicted_step_seconds)
 
 
-def _placed_params(learner, layout: StageLayout | None, *, critic: bool = False) -> Any:
+def _placed_params(learner, layout: StageLayout | None) -> Any:
+    """The learner's parameters (PPO: {"actor", "critic"}) on `layout` (None: the learner's own)."""
     params = learner.params
-    if isinstance(params, dict) and not isinstance(params, nnx.State):  # PPO with a separate critic
-        params = params["critic" if critic else "actor"]
     if layout is None:
         return params
+    if isinstance(params, dict) and not isinstance(params, nnx.State):
+        return {name: _abstract(value, param_shardings(value, layout.mesh, layout.rules)) for name, value in params.items()}
     return _abstract(params, param_shardings(params, layout.mesh, layout.rules))
+
+
+def _inference_function(learner, kinds: set[StageKind], layout: StageLayout | None, *, ppo: bool):
+    """The learner's pure function for an inference stage of `kinds` and the parameters it reads (as the
+    runtime's `StagePrograms` picks them: values and joint log-probs + values read PPO's whole state)."""
+    params = _placed_params(learner, layout)
+    if not ppo:
+        return learner.logprobs_fn, params
+    if StageKind.CRITIC_VALUE in kinds:
+        both = StageKind.OLD_LOGPROB in kinds
+        return (learner.logprobs_and_values_fn if both else learner.values_fn), params
+    return learner.logprobs_fn, params["actor"]
 
 
 def _update_batch(learner, algorithm, rows: int, tokens: int) -> TrainBatch:
