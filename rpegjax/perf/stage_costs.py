@@ -378,10 +378,13 @@ def _pass_transient_bytes(inputs: CostInputs, shape: ModelShape, layout: Layout,
     grads = shape.params * o.grad_bytes_per_param / layout.shards
     if layout.fsdp > 1:
         # FSDP gathers the embedding table and the output matrix whole for the update (the token lookup and every
-        # log-prob chunk use them), and the output matrix's gradient accumulates whole over the chunks before it is
-        # reduce-scattered: large for big vocabularies (Qwen2.5: 152k x d), checked against XLA's compiled update
+        # log-prob chunk use them); the output projection's gradient accumulates whole over the log-prob chunks
+        # before it is reduce-scattered, and with tied embeddings the lookup's gradient of that same matrix is built
+        # whole too, to be added to it. Large for big vocabularies (Qwen2.5: 152k x d); checked against XLA's
+        # compiled updates, tied (0.5B) and untied (7B) (benchmarks/bench_memory_model.py)
+        whole_gradients = 2 if shape.tied_embeddings else 1
         gathered += (shape.embedding_params * shape.param_bytes_each
-                     + shape.vocab * shape.hidden * o.grad_bytes_per_param) / layout.tensor
+                     + whole_gradients * shape.vocab * shape.hidden * o.grad_bytes_per_param) / layout.tensor
     return activations + chunk + gathered + grads
 
 
