@@ -19,8 +19,8 @@ ROOT = pathlib.Path(__file__).parents[2]
 CFG = ModelConfig.tiny(vocab_size=256)
 
 
-def _graph(parallel):
-    graph = builders.grpo_graph(use_reference=True, num_devices=4, parallel=parallel)
+def _graph(parallel, *, use_reference=True):
+    graph = builders.grpo_graph(use_reference=use_reference, num_devices=4, parallel=parallel)
     return dataclasses.replace(graph, execution=Execution(attention="blockwise", attention_block_size=16, remat="full",
                                                           scan_layers=True))
 
@@ -56,7 +56,7 @@ def test_dry_run_measures_every_stage_program_and_refuses_what_does_not_fit():
 def test_train_cli_dry_run_refuses_before_anything_starts(tmp_path):
     """~1 min: the job CLI re-runs itself on the plan's devices, compiles, prints the table and exits 3."""
     plan = tmp_path / "plan.json"
-    plan.write_text(_graph({"data": 1, "fsdp": 4}).to_json())
+    plan.write_text(_graph({"data": 1, "fsdp": 4}, use_reference=False).to_json())  # the job's default: no KL
     env = {**os.environ, "PYTHONPATH": str(ROOT), "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
     result = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "train_grpo.py"), "--dry-run", "--memory-gb", "0.001", "--plan", str(plan),
