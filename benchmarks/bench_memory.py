@@ -185,8 +185,8 @@ def print_header(args) -> None:
             f"{'unrolled' if args.unrolled else 'scanned'} layers, float32 master / {args.dtype} compute")
     print(f"W-long memory per device (GiB), {jax.device_count()} virtual CPU devices, jax {jax.__version__}; {kind}; "
           f"log-prob chunk {args.logprob_chunk}")
-    print(f"| model | layers | layout | tokens/row | program | ran at (length, rows) | arguments | outputs | temporaries "
-          f"| args+temps | planner peak | compile s |")
+    print("| model | layers | layout | tokens/row | program | ran at (length, rows) | arguments | outputs | temporaries "
+          "| args+temps | planner peak | compile s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 

@@ -4,8 +4,9 @@
 
 For each configuration (model size, batch, response length, GRPO/PPO, fusion, asynchrony) the script
 1. builds the RPEG with the builders and transforms (one CPU device, colocated),
-2. predicts it with `step_model.predict` on the spec calibrated in this same run (below),
-   with `ExecutionOptions.rpegjax_xla()` (dense masked attention, a fixed-slot KV-cache decode loop, padded batches),
+2. predicts it as the runtime executes it (`Evaluator.for_runtime`: the graph's execution options, here the
+   defaults: dense attention, no remat, float32; the fixed-slot decode loop, padded batches) on the spec
+   calibrated in this same run (below), with `ExecutionOptions.rpegjax_xla()`'s traffic constants,
 3. executes the graph with the real runtime (`Runtime` + `StagePrograms`, a `GRPOLearner` or `PPOLearner`, a
    `Sampler`, a host reward through a `RewardRunner`), set up as benchmarks/bench_grpo_step.py sets up W-small:
    random token prompts, `ignore_eos=True` so every response has exactly `new_tokens` tokens;
@@ -189,8 +190,8 @@ def main() -> None:
     rows = []
     for config in configs:
         graph = config.graph()
-        prediction = step_model.predict(graph, config.model, config.workload(), spec, options,
-                                       critic=config.model.replace(value_head=True))
+        prediction = step_model.Evaluator.for_runtime(config.model, config.workload(), spec, options,
+                                                      critic=config.model.replace(value_head=True)).predict(graph)
         measured = steps[config.name]
         step_errors = [_error(prediction.step_seconds, m) for m in measured]
         row = {"name": config.name, "predicted_step": prediction.step_seconds, "measured_step": statistics.median(measured),

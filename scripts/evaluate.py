@@ -10,7 +10,6 @@ line of standard output is a JSON summary.
 
 import argparse
 import json
-import pathlib
 import sys
 
 from rpegjax.generate.sampling import SamplingConfig

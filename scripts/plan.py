@@ -18,9 +18,10 @@ import os
 import sys
 from typing import Any
 
+from rpegjax.graph.ir import ATTENTION_KINDS, DTYPES, REMAT_POLICIES
 from rpegjax.graph.trace import gantt_png
 from rpegjax.models import ModelConfig
-from rpegjax.perf import explain, hardware, planner, step_model, validation
+from rpegjax.perf import executable, explain, hardware, planner, step_model, validation
 from rpegjax.perf.generation_cost import ResponseLengths
 from rpegjax.perf.stage_costs import ExecutionOptions, Workload
 
@@ -66,6 +67,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="mean response length in tokens (log-normal, sigma 1, clipped at --response-max)")
     parser.add_argument("--response-max", type=int, default=16384, help="maximum response length in tokens")
     parser.add_argument("--no-reference", action="store_true", help="no reference model (no KL term)")
+    parser.add_argument("--attention", default="cudnn,blockwise,dense",
+                        help=f"attention kernels to search, comma-separated, of {', '.join(ATTENTION_KINDS)} (those "
+                             f"the runtime cannot run on --hardware are skipped; asking only for those is refused)")
+    parser.add_argument("--remat", default="full,dots,none",
+                        help=f"remat policies to search, comma-separated, of {', '.join(REMAT_POLICIES)}")
+    parser.add_argument("--param-dtype", default="float32", choices=DTYPES,
+                        help="weights and optimiser moments (the run's model.param_dtype)")
+    parser.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="matmul compute (the run's model.dtype)")
     parser.add_argument("--top", type=int, default=3, help="alternatives to list after the best plan")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON document instead of the table (null times and a reason for plans that "
@@ -73,6 +82,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--explain", action="store_true",
                         help="say why the best plan wins: what bounds its step, what overlaps, how the reference "
                              "plans differ")
+    parser.add_argument("--verify", action="store_true",
+                        help="dry run of the best plan: compile every stage program ahead of time on the plan's meshes "
+                             "(virtual CPU devices when --gpus exceeds the devices here), print per-device memory "
+                             "against the usable memory, compiled FLOPs and the predicted step; exit 3 when it does "
+                             "not fit. Slow: compiling real models on many virtual devices takes minutes")
     parser.add_argument("--gantt", metavar="PNG", help="write a Gantt chart of the predicted schedules to this PNG")
     parser.add_argument("--fitted-efficiencies", action="store_true",
                         help="use the efficiencies fitted to NeMo RL's published H100 step times (matmul "
@@ -87,6 +101,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--top must be >= 0, got {args.top}")
     if not 1 <= args.response_mean < args.response_max:
         parser.error(f"--response-mean must be in [1, --response-max), got {args.response_mean}")
+    for name, known in (("attention", ATTENTION_KINDS), ("remat", REMAT_POLICIES)):
+        values = tuple(v.strip() for v in getattr(args, name).split(",") if v.strip())
+        unknown = [v for v in values if v not in known]
+        if not values or unknown:
+            parser.error(f"--{name}: {unknown or 'nothing'} given; choose from {', '.join(known)}")
+        setattr(args, name, values)
     return args
 
 
@@ -126,8 +146,36 @@ def _plan_json(name: str, plan: planner.Plan) -> dict[str, Any]:
             "reason": plan.prediction.fit_reason, "prediction": plan.prediction.to_dict(), "graph": plan.graph.to_dict()}
 
 
+def verify(args: argparse.Namespace, model: ModelConfig, best: planner.Plan, hw: hardware.HardwareSpec):
+    """The dry run of `best` (`rpegjax.train.dry_run`): the step batch padded to the longest response, the
+    sampler with the slots the prediction gives generation."""
+    from rpegjax.learners import GRPOConfig, PPOConfig
+    from rpegjax.train import dry_run
+
+    choice, prediction, execution = best.choice, best.prediction, best.graph.execution
+    kl = 0.04 if choice.use_reference else 0.0
+    if choice.algorithm.value == "ppo":
+        algorithm = PPOConfig(critic=choice.critic_mode.value, kl_coef=kl, num_minibatches=choice.optimizer_steps)
+    else:
+        algorithm = GRPOConfig(group_size=args.group_size, kl_coef=kl, num_minibatches=choice.optimizer_steps)
+    generate = next(s for s in prediction.stages if s.kind == "generate")
+    replicas = math.prod(size for axis, size in choice.generation_layout if axis != "tensor")
+    batch = dry_run.Batch(rows=args.prompts * args.group_size, prompt=args.prompt_tokens, new=args.response_max,
+                          slots=int(generate.detail["slots"]) * replicas)
+    model = model.replace(param_dtype=execution.param_dtype, dtype=execution.dtype,
+                          max_position_embeddings=max(model.max_position_embeddings, batch.prompt + batch.new))
+    log = lambda line: print(line, file=sys.stderr, flush=True)
+    return dry_run.dry_run(best.graph, model, algorithm, batch, capacity_bytes=hw.usable_memory_bytes,
+                           predicted={s.name: s.peak_memory_bytes for s in prediction.stages},
+                           predicted_step_seconds=prediction.step_seconds, log=log)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.verify:
+        from rpegjax.train.dry_run import ensure_devices
+
+        ensure_devices(args.gpus)  # re-runs this script on virtual CPU devices when there are fewer devices
     model = load_model(args.model)
     hw = hardware.preset(args.hardware, args.gpus)
     workload = Workload(prompts=args.prompts, group_size=args.group_size, prompt_tokens=args.prompt_tokens,
@@ -137,16 +185,24 @@ def main(argv: list[str] | None = None) -> int:
         fitted = validation.FITTED_EFFICIENCIES
         hw = dataclasses.replace(hw, device=dataclasses.replace(hw.device, matmul_efficiency=fitted.matmul))
         options = ExecutionOptions(decode_memory_efficiency=fitted.decode_memory)
-    evaluator = step_model.Evaluator(model, workload, hw, options)
+    # every plan is predicted as rpegjax's runtime executes it (its kernels, padding, micro-batching)
+    evaluator = step_model.Evaluator.for_runtime(model, workload, hw, options)
+    space = planner.PlanSpace(attention=args.attention, remat=args.remat, param_dtype=args.param_dtype, dtype=args.dtype)
     use_reference = not args.no_reference
+    common = {"algorithm": args.algo, "num_devices": args.gpus, "use_reference": use_reference, "space": space}
     try:
-        result = planner.Planner(evaluator, algorithm=args.algo, num_devices=args.gpus,
-                                 use_reference=use_reference).search(top=args.top + 1)
-        verl = planner.verl_like(evaluator, algorithm=args.algo, num_devices=args.gpus, use_reference=use_reference)
-        real = planner.real_like(evaluator, algorithm=args.algo, num_devices=args.gpus, use_reference=use_reference)
-    except ValueError as error:  # nothing fits: say why instead of a traceback
+        result = planner.Planner(evaluator, **common).search(top=args.top + 1)
+        verl = planner.verl_like(evaluator, **common)
+        real = planner.real_like(evaluator, **common)
+    except ValueError as error:  # nothing fits, or nothing the runtime can run: say why instead of a traceback
         raise SystemExit(f"plan.py: {error}") from None
     plans = [("best", result.best), ("verl-like", verl), ("ReaL-like", real)]
+    for name, plan in [*plans, *((f"alternative {i + 1}", p) for i, p in enumerate(result.alternatives))]:
+        try:  # never print a prediction for a plan the runtime cannot execute
+            executable.require_executable(plan.graph, hw, follows_runtime=evaluator.follow_graph,
+                                          sequences=workload.sequences, where=f"the {name} plan")
+        except ValueError as error:
+            raise SystemExit(f"plan.py: {error}") from None
     if args.gantt:
         traces = []
         for name, plan in plans:
@@ -167,9 +223,14 @@ def main(argv: list[str] | None = None) -> int:
         }
         if args.explain:
             document["explain"] = explain.explain(result.best, plans[1:])
+        report = verify(args, model, result.best, hw) if args.verify else None
+        if report is not None:
+            document["verify"] = {"fits": report.fits, "reason": report.refusal(), "capacity_bytes": report.capacity_bytes,
+                                  "devices": report.devices,
+                                  "programs": [{**dataclasses.asdict(p), "peak": p.peak} for p in report.programs]}
         json.dump(document, sys.stdout, allow_nan=False)  # strict JSON: a plan that does not fit has null times
         print()
-        return 0
+        return 0 if report is None or report.fits else 3
     print(f"{args.model} ({model.num_params() / 1e9:.1f}B), {args.algo.upper()}, {args.gpus} x {hw.device.name}; "
           f"{workload.prompts} prompts x {workload.group_size}, prompt {workload.prompt_tokens}, responses log-normal "
           f"mean {args.response_mean:.0f} max {args.response_max}")
@@ -189,6 +250,13 @@ def main(argv: list[str] | None = None) -> int:
         print(explain.explain(result.best, plans[1:]))
     if args.gantt:
         print(f"\nGantt chart of the predicted schedules: {args.gantt}")
+    if args.verify:
+        report = verify(args, model, result.best, hw)
+        print()
+        print(report.table(), flush=True)
+        if not report.fits:
+            print(f"plan.py: {report.refusal()}", file=sys.stderr)
+            return 3
     return 0
 
 

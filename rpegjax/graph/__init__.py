@@ -14,6 +14,7 @@ from rpegjax.graph.ir import (
     Algorithm,
     CriticMode,
     Edge,
+    Execution,
     Graph,
     GraphError,
     Payload,
@@ -33,7 +34,7 @@ from rpegjax.graph.transforms import (
 )
 
 __all__ = [
-    "ALL_PLACEMENT", "Algorithm", "CriticMode", "Edge", "Graph", "GraphError", "HOST_PLACEMENT", "INFERENCE_KINDS",
+    "ALL_PLACEMENT", "Algorithm", "CriticMode", "Edge", "Execution", "Graph", "GraphError", "HOST_PLACEMENT", "INFERENCE_KINDS",
     "PARAMS_PREFIX", "Payload", "Placement", "Role", "Stage", "StageKind", "UPDATE_KINDS", "bounded_async",
     "default_fusion", "fuse", "grpo_graph", "is_params_payload", "microbatch", "place", "ppo_graph",
     "share_actor_critic",

@@ -269,6 +269,79 @@ class Edge:
         return max(produced + 1, 0) if self.is_params else produced
 
 
+# Values of the execution options, as the runtime names them (rpegjax.models.config.AttentionKind and
+# RematPolicy, rpegjax.generate.paged_cache.CacheLayout; tests/graph/test_execution.py keeps them equal).
+ATTENTION_KINDS = ("dense", "blockwise", "cudnn")
+REMAT_POLICIES = ("none", "dots", "full")
+KV_CACHE_LAYOUTS = ("contiguous", "paged")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Execution:
+    """How the plan's programs execute: the one record the runtime applies (`rpegjax.runtime.assembly`) and the
+    performance model reads (`rpegjax.perf.stage_costs.ExecutionOptions.for_execution`).
+
+    attention / attention_block_size: the full-sequence attention kernel (training, log-probs, prefill).
+    remat / scan_layers: what each layer keeps for the backward pass; the layer stack as one `lax.scan`.
+    kv_cache / page_size: the sampler's KV-cache layout (the paged pool is sized for every slot at capacity).
+    param_dtype / dtype: stored weights (and optimiser moments) / matmul compute.
+    update_microbatches: gradient-accumulation pieces of every update mini-batch (memory against passes).
+    Generation micro-batches are the stages' own `microbatches`. There is no sequence packing: the runtime
+    pads every row of a batch to the same length.
+    """
+
+    attention: str = "dense"
+    attention_block_size: int = 512
+    remat: str = "none"
+    scan_layers: bool = False
+    kv_cache: str = "contiguous"
+    page_size: int = 16
+    param_dtype: str = "float32"
+    dtype: str = "float32"
+    update_microbatches: int = 1
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("attention", ATTENTION_KINDS), ("remat", REMAT_POLICIES), ("kv_cache", KV_CACHE_LAYOUTS),
+                              ("param_dtype", DTYPES), ("dtype", DTYPES)):
+            value = getattr(self, name)
+            if value not in allowed:  # enum members of the same values compare equal; store plain strings
+                raise GraphError(f"Execution.{name} must be one of {list(allowed)}, got {value!r}")
+            object.__setattr__(self, name, str(value))
+        for name in ("attention_block_size", "page_size", "update_microbatches"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise GraphError(f"Execution.{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.scan_layers, bool):
+            raise GraphError(f"Execution.scan_layers must be true or false, got {self.scan_layers!r}")
+
+    def model_fields(self) -> dict[str, Any]:
+        """The fields a model config takes (`ModelConfig` execution fields)."""
+        return {"attention": self.attention, "attention_block_size": self.attention_block_size, "remat": self.remat,
+                "scan_layers": self.scan_layers}
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, where: str = "execution") -> Execution:
+        if not isinstance(data, Mapping):
+            raise GraphError(f"{where} must be an object, got {type(data).__name__}")
+        unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise GraphError(f"{where}: unknown execution options {unknown}; known: "
+                             f"{[f.name for f in dataclasses.fields(cls)]}")
+        try:
+            return cls(**data)
+        except GraphError as error:
+            raise GraphError(f"{where}: {error}") from None
+
+    def describe(self) -> str:
+        micro = f", {self.update_microbatches} update micro-batches" if self.update_microbatches > 1 else ""
+        return (f"{self.attention} attention, remat {self.remat}, {self.param_dtype}/{self.dtype}, "
+                f"{self.kv_cache} KV cache{micro}")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Graph:
     """A whole RL step: stages (in declaration order), edges, placements and the asynchrony bound.
@@ -285,8 +358,11 @@ class Graph:
     external: tuple[str, ...] = ()
     algorithm: Algorithm | None = None
     name: str = ""
+    execution: Execution = dataclasses.field(default_factory=Execution)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.execution, Execution):
+            raise GraphError(f"Graph.execution must be an Execution, got {self.execution!r}")
         object.__setattr__(self, "stages", tuple(self.stages))
         object.__setattr__(self, "edges", tuple(self.edges))
         object.__setattr__(self, "external", tuple(str(p) for p in self.external))
@@ -306,7 +382,7 @@ class Graph:
 
     def __hash__(self) -> int:
         return hash((self.stages, self.edges, tuple(self.placements.items()), self.async_bound, self.num_devices,
-                     self.external, self.algorithm, self.name))
+                     self.external, self.algorithm, self.name, self.execution))
 
     # ----------------------------------------------------------------------------------------- queries
     @property

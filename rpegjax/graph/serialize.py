@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from rpegjax.graph.ir import Edge, Graph, GraphError, Placement, Stage
+from rpegjax.graph.ir import Edge, Execution, Graph, GraphError, Placement, Stage
 
 GRAPH_FORMAT = "rpegjax-graph-1"
 
@@ -17,6 +17,7 @@ def graph_to_dict(graph: Graph) -> dict[str, Any]:
         "algorithm": None if graph.algorithm is None else graph.algorithm.value,
         "async_bound": graph.async_bound,
         "num_devices": graph.num_devices,
+        "execution": graph.execution.to_dict(),
         "external": list(graph.external),
         "placements": [
             {"name": p.name, "parallel": dict(p.parallel), "devices": None if p.devices is None else list(p.devices)}
@@ -56,8 +57,10 @@ def graph_from_dict(data: Mapping[str, Any]) -> Graph:
             for s in data["stages"]
         )
         edges = tuple(Edge(**e) for e in data["edges"])
+        # graphs written before execution options existed run with the defaults (the runtime's own)
+        execution = Execution.from_dict(data.get("execution", {}), where="graph JSON execution")
         return Graph(stages=stages, edges=edges, placements=placements, async_bound=data["async_bound"],
                      num_devices=data["num_devices"], external=tuple(data["external"]),
-                     algorithm=data["algorithm"], name=data["name"])
+                     algorithm=data["algorithm"], name=data["name"], execution=execution)
     except (KeyError, TypeError) as error:
         raise GraphError(f"graph JSON is malformed: {type(error).__name__}: {error}") from None

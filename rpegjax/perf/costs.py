@@ -33,6 +33,7 @@ class DecodeKernel(enum.StrEnum):
 
 class Remat(enum.StrEnum):
     NONE = "none"  # keep every activation for the backward pass
+    DOTS = "dots"  # keep the matmul outputs, recompute the elementwise work between them (no matmul recomputed)
     FULL = "full"  # checkpoint each layer's input, recompute the layer in the backward pass
 
 
@@ -166,17 +167,33 @@ def layer_activation_bytes_per_token(shape: ModelShape, *, keys_per_query: float
     return elements * b + attention
 
 
+def layer_matmul_output_bytes_per_token(shape: ModelShape, *, keys_per_query: float, kernel: AttentionKernel | str,
+                                        tensor: int = 1) -> float:
+    """Bytes of one layer's matmul outputs per token on one tensor rank (what DOTS remat keeps): q, k, v, the
+    attention output and its projection, gate and up (one for a GELU MLP) and down; DENSE attention adds its
+    float32 scores, FLASH the float32 softmax statistics the backward kernel needs."""
+    d, h, k, e, f = shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, shape.mlp
+    kv_split = min(tensor, k)
+    elements = 2 * h * e / tensor + 2 * k * e / kv_split + 2 * d + (2 if shape.gated_mlp else 1) * f / tensor
+    attention = (h / tensor) * keys_per_query * 4 if AttentionKernel(kernel) is AttentionKernel.DENSE else 4 * h / tensor
+    return elements * shape.compute_bytes_each + attention
+
+
 def training_activation_bytes(shape: ModelShape, *, tokens: float, keys_per_query: float, kernel: AttentionKernel | str,
                               remat: Remat | str, tensor: int = 1) -> float:
     """Activation memory of one forward/backward over `tokens` tokens on one device.
 
-    NONE keeps every layer's activations; FULL keeps each layer's input (d per token) plus one layer's worth,
-    which is live while that layer is recomputed and differentiated.
+    NONE keeps every layer's activations; DOTS each layer's input and matmul outputs; FULL each layer's input
+    (d per token). DOTS and FULL add one layer's worth, live while a layer is recomputed and differentiated.
     """
     per_layer = layer_activation_bytes_per_token(shape, keys_per_query=keys_per_query, kernel=kernel, tensor=tensor)
-    if Remat(remat) is Remat.NONE:
+    remat = Remat(remat)
+    if remat is Remat.NONE:
         return tokens * shape.layers * per_layer
-    return tokens * (shape.layers * shape.hidden * shape.compute_bytes_each + per_layer)
+    kept = shape.hidden * shape.compute_bytes_each
+    if remat is Remat.DOTS:
+        kept += layer_matmul_output_bytes_per_token(shape, keys_per_query=keys_per_query, kernel=kernel, tensor=tensor)
+    return tokens * (shape.layers * kept + per_layer)
 
 
 def logprob_chunk_bytes(shape: ModelShape, *, rows: float, chunk: int, tensor: int = 1) -> float:

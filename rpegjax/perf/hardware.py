@@ -63,6 +63,9 @@ class Level:
         return self.bandwidth
 
 
+PLATFORMS = ("gpu", "tpu", "cpu")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DeviceSpec:
     """One accelerator (or one CPU host treated as a device).
@@ -75,6 +78,7 @@ class DeviceSpec:
     kernel_overhead_s: fixed cost of one kernel inside a compiled program (launch, small-op floor).
     dispatch_overhead_s: fixed cost of dispatching one jit-compiled program from the host.
     host_memory_bytes / host_bandwidth: host memory reachable from the device and its per-direction link.
+    platform: the JAX backend that runs on it ("gpu", "tpu" or "cpu"): which kernels the runtime can use there.
     """
 
     name: str
@@ -89,8 +93,11 @@ class DeviceSpec:
     dispatch_overhead_s: float = 50e-6
     host_memory_bytes: float = 0.0
     host_bandwidth: float = 0.0
+    platform: str = "gpu"
 
     def __post_init__(self) -> None:
+        if self.platform not in PLATFORMS:
+            raise ValueError(f"DeviceSpec {self.name!r}: platform must be one of {PLATFORMS}, got {self.platform!r}")
         if not self.peak_flops:
             raise ValueError(f"DeviceSpec {self.name!r}: peak_flops needs at least one dtype")
         for dtype, value in self.peak_flops.items():
@@ -413,6 +420,7 @@ def spec_from_calibration(measured: Calibration, *, name: str = "calibrated-cpu"
         memory_efficiency=1.0,
         kernel_overhead_s=measured.kernel_overhead_s,
         dispatch_overhead_s=measured.dispatch_overhead_s,
+        platform="cpu",
     )
     # One device: collectives never happen; the level only makes the spec complete.
     level = Level(name="host", size=1, bandwidth=measured.memory_bandwidth, latency=0.0)

@@ -4,7 +4,9 @@ Search space (`PlanSpace`): asynchrony bound; for PPO a separate or shared actor
 inference stages; micro-batch count of generation and the stages that consume it; colocated placement or a
 split of the devices between a rollout sub-mesh and a training sub-mesh; the generation layout (tensor x data);
 the training layout (data x fsdp x tensor); inference stages on the training layout or each re-sharded to the
-layout that is fastest for it. Every candidate is a `Graph` built with the builders and transforms, predicted
+layout that is fastest for it; the execution options the runtime supports on the hardware (attention kernel
+and remat policy, `rpegjax.perf.executable`), with the fewest update micro-batches that fit in memory (more
+only add passes). Plans are predicted as the runtime executes them (`Evaluator.for_runtime`). Every candidate is a `Graph` built with the builders and transforms, predicted
 by `step_model.Evaluator`; plans that exceed device memory are ranked out.
 
 Exactness: the search is branch and bound over that whole space. The per-step work of the busiest resource
@@ -28,15 +30,17 @@ from rpegjax.graph import transforms
 from rpegjax.graph.builders import ALL_PLACEMENT, grpo_graph, ppo_graph
 from rpegjax.graph.ir import (
     INFERENCE_KINDS,
+    UPDATE_KINDS,
     Algorithm,
     CriticMode,
+    Execution,
     Graph,
     Placement,
     Role,
     StageKind,
 )
-from rpegjax.perf import stage_costs
-from rpegjax.perf.step_model import Evaluator, Prediction
+from rpegjax.perf import executable, stage_costs
+from rpegjax.perf.step_model import Evaluator, Prediction, placement_devices
 
 ROLLOUT, TRAIN = transforms.ROLLOUT_PLACEMENT, transforms.TRAIN_PLACEMENT
 
@@ -52,6 +56,13 @@ class PlanSpace:
     generation_fractions: tuple[float | None, ...] = (None, 0.25, 0.375, 0.5, 0.625, 0.75)
     tensor_sizes: tuple[int, ...] = (1, 2, 4, 8)
     reshard_inference: tuple[bool, ...] = (False, True)
+    # those the hardware cannot run are skipped; cuDNN first, so that GPUs with bfloat16 get the fused kernel
+    attention: tuple[str, ...] = ("cudnn", "blockwise", "dense")
+    remat: tuple[str, ...] = ("full", "dots", "none")
+    update_microbatches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)  # the fewest that fit are taken
+    param_dtype: str = "float32"  # master weights and optimiser moments
+    dtype: str = "bfloat16"  # matmul compute
+    kv_cache: str = "contiguous"
 
     def __post_init__(self) -> None:
         try:
@@ -59,13 +70,22 @@ class PlanSpace:
         except ValueError:
             raise ValueError(f"PlanSpace.critic_modes must hold {[m.value for m in CriticMode]}, got {self.critic_modes!r}") from None
         for name in ("async_bounds", "critic_modes", "fusion", "microbatches", "generation_fractions", "tensor_sizes",
-                     "reshard_inference"):
+                     "reshard_inference", "attention", "remat", "update_microbatches"):
             if not getattr(self, name):
                 raise ValueError(f"PlanSpace.{name} must list at least one choice")
         if any(k < 0 for k in self.async_bounds) or any(m < 1 for m in self.microbatches) or any(t < 1 for t in self.tensor_sizes):
             raise ValueError(f"PlanSpace: async bounds >= 0, micro-batches and tensor sizes >= 1, got {self}")
         if any(f is not None and not 0 < f < 1 for f in self.generation_fractions):
             raise ValueError(f"PlanSpace.generation_fractions must be None or in (0, 1), got {self.generation_fractions}")
+        object.__setattr__(self, "update_microbatches", tuple(sorted(self.update_microbatches)))
+        for execution in self.executions():  # validates the values (GraphError names the field)
+            del execution
+
+    def executions(self) -> list[Execution]:
+        """Every (attention, remat) execution of the space, with its precision and KV cache (micro-batches 1)."""
+        return [Execution(attention=attention, remat=remat, scan_layers=True, kv_cache=self.kv_cache,
+                          param_dtype=self.param_dtype, dtype=self.dtype)
+                for attention, remat in itertools.product(self.attention, self.remat)]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -84,6 +104,7 @@ class PlanChoice:
     train_layout: tuple[tuple[str, int], ...] = ()
     inference_layouts: tuple[tuple[str, tuple[tuple[str, int], ...]], ...] = ()  # stage -> own layout
     optimizer_steps: int = 1  # optimiser steps per RL step (the batch split into this many mini-batches)
+    execution: Execution = dataclasses.field(default_factory=Execution)
 
     def describe(self) -> str:
         placement = "colocated" if not self.generation_devices else (
@@ -99,6 +120,7 @@ class PlanChoice:
             parts.append(f"{self.optimizer_steps} optimiser steps")
         if self.inference_layouts:
             parts.append("re-sharded " + ", ".join(f"{s}:{_layout_text(l)}" for s, l in self.inference_layouts))
+        parts.append(self.execution.describe())
         return "; ".join(parts)
 
 
@@ -168,6 +190,7 @@ def build_graph(choice: PlanChoice) -> Graph:
     fusion and micro-batch transforms; validated."""
     graph = _placed(_structure(choice.algorithm, choice.use_reference, choice.critic_mode, choice.async_bound,
                                choice.num_devices, choice.optimizer_steps), choice).validate()
+    graph = dataclasses.replace(graph, execution=choice.execution)
     if choice.fused:
         graph = transforms.default_fusion(graph)
     if choice.microbatches > 1:
@@ -224,6 +247,20 @@ class Planner:
         hardware = evaluator.inputs.hardware
         if num_devices > hardware.num_devices:
             raise ValueError(f"planner: {num_devices} devices requested, hardware {hardware.name!r} has {hardware.num_devices}")
+        if not evaluator.follow_graph:
+            raise ValueError("planner: the evaluator must predict the runtime's execution of each plan "
+                             "(step_model.Evaluator.for_runtime)")
+        # the executable options; of those the cost model cannot tell apart (blockwise and cuDNN attention are
+        # both flash-style to it) the first in the space's order stays
+        distinct: dict[stage_costs.ExecutionOptions, Execution] = {}
+        for execution in self.space.executions():
+            if not executable.execution_problems(execution, hardware):
+                distinct.setdefault(evaluator.inputs.options.executing(execution), execution)
+        self.executions = list(distinct.values())
+        if not self.executions:
+            refused = "; ".join(p for e in self.space.executions() for p in executable.execution_problems(e, hardware))
+            raise ValueError(f"planner: the runtime can execute none of the space's execution options on "
+                             f"{hardware.name!r}: {refused}")
 
     # the (critic, placement, layouts) skeletons and their structure variants
     def skeletons(self) -> Iterator[PlanChoice]:
@@ -235,25 +272,43 @@ class Planner:
             kwargs = dict(heads=shape.heads, kv_heads=shape.kv_heads, node_size=hardware.node_size)
             generation = layouts(split or self.num_devices, self.space.tensor_sizes, with_fsdp=False, **kwargs)
             training = layouts(train_devices, self.space.tensor_sizes, with_fsdp=True, **kwargs)
-            for gen_layout, train_layout in itertools.product(generation, training):
+            for gen_layout, train_layout, execution in itertools.product(generation, training, self.executions):
                 base = PlanChoice(algorithm=self.algorithm, use_reference=self.use_reference, num_devices=self.num_devices,
                                   critic_mode=critic_mode, generation_devices=split, generation_layout=gen_layout,
-                                  train_layout=train_layout)
+                                  train_layout=train_layout, execution=execution)
                 for reshard in self.space.reshard_inference:
                     if not reshard:
-                        yield base
+                        yield self.fit_microbatches(base)
                     else:
                         own = self._own_inference_layouts(base, training)
                         if own:
-                            yield dataclasses.replace(base, inference_layouts=own)
+                            yield self.fit_microbatches(dataclasses.replace(base, inference_layouts=own))
+
+    def fit_microbatches(self, skeleton: PlanChoice) -> PlanChoice:
+        """The skeleton with the fewest update micro-batches of the space whose update stages fit in memory (the
+        largest when none does: the plan is then ranked out, with its reason). The update's memory does not depend
+        on the asynchrony bound, fusion or generation pieces, so the count holds for every variant."""
+        choice = skeleton
+        for count in self.space.update_microbatches:
+            choice = dataclasses.replace(skeleton, execution=dataclasses.replace(skeleton.execution,
+                                                                                 update_microbatches=count))
+            graph = build_graph(choice)
+            if self._batch_problems(graph):
+                continue
+            costs, persistent, _ = self.evaluator.stage_costs(graph)
+            limit = self.evaluator.inputs.hardware.usable_memory_bytes
+            if all(persistent[list(placement_devices(graph, s.placement))].max() + costs[s.name].transient_bytes <= limit
+                   for s in graph.stages if set(s.kinds) & UPDATE_KINDS):
+                return choice
+        return choice
 
     def _own_inference_layouts(self, base: PlanChoice, candidates) -> tuple:
         """Each inference stage on the layout that minimises its own pass time (ReaL-style per-stage re-sharding);
         re-sharding and memory are then costed and checked when the whole plan is predicted."""
-        key = (base.critic_mode, base.generation_devices)
+        key = (base.critic_mode, base.generation_devices, base.execution)
         if key not in self._own_cache:
             graph = build_graph(base)
-            inputs = self.evaluator.inputs
+            inputs = self.evaluator.inputs_for(graph)
             fastest = []
             for stage in graph.stages:
                 if not INFERENCE_KINDS & set(stage.kinds):
@@ -270,8 +325,13 @@ class Planner:
         for k, fused, m in itertools.product(self.space.async_bounds, self.space.fusion, self.space.microbatches):
             yield dataclasses.replace(skeleton, async_bound=k, fused=fused, microbatches=m)
 
+    def _batch_problems(self, graph: Graph) -> list[str]:
+        return executable.batch_problems(graph, self.evaluator.inputs.workload.sequences)
+
     def _bound(self, skeleton: PlanChoice) -> float:
         graph = build_graph(skeleton)
+        if self._batch_problems(graph):  # the runtime could not split the batch (more pieces only make it worse)
+            return float("inf")
         bound = self.evaluator.lower_bound(graph)
         fusable = sum(1 for s in graph.stages if INFERENCE_KINDS & set(s.kinds))
         return bound - max(0, fusable - 1) * self.evaluator.inputs.hardware.device.dispatch_overhead_s
@@ -290,22 +350,24 @@ class Planner:
         for bound, _, skeleton in bounded:
             if math.isinf(bound):
                 if not ranked:  # nothing fits yet: keep the closest misses, to say how far off they are
-                    missed = self._plan(skeleton).prediction
-                    rejected.append((missed.needed_memory_bytes, f"{skeleton.describe()}: {missed.fit_reason}"))
+                    missed = self._plan(skeleton)
+                    reason = missed.prediction.fit_reason or "; ".join(self._batch_problems(missed.graph))
+                    rejected.append((missed.prediction.needed_memory_bytes, f"{skeleton.describe()}: {reason}"))
                 continue
             if len(ranked) >= top and bound > ranked[-1][0][0]:
                 break  # sorted by bound: no later candidate can enter the top
             for choice in self.variants(skeleton):
                 plan = self._plan(choice)
                 evaluated += 1
-                if not plan.prediction.fits:
+                if not plan.prediction.fits or self._batch_problems(plan.graph):
                     continue
                 ranked.append((_rank_key(plan), plan))
                 ranked.sort(key=lambda item: item[0])
                 del ranked[top:]
         closest = tuple(text for _, text in sorted(rejected)[:5])
         if not ranked:
-            raise ValueError(f"planner: no plan of {candidates} fits in device memory; the closest: " + "; ".join(closest[:3]))
+            raise ValueError(f"planner: no plan of {candidates} fits in device memory and splits its batch evenly; the "
+                             f"closest: " + "; ".join(closest[:3]))
         plans = [plan for _, plan in ranked]
         return PlanResult(best=plans[0], alternatives=tuple(plans[1:]), evaluated=evaluated, candidates=candidates,
                           rejected=closest, seconds=time.perf_counter() - start)
@@ -317,7 +379,7 @@ class Planner:
     def brute_force(self, *, top: int = 5) -> list[Plan]:
         """Predicts every plan of the space (slow; for tests) and ranks those that fit."""
         plans = [self._plan(choice) for skeleton in self.skeletons() for choice in self.variants(skeleton)]
-        fitting = sorted((p for p in plans if p.prediction.fits), key=_rank_key)
+        fitting = sorted((p for p in plans if p.prediction.fits and not self._batch_problems(p.graph)), key=_rank_key)
         return fitting[:top]
 
 
@@ -329,21 +391,26 @@ def _rank_key(plan: Plan) -> tuple:
 
 
 # ------------------------------------------------------------------------------------------ reference plans
-def verl_like(evaluator: Evaluator, *, algorithm: Algorithm | str, num_devices: int, use_reference: bool = True) -> Plan:
+def verl_like(evaluator: Evaluator, *, algorithm: Algorithm | str, num_devices: int, use_reference: bool = True,
+              space: PlanSpace | None = None) -> Plan:
     """verl's default: synchronous, colocated, separate models; FSDP (ZeRO-3) training over all devices and
-    tensor-parallel rollout (TP 2 up to ~14B parameters, else 4, as in verl's example scripts)."""
+    tensor-parallel rollout (TP 2 up to ~14B parameters, else 4, as in verl's example scripts); executed with
+    the space's first execution the runtime supports (flash-style attention and full remat, as verl's examples
+    enable) and the fewest update micro-batches that fit."""
+    planner = Planner(evaluator, algorithm=algorithm, num_devices=num_devices, use_reference=use_reference, space=space)
     shape = evaluator.inputs.actor
     tensor = 2 if shape.params <= 14e9 else 4
     tensor = min(tensor, evaluator.inputs.hardware.node_size, num_devices)
-    choice = PlanChoice(algorithm=Algorithm(algorithm), use_reference=use_reference, num_devices=num_devices,
-                        generation_layout=(("data", num_devices // tensor), ("fsdp", 1), ("tensor", tensor)),
-                        train_layout=(("data", 1), ("fsdp", num_devices), ("tensor", 1)))
+    choice = planner.fit_microbatches(PlanChoice(
+        algorithm=Algorithm(algorithm), use_reference=use_reference, num_devices=num_devices,
+        generation_layout=(("data", num_devices // tensor), ("fsdp", 1), ("tensor", tensor)),
+        train_layout=(("data", 1), ("fsdp", num_devices), ("tensor", 1)), execution=planner.executions[0]))
     graph = build_graph(choice)
     return Plan(choice=choice, graph=graph, prediction=evaluator.predict(graph))
 
 
 def real_like(evaluator: Evaluator, *, algorithm: Algorithm | str, num_devices: int, use_reference: bool = True,
-              tensor_sizes: tuple[int, ...] = (1, 2, 4, 8)) -> Plan:
+              tensor_sizes: tuple[int, ...] = (1, 2, 4, 8), space: PlanSpace | None = None) -> Plan:
     """ReaL's approach: synchronous, colocated, separate models, every stage on the parallel layout fastest
     for it (weights re-sharded between stages), no fusion, no asynchrony.
 
@@ -352,9 +419,9 @@ def real_like(evaluator: Evaluator, *, algorithm: Algorithm | str, num_devices: 
     layouts are tried, first with and then without per-stage re-sharding.
     """
     planner = Planner(evaluator, algorithm=algorithm, num_devices=num_devices, use_reference=use_reference,
-                      space=PlanSpace(async_bounds=(0,), critic_modes=(CriticMode.SEPARATE,), fusion=(False,),
-                                      microbatches=(1,), generation_fractions=(None,), tensor_sizes=tensor_sizes,
-                                      reshard_inference=(False,)))
+                      space=dataclasses.replace(space or PlanSpace(), async_bounds=(0,), critic_modes=(CriticMode.SEPARATE,),
+                                                fusion=(False,), microbatches=(1,), generation_fractions=(None,),
+                                                tensor_sizes=tensor_sizes, reshard_inference=(False,)))
     generation: dict[tuple, float] = {}
     training: dict[tuple, tuple[float, PlanChoice]] = {}
     for skeleton in planner.skeletons():
@@ -382,7 +449,7 @@ def real_like(evaluator: Evaluator, *, algorithm: Algorithm | str, num_devices: 
             graph = build_graph(dataclasses.replace(choice, inference_layouts=own))
             plan = Plan(choice=dataclasses.replace(choice, inference_layouts=own), graph=graph,
                         prediction=evaluator.predict(graph))
-            if plan.prediction.fits:
+            if plan.prediction.fits and not planner._batch_problems(plan.graph):
                 return plan
             fallback = fallback or plan
     return fallback

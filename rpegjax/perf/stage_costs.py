@@ -20,8 +20,9 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from rpegjax.graph.ir import Execution
 from rpegjax.perf import collectives, costs
-from rpegjax.perf.costs import DecodeKernel, ModelShape, Remat
+from rpegjax.perf.costs import DTYPE_BYTES, DecodeKernel, ModelShape, Remat
 from rpegjax.perf.generation_cost import (
     DecodeStepCost,
     ResponseLengths,
@@ -106,6 +107,13 @@ class ExecutionOptions:
     # generate; None: whatever the plan's persistent state leaves (rpegjax's runtime)
     generation_memory_fraction: float | None = None
     decode_memory_efficiency: float | None = None  # the decode kernels' share of HBM bandwidth; None: the device's
+    # rpegjax's runtime: an update takes optimiser steps x this many passes, an inference stage one pass per
+    # piece (its micro-batches); None: passes of `microbatch_tokens` tokens (systems that size them by tokens)
+    update_microbatches: int | None = None
+    # rpegjax's sampler: generation weights are always a copy of the training weights, split over the tensor axis
+    # only (every other axis holds slots), so no weight gathers while decoding; False: FSDP-sharded generation
+    # weights gathered every step, shared with training when the layouts agree
+    replicated_generation_weights: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "attention", costs.AttentionKernel(self.attention))
@@ -124,7 +132,22 @@ class ExecutionOptions:
         for name in ("optimizer_bytes_per_param", "grad_bytes_per_param", "backward_traffic_ratio"):
             if getattr(self, name) < 0:
                 raise ValueError(f"ExecutionOptions.{name} must be >= 0, got {getattr(self, name)!r}")
+        micro = self.update_microbatches
+        if micro is not None and (isinstance(micro, bool) or not isinstance(micro, int) or micro < 1):
+            raise ValueError(f"ExecutionOptions.update_microbatches must be a positive integer or None, got {micro!r}")
 
+    def executing(self, execution: Execution) -> ExecutionOptions:
+        """These options (efficiencies, overheads) with the kernels and batching of rpegjax's runtime running
+        `execution`: blockwise and cuDNN attention skip causal blocks (FLASH), dense scores every pair; the
+        sampler decodes every slot each step over its window (STATIC) with continuous batching, and its KV cache
+        reserves each slot's capacity (the paged pool is sized for every slot at capacity); rows are padded to
+        the longest (no packing); AdamW moments and gradients in the weights' dtype."""
+        param_bytes = DTYPE_BYTES[execution.param_dtype]
+        attention = costs.AttentionKernel.DENSE if execution.attention == "dense" else costs.AttentionKernel.FLASH
+        return dataclasses.replace(
+            self, attention=attention, remat=Remat(execution.remat), decode=DecodeKernel.STATIC, continuous_batching=True,
+            sequence_packing=False, update_microbatches=execution.update_microbatches, replicated_generation_weights=True,
+            optimizer_bytes_per_param=2.0 * param_bytes, grad_bytes_per_param=float(param_bytes))
     @classmethod
     def rpegjax_xla(cls, **changes) -> ExecutionOptions:
         """rpegjax's own kernels as they are today: dense masked attention, a fixed-slot sampler, padded batches."""
@@ -236,24 +259,30 @@ def elementwise_bytes(shape: ModelShape, *, tokens: float, pairs: float, tensor:
     return shape.layers * (per_token * tokens + scores)
 
 
-def _passes(tokens_per_replica: float, options: ExecutionOptions, minimum: int = 1) -> int:
-    return max(minimum, math.ceil(tokens_per_replica / options.microbatch_tokens))
+def _passes(tokens_per_replica: float, options: ExecutionOptions, *, optimizer_steps: int, backward: bool,
+            pieces: int) -> int:
+    """Forward(/backward) passes over the batch per epoch: the runtime's micro-batching, or token-sized passes."""
+    if options.update_microbatches is not None:
+        return max(1, optimizer_steps) * options.update_microbatches if backward else pieces
+    return max(max(1, optimizer_steps), math.ceil(tokens_per_replica / options.microbatch_tokens))
 
 
 # ------------------------------------------------------------------------------ forward and backward passes
 def model_pass_cost(inputs: CostInputs, shape: ModelShape, layout: Layout, *, logits: bool, backward: bool,
-                    epochs: int = 1, optimizer_steps: int = 0) -> StageCost:
-    """Forward (log-probs / values) or forward + backward + optimiser (an update) over the whole batch."""
+                    epochs: int = 1, optimizer_steps: int = 0, pieces: int = 1) -> StageCost:
+    """Forward (log-probs / values) or forward + backward + optimiser (an update) over the whole batch; an
+    inference stage of `pieces` micro-batches runs one pass per piece under the runtime's micro-batching."""
     hw, o, device = inputs.hardware, inputs.options, inputs.hardware.device
     tokens, pairs, _ = batch_tokens(inputs)
     per_replica = tokens / layout.replicas
-    passes = _passes(per_replica, o, minimum=max(1, optimizer_steps)) * epochs
+    passes = _passes(per_replica, o, optimizer_steps=optimizer_steps, backward=backward, pieces=pieces) * epochs
     bytes_each = shape.compute_bytes_each
     if backward:
         flops = costs.training_flops(shape, tokens=tokens, pairs=pairs, remat=o.remat)
         flops += 2 * shape.hidden * shape.vocab * tokens  # chunked log-probs recompute their logits backward
         forward_equivalents = 3 + (1 if o.remat is Remat.FULL else 0)
-        traffic_equivalents = 1 + o.backward_traffic_ratio + (1 if o.remat is Remat.FULL else 0)
+        # DOTS recomputes the elementwise work (and FULL everything) of the forward once more
+        traffic_equivalents = 1 + o.backward_traffic_ratio + (0 if o.remat is Remat.NONE else 1)
         # all-reduces per layer: 2 forward, 2 backward (input gradients), 2 more for a recomputed forward
         tensor_reductions = 4 + (2 if o.remat is Remat.FULL else 0)
         fsdp_gathers = 2 + (1 if o.remat is Remat.FULL else 0)
@@ -347,6 +376,15 @@ def _pass_transient_bytes(inputs: CostInputs, shape: ModelShape, layout: Layout,
     activations = costs.training_activation_bytes(shape, tokens=tokens_per_pass, keys_per_query=keys_per_query,
                                                   kernel=o.attention, remat=o.remat, tensor=layout.tensor)
     grads = shape.params * o.grad_bytes_per_param / layout.shards
+    if layout.fsdp > 1:
+        # FSDP gathers the embedding table and the output matrix whole for the update (the token lookup and every
+        # log-prob chunk use them); the output projection's gradient accumulates whole over the log-prob chunks
+        # before it is reduce-scattered, and with tied embeddings the lookup's gradient of that same matrix is built
+        # whole too, to be added to it. Large for big vocabularies (Qwen2.5: 152k x d); checked against XLA's
+        # compiled updates, tied (0.5B) and untied (7B) (benchmarks/bench_memory_model.py)
+        whole_gradients = 2 if shape.tied_embeddings else 1
+        gathered += (shape.embedding_params * shape.param_bytes_each
+                     + whole_gradients * shape.vocab * shape.hidden * o.grad_bytes_per_param) / layout.tensor
     return activations + chunk + gathered + grads
 
 
@@ -387,7 +425,8 @@ def generation_cost(inputs: CostInputs, layout: Layout, *, kv_budget_bytes: floa
                  + kv_per_token + SAMPLING_BYTES_PER_VOCAB * shape.vocab)
     tensor_comm = 2 * shape.layers * collectives.all_reduce_seconds(slots * shape.hidden * shape.compute_bytes_each, hw,
                                                                    layout.group("tensor"))
-    fsdp_comm = collectives.all_gather_seconds(shape.weight_bytes / t, hw, layout.group("fsdp"))
+    fsdp_comm = 0.0 if o.replicated_generation_weights else collectives.all_gather_seconds(
+        shape.weight_bytes / t, hw, layout.group("fsdp"))
     capacity = w.prompt_tokens + w.responses.max
     prompt_pairs = w.prompt_tokens * (capacity if o.attention is costs.AttentionKernel.DENSE else (w.prompt_tokens + 1) / 2)
     prefill_seconds = (costs.forward_flops(shape, tokens=w.prompt_tokens, pairs=0, logit_tokens=1) / peak

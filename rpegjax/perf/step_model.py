@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from rpegjax.graph.ir import Graph, Role, Stage, StageKind
+from rpegjax.graph.ir import UPDATE_KINDS, Execution, Graph, Role, Stage, StageKind
 from rpegjax.graph.trace import Trace
 from rpegjax.models.config import ModelConfig
 from rpegjax.perf import schedule as schedule_module
@@ -158,6 +158,9 @@ def resident_state(graph: Graph, inputs: CostInputs) -> list[_Resident]:
     generate, actor = _home(graph, StageKind.GENERATE), _home(graph, StageKind.ACTOR_UPDATE)
     if generate is not None and actor is not None:
         gen_layout, gen_devices = stage_layout(graph, generate), placement_devices(graph, generate.placement)
+        if o.replicated_generation_weights:  # rpegjax's sampler: its own copy, split over the tensor axis only
+            out.append(_Resident("generation weights", gen_devices, gen_layout, inputs.actor.weight_bytes / gen_layout.tensor))
+            return out
         same = gen_devices == placement_devices(graph, actor.placement) and (
             (gen_layout.fsdp, gen_layout.tensor) == (stage_layout(graph, actor).fsdp, stage_layout(graph, actor).tensor))
         if not same:
@@ -228,7 +231,7 @@ def stage_cost(graph: Graph, stage: Stage, inputs: CostInputs, persistent: np.nd
         cost = stage_costs.model_pass_cost(inputs, shape, layout, logits=True, backward=True, epochs=epochs, optimizer_steps=steps)
     else:
         logits = bool({StageKind.REF_LOGPROB, StageKind.OLD_LOGPROB} & set(kinds))
-        cost = stage_costs.model_pass_cost(inputs, shape, layout, logits=logits, backward=False)
+        cost = stage_costs.model_pass_cost(inputs, shape, layout, logits=logits, backward=False, pieces=stage.microbatches)
     cost = dataclasses.replace(cost, seconds=cost.seconds + reshard, communication_seconds=cost.communication_seconds + reshard,
                                transient_bytes=cost.transient_bytes + copy_bytes)
     return _split(cost, stage.microbatches, device.dispatch_overhead_s)
@@ -252,7 +255,7 @@ def _cost_key(graph: Graph, stage: Stage, persistent: np.ndarray) -> tuple:
     """Everything a stage's cost depends on besides the fixed inputs: the stage, its placement, the layouts
     its weights come from (resharding) or go to (weight sync), and the memory left on its devices."""
     if stage.host:
-        return (stage,)
+        return (stage,)  # reward time does not depend on the execution options
     related = []
     for kind in (StageKind.ACTOR_UPDATE, StageKind.CRITIC_UPDATE):
         home = _home(graph, kind, own_kind=True)
@@ -265,7 +268,15 @@ def _cost_key(graph: Graph, stage: Stage, persistent: np.ndarray) -> tuple:
                 related.append((graph.placements[reader_stage.placement], graph.parallel_of(reader)))
     devices = list(placement_devices(graph, stage.placement))
     left = round(float(persistent[devices].max())) if StageKind.GENERATE in stage.kinds else None
-    return stage, graph.placements[stage.placement], tuple(map(repr, related)), left
+    return stage, graph.placements[stage.placement], tuple(map(repr, related)), left, _execution_key(stage, graph.execution)
+
+
+def _execution_key(stage: Stage, execution: Execution) -> tuple:
+    """The execution options a stage's cost reads: update micro-batches only matter to updates, remat only to
+    backward passes (the planner varies them per plan; generation, the costliest to predict, reads neither)."""
+    if set(stage.kinds) & UPDATE_KINDS:
+        return dataclasses.astuple(execution)
+    return (execution.attention, execution.param_dtype, execution.dtype, execution.kv_cache)
 
 
 class Evaluator:
@@ -273,11 +284,36 @@ class Evaluator:
     (the planner evaluates thousands of graphs that share most stages)."""
 
     def __init__(self, model: ModelShape | ModelConfig, workload: Workload, hardware: HardwareSpec,
-                 options: ExecutionOptions | None = None, *, critic: ModelShape | ModelConfig | None = None):
+                 options: ExecutionOptions | None = None, *, critic: ModelShape | ModelConfig | None = None,
+                 follow_graph: bool = False):
         actor = _shape(model)
         self.inputs = CostInputs(hardware=hardware, actor=actor, critic=actor if critic is None else _shape(critic),
                                  workload=workload, options=options or ExecutionOptions())
+        self.follow_graph = follow_graph
         self._costs: dict[tuple, StageCost | str] = {}
+        self._executing: dict[Execution, CostInputs] = {}
+
+    @classmethod
+    def for_runtime(cls, model: ModelShape | ModelConfig, workload: Workload, hardware: HardwareSpec,
+                    options: ExecutionOptions | None = None, *, critic: ModelShape | ModelConfig | None = None) -> Evaluator:
+        """Predicts graphs as rpegjax's runtime executes them: each graph's `Execution` (kernels, remat,
+        precision, micro-batches) decides the options (`ExecutionOptions.executing`); `options` gives only the
+        efficiencies and overheads. The planner and `plan.py` predict this way; the validation against other
+        systems' published runs uses those systems' own options instead."""
+        return cls(model, workload, hardware, options, critic=critic, follow_graph=True)
+
+    def inputs_for(self, graph: Graph) -> CostInputs:
+        """The cost inputs `graph` is predicted with (its execution options and precision when following graphs)."""
+        if not self.follow_graph:
+            return self.inputs
+        execution = graph.execution
+        if execution not in self._executing:
+            precision = dict(param_dtype=execution.param_dtype, compute_dtype=execution.dtype)
+            self._executing[execution] = dataclasses.replace(
+                self.inputs, options=self.inputs.options.executing(execution),
+                actor=dataclasses.replace(self.inputs.actor, **precision),
+                critic=dataclasses.replace(self.inputs.critic, **precision))
+        return self._executing[execution]
 
     def _check(self, graph: Graph) -> None:
         graph.validate()
@@ -288,7 +324,7 @@ class Evaluator:
 
     def stage_costs(self, graph: Graph) -> tuple[dict[str, StageCost], np.ndarray, list[str]]:
         """(cost per stage, persistent bytes per device, memory problems) for a validated graph."""
-        inputs = self.inputs
+        inputs = self.inputs_for(graph)
         residents = resident_state(graph, inputs)
         persistent = _persistent(residents, graph.num_devices)
         limit = inputs.hardware.usable_memory_bytes
@@ -344,7 +380,7 @@ class Evaluator:
         problems are reported, `fits` stays False): for published runs whose systems offload or shard state in
         ways this accounting does not express (`rpegjax.perf.validation`)."""
         self._check(graph)
-        inputs, hardware = self.inputs, self.inputs.hardware
+        inputs, hardware = self.inputs_for(graph), self.inputs.hardware
         costs, persistent, problems = self.stage_costs(graph)
         peak, memory_problems = self._memory_problems(graph, costs, persistent)
         problems += memory_problems

@@ -1,5 +1,6 @@
 """One set-up path from a graph and a model to what the runtime executes: the learner on the mesh of the graph's
-update stage, the sampler on the mesh of its generate stage. The job (`rpegjax.train.build`, and so the runtime
+update stage, the sampler on the mesh of its generate stage, both executing as the graph's `Execution` says
+(attention kernel, remat, layer scan, KV-cache layout, update micro-batches). The job (`rpegjax.train.build`, and so the runtime
 tests), the step benchmarks (`bench_grpo_step`, `bench_perfmodel`) build through here; unit tests of a
 learner or the sampler alone build those directly.
 """
@@ -10,8 +11,9 @@ import dataclasses
 
 from flax import nnx
 
+from rpegjax.generate.paged_cache import CacheConfig
 from rpegjax.generate.sampler import Sampler
-from rpegjax.graph.ir import Graph
+from rpegjax.graph.ir import Execution, Graph
 from rpegjax.learners.grpo import GRPOConfig, GRPOLearner
 from rpegjax.learners.ppo import PPOConfig, PPOLearner
 from rpegjax.learners.protocol import Learner
@@ -32,7 +34,11 @@ class RolloutShape:
 def place_models(graph: Graph, model: Decoder, algorithm: GRPOConfig | PPOConfig, rollout: RolloutShape, *,
                  critic: Decoder | None = None) -> tuple[Learner, Sampler]:
     """The learner of `algorithm` (PPO: with `critic`, or the actor's value head when shared) and the sampler of
-    `model`'s architecture, each on the mesh the graph places its stage on."""
+    `model`'s architecture, each on the mesh the graph places its stage on, executing as `graph.execution` says.
+    The models' precision must be the plan's: it changes the parameters, so it is refused, never converted."""
+    execution = graph.execution
+    model, critic = apply_execution(model, execution), None if critic is None else apply_execution(critic, execution)
+    algorithm = dataclasses.replace(algorithm, num_microbatches=execution.update_microbatches)
     train_mesh, rollout_mesh = placed_meshes(graph)
     if isinstance(algorithm, GRPOConfig):
         if critic is not None:
@@ -43,5 +49,19 @@ def place_models(graph: Graph, model: Decoder, algorithm: GRPOConfig | PPOConfig
     else:
         raise TypeError(f"place_models: algorithm must be a GRPOConfig or PPOConfig, got {type(algorithm).__name__}")
     sampler = Sampler(model.cfg, nnx.split(model)[0], num_slots=rollout.num_slots, max_prompt_len=rollout.max_prompt_len,
-                      max_new_tokens=rollout.max_new_tokens, chunk_steps=rollout.chunk_steps, mesh=rollout_mesh)
+                      max_new_tokens=rollout.max_new_tokens, chunk_steps=rollout.chunk_steps, mesh=rollout_mesh,
+                      cache=CacheConfig(layout=execution.kv_cache, page_size=execution.page_size))
     return learner, sampler
+
+
+def apply_execution(model: Decoder, execution: Execution) -> Decoder:
+    """`model` under the execution's kernel, remat and scan choices; its precision must already match."""
+    cfg = model.cfg
+    if (cfg.param_dtype, cfg.dtype) != (execution.param_dtype, execution.dtype):
+        raise ValueError(f"the plan executes with {execution.param_dtype} weights and {execution.dtype} compute, the "
+                         f"model has {cfg.param_dtype} / {cfg.dtype}: set model.param_dtype / model.dtype to the "
+                         f"plan's, or plan again with the model's")
+    wanted = execution.model_fields()
+    if all(getattr(cfg, name) == value for name, value in wanted.items()):
+        return model
+    return model.with_execution(**wanted)

@@ -22,11 +22,12 @@ from rpegjax.data.prompts import PromptTemplate
 from rpegjax.data.rows import RowSchema
 from rpegjax.generate.sampler import Sampler, usable_slots
 from rpegjax.graph import builders, transforms
-from rpegjax.graph.ir import Algorithm, Graph, GraphError, StageKind
+from rpegjax.graph.ir import Algorithm, Execution, Graph, GraphError, StageKind
 from rpegjax.models.config import EXECUTION_FIELDS, ModelConfig
 from rpegjax.models.hf import load_pretrained, read_config
 from rpegjax.models.tokenizer import builtin_tokenizer, load_tokenizer
 from rpegjax.models.transformer import Decoder
+from rpegjax.models.precision import Precision
 from rpegjax.rewards.custom import RewardedTask, load_rewards
 from rpegjax.rewards.dataset_task import MathDatasetTask
 from rpegjax.rewards.math import check_gold_answer
@@ -117,7 +118,7 @@ def check_prompt_lengths(examples: list[Example], prompt_ids: list[list[int]], l
 
 def _model_config(cfg: RunConfig, tokenizer, *, value_head: bool) -> ModelConfig:
     m = cfg.model
-    precision = m.precision(backend=jax.default_backend(), checkpoint_dtype=None)
+    precision = run_precision(cfg)
     # the vocabulary padded to a multiple of 8, as checkpoints pad theirs: tensor parallelism up to 8 splits
     # the embedding and output layer evenly (the sharding rules refuse an axis that does not divide)
     vocab = -(-tokenizer.vocab_size // 8) * 8
@@ -127,9 +128,27 @@ def _model_config(cfg: RunConfig, tokenizer, *, value_head: bool) -> ModelConfig
                        eos_token_id=tokenizer.eos_id, max_position_embeddings=4096, **m.execution())
 
 
+def run_precision(cfg: RunConfig) -> Precision:
+    """The run's dtypes: the model section's, resolved by the precision policy for this backend and the
+    checkpoint's stored dtype (`rpegjax.models.precision`)."""
+    checkpoint_dtype = read_config(cfg.model.path).param_dtype if cfg.model.path is not None else None
+    return cfg.model.precision(backend=jax.default_backend(), checkpoint_dtype=checkpoint_dtype)
+
+
+def run_execution(cfg: RunConfig) -> Execution:
+    """The execution options of a run without a plan: the model section's kernel, remat and precision (as the
+    policy resolves it), the algorithm's update micro-batches, the contiguous KV cache."""
+    m = cfg.model
+    algo = cfg.grpo if cfg.algorithm == Algorithm.GRPO else cfg.ppo
+    precision = run_precision(cfg)
+    return Execution(param_dtype=precision.param_dtype, dtype=precision.dtype, update_microbatches=algo.num_microbatches,
+                     **{name: getattr(m, name) for name in ("attention", "attention_block_size", "remat", "scan_layers")})
+
+
 def build_graph(cfg: RunConfig, num_devices: int) -> Graph:
-    """The RPEG of this run over `num_devices` devices: the plan file's graph (`graph.plan`), or the
-    algorithm's graph with the structure and execution transforms the graph section asks for."""
+    """The RPEG of this run over `num_devices` devices: the plan file's graph (`graph.plan`, with the plan's
+    execution options), or the algorithm's graph with the structure and execution transforms the graph section
+    asks for and the run's execution options (`run_execution`)."""
     if cfg.graph.plan is not None:
         return load_plan(cfg, num_devices)
     section = cfg.graph
@@ -164,7 +183,7 @@ def build_graph(cfg: RunConfig, num_devices: int) -> Graph:
         for name in dict.fromkeys(inference):
             if graph.stage(name).microbatches != pieces:
                 graph = transforms.microbatch(graph, name, pieces)
-    return graph.validate()
+    return dataclasses.replace(graph, execution=run_execution(cfg)).validate()
 
 
 def load_plan(cfg: RunConfig, num_devices: int) -> Graph:
@@ -197,6 +216,11 @@ def load_plan(cfg: RunConfig, num_devices: int) -> Graph:
                              f"(plan again, or change the run's options)")
     if graph.num_devices > num_devices:
         raise ValueError(f"{where}: planned for {graph.num_devices} devices, {num_devices} are available")
+    precision = (graph.execution.param_dtype, graph.execution.dtype)
+    if precision != (cfg.model.param_dtype, cfg.model.dtype):
+        raise ValueError(f"{where}: the plan executes with {precision[0]} weights and {precision[1]} compute, this run "
+                         f"has model.param_dtype={cfg.model.param_dtype}, model.dtype={cfg.model.dtype} (plan again "
+                         f"with the run's, or set the run's to the plan's)")
     return graph
 
 
@@ -266,8 +290,7 @@ def build(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Components:
                 f"({'cached' if warm_metrics['warm_start/cached'] else 'trained'}, "
                 f"{warm_metrics['warm_start/seconds']:.1f} s)")
     else:
-        precision = cfg.model.precision(backend=jax.default_backend(),
-                                        checkpoint_dtype=read_config(cfg.model.path).param_dtype)
+        precision = run_precision(cfg)
         # straight into the training layout: each process reads only the windows its devices hold
         model, model_cfg = load_pretrained(cfg.model.path, param_dtype=precision.param_dtype,
                                            dtype=precision.dtype, value_head=shared_critic, mesh=train_mesh)
@@ -276,6 +299,7 @@ def build(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Components:
         if model_cfg.eos_token_id is None:
             model_cfg = model_cfg.replace(eos_token_id=tokenizer.eos_id)
             model.cfg = model_cfg
+    model_cfg = model_cfg.replace(**graph.execution.model_fields())  # what place_models runs the model with
     if jax.process_count() > 1 and len({s.placement for s in graph.stages if not s.host}) > 1:
         raise ValueError("stages on separate device sets (graph.rollout_devices or a disaggregated plan) run in one "
                          "process only; with several processes generation and training share the devices")

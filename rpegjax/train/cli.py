@@ -75,7 +75,7 @@ ALGORITHM_ALIASES = {
     "epochs": "epochs",
     "minibatches": "num_minibatches",
 }
-_ACTION_FLAGS = ("recipe", "resume", "overwrite", "config", "print-config", "verbose", "help")
+_ACTION_FLAGS = ("recipe", "resume", "overwrite", "config", "print-config", "verbose", "dry-run", "memory-gb", "help")
 REWARD_FLAG = "reward"  # repeatable: each one a term of data.reward
 
 
@@ -89,6 +89,8 @@ class Command:
     overwrite: bool = False
     print_config: bool = False
     verbose: bool = False
+    dry_run: bool = False
+    memory_gb: float | None = None
 
 
 def _field(config: object, dotted: str) -> tuple[object, object]:
@@ -153,6 +155,12 @@ def parse_command(argv: list[str], algorithm: Algorithm) -> Command:
     parser.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
     parser.add_argument("--verbose", action="store_true", help="also print developer detail: the executed graph "
                         "(stages, edges, placements and their meshes)")
+    parser.add_argument("--dry-run", action="store_true", help="compile every stage program of the run's graph (its "
+                        "--plan) ahead of time without allocating, print per-device memory against the capacity, "
+                        "compiled FLOPs and the planned step time, and exit (non-zero when it does not fit); on "
+                        "virtual CPU devices when the plan needs more devices than exist")
+    parser.add_argument("--memory-gb", type=float, metavar="GB", help="--dry-run: usable memory per device "
+                        "(default: what the devices report; required on CPU)")
     known, rest = parser.parse_known_args(argv)
     overrides: dict[str, str] = {}
     index = 0
@@ -210,7 +218,7 @@ def parse_command(argv: list[str], algorithm: Algorithm) -> Command:
         source = "--resume: that run" if known.resume else f"--config {known.config}: it"
         parser.error(f"{source} used {config.algorithm.value}, not {algorithm.value}")
     return Command(config=config, resume=known.resume, overwrite=known.overwrite, print_config=known.print_config,
-                   verbose=known.verbose)
+                   verbose=known.verbose, dry_run=known.dry_run, memory_gb=known.memory_gb)
 
 
 def parse_args(argv: list[str], algorithm: Algorithm) -> tuple[RunConfig, str | None]:
@@ -296,6 +304,8 @@ def main(argv: list[str], algorithm: Algorithm) -> int:
         print(config.to_json(), flush=True)
         return 0
     say = lambda message: print(message, file=sys.stderr, flush=True)  # stdout carries only the summary line
+    if command.dry_run:
+        return _dry_run(config, command.memory_gb, say)
     try:
         resolved = join_processes(config)
     except ValueError as error:  # a flag or variable that does not parse
@@ -377,6 +387,23 @@ def describe_run(parts) -> str:
         f"watch: tensorboard --logdir {pathlib.Path(train.run_dir) / 'tensorboard'}  (samples.jsonl, training.png "
         "at the end; --verbose shows the executed graph)",
     ])
+
+
+def _dry_run(config: RunConfig, memory_gb: float | None, say) -> int:
+    """`--dry-run`: the table on stdout; 0 when every program fits, 3 when one does not, 2 for bad input."""
+    from rpegjax.train import dry_run
+
+    try:
+        dry_run.ensure_devices(dry_run.plan_devices(config))  # may re-run this process on virtual devices
+        report = dry_run.dry_run_config(config, capacity_bytes=None if memory_gb is None else memory_gb * 1e9, log=say)
+    except ValueError as error:
+        say(f"error: {error}")
+        return 2
+    print(report.table(), flush=True)
+    if not report.fits:
+        say(f"error: {report.refusal()}")
+        return 3
+    return 0
 
 
 def _drop_if_empty(run_dir: str, claimed: bool) -> None:

@@ -102,7 +102,7 @@ def _tight_plans():
     hw = hardware.h100_node(4)
     hw = dataclasses.replace(hw, device=dataclasses.replace(hw.device, memory_bytes=40e9))
     workload = Workload(prompts=16, group_size=4, prompt_tokens=256, responses=ResponseLengths.lognormal(512, 2048))
-    evaluator = step_model.Evaluator(ModelConfig.qwen2p5("7b"), workload, hw)
+    evaluator = step_model.Evaluator.for_runtime(ModelConfig.qwen2p5("7b"), workload, hw)
     verl = planner.verl_like(evaluator, algorithm="grpo", num_devices=4)
     return evaluator, verl
 

@@ -29,7 +29,7 @@ def _summary(plans):
 
 @pytest.mark.parametrize("algorithm", [Algorithm.PPO, Algorithm.GRPO])
 def test_planner_equals_brute_force_on_a_small_case(algorithm):
-    evaluator = step_model.Evaluator(ModelConfig.qwen2p5("0.5b"), WORKLOAD, _two_nodes())
+    evaluator = step_model.Evaluator.for_runtime(ModelConfig.qwen2p5("0.5b"), WORKLOAD, _two_nodes())
     search = planner.Planner(evaluator, algorithm=algorithm, num_devices=8, space=SPACE)
     result = search.search(top=4)
     brute = search.brute_force(top=4)
@@ -39,9 +39,9 @@ def test_planner_equals_brute_force_on_a_small_case(algorithm):
 
 def test_plans_never_exceed_memory_and_infeasible_ones_are_ranked_out():
     hw = _two_nodes(memory_bytes=40e9)
-    evaluator = step_model.Evaluator(ModelConfig.qwen2p5("7b"), WORKLOAD, hw)
+    evaluator = step_model.Evaluator.for_runtime(ModelConfig.qwen2p5("7b"), WORKLOAD, hw)
     search = planner.Planner(evaluator, algorithm=Algorithm.PPO, num_devices=8, space=dataclasses.replace(
-        SPACE, async_bounds=(0,), microbatches=(1,), reshard_inference=(False,)))
+        SPACE, async_bounds=(0,), microbatches=(1,), reshard_inference=(False,), param_dtype="bfloat16"))
     everything = [search._plan(choice) for skeleton in search.skeletons() for choice in search.variants(skeleton)]
     assert any(not p.prediction.fits for p in everything) and any(p.prediction.fits for p in everything)
     result = search.search(top=3)
@@ -49,13 +49,13 @@ def test_plans_never_exceed_memory_and_infeasible_ones_are_ranked_out():
         assert plan.prediction.fits and plan.prediction.peak_memory_bytes <= hw.usable_memory_bytes
     fastest_fitting = min(p.prediction.step_seconds for p in everything if p.prediction.fits)
     assert result.best.prediction.step_seconds == pytest.approx(fastest_fitting)
-    tiny = step_model.Evaluator(ModelConfig.qwen2p5("7b"), WORKLOAD, _two_nodes(memory_bytes=4e9))
+    tiny = step_model.Evaluator.for_runtime(ModelConfig.qwen2p5("7b"), WORKLOAD, _two_nodes(memory_bytes=4e9))
     with pytest.raises(ValueError, match="no plan .* fits in device memory"):
         planner.Planner(tiny, algorithm=Algorithm.PPO, num_devices=8, space=SPACE).search()
 
 
 def test_the_best_plan_is_an_executable_graph():
-    evaluator = step_model.Evaluator(ModelConfig.qwen2p5("0.5b"), WORKLOAD, _two_nodes())
+    evaluator = step_model.Evaluator.for_runtime(ModelConfig.qwen2p5("0.5b"), WORKLOAD, _two_nodes())
     result = planner.Planner(evaluator, algorithm=Algorithm.PPO, num_devices=8, space=SPACE).search(top=2)
     graph = result.best.graph
     assert graph.validate() is graph and graph.num_devices == 8
@@ -69,7 +69,7 @@ def test_the_best_plan_is_an_executable_graph():
 
 
 def test_reference_plans_have_their_fixed_structure():
-    evaluator = step_model.Evaluator(ModelConfig.qwen2p5("0.5b"), WORKLOAD, _two_nodes())
+    evaluator = step_model.Evaluator.for_runtime(ModelConfig.qwen2p5("0.5b"), WORKLOAD, _two_nodes())
     verl = planner.verl_like(evaluator, algorithm="ppo", num_devices=8)
     assert verl.graph.async_bound == 0 and set(verl.graph.placements) == {"all"}
     assert dict(verl.graph.parallel_of("actor_update")) == {"data": 1, "fsdp": 8, "tensor": 1}
@@ -92,7 +92,7 @@ def test_bad_spaces_are_refused():
 
 @pytest.mark.slow
 def test_planning_256_gpus_takes_seconds():
-    evaluator = step_model.Evaluator(ModelConfig.qwen2p5("7b"), Workload.w_plan(), hardware.gh200_quad(256))
+    evaluator = step_model.Evaluator.for_runtime(ModelConfig.qwen2p5("7b"), Workload.w_plan(), hardware.gh200_quad(256))
     start = time.perf_counter()
     result = planner.Planner(evaluator, algorithm=Algorithm.PPO, num_devices=256).search()
     assert time.perf_counter() - start < 60
@@ -126,9 +126,10 @@ def test_a_planned_graph_survives_json_and_runs_in_the_runtime(tmp_path, fractio
     shape = ModelConfig(vocab_size=99, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
                         intermediate_size=64)
     workload = Workload(prompts=4, group_size=2, prompt_tokens=12, responses=ResponseLengths.fixed(6))
-    evaluator = step_model.Evaluator(shape, workload, _two_nodes())
+    evaluator = step_model.Evaluator.for_runtime(shape, workload, _two_nodes())
     space = planner.PlanSpace(async_bounds=(0, 1), fusion=(False, True), microbatches=(1, 2), tensor_sizes=(1,),
-                              generation_fractions=fractions, reshard_inference=reshard)
+                              generation_fractions=fractions, reshard_inference=reshard,
+                              dtype="float32")  # the run's precision (a plan with another is refused by the run)
     best = planner.Planner(evaluator, algorithm="grpo", num_devices=8, use_reference=True, space=space).search(top=1).best
     path = tmp_path / "plan.json"
     path.write_text(best.graph.to_json())

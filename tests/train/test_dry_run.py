@@ -1,0 +1,86 @@
+"""The dry run: every stage program of a plan compiled with abstract inputs, measured, refused when too big."""
+
+import dataclasses
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from rpegjax.graph import builders
+from rpegjax.graph.ir import Execution
+from rpegjax.learners import GRPOConfig
+from rpegjax.models import ModelConfig
+from rpegjax.train.dry_run import Batch, dry_run
+
+ROOT = pathlib.Path(__file__).parents[2]
+CFG = ModelConfig.tiny(vocab_size=256)
+
+
+def _graph(parallel, *, use_reference=True):
+    graph = builders.grpo_graph(use_reference=use_reference, num_devices=4, parallel=parallel)
+    return dataclasses.replace(graph, execution=Execution(attention="blockwise", attention_block_size=16, remat="full",
+                                                          scan_layers=True))
+
+
+@pytest.mark.slow
+def test_dry_run_measures_every_stage_program_and_refuses_what_does_not_fit():
+    """~30 s on an idle machine (4 programs compiled on 4 virtual devices)."""
+    assert jax.device_count() >= 4
+    graph = _graph({"fsdp": 2, "tensor": 2})
+    batch = Batch(rows=8, prompt=16, new=48, slots=8)
+    report = dry_run(graph, CFG, GRPOConfig(group_size=4, kl_coef=0.04), batch, capacity_bytes=1e9)
+    assert [p.stage for p in report.programs] == ["actor_update", "ref_logprob", "old_logprob", "generate"]
+    assert report.fits and report.refusal() is None
+    update = report.programs[0]
+    # the update's arguments hold the training state's shard (float32 weights + two AdamW moments, split 4 ways
+    # by fsdp x tensor; norms and biases replicate, so a little more) and the batch
+    state = 3 * 4 * CFG.num_params() / 4
+    assert state <= update.arguments <= 1.5 * state + 8 * 64 * 16
+    assert update.aliased > 0  # the state is donated
+    assert update.flops > 0 and update.temporaries > 0
+    # beside the update: the reference weights (float32, fsdp x tensor) and the generation copy (tensor only:
+    # generation spreads slots over every other axis)
+    assert update.resident == pytest.approx(4 * CFG.num_params() / 4 + 4 * CFG.num_params() / 2, rel=0.1)
+    for program in report.programs:
+        assert program.peak == pytest.approx(program.program_bytes + program.resident)
+    small = dataclasses.replace(report, capacity_bytes=update.peak * 0.99)
+    assert not small.fits
+    assert "stage 'actor_update' (update) needs" in small.refusal() and "GB per device" in small.refusal()
+    assert "NO" in small.table()
+
+
+@pytest.mark.slow
+def test_train_cli_dry_run_refuses_before_anything_starts(tmp_path):
+    """~1 min: the job CLI re-runs itself on the plan's devices, compiles, prints the table and exits 3."""
+    plan = tmp_path / "plan.json"
+    plan.write_text(_graph({"data": 1, "fsdp": 4}, use_reference=False).to_json())  # the job's default: no KL
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "train_grpo.py"), "--dry-run", "--memory-gb", "0.001", "--plan", str(plan),
+         "--run-dir", str(tmp_path / "run"), "--prompts-per-step", "4", "--group-size", "2", "--max-new-tokens", "16",
+         "--warm-start-steps", "0"],
+        check=False, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    assert result.returncode == 3, result.stderr[-3000:]
+    assert "re-running on 4 virtual CPU devices" in result.stderr
+    assert "does not fit: stage" in result.stderr and "| actor_update | update | f4 |" in result.stdout
+    assert not (tmp_path / "run").exists()  # nothing started
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("remat", ["full", "none"])
+def test_predicted_memory_is_within_15_percent_of_the_compiled_programs(remat):
+    """The performance model's per-device peak against XLA's, for the update, the log-prob and the decode
+    programs of Qwen2.5-0.5B cut to 2 layers (its 152k vocabulary is what FSDP gathers whole; the full shapes:
+    benchmarks/bench_memory_model.py). ~1-2 min."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_memory_model", ROOT / "benchmarks" / "bench_memory_model.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    model = ModelConfig.qwen2p5("0.5b").replace(num_layers=2)
+    execution = Execution(attention="blockwise", attention_block_size=128, remat=remat, scan_layers=True)
+    for row in bench.compare(model, {"data": 1, "fsdp": 8, "tensor": 1}, 1024, 256, execution):
+        assert row["predicted"] == pytest.approx(row["compiled"], rel=0.15), row
