@@ -7,25 +7,19 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
-import shutil
 import tempfile
 from typing import Any
 
 import jax
 from flax import nnx
 
-from rpegjax import distributed
 from rpegjax.distributed import DistributedConfig
-from rpegjax.models.hf import save_pretrained
+from rpegjax.models.hf import TOKENIZER_FILE, save_pretrained
 from rpegjax.models.tokenizer import BUILTIN_CHARACTERS, BUILTIN_SPECIAL_TOKENS, CharTokenizer
 from rpegjax.models.transformer import Decoder
 from rpegjax.train.build import Components, build
 from rpegjax.train.checkpoint import Checkpointer, CheckpointError
 from rpegjax.train.config import ModelSection, RunConfig, WarmStartSection
-
-# the files of a Hugging Face tokenizer directory that are copied along with a checkpoint's tokenizer
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model")
 
 
 def policy_model(parts: Components, params: Any) -> Decoder:
@@ -62,40 +56,27 @@ def write_char_tokenizer(directory: pathlib.Path) -> None:
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
-def _write_tokenizer(parts: Components, directory: pathlib.Path) -> None:
+def _tokenizer_dir(parts: Components, scratch: pathlib.Path) -> pathlib.Path:
+    """A directory holding the run's tokenizer files: the checkpoint's own, or the built-in character
+    tokenizer written into `scratch`."""
     if isinstance(parts.tokenizer, CharTokenizer):
-        write_char_tokenizer(directory)
-        return
+        write_char_tokenizer(scratch)
+        return scratch
     source = pathlib.Path(parts.cfg.model.path)
-    copied = [name for name in TOKENIZER_FILES if (source / name).is_file()]
-    if "tokenizer.json" not in copied:
-        raise CheckpointError(f"{source}: no tokenizer.json to copy into the exported model")
-    for name in copied:
-        shutil.copyfile(source / name, directory / name)
+    if not (source / TOKENIZER_FILE).is_file():
+        raise CheckpointError(f"{source}: no {TOKENIZER_FILE} to copy into the exported model")
+    return source
 
 
-def export_policy(parts: Components, params: Any, path: str | pathlib.Path, *, is_main_process: bool = True) -> pathlib.Path:
+def export_policy(parts: Components, params: Any, path: str | pathlib.Path) -> pathlib.Path:
     """Writes the policy with `params` as a Hugging Face directory at `path` (replacing one there): weights in
-    the model's parameter dtype, config.json, generation_config.json and the tokenizer's files. Everything is
-    written into a temporary sibling and renamed into place, so `path` never holds half a model.
-
-    With several processes this is a collective (each process's shards are gathered); process 0 writes."""
-    if jax.process_count() > 1:
-        params = distributed.gather_to_all(params)
-    target = pathlib.Path(path)
-    if not is_main_process:
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.export-", dir=target.parent))
-    try:
-        model = save_pretrained(policy_model(parts, params), parts.model_cfg, staging / "model")
-        _write_tokenizer(parts, model)
-        if target.exists():
-            shutil.rmtree(target)
-        model.rename(target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+    the model's parameter dtype, config.json, generation_config.json and the tokenizer's files, by
+    `rpegjax.models.hf.save_pretrained` (written into a temporary sibling and renamed into place, so `path` never
+    holds half a model). `params` may be sharded over several processes: then every process calls this, the
+    tensors are assembled one at a time (never the whole model on one device) and process 0 writes."""
+    with tempfile.TemporaryDirectory(prefix="rpegjax-tokenizer-") as scratch:
+        return save_pretrained(policy_model(parts, params), parts.model_cfg, path,
+                               tokenizer_dir=_tokenizer_dir(parts, pathlib.Path(scratch)))
 
 
 def run_config(run_dir: str | pathlib.Path) -> RunConfig:

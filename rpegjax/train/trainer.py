@@ -220,8 +220,7 @@ class Trainer:
         if self.main:
             self._write_outputs(trace)
         if cfg.train.export_hf:  # with several processes a collective: every process takes part
-            path = export_policy(parts, learner.actor_params(state.params), self.run_dir / "hf",
-                                 is_main_process=self.main)
+            path = export_policy(parts, learner.actor_params(state.params), self.run_dir / "hf")
             self.log(f"final policy as a Hugging Face model: {path}")
         return {"start_accuracy": start_accuracy, "end_accuracy": end_accuracy, "steps": cfg.train.steps,
                 "wall_seconds": round(time.perf_counter() - started, 2), "run_dir": str(self.run_dir)}
