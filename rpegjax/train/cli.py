@@ -319,6 +319,7 @@ def main(argv: list[str], algorithm: Algorithm) -> int:
     where = f"process {resolved.process_id}: " if resolved.is_multi_process else ""
     log = say if main_process else (lambda _: None)
 
+    from rpegjax.runtime.compilation_cache import enable_compilation_cache
     from rpegjax.train.build import build
     from rpegjax.train.checkpoint import CheckpointError
     from rpegjax.train.metrics import require_wandb
@@ -326,6 +327,8 @@ def main(argv: list[str], algorithm: Algorithm) -> int:
 
     claimed = config.train.run_dir is None and resume is None
     try:
+        if config.train.compilation_cache:  # before the first compilation
+            log(f"compiled programs cached in {enable_compilation_cache(config.train.compilation_cache_dir)}")
         if config.train.wandb and main_process:  # before anything is built: a missing package is found at once
             require_wandb()
         if config.train.run_dir is not None:  # refused before anything is built or written

@@ -252,6 +252,11 @@ class TrainSection:
     sample_every: int = 10
     samples_per_step: int = 4
     export_hf: bool = True  # write the final policy as a Hugging Face directory, RUN_DIR/hf
+    # JAX's persistent compilation cache: programs that took over a second to compile are kept on disk and
+    # reused by the next run with the same shapes (`rpegjax.runtime.compilation_cache`); the directory
+    # defaults to $XDG_CACHE_HOME/rpegjax/jax (~/.cache/rpegjax/jax)
+    compilation_cache: bool = True
+    compilation_cache_dir: str | None = None
     # also log metrics and samples to Weights & Biases (the optional `wandb` package: pip install rpegjax[wandb]);
     # offline by default (RUN_DIR/wandb, `wandb sync` uploads it), online sends as the run goes
     wandb: bool = False

@@ -41,7 +41,8 @@ def job(run_dir, *flags, script="train_grpo.py", config=TINY, devices=1):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
     where = [] if "--resume" in flags else [f"--run-dir={run_dir}"]
     command = [sys.executable, str(ROOT / "scripts" / script), *config, *where,
-               f"--warm_start.cache_dir={pathlib.Path(run_dir).parent}/cache", *flags]
+               f"--warm_start.cache_dir={pathlib.Path(run_dir).parent}/cache",
+               f"--train.compilation_cache_dir={pathlib.Path(run_dir).parent}/jax-cache", *flags]
     return command, env
 
 
@@ -90,6 +91,9 @@ def test_main_job_writes_its_run_directory_and_a_summary(tiny_run):
     # the newcomer's banner, without the graph dump (that is --verbose's)
     assert "each step: 4 prompts x 2 samples" in result.stderr and "tensorboard --logdir" in result.stderr
     assert "RPEG grpo" not in result.stderr
+    # the persistent compilation cache is on, in the directory given
+    cache = run_dir.parent / "jax-cache"
+    assert f"compiled programs cached in {cache}" in result.stderr and cache.is_dir()
 
 
 def test_samples_show_prompts_responses_rewards_and_verdicts(tiny_run):
