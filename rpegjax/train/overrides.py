@@ -186,7 +186,9 @@ def _from_json_value(value: Any, annotation: Any, where: str, *, base: Any = Non
             if option is type(None):
                 continue
             try:
-                return _from_json_value(value, option, where, base=base if isinstance(base, option) else None)
+                kind = typing.get_origin(option) or option  # isinstance takes tuple, not tuple[int, ...]
+                return _from_json_value(value, option, where,
+                                        base=base if isinstance(kind, type) and isinstance(base, kind) else None)
             except ConfigFileError as error:
                 errors.append(str(error))
         if len(errors) == 1:
