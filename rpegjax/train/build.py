@@ -217,10 +217,11 @@ def load_plan(cfg: RunConfig, num_devices: int) -> Graph:
     if graph.num_devices > num_devices:
         raise ValueError(f"{where}: planned for {graph.num_devices} devices, {num_devices} are available")
     precision = (graph.execution.param_dtype, graph.execution.dtype)
-    if precision != (cfg.model.param_dtype, cfg.model.dtype):
+    run = run_precision(cfg)  # the model section's dtypes as the precision policy resolves them here
+    if precision != (run.param_dtype, run.dtype):
         raise ValueError(f"{where}: the plan executes with {precision[0]} weights and {precision[1]} compute, this run "
-                         f"has model.param_dtype={cfg.model.param_dtype}, model.dtype={cfg.model.dtype} (plan again "
-                         f"with the run's, or set the run's to the plan's)")
+                         f"with {run.param_dtype} weights and {run.dtype} compute (model.param_dtype, model.dtype; "
+                         f"plan again with the run's, or set the run's to the plan's)")
     return graph
 
 

@@ -39,7 +39,8 @@ def small_pool(tiny_cfg, tiny_split):
     return _paged(tiny_cfg, tiny_split[0], page_size=4, pages_per_replica=10, prefill_chunk=4)
 
 
-@pytest.mark.parametrize("sampling", [SAMPLED, GREEDY], ids=["sampled", "greedy"])
+# sampled: slow (35 s; the greedy case runs the same preemption and sharing paths by default)
+@pytest.mark.parametrize("sampling", [pytest.param(SAMPLED, marks=pytest.mark.slow), GREEDY], ids=["sampled", "greedy"])
 def test_paged_equals_contiguous(contiguous, small_pool, tiny_split, make_prompts, sampling):
     """Same tokens, behaviour log-probs and finish reasons for one key, although the paged run prefills in
     chunks, shares prompt pages within a group and preempts sequences when its small pool runs dry."""
@@ -104,6 +105,7 @@ def test_page_pool_counts_shared_pages_once():
     assert pages_for(9, 4) == 3 and pages_for(8, 4) == 2
 
 
+@pytest.mark.slow  # a sweep of lengths: 30 s
 def test_decode_programs_stay_within_the_bound(tiny_cfg, tiny_split, make_prompts):
     """A sweep of sequence lengths up to capacity 64: power-of-two attention windows keep the decode programs
     at most 1 + log2(64 / 8) = 4 (contiguous, window_step 8) and 1 + log2(16) = 5 page windows (paged, pages

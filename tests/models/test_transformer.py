@@ -139,6 +139,7 @@ def test_scanned_layers_give_the_same_loss_and_gradients(remat):
         np.testing.assert_allclose(ours, expected, atol=1e-6, err_msg=jax.tree_util.keystr(path))
 
 
+@pytest.mark.slow  # 21 s of compilation
 def test_full_remat_over_scanned_layers_keeps_one_input_per_layer():
     """Compiled temporaries per extra layer: full remat keeps the layer input, no remat every activation."""
 

@@ -27,7 +27,8 @@ def _summary(plans):
     return [(p.choice.describe(), p.prediction.step_seconds) for p in plans]
 
 
-@pytest.mark.parametrize("algorithm", [Algorithm.PPO, Algorithm.GRPO])
+# PPO's search is 22 s: slow; GRPO's runs by default
+@pytest.mark.parametrize("algorithm", [pytest.param(Algorithm.PPO, marks=pytest.mark.slow), Algorithm.GRPO])
 def test_planner_equals_brute_force_on_a_small_case(algorithm):
     evaluator = step_model.Evaluator.for_runtime(ModelConfig.qwen2p5("0.5b"), WORKLOAD, _two_nodes())
     search = planner.Planner(evaluator, algorithm=algorithm, num_devices=8, space=SPACE)

@@ -7,6 +7,7 @@ import pathlib
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -15,6 +16,8 @@ import pytest
 from rpegjax.train.checkpoint import Checkpointer
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+# the jobs' persistent compilation cache, shared by the tests' jobs (never the user's ~/.cache)
+JAX_CACHE = pathlib.Path(tempfile.gettempdir()) / "rpegjax-tests-jax-cache"
 TINY = [
     "--model.hidden_size=32", "--model.num_layers=1", "--model.num_heads=2", "--model.num_kv_heads=1",
     "--model.head_dim=16", "--model.intermediate_size=64", "--data.train_size=64", "--data.eval_size=4",
@@ -42,7 +45,7 @@ def job(run_dir, *flags, script="train_grpo.py", config=TINY, devices=1):
     where = [] if "--resume" in flags else [f"--run-dir={run_dir}"]
     command = [sys.executable, str(ROOT / "scripts" / script), *config, *where,
                f"--warm_start.cache_dir={pathlib.Path(run_dir).parent}/cache",
-               f"--train.compilation_cache_dir={pathlib.Path(run_dir).parent}/jax-cache", *flags]
+               f"--train.compilation_cache_dir={JAX_CACHE}", *flags]
     return command, env
 
 
@@ -92,8 +95,7 @@ def test_main_job_writes_its_run_directory_and_a_summary(tiny_run):
     assert "each step: 4 prompts x 2 samples" in result.stderr and "tensorboard --logdir" in result.stderr
     assert "RPEG grpo" not in result.stderr
     # the persistent compilation cache is on, in the directory given
-    cache = run_dir.parent / "jax-cache"
-    assert f"compiled programs cached in {cache}" in result.stderr and cache.is_dir()
+    assert f"compiled programs cached in {JAX_CACHE}" in result.stderr and JAX_CACHE.is_dir()
 
 
 def test_samples_show_prompts_responses_rewards_and_verdicts(tiny_run):
