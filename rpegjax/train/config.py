@@ -8,6 +8,7 @@ import dataclasses
 import enum
 import functools
 import json
+import os
 import pathlib
 from collections.abc import Callable
 from typing import Any
@@ -93,6 +94,8 @@ class ModelSection:
                                  f"mixed-precision policy), got {getattr(self, name)!r}")
         if self.path is not None and not pathlib.Path(self.path).is_dir():
             raise ValueError(f"ModelSection.path {self.path!r} is not a directory (a local Hugging Face checkpoint)")
+        if self.path is not None:  # absolute: a run's config.json is read from anywhere (--resume, export)
+            object.__setattr__(self, "path", os.path.abspath(self.path))
 
     def precision(self, *, backend: str, checkpoint_dtype: str | None) -> Precision:
         """The dtypes this section gives on `backend` for a checkpoint stored in `checkpoint_dtype` (None: the
@@ -149,6 +152,8 @@ class DataSection:
             path = getattr(self, name)
             if path is not None and not pathlib.Path(path).exists():
                 raise ValueError(f"DataSection.{name} {path!r}: no such file or directory")
+            if path is not None:  # absolute: a run's config.json is read from anywhere (--resume, export)
+                object.__setattr__(self, name, os.path.abspath(path))
         if isinstance(self.reward, str):
             raise ValueError(f"DataSection.reward must be a list of specs, got the string {self.reward!r}")
         object.__setattr__(self, "reward", tuple(self.reward))

@@ -81,11 +81,13 @@ def export_policy(parts: Components, params: Any, path: str | pathlib.Path) -> p
 
 def run_config(run_dir: str | pathlib.Path) -> RunConfig:
     """A run's config.json, laid out to rebuild its model on this machine: one colocated mesh over the devices
-    here, no plan, no warm start (the checkpoint's weights replace the initial ones), this process alone."""
+    here, no plan, no warm start (the checkpoint's weights replace the initial ones), this process alone, and
+    no custom reward terms (exporting, sampling and held-out accuracy, which is the task verifier's, need none;
+    so the user's reward modules need not be importable here)."""
     cfg = RunConfig.from_file(pathlib.Path(run_dir) / "config.json")
     graph = dataclasses.replace(cfg.graph, mesh="data=-1", rollout_devices=0, plan=None, generate_microbatches=1)
     return cfg.replace(graph=graph, warm_start=dataclasses.replace(cfg.warm_start, steps=0),
-                       distributed=DistributedConfig())
+                       data=dataclasses.replace(cfg.data, reward=()), distributed=DistributedConfig())
 
 
 def restore_policy(parts: Components, run_dir: str | pathlib.Path, step: int | None = None) -> tuple[Any, int]:

@@ -1,5 +1,6 @@
 """The job with a user's own reward module, a Parquet training set with its own field names, a Hugging Face
-`save_to_disk` held-out set and a local checkpoint whose tokenizer has a chat template."""
+`save_to_disk` held-out set and a local checkpoint whose tokenizer has a chat template, to the final Hugging Face
+directory that `transformers` loads."""
 
 import json
 import os
@@ -8,23 +9,26 @@ import subprocess
 import sys
 
 import datasets
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import transformers
 
 from rpegjax.graph.ir import Algorithm
 from rpegjax.train.cli import parse_command
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-# the reward reads a further field of the row: a value no built-in reward gives (0.6 is not k/8), so the
-# metrics show that this function, with its weight, is what the run optimised
+# one term reads a further field of the row (a value no built-in reward gives), the other scores the completion
+# (so that groups differ and the policy moves); the samples show that these functions, with their weights, are
+# what the run optimised
 REWARD_MODULE = """
 def bonus(completion, example):
     assert isinstance(completion, str)
     return float(example["bonus"])
 
-def zero_if_answered(completion, example):
-    return 0.0 if example["answer"] else 1.0
+def digits(completion, example):
+    return sum(c.isdigit() for c in completion) / 10
 """
 CHAT_TEMPLATE = "{% for m in messages %}<{{ m['content'] }}>{% endfor %}{% if add_generation_prompt %}:{% endif %}"
 
@@ -52,7 +56,7 @@ def rows(pairs):
 
 
 @pytest.mark.slow  # about 1-2 minutes on 2 loaded cores
-def test_job_trains_on_a_custom_reward_with_parquet_and_saved_datasets(tmp_path, monkeypatch):
+def test_job_trains_on_a_custom_reward_with_parquet_and_saved_datasets(tmp_path):
     model_dir = tmp_path / "model"
     write_checkpoint(model_dir)
     pq.write_table(pa.Table.from_pylist(rows((a, b) for a in range(10) for b in range(5))), tmp_path / "train.parquet")
@@ -61,28 +65,47 @@ def test_job_trains_on_a_custom_reward_with_parquet_and_saved_datasets(tmp_path,
     run_dir = tmp_path / "run"
     command = [sys.executable, str(ROOT / "scripts" / "train_grpo.py"), f"--model={model_dir}",
                "--dataset=train.parquet", "--eval-dataset=test", "--prompt-field=q", "--answer-field=a",
-               "--reward", "myrewards:bonus=2", "--reward=myrewards:zero_if_answered", "--steps=2",
+               "--reward", "myrewards:bonus=2", "--reward=myrewards:digits", "--steps=2",
                f"--run-dir={run_dir}", "--prompts-per-step=4", "--group-size=2", "--max-new-tokens=3",
                "--data.eval_size=4", "--mesh=data=1", "--train.reward_workers=1"]
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
     # run from tmp_path: the reward module and the datasets are found in the current directory
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "reward: myrewards:bonus=2 + myrewards:zero_if_answered (weighted sum" in result.stderr
+    assert "reward: myrewards:bonus=2 + myrewards:digits (weighted sum" in result.stderr
     assert "prompts: rendered with the model tokenizer's chat template" in result.stderr
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2]
-    for record in steps:
-        assert abs(record["reward"] - 0.6) < 1e-6 and record["reward/errors"] == 0
+    assert all(record["reward/errors"] == 0 for record in steps)
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    trained = [s for s in samples if s["source"] == "train"]
+    assert trained and len({s["reward"] for s in trained}) > 1
+    for sample in trained:
+        assert abs(sample["reward"] - (0.6 + sum(c.isdigit() for c in sample["response"]) / 10)) < 1e-6
     saved = json.loads((run_dir / "config.json").read_text())["data"]
-    assert saved["reward"] == ["myrewards:bonus=2", "myrewards:zero_if_answered"]
+    assert saved["reward"] == ["myrewards:bonus=2", "myrewards:digits"]
     assert (saved["prompt_field"], saved["answer_field"], saved["chat_template"]) == ("q", "a", "auto")
-    # --resume (from the same directory: the paths are relative) takes the reward and the data mapping from
-    # the run's config.json
-    monkeypatch.chdir(tmp_path)
+    # the model at the end: the trained weights (not the checkpoint it started from), with the input's tokenizer
+    # and chat template, and transformers' logits equal to the run's last checkpoint
+    from hf_parity import assert_final_hf_logit_parity
+    from safetensors.numpy import load_file
+
+    start, final = load_file(model_dir / "model.safetensors"), load_file(run_dir / "hf" / "model.safetensors")
+    assert start.keys() == final.keys()
+    assert any(not np.array_equal(start[name], final[name]) for name in start)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(run_dir / "hf"))
+    assert tokenizer.chat_template == CHAT_TEMPLATE
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": r["q"]}], add_generation_prompt=True,
+                                           tokenize=False) for r in rows([(3, 4), (9, 1)])]
+    assert texts == ["<3+4=>:", "<9+1=>:"]
+    prompts = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
+    assert_final_hf_logit_parity(run_dir, prompts, step=2)
+    # --resume (from any directory: the run's config.json holds absolute data paths) takes the reward and the
+    # data mapping from it
+    assert saved["dataset"] == str(tmp_path / "train.parquet") and saved["eval_dataset"] == str(tmp_path / "test")
     resumed = parse_command(["--resume", str(run_dir)], Algorithm.GRPO).config.data
-    assert resumed.reward == ("myrewards:bonus=2", "myrewards:zero_if_answered") and resumed.prompt_field == "q"
+    assert resumed.reward == ("myrewards:bonus=2", "myrewards:digits") and resumed.prompt_field == "q"
 
     missing = subprocess.run([*command[:-9], "--reward=myrewards:nothing", f"--run-dir={tmp_path / 'bad'}"],
                              env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)

@@ -155,16 +155,13 @@ def _script(name):
 
 
 def test_the_final_hugging_face_directory_loads_in_transformers_with_logit_parity(tiny_run):
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    import jax.numpy as jnp
+    from hf_parity import assert_final_hf_logit_parity
 
     from rpegjax.models.tokenizer import builtin_tokenizer
-    from rpegjax.train.export import load_run, policy_model
 
     run_dir, _ = tiny_run
-    parts, params, step = load_run(run_dir)  # the last checkpoint: the weights the run ended with
-    assert step == 3
     texts = ["Q:12+30\nA:", "Q:7-5\n"]
     ours_tokenizer = builtin_tokenizer()
     theirs_tokenizer = transformers.AutoTokenizer.from_pretrained(str(run_dir / "hf"))
@@ -173,17 +170,7 @@ def test_the_final_hugging_face_directory_loads_in_transformers_with_logit_parit
         assert theirs_tokenizer.encode(text, add_special_tokens=False) == ids
         assert theirs_tokenizer.decode(ids + [ours_tokenizer.eos_id], skip_special_tokens=True) == text
     assert theirs_tokenizer.eos_token_id == ours_tokenizer.eos_id and theirs_tokenizer.pad_token_id == ours_tokenizer.pad_id
-    width = max(len(ours_tokenizer.encode(t)) for t in texts)
-    tokens = np.array([ours_tokenizer.encode(t) + [0] * (width - len(ours_tokenizer.encode(t))) for t in texts])
-    mask = np.array([[i < len(ours_tokenizer.encode(t)) for i in range(width)] for t in texts])
-    positions = np.broadcast_to(np.arange(width), tokens.shape)
-    ours = np.asarray(policy_model(parts, params)(jnp.asarray(tokens), jnp.asarray(positions), mask=jnp.asarray(mask)))
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(run_dir / "hf"), dtype=torch.float32)
-    with torch.no_grad():
-        theirs = model(input_ids=torch.tensor(tokens), attention_mask=torch.tensor(mask.astype(np.int64)),
-                       position_ids=torch.tensor(positions.copy())).logits.numpy()
-    assert theirs[mask].std() > 0.1  # not a comparison of near-constant logits
-    np.testing.assert_allclose(ours[mask], theirs[mask], atol=1e-4, rtol=0)
+    assert_final_hf_logit_parity(run_dir, [ours_tokenizer.encode(t) for t in texts], step=3)
 
 
 def test_export_hf_script_writes_the_checkpoint_it_is_asked_for(tiny_run, tmp_path, capsys):
