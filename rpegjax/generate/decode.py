@@ -18,6 +18,7 @@ from collections.abc import Callable
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
@@ -238,6 +239,26 @@ def decode_loop(graphdef: nnx.GraphDef, params: nnx.State, state: DecodeState, k
 
     steps, state = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))
     return state, steps
+
+
+class DecodeStalledError(RuntimeError):
+    """A decode chunk ran no step and finished no sequence. With the host's bookkeeping right that cannot
+    happen (every running row has room for at least one step), so the host and the device state disagree;
+    more chunks would only repeat it (once: a hang), so the controller raises this instead."""
+
+    @classmethod
+    def describe(cls, sampler: str, chunk: int, running: list[int], done: np.ndarray, lengths: np.ndarray,
+                 limits: np.ndarray) -> DecodeStalledError:
+        """The error for the sampler's `chunk`-th decode call, naming the device rows that stop the loop
+        (running on the device, cache length at or past the row's limit) and the slots the host runs."""
+        blocking = [f"slot {slot}: cache length {int(lengths[slot])}, limit {int(limits[slot])}"
+                    + ("" if slot in running else ", free on the host")
+                    for slot in range(done.shape[0]) if not done[slot] and lengths[slot] >= limits[slot]]
+        return cls(
+            f"{sampler} sampler: decode call {chunk} ran 0 steps and finished no sequence (the host's bookkeeping "
+            f"and the device state disagree: a bug, not bad input). Device rows that stop the loop: "
+            f"{'; '.join(blocking) or 'none'}. Running on the host: slots {running}."
+        )
 
 
 def decode(

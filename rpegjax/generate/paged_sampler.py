@@ -21,6 +21,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rpegjax.generate.completion import FINISH_CODES, Completion
+from rpegjax.generate.decode import DecodeStalledError
 from rpegjax.generate.paged_cache import CacheConfig, PagePool, pages_for, pow2_at_least
 from rpegjax.generate.paged_decode import (
     decode_paged,
@@ -221,6 +222,9 @@ class PagedController:
             after = int(cache_length[running].sum())
             self.stats.record_memory(steps, reserved=pool.held() * page, cached=(before + after) / 2)
             finished = [slot for slot in running if done[slot]]
+            if steps == 0 and not finished:
+                lengths = jax.device_get(state.cache.lengths)
+                raise DecodeStalledError.describe("paged", self.stats.decode_calls, running, done, lengths, limits)
             if not finished:
                 continue
             bucket = pow2_at_least(len(finished), self.num_slots)
