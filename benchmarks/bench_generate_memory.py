@@ -1,7 +1,7 @@
 """Per-device memory of one decode chunk of a Qwen2.5-7B-shaped model, compiled ahead of time on 8 virtual
 CPU devices (nothing is allocated: every input is a `jax.ShapeDtypeStruct`), static vs paged KV cache.
 
-    python benchmarks/bench_generate_memory.py [--slots 64] [--mesh data=2,tensor=4]
+    python benchmarks/bench_generate_memory.py [--slots 64] [--mesh data=2,tensor=4] [--layers 2]
 
 Load like W-plan (shared/WORKLOADS.md): prompts of 1k tokens, responses log-normal with mean 4k and max 16k
 tokens. The static layout reserves prompt + max response per slot; the paged pool holds
