@@ -244,7 +244,7 @@ def decode_loop(graphdef: nnx.GraphDef, params: nnx.State, state: DecodeState, k
 class DecodeStalledError(RuntimeError):
     """A decode chunk ran no step and finished no sequence. With the host's bookkeeping right that cannot
     happen (every running row has room for at least one step), so the host and the device state disagree;
-    more chunks would only repeat it (once: a hang), so the controller raises this instead."""
+    the controller raises this rather than dispatch chunks that may never progress."""
 
     @classmethod
     def describe(cls, sampler: str, chunk: int, running: list[int], done: np.ndarray, lengths: np.ndarray,

@@ -206,9 +206,8 @@ class PagedController:
             limits = np.array([len(h) * page for h in held], np.int32)
             window = pow2_at_least(max(len(held[s]) for s in running), self.max_pages)
             before = int(cache_length[running].sum())
-            # copies: the CPU client may read a (64-byte aligned) numpy argument when the program runs, not when it
-            # is dispatched, so the host must never write an array it handed over; clearing `evict` in place here
-            # once let a chunk see no eviction, and the evicted row, beyond its page limit, stalled every chunk after
+            # copies: the CPU client may read an aligned numpy argument when the program runs, after this call
+            # returns (clearing `evict` in place below once hid an eviction from the chunk: every chunk stalled)
             state, steps = self._decode(window, params, state, table.copy(), limits, evict.copy(), key, arrays,
                                         np.int32(self.chunk_steps))
             evict[:] = False
