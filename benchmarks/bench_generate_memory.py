@@ -1,7 +1,7 @@
 """Per-device memory of one decode chunk of a Qwen2.5-7B-shaped model, compiled ahead of time on 8 virtual
 CPU devices (nothing is allocated: every input is a `jax.ShapeDtypeStruct`), static vs paged KV cache.
 
-    python benchmarks/bench_generate_memory.py [--slots 64] [--mesh data=2,tensor=4]
+    python benchmarks/bench_generate_memory.py [--slots 64] [--mesh data=2,tensor=4] [--layers 2]
 
 Load like W-plan (shared/WORKLOADS.md): prompts of 1k tokens, responses log-normal with mean 4k and max 16k
 tokens. The static layout reserves prompt + max response per slot; the paged pool holds
@@ -58,9 +58,13 @@ def main() -> None:
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--pool-tokens-per-slot", type=int, default=None)
     parser.add_argument("--chunk-steps", type=int, default=16)
+    parser.add_argument("--layers", type=int, default=None,
+                        help="compile this many layers of the 7B shape (default all 28): temporaries per layer")
     args = parser.parse_args()
 
     cfg = ModelConfig.qwen2p5("7b")
+    if args.layers is not None:
+        cfg = cfg.replace(num_layers=args.layers)
     mesh = make_mesh(parse_mesh(args.mesh))
     abstract_model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
     graphdef, abstract_params = nnx.split(abstract_model)
@@ -68,7 +72,7 @@ def main() -> None:
     shape = dict(num_slots=args.slots, max_prompt_len=args.prompt, max_new_tokens=args.max_response,
                  chunk_steps=args.chunk_steps, mesh=mesh)
     replicas = None
-    print(f"Qwen2.5-7B shape, bf16, mesh {dict(mesh.shape)}, {args.slots} slots; prompt {args.prompt}, responses "
+    print(f"Qwen2.5-7B shape ({cfg.num_layers} layers), bf16, mesh {dict(mesh.shape)}, {args.slots} slots; prompt {args.prompt}, responses "
           f"mean {args.mean} max {args.max_response}; {kv_bytes_per_token(cfg)} KV bytes per token (all devices)")
     arrays = sampling_arrays(SamplingConfig(max_new_tokens=args.max_response, temperature=1.0),
                              vocab_size=cfg.vocab_size, default_eos_id=cfg.eos_token_id)

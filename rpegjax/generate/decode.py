@@ -13,9 +13,12 @@ right-padded in the prefill and its first response token sits at position s.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
@@ -217,6 +220,47 @@ def step_logits(model, state: DecodeState, sharding: ActivationSharding | None) 
     return model.logits(hidden)[:, 0], cache
 
 
+def decode_loop(graphdef: nnx.GraphDef, params: nnx.State, state: DecodeState, key: Array, sampling: SamplingArrays,
+                max_steps: Int[Array, ""], sharding: ActivationSharding | None,
+                row_end: Callable[[DecodeState], Int[Array, " b"]]) -> tuple[DecodeState, Int[Array, ""]]:
+    """Up to `max_steps` decode steps in one `lax.while_loop` (no host round trip), stopping once every row is
+    done or before a running row would write at or past `row_end(state)` (the contiguous cache's capacity,
+    the paged cache's page limit). Returns the new state and the number of steps run."""
+    def cond(carry):
+        step, s = carry
+        fits = jnp.all(s.done | (s.cache.lengths < row_end(s)))
+        return (step < max_steps) & ~jnp.all(s.done) & fits
+
+    def body(carry):
+        step, s = carry
+        model = nnx.merge(graphdef, params)
+        logits, cache = step_logits(model, s, sharding)
+        return step + 1, record_tokens(s.replace(cache=cache), logits, key, sampling)
+
+    steps, state = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))
+    return state, steps
+
+
+class DecodeStalledError(RuntimeError):
+    """A decode chunk ran no step and finished no sequence. With the host's bookkeeping right that cannot
+    happen (every running row has room for at least one step), so the host and the device state disagree;
+    the controller raises this rather than dispatch chunks that may never progress."""
+
+    @classmethod
+    def describe(cls, sampler: str, chunk: int, running: list[int], done: np.ndarray, lengths: np.ndarray,
+                 limits: np.ndarray) -> DecodeStalledError:
+        """The error for the sampler's `chunk`-th decode call, naming the device rows that stop the loop
+        (running on the device, cache length at or past the row's limit) and the slots the host runs."""
+        blocking = [f"slot {slot}: cache length {int(lengths[slot])}, limit {int(limits[slot])}"
+                    + ("" if slot in running else ", free on the host")
+                    for slot in range(done.shape[0]) if not done[slot] and lengths[slot] >= limits[slot]]
+        return cls(
+            f"{sampler} sampler: decode call {chunk} ran 0 steps and finished no sequence (the host's bookkeeping "
+            f"and the device state disagree: a bug, not bad input). Device rows that stop the loop: "
+            f"{'; '.join(blocking) or 'none'}. Running on the host: slots {running}."
+        )
+
+
 def decode(
     graphdef: nnx.GraphDef,
     params: nnx.State,
@@ -242,18 +286,8 @@ def decode(
         state = state.replace(cache=KVCache(k=tuple(x[:, :, :window] for x in full.k),
                                             v=tuple(x[:, :, :window] for x in full.v), lengths=full.lengths))
 
-    def cond(carry):
-        step, s = carry
-        fits = jnp.all(s.done | (s.cache.lengths < s.cache.capacity))
-        return (step < max_steps) & ~jnp.all(s.done) & fits
-
-    def body(carry):
-        step, s = carry
-        model = nnx.merge(graphdef, params)
-        logits, cache = step_logits(model, s, sharding)
-        return step + 1, record_tokens(s.replace(cache=cache), logits, key, sampling)
-
-    steps, state = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))
+    state, steps = decode_loop(graphdef, params, state, key, sampling, max_steps, sharding,
+                               lambda s: s.cache.capacity)
     if windowed:
         cache = state.cache
         def write_back(whole, part):  # one layer's [b k T e] array

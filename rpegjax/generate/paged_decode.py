@@ -8,12 +8,11 @@ and `start_rows` gives each of them its own copy of a partial last page before i
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
-from rpegjax.generate.decode import DecodeState, record_tokens, step_logits
+from rpegjax.generate.decode import DecodeState, decode_loop, record_tokens
 from rpegjax.generate.paged_cache import PagedKVCache
 from rpegjax.generate.sampling import SamplingArrays
 from rpegjax.models.config import ModelConfig
@@ -142,16 +141,5 @@ def decode_paged(
     cache = state.cache.replace(page_table=page_table, limits=limits, window_pages=window_pages)
     state = state.replace(cache=cache, done=state.done | evict)
 
-    def cond(carry):
-        step, s = carry
-        fits = jnp.all(s.done | (s.cache.lengths < s.cache.limits))
-        return (step < max_steps) & ~jnp.all(s.done) & fits
-
-    def body(carry):
-        step, s = carry
-        model = nnx.merge(graphdef, params)
-        logits, new_cache = step_logits(model, s, sharding)
-        return step + 1, record_tokens(s.replace(cache=new_cache), logits, key, sampling)
-
-    steps, state = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))
+    state, steps = decode_loop(graphdef, params, state, key, sampling, max_steps, sharding, lambda s: s.cache.limits)
     return state.replace(cache=state.cache.replace(window_pages=0)), steps

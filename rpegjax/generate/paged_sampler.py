@@ -21,6 +21,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rpegjax.generate.completion import FINISH_CODES, Completion
+from rpegjax.generate.decode import DecodeStalledError
 from rpegjax.generate.paged_cache import CacheConfig, PagePool, pages_for, pow2_at_least
 from rpegjax.generate.paged_decode import (
     decode_paged,
@@ -205,7 +206,9 @@ class PagedController:
             limits = np.array([len(h) * page for h in held], np.int32)
             window = pow2_at_least(max(len(held[s]) for s in running), self.max_pages)
             before = int(cache_length[running].sum())
-            state, steps = self._decode(window, params, state, table, limits, evict, key, arrays,
+            # copies: the CPU client may read an aligned numpy argument when the program runs, after this call
+            # returns (clearing `evict` in place below once hid an eviction from the chunk: every chunk stalled)
+            state, steps = self._decode(window, params, state, table.copy(), limits, evict.copy(), key, arrays,
                                         np.int32(self.chunk_steps))
             evict[:] = False
             done, num_generated, finish = jax.device_get((state.done, state.num_generated, state.finish))
@@ -218,6 +221,9 @@ class PagedController:
             after = int(cache_length[running].sum())
             self.stats.record_memory(steps, reserved=pool.held() * page, cached=(before + after) / 2)
             finished = [slot for slot in running if done[slot]]
+            if steps == 0 and not finished:
+                lengths = jax.device_get(state.cache.lengths)
+                raise DecodeStalledError.describe("paged", self.stats.decode_calls, running, done, lengths, limits)
             if not finished:
                 continue
             bucket = pow2_at_least(len(finished), self.num_slots)

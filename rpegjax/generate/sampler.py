@@ -31,7 +31,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rpegjax.generate.completion import FINISH_CODES, Completion
-from rpegjax.generate.decode import DecodeState, admit, decode, decode_state_shardings
+from rpegjax.generate.decode import DecodeStalledError, DecodeState, admit, decode, decode_state_shardings
 from rpegjax.generate.paged_cache import CacheConfig, CacheLayout
 from rpegjax.generate.paged_sampler import PagedController
 from rpegjax.generate.sampling import SamplingConfig, sampling_arrays
@@ -300,6 +300,11 @@ class Sampler:
             values = self._replicate(values)  # one program for the three arrays; then every process reads all
         return jax.device_get(values)
 
+    def _fetch_lengths(self, state: DecodeState) -> np.ndarray:
+        """Every slot's cache length (only to explain a stalled chunk)."""
+        lengths = state.cache.lengths
+        return jax.device_get(lengths if lengths.is_fully_addressable else self._replicate(lengths))
+
     def _fetch_rows(self, state: DecodeState, slots: list[int]):
         """Tokens and log-probs of `slots` only (a power-of-two bucket of rows: few compiled gathers)."""
         bucket = 1 << (len(slots) - 1).bit_length()
@@ -376,7 +381,8 @@ class Sampler:
                         cache_length[slot] = checked[owners[slot][0]].size  # the first token is not cached yet
             running = [slot for slot, owner in enumerate(owners) if owner is not None]
             before = int(cache_length[running].sum())
-            state, steps = self._decode_chunk(params, state, key, arrays, self._window(int(cache_length[running].max())))
+            window = self._window(int(cache_length[running].max()))
+            state, steps = self._decode_chunk(params, state, key, arrays, window)
             done, num_generated, finish = self._fetch(state)
             steps = int(steps)
             self.stats.decode_steps += steps
@@ -385,6 +391,10 @@ class Sampler:
             self.stats.record_memory(steps, reserved=self.num_slots * self.capacity,
                                      cached=(before + int(cache_length[running].sum())) / 2)
             finished = [slot for slot in running if done[slot]]
+            if steps == 0 and not finished:
+                lengths = self._fetch_lengths(state)
+                raise DecodeStalledError.describe("contiguous", self.stats.decode_calls, running, done, lengths,
+                                                  np.full(self.num_slots, window))
             if not finished:
                 continue
             tokens, logprobs = self._fetch_rows(state, finished)

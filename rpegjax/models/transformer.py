@@ -171,7 +171,8 @@ class Attention(nnx.Module):
         if not isinstance(layer_cache, tuple):  # a cache with its own layout (paged) writes and attends itself
             out, layer_cache = layer_cache.write_and_attend(q, k, v, cache_offsets, key_mask)
             return self._output(out), layer_cache
-        # writing only the new tokens into this layer's [b k T e] arrays (a scatter XLA does in place)
+        # writing only the new tokens into this layer's [b k T e] arrays (a scatter XLA does in place;
+        # XLA:CPU excepted for a bf16 cache, which it scatters through a float32 copy: docs/benchmarks.md)
         # avoids copying the cache at every decode step. The advanced indices (rows, columns) around the
         # head slice address a [b t k e] block, the layout of k and v.
         cache_k, cache_v = layer_cache

@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 
 from rpegjax.generate import Sampler, SamplingConfig
+from rpegjax.generate.decode import DecodeStalledError
 from rpegjax.generate.paged_cache import CacheConfig, CacheLayout, PagePool, pages_for
 
 SAMPLED = SamplingConfig(max_new_tokens=12, temperature=0.9, top_k=20, top_p=0.9)
@@ -54,6 +55,63 @@ def test_paged_equals_contiguous(contiguous, small_pool, tiny_split, make_prompt
     assert small_pool.stats.shared_page_references > before[1]  # prompts of 4+ tokens shared a full page
     static = small_pool.generate_static(tiny_split[1], prompts, sampling, **kwargs)
     _assert_same(static, expected)
+
+
+def _compiled_calls(sampler: Sampler) -> tuple[object, list[str]]:
+    owner = sampler if sampler.paged is None else sampler.paged
+    names = ["_admit", "_decode", "_rows"] if sampler.paged is None else ["_prefill", "_start", "_decode", "_rows"]
+    return owner, names
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "small_pool"])
+def test_host_never_writes_an_array_it_handed_to_a_compiled_call(request, layout, tiny_split, make_prompts, monkeypatch):
+    """The CPU client may read a numpy argument when the program runs, after the call returned (zero-copy
+    for aligned buffers), so a host write after the call can change what the program sees (clearing the
+    eviction flags in place once made the paged sampler spin forever). Every numpy argument of every
+    compiled call turns read-only here: a later write raises at the line that does it."""
+    sampler = request.getfixturevalue(layout)
+    owner, names = _compiled_calls(sampler)
+
+    def freezing(call):
+        def wrapped(*args):
+            for leaf in jax.tree.leaves(args):
+                if isinstance(leaf, np.ndarray):
+                    leaf.flags.writeable = False
+            return call(*args)
+        return wrapped
+
+    for name in names:
+        monkeypatch.setattr(owner, name, freezing(getattr(owner, name)))
+    preemptions = sampler.stats.preemptions
+    prompts = make_prompts(PROMPT_LENGTHS, seed=6)
+    got = sampler.generate(tiny_split[1], prompts, GREEDY, group_size=2, key=jax.random.key(3), budgets=BUDGETS)
+    assert [c.length for c in got] == [b for b in BUDGETS for _ in range(2)]
+    if layout == "small_pool":
+        assert sampler.stats.preemptions > preemptions  # eviction flags were set and handed over
+
+
+def test_a_decode_chunk_without_progress_raises(contiguous, small_pool, tiny_split, make_prompts, monkeypatch):
+    """A chunk that runs no step and finishes nothing is a host/device disagreement: the controller names
+    the rows that block the loop instead of dispatching chunks forever. Paged: the decode call loses the
+    eviction flags (what the in-place clear above once caused), so a preempted row, free on the host and
+    with no pages left, still runs on the device. Contiguous: the chunk is given 0 steps."""
+    prompts = make_prompts(PROMPT_LENGTHS, seed=6)
+    kwargs = dict(group_size=2, key=jax.random.key(3), budgets=BUDGETS)
+    decode = small_pool.paged._decode
+
+    def without_evictions(window, params, state, table, limits, evict, *rest):
+        return decode(window, params, state, table, limits, np.zeros_like(evict), *rest)
+
+    monkeypatch.setattr(small_pool.paged, "_decode", without_evictions)
+    with pytest.raises(DecodeStalledError, match=r"paged sampler: decode call \d+ ran 0 steps and finished no sequence "
+                       r".* Device rows that stop the loop: slot \d: cache length \d+, limit 0, free on the host[.;] "):
+        small_pool.generate(tiny_split[1], prompts, GREEDY, **kwargs)
+
+    contiguous_decode = contiguous._decode
+    monkeypatch.setattr(contiguous, "_decode", lambda *args: contiguous_decode(*args[:-1], np.int32(0)))
+    with pytest.raises(DecodeStalledError, match=r"contiguous sampler: decode call \d+ ran 0 steps .* stop the loop: "
+                                                 r"none\. Running on the host: slots \[0, 1, 2, 3\]"):
+        contiguous.generate(tiny_split[1], prompts, GREEDY, **kwargs)
 
 
 def test_prefix_shared_group_equals_independent_prefill(tiny_cfg, tiny_split, make_prompts):
