@@ -191,6 +191,7 @@ class StagePrograms:
         batch = pack_rollouts(
             [c.prompt_ids for c in completions], [c.response_ids for c in completions],
             [c.behaviour_logprobs for c in completions], pad_id=self.pad_id, length=self.sequence_length,
+            loss_masks=[c.model_mask for c in completions],
         )
         return Piece(index=index, examples=rows, completions=completions, batch=batch,
                      rewards=self.rewards.submit(texts, rows[mine]))
