@@ -52,7 +52,7 @@ def build_scripted_model() -> tuple[ModelConfig, Decoder]:
     for layer in model.layers:
         for module, name in ((layer.attention, "o_proj"), (layer.mlp, "down_proj")):
             value = getattr(module, name).get_value()
-            getattr(module, name).set_value(jnp.asarray(0.02 * rng.standard_normal(value.shape), value.dtype))
+            getattr(module, name).set_value(jnp.asarray(0.005 * rng.standard_normal(value.shape), value.dtype))
     head = np.zeros((d, len(VOCAB)))
     for token, successor in SCRIPT.items():
         head[IDS[token], IDS[successor]] = 0.5  # after the final norm a one-hot row is sqrt(d) = 8: logit 4
