@@ -130,3 +130,37 @@ def test_bad_tool_tag_or_budget_is_refused(sampler):
     with pytest.raises(ValueError, match="token_budget=30 exceeds max_new_tokens"):
         EpisodeRunner(sampler, env, SAMPLING, EpisodeConfig(token_budget=30), render=render, encode=encode,
                       decode=decode)
+
+
+def test_rollout_stage_trains_on_episodes_with_tool_tokens_masked(sampler, scripted_model):
+    """`StagePrograms.generate` with an episode runner: pieces of whole groups, the batch's response mask leaves
+    out the tool output, the reward reads the last model turn (the task's reward: 1 for `A:5`)."""
+    from rpegjax.learners.grpo import GRPOConfig, GRPOLearner
+    from rpegjax.rewards.runner import RewardRunner, RewardRunnerConfig
+    from rpegjax.runtime.programs import StagePrograms
+
+    cfg, model = scripted_model
+    task = ArithmeticTask()
+    rewards = RewardRunner(task.reward, RewardRunnerConfig(isolation="thread", workers=1))
+    examples = [task.make_example(2, "+", 3), task.make_example(2, "+", 2)]  # the script answers 5 to both
+    programs = StagePrograms(learner=GRPOLearner(GRPOConfig(group_size=2), model), sampler=sampler, sampling=SAMPLING,
+                             group_size=2, rewards=rewards, decode=decode, pad_id=IDS["<pad>"],
+                             episodes=_runner(sampler))
+    try:
+        pieces = list(programs.generate(nnx.state(model), examples, [[0]] * 2, key=jax.random.key(1), version=0,
+                                        pieces=2))
+        scores = [programs.collect_rewards(piece)[0] for piece in sorted(pieces, key=lambda p: p.index)]
+    finally:
+        rewards.close()
+    assert sorted(p.index for p in pieces) == [0, 1]
+    for piece in pieces:
+        assert [c.order for c in piece.completions] == [(piece.index, 0), (piece.index, 1)]
+        for row, c in enumerate(piece.completions):
+            s = c.prompt_ids.size
+            assert decode(c.response_ids) == TWO_TURNS
+            np.testing.assert_array_equal(piece.batch.response_mask[row, s:s + 12], [1] * 5 + [0] * 3 + [1] * 4)
+            assert not piece.batch.response_mask[row, s + 12:].any()
+            np.testing.assert_array_equal(piece.batch.token_mask[row, :s + 12], True)
+    wrong = task.reward("A:5", examples[1])
+    assert wrong < 1.0
+    np.testing.assert_array_equal(np.concatenate(scores), np.array([1.0, 1.0, wrong, wrong], np.float32))
