@@ -132,6 +132,7 @@ def test_bad_tool_tag_or_budget_is_refused(sampler):
                       decode=decode)
 
 
+@pytest.mark.parametrize("sampler", ["contiguous"], indirect=True)  # the paged layout adds nothing here
 def test_rollout_stage_trains_on_episodes_with_tool_tokens_masked(sampler, scripted_model):
     """`StagePrograms.generate` with an episode runner: pieces of whole groups, the batch's response mask leaves
     out the tool output, the reward reads the last model turn (the task's reward: 1 for `A:5`)."""
