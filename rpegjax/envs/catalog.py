@@ -7,7 +7,12 @@ from collections.abc import Sequence
 
 from rpegjax.envs.calculator import calculator_environment
 from rpegjax.envs.protocol import TaggedToolEnvironment
-from rpegjax.envs.python_sandbox import NetworkIsolation, PythonSandbox, SandboxConfig, python_environment
+from rpegjax.envs.python_sandbox import (
+    NetworkIsolation,
+    PythonSandbox,
+    SandboxConfig,
+    python_environment,
+)
 
 
 class EnvironmentName(enum.StrEnum):

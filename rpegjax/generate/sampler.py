@@ -15,6 +15,11 @@ or paged (`CacheLayout.PAGED`, `paged_sampler.PagedController`: memory follows t
 
 Both paths draw the step-th token of (prompt_index, sample_index) with the same key, so for one key
 they return the same sequences, whatever slot or wave a sequence lands in.
+
+The controllers serve `requests.Request`s (a context, a budget, samples sharing one prefill, a PRNG stream):
+the call's prompts, and those a `RequestFeed` adds while the stream runs (an episode's next turn after its
+tool ran, `rpegjax.envs.rollout`), admitted like prompts; a context may then be longer than max_prompt_len
+as long as context + budget fit the capacity.
 """
 
 from __future__ import annotations

@@ -26,9 +26,9 @@ from rpegjax.graph import builders, transforms
 from rpegjax.graph.ir import Algorithm, Execution, Graph, GraphError, StageKind
 from rpegjax.models.config import EXECUTION_FIELDS, ModelConfig
 from rpegjax.models.hf import load_pretrained, read_config
+from rpegjax.models.precision import Precision
 from rpegjax.models.tokenizer import builtin_tokenizer, load_tokenizer
 from rpegjax.models.transformer import Decoder
-from rpegjax.models.precision import Precision
 from rpegjax.rewards.custom import RewardedTask, load_rewards
 from rpegjax.rewards.dataset_task import MathDatasetTask
 from rpegjax.rewards.math import check_gold_answer

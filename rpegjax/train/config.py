@@ -33,7 +33,13 @@ from rpegjax.rewards.task import Difficulty
 from rpegjax.rewards.tasks import TaskName
 from rpegjax.sharding.axes import DATA_AXIS, FSDP_AXIS, TENSOR_AXIS
 from rpegjax.sharding.mesh import parse_mesh
-from rpegjax.train.overrides import ConfigFileError, apply_overrides, from_jsonable, read_config_file, to_jsonable
+from rpegjax.train.overrides import (
+    ConfigFileError,
+    apply_overrides,
+    from_jsonable,
+    read_config_file,
+    to_jsonable,
+)
 
 MESH_AXES = (DATA_AXIS, FSDP_AXIS, TENSOR_AXIS)
 """The mesh axis names the sharding rules know."""

@@ -33,7 +33,13 @@ from rpegjax.train.evaluation import evaluate_accuracy
 from rpegjax.train.export import export_policy
 from rpegjax.train.health import NonFiniteGuard, TrainingError, nonfinite_leaves
 from rpegjax.train.metrics import MetricsWriter, plot_dashboard, read_metrics
-from rpegjax.train.samples import Sample, SampleLog, console_lines, evaluation_samples, training_samples
+from rpegjax.train.samples import (
+    Sample,
+    SampleLog,
+    console_lines,
+    evaluation_samples,
+    training_samples,
+)
 
 GANTT_STEPS = 3  # steps shown by gantt.png: the last ones, past compilation (trace.json has them all)
 

@@ -12,7 +12,12 @@ from scripted_model import EOS, IDS, build_scripted_model, decode, encode, rende
 from rpegjax.data.example import Example
 from rpegjax.envs.calculator import calculator_environment
 from rpegjax.envs.protocol import Observation
-from rpegjax.envs.rollout import EpisodeConfig, EpisodeFinish, EpisodeRunner, EpisodeTrace
+from rpegjax.envs.rollout import (
+    EpisodeConfig,
+    EpisodeFinish,
+    EpisodeRunner,
+    EpisodeTrace,
+)
 from rpegjax.generate import CacheConfig, Sampler, SamplingConfig, stack_completions
 from rpegjax.models.logprobs import token_logprobs
 from rpegjax.rewards.arithmetic import ArithmeticTask
@@ -140,7 +145,7 @@ def test_rollout_stage_trains_on_episodes_with_tool_tokens_masked(sampler, scrip
     from rpegjax.rewards.runner import RewardRunner, RewardRunnerConfig
     from rpegjax.runtime.programs import StagePrograms
 
-    cfg, model = scripted_model
+    _, model = scripted_model
     task = ArithmeticTask()
     rewards = RewardRunner(task.reward, RewardRunnerConfig(isolation="thread", workers=1))
     examples = [task.make_example(2, "+", 3), task.make_example(2, "+", 2)]  # the script answers 5 to both

@@ -129,7 +129,11 @@ def test_tool_tokens_get_no_gradient(aggregation):
     """The whole policy objective (clipped surrogate, decoupled importance weights, KL, entropy bonus): its
     gradient w.r.t. the logits at tool-output positions is exactly 0, and changing those positions' logits or
     old / reference / behaviour log-probs leaves the loss bit-identical."""
-    from rpegjax.learners.objective import PolicyConfig, policy_denominators, policy_objective
+    from rpegjax.learners.objective import (
+        PolicyConfig,
+        policy_denominators,
+        policy_objective,
+    )
 
     batch = _multi_turn_batch()
     b, t = batch.tokens.shape
