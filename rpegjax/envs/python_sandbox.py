@@ -1,7 +1,8 @@
 """An opt-in Python tool: model-written code run in a fresh, limited interpreter with no network.
 
-Each call starts `python -I -S` (isolated: no user site, no environment variables) in an empty temporary
-directory, with an empty environment, through a bootstrap that first
+Each call starts `python -I -S` (isolated: no user site, no environment variables; no site-packages either,
+so the code has the standard library only: numpy's import alone needs ctypes, which the hook below refuses) in an
+empty temporary directory, with an empty environment, through a bootstrap that first
   * sets hard resource limits (`resource.setrlimit`, which the code cannot raise again): address space
     (`memory_mb`: an allocation past it raises MemoryError), CPU seconds (`cpu_s`: SIGXCPU kills it) and the
     size of any file written (the captured output included: a write past it fails);
