@@ -102,6 +102,26 @@ def usable_slots(requested: int, group_size: int, mesh: Mesh | None, rules: Shar
     return requested - requested % step
 
 
+class _CheckedFeed:
+    """A `RequestFeed` whose requests pass `check(request, where=...)` (numbered in order of arrival)."""
+
+    def __init__(self, feed: RequestFeed, check):
+        self.feed, self.check, self.count = feed, check, 0
+
+    def _checked(self, requests: list[Request]) -> list[Request]:
+        checked = []
+        for request in requests:
+            checked.append(self.check(request, where=f"fed request {self.count}"))
+            self.count += 1
+        return checked
+
+    def poll(self) -> list[Request]:
+        return self._checked(self.feed.poll())
+
+    def wait(self) -> list[Request]:
+        return self._checked(self.feed.wait())
+
+
 def _positive_int(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
         raise ValueError(f"Sampler: {name} must be a positive integer, got {value!r}")
@@ -347,28 +367,8 @@ class Sampler:
 
     def _checked_feed(self, feed: RequestFeed, sampling: SamplingConfig) -> RequestFeed:
         """`feed` whose requests are checked against this sampler as they arrive."""
-        sampler = self
-
-        class Checked:
-            count = 0
-
-            def _check(self, requests):
-                checked = []
-                for request in requests:
-                    checked.append(check_request(
-                        request, where=f"fed request {self.count}", vocab_size=sampler.cfg.vocab_size,
-                        capacity=sampler.capacity, max_new_tokens=sampling.max_new_tokens,
-                        max_samples=sampler._max_samples()))
-                    self.count += 1
-                return checked
-
-            def poll(self):
-                return self._check(feed.poll())
-
-            def wait(self):
-                return self._check(feed.wait())
-
-        return Checked()
+        return _CheckedFeed(feed, partial(check_request, vocab_size=self.cfg.vocab_size, capacity=self.capacity,
+                                          max_new_tokens=sampling.max_new_tokens, max_samples=self._max_samples()))
 
     # ---- public API --------------------------------------------------------------------------------
     def stream(
