@@ -136,8 +136,8 @@ class Sampler:
     (default rules: `generation_rules` with every mesh axis but tensor as a batch axis, so no device
     repeats another's slots; `num_slots` must divide by their product); parameters must already be in that layout
     (`weight_sync.reshard_params`). The compiled functions are built once here; `admit` compiles once
-    per (prompt bucket, group size), `decode` once per attention window (2 + log2(capacity / window_step)
-    at most). `cache` chooses the KV layout (default contiguous; `CacheConfig.paged(...)` for pages).
+    per (prompt bucket, group size, prefill width: max_prompt_len, or the capacity for a longer fed context),
+    `decode` once per attention window (2 + log2(capacity / window_step) at most). `cache` chooses the KV layout (default contiguous; `CacheConfig.paged(...)` for pages).
     """
 
     def __init__(
@@ -228,7 +228,7 @@ class Sampler:
                 activation=activation, params_sharding=self.params_sharding)
 
     def compile_counts(self) -> dict[str, int]:
-        """Programs compiled so far: `admit` one per (prompt bucket, group size, sampling switches),
+        """Programs compiled so far: `admit` one per (prompt bucket, group size, prefill width, sampling switches),
         `decode` one per (attention window, sampling switches); anything more is a retrace bug.
         Paged layout: `prefill` per (prompt rows, chunk, page window), `start` per row bucket, `decode` per
         page window (a power of two)."""
