@@ -137,7 +137,8 @@ class Sampler:
     repeats another's slots; `num_slots` must divide by their product); parameters must already be in that layout
     (`weight_sync.reshard_params`). The compiled functions are built once here; `admit` compiles once
     per (prompt bucket, group size, prefill width: max_prompt_len, or the capacity for a longer fed context),
-    `decode` once per attention window (2 + log2(capacity / window_step) at most). `cache` chooses the KV layout (default contiguous; `CacheConfig.paged(...)` for pages).
+    `decode` once per attention window (2 + log2(capacity / window_step) at most). `cache` chooses the KV
+    layout (default contiguous; `CacheConfig.paged(...)` for pages).
     """
 
     def __init__(
