@@ -20,11 +20,12 @@ ALLOWED = {
     "rewards": {"data"},
     "distributed": {"sharding"},
     "generate": {"models", "sharding"},
+    "envs": {"generate", "rewards", "data"},  # multi-turn episodes: tools, their environments, the sampler's feed
     "learners": {"models", "sharding", "graph"},  # graph: the RPEG's vocabulary (CriticMode), pure Python
     "graph": set(),
     "perf": {"graph", "models"},
-    "runtime": {"graph", "learners", "generate", "rewards", "data", "models", "sharding", "distributed"},
-    "train": {"runtime", "graph", "perf", "learners", "generate", "rewards", "data", "models", "sharding",
+    "runtime": {"graph", "learners", "generate", "rewards", "data", "models", "sharding", "distributed", "envs"},
+    "train": {"runtime", "envs", "graph", "perf", "learners", "generate", "rewards", "data", "models", "sharding",
               "distributed"},
 }
 # Third-party modules a layer must not need: the RPEG is plain Python, the perf model never runs a model

@@ -7,6 +7,7 @@ from rpegjax.generate.completion import (
     stack_completions,
 )
 from rpegjax.generate.paged_cache import CacheConfig, CacheLayout
+from rpegjax.generate.requests import Request, RequestFeed
 from rpegjax.generate.sampler import Sampler, SamplerStats, slot_replicas, usable_slots
 from rpegjax.generate.sampling import SamplingConfig, filter_logits, sample_tokens
 from rpegjax.generate.weight_sync import (
@@ -21,6 +22,8 @@ __all__ = [
     "Completion",
     "CompletionBatch",
     "FinishReason",
+    "Request",
+    "RequestFeed",
     "Sampler",
     "SamplerStats",
     "SamplingConfig",

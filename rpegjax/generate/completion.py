@@ -27,6 +27,8 @@ class Completion:
 
     `behaviour_logprobs[i]` is log pi(response_ids[i] | prompt, response_ids[:i]) under the
     temperature-scaled, unfiltered distribution of the weights of `version` (see `sample_tokens`).
+    A multi-turn episode (`rpegjax.envs.rollout`) interleaves the model's turns with tool output:
+    `model_mask[i]` is False at a tool token (its log-prob is 0 and it gets no loss); None: every token was sampled.
     """
 
     prompt_index: int
@@ -36,6 +38,7 @@ class Completion:
     behaviour_logprobs: np.ndarray  # float32 [length]
     finish_reason: FinishReason
     version: int | None = None
+    model_mask: np.ndarray | None = None  # bool [length]
 
     def __post_init__(self) -> None:
         if self.response_ids.shape != self.behaviour_logprobs.shape:
@@ -43,6 +46,17 @@ class Completion:
                 f"Completion(prompt {self.prompt_index}, sample {self.sample_index}): response_ids "
                 f"{self.response_ids.shape} and behaviour_logprobs {self.behaviour_logprobs.shape} differ in shape"
             )
+        if self.model_mask is not None and (self.model_mask.shape != self.response_ids.shape
+                                            or self.model_mask.dtype != bool):
+            raise ValueError(
+                f"Completion(prompt {self.prompt_index}, sample {self.sample_index}): model_mask must be bool of shape "
+                f"{self.response_ids.shape}, got {self.model_mask.dtype} {self.model_mask.shape}"
+            )
+
+    @property
+    def loss_mask(self) -> np.ndarray:
+        """bool [length]: the response tokens the losses count (the model's, not a tool's)."""
+        return np.ones(self.response_ids.shape, bool) if self.model_mask is None else self.model_mask
 
     @property
     def length(self) -> int:
@@ -60,7 +74,7 @@ class CompletionBatch:
 
     tokens[b, :] = prompt + response + padding; `attention_mask` marks real tokens. Column i of
     `response_mask` and `behaviour_logprobs` refers to the token at i + 1 (the one that position i
-    predicts), exactly like `token_logprobs(model, tokens)[:, i]`.
+    predicts), exactly like `token_logprobs(model, tokens)[:, i]`; tool tokens of an episode are not in it.
     """
 
     tokens: np.ndarray  # int32 [b, t]
@@ -90,7 +104,7 @@ def stack_completions(completions: Sequence[Completion], *, pad_id: int = 0, len
         tokens[row, :s] = c.prompt_ids
         tokens[row, s:s + n] = c.response_ids
         attention[row, :s + n] = True
-        response[row, s - 1:s - 1 + n] = True
+        response[row, s - 1:s - 1 + n] = c.loss_mask
         logprobs[row, s - 1:s - 1 + n] = c.behaviour_logprobs
     return CompletionBatch(
         tokens=tokens,

@@ -30,6 +30,7 @@ from rpegjax.generate.paged_decode import (
     prefill_pages,
     start_rows,
 )
+from rpegjax.generate.requests import Request, RequestFeed
 from rpegjax.models.config import ModelConfig
 from rpegjax.sharding import axes
 from rpegjax.sharding.rules import ActivationSharding
@@ -102,9 +103,11 @@ class PagedController:
         return self._build_state()
 
     # ---- the controller ----------------------------------------------------------------------------
-    def run(self, params, checked: list[np.ndarray], arrays, group_size: int, budgets: list[int], key: jax.Array,
-            version, *, continuous: bool) -> Iterator[Completion]:
+    def run(self, params, requests: list[Request], arrays, key: jax.Array, version, *, continuous: bool,
+            feed: RequestFeed | None = None) -> Iterator[Completion]:
+        """Serves `requests`, and those `feed` adds before each chunk (blocking on `feed.wait()` when idle)."""
         page = self.page_size
+        requests = list(requests)
         pool = PagePool(self.replicas, self.pages_per_replica)
         table = np.zeros((self.num_slots, self.max_pages), np.int32)
         held: list[list[int]] = [[] for _ in range(self.num_slots)]  # pages of each slot, in table order
@@ -112,7 +115,7 @@ class PagedController:
         admitted_at = np.zeros(self.num_slots, np.int64)  # admission order: preemption takes the newest
         cache_length = np.zeros(self.num_slots, np.int64)
         evict = np.zeros(self.num_slots, bool)
-        pending = collections.deque((index, tuple(range(group_size))) for index in range(len(checked)))
+        pending = collections.deque((index, tuple(range(r.samples))) for index, r in enumerate(requests))
         counter = 0
         state = self.new_state()
 
@@ -120,8 +123,8 @@ class PagedController:
             return slot // self.slots_per_replica
 
         def most_tokens(slot: int) -> int:  # the last sampled token is never written to the cache
-            prompt = owners[slot][0]
-            return checked[prompt].size + budgets[prompt] - 1
+            request = requests[owners[slot][0]]
+            return request.size + request.budget - 1
 
         def chunk_need(slot: int) -> int:  # pages the slot's next chunk writes into, beyond what it holds
             tokens = min(int(cache_length[slot]) + self.chunk_steps, most_tokens(slot))
@@ -133,16 +136,28 @@ class PagedController:
             table[slot] = 0
             owners[slot] = None
 
-        while pending or any(o is not None for o in owners):
+        def add(new: list[Request]) -> None:
+            pending.extend((len(requests) + i, tuple(range(r.samples))) for i, r in enumerate(new))
+            requests.extend(new)
+
+        while True:
+            if feed is not None:
+                add(feed.poll())
+            if not pending and all(o is None for o in owners):
+                if feed is None:
+                    return
+                add(feed.wait())
+                if not pending:
+                    return
             # ---- admission ----
             if continuous or all(o is None for o in owners):
                 admitted = []  # (prompt index, sample indices, slots)
                 while pending:
                     prompt, samples = pending[0]
-                    size, g = checked[prompt].size, len(samples)
+                    size, g = requests[prompt].size, len(samples)
                     full = size // page
                     # prompt pages (full ones shared, a partial one per sample) + each sample's first chunk
-                    first = pages_for(min(size + self.chunk_steps, size + budgets[prompt] - 1), page) - full
+                    first = pages_for(min(size + self.chunk_steps, size + requests[prompt].budget - 1), page) - full
                     need = full + g * max(first, 1)
                     choice = None
                     for replica in range(self.replicas):
@@ -171,11 +186,11 @@ class PagedController:
                         counter += 1
                     admitted.append((prompt, samples, slots))
                 if admitted:
-                    state = self._admit(params, state, checked, admitted, table, held, budgets, key, arrays)
+                    state = self._admit(params, state, requests, admitted, table, held, key, arrays)
                 elif not any(o is not None for o in owners):
                     prompt, samples = pending[0]
                     raise ValueError(
-                        f"paged sampler: prompt {prompt} ({checked[prompt].size} tokens, {len(samples)} samples) does not "
+                        f"paged sampler: request {prompt} ({requests[prompt].size} tokens, {len(samples)} samples) does not "
                         f"fit an empty replica of {self.pages_per_replica} pages of {page} tokens; raise "
                         "CacheConfig.pages_per_replica or lower group_size"
                     )
@@ -217,7 +232,7 @@ class PagedController:
             self.stats.decode_steps += steps
             self.stats.chunks_per_window[window] = self.stats.chunks_per_window.get(window, 0) + 1
             for slot in running:
-                cache_length[slot] = checked[owners[slot][0]].size + int(num_generated[slot]) - 1
+                cache_length[slot] = requests[owners[slot][0]].size + int(num_generated[slot]) - 1
             after = int(cache_length[running].sum())
             self.stats.record_memory(steps, reserved=pool.held() * page, cached=(before + after) / 2)
             finished = [slot for slot in running if done[slot]]
@@ -234,11 +249,11 @@ class PagedController:
                 prompt, sample = owners[slot]
                 n = int(num_generated[slot])
                 release(slot)
-                yield Completion(prompt_index=prompt, sample_index=sample, prompt_ids=checked[prompt].copy(),
+                yield Completion(prompt_index=prompt, sample_index=sample, prompt_ids=requests[prompt].tokens.copy(),
                                  response_ids=np.array(tokens[row, :n]), behaviour_logprobs=np.array(logprobs[row, :n]),
                                  finish_reason=FINISH_CODES[int(finish[slot])], version=version)
 
-    def _admit(self, params, state, checked, admitted, table, held, budgets, key, arrays):
+    def _admit(self, params, state, requests, admitted, table, held, key, arrays):
         """Chunked prefill of the admitted prompts through their first sample's pages, then the start of every sample."""
         page = self.page_size
         by_replica = [[] for _ in range(self.replicas)]
@@ -252,7 +267,7 @@ class PagedController:
         for replica, items in enumerate(by_replica):
             for i, (prompt, samples, slots) in enumerate(items):
                 row = replica * per_replica + i
-                lengths[row] = checked[prompt].size
+                lengths[row] = requests[prompt].size
                 prefill_table[row] = table[slots[0]]
                 lead[(prompt, samples[0])] = row
         logits = np.zeros((p, self.cfg.vocab_size), np.float32)
@@ -265,7 +280,7 @@ class PagedController:
             for replica, items in enumerate(by_replica):
                 for i, (prompt, _, _) in enumerate(items):
                     row = replica * per_replica + i
-                    tokens[row, : counts[row]] = checked[prompt][start: start + counts[row]]
+                    tokens[row, : counts[row]] = requests[prompt].tokens[start: start + counts[row]]
             ends = (lengths > start) & (lengths <= start + chunk)
             window = pow2_at_least(pages_for(min(longest, start + chunk), page), self.max_pages)
             state, logits = self._prefill(window, params, state, prefill_table, np.full((p,), start, np.int32), tokens,
@@ -281,11 +296,13 @@ class PagedController:
         copies = []  # (replica, source page, target page): each later sample's own partial last page
         i = 0
         for prompt, samples, slots in admitted:
-            size = checked[prompt].size
+            request = requests[prompt]
+            size = request.size
             for sample, slot in zip(samples, slots, strict=True):
                 slot_ids[i], lead_rows[i] = slot, lead[(prompt, samples[0])]
-                prompt_lengths[i], prompt_index[i], sample_index[i] = size, prompt, sample
-                row_budgets[i] = budgets[prompt]
+                prompt_lengths[i] = size
+                prompt_index[i], sample_index[i] = request.key_index, request.first_sample + sample
+                row_budgets[i] = request.budget
                 if size % page and slot != slots[0]:
                     copies.append((slot // self.slots_per_replica, held[slots[0]][-1], held[slot][-1]))
                 i += 1

@@ -15,6 +15,11 @@ or paged (`CacheLayout.PAGED`, `paged_sampler.PagedController`: memory follows t
 
 Both paths draw the step-th token of (prompt_index, sample_index) with the same key, so for one key
 they return the same sequences, whatever slot or wave a sequence lands in.
+
+The controllers serve `requests.Request`s (a context, a budget, samples sharing one prefill, a PRNG stream):
+the call's prompts, and those a `RequestFeed` adds while the stream runs (an episode's next turn after its
+tool ran, `rpegjax.envs.rollout`), admitted like prompts; a context may then be longer than max_prompt_len
+as long as context + budget fit the capacity.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from rpegjax.generate.completion import FINISH_CODES, Completion
 from rpegjax.generate.decode import DecodeStalledError, DecodeState, admit, decode, decode_state_shardings
 from rpegjax.generate.paged_cache import CacheConfig, CacheLayout
 from rpegjax.generate.paged_sampler import PagedController
+from rpegjax.generate.requests import Request, RequestFeed, check_request
 from rpegjax.generate.sampling import SamplingConfig, sampling_arrays
 from rpegjax.generate.weight_sync import generation_batch_axes, generation_rules
 from rpegjax.models.config import ModelConfig
@@ -96,6 +102,26 @@ def usable_slots(requested: int, group_size: int, mesh: Mesh | None, rules: Shar
     return requested - requested % step
 
 
+class _CheckedFeed:
+    """A `RequestFeed` whose requests pass `check(request, where=...)` (numbered in order of arrival)."""
+
+    def __init__(self, feed: RequestFeed, check):
+        self.feed, self.check, self.count = feed, check, 0
+
+    def _checked(self, requests: list[Request]) -> list[Request]:
+        checked = []
+        for request in requests:
+            checked.append(self.check(request, where=f"fed request {self.count}"))
+            self.count += 1
+        return checked
+
+    def poll(self) -> list[Request]:
+        return self._checked(self.feed.poll())
+
+    def wait(self) -> list[Request]:
+        return self._checked(self.feed.wait())
+
+
 def _positive_int(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
         raise ValueError(f"Sampler: {name} must be a positive integer, got {value!r}")
@@ -110,8 +136,9 @@ class Sampler:
     (default rules: `generation_rules` with every mesh axis but tensor as a batch axis, so no device
     repeats another's slots; `num_slots` must divide by their product); parameters must already be in that layout
     (`weight_sync.reshard_params`). The compiled functions are built once here; `admit` compiles once
-    per (prompt bucket, group size), `decode` once per attention window (2 + log2(capacity / window_step)
-    at most). `cache` chooses the KV layout (default contiguous; `CacheConfig.paged(...)` for pages).
+    per (prompt bucket, group size, prefill width: max_prompt_len, or the capacity for a longer fed context),
+    `decode` once per attention window (2 + log2(capacity / window_step) at most). `cache` chooses the KV
+    layout (default contiguous; `CacheConfig.paged(...)` for pages).
     """
 
     def __init__(
@@ -202,7 +229,7 @@ class Sampler:
                 activation=activation, params_sharding=self.params_sharding)
 
     def compile_counts(self) -> dict[str, int]:
-        """Programs compiled so far: `admit` one per (prompt bucket, group size, sampling switches),
+        """Programs compiled so far: `admit` one per (prompt bucket, group size, prefill width, sampling switches),
         `decode` one per (attention window, sampling switches); anything more is a retrace bug.
         Paged layout: `prefill` per (prompt rows, chunk, page window), `start` per row bucket, `decode` per
         page window (a power of two)."""
@@ -256,28 +283,32 @@ class Sampler:
         return checked
 
     # ---- the two compiled calls ----------------------------------------------------------------------
-    def _admit_prompts(self, params, state, prompts, indices, slots, group_size, budgets, key, arrays):
-        """Prefills prompts[indices] once each into `slots` (group_size consecutive slots per prompt)."""
+    def _admit_requests(self, params, state, requests, indices, slots, key, arrays):
+        """Prefills requests[indices] (one number of samples G) once each into `slots` (G consecutive slots per
+        request). The prefill is max_prompt_len wide, or the capacity when a context (a later turn) is longer."""
+        group_size = requests[indices[0]].samples
         n = len(indices)
         most = self.num_slots // group_size
         bucket = min(1 << (n - 1).bit_length(), most)  # few shapes: powers of two up to the slot count
         bucket = -(-bucket // self.replicas) * self.replicas  # prompt rows split over the slot replicas too
-        tokens = np.zeros((bucket, self.max_prompt_len), np.int32)
+        width = self.max_prompt_len if max(requests[i].size for i in indices) <= self.max_prompt_len else self.capacity
+        tokens = np.zeros((bucket, width), np.int32)
         lengths = np.ones((bucket,), np.int32)
         for row, index in enumerate(indices):
-            tokens[row, : prompts[index].size] = prompts[index]
-            lengths[row] = prompts[index].size
+            tokens[row, : requests[index].size] = requests[index].tokens
+            lengths[row] = requests[index].size
         rows = bucket * group_size
         slot_ids = np.full((rows,), self.num_slots, np.int32)  # past the end: dropped
         slot_ids[: n * group_size] = slots
-        prompt_index = np.zeros((rows,), np.int32)
-        prompt_index[: n * group_size] = np.repeat(indices, group_size)
-        sample_index = np.tile(np.arange(group_size, dtype=np.int32), bucket)
+        key_index, sample_index = np.zeros((rows,), np.int32), np.zeros((rows,), np.int32)
+        key_index[: n * group_size] = np.repeat([requests[i].key_index for i in indices], group_size)
+        sample_index[: n * group_size] = (np.repeat([requests[i].first_sample for i in indices], group_size)
+                                          + np.tile(np.arange(group_size), n))
         row_budgets = np.ones((rows,), np.int32)
-        row_budgets[: n * group_size] = np.repeat([budgets[i] for i in indices], group_size)
+        row_budgets[: n * group_size] = np.repeat([requests[i].budget for i in indices], group_size)
         self.stats.prefill_calls += 1
         self.stats.prefilled_prompts += n
-        return self._admit(group_size, params, state, tokens, lengths, slot_ids, prompt_index, sample_index,
+        return self._admit(group_size, params, state, tokens, lengths, slot_ids, key_index, sample_index,
                            row_budgets, key, arrays)
 
     def _window(self, longest: int) -> int:
@@ -333,7 +364,17 @@ class Sampler:
         budgets = [sampling.max_new_tokens] * len(checked) if budgets is None else [int(b) for b in budgets]
         if not isinstance(key, jax.Array):
             raise TypeError(f"key must be a JAX PRNG key (jax.random.key(seed)), got {type(key).__name__}")
-        return checked, arrays, budgets
+        requests = [Request(tokens=ids, budget=budget, samples=group_size, key_index=index)
+                    for index, (ids, budget) in enumerate(zip(checked, budgets, strict=True))]
+        return requests, arrays
+
+    def _max_samples(self) -> int:
+        return self.num_slots if self.paged is None else self.num_slots // self.replicas
+
+    def _checked_feed(self, feed: RequestFeed, sampling: SamplingConfig) -> RequestFeed:
+        """`feed` whose requests are checked against this sampler as they arrive."""
+        return _CheckedFeed(feed, partial(check_request, vocab_size=self.cfg.vocab_size, capacity=self.capacity,
+                                          max_new_tokens=sampling.max_new_tokens, max_samples=self._max_samples()))
 
     # ---- public API --------------------------------------------------------------------------------
     def stream(
@@ -346,40 +387,68 @@ class Sampler:
         key: jax.Array,
         version: int | None = None,
         budgets: Sequence[int] | None = None,
+        feed: RequestFeed | None = None,
     ) -> Iterator[Completion]:
         """Continuous batching: yields each Completion as soon as the chunk it finished in ends.
 
         `budgets` optionally caps the new tokens of each prompt (<= sampling.max_new_tokens).
         `version` (the weights' version) is copied into every Completion. Inputs are checked here, at
-        the call, not at the first `next`.
+        the call, not at the first `next`. `feed` (`generate.requests`) adds requests while the stream runs
+        (e.g. multi-turn episodes); their completions carry `prompt_index` = len(prompts) + their order of
+        arrival, `sample_index` = the sample within the request, and the request's context as `prompt_ids`.
         """
-        checked, arrays, budgets = self._prepare(params, prompts, sampling, group_size, budgets, key)
-        return self._run(params, checked, arrays, group_size, budgets, key, version, continuous=True)
+        requests, arrays = self._prepare(params, prompts, sampling, group_size, budgets, key)
+        feed = None if feed is None else self._checked_feed(feed, sampling)
+        return self._run(params, requests, arrays, key, version, continuous=True, feed=feed)
 
-    def _run(self, params, checked, arrays, group_size, budgets, key, version, *, continuous: bool
-             ) -> Iterator[Completion]:
+    def _run(self, params, requests: list[Request], arrays, key, version, *, continuous: bool,
+             feed: RequestFeed | None = None) -> Iterator[Completion]:
         """The controller. Continuous: refill free slots before every chunk. Static: refill only once
         every slot is free (each batch waits for its slowest sequence). Both decode in chunks over an
-        attention window sized to the longest running row."""
+        attention window sized to the longest running row. Requests from `feed` join the pending queue
+        before every chunk; when nothing runs or waits, the controller blocks on `feed.wait()`."""
         if self.paged is not None:
-            yield from self.paged.run(params, checked, arrays, group_size, budgets, key, version, continuous=continuous)
+            yield from self.paged.run(params, requests, arrays, key, version, continuous=continuous, feed=feed)
             return
-        pending = collections.deque(range(len(checked)))
+        requests = list(requests)
+        pending = collections.deque(range(len(requests)))
         owners: list[tuple[int, int] | None] = [None] * self.num_slots
-        cache_length = np.zeros(self.num_slots, np.int64)  # per running slot: prompt + response tokens cached
+        cache_length = np.zeros(self.num_slots, np.int64)  # per running slot: context + response tokens cached
+
+        def add(new: list[Request]) -> None:
+            pending.extend(range(len(requests), len(requests) + len(new)))
+            requests.extend(new)
+
         state = self.new_state()
-        while pending or any(o is not None for o in owners):
+        while True:
+            if feed is not None:
+                add(feed.poll())
+            if not pending and all(o is None for o in owners):
+                if feed is None:
+                    return
+                add(feed.wait())
+                if not pending:
+                    return
             free = [slot for slot, owner in enumerate(owners) if owner is None]
             if continuous or len(free) == self.num_slots:
-                admitted = [pending.popleft() for _ in range(min(len(pending), len(free) // group_size))]
-                if admitted:
-                    slots = free[: len(admitted) * group_size]
-                    state = self._admit_prompts(params, state, checked, admitted, slots, group_size, budgets, key,
-                                                arrays)
+                # admit runs of requests with the same number of samples (one compiled admit per group size)
+                while pending:
+                    group_size = requests[pending[0]].samples
+                    admitted = []
+                    while pending and requests[pending[0]].samples == group_size and (
+                            len(admitted) + 1) * group_size <= len(free):
+                        admitted.append(pending.popleft())
+                    if not admitted:
+                        break
+                    slots, free = free[: len(admitted) * group_size], free[len(admitted) * group_size:]
+                    state = self._admit_requests(params, state, requests, admitted, slots, key, arrays)
                     for i, slot in enumerate(slots):
                         owners[slot] = (admitted[i // group_size], i % group_size)
-                        cache_length[slot] = checked[owners[slot][0]].size  # the first token is not cached yet
+                        cache_length[slot] = requests[owners[slot][0]].size  # the first token is not cached yet
             running = [slot for slot, owner in enumerate(owners) if owner is not None]
+            if not running:
+                raise ValueError(f"sampler: request {pending[0]} ({requests[pending[0]].samples} samples) cannot "
+                                 f"start in {self.num_slots} slots")
             before = int(cache_length[running].sum())
             window = self._window(int(cache_length[running].max()))
             state, steps = self._decode_chunk(params, state, key, arrays, window)
@@ -387,7 +456,7 @@ class Sampler:
             steps = int(steps)
             self.stats.decode_steps += steps
             for slot in running:
-                cache_length[slot] = checked[owners[slot][0]].size + int(num_generated[slot]) - 1
+                cache_length[slot] = requests[owners[slot][0]].size + int(num_generated[slot]) - 1
             self.stats.record_memory(steps, reserved=self.num_slots * self.capacity,
                                      cached=(before + int(cache_length[running].sum())) / 2)
             finished = [slot for slot in running if done[slot]]
@@ -399,10 +468,10 @@ class Sampler:
                 continue
             tokens, logprobs = self._fetch_rows(state, finished)
             for row, slot in enumerate(finished):
-                (prompt, sample), n = owners[slot], int(num_generated[slot])
+                (index, sample), n = owners[slot], int(num_generated[slot])
                 owners[slot] = None
-                yield Completion(prompt_index=prompt, sample_index=sample,
-                                 prompt_ids=checked[prompt].copy(),  # each completion owns its arrays
+                yield Completion(prompt_index=index, sample_index=sample,
+                                 prompt_ids=requests[index].tokens.copy(),  # each completion owns its arrays
                                  response_ids=np.array(tokens[row, :n]), behaviour_logprobs=np.array(logprobs[row, :n]),
                                  finish_reason=FINISH_CODES[int(finish[slot])], version=version)
 
@@ -416,6 +485,6 @@ class Sampler:
     def generate_static(self, params: nnx.State, prompts, sampling: SamplingConfig, *, group_size: int = 1,
                         key: jax.Array, version: int | None = None, budgets=None) -> list[Completion]:
         """Static batching: fill the slots, decode until all are done, repeat; ordered like `generate`."""
-        checked, arrays, budgets = self._prepare(params, prompts, sampling, group_size, budgets, key)
-        completions = self._run(params, checked, arrays, group_size, budgets, key, version, continuous=False)
+        requests, arrays = self._prepare(params, prompts, sampling, group_size, budgets, key)
+        completions = self._run(params, requests, arrays, key, version, continuous=False)
         return sorted(completions, key=lambda c: c.order)

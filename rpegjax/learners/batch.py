@@ -4,7 +4,8 @@ Layout (rows group-contiguous: the G samples of prompt i are rows i*G .. i*G+G-1
 
     tokens          [b, t]  prompt then response, left-aligned, right-padded with `pad_id`
     token_mask      [b, t]  prompt or response token (False at padding)
-    response_mask   [b, t]  sampled (response) token; the tokens the losses count
+    response_mask   [b, t]  sampled (response) token; the tokens the losses count (a multi-turn row's
+                            tool-output tokens are response context, not in this mask)
 
 Per-token float arrays are aligned with `tokens`: index i refers to token tokens[:, i], e.g.
 `old_logprobs[:, i] = log pi_old(tokens[:, i] | tokens[:, :i])` and `values[:, i]` is the value of
@@ -72,12 +73,16 @@ def pack_rollouts(
     pad_id: int,
     length: int | None = None,
     rewards: Sequence[float] | np.ndarray | None = None,
+    loss_masks: Sequence[np.ndarray | None] | None = None,
 ) -> TrainBatch:
     """Packs per-row prompts, responses and the sampler's per-response-token log-probs into a TrainBatch.
 
     Row i is prompt_ids[i] + response_ids[i], right-padded with `pad_id` to `length` (default: the
     longest row) so that jitted learners see one shape. behaviour_logprobs[i][j] is the log-prob of
     response_ids[i][j] and lands at index len(prompt_ids[i]) + j. Arrays are numpy (host); jit moves them.
+    `loss_masks[i]` (bool [len(response_ids[i])], optional) marks the response tokens the model sampled: a
+    multi-turn row's tool-output tokens (False) stay in `tokens` and `token_mask`, as context, but not in
+    `response_mask`, so no loss, KL or entropy term counts them and they get no gradient.
     Raises ValueError naming the row when lengths disagree, a prompt is empty or a row does not fit.
     """
     rows = len(prompt_ids)
@@ -85,6 +90,8 @@ def pack_rollouts(
         raise ValueError(f"pack_rollouts: {rows} prompts but {len(response_ids)} responses")
     if behaviour_logprobs is not None and len(behaviour_logprobs) != rows:
         raise ValueError(f"pack_rollouts: {rows} rows but {len(behaviour_logprobs)} behaviour log-prob rows")
+    if loss_masks is not None and len(loss_masks) != rows:
+        raise ValueError(f"pack_rollouts: {rows} rows but {len(loss_masks)} loss masks")
     if rewards is not None and len(rewards) != rows:
         raise ValueError(f"pack_rollouts: {rows} rows but {len(rewards)} rewards")
     if rows == 0:
@@ -106,7 +113,15 @@ def pack_rollouts(
         tokens[i, :p] = prompt
         tokens[i, p : p + r] = response
         token_mask[i, : p + r] = True
-        response_mask[i, p : p + r] = True
+        mask = None if loss_masks is None else loss_masks[i]
+        if mask is None:
+            response_mask[i, p : p + r] = True
+        else:
+            mask = np.asarray(mask)
+            if mask.shape != (r,) or mask.dtype != bool:
+                raise ValueError(f"pack_rollouts: row {i} has {r} response tokens but a loss mask of {mask.dtype} "
+                                 f"{mask.shape} (expected bool ({r},))")
+            response_mask[i, p : p + r] = mask
         if behaviour_logprobs is not None:
             row = np.asarray(behaviour_logprobs[i], np.float32).reshape(-1)
             if row.shape[0] != r:

@@ -415,6 +415,8 @@ class Runtime:
             "tokens": float(lengths.sum()),
             "dispatches": float(self.dispatches_per_step[-1]),
         })
+        if self.programs.episodes is not None:  # multi-turn: tool-output tokens per sequence (in `tokens`, no loss)
+            metrics["tool_tokens"] = float(np.mean([np.count_nonzero(~c.loss_mask) for c in completions]))
         return state, StepResult(step=step, version=rollout.version, metrics=metrics, data_state=rollout.data_state,
                                  completions=completions, examples=rollout.examples, rewards=rewards)
 

@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rpegjax import distributed
 from rpegjax.data.example import Example
+from rpegjax.envs.rollout import Episode, EpisodeRunner
 from rpegjax.generate.completion import Completion
 from rpegjax.generate.sampler import Sampler
 from rpegjax.generate.sampling import SamplingConfig
@@ -94,6 +95,11 @@ class StagePrograms:
     `rewards` is a `RewardRunner`, or any reward function `fn(completion: str, example) -> float`, which is
     then run by a `RewardRunner` of default settings (worker processes, timeouts, limits) that these
     programs own: `close()` stops it (None: programs that never generate, as in tests of other stages).
+
+    `episodes` makes every rollout multi-turn (`rpegjax.envs.rollout`): each sample is an episode of model turns
+    and tool outputs (masked out of the loss), rendered from the environment's opening messages (the `prompt_ids`
+    passed to `generate` are then unused); the reward reads the last model turn, and an environment's own
+    reward, when it gives one, replaces the task's.
     """
 
     def __init__(
@@ -108,7 +114,11 @@ class StagePrograms:
         pad_id: int,
         reference_params: Any = None,
         generation_dtype: str | None = None,
+        episodes: EpisodeRunner | None = None,
     ):
+        if episodes is not None and episodes.sampler is not sampler:
+            raise ValueError("StagePrograms: the episode runner must drive this programs' sampler")
+        self.episodes = episodes
         self.learner = learner
         self.sampler = sampler
         self.sampling = sampling
@@ -173,27 +183,37 @@ class StagePrograms:
     ) -> Iterator[Piece]:
         """Streams the step's rollout in `pieces` parts of whole prompt groups, each yielded (with its reward
         scoring already submitted to the host pool) as soon as all its sequences have finished."""
-        prompts_per_piece = len(prompt_ids) // pieces
-        waiting: dict[int, list[Completion]] = {index: [] for index in range(pieces)}
+        prompts_per_piece = len(examples) // pieces
+        waiting: dict[int, list[tuple[Completion, Episode | None]]] = {index: [] for index in range(pieces)}
         needed = prompts_per_piece * self.group_size
-        stream = self.sampler.stream(params, prompt_ids, self.sampling, group_size=self.group_size, key=key,
-                                     version=version)
-        for completion in stream:
+        if self.episodes is None:
+            stream = ((c, None) for c in self.sampler.stream(params, prompt_ids, self.sampling,
+                                                             group_size=self.group_size, key=key, version=version))
+        else:
+            stream = ((e.completion, e) for e in self.episodes.run(params, examples, group_size=self.group_size,
+                                                                   key=key, version=version))
+        for completion, episode in stream:
             index = completion.prompt_index // prompts_per_piece
-            waiting[index].append(completion)
+            waiting[index].append((completion, episode))
             if len(waiting[index]) == needed:
-                yield self._finish_piece(index, sorted(waiting.pop(index), key=lambda c: c.order), examples)
+                yield self._finish_piece(index, sorted(waiting.pop(index), key=lambda item: item[0].order), examples)
 
-    def _finish_piece(self, index: int, completions: list[Completion], examples: Sequence[Example]) -> Piece:
+    def _finish_piece(self, index: int, items: list[tuple[Completion, Episode | None]],
+                      examples: Sequence[Example]) -> Piece:
+        completions = [c for c, _ in items]
         rows = [examples[c.prompt_index] for c in completions]
         mine = process_rows(len(rows))
-        texts = [self.decode(c.response_ids) for c in completions[mine]]
+        texts = [self.decode(c.response_ids) if e is None else e.final_text for c, e in items[mine]]
         batch = pack_rollouts(
             [c.prompt_ids for c in completions], [c.response_ids for c in completions],
             [c.behaviour_logprobs for c in completions], pad_id=self.pad_id, length=self.sequence_length,
+            loss_masks=[c.model_mask for c in completions],
         )
-        return Piece(index=index, examples=rows, completions=completions, batch=batch,
-                     rewards=self.rewards.submit(texts, rows[mine]))
+        rewards = self.rewards.submit(texts, rows[mine])
+        environment = [None if e is None else e.reward for _, e in items[mine]]
+        if any(r is not None for r in environment):
+            rewards = _with_environment_rewards(rewards, environment)
+        return Piece(index=index, examples=rows, completions=completions, batch=batch, rewards=rewards)
 
     def collect_rewards(self, piece: Piece) -> tuple[np.ndarray, RewardStats]:
         """Rewards float32 [rows] of every row of `piece`, and their stats (errors and timeouts summed over
@@ -336,6 +356,27 @@ class StagePrograms:
     def actor_params_of(self, state: Any) -> Any:
         """The policy's parameters in a learner's train state."""
         return self.learner.actor_params(state.params)
+
+
+def _with_environment_rewards(task: concurrent.futures.Future, environment: list[float | None]
+                              ) -> concurrent.futures.Future:
+    """A future of the task's `(rewards, stats)` in which the rows an environment rewarded hold its reward."""
+    combined: concurrent.futures.Future = concurrent.futures.Future()
+
+    def done(future: concurrent.futures.Future) -> None:
+        try:
+            rewards, stats = future.result()
+        except BaseException as error:
+            combined.set_exception(error)
+            return
+        rewards = np.array(rewards, np.float32)
+        for row, value in enumerate(environment):
+            if value is not None:
+                rewards[row] = value
+        combined.set_result((rewards, dataclasses.replace(stats, mean_reward=float(rewards.mean()))))
+
+    task.add_done_callback(done)
+    return combined
 
 
 def process_rows(rows: int, process: int | None = None, count: int | None = None) -> slice:

@@ -20,14 +20,15 @@ from rpegjax.data.example import DatasetError, Example
 from rpegjax.data.files import load_examples
 from rpegjax.data.prompts import PromptTemplate
 from rpegjax.data.rows import RowSchema
+from rpegjax.envs.catalog import make_environment
 from rpegjax.generate.sampler import Sampler, usable_slots
 from rpegjax.graph import builders, transforms
 from rpegjax.graph.ir import Algorithm, Execution, Graph, GraphError, StageKind
 from rpegjax.models.config import EXECUTION_FIELDS, ModelConfig
 from rpegjax.models.hf import load_pretrained, read_config
+from rpegjax.models.precision import Precision
 from rpegjax.models.tokenizer import builtin_tokenizer, load_tokenizer
 from rpegjax.models.transformer import Decoder
-from rpegjax.models.precision import Precision
 from rpegjax.rewards.custom import RewardedTask, load_rewards
 from rpegjax.rewards.dataset_task import MathDatasetTask
 from rpegjax.rewards.math import check_gold_answer
@@ -55,9 +56,20 @@ class Components:
     template: PromptTemplate
     warm_start_metrics: dict[str, float]
     max_prompt_len: int  # rollout.max_prompt_len, or the longest prompt of the data when that is unset
+    environment: Any = None  # rollout.env's (`rpegjax.envs`), None for single-turn rollouts
 
     def prompt_ids(self, examples) -> list[list[int]]:
-        return [self.tokenizer.encode(self.template.render(e, self.tokenizer)) for e in examples]
+        return [self.encode_prompt(e) for e in examples]
+
+    def encode_prompt(self, example: Example) -> list[int]:
+        """The prompt of `example`: through the environment's opening messages when the run has one."""
+        if self.environment is None:
+            return self.tokenizer.encode(self.template.render(example, self.tokenizer))
+        return self.render_messages(self.environment.reset(example))
+
+    def render_messages(self, messages) -> list[int]:
+        """An episode's opening messages (one user turn) as prompt ids, through the run's prompt template."""
+        return render_opening(messages, self.template, self.tokenizer)
 
     def decode(self, ids) -> str:
         # checkpoints often pad the vocabulary past the tokenizer's: such samples decode to U+FFFD
@@ -65,6 +77,15 @@ class Components:
         known = [int(i) for i in ids if int(i) < size]
         text = self.tokenizer.decode(known)
         return text if len(known) == len(ids) else text + "\ufffd"
+
+
+def render_opening(messages, template: PromptTemplate, tokenizer) -> list[int]:
+    """An environment's opening messages, which must be one user turn, rendered like a prompt of the run."""
+    if [m.get("role") for m in messages] != ["user"]:
+        raise ValueError(f"the environment opens with {[m.get('role') for m in messages]}; a run renders one user "
+                         "turn through its prompt template")
+    example = Example(id="episode", prompt=messages[0]["content"], answer="", task="episode")
+    return tokenizer.encode(template.render(example, tokenizer))
 
 
 def _task_and_examples(cfg: RunConfig):
@@ -255,8 +276,15 @@ def build(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Components:
     if template.uses_chat_template(tokenizer):
         log("prompts: rendered with the model tokenizer's chat template (--chat-template none to turn it off)")
     examples = [*train_examples, *eval_examples]
-    max_prompt_len = check_prompt_lengths(
-        examples, [tokenizer.encode(template.render(e, tokenizer)) for e in examples], cfg.rollout.max_prompt_len)
+    environment = make_environment(cfg.rollout.env, tags=cfg.rollout.tool_tags,
+                                   sandbox_network=cfg.rollout.sandbox_network)
+    if environment is None:
+        prompts = [tokenizer.encode(template.render(e, tokenizer)) for e in examples]
+    else:
+        prompts = [render_opening(environment.reset(e), template, tokenizer) for e in examples]
+        log(f"rollouts: multi-turn with the {environment.name} tool ({cfg.rollout.max_turns} turns, "
+            f"{cfg.rollout.episode_token_budget or cfg.rollout.max_new_tokens} tokens per episode)")
+    max_prompt_len = check_prompt_lengths(examples, prompts, cfg.rollout.max_prompt_len)
     ppo = cfg.algorithm == Algorithm.PPO
     shared_critic = ppo and cfg.ppo.critic == "shared"
     warm_metrics: dict[str, float] = {}
@@ -318,4 +346,5 @@ def build(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Components:
         critic=critic)
     return Components(cfg=cfg, tokenizer=tokenizer, task=task, train_examples=train_examples,
                       eval_examples=eval_examples, model_cfg=model_cfg, learner=learner, sampler=sampler, graph=graph,
-                      template=template, warm_start_metrics=warm_metrics, max_prompt_len=max_prompt_len)
+                      template=template, warm_start_metrics=warm_metrics, max_prompt_len=max_prompt_len,
+                      environment=environment)

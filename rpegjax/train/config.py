@@ -18,6 +18,8 @@ import numpy as np
 from rpegjax.data.prompts import ChatTemplateMode
 from rpegjax.data.rows import DatasetFormat
 from rpegjax.distributed.launch import DistributedConfig
+from rpegjax.envs.catalog import EnvironmentName
+from rpegjax.envs.python_sandbox import NetworkIsolation
 from rpegjax.graph.ir import Algorithm
 from rpegjax.learners.advantages import AdvantageKind
 from rpegjax.learners.group_filter import DynamicSamplingConfig, SamplingCapAction
@@ -32,7 +34,13 @@ from rpegjax.rewards.task import Difficulty
 from rpegjax.rewards.tasks import TaskName
 from rpegjax.sharding.axes import DATA_AXIS, FSDP_AXIS, TENSOR_AXIS
 from rpegjax.sharding.mesh import parse_mesh
-from rpegjax.train.overrides import ConfigFileError, apply_overrides, from_jsonable, read_config_file, to_jsonable
+from rpegjax.train.overrides import (
+    ConfigFileError,
+    apply_overrides,
+    from_jsonable,
+    read_config_file,
+    to_jsonable,
+)
 
 MESH_AXES = (DATA_AXIS, FSDP_AXIS, TENSOR_AXIS)
 """The mesh axis names the sharding rules know."""
@@ -175,11 +183,30 @@ class RolloutSection:
     top_p: float = 1.0
     num_slots: int = 256
     chunk_steps: int = 8
+    # multi-turn rollouts with a tool (`rpegjax.envs`): the environment, model turns per episode, response
+    # tokens per episode (model and tool; None: max_new_tokens), the tool tags to use instead of the
+    # environment's (call start, call end, result start, result end: the call end must be one token) and the
+    # Python sandbox's network isolation
+    env: EnvironmentName = EnvironmentName.NONE
+    max_turns: int = 4
+    episode_token_budget: int | None = None
+    tool_tags: tuple[str, ...] = ()
+    sandbox_network: NetworkIsolation = NetworkIsolation.NAMESPACE
 
     def __post_init__(self) -> None:
-        _positive(self, "prompts_per_step", "group_size", "max_new_tokens", "num_slots", "chunk_steps")
+        _positive(self, "prompts_per_step", "group_size", "max_new_tokens", "num_slots", "chunk_steps", "max_turns")
+        _choice(self, "env", EnvironmentName)
+        _choice(self, "sandbox_network", NetworkIsolation)
         if self.max_prompt_len is not None:
             _positive(self, "max_prompt_len")
+        if self.episode_token_budget is not None:
+            _positive(self, "episode_token_budget")
+            if self.episode_token_budget > self.max_new_tokens:
+                raise ValueError(f"RolloutSection.episode_token_budget ({self.episode_token_budget}) must fit in "
+                                 f"max_new_tokens ({self.max_new_tokens}): an episode is one training row")
+        if self.tool_tags and (len(self.tool_tags) != 4 or not all(self.tool_tags)):
+            raise ValueError(f"RolloutSection.tool_tags must be 4 non-empty strings (call start, call end, result "
+                             f"start, result end) or empty, got {self.tool_tags!r}")
         if self.num_slots < self.group_size:
             raise ValueError(f"RolloutSection.num_slots ({self.num_slots}) must hold a whole group ({self.group_size})")
 

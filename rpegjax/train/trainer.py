@@ -18,6 +18,7 @@ import numpy as np
 
 from rpegjax import distributed
 from rpegjax.data.iterator import DataIterator
+from rpegjax.envs.rollout import EpisodeConfig, EpisodeRunner
 from rpegjax.generate.sampling import SamplingConfig
 from rpegjax.graph.ir import Algorithm
 from rpegjax.graph.trace import Trace, gantt_png
@@ -32,7 +33,13 @@ from rpegjax.train.evaluation import evaluate_accuracy
 from rpegjax.train.export import export_policy
 from rpegjax.train.health import NonFiniteGuard, TrainingError, nonfinite_leaves
 from rpegjax.train.metrics import MetricsWriter, plot_dashboard, read_metrics
-from rpegjax.train.samples import Sample, SampleLog, console_lines, evaluation_samples, training_samples
+from rpegjax.train.samples import (
+    Sample,
+    SampleLog,
+    console_lines,
+    evaluation_samples,
+    training_samples,
+)
 
 GANTT_STEPS = 3  # steps shown by gantt.png: the last ones, past compilation (trace.json has them all)
 
@@ -73,11 +80,32 @@ def _write_atomically(path: pathlib.Path, text: str) -> None:
 
 def make_programs(parts: Components, rewards: RewardRunner) -> StagePrograms:
     cfg = parts.cfg
+    sampling = SamplingConfig(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
+                              top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p)
+    episodes = None
+    if parts.environment is not None:
+        tokenizer, env = parts.tokenizer, parts.environment
+        call_end = tokenizer.encode(env.call_end)
+        # a turn stops at the tool call's end (EpisodeRunner refuses a call end that is not one token)
+        sampling = sampling.replace(stop_ids=tuple(call_end) if len(call_end) == 1 else ())
+        ends = {*tokenizer.eos_ids, tokenizer.pad_id}
+
+        def decode_turn(ids) -> str:  # tool tags may be special tokens: keep them, drop end-of-sequence and padding
+            kept = [int(i) for i in ids if int(i) not in ends]
+            known = [i for i in kept if i < tokenizer.vocab_size]  # ids of a vocabulary padded past the tokenizer's
+            text = tokenizer.decode(known, skip_special_tokens=False)
+            return text if len(known) == len(kept) else text + "\ufffd"
+
+        episodes = EpisodeRunner(
+            parts.sampler, env, sampling,
+            EpisodeConfig(max_turns=cfg.rollout.max_turns,
+                          token_budget=cfg.rollout.episode_token_budget or cfg.rollout.max_new_tokens),
+            render=parts.render_messages, encode=tokenizer.encode, decode=decode_turn)
     return StagePrograms(
         learner=parts.learner,
         sampler=parts.sampler,
-        sampling=SamplingConfig(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
-                                top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p),
+        sampling=sampling,
+        episodes=episodes,
         group_size=cfg.rollout.group_size,
         rewards=rewards,
         decode=parts.decode,

@@ -102,3 +102,66 @@ def test_train_batch_is_a_pytree():
     leaves = jax.tree.leaves(batch)
     assert len(leaves) == 4  # tokens, two masks, behaviour log-probs; None fields are absent
     assert isinstance(jax.tree.map(lambda x: x, batch), TrainBatch)
+
+
+# ---- multi-turn rows: tool-output tokens are context, never loss ------------------------------------
+def _multi_turn_batch():
+    """Two rows: turn, tool output, turn (loss mask 1,1 | 0,0,0 | 1) and a plain row."""
+    masks = [np.array([True, True, False, False, False, True]), None]
+    batch = pack_rollouts([[3, 4], [5]], [[10, 11, 12, 13, 14, 15], [16, 17, 18]],
+                          [np.array([-1.0, -2.0, 0.0, 0.0, 0.0, -3.0]), np.array([-1.0, -1.5, -2.0])],
+                          pad_id=0, length=9, loss_masks=masks)
+    return batch
+
+
+def test_pack_rollouts_keeps_tool_tokens_as_context_out_of_the_loss():
+    batch = _multi_turn_batch()
+    np.testing.assert_array_equal(batch.tokens[0], [3, 4, 10, 11, 12, 13, 14, 15, 0])
+    np.testing.assert_array_equal(batch.token_mask[0], [1, 1, 1, 1, 1, 1, 1, 1, 0])
+    np.testing.assert_array_equal(batch.response_mask[0], [0, 0, 1, 1, 0, 0, 0, 1, 0])
+    np.testing.assert_array_equal(batch.response_mask[1], [0, 1, 1, 1, 0, 0, 0, 0, 0])
+    with pytest.raises(ValueError, match="row 0 has 2 response tokens but a loss mask of bool \\(3,\\)"):
+        pack_rollouts([[1]], [[2, 3]], pad_id=0, loss_masks=[np.ones(3, bool)])
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_tool_tokens_get_no_gradient(aggregation):
+    """The whole policy objective (clipped surrogate, decoupled importance weights, KL, entropy bonus): its
+    gradient w.r.t. the logits at tool-output positions is exactly 0, and changing those positions' logits or
+    old / reference / behaviour log-probs leaves the loss bit-identical."""
+    from rpegjax.learners.objective import (
+        PolicyConfig,
+        policy_denominators,
+        policy_objective,
+    )
+
+    batch = _multi_turn_batch()
+    b, t = batch.tokens.shape
+    rng = np.random.default_rng(0)
+    vocab = 24
+    noisy = lambda: jnp.asarray(rng.normal(-2.0, 0.5, (b, t)), jnp.float32)  # noqa: E731
+    batch = batch.replace(old_logprobs=noisy(), ref_logprobs=noisy(), behaviour_logprobs=noisy(),
+                          advantages=jnp.asarray([1.5, -0.7], jnp.float32))
+    cfg = PolicyConfig(aggregation=aggregation, kl_coef=0.1, entropy_coef=0.01, decoupled=True, importance_cap=2.0)
+    tool = np.zeros((b, t), bool)
+    tool[0, 4:7] = True  # the tool output of row 0 (tokens 12, 13, 14)
+
+    def loss_of(logits, batch):  # logits[:, i] is the distribution of token i
+        logp = jax.nn.log_softmax(logits)
+        logprobs = jnp.take_along_axis(logp, jnp.asarray(batch.tokens)[..., None], axis=-1)[..., 0]
+        entropy = -(jnp.exp(logp) * logp).sum(-1)
+        return policy_objective(cfg, logprobs, entropy, batch, policy_denominators(cfg, batch))[0]
+
+    logits = jnp.asarray(rng.normal(size=(b, t, vocab)), jnp.float32)
+    loss, grad = jax.value_and_grad(loss_of)(logits, batch)
+    grad = np.asarray(grad)
+    assert np.all(grad[tool] == 0.0)
+    assert np.abs(grad[np.asarray(batch.response_mask)]).sum(-1).min() > 0  # every model token does get gradient
+
+    changed = batch.replace(**{name: jnp.where(tool, getattr(batch, name) - 5.0, getattr(batch, name))
+                               for name in ("old_logprobs", "ref_logprobs", "behaviour_logprobs")})
+    other_logits = jnp.where(tool[..., None], logits * 3.0 + 1.0, logits)
+    assert float(loss_of(other_logits, changed)) == float(loss)
+    # the same rows without masks would count the tool tokens: the test can fail
+    unmasked = batch.replace(response_mask=np.asarray(batch.response_mask) | tool)
+    assert np.any(np.asarray(jax.grad(loss_of)(logits, unmasked))[tool] != 0.0)

@@ -42,3 +42,21 @@ def test_group_size_and_temperature_come_from_the_rollout():
 
 def test_one_critic_mode_for_graph_and_learner():
     assert PPOConfig(critic="shared").critic is CriticMode.SHARED
+
+
+def test_multi_turn_flags_and_their_checks():
+    from rpegjax.envs.catalog import EnvironmentName
+    from rpegjax.envs.python_sandbox import NetworkIsolation
+
+    config = parse_args(["--env=calculator", "--max-turns=3", "--episode-token-budget=20", "--max-new-tokens=24",
+                         "--rollout.tool_tags=[,],{,}", "--rollout.sandbox_network=audit-hook"], Algorithm.GRPO)[0]
+    rollout = config.rollout
+    assert rollout.env == EnvironmentName.CALCULATOR and rollout.max_turns == 3 and rollout.episode_token_budget == 20
+    assert rollout.tool_tags == ("[", "]", "{", "}") and rollout.sandbox_network == NetworkIsolation.AUDIT_HOOK
+    assert RunConfig.from_json(config.to_json()).rollout == rollout
+    with pytest.raises(ValueError, match=r"episode_token_budget \(40\) must fit in max_new_tokens \(32\)"):
+        RolloutSection(env="calculator", episode_token_budget=40)
+    with pytest.raises(ValueError, match="tool_tags must be 4 non-empty strings"):
+        RolloutSection(tool_tags=("[", "]"))
+    with pytest.raises(ValueError, match="RolloutSection.env must be one of \\['none', 'calculator', 'python-sandbox'\\]"):
+        RolloutSection(env="browser")

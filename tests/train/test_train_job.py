@@ -384,3 +384,15 @@ def test_a_run_directory_that_cannot_be_written_is_one_clear_error(tmp_path):
     result = run_job(blocker / "run", "--steps=1")
     assert result.returncode == 1
     assert "error: cannot write the run:" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_job_trains_multi_turn_with_the_calculator(tmp_path):
+    """`--env calculator` end to end: the built-in character tokenizer needs one-character tool tags."""
+    run_dir = tmp_path / "calculator"
+    result = run_job(run_dir, "--steps=2", "--env=calculator", "--max-turns=2", "--rollout.tool_tags=[,],{,}",
+                     "--rollout.max_prompt_len=96", "--max-new-tokens=12")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "rollouts: multi-turn with the calculator tool (2 turns, 12 tokens per episode)" in result.stderr
+    training = [r for r in metrics(run_dir) if "loss" in r]
+    assert [r["step"] for r in training] == [1, 2] and all(r["tool_tokens"] >= 0 for r in training)
