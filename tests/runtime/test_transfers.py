@@ -65,9 +65,9 @@ def test_four_processes_two_roles_exchange_weights_and_rollouts_like_one_process
         env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2", PYTHONUNBUFFERED="1",
                    JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="4", JAX_PROCESS_ID=str(process),
                    PYTHONPATH=os.pathsep.join(filter(None, [str(WORKER.parents[2]), env.get("PYTHONPATH")])))
-        log = open(tmp_path / f"worker{process}.log", "w")
-        children.append(subprocess.Popen([sys.executable, str(WORKER), "--out", str(tmp_path)], env=env, stdout=log,
-                                         stderr=subprocess.STDOUT))
+        with open(tmp_path / f"worker{process}.log", "w") as log:  # the child keeps its own descriptor
+            children.append(subprocess.Popen([sys.executable, str(WORKER), "--out", str(tmp_path)], env=env,
+                                             stdout=log, stderr=subprocess.STDOUT))
     try:
         codes = [child.wait(timeout=150) for child in children]
     finally:

@@ -34,8 +34,8 @@ from rpegjax.runtime import transfers
 from rpegjax.sharding import ShardingRules, hybrid_device_grid, param_shardings
 
 STEPS, BOUND, ROWS, WIDTH, REPEATS = 4, 1, 8, 16, 3
-TINY = dict(vocab_size=128, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2, head_dim=32,
-            intermediate_size=128)
+TINY = {"vocab_size": 128, "hidden_size": 64, "num_layers": 2, "num_heads": 2, "num_kv_heads": 2, "head_dim": 32,
+        "intermediate_size": 128}
 
 
 def initial_params() -> nnx.State:
@@ -134,8 +134,9 @@ def main() -> None:
     source = transfers.layout_on(target, list(training.devices.flat))
     plan = transfers.plan_transfer(big, source, target)
     if me >= 2:
+        fill = jax.jit(lambda value: {"w": jnp.full((4096, 4096), value, jnp.float32)}, out_shardings=source)
         for repeat in range(REPEATS):
-            value = jax.jit(lambda: {"w": jnp.full((4096, 4096), repeat, jnp.float32)}, out_shardings=source)()
+            value = fill(np.float32(repeat))
             transfers.send(links, plan, 100 + repeat, jax.block_until_ready(value))
     role = threading.Thread(target=generate_role if me < 2 else train_role, name="rpegjax-role")
     role.start()

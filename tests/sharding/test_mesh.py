@@ -1,7 +1,18 @@
+import dataclasses
+
 import jax
+import numpy as np
 import pytest
 
-from rpegjax.sharding import make_mesh, parse_mesh, resolve_axis_sizes
+from rpegjax.sharding import (
+    Granule,
+    hybrid_device_grid,
+    make_hybrid_mesh,
+    make_mesh,
+    parse_mesh,
+    resolve_axis_sizes,
+    split_across_granules,
+)
 
 
 def test_make_mesh_named_sizes():
@@ -39,12 +50,6 @@ def test_parse_mesh():
 
 
 # ---- meshes that follow the hardware ----------------------------------------------------------
-
-import dataclasses  # noqa: E402
-
-import numpy as np  # noqa: E402
-
-from rpegjax.sharding import Granule, hybrid_device_grid, make_hybrid_mesh, split_across_granules  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
