@@ -105,3 +105,4 @@ def test_four_processes_two_roles_exchange_weights_and_rollouts_like_one_process
               f"{min(transfer['seconds']) / (transfer['received_bytes'] / 1e9):.2f} s/GB")
     # a hybrid mesh over 4 processes x 2 devices keeps every tensor pair inside one process
     assert generators[0]["hybrid"]["process_of_tensor_groups"] == [[0, 0], [1, 1], [2, 2], [3, 3]]
+    assert "does not factor over 4 granules of 2 devices" in generators[0]["hybrid"]["tensor_across_processes"]

@@ -149,9 +149,15 @@ def main() -> None:
             seconds.append(time.perf_counter() - start)
             assert all(np.all(np.asarray(shard.data) == repeat) for shard in got["w"].addressable_shards)
     record["transfer"] = {"bytes": plan.nbytes, "received_bytes": plan.received_bytes(me), "seconds": seconds}
+    try:
+        hybrid_device_grid({"data": 2, "tensor": 4}, devices)
+        refusal = None
+    except ValueError as error:
+        refusal = str(error)
     record["hybrid"] = {
         "process_of_tensor_groups": [[d.process_index for d in row] for row in
                                      hybrid_device_grid({"data": 4, "tensor": 2}, devices).reshape(4, 2)],
+        "tensor_across_processes": refusal,
     }
     # no collective after set-up: a process waiting in one while a peer pulls from it would deadlock the pull
     (args.out / f"process{me}.json").write_text(json.dumps(record))
