@@ -14,16 +14,15 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from rpegjax.sharding.mesh import make_mesh
+from rpegjax.sharding.mesh import make_hybrid_mesh
 
 
 def global_mesh(axis_sizes: Mapping[str, int]) -> Mesh:
-    """A mesh over every process's devices (`jax.devices()`), axes in `axis_sizes` order.
-
-    `jax.devices()` lists process 0's devices first, so the first (slowest-varying) mesh axis splits
-    processes: put the axis with the least traffic (data, then fsdp) first, tensor last.
+    """A mesh over every process's devices (`jax.devices()`), axes in `axis_sizes` order, laid out over the
+    hosts (`rpegjax.sharding.make_hybrid_mesh`): the slowest-varying axes split processes, the tensor axis stays
+    inside one. Put the axis with the least traffic (data, then fsdp) first, tensor last.
     """
-    return make_mesh(axis_sizes, jax.devices())
+    return make_hybrid_mesh(axis_sizes, jax.devices())
 
 
 def process_slice(

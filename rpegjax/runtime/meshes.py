@@ -1,7 +1,10 @@
 """The device meshes a graph's placements name: where each device stage runs.
 
-A placement's devices are `jax.devices()` at its `device_indices` (explicit ones, else the first `size`). A stage's mesh is its placement's devices arranged by the stage's effective parallel sizes (its own
-layout, else its placement's), axes in the order the graph gives them. The runtime checks that the programs
+A placement's devices are `jax.devices()` at its `device_indices` (explicit ones, else the first `size`). A stage's
+mesh is its placement's devices arranged by the stage's effective parallel sizes (its own layout, else its
+placement's), axes in the order the graph gives them. When those devices belong to several processes (hosts), the
+mesh follows the hardware (`rpegjax.sharding.mesh.hybrid_device_grid`): every axis's part across processes varies
+slowest, and the tensor axis stays inside one process; sizes that cannot be laid out so are refused. The runtime checks that the programs
 it is handed run each stage on exactly these devices; `rpegjax.runtime.assembly` builds learner and sampler on them.
 """
 
@@ -14,6 +17,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from rpegjax.graph.ir import Graph, GraphError, StageKind
+from rpegjax.sharding.mesh import hybrid_device_grid
 
 
 def placement_devices(graph: Graph, placement: str) -> list[jax.Device]:
@@ -32,7 +36,14 @@ def stage_mesh(graph: Graph, stage: str) -> Mesh:
     if spec.host:
         raise GraphError(f"stage {stage!r} runs on the host and has no mesh", stage=stage)
     sizes = dict(graph.parallel_of(stage))
-    grid = np.array(placement_devices(graph, spec.placement), dtype=object).reshape(tuple(sizes.values()))
+    devices = placement_devices(graph, spec.placement)
+    if len({device.process_index for device in devices}) == 1:
+        grid = np.array(devices, dtype=object).reshape(tuple(sizes.values()))
+    else:
+        try:
+            grid = hybrid_device_grid(sizes, devices)
+        except ValueError as error:
+            raise GraphError(f"stage {stage!r} (placement {spec.placement!r}): {error}", stage=stage) from None
     return Mesh(grid, tuple(sizes))
 
 
