@@ -135,7 +135,6 @@ def part_update(args) -> list[dict]:
         rows.append(_row("update", f"{name} GRPO update", seconds, "s",
                          f"{sequences} x {length} tokens, {cfg.attention} attention, loss {loss:.3g}"))
         rows.append(_row("update", f"{name} MFU", flops / seconds / peak, "", f"of bf16 peak ({source})"))
-        del learner, holder, batch
     return rows
 
 

@@ -191,7 +191,8 @@ def _dispatch_seconds(device, repeats: int) -> float:
 
 def measure_all_reduce(*, mib_per_device: int = 16, repeats: int = 7) -> hardware_profile.AllReduce | None:
     """The ring all-reduce's α and β over all local devices (None with one device): a 4-byte and a
-    `mib_per_device` all-reduce, timed, less one dispatch, fitted to T(S) = 2(n−1)α + 2(n−1)/n · S/β
+    `mib_per_device` (or, until it takes twice as long as the 4-byte one, 4, 16, 64 times larger) all-reduce, timed,
+    less one dispatch, fitted to T(S) = 2(n−1)α + 2(n−1)/n · S/β
     (rpegjax.perf.collectives)."""
     import jax
     import jax.numpy as jnp
@@ -206,14 +207,22 @@ def measure_all_reduce(*, mib_per_device: int = 16, repeats: int = 7) -> hardwar
     spec = PartitionSpec("devices")
     summed = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, "devices"), mesh=mesh, in_specs=spec, out_specs=spec))
     dispatch = _dispatch_seconds(devices[0], repeats)
-    seconds = {}
-    for elements in (1, mib_per_device * 1024 * 1024 // 4):
+
+    def timed(elements: int) -> float:
         v = jax.device_put(jnp.ones((n * elements,), jnp.float32), NamedSharding(mesh, spec))
-        seconds[4 * elements] = max(_fastest_seconds(lambda v=v: summed(v).block_until_ready(), repeats) - dispatch, 0.0)
-    (small_bytes, small), (large_bytes, large) = sorted(seconds.items())
-    if large <= small:
-        raise RuntimeError(f"all-reduce over {n} devices: {large_bytes} bytes took no longer than {small_bytes} "
-                           f"({large:.3g} s vs {small:.3g} s); measure with a larger all_reduce_mib")
+        return max(_fastest_seconds(lambda: summed(v).block_until_ready(), repeats) - dispatch, 0.0)
+
+    small_bytes, small = 4, timed(1)
+    large_bytes = mib_per_device * 1024 * 1024
+    # the bandwidth term must stand clear of the latency's noise: grow the message until it takes twice as long
+    for _ in range(4):
+        large = timed(large_bytes // 4)
+        if large > 2 * small:
+            break
+        large_bytes *= 4
+    else:
+        raise RuntimeError(f"all-reduce over {n} devices: {large_bytes // 4} bytes took no longer than twice {small_bytes} "
+                           f"({large:.3g} s vs {small:.3g} s); the measurement is noise")
     per_byte = (large - small) / (large_bytes - small_bytes)  # 2(n−1)/n / β
     return hardware_profile.AllReduce(
         devices=n, latency_s=max(small - per_byte * small_bytes, 0.0) / (2 * (n - 1)),

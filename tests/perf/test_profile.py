@@ -80,7 +80,7 @@ def test_a_profile_fits_only_its_own_device():
     measured = h100_profile()
     profile.fits_preset(measured, "h100")
     for preset in ("h200", "gh200", "a100"):
-        with pytest.raises(ProfileError, match=f"measured on 'NVIDIA H100 80GB HBM3' \\(gpu\\), not on"):
+        with pytest.raises(ProfileError, match="measured on 'NVIDIA H100 80GB HBM3' \\(gpu\\), not on"):
             profile.fits_preset(measured, preset)
     gh200 = dataclasses.replace(measured, device_kind="NVIDIA GH200 480GB")
     profile.fits_preset(gh200, "gh200")
