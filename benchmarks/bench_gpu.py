@@ -1,7 +1,7 @@
 """The GPU check's measurements (benchmarks/gpu_check.sh), one part per call so that each runs under its own timeout.
 
     python benchmarks/bench_gpu.py --part calibrate --out DIR      # hardware profile -> DIR/profile.json
-    python benchmarks/bench_gpu.py --part update --out DIR [--models 0.5b,1.5b]
+    python benchmarks/bench_gpu.py --part update --out DIR [--models 0.5b,1.5b] [--name update-1.5b]
     python benchmarks/bench_gpu.py --part decode --out DIR [--models 0.5b]
     python benchmarks/bench_gpu.py --part validate --out DIR       # predicted vs measured RL steps (needs the profile)
     python benchmarks/bench_gpu.py --table DIR                     # one table of every part's rows
@@ -220,19 +220,19 @@ def _fastest_seconds(run, runs: int) -> float:
 
 # ------------------------------------------------------------------------------------------------ table
 def table(directory: str) -> str:
-    """Every part's rows (DIR/<part>.json) and the statuses gpu_check.sh recorded (DIR/status.txt: part rc seconds)."""
-    lines = []
+    """The statuses gpu_check.sh recorded (DIR/status.txt: name, exit status or "skipped", seconds), then the rows of
+    each named part (DIR/<name>.json) in that order, or of every part when there is no status file."""
+    lines, names = [], []
     status_path = os.path.join(directory, "status.txt")
-    statuses = {}
     if os.path.exists(status_path):
         for line in open(status_path):
-            part, rc, seconds = line.split()
-            statuses[part] = (int(rc), float(seconds))
-    for part, (rc, seconds) in statuses.items():
-        state = "ok" if rc == 0 else "TIMED OUT" if rc in (124, 137) else f"FAILED (exit {rc})"
-        lines.append(("status", part, state, f"{seconds:.0f} s", ""))
-    for part in PARTS:
-        path = os.path.join(directory, f"{part}.json")
+            name, rc, seconds = line.split()
+            state = ("skipped (time budget spent)" if rc == "skipped" else "ok" if rc == "0"
+                     else "TIMED OUT" if rc in ("124", "137") else f"FAILED (exit {rc})")
+            lines.append(("status", name, state, f"{float(seconds):.0f} s", ""))
+            names.append(name)
+    for name in names or PARTS:
+        path = os.path.join(directory, f"{name}.json")
         if os.path.exists(path):
             for row in json.load(open(path)):
                 value = row["value"]
@@ -248,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--part", choices=(*PARTS, "all"))
     parser.add_argument("--out", help="directory for profile.json and each part's rows")
     parser.add_argument("--table", metavar="DIR", help="print the table of DIR's rows and exit")
+    parser.add_argument("--name", help="file name of the part's rows (DIR/NAME.json; default: the part)")
     parser.add_argument("--small", action="store_true", help="tiny model and problems: a check that it all runs")
     parser.add_argument("--models", default="0.5b", help="Qwen2.5 sizes for the update, comma-separated")
     parser.add_argument("--decode-models", default="0.5b", help="Qwen2.5 sizes for decode, comma-separated")
@@ -273,9 +274,11 @@ def main(argv: list[str] | None = None) -> int:
     args.decode_models = [m for m in args.decode_models.split(",") if m]
     os.makedirs(args.out, exist_ok=True)
     functions = {"calibrate": part_calibrate, "update": part_update, "decode": part_decode, "validate": part_validate}
+    if args.name and args.part == "all":
+        parser.error("--name names one part's rows; not with --part all")
     for part in PARTS if args.part == "all" else (args.part,):
         rows = functions[part](args)
-        with open(os.path.join(args.out, f"{part}.json"), "w") as file:
+        with open(os.path.join(args.out, f"{args.name or part}.json"), "w") as file:
             json.dump(rows, file, indent=1)
     if args.part == "all":
         print(table(args.out))

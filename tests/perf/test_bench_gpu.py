@@ -37,11 +37,15 @@ def test_the_table_shows_every_part_and_how_each_ended(tmp_path):
     bench = _bench()
     (tmp_path / "update.json").write_text(json.dumps([bench._row("update", "qwen2.5-0.5b MFU", 0.41, "", "of bf16 peak")]))
     (tmp_path / "decode.json").write_text(json.dumps([bench._row("decode", "qwen2.5-0.5b decode step", 7.5, "ms")]))
-    (tmp_path / "status.txt").write_text("gpu-tests 0 41\nupdate 0 95\ndecode 124 120\nvalidate 1 3\n")
+    (tmp_path / "update-1.5b.json").write_text(json.dumps([bench._row("update", "qwen2.5-1.5b MFU", 0.45)]))
+    (tmp_path / "status.txt").write_text("gpu-tests 0 41\nupdate 0 95\ndecode 124 120\nvalidate 1 3\n"
+                                         "update-1.5b 0 70\nextra skipped 0\n")
     lines = bench.table(str(tmp_path)).splitlines()
-    assert [line.split()[:3] for line in lines[:4]] == [["status", "gpu-tests", "ok"], ["status", "update", "ok"],
-                                                         ["status", "decode", "TIMED"], ["status", "validate", "FAILED"]]
-    assert "qwen2.5-0.5b MFU" in lines[4] and "0.41" in lines[4] and "7.5" in lines[5] and len(lines) == 6
+    assert [line.split()[:3] for line in lines[:6]] == [
+        ["status", "gpu-tests", "ok"], ["status", "update", "ok"], ["status", "decode", "TIMED"],
+        ["status", "validate", "FAILED"], ["status", "update-1.5b", "ok"], ["status", "extra", "skipped"]]
+    assert "qwen2.5-0.5b MFU" in lines[6] and "0.41" in lines[6] and "7.5" in lines[7] and "0.45" in lines[8]
+    assert len(lines) == 9
 
 
 def _run_small(out):
