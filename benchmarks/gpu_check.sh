@@ -2,10 +2,11 @@
 # The GPU check, on a machine with one NVIDIA GPU, in under 8 minutes (GPU_CHECK_SECONDS, default 470):
 #   1. nvidia-smi must answer; the CUDA build of JAX is installed (pip install -e ".[cuda,test]") unless JAX already
 #      sees a GPU; jax.devices() is printed;
-#   2. the tests marked gpu (pytest -m gpu);
-#   3. benchmarks/bench_gpu.py's parts, each under its own timeout: the calibration (hardware profile written to
+#   2. benchmarks/bench_gpu.py's parts, each under its own timeout: the calibration (hardware profile written to
 #      OUT/profile.json, for scripts/plan.py --hardware-profile), a Qwen2.5-0.5B-shaped GRPO update (MFU), its decode
-#      (fraction of the HBM roofline), the W-small RL steps predicted vs measured, and the 1.5B update if time is left;
+#      (fraction of the HBM roofline), the W-small RL steps predicted vs measured (the perf-model validation);
+#   3. the tests marked gpu (pytest -m gpu), then the 1.5B update if time is left (the figures come first: a lent GPU's
+#      time is short);
 #   4. one table of everything (OUT/table.txt).
 # A part that fails or runs out of time is marked so in the table; the others still run. Exit status: 0 when every
 # part passed, 1 otherwise.
@@ -52,11 +53,11 @@ part() {
 }
 
 bench=(benchmarks/bench_gpu.py --out "$OUT")
-part gpu-tests 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests
-part calibrate 60 "$PY" "${bench[@]}" --part calibrate
+part calibrate 75 "$PY" "${bench[@]}" --part calibrate
 part update 90 "$PY" "${bench[@]}" --part update --models 0.5b
 part decode 75 "$PY" "${bench[@]}" --part decode --decode-models 0.5b
 part validate 100 "$PY" "${bench[@]}" --part validate
+part gpu-tests 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests
 part update-1.5b 80 "$PY" "${bench[@]}" --part update --models 1.5b --name update-1.5b
 
 echo
