@@ -265,13 +265,16 @@ def profile_from_calibrations(calibrations: dict[str, list[Calibration]], *, siz
 
 
 def _device_memory_bytes(device) -> float:
-    """The device's memory: what its allocator may use on an accelerator, the host's RAM on a CPU."""
+    """One device's memory: what its allocator may use on an accelerator; on a CPU, the host's RAM shared by its
+    (virtual) devices."""
     import os
+
+    import jax
 
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     if stats and stats.get("bytes_limit"):
         return float(stats["bytes_limit"])
-    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / jax.local_device_count()
 
 
 def spec_from_calibration(measured: Calibration, *, name: str = "calibrated-cpu", memory_bytes: float = 8 * GIB) -> HardwareSpec:

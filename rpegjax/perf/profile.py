@@ -4,7 +4,7 @@ spec that puts those measurements in place of a preset's assumed efficiencies an
 File (format 1):
 
     {"format": 1, "platform": "gpu", "device_kind": "NVIDIA H100 80GB HBM3", "devices": 1,
-     "memory_bytes": ..., "jax_version": "0.10.2",
+     "memory_bytes": ... (per device; a CPU's RAM split over its virtual devices), "jax_version": "0.10.2",
      "measured": {"rates": {"bfloat16": {"matmul_flops": ..., "layer_matmul_flops": ..., "small_matmul_flops": ...,
                                          "attention_flops": ..., "backward_efficiency": ...}, "float32": {...}},
                   "memory_bandwidth": ..., "dispatch_overhead_s": ..., "kernel_overhead_s": ...,

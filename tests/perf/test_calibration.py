@@ -35,6 +35,8 @@ def test_calibrate_measures_this_machine_and_writes_its_profile(tmp_path):
 
     written = profile.load_profile(path)
     assert written.platform == "cpu" and written.device_kind == "cpu" and written.devices == 8
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert written.memory_bytes == pytest.approx(ram / 8)  # the 8 virtual devices share the host's memory
     assert set(written.rates) == {"float32", "bfloat16"}
     assert written.rates["float32"] == profile.DtypeRates(**{f.name: getattr(measured, f.name)
                                                              for f in dataclasses.fields(profile.DtypeRates)})
