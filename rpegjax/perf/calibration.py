@@ -277,7 +277,8 @@ def _device_memory_bytes(device) -> float:
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / jax.local_device_count()
 
 
-def spec_from_calibration(measured: Calibration, *, name: str = "calibrated-cpu", memory_bytes: float = 8 * GIB) -> HardwareSpec:
+def spec_from_calibration(measured: Calibration, *, name: str = "calibrated-cpu", memory_bytes: float = 8 * GIB,
+                          platform: str = "cpu") -> HardwareSpec:
     """A one-device spec from the measurements: peak = the square matmul's rate, matmul and attention efficiencies =
     what a layer's matmuls and attention's batched matmuls reach of it, the measured backward efficiency, memory
     efficiency 1 (the streaming rate is already an attained rate)."""
@@ -293,7 +294,7 @@ def spec_from_calibration(measured: Calibration, *, name: str = "calibrated-cpu"
         memory_efficiency=1.0,
         kernel_overhead_s=measured.kernel_overhead_s,
         dispatch_overhead_s=measured.dispatch_overhead_s,
-        platform="cpu",
+        platform=platform,
     )
     # One device: collectives never happen; the level only makes the spec complete.
     level = Level(name="host", size=1, bandwidth=measured.memory_bandwidth, latency=0.0)
@@ -307,13 +308,16 @@ def calibrate(*, rounds: int = 1, profile: str | None = None, dtypes: Sequence[s
     and the all-reduce and writes the hardware profile (rpegjax/perf/profile.py) there."""
     if rounds < 1:
         raise ValueError(f"calibrate: rounds must be >= 1, got {rounds!r}")
+    import jax
+
     wanted = ("float32", *(d for d in dtypes if d != "float32")) if profile is not None else ("float32",)
-    sizes = sizes or Sizes()
+    sizes = sizes or Sizes.for_platform(jax.default_backend())
     found = _measure_dtypes(wanted, rounds, repeats, sizes, **measure_options)
     if profile is not None:
         profile_from_calibrations({d: found[d] for d in dtypes}, sizes=sizes, repeats=repeats).write(profile)
     measured = median_calibration(found["float32"])
-    return spec_from_calibration(measured), measured
+    platform = jax.default_backend()
+    return spec_from_calibration(measured, name=f"calibrated-{platform}", platform=platform), measured
 
 
 def main(argv: list[str] | None = None) -> int:

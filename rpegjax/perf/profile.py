@@ -65,6 +65,9 @@ class AllReduce:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class HardwareProfile:
+    """One machine as `rpegjax.perf.calibration` measured it: its first device's rates per dtype, memory bandwidth
+    and overheads, `devices` local devices of `memory_bytes` each, and the all-reduce over them (None with one)."""
+
     platform: str
     device_kind: str
     devices: int
