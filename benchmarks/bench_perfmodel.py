@@ -16,7 +16,7 @@ Measured stage seconds are the durations of the runtime's trace events per execu
 runtime blocks on each stage's results inside its span); measured step seconds are the times between successive
 `on_step` callbacks, medians over `--rounds` passes over all configurations (interleaved in time, so a drift of
 the shared machine's load touches them alike). The machine is calibrated before every run and once at the end;
-every prediction uses the field-wise median of those calibrations (`hardware.median_calibration`), so the
+every prediction uses the field-wise median of those calibrations (`calibration.median_calibration`), so the
 predicted ranking is the model's alone, not the noise of a calibration made at a busy moment.
 """
 
@@ -42,7 +42,7 @@ from rpegjax.learners.grpo import GRPOConfig
 from rpegjax.learners.optim import OptimizerConfig
 from rpegjax.learners.ppo import PPOConfig
 from rpegjax.models import Decoder, ModelConfig
-from rpegjax.perf import hardware, step_model
+from rpegjax.perf import calibration, step_model
 from rpegjax.perf.generation_cost import ResponseLengths
 from rpegjax.perf.stage_costs import ExecutionOptions, Workload
 from rpegjax.rewards.runner import Isolation, RewardRunner, RewardRunnerConfig
@@ -170,7 +170,7 @@ def main() -> None:
     units: dict[str, dict[str, list[float]]] = {c.name: {} for c in configs}
     for _ in range(args.rounds):
         for config in configs:
-            calibrations.append(hardware.measure(matmul_size=768, stream_mib=32, repeats=3))
+            calibrations.append(calibration.measure(matmul_size=768, stream_mib=32, repeats=3))
             step_seconds, trace = run_runtime(config, config.graph(), args.steps, args.warmup)
             steps[config.name] += step_seconds
             per_step: dict[str, list[float]] = {}
@@ -179,10 +179,10 @@ def main() -> None:
                     per_step.setdefault(event.stage, [0.0] * args.steps)[event.step - args.warmup] += event.duration
             for unit, seconds in per_step.items():
                 units[config.name].setdefault(unit, []).extend(seconds)
-    calibrations.append(hardware.measure(matmul_size=768, stream_mib=32, repeats=3))
+    calibrations.append(calibration.measure(matmul_size=768, stream_mib=32, repeats=3))
     # predict: one spec, from the median calibration, for every configuration
-    measured_hw = hardware.median_calibration(calibrations)
-    spec = hardware.spec_from_calibration(measured_hw)
+    measured_hw = calibration.median_calibration(calibrations)
+    spec = calibration.spec_from_calibration(measured_hw)
     rates = [c.layer_matmul_flops / 1e9 for c in calibrations]
     print(f"{len(calibrations)} calibrations: layer matmul {min(rates):.0f} .. {max(rates):.0f} GFLOP/s (median "
           f"{statistics.median(rates):.0f}); predictions use the field-wise median calibration")

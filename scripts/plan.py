@@ -1,6 +1,7 @@
 """Plan an RL step on a cluster: the planner's best RPEG against two fixed reference plans, by the same model.
 
     python scripts/plan.py --model qwen2.5-7b --hardware gh200 --gpus 256 --algo ppo [--json] [--gantt out.png]
+    python scripts/plan.py --hardware h100 --hardware-profile h100.json ...   (measured device figures)
 
 Prints predicted step time, per-stage times, generated tokens/s, model FLOPs utilisation and peak memory per
 GPU for the best plan, the verl-like plan (synchronous, colocated, separate models) and the ReaL-like plan
@@ -22,6 +23,7 @@ from rpegjax.graph.ir import ATTENTION_KINDS, DTYPES, REMAT_POLICIES
 from rpegjax.graph.trace import gantt_png
 from rpegjax.models import ModelConfig
 from rpegjax.perf import executable, explain, hardware, planner, step_model, validation
+from rpegjax.perf import profile as hardware_profile
 from rpegjax.perf.generation_cost import ResponseLengths
 from rpegjax.perf.stage_costs import ExecutionOptions, Workload
 
@@ -56,8 +58,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", default="qwen2.5-7b", metavar="NAME_OR_CONFIG",
                         help=f"model: a preset ({', '.join(MODEL_PRESETS)}) or a Hugging Face config.json or its "
                              f"directory")
-    parser.add_argument("--hardware", default="gh200", choices=sorted(hardware.PRESETS),
-                        help="GPU and cluster preset (peak FLOP/s, HBM, NVLink and network; see rpegjax/perf/hardware.py)")
+    parser.add_argument("--hardware", default="gh200", choices=[*sorted(hardware.PRESETS), "cpu"],
+                        help="GPU and cluster preset (peak FLOP/s, HBM, NVLink and network; see rpegjax/perf/hardware.py); "
+                             "cpu: this machine as --hardware-profile measured it (no datasheet)")
+    parser.add_argument("--hardware-profile", metavar="FILE",
+                        help="a hardware profile (python -m rpegjax.perf.calibration --out FILE, run on the device): its "
+                             "measured matmul, attention and memory rates, backward efficiency and overheads replace the "
+                             "preset's assumptions (datasheet peaks kept); its all-reduce times the node level when it "
+                             "measured more than one device. Refused when measured on another device than the preset's")
     parser.add_argument("--gpus", type=int, default=256, help="GPUs to plan for")
     parser.add_argument("--algo", default="grpo", choices=["grpo", "ppo"], help="RL algorithm (PPO adds a critic)")
     parser.add_argument("--prompts", type=int, default=512, help="prompts per RL step")
@@ -94,6 +102,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              f"{validation.FITTED_EFFICIENCIES.decode_memory} of HBM bandwidth; see "
                              "rpegjax/perf/validation.py) instead of the presets' assumptions (0.7 and 0.8)")
     args = parser.parse_args(argv)
+    if args.hardware == "cpu" and not args.hardware_profile:
+        parser.error("--hardware cpu needs --hardware-profile: a CPU has no datasheet preset")
+    if args.hardware_profile and args.fitted_efficiencies:
+        parser.error("--hardware-profile and --fitted-efficiencies both set the efficiencies; give one")
     for name in ("gpus", "prompts", "group_size", "prompt_tokens", "response_max"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
@@ -170,6 +182,23 @@ def verify(args: argparse.Namespace, model: ModelConfig, best: planner.Plan, hw:
                            predicted_step_seconds=prediction.step_seconds, log=log)
 
 
+def load_hardware(args: argparse.Namespace) -> hardware.HardwareSpec:
+    """The preset, with the measured figures of `--hardware-profile` when given (`rpegjax.perf.profile`)."""
+    if not args.hardware_profile:
+        return hardware.preset(args.hardware, args.gpus)
+    try:
+        measured = hardware_profile.load_profile(args.hardware_profile)
+        if args.hardware == "cpu":
+            if measured.platform != "cpu":
+                raise hardware_profile.ProfileError(f"the hardware profile was measured on {measured.device_kind!r} "
+                                                    f"({measured.platform}), not on a CPU")
+            return hardware_profile.spec_from_profile(measured, dtype=args.dtype, num_devices=args.gpus, name="cpu")
+        hardware_profile.fits_preset(measured, args.hardware)
+        return hardware_profile.with_profile(hardware.preset(args.hardware, args.gpus), measured, dtype=args.dtype)
+    except hardware_profile.ProfileError as error:
+        raise SystemExit(f"plan.py: --hardware-profile {args.hardware_profile}: {error}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.verify:
@@ -177,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
 
         ensure_devices(args.gpus)  # re-runs this script on virtual CPU devices when there are fewer devices
     model = load_model(args.model)
-    hw = hardware.preset(args.hardware, args.gpus)
+    hw = load_hardware(args)
     workload = Workload(prompts=args.prompts, group_size=args.group_size, prompt_tokens=args.prompt_tokens,
                         responses=ResponseLengths.lognormal(args.response_mean, args.response_max))
     options = None
@@ -213,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         gantt_png(traces, args.gantt, title=f"{args.model} {args.algo} on {args.gpus} x {args.hardware} (predicted)")
     if args.json:
         document = {
-            "model": args.model, "hardware": args.hardware, "gpus": args.gpus, "algorithm": args.algo,
+            "model": args.model, "hardware": args.hardware, "hardware_profile": args.hardware_profile, "gpus": args.gpus,
+            "algorithm": args.algo,
             "workload": {"prompts": workload.prompts, "group_size": workload.group_size,
                          "prompt_tokens": workload.prompt_tokens, "response_mean": args.response_mean,
                          "response_max": args.response_max},

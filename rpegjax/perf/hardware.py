@@ -7,16 +7,15 @@ Collective costs (α–β, hierarchical) live in `rpegjax.perf.collectives`.
 
 Peak figures are vendor datasheet numbers (cited beside each preset). Efficiency factors and per-kernel
 overheads are *assumptions* (stated where they are set), never fitted to the validation figures;
-`calibrate()` measures the local machine instead, so that runs on this CPU can be predicted.
+`rpegjax.perf.calibration` measures the local machine instead, and `rpegjax.perf.profile` puts its
+measurements in place of a preset's assumptions.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-import statistics
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
 GB = 1e9
@@ -284,153 +283,3 @@ def preset(name: str, num_devices: int) -> HardwareSpec:
     if not isinstance(num_devices, int) or num_devices < 1:
         raise ValueError(f"hardware preset {name!r}: number of devices must be a positive integer, got {num_devices!r}")
     return PRESETS[name](num_devices)
-
-
-# ----------------------------------------------------------------------------------------- calibration
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Calibration:
-    """What `calibrate()` measured (fastest of several repeats), kept beside the spec it produced."""
-
-    matmul_flops: float  # FLOP/s of a large square float32 matmul: the peak
-    layer_matmul_flops: float  # FLOP/s of a layer's training matmuls X·W, dY·Wᵀ, Xᵀ·dY at [2048, 512] x [512, 2048]
-    small_matmul_flops: float  # FLOP/s of a [32, d] x [d, 4d]-sized matmul (decode-like shapes)
-    attention_flops: float  # FLOP/s of the model's attention (16 x 4 heads over 2 KV heads, 128 x 128 x 64)
-    backward_efficiency: float  # backward matmul FLOP/s / forward, from an MLP block's forward and gradient
-    memory_bandwidth: float  # bytes/s of a streaming elementwise kernel (read + write counted)
-    dispatch_overhead_s: float  # seconds per dispatch of a trivial jitted program
-    kernel_overhead_s: float  # seconds per small dependent op inside one program
-
-
-def median_calibration(calibrations: Sequence[Calibration]) -> Calibration:
-    """Field by field, the median of several calibrations: one disturbed measurement on a shared machine
-    moves it little, and every prediction made from it sees the same machine."""
-    if not calibrations:
-        raise ValueError("median_calibration needs at least one calibration")
-    return Calibration(**{field.name: statistics.median(getattr(c, field.name) for c in calibrations)
-                          for field in dataclasses.fields(Calibration)})
-
-
-def _fastest_seconds(run: Callable[[], object], repeats: int) -> float:
-    """The fastest of `repeats` timed runs: on a shared machine the least disturbed one is the machine's rate."""
-    run()  # compile and warm up
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        samples.append(time.perf_counter() - start)
-    return min(samples)
-
-
-def measure(*, matmul_size: int = 1024, stream_mib: int = 64, repeats: int = 7) -> Calibration:
-    """Measures this machine's first JAX device: matmul FLOP/s, memory bandwidth and fixed overheads."""
-    import jax
-    import jax.numpy as jnp
-
-    device = jax.devices()[0]
-    key = jax.random.key(0)
-    a = jax.device_put(jax.random.normal(key, (matmul_size, matmul_size), jnp.float32), device)
-    matmul = jax.jit(lambda x: x @ x)
-    big = _fastest_seconds(lambda: matmul(a).block_until_ready(), repeats)
-
-    m, k, n = 2048, 512, 2048  # a layer of tokens x model dim x MLP dim, in the three orientations of training
-    x = jax.device_put(jax.random.normal(key, (m, k), jnp.float32), device)
-    weight = jax.device_put(jax.random.normal(key, (k, n), jnp.float32), device)
-    grad = jax.device_put(jax.random.normal(key, (m, n), jnp.float32), device)
-    orientations = (jax.jit(lambda x, w, g: x @ w), jax.jit(lambda x, w, g: g @ w.T), jax.jit(lambda x, w, g: x.T @ g))
-    layer = sum(_fastest_seconds(lambda f=f: f(x, weight, grad).block_until_ready(), repeats) for f in orientations)
-
-    # the model's own kernels (attention, SwiGLU), so that the rates are the ones its programs reach
-    from rpegjax.models.transformer import causal_attention, swiglu
-
-    b, t, h, kv, e = 16, 128, 4, 2, 64
-    q = jax.device_put(jax.random.normal(key, (b, t, h, e), jnp.float32), device)
-    keys = jax.device_put(jax.random.normal(key, (b, t, kv, e), jnp.float32), device)
-    attend = jax.jit(lambda q, keys: causal_attention(q, keys, keys, None))
-    attention_seconds = _fastest_seconds(lambda: attend(q, keys).block_until_ready(), repeats)
-
-    up = jax.device_put(jax.random.normal(jax.random.key(1), (k, n), jnp.float32), device)
-
-    def block(x, w):  # an MLP block: gate and up projections (distinct weights), SwiGLU, down-projection
-        gate_weight, up_weight = w
-        return swiglu(x @ gate_weight, x @ up_weight) @ gate_weight.T
-
-    forward_block = jax.jit(block)
-    grad_block = jax.jit(jax.grad(lambda x, w: block(x, w).sum(), argnums=(0, 1)))
-    block_forward = _fastest_seconds(lambda: forward_block(x, (weight, up)).block_until_ready(), repeats)
-    block_grad = _fastest_seconds(lambda: jax.block_until_ready(grad_block(x, (weight, up))), repeats)
-
-    rows, width = 32, 256
-    x = jax.device_put(jnp.ones((rows, width), jnp.float32), device)
-    w = jax.device_put(jnp.ones((width, 4 * width), jnp.float32), device)
-    small_matmul = jax.jit(lambda x, w: x @ w)
-    small = _fastest_seconds(lambda: small_matmul(x, w).block_until_ready(), repeats * 5)
-
-    elements = stream_mib * 1024 * 1024 // 4
-    s = jax.device_put(jnp.ones((elements,), jnp.float32), device)
-    stream = jax.jit(lambda v: v * 1.5 + 1.0)
-    stream_seconds = _fastest_seconds(lambda: stream(s).block_until_ready(), repeats)
-
-    scalar = jax.device_put(jnp.ones((), jnp.float32), device)
-    trivial = jax.jit(lambda v: v + 1.0)
-    calls = 200
-
-    def many_dispatches():
-        out = scalar
-        for _ in range(calls):
-            out = trivial(out)
-        out.block_until_ready()
-
-    dispatch = _fastest_seconds(many_dispatches, max(3, repeats // 2)) / calls
-
-    chain_length = 256
-    tiny = jax.device_put(jnp.ones((8, 8), jnp.float32), device)
-
-    def chain(v):
-        for _ in range(chain_length):
-            v = jnp.tanh(v @ v)  # dependent ops XLA cannot merge into one kernel
-        return v
-
-    chained = jax.jit(chain)
-    chain_seconds = _fastest_seconds(lambda: chained(tiny).block_until_ready(), repeats)
-    return Calibration(
-        matmul_flops=2 * matmul_size**3 / big,
-        layer_matmul_flops=3 * 2 * m * k * n / layer,
-        attention_flops=2 * 2 * b * h * t * t * e / attention_seconds,
-        backward_efficiency=min(1.0, 2 * block_forward / max(block_grad - block_forward, 1e-9)),
-        small_matmul_flops=2 * rows * width * 4 * width / max(small - dispatch, 1e-9),
-        memory_bandwidth=2 * elements * 4 / stream_seconds,
-        dispatch_overhead_s=dispatch,
-        kernel_overhead_s=max(chain_seconds - dispatch, 0.0) / chain_length,
-    )
-
-
-def spec_from_calibration(measured: Calibration, *, name: str = "calibrated-cpu", memory_bytes: float = 8 * GIB) -> HardwareSpec:
-    """A one-device spec from the measurements: peak = the square matmul's rate, matmul and attention efficiencies =
-    what a layer's matmuls and attention's batched matmuls reach of it, the measured backward efficiency, memory
-    efficiency 1 (the streaming rate is already an attained rate)."""
-    peak = max(measured.matmul_flops, measured.layer_matmul_flops)
-    device = DeviceSpec(
-        name=name,
-        peak_flops={"float32": peak, "bfloat16": peak, "float16": peak},
-        memory_bytes=memory_bytes,
-        memory_bandwidth=measured.memory_bandwidth,
-        matmul_efficiency=measured.layer_matmul_flops / peak,
-        attention_efficiency=min(1.0, measured.attention_flops / peak),
-        backward_efficiency=measured.backward_efficiency,
-        memory_efficiency=1.0,
-        kernel_overhead_s=measured.kernel_overhead_s,
-        dispatch_overhead_s=measured.dispatch_overhead_s,
-        platform="cpu",
-    )
-    # One device: collectives never happen; the level only makes the spec complete.
-    level = Level(name="host", size=1, bandwidth=measured.memory_bandwidth, latency=0.0)
-    return HardwareSpec(name=name, device=device, num_devices=1, levels=(level,), usable_memory_fraction=1.0)
-
-
-def calibrate(*, rounds: int = 1, **measure_options) -> tuple[HardwareSpec, Calibration]:
-    """Measures this machine (see `measure`; `rounds` times, then the field-wise median) and returns the spec
-    that predicts it, with the measurements it was made from."""
-    if rounds < 1:
-        raise ValueError(f"calibrate: rounds must be >= 1, got {rounds!r}")
-    measured = median_calibration([measure(**measure_options) for _ in range(rounds)])
-    return spec_from_calibration(measured), measured

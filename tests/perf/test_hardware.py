@@ -1,6 +1,5 @@
-"""Hardware hierarchy, presets, calibration and α–β collective costs against hand-computed values."""
+"""Hardware hierarchy, presets and α–β collective costs against hand-computed values."""
 
-import dataclasses
 import math
 
 import pytest
@@ -96,33 +95,3 @@ def test_bad_specs_are_refused_with_the_field_named():
         device.flops("int8")
     with pytest.raises(ValueError, match="Group.size"):
         Group(size=0)
-
-
-def test_calibrate_measures_this_machine():
-    spec, measured = hardware.calibrate(matmul_size=256, stream_mib=8, repeats=3)
-    for value in (measured.matmul_flops, measured.layer_matmul_flops, measured.memory_bandwidth, measured.small_matmul_flops,
-                  measured.attention_flops):
-        assert math.isfinite(value) and value > 1e6
-    assert 0 < measured.backward_efficiency <= 1 and spec.device.backward_efficiency == measured.backward_efficiency
-    assert spec.device.attention_seconds(1e9, "float32") == pytest.approx(
-        1e9 / min(measured.attention_flops, spec.device.flops("float32")))
-    assert 0 < measured.dispatch_overhead_s < 0.1 and 0 <= measured.kernel_overhead_s < 0.01
-    peak = max(measured.matmul_flops, measured.layer_matmul_flops)
-    assert spec.device.flops("float32") == peak
-    # a layer's matmuls take flops / (peak x efficiency) = flops / the measured layer rate
-    assert spec.device.matmul_seconds(1e9, "float32") == pytest.approx(1e9 / measured.layer_matmul_flops)
-    assert spec.device.memory_bandwidth == measured.memory_bandwidth
-    assert spec.num_devices == 1
-
-
-def test_the_median_calibration_ignores_one_disturbed_measurement():
-    fields = [f.name for f in dataclasses.fields(hardware.Calibration)]
-    quiet = hardware.Calibration(**{name: 1.0 for name in fields})
-    disturbed = hardware.Calibration(**{name: 0.1 for name in fields})
-    assert hardware.median_calibration([quiet, disturbed, quiet]) == quiet
-    two = hardware.median_calibration([quiet, disturbed])
-    assert all(getattr(two, name) == pytest.approx(0.55) for name in fields)
-    with pytest.raises(ValueError, match="at least one"):
-        hardware.median_calibration([])
-    with pytest.raises(ValueError, match="rounds must be >= 1"):
-        hardware.calibrate(rounds=0)

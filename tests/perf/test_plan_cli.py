@@ -129,3 +129,69 @@ def test_fitted_efficiencies_slow_the_prediction_down():
     assert plain.returncode == 0 and fitted.returncode == 0, plain.stderr + fitted.stderr
     step = lambda done: json.loads(done.stdout)["plans"][0]["prediction"]["step_seconds"]
     assert step(fitted) > step(plain)
+
+
+# ---------------------------------------------------------------------------------- measured hardware profiles
+@pytest.fixture(scope="module")
+def cpu_profile(tmp_path_factory):
+    """This CPU measured (smoke sizes, bfloat16) over the 8 virtual devices, written to a file."""
+    from rpegjax.perf import calibration
+
+    path = tmp_path_factory.mktemp("profile") / "cpu.json"
+    calibration.measure_profile(dtypes=("bfloat16",), repeats=2, sizes=calibration.Sizes.smoke()).write(str(path))
+    return path
+
+
+def _plan_json(capsys, *args: str) -> dict:
+    assert _plan_module().main([*args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _stage_seconds(document: dict, plan: str) -> dict[str, float]:
+    found = next(p for p in document["plans"] if p["name"] == plan)
+    return {stage["name"]: stage["seconds"] for stage in found["prediction"]["stages"]}
+
+
+CPU_SMALL = ["--hardware", "cpu", "--gpus", "8", "--prompts", "8", "--group-size", "4", "--prompt-tokens", "64",
+             "--response-mean", "64", "--response-max", "256", "--top", "0"]
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory):
+    """A Qwen2.5-0.5B-shaped config cut to fit this host's RAM split over 8 virtual devices (8 layers, vocab 32k)."""
+    path = tmp_path_factory.mktemp("model") / "config.json"
+    path.write_text(json.dumps(ModelConfig.qwen2p5("0.5b").replace(num_layers=8, vocab_size=32000).to_hf_dict()))
+    return ["--model", str(path)]
+
+
+def test_a_profile_measured_here_plans_this_cpu_and_a_slower_matmul_slows_the_update(cpu_profile, small_model, tmp_path,
+                                                                                    capsys):
+    measured = json.loads(cpu_profile.read_text())
+    assert measured["platform"] == "cpu" and measured["measured"]["all_reduce"]["devices"] == 8
+    fast = _plan_json(capsys, *small_model, *CPU_SMALL, "--hardware-profile", str(cpu_profile))
+    assert all(plan["prediction"]["fits"] for plan in fast["plans"])
+    slower = json.loads(cpu_profile.read_text())
+    for field in ("matmul_flops", "layer_matmul_flops", "attention_flops"):
+        slower["measured"]["rates"]["bfloat16"][field] /= 2
+    halved = tmp_path / "halved.json"
+    halved.write_text(json.dumps(slower))
+    slow = _plan_json(capsys, *small_model, *CPU_SMALL, "--hardware-profile", str(halved))
+    before, after = _stage_seconds(fast, "verl-like"), _stage_seconds(slow, "verl-like")
+    updates = [name for name in before if "update" in name]
+    assert updates and all(after[name] > before[name] for name in updates)
+    assert all(after[name] >= before[name] for name in before)
+
+
+def test_a_profile_of_another_device_or_a_bad_file_is_refused(cpu_profile, tmp_path):
+    plan = _plan_module()
+    with pytest.raises(SystemExit, match=r"--hardware-profile .*cpu.json: the hardware profile was measured on 'cpu' "
+                                         r"\(cpu\), not on the H100 of preset 'h100'"):
+        plan.main([*SMALL[2:], "--hardware", "h100", "--hardware-profile", str(cpu_profile)])
+    with pytest.raises(SystemExit, match="collectives over 8 device\\(s\\); a plan on 16 would extrapolate"):
+        plan.main([*CPU_SMALL[:2], "--gpus", "16", "--hardware-profile", str(cpu_profile)])
+    broken = tmp_path / "broken.json"
+    broken.write_text(json.dumps({**json.loads(cpu_profile.read_text()), "format": 7}))
+    with pytest.raises(SystemExit, match="broken.json: format 7 is not supported"):
+        plan.main([*CPU_SMALL, "--hardware-profile", str(broken)])
+    done = _run("--hardware", "cpu", "--gpus", "8")
+    assert done.returncode != 0 and "--hardware cpu needs --hardware-profile" in done.stderr
