@@ -86,7 +86,7 @@ class StagePrograms:
 
     Inference programs are fused from the learner's pure token functions (`logprobs_fn`; with a critic,
     `values_fn` and `logprobs_and_values_fn`: one pass over a shared trunk). The reference stage reads
-    `reference_params` (default: the learner's initial policy parameters). Generation runs on the sampler's
+    `reference_params` (default: `learner.reference_params()`, the initial policy; with LoRA its frozen base). Generation runs on the sampler's
     mesh, every other device stage on the learner's (`learner.placement.mesh`; None: the default device); the
     two may be disjoint device sets. The weight-sync stage copies the actor's weights into the sampler's
     layout (`sampler.params_sharding`), cast to `generation_dtype` when given (`rpegjax.models.precision`).
@@ -124,11 +124,11 @@ class StagePrograms:
             StageKind.CRITIC_VALUE: learner.values_fn,
         }
         if reference_params is None:
-            reference_params = learner.actor_params(learner.params)
+            reference_params = learner.reference_params()
         self._params_of = {
             StageKind.REF_LOGPROB: lambda state: reference_params,
             StageKind.OLD_LOGPROB: self.actor_params_of,
-            StageKind.CRITIC_VALUE: lambda state: state.params,
+            StageKind.CRITIC_VALUE: lambda state: learner.model_params(state.params),
         }
         self._logprobs_and_values = learner.logprobs_and_values_fn
         self.batch_sharding = learner.placement.rows
