@@ -15,7 +15,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from rpegjax.learners.update import batch_sharding, replicated
-from rpegjax.models.lora import LoRAParam
+from rpegjax.models.lora import LoRAConfig, LoRAParam
 from rpegjax.models.transformer import Decoder
 from rpegjax.sharding.rules import ActivationSharding, ShardingRules, check_param_shardings, param_shardings
 
@@ -29,7 +29,8 @@ class ModelPlacement:
     param_shardings: Params | None  # NamedShardings, same tree as the params
     activations: ActivationSharding | None
     rows: NamedSharding | None  # batch arrays: rows over the data axes
-    base_graphdef: nnx.GraphDef | None = None  # a model with LoRA adapters: its base, run by `merge` on base params
+    lora: LoRAConfig | None = None  # the model's adapters, if any
+    base_graphdef: nnx.GraphDef | None = None  # a model with adapters: its base, run by `merge` on base params
 
     @classmethod
     def split(cls, model: Decoder, mesh: Mesh | None = None, rules: ShardingRules | None = None) -> tuple[ModelPlacement, Params]:
@@ -40,14 +41,14 @@ class ModelPlacement:
         if mesh is None:
             if rules is not None:
                 raise ValueError("sharding rules were given without a mesh")
-            return cls(graphdef, None, None, None, None, base_graphdef), params
+            return cls(graphdef, None, None, None, None, model.lora, base_graphdef), params
         rules = ShardingRules.fsdp_tp() if rules is None else rules
         replicated_params = check_param_shardings(params, mesh, rules)
         if replicated_params:  # a large weight the rules meant to shard but whose dims the mesh does not divide
             warnings.warn(f"parameters left fully replicated on mesh {dict(mesh.shape)}: {replicated_params}", stacklevel=2)
         shardings = param_shardings(params, mesh, rules)
         placement = cls(graphdef, mesh, shardings, ActivationSharding(mesh, rules), batch_sharding(mesh, rules),
-                        base_graphdef)
+                        model.lora, base_graphdef)
         return placement, placement.place(params)
 
     def place(self, params: Params) -> Params:

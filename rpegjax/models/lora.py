@@ -43,6 +43,13 @@ ATTENTION_TARGETS = (LoRATarget.Q, LoRATarget.K, LoRATarget.V, LoRATarget.O)
 MLP_TARGETS = (LoRATarget.GATE, LoRATarget.UP, LoRATarget.DOWN)
 
 
+class LoRAGeneration(enum.StrEnum):
+    """Which weights the sampler decodes with when the policy carries adapters."""
+
+    MERGED = "merged"  # the base model with W + s A B merged into the generation copy at each weight sync
+    ADAPTERS = "adapters"  # the adapted model: every projection pays the two extra rank-r matmuls per token
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LoRAConfig:
     """Adapters of rank `rank` on the `targets` projections of every layer, scaled by alpha / rank."""
