@@ -29,7 +29,7 @@ from rpegjax.train.build import Components
 from rpegjax.train.checkpoint import Checkpointer, CheckpointError
 from rpegjax.train.config import RunConfig, TrainSection
 from rpegjax.train.evaluation import evaluate_accuracy
-from rpegjax.train.export import export_policy
+from rpegjax.train.export import export_adapter, export_policy
 from rpegjax.train.health import NonFiniteGuard, TrainingError, nonfinite_leaves
 from rpegjax.train.metrics import MetricsWriter, plot_dashboard, read_metrics
 from rpegjax.train.samples import Sample, SampleLog, console_lines, evaluation_samples, training_samples
@@ -130,11 +130,12 @@ class Trainer:
         data = DataIterator(parts.train_examples, batch_size=cfg.rollout.prompts_per_step, seed=cfg.data.seed)
         checkpoints = Checkpointer(self.run_dir / "checkpoints", keep=cfg.train.keep_checkpoints)
         state = learner.init_state()
-        reference_print = _fingerprint(learner.params)
+        initial = learner.model_params(learner.params)  # with LoRA the frozen base too
+        reference_print = _fingerprint(initial)
         if not np.isfinite(reference_print):  # NaN weights would train to garbage without a word
             where = cfg.model.path or "the built model (warm start?)"
             raise ValueError(f"{where}: the initial weights hold NaN or inf values "
-                             f"(in {', '.join(nonfinite_leaves(learner.params))})")
+                             f"(in {', '.join(nonfinite_leaves(initial))})")
         guard = NonFiniteGuard(cfg.train.max_nonfinite_steps)
         start_step, history, start_accuracy = 0, [], None
         rewards = RewardRunner.for_task(parts.task, timeout_s=cfg.train.reward_timeout_s,
@@ -221,7 +222,10 @@ class Trainer:
             self._write_outputs(trace)
         if cfg.train.export_hf:  # with several processes a collective: every process takes part
             path = export_policy(parts, learner.actor_params(state.params), self.run_dir / "hf")
-            self.log(f"final policy as a Hugging Face model: {path}")
+            self.log(f"final policy as a Hugging Face model: {path}" + (" (LoRA merged)" if cfg.lora.enabled else ""))
+            if cfg.lora.enabled:
+                path = export_adapter(parts, learner.actor_params(state.params), self.run_dir / "adapter")
+                self.log(f"its LoRA adapters as a PEFT adapter directory: {path}")
         return {"start_accuracy": start_accuracy, "end_accuracy": end_accuracy, "steps": cfg.train.steps,
                 "wall_seconds": round(time.perf_counter() - started, 2), "run_dir": str(self.run_dir)}
 
