@@ -116,9 +116,10 @@ def restore_policy(parts: Components, run_dir: str | pathlib.Path, step: int | N
         if step not in steps:
             raise CheckpointError(f"{checkpoints.directory}: no checkpoint of step {step}; there are {steps}")
         state = parts.learner.init_state()
-        policy = parts.learner.actor_params(state.params)
+        # the older versions a checkpoint keeps: generation copies of the policy, or with LoRA its adapters
+        version = state.params if parts.cfg.lora.enabled else parts.learner.actor_params(state.params)
         versions = checkpoints.metadata(step)["history_versions"]
-        arrays, _ = checkpoints.restore({"state": state, "history": {str(v): policy for v in versions}}, step)
+        arrays, _ = checkpoints.restore({"state": state, "history": {str(v): version for v in versions}}, step)
     finally:
         checkpoints.close()
     return parts.learner.actor_params(arrays["state"].params), step
