@@ -151,7 +151,7 @@ def _add_adapters(module: nnx.Module, targets: tuple[LoRATarget, ...], lora: LoR
 
 
 def _adapted_matmul(module: nnx.Module, name: str, x: Float[Array, "n i"], w: Array, dtype) -> Array:
-    """x W (W flattened to 2-D from its first `x.shape[-1]` elements), plus s (x A) B when `name` is adapted."""
+    """x W for x [n, i] and a kernel W whose leading dims hold i inputs, plus s (x A) B when `name` is adapted."""
     y = x @ w.reshape(x.shape[-1], -1)
     adapter = getattr(module, f"{name}_lora", None)
     return y if adapter is None else y + adapter(x, dtype)
