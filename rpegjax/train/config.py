@@ -201,7 +201,7 @@ class LoRASection:
     alpha / r, on the `targets` projections (q, k, v, o, gate, up, down) and trains only them: the optimiser state
     and the checkpoints hold the adapters, the base weights are loaded from `model.path` (or built) and frozen, and
     they are the KL reference. `generation`: `merged` decodes the base model with the adapters merged into the
-    generation copy at each weight sync (measured faster, benchmarks/bench_lora_generation.py), `adapters` the
+    generation copy at each weight sync (measured 1.0-1.3x faster, benchmarks/bench_lora_generation.py), `adapters` the
     adapted model. `learning_rate`: the optimiser's in a LoRA run (None: 10x the algorithm's learning rate, as
     adapters want a larger step than full fine-tuning)."""
 
