@@ -169,7 +169,7 @@ class GRPOLearner(PolicyUpdates):
 
     def reference_params(self) -> Params:
         """What the reference log-probs read: the initial policy; with LoRA the frozen base itself (adapters off,
-        no copy), scored by `reference_logprobs_fn`."""
+        no copy), which `logprobs_fn` runs as the base model (`ModelPlacement.merge`)."""
         return self.actor_params(self._params) if self.frozen is None else self.frozen
 
     def place_params(self, params: Params) -> Params:

@@ -87,9 +87,9 @@ class StagePrograms:
 
     Inference programs are fused from the learner's pure token functions (`logprobs_fn`; with a critic,
     `values_fn` and `logprobs_and_values_fn`: one pass over a shared trunk). The reference stage reads
-    `reference_params` (default: `learner.reference_params()`, the initial policy; with LoRA its frozen base). Generation runs on the sampler's
-    mesh, every other device stage on the learner's (`learner.placement.mesh`; None: the default device); the
-    two may be disjoint device sets. The weight-sync stage copies the actor's weights into the sampler's
+    `reference_params` (default: `learner.reference_params()`, the initial policy; with LoRA its frozen base).
+    Generation runs on the sampler's mesh, every other device stage on the learner's (`learner.placement.mesh`;
+    None: the default device); the two may be disjoint device sets. The weight-sync stage copies the actor's weights into the sampler's
     layout (`sampler.params_sharding`), cast to `generation_dtype` when given (`rpegjax.models.precision`); a
     policy with LoRA adapters and a sampler of its base model get the adapters merged into the kernels there.
 
