@@ -94,7 +94,6 @@ def test_update_gradient_is_the_full_gradient_projected_on_the_adapters(base, ad
     np.testing.assert_allclose(float(metrics["grad_norm"]), np.sqrt(squares), rtol=1e-4)
 
 
-@pytest.mark.slow  # ~50 s on 2 busy cores: compiles the update twice
 def test_sharded_lora_update_equals_unsharded(adapted):
     mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     results = []
