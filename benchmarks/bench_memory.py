@@ -25,7 +25,10 @@ and full rematerialisation. The model runs with `--attention`, `--remat`, layers
 XLA's CPU backend computes bfloat16 matmuls in float32 (converted copies), so bfloat16 figures here
 overstate a GPU's temporaries.
 
-    python benchmarks/bench_memory.py --models 7b --tokens 4096,16384 --layouts fsdp8 [--layers 2]
+    python benchmarks/bench_memory.py --models 7b --tokens 4096,16384 --layouts fsdp8 [--layers 2] [--lora-rank 8]
+
+`--lora-rank r`: the model carries LoRA adapters of rank r on every projection and only they train (the
+planner's figure, for full fine-tuning, is then not shown).
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ from rpegjax.learners.inference import map_micro_batches  # noqa: E402
 from rpegjax.learners.scoring import sequence_logprobs  # noqa: E402
 from rpegjax.learners.update import TrainState, row_shards  # noqa: E402
 from rpegjax.models import Decoder, ModelConfig  # noqa: E402
+from rpegjax.models.lora import LoRAConfig  # noqa: E402
 from rpegjax.models.memory import forward_bytes_per_row, forward_fixed_bytes  # noqa: E402
 from rpegjax.sharding import make_mesh  # noqa: E402
 
@@ -121,7 +125,8 @@ def measure(size: str, layout_name: str, tokens: int, programs: list[str], args)
     parallel = LAYOUTS[layout_name]
     mesh = make_mesh(parallel)
     rows = mesh.devices.size // parallel.get("tensor", 1) * args.rows_per_device
-    model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
+    lora = LoRAConfig(rank=args.lora_rank) if args.lora_rank else None
+    model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0), lora=lora))
     grpo = GRPOConfig(group_size=rows, clip_low=0.2, clip_high=0.2, kl_coef=0.04, kl_kind="k3",
                       logprob_chunk_size=args.logprob_chunk, length_bucket=args.bucket or None,
                       inference_rows=args.inference_rows or None, inference_memory_gib=args.inference_memory_gib or None,
@@ -153,7 +158,7 @@ def measure(size: str, layout_name: str, tokens: int, programs: list[str], args)
 
             jitted = jax.jit(stage, in_shardings=(placement.param_shardings, placement.rows, placement.rows),
                              out_shardings=placement.rows)
-            lowered = jitted.lower(learner.params, jnp.asarray(batch.tokens[:, :length]),
+            lowered = jitted.lower(learner.model_params(learner.params), jnp.asarray(batch.tokens[:, :length]),
                                    jnp.asarray(batch.token_mask[:, :length]))
         compiled = lowered.compile()
         seconds = time.perf_counter() - started
@@ -168,10 +173,10 @@ def measure(size: str, layout_name: str, tokens: int, programs: list[str], args)
             estimate = (forward_fixed_bytes(cfg, tensor=tensor)
                         + per_device * forward_bytes_per_row(cfg, length, logprob_chunk=args.logprob_chunk))
             ran += f"; estimate {estimate / GIB:.2f}"
-        row = dict(model=size, layers=cfg.num_layers, layout="1 device" if program == "grad" else layout_name, tokens=tokens,
+        row = dict(model=size + (f" +LoRA r{args.lora_rank}" if args.lora_rank else ""), layers=cfg.num_layers, layout="1 device" if program == "grad" else layout_name, tokens=tokens,
                    ran=ran, program=program, compile_s=seconds, **analysis(compiled))
         # the planner's figure is for one full-length row per data shard, the whole model
-        if (cfg.num_layers == ModelConfig.qwen2p5(size).num_layers and program != "grad" and args.rows_per_device == 1
+        if (not args.lora_rank and cfg.num_layers == ModelConfig.qwen2p5(size).num_layers and program != "grad" and args.rows_per_device == 1
                 and length == tokens):
             row["predicted"] = predicted_peak(cfg, parallel, tokens, args.prompt, backward=program == "update")
         out.append(row)
@@ -218,6 +223,8 @@ def main() -> None:
                         help="logprobs-micro: per-device activation budget (0: unset)")
     parser.add_argument("--longest", type=int, default=0, help="real tokens of each row (0: all of --tokens)")
     parser.add_argument("--bucket", type=int, default=0, help="length bucket: rows trimmed to --longest rounded up (0: off)")
+    parser.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank on every projection, only "
+                        "they trained (0: full fine-tuning)")
     args = parser.parse_args()
     programs = args.programs.split(",")
     for name in args.layouts.split(","):

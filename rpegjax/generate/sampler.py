@@ -43,6 +43,7 @@ from rpegjax.generate.requests import Request, RequestFeed, check_request
 from rpegjax.generate.sampling import SamplingConfig, sampling_arrays
 from rpegjax.generate.weight_sync import generation_batch_axes, generation_rules
 from rpegjax.models.config import ModelConfig
+from rpegjax.models.lora import LoRAConfig
 from rpegjax.models.transformer import Decoder
 from rpegjax.sharding import axes
 from rpegjax.sharding.rules import (
@@ -154,9 +155,11 @@ class Sampler:
         mesh: Mesh | None = None,
         rules: ShardingRules | None = None,
         cache: CacheConfig | None = None,
+        lora: LoRAConfig | None = None,
     ):
         self.cfg = cfg
         self.graphdef = graphdef
+        self.lora = lora  # the adapters `graphdef`'s model carries (decoded as x W + s (x A) B), if any
         self.num_slots = _positive_int("num_slots", num_slots)
         self.max_prompt_len = _positive_int("max_prompt_len", max_prompt_len)
         self.max_new_tokens = _positive_int("max_new_tokens", max_new_tokens)
@@ -196,7 +199,7 @@ class Sampler:
             self._build_state = jax.jit(self._empty)
             self.params_sharding = None
         else:
-            abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
+            abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0), lora=lora))
             self.params_sharding = param_shardings(nnx.split(abstract)[1], mesh, self.rules)
             state_sharding = decode_state_shardings(jax.eval_shape(self._empty), activation)
             replicated = NamedSharding(mesh, PartitionSpec())

@@ -22,8 +22,9 @@ from rpegjax.learners.advantages import AdvantageKind, compute_advantages
 from rpegjax.learners.batch import TrainBatch
 from rpegjax.learners.objective import PolicyConfig, PolicyUpdates, policy_denominators, policy_objective
 from rpegjax.learners.optim import make_optimizer, make_schedule
-from rpegjax.learners.placement import ModelPlacement, Params, jit_with_shardings
+from rpegjax.learners.placement import ModelPlacement, Params, has_adapters, jit_with_shardings
 from rpegjax.learners.scoring import score_sequences
+from rpegjax.learners.trainable import join_frozen, split_trainable
 from rpegjax.learners.update import (
     Metrics,
     TrainState,
@@ -88,29 +89,37 @@ class GRPOLearner(PolicyUpdates):
     def __init__(self, cfg: GRPOConfig, model: Decoder, *, mesh: Mesh | None = None, rules: ShardingRules | None = None):
         self.cfg = cfg
         self.model_cfg = model.cfg
-        self.placement, self._params = ModelPlacement.split(model, mesh, rules)
+        self.placement, params = ModelPlacement.split(model, mesh, rules)
+        # with LoRA adapters only they train; the frozen base is passed to the update beside the state
+        self._params, self.frozen = split_trainable(params)
         self.optimizer = make_optimizer(cfg.optimizer)
         placement = self.placement
+        trainable_shardings, frozen_shardings = (None, None) if mesh is None else split_trainable(placement.param_shardings)
         self.state_shardings = (
-            None if mesh is None else train_state_shardings(self.optimizer, self._params, placement.param_shardings, mesh)
+            None if mesh is None else train_state_shardings(self.optimizer, self._params, trainable_shardings, mesh)
         )
         self._init = make_init(self.optimizer, self.state_shardings)
-        update = make_update(
-            self._loss, lambda batch: policy_denominators(cfg, batch), self.optimizer, cfg.layout,
-            learning_rate_fn=make_schedule(cfg.optimizer), micro_batch_sharding=placement.rows,
-        )
         self.update_traces = 0  # how many times `update` was traced (compiled); tests assert it stays 1
 
-        def counted_update(state: TrainState, batch: TrainBatch) -> tuple[TrainState, Metrics]:
+        def counted_update(state: TrainState, frozen: Params, batch: TrainBatch) -> tuple[TrainState, Metrics]:
             self.update_traces += 1
+            update = make_update(
+                lambda params, micro, denominators: self._loss(join_frozen(params, frozen), micro, denominators),
+                lambda batch: policy_denominators(cfg, batch), self.optimizer, cfg.layout,
+                learning_rate_fn=make_schedule(cfg.optimizer), micro_batch_sharding=placement.rows,
+            )
             return update(state, batch)
 
         self._update = jit_with_shardings(
-            counted_update, (self.state_shardings, placement.rows), (self.state_shardings, placement.replicated),
-            mesh=mesh, donate_argnums=(0,),
+            counted_update, (self.state_shardings, frozen_shardings, placement.rows),
+            (self.state_shardings, placement.replicated), mesh=mesh, donate_argnums=(0,),
         )
         self._logprobs = jit_with_shardings(
             self.logprobs_fn, (placement.param_shardings, placement.rows, placement.rows), placement.rows, mesh=mesh
+        )
+        # the reference with LoRA: the frozen base alone (`placement.merge` runs it as the base model)
+        self._base_logprobs = None if self.frozen is None else jit_with_shardings(
+            self.logprobs_fn, (frozen_shardings, placement.rows, placement.rows), placement.rows, mesh=mesh
         )
         self._advantages = jit_with_shardings(
             self._advantages_fn, (placement.rows, placement.rows), (placement.rows, placement.replicated), mesh=mesh
@@ -146,26 +155,39 @@ class GRPOLearner(PolicyUpdates):
 
     @property
     def params(self) -> Params:
-        """The parameters of the model the learner was built from (placed on the mesh)."""
+        """The trainable parameters of the model the learner was built from (placed on the mesh): all of them,
+        or with LoRA the adapters (the frozen base is `self.frozen`)."""
         return self._params
 
     def actor_params(self, params: Params) -> Params:
-        """The policy's parameters: the whole tree (GRPO trains one model)."""
-        return params
+        """The policy's whole parameters: `params` (trainable) with the frozen base beside them, if any."""
+        return join_frozen(params, self.frozen)
+
+    def model_params(self, params: Params) -> Params:
+        """The learner's whole parameters from trainable ones: the policy's (GRPO trains one model)."""
+        return self.actor_params(params)
+
+    def reference_params(self) -> Params:
+        """What the reference log-probs read: the initial policy; with LoRA the frozen base itself (adapters off,
+        no copy), which `logprobs_fn` runs as the base model (`ModelPlacement.merge`)."""
+        return self.actor_params(self._params) if self.frozen is None else self.frozen
 
     def place_params(self, params: Params) -> Params:
         """Places another parameter tree of the same model (e.g. the reference) like the policy's."""
         return self.placement.place(params)
 
     def init_state(self, params: Params | None = None) -> TrainState:
-        """A fresh TrainState from `params` (default: the model's), with new buffers."""
-        params = self._params if params is None else self.placement.place(params)
+        """A fresh TrainState from `params` (default: the model's; a whole model's parameters are cut down to their
+        trainable part), with new buffers."""
+        params = self._params if params is None else split_trainable(self.placement.place(params))[0]
         return self._init(params)
 
     def logprobs(self, params: Params, batch: TrainBatch) -> Float[Array, "b t"]:
-        """Per-token log-probs of `batch.tokens` under `params` (old or reference), TrainBatch-aligned."""
+        """Per-token log-probs of `batch.tokens` under `params` (the policy's whole parameters, or the reference's:
+        `reference_params()`), TrainBatch-aligned."""
         check_rows_divide(batch.batch_size, self.placement.rows, "GRPOLearner.logprobs")
-        return self._logprobs(params, jnp.asarray(batch.tokens, jnp.int32), jnp.asarray(batch.token_mask, bool))
+        logprobs = self._logprobs if self._base_logprobs is None or has_adapters(params) else self._base_logprobs
+        return logprobs(params, jnp.asarray(batch.tokens, jnp.int32), jnp.asarray(batch.token_mask, bool))
 
     def compute_advantages(self, batch: TrainBatch) -> tuple[TrainBatch, Metrics]:
         """Fills `batch.advantages` from `batch.rewards` with the configured estimator."""

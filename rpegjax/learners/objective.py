@@ -214,11 +214,13 @@ def update_inputs(batch: TrainBatch, cfg: PolicyConfig, *extra: str) -> TrainBat
 
 class PolicyUpdates:
     """`update` and `lower_update` of a learner: the batch is checked (fields the config needs, rows that split
-    over the mesh) and cut to `update_inputs` before its jitted `_update(state, inputs)` runs. Subclasses set
-    `cfg` and `_update` and give `rows`, their batch sharding."""
+    over the mesh) and cut to `update_inputs` before its jitted `_update(state, frozen, inputs)` runs. Subclasses
+    set `cfg`, `frozen` (the parameters they do not train, `rpegjax.learners.trainable`; None: none) and
+    `_update`, and give `rows`, their batch sharding."""
 
     cfg: Any
     model_cfg: ModelConfig  # the policy's, for memory estimates
+    frozen: Any
     _update: Any
 
     @property
@@ -227,12 +229,12 @@ class PolicyUpdates:
 
     def update(self, state, batch: TrainBatch):
         """One update on `batch` (epochs x mini-batches x micro-batches); donates `state`."""
-        return self._update(state, self._update_inputs(batch))
+        return self._update(state, self.frozen, self._update_inputs(batch))
 
     def lower_update(self, state, batch: TrainBatch) -> jax.stages.Lowered:
         """The update lowered for these shapes: `.compile().cost_analysis()` / `.memory_analysis()` give
         XLA's FLOP and memory figures (ground truth for the performance model)."""
-        return self._update.lower(state, self._update_inputs(batch))
+        return self._update.lower(state, self.frozen, self._update_inputs(batch))
 
     def trimmed_length(self, token_mask) -> int:
         """The length inference and update programs run rows of this mask at (`rpegjax.learners.lengths`)."""

@@ -15,6 +15,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from rpegjax.learners.update import batch_sharding, replicated
+from rpegjax.models.lora import LoRAConfig, LoRAParam
 from rpegjax.models.transformer import Decoder
 from rpegjax.sharding.rules import ActivationSharding, ShardingRules, check_param_shardings, param_shardings
 
@@ -28,22 +29,26 @@ class ModelPlacement:
     param_shardings: Params | None  # NamedShardings, same tree as the params
     activations: ActivationSharding | None
     rows: NamedSharding | None  # batch arrays: rows over the data axes
+    lora: LoRAConfig | None = None  # the model's adapters, if any
+    base_graphdef: nnx.GraphDef | None = None  # a model with adapters: its base, run by `merge` on base params
 
     @classmethod
     def split(cls, model: Decoder, mesh: Mesh | None = None, rules: ShardingRules | None = None) -> tuple[ModelPlacement, Params]:
         """Splits `model` into graphdef + params; with a mesh, computes shardings (rules default to
         `ShardingRules.fsdp_tp()`) and places the params (a copy when they move)."""
         graphdef, params = nnx.split(model)
+        base_graphdef = None if model.lora is None else nnx.graphdef(model.without_lora())
         if mesh is None:
             if rules is not None:
                 raise ValueError("sharding rules were given without a mesh")
-            return cls(graphdef, None, None, None, None), params
+            return cls(graphdef, None, None, None, None, model.lora, base_graphdef), params
         rules = ShardingRules.fsdp_tp() if rules is None else rules
         replicated_params = check_param_shardings(params, mesh, rules)
         if replicated_params:  # a large weight the rules meant to shard but whose dims the mesh does not divide
             warnings.warn(f"parameters left fully replicated on mesh {dict(mesh.shape)}: {replicated_params}", stacklevel=2)
         shardings = param_shardings(params, mesh, rules)
-        placement = cls(graphdef, mesh, shardings, ActivationSharding(mesh, rules), batch_sharding(mesh, rules))
+        placement = cls(graphdef, mesh, shardings, ActivationSharding(mesh, rules), batch_sharding(mesh, rules),
+                        model.lora, base_graphdef)
         return placement, placement.place(params)
 
     def place(self, params: Params) -> Params:
@@ -59,11 +64,20 @@ class ModelPlacement:
         return jax.device_put(params, self.param_shardings)
 
     def merge(self, params: Params) -> Decoder:
+        """The model of `params`: this model's whole parameters, or (a model with adapters) its base's alone,
+        which run as the base model (adapters off: the LoRA reference policy)."""
+        if self.base_graphdef is not None and not has_adapters(params):
+            return nnx.merge(self.base_graphdef, params)
         return nnx.merge(self.graphdef, params)
 
     @property
     def replicated(self) -> NamedSharding | None:
         return None if self.mesh is None else replicated(self.mesh)
+
+
+def has_adapters(params: Params) -> bool:
+    """Whether a model's parameters include LoRA adapters."""
+    return any(isinstance(variable, LoRAParam) for _, variable in nnx.to_flat_state(params))
 
 
 def jit_with_shardings(fn, in_shardings, out_shardings, *, mesh: Mesh | None, donate_argnums=()) -> Any:

@@ -27,8 +27,9 @@ from rpegjax.learners.batch import TrainBatch
 from rpegjax.learners.losses import aggregation_denominator, kl_penalty, value_loss
 from rpegjax.learners.objective import PolicyConfig, PolicyUpdates, policy_denominators, policy_objective, update_inputs
 from rpegjax.learners.optim import OptimizerConfig, make_optimizer, make_schedule
-from rpegjax.learners.placement import ModelPlacement, Params, jit_with_shardings
+from rpegjax.learners.placement import ModelPlacement, Params, has_adapters, jit_with_shardings
 from rpegjax.learners.scoring import score_sequences
+from rpegjax.learners.trainable import join_frozen, split_trainable
 from rpegjax.learners.update import (
     Metrics,
     TrainState,
@@ -106,8 +107,13 @@ class PPOLearner(PolicyUpdates):
         self.cfg = cfg
         self.model_cfg = actor.cfg
         self.actor, actor_params = ModelPlacement.split(actor, mesh, rules)
+        # with LoRA adapters on the actor only they (and a shared value head) train; its base is frozen
+        actor_params, actor_frozen = split_trainable(actor_params)
         self._params = {"actor": actor_params}
-        shardings = {"actor": self.actor.param_shardings}
+        self.frozen = None if actor_frozen is None else {"actor": actor_frozen}
+        actor_shardings, frozen_shardings = (None, None) if mesh is None else split_trainable(self.actor.param_shardings)
+        shardings = {"actor": actor_shardings}
+        frozen_shardings = None if frozen_shardings is None else {"actor": frozen_shardings}
         if critic is None:
             self.critic = self.actor
             self.optimizer = make_optimizer(cfg.optimizer)
@@ -122,25 +128,31 @@ class PPOLearner(PolicyUpdates):
         rows, replicated = self.actor.rows, self.actor.replicated
         self.state_shardings = None if mesh is None else train_state_shardings(self.optimizer, self._params, shardings, mesh)
         self._init = make_init(self.optimizer, self.state_shardings)
-        update = make_update(
-            self._loss, self._denominators, self.optimizer, cfg.layout,
-            learning_rate_fn=make_schedule(cfg.optimizer), micro_batch_sharding=rows,
-        )
         self.update_traces = 0
 
-        def counted_update(state: TrainState, batch: TrainBatch) -> tuple[TrainState, Metrics]:
+        def counted_update(state: TrainState, frozen: Params, batch: TrainBatch) -> tuple[TrainState, Metrics]:
             self.update_traces += 1
+            update = make_update(
+                lambda params, micro, denominators: self._loss(join_frozen(params, frozen), micro, denominators),
+                self._denominators, self.optimizer, cfg.layout,
+                learning_rate_fn=make_schedule(cfg.optimizer), micro_batch_sharding=rows,
+            )
             return update(state, batch)
 
-        params_shardings = None if mesh is None else shardings
+        whole_shardings = None if mesh is None else dict(shardings, actor=self.actor.param_shardings)
         self._update = jit_with_shardings(
-            counted_update, (self.state_shardings, rows), (self.state_shardings, replicated), mesh=mesh, donate_argnums=(0,)
+            counted_update, (self.state_shardings, frozen_shardings, rows), (self.state_shardings, replicated),
+            mesh=mesh, donate_argnums=(0,),
         )
         self._logprobs = jit_with_shardings(self.logprobs_fn, (self.actor.param_shardings, rows, rows), rows, mesh=mesh)
-        self._values = jit_with_shardings(self.values_fn, (params_shardings, rows, rows), rows, mesh=mesh)
+        # the reference with LoRA: the actor's frozen base alone (`ModelPlacement.merge` runs it as the base model)
+        self._base_logprobs = None if self.frozen is None else jit_with_shardings(
+            self.logprobs_fn, (None if frozen_shardings is None else frozen_shardings["actor"], rows, rows), rows,
+            mesh=mesh)
+        self._values = jit_with_shardings(self.values_fn, (whole_shardings, rows, rows), rows, mesh=mesh)
         self._advantages = jit_with_shardings(self._advantages_fn, (rows,), (rows, replicated), mesh=mesh)
         self._logprobs_and_values = jit_with_shardings(
-            self.logprobs_and_values_fn, (params_shardings, rows, rows), (rows, rows), mesh=mesh
+            self.logprobs_and_values_fn, (whole_shardings, rows, rows), (rows, rows), mesh=mesh
         )
 
     # ---- pure functions ----------------------------------------------------------------------
@@ -178,7 +190,8 @@ class PPOLearner(PolicyUpdates):
         ).logprobs
 
     def values_fn(self, params: Params, tokens, token_mask, sharding: ActivationSharding | None = None) -> Float[Array, "b t"]:
-        """Pure per-token values; `params` the whole state's params (the critic's weights are picked here)."""
+        """Pure per-token values; `params` the learner's whole parameters (`model_params`; the critic's weights are
+        picked here)."""
         critic_params = params["actor"] if self.cfg.critic == CriticMode.SHARED else params["critic"]
         return self._critic_values(critic_params, tokens, token_mask, sharding)
 
@@ -216,8 +229,17 @@ class PPOLearner(PolicyUpdates):
 
     @property
     def params(self) -> Params:
-        """{"actor": ..., "critic": ...?}: the parameters of the models the learner was built from."""
+        """{"actor": ..., "critic": ...?}: the trainable parameters of the models the learner was built from (with
+        LoRA the actor's adapters and value head; its frozen base is `self.frozen["actor"]`)."""
         return self._params
+
+    def model_params(self, params: Params) -> Params:
+        """The learner's whole parameters from trainable ones (`state.params`): the frozen base put back."""
+        return join_frozen(params, self.frozen)
+
+    def reference_params(self) -> Params:
+        """What the reference log-probs read: the initial actor; with LoRA its frozen base (adapters off, no copy)."""
+        return self.actor_params(self._params) if self.frozen is None else self.frozen["actor"]
 
     @property
     def placement(self) -> ModelPlacement:
@@ -225,30 +247,35 @@ class PPOLearner(PolicyUpdates):
         return self.actor
 
     def actor_params(self, params: Params) -> Params:
-        return params["actor"]
+        """The actor's whole parameters from the learner's trainable ones."""
+        return self.model_params(params)["actor"]
 
     def init_state(self, params: Params | None = None) -> TrainState:
+        """A fresh TrainState from `params` (default: the models'; whole models' parameters are cut down to their
+        trainable part), with new buffers."""
         if params is None:
             params = self._params
         else:
-            params = {name: (self.actor if name == "actor" else self.critic).place(p) for name, p in params.items()}
+            params = {name: split_trainable((self.actor if name == "actor" else self.critic).place(p))[0]
+                      for name, p in params.items()}
         return self._init(params)
 
     def logprobs(self, actor_params: Params, batch: TrainBatch) -> Float[Array, "b t"]:
         """Per-token log-probs under `actor_params` (the actor's, or the reference's), TrainBatch-aligned."""
         check_rows_divide(batch.batch_size, self.actor.rows, "PPOLearner.logprobs")
-        return self._logprobs(actor_params, jnp.asarray(batch.tokens, jnp.int32), jnp.asarray(batch.token_mask, bool))
+        logprobs = self._logprobs if self._base_logprobs is None or has_adapters(actor_params) else self._base_logprobs
+        return logprobs(actor_params, jnp.asarray(batch.tokens, jnp.int32), jnp.asarray(batch.token_mask, bool))
 
     def values(self, params: Params, batch: TrainBatch) -> Float[Array, "b t"]:
         """Critic values (TrainBatch-aligned) from the learner's params dict (`state.params`)."""
         check_rows_divide(batch.batch_size, self.actor.rows, "PPOLearner.values")
-        return self._values(params, jnp.asarray(batch.tokens, jnp.int32), jnp.asarray(batch.token_mask, bool))
+        return self._values(self.model_params(params), jnp.asarray(batch.tokens, jnp.int32), jnp.asarray(batch.token_mask, bool))
 
     def logprobs_and_values(self, params: Params, batch: TrainBatch) -> tuple[Float[Array, "b t"], Float[Array, "b t"]]:
         """Old log-probs and values in one dispatch (one forward pass with a shared trunk): the fused
         old-log-prob + critic-value stage."""
         check_rows_divide(batch.batch_size, self.actor.rows, "PPOLearner.logprobs_and_values")
-        return self._logprobs_and_values(params, jnp.asarray(batch.tokens, jnp.int32), jnp.asarray(batch.token_mask, bool))
+        return self._logprobs_and_values(self.model_params(params), jnp.asarray(batch.tokens, jnp.int32), jnp.asarray(batch.token_mask, bool))
 
     def compute_advantages(self, batch: TrainBatch) -> tuple[TrainBatch, Metrics]:
         """GAE over response tokens from `rewards` (on each row's last response token) and `values`;

@@ -25,10 +25,14 @@ class Learner(Protocol):
     """A learner holds jitted update/inference functions; the state they transform lives outside.
 
     `params` are the initial parameters of every model it trains (GRPO: the policy's tree; PPO:
-    `{"actor": ..., "critic": ...}`), placed on `placement.mesh`; `actor_params` picks the policy's tree out of
-    such parameters (the reference model and generation read it). The pure (unjitted) token functions are what
-    the runtime fuses into inference programs: `logprobs_fn` takes the policy's parameters; `values_fn` and
-    `logprobs_and_values_fn` (None without a critic) take the learner's parameters.
+    `{"actor": ..., "critic": ...}`), placed on `placement.mesh`: the trainable ones, which is all of them unless
+    the policy carries LoRA adapters (then the adapters; the frozen base is held by the learner,
+    `rpegjax.learners.trainable`). `model_params` puts the frozen part back beside trainable parameters;
+    `actor_params` gives the policy's whole tree from them (old log-probs and generation read it);
+    `reference_params()` the reference policy's (the initial policy; with LoRA its base, adapters off, no copy).
+    The pure (unjitted) token functions are what the runtime fuses into inference programs: `logprobs_fn` takes
+    the policy's whole parameters (or the reference's); `values_fn` and `logprobs_and_values_fn` (None without a
+    critic) take the learner's whole parameters.
     """
 
     placement: ModelPlacement  # the policy's: mesh, parameter and row shardings
@@ -39,6 +43,10 @@ class Learner(Protocol):
     def params(self) -> Params: ...
 
     def actor_params(self, params: Params) -> Params: ...
+
+    def model_params(self, params: Params) -> Params: ...
+
+    def reference_params(self) -> Params: ...
 
     def init_state(self, params: Params | None = None) -> TrainState: ...
 

@@ -24,6 +24,16 @@ from jaxtyping import Array, Bool, Float, Int
 
 from rpegjax.models.attention import attend, causal_attention  # noqa: F401  (causal_attention: re-exported)
 from rpegjax.models.config import EXECUTION_FIELDS, ModelConfig, RematPolicy
+from rpegjax.models.lora import (
+    ATTENTION_TARGETS,
+    MLP_TARGETS,
+    Adapter,
+    LoRAConfig,
+    LoRAParam,
+    LoRATarget,
+    adapter_name,
+    split_adapters,
+)
 from rpegjax.sharding import axes
 from rpegjax.sharding.rules import ActivationSharding, constrain
 
@@ -124,13 +134,38 @@ def apply_rope(x: Float[Array, "b t h e"], rope: tuple[Array, Array]) -> Float[A
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
+def _add_adapters(module: nnx.Module, targets: tuple[LoRATarget, ...], lora: LoRAConfig | None, in_dims: dict,
+                  rngs: nnx.Rngs) -> None:
+    """Puts an `Adapter` beside each targeted kernel of `module` (`q_proj` -> `q_proj_lora`); `in_dims[target]`
+    is how many leading dims of that kernel are its input."""
+    if lora is None:
+        return
+    for target in targets:
+        if target not in lora.targets:
+            continue
+        kernel = getattr(module, f"{target.value}_proj")
+        shape, logical = kernel.get_value().shape, kernel.get_metadata()["logical_axes"]
+        n = in_dims[target]
+        setattr(module, adapter_name(target), Adapter(shape[:n], shape[n:], logical[:n], logical[n:], lora,
+                                                      kernel.get_value().dtype, rngs=rngs))
+
+
+def _adapted_matmul(module: nnx.Module, name: str, x: Float[Array, "n i"], w: Array, dtype) -> Array:
+    """x W for x [n, i] and a kernel W whose leading dims hold i inputs, plus s (x A) B when `name` is adapted."""
+    y = x @ w.reshape(x.shape[-1], -1)
+    adapter = getattr(module, f"{name}_lora", None)
+    return y if adapter is None else y + adapter(x, dtype)
+
+
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, lora: LoRAConfig | None = None):
         d, h, k, e, pdt = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.jnp_param_dtype
         self.q_proj = _param(rngs, (d, h, e), (axes.EMBED, axes.HEADS, axes.HEAD_DIM), pdt, d)
         self.k_proj = _param(rngs, (d, k, e), (axes.EMBED, axes.KV_HEADS, axes.HEAD_DIM), pdt, d)
         self.v_proj = _param(rngs, (d, k, e), (axes.EMBED, axes.KV_HEADS, axes.HEAD_DIM), pdt, d)
         self.o_proj = _param(rngs, (h, e, d), (axes.HEADS, axes.HEAD_DIM, axes.EMBED), pdt, h * e)
+        in_dims = {LoRATarget.Q: 1, LoRATarget.K: 1, LoRATarget.V: 1, LoRATarget.O: 2}
+        _add_adapters(self, ATTENTION_TARGETS, lora, in_dims, rngs)
         if cfg.attention_bias:
             self.q_bias = _zeros((h, e), (axes.HEADS, axes.HEAD_DIM), pdt)
             self.k_bias = _zeros((k, e), (axes.KV_HEADS, axes.HEAD_DIM), pdt)
@@ -140,12 +175,12 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(e, cfg.rms_norm_eps, pdt, axes.HEAD_DIM)
         self.cfg = cfg
 
-    def _project(self, x, kernel: nnx.Param, bias_name: str, norm_name: str | None, rope):
+    def _project(self, x, name: str, bias_name: str, norm_name: str | None, rope):
         dt = self.cfg.jnp_dtype
         # 2-D matmuls: XLA's CPU backend runs [b*t, d] @ [d, h*e] several times faster than a batched einsum
-        w = kernel.get_value().astype(dt)
+        w = getattr(self, name).get_value().astype(dt)
         b, t, d = x.shape
-        y = (x.reshape(b * t, d) @ w.reshape(d, -1)).reshape(b, t, *w.shape[1:])
+        y = _adapted_matmul(self, name, x.reshape(b * t, d), w, dt).reshape(b, t, *w.shape[1:])
         if self.cfg.attention_bias:
             y = y + getattr(self, bias_name).get_value().astype(dt)
         if self.cfg.qk_norm and norm_name is not None:
@@ -162,9 +197,9 @@ class Attention(nnx.Module):
         sharding: ActivationSharding | None,
     ) -> tuple[Float[Array, "b t d"], tuple[Array, Array] | None]:
         cfg = self.cfg
-        q = self._project(x, self.q_proj, "q_bias", "q_norm", rope)
-        k = self._project(x, self.k_proj, "k_bias", "k_norm", rope)
-        v = self._project(x, self.v_proj, "v_bias", None, None)
+        q = self._project(x, "q_proj", "q_bias", "q_norm", rope)
+        k = self._project(x, "k_proj", "k_bias", "k_norm", rope)
+        v = self._project(x, "v_proj", "v_bias", None, None)
         q = constrain(q, sharding, (axes.BATCH, None, axes.HEADS, None))
         if layer_cache is None:
             return self._output(attend(cfg.attention, cfg.attention_block_size, q, k, v, key_mask)), None
@@ -187,7 +222,7 @@ class Attention(nnx.Module):
     def _output(self, out: Float[Array, "b t h e"]) -> Float[Array, "b t d"]:
         o_proj = self.o_proj.get_value().astype(self.cfg.jnp_dtype)
         b, t = out.shape[:2]
-        return (out.reshape(b * t, -1) @ o_proj.reshape(-1, o_proj.shape[-1])).reshape(b, t, -1)
+        return _adapted_matmul(self, "o_proj", out.reshape(b * t, -1), o_proj, self.cfg.jnp_dtype).reshape(b, t, -1)
 
 
 def _cached_attention(
@@ -241,28 +276,30 @@ swiglu.defvjp(_swiglu_forward, _swiglu_backward)
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, lora: LoRAConfig | None = None):
         d, f, pdt = cfg.hidden_size, cfg.intermediate_size, cfg.jnp_param_dtype
         self.gate_proj = _param(rngs, (d, f), (axes.EMBED, axes.MLP), pdt, d)
         self.up_proj = _param(rngs, (d, f), (axes.EMBED, axes.MLP), pdt, d)
         self.down_proj = _param(rngs, (f, d), (axes.MLP, axes.EMBED), pdt, f)
         self.dtype = cfg.jnp_dtype
+        _add_adapters(self, MLP_TARGETS, lora, dict.fromkeys(MLP_TARGETS, 1), rngs)
 
     def __call__(self, x: Float[Array, "b t d"], sharding: ActivationSharding | None) -> Float[Array, "b t d"]:
         b, t, d = x.shape
         flat = x.reshape(b * t, d)  # 2-D matmuls are much faster than batched ones on XLA's CPU backend
-        gate = flat @ self.gate_proj.get_value().astype(self.dtype)
-        up = flat @ self.up_proj.get_value().astype(self.dtype)
+        gate = _adapted_matmul(self, "gate_proj", flat, self.gate_proj.get_value().astype(self.dtype), self.dtype)
+        up = _adapted_matmul(self, "up_proj", flat, self.up_proj.get_value().astype(self.dtype), self.dtype)
         hidden = constrain(swiglu(gate, up).reshape(b, t, -1), sharding, (axes.BATCH, None, axes.MLP))
-        return (hidden.reshape(b * t, -1) @ self.down_proj.get_value().astype(self.dtype)).reshape(b, t, d)
+        down = self.down_proj.get_value().astype(self.dtype)
+        return _adapted_matmul(self, "down_proj", hidden.reshape(b * t, -1), down, self.dtype).reshape(b, t, d)
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, lora: LoRAConfig | None = None):
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_param_dtype)
-        self.attention = Attention(cfg, rngs=rngs)
+        self.attention = Attention(cfg, rngs=rngs, lora=lora)
         self.post_attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_param_dtype)
-        self.mlp = MLP(cfg, rngs=rngs)
+        self.mlp = MLP(cfg, rngs=rngs, lora=lora)
 
     def __call__(self, x, rope, key_mask, layer_cache, cache_offsets, sharding):
         attended, new_cache = self.attention(self.input_norm(x), rope, key_mask, layer_cache, cache_offsets, sharding)
@@ -272,16 +309,18 @@ class Block(nnx.Module):
 
 
 class Decoder(nnx.Module):
-    """The language model; with `cfg.value_head` it also carries a scalar value head on the final hidden state."""
+    """The language model; with `cfg.value_head` it also carries a scalar value head on the final hidden state,
+    with `lora` low-rank adapters on the projections (`rpegjax.models.lora`)."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, lora: LoRAConfig | None = None):
         pdt = cfg.jnp_param_dtype
         self.cfg = cfg
+        self.lora = lora
         self.embed = nnx.Param(
             (jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size), jnp.float32) * 0.02).astype(pdt),
             logical_axes=(axes.VOCAB, axes.EMBED),
         )
-        self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.layers = nnx.List([Block(cfg, rngs=rngs, lora=lora) for _ in range(cfg.num_layers)])
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pdt)
         if not cfg.tie_word_embeddings:
             self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), (axes.EMBED, axes.VOCAB), pdt, cfg.hidden_size)
@@ -333,8 +372,24 @@ class Decoder(nnx.Module):
         if unknown:
             raise ValueError(f"Decoder.with_execution changes only {list(EXECUTION_FIELDS)}, got {unknown}")
         cfg = self.cfg.replace(**changes)
-        graphdef = nnx.graphdef(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))))
+        graphdef = nnx.graphdef(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0), lora=self.lora)))
         return nnx.merge(graphdef, nnx.state(self))
+
+    def with_lora(self, lora: LoRAConfig, *, seed: int) -> Decoder:
+        """This model's (base) parameters, shared not copied, plus fresh adapters of `lora` drawn from `seed`
+        (B = 0: the same function as before)."""
+        if self.lora is not None:
+            raise ValueError(f"Decoder.with_lora: this model already carries adapters ({self.lora})")
+        cfg = self.cfg
+        graphdef = nnx.graphdef(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0), lora=lora)))
+        # only the adapters leave the jitted build: XLA drops the unused initialisation of the base weights
+        adapters = jax.jit(lambda: nnx.state(Decoder(cfg, rngs=nnx.Rngs(seed), lora=lora), LoRAParam))()
+        return nnx.merge(graphdef, nnx.state(self), adapters)
+
+    def without_lora(self) -> Decoder:
+        """The base model: these parameters with the adapters dropped (shares the base weights' buffers)."""
+        graphdef = nnx.graphdef(nnx.eval_shape(lambda: Decoder(self.cfg, rngs=nnx.Rngs(0))))
+        return nnx.merge(graphdef, split_adapters(nnx.state(self))[1])
 
     def output_kernel(self) -> Float[Array, "d v"]:
         if self.cfg.tie_word_embeddings:

@@ -17,6 +17,7 @@ from rpegjax.graph.ir import Execution, Graph
 from rpegjax.learners.grpo import GRPOConfig, GRPOLearner
 from rpegjax.learners.ppo import PPOConfig, PPOLearner
 from rpegjax.learners.protocol import Learner
+from rpegjax.models.lora import LoRAGeneration
 from rpegjax.models.transformer import Decoder
 from rpegjax.runtime.meshes import placed_meshes
 
@@ -32,10 +33,13 @@ class RolloutShape:
 
 
 def place_models(graph: Graph, model: Decoder, algorithm: GRPOConfig | PPOConfig, rollout: RolloutShape, *,
-                 critic: Decoder | None = None) -> tuple[Learner, Sampler]:
+                 critic: Decoder | None = None,
+                 lora_generation: LoRAGeneration = LoRAGeneration.MERGED) -> tuple[Learner, Sampler]:
     """The learner of `algorithm` (PPO: with `critic`, or the actor's value head when shared) and the sampler of
     `model`'s architecture, each on the mesh the graph places its stage on, executing as `graph.execution` says.
-    The models' precision must be the plan's: it changes the parameters, so it is refused, never converted."""
+    The models' precision must be the plan's: it changes the parameters, so it is refused, never converted.
+    A model with LoRA adapters trains only them; its sampler decodes the base model with the adapters merged into
+    the weight-sync copy, or the adapted model (`lora_generation`)."""
     execution = graph.execution
     model, critic = apply_execution(model, execution), None if critic is None else apply_execution(critic, execution)
     algorithm = dataclasses.replace(algorithm, num_microbatches=execution.update_microbatches)
@@ -48,7 +52,10 @@ def place_models(graph: Graph, model: Decoder, algorithm: GRPOConfig | PPOConfig
         learner = PPOLearner(algorithm, model, critic, mesh=train_mesh)
     else:
         raise TypeError(f"place_models: algorithm must be a GRPOConfig or PPOConfig, got {type(algorithm).__name__}")
-    sampler = Sampler(model.cfg, nnx.split(model)[0], num_slots=rollout.num_slots, max_prompt_len=rollout.max_prompt_len,
+    merged = model.lora is not None and LoRAGeneration(lora_generation) == LoRAGeneration.MERGED
+    generated = model.without_lora() if merged else model
+    sampler = Sampler(model.cfg, nnx.graphdef(generated), lora=generated.lora, num_slots=rollout.num_slots,
+                      max_prompt_len=rollout.max_prompt_len,
                       max_new_tokens=rollout.max_new_tokens, chunk_steps=rollout.chunk_steps, mesh=rollout_mesh,
                       cache=CacheConfig(layout=execution.kv_cache, page_size=execution.page_size))
     return learner, sampler

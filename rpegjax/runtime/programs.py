@@ -31,6 +31,7 @@ from rpegjax.learners.inference import map_micro_batches
 from rpegjax.learners.lengths import pad_columns
 from rpegjax.learners.protocol import Learner
 from rpegjax.learners.update import batch_sharding, row_shards
+from rpegjax.models.lora import merge_adapters
 from rpegjax.models.precision import cast_floating
 from rpegjax.rewards.runner import RewardFn, RewardRunner, RewardStats
 from rpegjax.runtime.meshes import device_ids, same_layout
@@ -87,10 +88,11 @@ class StagePrograms:
 
     Inference programs are fused from the learner's pure token functions (`logprobs_fn`; with a critic,
     `values_fn` and `logprobs_and_values_fn`: one pass over a shared trunk). The reference stage reads
-    `reference_params` (default: the learner's initial policy parameters). Generation runs on the sampler's
-    mesh, every other device stage on the learner's (`learner.placement.mesh`; None: the default device); the
-    two may be disjoint device sets. The weight-sync stage copies the actor's weights into the sampler's
-    layout (`sampler.params_sharding`), cast to `generation_dtype` when given (`rpegjax.models.precision`).
+    `reference_params` (default: `learner.reference_params()`, the initial policy; with LoRA its frozen base).
+    Generation runs on the sampler's mesh, every other device stage on the learner's (`learner.placement.mesh`;
+    None: the default device); the two may be disjoint device sets. The weight-sync stage copies the actor's weights into the sampler's
+    layout (`sampler.params_sharding`), cast to `generation_dtype` when given (`rpegjax.models.precision`); a
+    policy with LoRA adapters and a sampler of its base model get the adapters merged into the kernels there.
 
     `rewards` is a `RewardRunner`, or any reward function `fn(completion: str, example) -> float`, which is
     then run by a `RewardRunner` of default settings (worker processes, timeouts, limits) that these
@@ -134,11 +136,11 @@ class StagePrograms:
             StageKind.CRITIC_VALUE: learner.values_fn,
         }
         if reference_params is None:
-            reference_params = learner.actor_params(learner.params)
+            reference_params = learner.reference_params()
         self._params_of = {
             StageKind.REF_LOGPROB: lambda state: reference_params,
             StageKind.OLD_LOGPROB: self.actor_params_of,
-            StageKind.CRITIC_VALUE: lambda state: state.params,
+            StageKind.CRITIC_VALUE: lambda state: learner.model_params(state.params),
         }
         self._logprobs_and_values = learner.logprobs_and_values_fn
         self.batch_sharding = learner.placement.rows
@@ -149,11 +151,16 @@ class StagePrograms:
         # Weights are cast to `generation_dtype` (None: kept as trained) on the training devices, in the copy.
         cast = (lambda params: jax.tree.map(jnp.copy, params)) if generation_dtype is None else (
             lambda params: cast_floating(params, generation_dtype))
+        lora = learner.placement.lora
+        merge = lora is not None and sampler.lora is None  # a base-model sampler: adapters merged into the copy
+        if merge:
+            cast_only = cast
+            cast = lambda params: cast_only(merge_adapters(params, lora.scale))  # noqa: E731
         if device_ids(sampler.mesh) == device_ids(self.train_mesh):
             self._sync = jax.jit(cast, out_shardings=generation_shardings)
         else:
             target = generation_shardings if generation_shardings is not None else jax.devices()[0]
-            cast_here = None if generation_dtype is None else jax.jit(cast)
+            cast_here = None if generation_dtype is None and not merge else jax.jit(cast)
             self._sync = lambda params: jax.device_put(params if cast_here is None else cast_here(params), target,
                                                        may_alias=False)
         self._inference_programs: dict[tuple, Callable] = {}

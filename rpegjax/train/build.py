@@ -335,15 +335,23 @@ def build(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Components:
     critic = None
     if ppo and not shared_critic:
         critic = critic_from_actor(model, model_cfg)
+    algorithm = cfg.ppo if ppo else cfg.grpo
+    lora = cfg.lora.config()
+    if lora is not None:  # adapters on the actor only (a separate critic trains fully, at the algorithm's rate)
+        model = model.with_lora(lora, seed=cfg.model.seed + 1)
+        changes = dict(optimizer=cfg.lora.optimizer(algorithm.optimizer))
+        if ppo and not shared_critic:
+            changes["critic_optimizer"] = algorithm.critic_optimizer or algorithm.optimizer
+        algorithm = dataclasses.replace(algorithm, **changes)
     rollout = cfg.rollout
     slots = min(rollout.num_slots, max(rollout.prompts_per_step * rollout.group_size, len(eval_examples)))
     # whole groups that split evenly over the generation mesh's slot replicas
     slots = usable_slots(slots, rollout.group_size, placed_meshes(graph)[1])
     learner, sampler = place_models(
-        graph, model, cfg.ppo if ppo else cfg.grpo,
+        graph, model, algorithm,
         RolloutShape(num_slots=slots, max_prompt_len=max_prompt_len, max_new_tokens=rollout.max_new_tokens,
                      chunk_steps=rollout.chunk_steps),
-        critic=critic)
+        critic=critic, lora_generation=cfg.lora.generation)
     return Components(cfg=cfg, tokenizer=tokenizer, task=task, train_examples=train_examples,
                       eval_examples=eval_examples, model_cfg=model_cfg, learner=learner, sampler=sampler, graph=graph,
                       template=template, warm_start_metrics=warm_metrics, max_prompt_len=max_prompt_len,

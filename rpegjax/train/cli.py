@@ -61,6 +61,12 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "reward-memory-mb": ("train.reward_memory_mb",),
     "reward-cpu-s": ("train.reward_cpu_s",),
     "warm-start-steps": ("warm_start.steps",),
+    "lora-rank": ("lora.rank",),
+    "lora-alpha": ("lora.alpha",),
+    "lora-targets": ("lora.targets",),
+    "lora-dropout": ("lora.dropout",),
+    "lora-generation": ("lora.generation",),
+    "lora-lr": ("lora.learning_rate",),
 }
 # flags of one algorithm's script only
 ALGORITHM_ONLY: dict[Algorithm, dict[str, tuple[str, ...]]] = {
@@ -385,6 +391,7 @@ def describe_run(parts) -> str:
         f"{cfg.algorithm.value.upper()} on {source}: {len(parts.train_examples)} training, "
         f"{len(parts.eval_examples)} held-out problems",
         f"model: {what} ({model.num_layers} layers, hidden {model.hidden_size}, {weights / 1e6:.2f} M parameters)",
+        *([describe_lora(parts)] if cfg.lora.enabled else []),
         f"each step: {rollout.prompts_per_step} prompts x {rollout.group_size} samples of up to "
         f"{rollout.max_new_tokens} tokens; {lag}",
         f"{train.steps} steps on {len(jax.devices())} {jax.devices()[0].platform} device(s); held-out accuracy at "
@@ -393,6 +400,24 @@ def describe_run(parts) -> str:
         f"watch: tensorboard --logdir {pathlib.Path(train.run_dir) / 'tensorboard'}  (samples.jsonl, training.png "
         "at the end; --verbose shows the executed graph)",
     ])
+
+
+def _state_bytes(tree) -> int:
+    return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))
+
+
+def describe_lora(parts) -> str:
+    """What a LoRA run trains, and the optimiser memory that saves (from the optimiser's own state shapes)."""
+    learner, lora = parts.learner, parts.cfg.lora
+    trainable = sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(learner.params))
+    whole = learner.model_params(learner.params)
+    optimiser = _state_bytes(jax.eval_shape(learner.optimizer.init, learner.params))
+    full = _state_bytes(jax.eval_shape(learner.optimizer.init, whole))
+    algorithm = parts.cfg.ppo if parts.cfg.algorithm == "ppo" else parts.cfg.grpo
+    return (f"LoRA: rank {lora.rank}, alpha {lora.alpha:g} on {','.join(lora.targets)}; trainable "
+            f"{trainable / 1e6:.3f} M of {sum(leaf.size for leaf in jax.tree.leaves(whole)) / 1e6:.2f} M parameters; "
+            f"optimiser state {optimiser / 2**20:.2f} MiB (full fine-tuning: {full / 2**20:.2f} MiB); "
+            f"lr {lora.optimizer(algorithm.optimizer).learning_rate:g}; generation: {lora.generation.value} weights")
 
 
 def _dry_run(config: RunConfig, memory_gb: float | None, say) -> int:

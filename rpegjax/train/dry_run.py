@@ -383,6 +383,9 @@ def dry_run_config(cfg, *, capacity_bytes: float | None, log: Callable[[str], No
     """The dry run of a training job's config (`train_grpo.py ... --dry-run`): the run's graph (its plan, if
     any), model shape and precision, step batch and sampler slots, as `rpegjax.train.build` would make them,
     without loading weights or allocating. `capacity_bytes`: per device; None reads the devices' own limit."""
+    if cfg.lora.enabled:
+        raise ValueError("--dry-run does not model LoRA runs yet (--lora-rank); benchmarks/bench_memory.py "
+                         "--lora-rank compiles the LoRA update at real shapes")
     from rpegjax.generate.sampler import usable_slots
     from rpegjax.graph.ir import Algorithm
     from rpegjax.models.tokenizer import builtin_tokenizer, load_tokenizer

@@ -15,6 +15,8 @@ from flax import nnx
 
 from rpegjax.distributed import DistributedConfig
 from rpegjax.models.hf import TOKENIZER_FILE, save_pretrained
+from rpegjax.models.lora import merge_adapters
+from rpegjax.models.peft import save_peft_adapter
 from rpegjax.models.tokenizer import BUILTIN_CHARACTERS, BUILTIN_SPECIAL_TOKENS, CharTokenizer
 from rpegjax.models.transformer import Decoder
 from rpegjax.train.build import Components, build
@@ -23,8 +25,16 @@ from rpegjax.train.config import ModelSection, RunConfig, WarmStartSection
 
 
 def policy_model(parts: Components, params: Any) -> Decoder:
-    """The policy `Decoder` with `params` (a learner's actor parameters, any layout)."""
-    return nnx.merge(parts.sampler.graphdef, params)
+    """The policy `Decoder` with `params` (a learner's whole actor parameters, any layout): with LoRA the base
+    model carrying the adapters."""
+    return parts.learner.placement.merge(params)
+
+
+def merged_model(model: Decoder) -> Decoder:
+    """`model` as a plain model: with LoRA adapters the base model whose kernels are W + s A B."""
+    if model.lora is None:
+        return model
+    return nnx.merge(nnx.graphdef(model.without_lora()), merge_adapters(nnx.state(model), model.lora.scale))
 
 
 def _byte_level_symbol(character: str) -> str:
@@ -73,10 +83,17 @@ def export_policy(parts: Components, params: Any, path: str | pathlib.Path) -> p
     the model's parameter dtype, config.json, generation_config.json and the tokenizer's files, by
     `rpegjax.models.hf.save_pretrained` (written into a temporary sibling and renamed into place, so `path` never
     holds half a model). `params` may be sharded over several processes: then every process calls this, the
-    tensors are assembled one at a time (never the whole model on one device) and process 0 writes."""
+    tensors are assembled one at a time (never the whole model on one device) and process 0 writes. A policy with
+    LoRA adapters is written merged (W + s A B): a plain model; `export_adapter` writes the adapters alone."""
     with tempfile.TemporaryDirectory(prefix="rpegjax-tokenizer-") as scratch:
-        return save_pretrained(policy_model(parts, params), parts.model_cfg, path,
+        return save_pretrained(merged_model(policy_model(parts, params)), parts.model_cfg, path,
                                tokenizer_dir=_tokenizer_dir(parts, pathlib.Path(scratch)))
+
+
+def export_adapter(parts: Components, params: Any, path: str | pathlib.Path) -> pathlib.Path:
+    """Writes the LoRA adapters of the policy with `params` as a PEFT adapter directory at `path`
+    (`rpegjax.models.peft`), recording the run's base model (`model.path`; unset for the built-in model)."""
+    return save_peft_adapter(policy_model(parts, params), path, base_model=parts.cfg.model.path)
 
 
 def run_config(run_dir: str | pathlib.Path) -> RunConfig:
@@ -101,9 +118,10 @@ def restore_policy(parts: Components, run_dir: str | pathlib.Path, step: int | N
         if step not in steps:
             raise CheckpointError(f"{checkpoints.directory}: no checkpoint of step {step}; there are {steps}")
         state = parts.learner.init_state()
-        policy = parts.learner.actor_params(state.params)
+        # the older versions a checkpoint keeps: generation copies of the policy, or with LoRA its adapters
+        version = state.params if parts.cfg.lora.enabled else parts.learner.actor_params(state.params)
         versions = checkpoints.metadata(step)["history_versions"]
-        arrays, _ = checkpoints.restore({"state": state, "history": {str(v): policy for v in versions}}, step)
+        arrays, _ = checkpoints.restore({"state": state, "history": {str(v): version for v in versions}}, step)
     finally:
         checkpoints.close()
     return parts.learner.actor_params(arrays["state"].params), step
@@ -153,6 +171,8 @@ def load_policy(source: str | pathlib.Path, *, step: int | None = None,
 
 
 def generation_params(parts: Components, params: Any) -> Any:
-    """`params` laid out as the sampler reads them."""
+    """`params` laid out as the sampler reads them (with LoRA, merged when the sampler decodes the base model)."""
+    if parts.learner.placement.lora is not None and parts.sampler.lora is None:
+        params = nnx.state(merged_model(policy_model(parts, params)))
     sharding = parts.sampler.params_sharding
     return params if sharding is None else jax.device_put(params, sharding)

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from rpegjax import distributed
@@ -30,7 +31,7 @@ from rpegjax.train.build import Components
 from rpegjax.train.checkpoint import Checkpointer, CheckpointError
 from rpegjax.train.config import RunConfig, TrainSection
 from rpegjax.train.evaluation import evaluate_accuracy
-from rpegjax.train.export import export_policy
+from rpegjax.train.export import export_adapter, export_policy
 from rpegjax.train.health import NonFiniteGuard, TrainingError, nonfinite_leaves
 from rpegjax.train.metrics import MetricsWriter, plot_dashboard, read_metrics
 from rpegjax.train.samples import (
@@ -158,11 +159,15 @@ class Trainer:
         data = DataIterator(parts.train_examples, batch_size=cfg.rollout.prompts_per_step, seed=cfg.data.seed)
         checkpoints = Checkpointer(self.run_dir / "checkpoints", keep=cfg.train.keep_checkpoints)
         state = learner.init_state()
-        reference_print = _fingerprint(learner.params)
+        # with LoRA, checkpoints keep the older versions generation may still read as their adapters (a copy per
+        # step, small), not as generation copies of the whole model
+        self._adapter_versions: dict[int, Any] | None = {} if cfg.lora.enabled else None
+        initial = learner.model_params(learner.params)  # with LoRA the frozen base too
+        reference_print = _fingerprint(initial)
         if not np.isfinite(reference_print):  # NaN weights would train to garbage without a word
             where = cfg.model.path or "the built model (warm start?)"
             raise ValueError(f"{where}: the initial weights hold NaN or inf values "
-                             f"(in {', '.join(nonfinite_leaves(learner.params))})")
+                             f"(in {', '.join(nonfinite_leaves(initial))})")
         guard = NonFiniteGuard(cfg.train.max_nonfinite_steps)
         start_step, history, start_accuracy = 0, [], None
         rewards = RewardRunner.for_task(parts.task, timeout_s=cfg.train.reward_timeout_s,
@@ -201,8 +206,15 @@ class Trainer:
         progress = _progress(remaining, start_step, enabled=self.main)
         step_started = time.perf_counter()
 
+        if self._adapter_versions is not None:
+            self._adapter_versions[start_step] = jax.tree.map(jnp.copy, state.params)
+
         def on_step(result: StepResult, state: Any) -> None:
             nonlocal step_started
+            if self._adapter_versions is not None:
+                self._adapter_versions[result.step + 1] = jax.tree.map(jnp.copy, state.params)
+                for old in [v for v in self._adapter_versions if v < result.step + 1 - cfg.graph.async_bound]:
+                    del self._adapter_versions[old]
             now = time.perf_counter()
             record = dict(result.metrics)
             record["seconds"] = now - step_started
@@ -249,7 +261,10 @@ class Trainer:
             self._write_outputs(trace)
         if cfg.train.export_hf:  # with several processes a collective: every process takes part
             path = export_policy(parts, learner.actor_params(state.params), self.run_dir / "hf")
-            self.log(f"final policy as a Hugging Face model: {path}")
+            self.log(f"final policy as a Hugging Face model: {path}" + (" (LoRA merged)" if cfg.lora.enabled else ""))
+            if cfg.lora.enabled:
+                path = export_adapter(parts, learner.actor_params(state.params), self.run_dir / "adapter")
+                self.log(f"its LoRA adapters as a PEFT adapter directory: {path}")
         return {"start_accuracy": start_accuracy, "end_accuracy": end_accuracy, "steps": cfg.train.steps,
                 "wall_seconds": round(time.perf_counter() - started, 2), "run_dir": str(self.run_dir)}
 
@@ -260,8 +275,10 @@ class Trainer:
             bad = ", ".join(nonfinite_leaves(state.params)) or "another process's shards"
             raise TrainingError(f"step {step}: the weights hold NaN or inf (in {bad}); not checkpointed. "
                                 f"The last checkpoint ({checkpoints.latest_step()}) holds finite weights")
-        # the k older weights versions that the next rollouts will still read
+        # the k older weights versions that the next rollouts will still read (with LoRA: their adapters)
         history = {str(v): p for v, p in runtime.store.items() if v < step}
+        if self._adapter_versions is not None:
+            history = {v: self._adapter_versions[int(v)] for v in history}
         meta = {"next_step": step, "data_state": result.data_state, "start_accuracy": start_accuracy,
                 "history_versions": sorted(int(v) for v in history), "reference_fingerprint": reference_print,
                 "graph": json.loads(self.parts.graph.to_json()), "config": json.loads(self.cfg.to_json())}
@@ -270,7 +287,8 @@ class Trainer:
     def _restore(self, checkpoints: Checkpointer, state, programs: StagePrograms):
         """The newest checkpoint that restores; a damaged newer one is reported and passed over (it is
         overwritten when training reaches its step again)."""
-        template = programs.sync(state)
+        lora = self._adapter_versions is not None
+        template = state.params if lora else programs.sync(state)  # LoRA: the versions are saved as adapters
         failures = []
         for step in reversed(checkpoints.all_steps()):
             try:
@@ -289,6 +307,9 @@ class Trainer:
                         moved = checkpoints.set_aside(bad, self.run_dir / "damaged_checkpoints" / f"{bad}-{time.time():.0f}")
                         self.log(f"moved damaged checkpoint {bad} to {moved}")
             history = sorted((int(v), p) for v, p in arrays["history"].items())
+            if lora:  # back to generation copies, as the weight sync makes them; the adapters kept for the next save
+                self._adapter_versions.update(dict(history))
+                history = [(v, programs.sync(state.replace(params=p))) for v, p in history]
             return arrays["state"], history, meta
         raise CheckpointError(f"{checkpoints.directory}: no checkpoint can be restored (damaged: {failures})")
 

@@ -60,3 +60,29 @@ def test_multi_turn_flags_and_their_checks():
         RolloutSection(tool_tags=("[", "]"))
     with pytest.raises(ValueError, match="RolloutSection.env must be one of \\['none', 'calculator', 'python-sandbox'\\]"):
         RolloutSection(env="browser")
+
+
+def test_lora_flags_set_the_lora_section_and_round_trip():
+    cfg, _ = parse_args(["--lora-rank", "8", "--lora-alpha", "32", "--lora-targets", "q,v,down",
+                         "--lora-generation", "adapters"], Algorithm.GRPO)
+    lora = cfg.lora.config()
+    assert (lora.rank, lora.scale, [t.value for t in lora.targets]) == (8, 4.0, ["q", "v", "down"])
+    assert cfg.lora.generation == "adapters"
+    assert RunConfig.from_json(cfg.to_json()).lora == cfg.lora
+    # LoRA's default rate is 10x the algorithm's; --lora-lr sets it
+    assert cfg.lora.optimizer(cfg.grpo.optimizer).learning_rate == pytest.approx(10 * cfg.grpo.optimizer.learning_rate)
+    cfg, _ = parse_args(["--lora-rank", "8", "--lora-lr", "3e-4"], Algorithm.PPO)
+    assert cfg.lora.optimizer(cfg.ppo.optimizer).learning_rate == 3e-4
+    assert RunConfig().lora.config() is None and RunConfig().lora.optimizer(cfg.ppo.optimizer) == cfg.ppo.optimizer
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--lora-rank", "-1"], "LoRASection.rank"), (["--lora-rank", "4", "--lora-targets", "q,x"], "LoRASection.targets"),
+    (["--lora-rank", "4", "--lora-dropout", "0.1"], "LoRASection.dropout"),
+    (["--lora-rank", "4", "--lora-alpha", "0"], "LoRASection.alpha"),
+    (["--lora-generation", "fused"], "--lora.generation: 'fused' is not one of ['merged', 'adapters']"),
+])
+def test_bad_lora_flags_name_the_field(flags, message, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(flags, Algorithm.GRPO)
+    assert message in capsys.readouterr().err

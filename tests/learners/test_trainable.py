@@ -1,0 +1,128 @@
+"""Learners of a model with LoRA adapters: only the adapters are trained and in the optimiser state, the frozen base
+is the reference policy, and the update's gradient is the full model's gradient projected onto the adapters."""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from rpegjax.learners.batch import pack_rollouts
+from rpegjax.learners.grpo import GRPOConfig, GRPOLearner
+from rpegjax.learners.objective import policy_denominators, update_inputs
+from rpegjax.learners.optim import OptimizerConfig
+from rpegjax.learners.ppo import PPOConfig, PPOLearner
+from rpegjax.learners.trainable import split_trainable
+from rpegjax.models import Decoder, ModelConfig
+from rpegjax.models.lora import LoRAConfig, LoRAParam, adapter_paths, count_parameters
+from rpegjax.sharding import ShardingRules, make_mesh
+
+B, G, LENGTH = 8, 4, 16
+LORA = LoRAConfig(rank=4, alpha=8.0)
+CFG = dict(group_size=G, kl_coef=0.04, kl_kind="k3", optimizer=OptimizerConfig(learning_rate=1e-2, max_grad_norm=None))
+
+
+@pytest.fixture(scope="module")
+def base():
+    return Decoder(ModelConfig.tiny(), rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def adapted(base):
+    return base.with_lora(LORA, seed=1)
+
+
+def make_batch(seed=0):
+    rng = np.random.default_rng(seed)
+    prompts = [list(rng.integers(1, 128, size=rng.integers(2, 6))) for _ in range(B)]
+    responses = [list(rng.integers(1, 128, size=rng.integers(2, 10))) for _ in range(B)]
+    behaviour = [rng.normal(-4.8, 0.3, size=len(r)) for r in responses]
+    rewards = np.array([1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 0.0, 0.0], np.float32)
+    return pack_rollouts(prompts, responses, behaviour, pad_id=0, length=LENGTH, rewards=rewards)
+
+
+def fill(learner, state, batch):
+    batch, _ = learner.compute_advantages(batch)
+    return batch.replace(old_logprobs=learner.logprobs(learner.actor_params(state.params), batch),
+                         ref_logprobs=learner.logprobs(learner.reference_params(), batch))
+
+
+def test_only_adapters_are_trained_and_the_base_is_the_reference(base, adapted):
+    learner = GRPOLearner(GRPOConfig(**CFG), adapted)
+    plain = GRPOLearner(GRPOConfig(**CFG), base)
+    assert all(isinstance(v, LoRAParam) for _, v in nnx.to_flat_state(learner.params))
+    assert count_parameters(learner.params) == count_parameters(nnx.state(adapted, LoRAParam))
+    state = learner.init_state()
+    # Adam's two moments over the adapters, nothing over the base (+ two step counts)
+    assert count_parameters(state.opt_state) == 2 * count_parameters(learner.params) + 2
+    batch = make_batch()
+    reference = np.asarray(learner.logprobs(learner.reference_params(), batch))
+    np.testing.assert_allclose(reference, np.asarray(plain.logprobs(plain.params, batch)), atol=1e-6)
+    np.testing.assert_allclose(np.asarray(learner.logprobs(learner.actor_params(state.params), batch)), reference,
+                               atol=1e-5)
+    # the reference is the frozen base itself: the same buffers as the model's weights, not a copy
+    assert learner.reference_params()["lm_head"].get_value() is learner.frozen["lm_head"].get_value()
+    frozen_before = jax.tree.map(np.asarray, learner.frozen)
+    for step in range(2):
+        state, metrics = learner.update(state, fill(learner, state, make_batch(seed=step)))
+    assert learner.update_traces == 1
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, learner.frozen), frozen_before)
+    moved = np.asarray(learner.logprobs(learner.actor_params(state.params), batch))
+    assert np.abs(moved - reference).max() > 1e-3
+
+
+def test_update_gradient_is_the_full_gradient_projected_on_the_adapters(base, adapted):
+    """At B = 0: dL/dA = s G B^T = 0 and dL/dB = s A^T G, G the full model's gradient of the kernel; the update's
+    grad_norm (before clipping) must be the norm of that projection."""
+    cfg = GRPOConfig(**CFG)
+    learner, plain = GRPOLearner(cfg, adapted), GRPOLearner(cfg, base)
+    state = learner.init_state()
+    batch = fill(learner, state, make_batch())
+    inputs = update_inputs(batch, cfg)
+    full = jax.jit(jax.grad(lambda p: plain._loss(p, inputs, policy_denominators(cfg, inputs))[0]))(plain.params)
+    flat_full, flat_adapters = dict(nnx.to_flat_state(full)), dict(nnx.to_flat_state(nnx.state(adapted, LoRAParam)))
+    squares = 0.0
+    for adapter, kernel in adapter_paths(nnx.state(adapted)):
+        a = np.asarray(flat_adapters[(*adapter, "a")].get_value(), np.float64)
+        a = a.reshape(-1, a.shape[-1])
+        g = np.asarray(flat_full[kernel].get_value(), np.float64).reshape(a.shape[0], -1)
+        squares += np.sum((LORA.scale * a.T @ g) ** 2)
+    _, metrics = learner.update(state, batch)
+    np.testing.assert_allclose(float(metrics["grad_norm"]), np.sqrt(squares), rtol=1e-4)
+
+
+def test_sharded_lora_update_equals_unsharded(adapted):
+    mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    results = []
+    for learner in (GRPOLearner(GRPOConfig(**CFG), adapted),
+                    GRPOLearner(GRPOConfig(**CFG), adapted, mesh=mesh, rules=ShardingRules.fsdp_tp())):
+        state = learner.init_state()
+        state, metrics = learner.update(state, fill(learner, state, make_batch()))
+        results.append((state, metrics))
+    (state, metrics), (sharded_state, sharded_metrics) = results
+    b = sharded_state.params["layers"][0]["attention"]["q_proj_lora"]["b"].get_value()
+    assert b.sharding.spec == jax.sharding.PartitionSpec(None, "tensor", None)
+    for (path, x), (_, y) in zip(nnx.to_flat_state(sharded_state.params), nnx.to_flat_state(state.params)):
+        np.testing.assert_allclose(x.get_value(), y.get_value(), rtol=1e-4, atol=1e-5, err_msg=str(path))
+    for key, value in metrics.items():
+        np.testing.assert_allclose(sharded_metrics[key], value, rtol=1e-4, atol=1e-6, err_msg=key)
+
+
+def test_ppo_shared_critic_trains_adapters_and_value_head():
+    model = Decoder(ModelConfig.tiny(value_head=True), rngs=nnx.Rngs(0)).with_lora(LORA, seed=1)
+    learner = PPOLearner(PPOConfig(critic="shared", kl_coef=0.0, optimizer=CFG["optimizer"]), model)
+    trainable = dict(nnx.to_flat_state(learner.params["actor"]))
+    assert {path[-1] for path in trainable if not isinstance(trainable[path], LoRAParam)} == {"value_kernel", "value_bias"}
+    assert learner.frozen["actor"]["lm_head"] is not None
+    state = learner.init_state()
+    batch = make_batch()
+    batch = batch.replace(old_logprobs=learner.logprobs(learner.actor_params(state.params), batch),
+                          values=learner.values(state.params, batch))
+    batch, _ = learner.compute_advantages(batch)
+    state, metrics = learner.update(state, batch)
+    assert np.isfinite(float(metrics["loss"]))
+    assert np.abs(np.asarray(state.params["actor"]["value_kernel"].get_value())).max() > 0
+    assert split_trainable(learner.actor_params(state.params))[1] is not None
