@@ -47,7 +47,9 @@ def main(argv: list[str]) -> int:
             data[name] = value
     if args.task or args.difficulty:
         data.update(dataset=None, eval_dataset=None, dataset_format=None)
-    rollout = {"max_prompt_len": None, "group_size": args.samples}
+    rollout: dict = {"max_prompt_len": None}
+    if args.samples > 1:  # pass@k samples come in groups of k; greedy alone keeps the run's group (GRPO needs >= 2)
+        rollout["group_size"] = args.samples
     if args.max_new_tokens is not None:
         rollout["max_new_tokens"] = args.max_new_tokens
     try:

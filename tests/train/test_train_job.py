@@ -211,6 +211,8 @@ def test_evaluate_reproduces_the_jobs_final_evaluation_and_generate_samples(tiny
     final = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
     final = [s for s in final if s["source"] == "eval" and s["step"] == 3]
     assert [(s["prompt"], s["response"]) for s in final] == [(r["prompt"], r["response"]) for r in greedy[:3]]
+    assert _script("evaluate").main([str(run_dir)]) == 0  # greedy only (one sample: a GRPO run's group is kept)
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["accuracy"] == summary["accuracy"]
 
     assert _script("generate").main([str(run_dir / "hf"), "--prompt", "Q:1+2\n", "--prompt", "Q:40-2\n",
                                      "--samples=2"]) == 0
