@@ -10,8 +10,11 @@ load from other processes hits all alike:
                 the contiguous cache (today's layout, "before") and the paged cache ("paged", "after");
   * recompute   a plain loop without a cache: each step a jitted full forward of the sequence so far
                 (lengths bucketed by 32 so it compiles a handful of shapes), then argmax / categorical;
-  * transformers `generate` on torch CPU with the same weights (our `save_pretrained` -> from_pretrained).
-Greedy outputs of all three are checked equal before timing.
+  * transformers `generate` on torch CPU with the same weights (our `save_pretrained` -> from_pretrained);
+  * matmul floor  only the weight matmuls of the same steps in one compiled loop (no attention, cache or
+                sampling): a lower bound on any decoder's time on this machine, hence an upper bound on the
+                ratio any implementation can reach against the baselines.
+Greedy outputs of ours, recompute and transformers are checked equal before timing.
 
 Part 2, W-tail: many prompts whose response lengths are drawn log-normal (sigma 1, max 8x the mean),
 enforced with per-prompt budgets, on 32 slots: continuous batching (`stream`) vs static batching
@@ -29,6 +32,7 @@ import argparse
 import statistics
 import tempfile
 import time
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -104,6 +108,33 @@ def make_recompute_loop(graphdef: nnx.GraphDef):
     return generate, warm
 
 
+def make_matmul_floor(cfg: ModelConfig, rows: int):
+    """A lower bound on any decoder's step time on this machine: only the step's weight matmuls (`rows` tokens
+    through every layer's projections, fused q|k|v and gate|up, and the output layer), `steps` steps in one
+    compiled loop; no attention, no cache, no sampling. Returns `run(steps)` and the matmul FLOPs per step."""
+    d, f, v, e = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
+    qkv, heads = (cfg.num_heads + 2 * cfg.num_kv_heads) * e, cfg.num_heads * e
+    keys = iter(jax.random.split(jax.random.key(0), 4 * cfg.num_layers + 1))
+    layers = [{name: jax.random.normal(next(keys), shape) * 0.02
+               for name, shape in (("qkv", (d, qkv)), ("o", (heads, d)), ("gate_up", (d, 2 * f)), ("down", (f, d)))}
+              for _ in range(cfg.num_layers)]
+    head = jax.random.normal(next(keys), (d, v)) * 0.02
+
+    @partial(jax.jit, static_argnums=1)
+    def loop(x, steps):
+        def body(_, x):
+            for layer in layers:
+                x = x + (x @ layer["qkv"])[:, :heads] @ layer["o"]
+                gate_up = x @ layer["gate_up"]
+                x = x + (jax.nn.silu(gate_up[:, :f]) * gate_up[:, f:]) @ layer["down"]
+            return x + 1e-3 * (x @ head)[:, :1]  # the output layer's result feeds the next step
+        return jax.lax.fori_loop(0, steps, body, x)
+
+    x = jnp.ones((rows, d), jnp.float32)
+    flops = 2 * rows * (cfg.num_layers * (d * qkv + heads * d + 3 * d * f) + d * v)
+    return lambda steps: loop(x, steps).block_until_ready(), flops
+
+
 def part_wgen(args, cfg, graphdef, params, model, torch_model) -> None:
     import torch
 
@@ -111,6 +142,7 @@ def part_wgen(args, cfg, graphdef, params, model, torch_model) -> None:
     prompts = rng.integers(0, cfg.vocab_size, (BATCH, PROMPT)).astype(np.int32)
     prompt_list = prompts.tolist()
     recompute, recompute_warm = make_recompute_loop(graphdef)
+    floor, floor_flops = make_matmul_floor(cfg, BATCH)
     for new_tokens in args.new_tokens:
         shape = dict(num_slots=BATCH, max_prompt_len=PROMPT, max_new_tokens=new_tokens, chunk_steps=args.chunk_steps)
         sampler = Sampler(cfg, graphdef, **shape)
@@ -148,10 +180,15 @@ def part_wgen(args, cfg, graphdef, params, model, torch_model) -> None:
                 if torch_model is not None:
                     np.testing.assert_array_equal(hf()[:, PROMPT:].numpy(), ours_ids)
             recompute_warm(params, prompts, new_tokens)
-            calls = {"ours": ours, "paged": ours_paged, "recompute": plain}
+            floor(new_tokens)  # compiles
+
+            def matmuls():
+                return floor(new_tokens)
+
+            calls = {"ours": ours, "paged": ours_paged, "recompute": plain, "matmul floor": matmuls}
             if torch_model is not None:
                 calls["transformers"] = hf
-            runs = {"ours": args.runs, "paged": args.runs, "recompute": args.recompute_runs_long if long else args.baseline_runs,
+            runs = {"ours": args.runs, "paged": args.runs, "matmul floor": args.runs, "recompute": args.recompute_runs_long if long else args.baseline_runs,
                     "transformers": args.transformers_runs_long if long else args.baseline_runs}
             calls = {name: call for name, call in calls.items() if runs[name] > 0}  # a count of 0 skips one
             seconds = time_interleaved(calls, runs)
@@ -159,10 +196,15 @@ def part_wgen(args, cfg, graphdef, params, model, torch_model) -> None:
             print(f"W-gen, {BATCH} x prompt {PROMPT} + {new_tokens} new tokens, {label} "
                   f"(runs: {', '.join(f'{n} {len(s)}' for n, s in seconds.items())}):")
             rates = {name: _line(name, s, tokens) for name, s in seconds.items()}
-            ratios = ", ".join(f"{rates['ours'] / rates[n]:.2f}x {n}" for n in rates if n not in ("ours", "paged"))
+            baselines = [n for n in rates if n not in ("ours", "paged", "matmul floor")]
+            ratios = ", ".join(f"{rates['ours'] / rates[n]:.2f}x {n}" for n in baselines)
             ratios += "; paged / ours (after / before): " + f"{rates['paged'] / rates['ours']:.3f}"
-            ratios += "; paged / baselines: " + ", ".join(
-                f"{rates['paged'] / rates[n]:.2f}x {n}" for n in rates if n not in ("ours", "paged"))
+            ratios += "; paged / baselines: " + ", ".join(f"{rates['paged'] / rates[n]:.2f}x {n}" for n in baselines)
+            floor_step = statistics.median(seconds["matmul floor"]) / new_tokens
+            ceiling = ", ".join(f"{rates['matmul floor'] / rates[n]:.2f}x {n}" for n in baselines)
+            print(f"  matmul floor: {floor_step * 1e3:.2f} ms per step ({floor_flops / floor_step / 1e9:.1f} GFLOP/s); "
+                  f"ours runs at {rates['ours'] / rates['matmul floor']:.2f} of it; no decoder can beat the floor, "
+                  f"so the most any can reach here is {ceiling}")
             windows = ", ".join(f"{w}: {n}" for w, n in sorted(sampler.stats.chunks_per_window.items()))
             print(f"  ours / baselines: {ratios};  ours = {statistics.median(seconds['ours']) / new_tokens * 1e3:.2f} "
                   f"ms per token step (decode chunks per attention window so far: {windows})")

@@ -146,8 +146,11 @@ def run_runtime(config: Config, graph: Graph, steps: int, warmup: int) -> tuple[
 
 
 # ------------------------------------------------------------------------------------------------ report
-def kendall_tau(a: list[float], b: list[float]) -> float:
+def kendall_tau(a: list[float], b: list[float]) -> float | None:
+    """Rank agreement of two lists (None with fewer than two entries: no pair to rank)."""
     pairs = [(i, j) for i in range(len(a)) for j in range(i + 1, len(a))]
+    if not pairs:
+        return None
     score = sum(np.sign(a[i] - a[j]) * np.sign(b[i] - b[j]) for i, j in pairs)
     return float(score / len(pairs))
 
@@ -213,8 +216,9 @@ def main() -> None:
     big_units = [abs(u["error"]) for r in rows for u in r["units"].values() if u["measured"] > 0.01]
     predicted, measured = [r["predicted_step"] for r in rows], [r["measured_step"] for r in rows]
     tau = kendall_tau(predicted, measured)
+    ranking = "n/a (one configuration)" if tau is None else f"{tau:.2f}"
     print(f"\nwhole steps over {len(rows)} configurations: median |error| {statistics.median(step_errors):.1%}, "
-          f"max {max(step_errors):.1%}; Kendall tau of predicted vs measured step times {tau:.2f}")
+          f"max {max(step_errors):.1%}; Kendall tau of predicted vs measured step times {ranking}")
     if big_units:
         print(f"stages over 10 ms ({len(big_units)}): median |error| {statistics.median(big_units):.1%}, "
               f"max {max(big_units):.1%}")

@@ -11,7 +11,6 @@ plus the rows of the sequences that finished.
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Iterator
 from functools import partial
 
@@ -30,7 +29,7 @@ from rpegjax.generate.paged_decode import (
     prefill_pages,
     start_rows,
 )
-from rpegjax.generate.requests import Request, RequestFeed
+from rpegjax.generate.requests import Request, RequestFeed, RequestQueue
 from rpegjax.models.config import ModelConfig
 from rpegjax.sharding import axes
 from rpegjax.sharding.rules import ActivationSharding
@@ -107,7 +106,6 @@ class PagedController:
             feed: RequestFeed | None = None) -> Iterator[Completion]:
         """Serves `requests`, and those `feed` adds before each chunk (blocking on `feed.wait()` when idle)."""
         page = self.page_size
-        requests = list(requests)
         pool = PagePool(self.replicas, self.pages_per_replica)
         table = np.zeros((self.num_slots, self.max_pages), np.int32)
         held: list[list[int]] = [[] for _ in range(self.num_slots)]  # pages of each slot, in table order
@@ -115,7 +113,8 @@ class PagedController:
         admitted_at = np.zeros(self.num_slots, np.int64)  # admission order: preemption takes the newest
         cache_length = np.zeros(self.num_slots, np.int64)
         evict = np.zeros(self.num_slots, bool)
-        pending = collections.deque((index, tuple(range(r.samples))) for index, r in enumerate(requests))
+        queue = RequestQueue(requests, lambda index, request: (index, tuple(range(request.samples))))
+        requests, pending = queue.requests, queue.pending  # grown in place as the feed adds requests
         counter = 0
         state = self.new_state()
 
@@ -136,19 +135,9 @@ class PagedController:
             table[slot] = 0
             owners[slot] = None
 
-        def add(new: list[Request]) -> None:
-            pending.extend((len(requests) + i, tuple(range(r.samples))) for i, r in enumerate(new))
-            requests.extend(new)
-
         while True:
-            if feed is not None:
-                add(feed.poll())
-            if not pending and all(o is None for o in owners):
-                if feed is None:
-                    return
-                add(feed.wait())
-                if not pending:
-                    return
+            if not queue.refill(feed, idle=all(o is None for o in owners)):
+                return
             # ---- admission ----
             if continuous or all(o is None for o in owners):
                 admitted = []  # (prompt index, sample indices, slots)

@@ -13,8 +13,10 @@ collide (an episode's later turns use their own sample indices).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-from typing import Protocol
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -46,6 +48,35 @@ class RequestFeed(Protocol):
         """Called when no sequence is running or pending: blocks until requests are ready and returns them, or
         returns [] when no more will ever come (the controller then ends)."""
         ...
+
+
+class RequestQueue:
+    """The requests a controller serves (`requests`, in order of arrival) and the entries still waiting for a slot
+    (`pending`, a deque the controller pops and pushes back). `entry(index, request)` is what waits: a request's
+    index (contiguous cache), or its index with the samples still to run (paged cache, which preempts samples)."""
+
+    def __init__(self, requests: Iterable[Request], entry: Callable[[int, Request], Any]):
+        self.requests: list[Request] = []
+        self.pending: collections.deque = collections.deque()
+        self._entry = entry
+        self.add(requests)
+
+    def add(self, new: Iterable[Request]) -> None:
+        for request in new:
+            self.pending.append(self._entry(len(self.requests), request))
+            self.requests.append(request)
+
+    def refill(self, feed: RequestFeed | None, *, idle: bool) -> bool:
+        """Takes the requests `feed` has ready; when `idle` (no slot runs) and nothing waits, blocks on the feed.
+        False when the controller is done: idle, nothing waiting, and no request will ever come."""
+        if feed is not None:
+            self.add(feed.poll())
+        if self.pending or not idle:
+            return True
+        if feed is None:
+            return False
+        self.add(feed.wait())
+        return bool(self.pending)
 
 
 def check_request(request: Request, *, where: str, vocab_size: int, capacity: int, max_new_tokens: int,

@@ -24,7 +24,6 @@ as long as context + budget fit the capacity.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import math
 from collections.abc import Iterator, Sequence
@@ -39,7 +38,7 @@ from rpegjax.generate.completion import FINISH_CODES, Completion
 from rpegjax.generate.decode import DecodeStalledError, DecodeState, admit, decode, decode_state_shardings
 from rpegjax.generate.paged_cache import CacheConfig, CacheLayout
 from rpegjax.generate.paged_sampler import PagedController
-from rpegjax.generate.requests import Request, RequestFeed, check_request
+from rpegjax.generate.requests import Request, RequestFeed, RequestQueue, check_request
 from rpegjax.generate.sampling import SamplingConfig, sampling_arrays
 from rpegjax.generate.weight_sync import generation_batch_axes, generation_rules
 from rpegjax.models.config import ModelConfig
@@ -413,25 +412,14 @@ class Sampler:
         if self.paged is not None:
             yield from self.paged.run(params, requests, arrays, key, version, continuous=continuous, feed=feed)
             return
-        requests = list(requests)
-        pending = collections.deque(range(len(requests)))
+        queue = RequestQueue(requests, lambda index, _: index)
+        requests, pending = queue.requests, queue.pending  # grown in place as the feed adds requests
         owners: list[tuple[int, int] | None] = [None] * self.num_slots
         cache_length = np.zeros(self.num_slots, np.int64)  # per running slot: context + response tokens cached
-
-        def add(new: list[Request]) -> None:
-            pending.extend(range(len(requests), len(requests) + len(new)))
-            requests.extend(new)
-
         state = self.new_state()
         while True:
-            if feed is not None:
-                add(feed.poll())
-            if not pending and all(o is None for o in owners):
-                if feed is None:
-                    return
-                add(feed.wait())
-                if not pending:
-                    return
+            if not queue.refill(feed, idle=all(o is None for o in owners)):
+                return
             free = [slot for slot, owner in enumerate(owners) if owner is None]
             if continuous or len(free) == self.num_slots:
                 # admit runs of requests with the same number of samples (one compiled admit per group size)

@@ -81,3 +81,34 @@ def test_a_fed_request_that_does_not_fit_is_refused(sampler, tiny_split):
                                          r"of 20 tokens"):
         list(sampler.stream(tiny_split[1], [[1, 2]], SamplingConfig(max_new_tokens=4), key=jax.random.key(0),
                             feed=too_long))
+
+
+def test_request_queue_takes_ready_requests_and_blocks_on_the_feed_only_when_idle():
+    from rpegjax.generate.requests import RequestQueue
+
+    first, second, third = (Request(tokens=np.array([i + 1]), budget=2, samples=2, key_index=i) for i in range(3))
+
+    class Recorded:
+        def __init__(self):
+            self.ready, self.later, self.waits = [], [[third], []], 0
+
+        def poll(self):
+            ready, self.ready = self.ready, []
+            return ready
+
+        def wait(self):
+            self.waits += 1
+            return self.later.pop(0)
+
+    feed = Recorded()
+    queue = RequestQueue([first], lambda index, request: (index, tuple(range(request.samples))))
+    assert list(queue.pending) == [(0, (0, 1))]
+    feed.ready = [second]
+    assert queue.refill(feed, idle=True) and feed.waits == 0  # something waits: no blocking
+    assert queue.requests == [first, second] and list(queue.pending) == [(0, (0, 1)), (1, (0, 1))]
+    queue.pending.clear()
+    assert queue.refill(feed, idle=False) and feed.waits == 0  # slots still run: the controller decodes on
+    assert queue.refill(feed, idle=True) and feed.waits == 1 and list(queue.pending) == [(2, (0, 1))]
+    queue.pending.clear()
+    assert not queue.refill(feed, idle=True) and feed.waits == 2  # the feed has nothing more: done
+    assert not RequestQueue([], lambda index, _: index).refill(None, idle=True)  # no feed, nothing left: done
