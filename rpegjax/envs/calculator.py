@@ -24,6 +24,6 @@ def calculate(expression: str) -> str:
 
 def calculator_environment(*, instructions: str = INSTRUCTIONS, call_start: str = "<tool>", call_end: str = "</tool>",
                            result_start: str = "<result>", result_end: str = "</result>") -> TaggedToolEnvironment:
-    """The calculator environment; the tags must match the tokenizer's (the call end must be one token)."""
+    """The calculator environment; the tags must match the tokenizer's."""
     return TaggedToolEnvironment(name="calculator", tool=calculate, call_start=call_start, call_end=call_end,
                                  result_start=result_start, result_end=result_end, instructions=instructions)

@@ -24,8 +24,7 @@ class EnvironmentName(enum.StrEnum):
 def make_environment(name: EnvironmentName | str, *, tags: Sequence[str] = (),
                      sandbox_network: NetworkIsolation | str = NetworkIsolation.NAMESPACE) -> TaggedToolEnvironment | None:
     """The environment `name` (None for `none`). `tags`: (call start, call end, result start, result end) to
-    replace the environment's own, e.g. single characters for a character-level tokenizer, whose tool-call end
-    must be one token; () keeps the environment's."""
+    replace the environment's own (e.g. a model's own tool tags); () keeps the environment's."""
     name = EnvironmentName(name)
     if name == EnvironmentName.NONE:
         return None

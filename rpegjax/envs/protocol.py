@@ -7,7 +7,7 @@ whose text is appended to the episode as tool tokens (context the model reads, n
 episode (`done`), optionally with its reward (None: the task's reward of the last model turn decides).
 
 A `TaggedToolEnvironment` recognises a tool call as a span `<open>argument</close>` that ends the turn: the
-sampler stops on the close tag's token (a `SamplingConfig.stop_ids` entry), the tool runs on the argument and
+sampler stops on the close tag's tokens (a `SamplingConfig.stop_sequences` entry), the tool runs on the argument and
 its output comes back wrapped as `<result_open>output<result_close>`. A turn without a tool call ends the
 episode.
 """
@@ -39,7 +39,7 @@ class Environment(Protocol):
 
     @property
     def call_end(self) -> str:
-        """The text that ends a turn with a tool call (one token: the sampler stops on it)."""
+        """The text that ends a turn with a tool call (the sampler stops on its tokens)."""
         ...
 
     def reset(self, example: Example) -> list[Message]:

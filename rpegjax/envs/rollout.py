@@ -128,11 +128,12 @@ class EpisodeRunner:
     def __init__(self, sampler: Sampler, env: Environment, sampling: SamplingConfig, config: EpisodeConfig, *,
                  render: Callable[[Sequence[Message]], list[int]], encode: Callable[[str], list[int]],
                  decode: Callable[[Sequence[int]], str], trace: EpisodeTrace | None = None):
-        call_end = encode(env.call_end)
-        if len(call_end) != 1 or call_end[0] not in sampling.stop_ids:
-            raise ValueError(f"the environment's tool call ends with {env.call_end!r}, which encodes to {call_end}; it "
-                             f"must be one token and one of SamplingConfig.stop_ids {sampling.stop_ids}, so that the "
-                             "sampler stops a turn at the call")
+        call_end = tuple(encode(env.call_end))
+        if not call_end or (call_end not in sampling.stop_sequences
+                            and not (len(call_end) == 1 and call_end[0] in sampling.stop_ids)):
+            raise ValueError(f"the environment's tool call ends with {env.call_end!r}, which encodes to {list(call_end)}; "
+                             f"it must be one of SamplingConfig.stop_sequences {sampling.stop_sequences} (or, as one "
+                             f"token, of stop_ids {sampling.stop_ids}), so that the sampler stops a turn at the call")
         if config.token_budget > min(sampler.max_new_tokens, sampling.max_new_tokens):
             raise ValueError(f"EpisodeConfig.token_budget={config.token_budget} exceeds max_new_tokens (sampler "
                              f"{sampler.max_new_tokens}, sampling {sampling.max_new_tokens}): an episode must fit a row")

@@ -89,12 +89,27 @@ def decode_state_shardings(state: DecodeState, sharding: ActivationSharding) -> 
     )
 
 
+def _ends_with_stop_sequence(responses: Int[Array, "b n"], num_generated: Int[Array, " b"],
+                             stop_table: Int[Array, "s l"]) -> Bool[Array, " b"]:
+    """Whether each row's response (its first `num_generated` tokens) ends with one of the stop sequences."""
+    longest = stop_table.shape[1]
+    columns = num_generated[:, None] - longest + jnp.arange(longest)[None, :]  # b l: the response's last l tokens
+    last = jnp.take_along_axis(responses, jnp.clip(columns, 0, responses.shape[1] - 1), axis=1)
+    last = jnp.where(columns >= 0, last, -2)  # before the response: matches no token (padding is -1)
+    matches = (last[:, None, :] == stop_table[None]) | (stop_table[None] < 0)  # b s l
+    return jnp.any(jnp.all(matches, axis=-1), axis=-1)
+
+
 def _finish_codes(
-    tokens: Int[Array, " b"], num_generated: Int[Array, " b"], budget: Int[Array, " b"], sampling: SamplingArrays
+    tokens: Int[Array, " b"], num_generated: Int[Array, " b"], budget: Int[Array, " b"], sampling: SamplingArrays,
+    responses: Int[Array, "b n"],
 ) -> Int[Array, " b"]:
-    """Finish code after sampling `tokens` as the num_generated-th response token (EOS > stop > length)."""
+    """Finish code after sampling `tokens` as the num_generated-th response token (EOS > stop > length);
+    `responses` holds the response tokens so far, `tokens` included."""
     eos = tokens == sampling.eos_id
     stop = jnp.asarray(sampling.is_stop)[tokens]
+    if sampling.stop_table is not None:
+        stop = stop | _ends_with_stop_sequence(responses, num_generated, jnp.asarray(sampling.stop_table))
     length = num_generated >= budget
     return jnp.where(eos, EOS_CODE, jnp.where(stop, STOP_CODE, jnp.where(length, LENGTH_CODE, RUNNING_CODE)))
 
@@ -110,13 +125,14 @@ def record_tokens(
     # finished rows point past the buffer, so the scatter drops their write
     column = jnp.where(active, state.num_generated, state.tokens.shape[1])
     num_generated = state.num_generated + active.astype(jnp.int32)
-    finish = jnp.where(active, _finish_codes(tokens, num_generated, state.budget, sampling), state.finish)
+    responses = state.tokens.at[rows, column].set(tokens, mode="drop")
+    finish = jnp.where(active, _finish_codes(tokens, num_generated, state.budget, sampling, responses), state.finish)
     return state.replace(
         last_token=jnp.where(active, tokens, state.last_token),
         num_generated=num_generated,
         done=state.done | (finish != RUNNING_CODE),
         finish=finish,
-        tokens=state.tokens.at[rows, column].set(tokens, mode="drop"),
+        tokens=responses,
         logprobs=state.logprobs.at[rows, column].set(logprobs, mode="drop"),
     )
 

@@ -31,6 +31,9 @@ class SamplingConfig:
       temperature-scaled distribution, see `filter_logits`.
     * `greedy`: argmax instead of sampling; behaviour log-probs are then those of temperature 1.
     * `stop_ids`: tokens that end a sequence (finish reason `stop`); the stop token is kept in the response.
+    * `stop_sequences`: token sequences that end a sequence when its response ends with one (finish reason
+      `stop`, the sequence kept), e.g. a closing tag the tokenizer splits into several tokens. Matched on token
+      ids: the tag must be generated as the tokenizer encodes it alone.
     * `eos_id`: end-of-sequence token (finish reason `eos`); None takes the model config's `eos_token_id`.
     * `ignore_eos`: never stop on EOS (benchmarks that need exact lengths).
     """
@@ -42,6 +45,7 @@ class SamplingConfig:
     min_p: float = 0.0
     greedy: bool = False
     stop_ids: tuple[int, ...] = ()
+    stop_sequences: tuple[tuple[int, ...], ...] = ()
     eos_id: int | None = None
     ignore_eos: bool = False
 
@@ -66,6 +70,17 @@ class SamplingConfig:
             if isinstance(token, bool) or not isinstance(token, int | np.integer) or token < 0:
                 raise ValueError(f"SamplingConfig.stop_ids must hold token ids >= 0, got {token!r} in {stop_ids}")
         object.__setattr__(self, "stop_ids", tuple(int(t) for t in stop_ids))
+        if isinstance(self.stop_sequences, str | int) or not isinstance(self.stop_sequences, Sequence):
+            raise ValueError(f"SamplingConfig.stop_sequences must be a sequence of token-id sequences, got "
+                             f"{self.stop_sequences!r}")
+        sequences = []
+        for sequence in self.stop_sequences:
+            if (isinstance(sequence, str | int) or not isinstance(sequence, Sequence) or not sequence
+                    or any(isinstance(t, bool) or not isinstance(t, int | np.integer) or t < 0 for t in sequence)):
+                raise ValueError(f"SamplingConfig.stop_sequences must hold non-empty sequences of token ids >= 0, got "
+                                 f"{sequence!r} in {self.stop_sequences!r}")
+            sequences.append(tuple(int(t) for t in sequence))
+        object.__setattr__(self, "stop_sequences", tuple(sequences))
         if self.eos_id is not None and (isinstance(self.eos_id, bool) or not isinstance(self.eos_id, int) or self.eos_id < 0):
             raise ValueError(f"SamplingConfig.eos_id must be None or a token id >= 0, got {self.eos_id!r}")
 
@@ -82,6 +97,8 @@ class SamplingArrays:
     min_p: Float[Array, ""]
     eos_id: Int[Array, ""]  # -1 when no token ends a sequence as EOS
     is_stop: Bool[Array, " v"]
+    # multi-token stop sequences, right-aligned and left-padded with -1: [n, longest] (None without any)
+    stop_table: Int[Array, "n l"] | None
     greedy: bool = flax.struct.field(pytree_node=False)
     top_k: int = flax.struct.field(pytree_node=False)
     filter_top_p: bool = flax.struct.field(pytree_node=False)
@@ -100,12 +117,25 @@ def sampling_arrays(sampling: SamplingConfig, *, vocab_size: int, default_eos_id
         if token >= vocab_size:
             raise ValueError(f"SamplingConfig.stop_ids: {token} is outside the vocabulary [0, {vocab_size})")
         is_stop[token] = True
+    stop_table = None
+    longer = [sequence for sequence in sampling.stop_sequences if len(sequence) > 1]
+    for sequence in sampling.stop_sequences:
+        if max(sequence) >= vocab_size:
+            raise ValueError(f"SamplingConfig.stop_sequences: {sequence} holds a token outside the vocabulary "
+                             f"[0, {vocab_size})")
+        if len(sequence) == 1:  # one token: the same as a stop id
+            is_stop[sequence[0]] = True
+    if longer:
+        stop_table = np.full((len(longer), max(map(len, longer))), -1, np.int32)
+        for row, sequence in enumerate(longer):
+            stop_table[row, stop_table.shape[1] - len(sequence):] = sequence
     return SamplingArrays(
         temperature=np.float32(1.0 if sampling.greedy else sampling.temperature),
         top_p=np.float32(sampling.top_p),
         min_p=np.float32(sampling.min_p),
         eos_id=np.int32(-1 if eos is None else eos),
         is_stop=is_stop,
+        stop_table=stop_table,
         greedy=sampling.greedy,
         top_k=0 if sampling.top_k >= vocab_size else sampling.top_k,
         filter_top_p=sampling.top_p < 1.0,

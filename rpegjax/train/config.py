@@ -186,7 +186,7 @@ class RolloutSection:
     chunk_steps: int = 8
     # multi-turn rollouts with a tool (`rpegjax.envs`): the environment, model turns per episode, response
     # tokens per episode (model and tool; None: max_new_tokens), the tool tags to use instead of the
-    # environment's (call start, call end, result start, result end: the call end must be one token) and the
+    # environment's (call start, call end, result start, result end) and the
     # Python sandbox's network isolation
     env: EnvironmentName = EnvironmentName.NONE
     max_turns: int = 4

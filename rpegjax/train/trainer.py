@@ -87,8 +87,8 @@ def make_programs(parts: Components, rewards: RewardRunner) -> StagePrograms:
     if parts.environment is not None:
         tokenizer, env = parts.tokenizer, parts.environment
         call_end = tokenizer.encode(env.call_end)
-        # a turn stops at the tool call's end (EpisodeRunner refuses a call end that is not one token)
-        sampling = sampling.replace(stop_ids=tuple(call_end) if len(call_end) == 1 else ())
+        # a turn stops at the tool call's end, one token or several
+        sampling = sampling.replace(stop_sequences=(tuple(call_end),))
         ends = {*tokenizer.eos_ids, tokenizer.pad_id}
 
         def decode_turn(ids) -> str:  # tool tags may be special tokens: keep them, drop end-of-sequence and padding

@@ -129,9 +129,12 @@ def test_other_slots_keep_decoding_while_a_tool_runs(sampler, scripted_model):
 
 def test_bad_tool_tag_or_budget_is_refused(sampler):
     env = calculator_environment(instructions="", call_end="</tool>")
-    with pytest.raises(ValueError, match="must be one token and one of SamplingConfig.stop_ids"):
+    with pytest.raises(ValueError, match="must be one of SamplingConfig.stop_sequences"):
         EpisodeRunner(sampler, env, SAMPLING.replace(stop_ids=()), EpisodeConfig(token_budget=8), render=render,
                       encode=encode, decode=decode)
+    as_sequence = SAMPLING.replace(stop_ids=(), stop_sequences=((IDS["</tool>"],),))
+    EpisodeRunner(sampler, env, as_sequence, EpisodeConfig(token_budget=8), render=render, encode=encode,
+                  decode=decode)  # the call end as a stop sequence is accepted
     with pytest.raises(ValueError, match="token_budget=30 exceeds max_new_tokens"):
         EpisodeRunner(sampler, env, SAMPLING, EpisodeConfig(token_budget=30), render=render, encode=encode,
                       decode=decode)

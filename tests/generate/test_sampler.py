@@ -5,7 +5,7 @@ import torch
 import transformers
 from flax import nnx
 
-from rpegjax.generate import FinishReason, Sampler, SamplingConfig, stack_completions
+from rpegjax.generate import CacheConfig, FinishReason, Sampler, SamplingConfig, stack_completions
 from rpegjax.models import ModelConfig
 from rpegjax.models.hf import load_pretrained
 from rpegjax.models.logprobs import token_logprobs
@@ -183,6 +183,35 @@ def test_eos_and_stop_ids_end_each_row_where_they_first_appear(sampler, tiny_spl
         np.testing.assert_allclose(after.behaviour_logprobs, before.behaviour_logprobs[: after.length], atol=1e-6)
     assert stopped[0].finish_reason == FinishReason.EOS and stopped[0].length <= 3
     assert stopped[1].finish_reason in (FinishReason.EOS, FinishReason.STOP) and stopped[1].length <= 6
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_stop_sequences_end_each_row_where_its_response_first_ends_with_one(layout, sampler, tiny_cfg, tiny_split,
+                                                                            reference):
+    """Multi-token stops (a closing tag split into several tokens): the stopped run is the free run cut right
+    after the first place where the response ends with a stop sequence; EOS and one-token stops still apply."""
+    prompts, completions = reference
+    free = completions[:4]
+    first, second = free[0].response_ids.tolist(), free[2].response_ids.tolist()
+    sequences = (tuple(first[3:5]), tuple(second[1:4]))  # 2 and 3 tokens, from two different rows' responses
+    config = FILTERED.replace(stop_sequences=sequences)
+    if layout == "paged":
+        sampler = Sampler(tiny_cfg, tiny_split[0], num_slots=4, max_prompt_len=8, max_new_tokens=12, chunk_steps=3,
+                          window_step=8, cache=CacheConfig.paged(page_size=4))
+    stopped = sampler.generate(tiny_split[1], prompts[:2], config, group_size=2, key=jax.random.key(3),
+                               budgets=BUDGETS[:2])
+    cuts = []
+    for before, after in zip(free, stopped, strict=True):
+        ids = before.response_ids.tolist()
+        cut = next((i for i in range(len(ids)) for seq in sequences
+                    if i + 1 >= len(seq) and tuple(ids[i + 1 - len(seq): i + 1]) == seq), None)
+        cuts.append(cut)
+        if cut is None:
+            assert after.response_ids.tolist() == ids and after.finish_reason == FinishReason.LENGTH
+        else:
+            assert after.response_ids.tolist() == ids[: cut + 1] and after.finish_reason == FinishReason.STOP
+        np.testing.assert_allclose(after.behaviour_logprobs, before.behaviour_logprobs[: after.length], atol=1e-6)
+    assert cuts[0] is not None and cuts[0] <= 4 and cuts[2] is not None and cuts[2] <= 3  # both sequences stopped
 
 
 def test_same_key_same_samples_other_key_other_samples(sampler, tiny_split, reference):

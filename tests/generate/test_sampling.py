@@ -24,6 +24,10 @@ from rpegjax.generate.sampling import SamplingConfig, filter_logits, row_step_ke
         (dict(min_p=-0.1), "min_p"),
         (dict(stop_ids=5), "stop_ids"),
         (dict(stop_ids=(3, -1)), "stop_ids"),
+        (dict(stop_sequences=(3, 4)), "stop_sequences"),
+        (dict(stop_sequences=((),)), "stop_sequences"),
+        (dict(stop_sequences=((3, -1),)), "stop_sequences"),
+        (dict(stop_sequences="</tool>"), "stop_sequences"),
         (dict(eos_id=-2), "eos_id"),
     ],
 )
@@ -165,3 +169,14 @@ def test_row_keys_depend_only_on_prompt_sample_and_step():
     data_a, data_b = np.asarray(jax.random.key_data(a)), np.asarray(jax.random.key_data(b))
     np.testing.assert_array_equal(data_a[[0, 2, 1]], data_b[[1, 0, 2]])
     assert len({tuple(np.asarray(row)) for row in data_a}) == 3
+
+
+def test_stop_sequences_become_a_right_aligned_table_and_single_tokens_stop_ids():
+    config = SamplingConfig(max_new_tokens=4, stop_sequences=[[5, 6, 7], (2,), [1, 3]])
+    assert config.stop_sequences == ((5, 6, 7), (2,), (1, 3))
+    arrays = sampling_arrays(config, vocab_size=8, default_eos_id=None)
+    np.testing.assert_array_equal(arrays.stop_table, [[5, 6, 7], [-1, 1, 3]])
+    np.testing.assert_array_equal(np.flatnonzero(arrays.is_stop), [2])
+    assert sampling_arrays(SamplingConfig(max_new_tokens=4), vocab_size=8, default_eos_id=None).stop_table is None
+    with pytest.raises(ValueError, match=r"stop_sequences: \(1, 9\) holds a token outside the vocabulary"):
+        sampling_arrays(config.replace(stop_sequences=((1, 9),)), vocab_size=8, default_eos_id=None)
