@@ -14,6 +14,7 @@ import sys
 
 from rpegjax.generate.sampling import SamplingConfig
 from rpegjax.train.evaluation import generate_answers, mean_pass_at_k
+from rpegjax.train.trainer import episode_runner
 
 
 def main(argv: list[str]) -> int:
@@ -57,7 +58,9 @@ def main(argv: list[str]) -> int:
                                           log=say)
         examples = parts.eval_examples
         prompts = parts.prompt_ids(examples)
-        common = dict(is_correct=parts.task.is_correct, decode=parts.decode)
+        # a run with a tool environment answers in episodes (model turns and tool calls), as it trained
+        episodes = episode_runner(parts, SamplingConfig(max_new_tokens=parts.cfg.rollout.max_new_tokens))
+        common = dict(is_correct=parts.task.is_correct, decode=parts.decode, episodes=episodes)
         max_new = parts.cfg.rollout.max_new_tokens
         greedy = generate_answers(parts.sampler, params, examples, prompts, **common,
                                   sampling=SamplingConfig(max_new_tokens=max_new, greedy=True))

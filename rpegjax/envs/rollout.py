@@ -141,6 +141,13 @@ class EpisodeRunner:
         self.render, self.encode, self.decode = render, encode, decode
         self.trace = trace
 
+    def with_sampling(self, sampling: SamplingConfig) -> EpisodeRunner:
+        """This runner decoding with `sampling` (e.g. greedy, for evaluation), its turns still stopping at the
+        tool call's closing tag."""
+        sampling = sampling.replace(stop_ids=self.sampling.stop_ids, stop_sequences=self.sampling.stop_sequences)
+        return EpisodeRunner(self.sampler, self.env, sampling, self.config, render=self.render, encode=self.encode,
+                             decode=self.decode, trace=self.trace)
+
     def run(self, params, examples: Sequence[Example], *, group_size: int, key: jax.Array,
             version: int | None = None) -> Iterator[Episode]:
         """Yields every episode (group_size per example) as it finishes; `Episode.completion.prompt_index` is the

@@ -1,5 +1,6 @@
 """Held-out evaluation: greedy accuracy and pass@k of a policy on evaluation examples, checked by the task's
-verifier."""
+verifier. A run with a tool environment is evaluated as it trains: each answer is an episode (model turns and
+tool calls, `rpegjax.envs.rollout`), judged on its last model turn (or by the environment's reward, >= 1 correct)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 import jax
 
 from rpegjax.data.example import Example
+from rpegjax.envs.rollout import EpisodeRunner
 from rpegjax.generate.sampler import Sampler
 from rpegjax.generate.sampling import SamplingConfig
 
@@ -43,11 +45,23 @@ def generate_answers(
     sampling: SamplingConfig,
     samples_per_example: int = 1,
     seed: int = 0,
+    episodes: EpisodeRunner | None = None,
 ) -> list[list[Answer]]:
-    """`samples_per_example` completions of every example (outer list in the order of `examples`), verified."""
-    completions = sampler.generate(params, prompt_ids, sampling, group_size=samples_per_example,
-                                   key=jax.random.key(seed))
+    """`samples_per_example` completions of every example (outer list in the order of `examples`), verified.
+    With `episodes` (the run's multi-turn driver) every completion is an episode decoded with `sampling`: its
+    response is the whole transcript (turns and tool output), its verdict the last model turn's."""
+    key = jax.random.key(seed)
     answers: list[list[Answer]] = [[] for _ in examples]
+    if episodes is not None:
+        finished = episodes.with_sampling(sampling).run(params, examples, group_size=samples_per_example, key=key)
+        for episode in sorted(finished, key=lambda e: e.completion.order):
+            completion, example = episode.completion, examples[episode.completion.prompt_index]
+            correct = (episode.reward >= 1.0 if episode.reward is not None
+                       else _verdict(is_correct, episode.final_text, example))
+            answers[completion.prompt_index].append(
+                Answer(example, decode(completion.response_ids), correct, str(episode.finish)))
+        return answers
+    completions = sampler.generate(params, prompt_ids, sampling, group_size=samples_per_example, key=key)
     for completion in sorted(completions, key=lambda c: c.order):
         example = examples[completion.prompt_index]
         text = decode(completion.response_ids)
@@ -65,10 +79,11 @@ def evaluate_accuracy(
     is_correct: Callable[[str, Example], bool],
     decode: Callable[[Sequence[int]], str],
     max_new_tokens: int,
+    episodes: EpisodeRunner | None = None,
 ) -> tuple[float, list[Answer]]:
-    """Fraction of `examples` whose greedy completion verifies, and the answer to each example."""
+    """Fraction of `examples` whose greedy completion (or episode) verifies, and the answer to each example."""
     answers = generate_answers(sampler, params, examples, prompt_ids, is_correct=is_correct, decode=decode,
-                               sampling=SamplingConfig(max_new_tokens=max_new_tokens, greedy=True))
+                               sampling=SamplingConfig(max_new_tokens=max_new_tokens, greedy=True), episodes=episodes)
     flat = [group[0] for group in answers]
     return sum(a.correct for a in flat) / max(len(flat), 1), flat
 

@@ -79,33 +79,37 @@ def _write_atomically(path: pathlib.Path, text: str) -> None:
         staging.unlink(missing_ok=True)
 
 
+def episode_runner(parts: Components, sampling: SamplingConfig) -> EpisodeRunner | None:
+    """The multi-turn driver of the run's tool environment decoding with `sampling` (its turns stop at the tool
+    call's closing tag, one token or several); None for a run without an environment."""
+    if parts.environment is None:
+        return None
+    cfg, tokenizer, env = parts.cfg, parts.tokenizer, parts.environment
+    sampling = sampling.replace(stop_sequences=(tuple(tokenizer.encode(env.call_end)),))
+    ends = {*tokenizer.eos_ids, tokenizer.pad_id}
+
+    def decode_turn(ids) -> str:  # tool tags may be special tokens: keep them, drop end-of-sequence and padding
+        kept = [int(i) for i in ids if int(i) not in ends]
+        known = [i for i in kept if i < tokenizer.vocab_size]  # ids of a vocabulary padded past the tokenizer's
+        text = tokenizer.decode(known, skip_special_tokens=False)
+        return text if len(known) == len(kept) else text + "\ufffd"
+
+    return EpisodeRunner(
+        parts.sampler, env, sampling,
+        EpisodeConfig(max_turns=cfg.rollout.max_turns,
+                      token_budget=cfg.rollout.episode_token_budget or cfg.rollout.max_new_tokens),
+        render=parts.render_messages, encode=tokenizer.encode, decode=decode_turn)
+
+
 def make_programs(parts: Components, rewards: RewardRunner) -> StagePrograms:
     cfg = parts.cfg
     sampling = SamplingConfig(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                               top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p)
-    episodes = None
-    if parts.environment is not None:
-        tokenizer, env = parts.tokenizer, parts.environment
-        call_end = tokenizer.encode(env.call_end)
-        # a turn stops at the tool call's end, one token or several
-        sampling = sampling.replace(stop_sequences=(tuple(call_end),))
-        ends = {*tokenizer.eos_ids, tokenizer.pad_id}
-
-        def decode_turn(ids) -> str:  # tool tags may be special tokens: keep them, drop end-of-sequence and padding
-            kept = [int(i) for i in ids if int(i) not in ends]
-            known = [i for i in kept if i < tokenizer.vocab_size]  # ids of a vocabulary padded past the tokenizer's
-            text = tokenizer.decode(known, skip_special_tokens=False)
-            return text if len(known) == len(kept) else text + "\ufffd"
-
-        episodes = EpisodeRunner(
-            parts.sampler, env, sampling,
-            EpisodeConfig(max_turns=cfg.rollout.max_turns,
-                          token_budget=cfg.rollout.episode_token_budget or cfg.rollout.max_new_tokens),
-            render=parts.render_messages, encode=tokenizer.encode, decode=decode_turn)
+    episodes = episode_runner(parts, sampling)
     return StagePrograms(
         learner=parts.learner,
         sampler=parts.sampler,
-        sampling=sampling,
+        sampling=sampling if episodes is None else episodes.sampling,
         episodes=episodes,
         group_size=cfg.rollout.group_size,
         rewards=rewards,
@@ -139,9 +143,11 @@ class Trainer:
     def _evaluate(self, params: Any, step: int) -> float:
         """Held-out accuracy after `step` steps; its first answers go to the samples."""
         parts = self.parts
+        max_new = self.cfg.rollout.max_new_tokens
         accuracy, answers = evaluate_accuracy(
             parts.sampler, params, parts.eval_examples, parts.prompt_ids(parts.eval_examples),
-            is_correct=parts.task.is_correct, decode=parts.decode, max_new_tokens=self.cfg.rollout.max_new_tokens)
+            is_correct=parts.task.is_correct, decode=parts.decode, max_new_tokens=max_new,
+            episodes=episode_runner(parts, SamplingConfig(max_new_tokens=max_new, greedy=True)))
         self._record_samples(step, evaluation_samples(step, answers, self.cfg.train.samples_per_step), console=False)
         return accuracy
 

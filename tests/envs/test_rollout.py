@@ -173,3 +173,22 @@ def test_rollout_stage_trains_on_episodes_with_tool_tokens_masked(sampler, scrip
     wrong = task.reward("A:5", examples[1])
     assert wrong < 1.0
     np.testing.assert_array_equal(np.concatenate(scores), np.array([1.0, 1.0, wrong, wrong], np.float32))
+
+
+def test_held_out_evaluation_of_a_tool_run_answers_in_episodes(sampler, scripted_model):
+    """Evaluation decodes greedily through the episode runner: the answer is the whole transcript, judged on the
+    last model turn (a single-turn evaluation would stop at the tool call and never see the result)."""
+    from rpegjax.train.evaluation import evaluate_accuracy, generate_answers
+
+    _, model = scripted_model
+    task = ArithmeticTask()
+    examples = [task.make_example(2, "+", 3), task.make_example(1, "+", 1)]  # the script answers 5 to both
+    runner = _runner(sampler)
+    accuracy, answers = evaluate_accuracy(sampler, nnx.state(model), examples, [], is_correct=task.is_correct,
+                                          decode=decode, max_new_tokens=24, episodes=runner)
+    assert accuracy == 0.5 and [a.correct for a in answers] == [True, False]
+    assert all(a.response == TWO_TURNS and a.finish_reason == EpisodeFinish.DONE for a in answers)
+    sampled = generate_answers(sampler, nnx.state(model), examples, [], is_correct=task.is_correct, decode=decode,
+                               sampling=SamplingConfig(max_new_tokens=24, temperature=1e-3), samples_per_example=2,
+                               episodes=runner)
+    assert [[a.correct for a in group] for group in sampled] == [[True, True], [False, False]]
