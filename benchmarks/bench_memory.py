@@ -28,7 +28,8 @@ overstate a GPU's temporaries.
     python benchmarks/bench_memory.py --models 7b --tokens 4096,16384 --layouts fsdp8 [--layers 2] [--lora-rank 8]
 
 `--lora-rank r`: the model carries LoRA adapters of rank r on every projection and only they train (the
-planner's figure, for full fine-tuning, is then not shown).
+planner's figure, for full fine-tuning, is then not shown); `--lora-dropout p` adds LoRA dropout to the update's
+forward (the log-prob stages never drop).
 """
 
 from __future__ import annotations
@@ -125,7 +126,7 @@ def measure(size: str, layout_name: str, tokens: int, programs: list[str], args)
     parallel = LAYOUTS[layout_name]
     mesh = make_mesh(parallel)
     rows = mesh.devices.size // parallel.get("tensor", 1) * args.rows_per_device
-    lora = LoRAConfig(rank=args.lora_rank) if args.lora_rank else None
+    lora = LoRAConfig(rank=args.lora_rank, dropout=args.lora_dropout) if args.lora_rank else None
     model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0), lora=lora))
     grpo = GRPOConfig(group_size=rows, clip_low=0.2, clip_high=0.2, kl_coef=0.04, kl_kind="k3",
                       logprob_chunk_size=args.logprob_chunk, length_bucket=args.bucket or None,
@@ -173,7 +174,9 @@ def measure(size: str, layout_name: str, tokens: int, programs: list[str], args)
             estimate = (forward_fixed_bytes(cfg, tensor=tensor)
                         + per_device * forward_bytes_per_row(cfg, length, logprob_chunk=args.logprob_chunk))
             ran += f"; estimate {estimate / GIB:.2f}"
-        row = dict(model=size + (f" +LoRA r{args.lora_rank}" if args.lora_rank else ""), layers=cfg.num_layers, layout="1 device" if program == "grad" else layout_name, tokens=tokens,
+        name = size + (f" +LoRA r{args.lora_rank}" if args.lora_rank else "") + (
+            f" dropout {args.lora_dropout:g}" if args.lora_rank and args.lora_dropout else "")
+        row = dict(model=name, layers=cfg.num_layers, layout="1 device" if program == "grad" else layout_name, tokens=tokens,
                    ran=ran, program=program, compile_s=seconds, **analysis(compiled))
         # the planner's figure is for one full-length row per data shard, the whole model
         if (not args.lora_rank and cfg.num_layers == ModelConfig.qwen2p5(size).num_layers and program != "grad" and args.rows_per_device == 1
@@ -225,7 +228,10 @@ def main() -> None:
     parser.add_argument("--bucket", type=int, default=0, help="length bucket: rows trimmed to --longest rounded up (0: off)")
     parser.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank on every projection, only "
                         "they trained (0: full fine-tuning)")
+    parser.add_argument("--lora-dropout", type=float, default=0.0, help="LoRA dropout in the update's forward")
     args = parser.parse_args()
+    if args.lora_dropout and not args.lora_rank:
+        parser.error("--lora-dropout needs --lora-rank")
     programs = args.programs.split(",")
     for name in args.layouts.split(","):
         if name not in LAYOUTS:

@@ -22,7 +22,7 @@ from rpegjax.learners.advantages import AdvantageKind, compute_advantages
 from rpegjax.learners.batch import TrainBatch
 from rpegjax.learners.objective import PolicyConfig, PolicyUpdates, policy_denominators, policy_objective
 from rpegjax.learners.optim import make_optimizer, make_schedule
-from rpegjax.learners.placement import ModelPlacement, Params, has_adapters, jit_with_shardings
+from rpegjax.learners.placement import ModelPlacement, Params, has_adapters, has_dropout, jit_with_shardings
 from rpegjax.learners.scoring import score_sequences
 from rpegjax.learners.trainable import join_frozen, split_trainable
 from rpegjax.learners.update import (
@@ -81,12 +81,14 @@ class GRPOConfig(PolicyConfig):
 
 class GRPOLearner(PolicyUpdates):
     """Holds the jitted functions of one policy model; the state they transform lives outside.
-    Implements `rpegjax.learners.protocol.Learner` (no critic: `values_fn` is None)."""
+    Implements `rpegjax.learners.protocol.Learner` (no critic: `values_fn` is None). `seed`: of the update's random
+    draws, the LoRA dropout masks of a model with adapter dropout (`rpegjax.learners.update`)."""
 
     values_fn = None
     logprobs_and_values_fn = None
 
-    def __init__(self, cfg: GRPOConfig, model: Decoder, *, mesh: Mesh | None = None, rules: ShardingRules | None = None):
+    def __init__(self, cfg: GRPOConfig, model: Decoder, *, mesh: Mesh | None = None, rules: ShardingRules | None = None,
+                 seed: int = 0):
         self.cfg = cfg
         self.model_cfg = model.cfg
         self.placement, params = ModelPlacement.split(model, mesh, rules)
@@ -104,9 +106,11 @@ class GRPOLearner(PolicyUpdates):
         def counted_update(state: TrainState, frozen: Params, batch: TrainBatch) -> tuple[TrainState, Metrics]:
             self.update_traces += 1
             update = make_update(
-                lambda params, micro, denominators: self._loss(join_frozen(params, frozen), micro, denominators),
+                lambda params, micro, denominators, key: self._loss(join_frozen(params, frozen), micro, denominators,
+                                                                    key),
                 lambda batch: policy_denominators(cfg, batch), self.optimizer, cfg.layout,
                 learning_rate_fn=make_schedule(cfg.optimizer), micro_batch_sharding=placement.rows,
+                seed=seed if has_dropout(placement.lora) else None,
             )
             return update(state, batch)
 
@@ -126,11 +130,11 @@ class GRPOLearner(PolicyUpdates):
         )
 
     # ---- pure functions (jitted above) -------------------------------------------------------
-    def _loss(self, params: Params, batch: TrainBatch, denominators) -> tuple[Array, Metrics]:
+    def _loss(self, params: Params, batch: TrainBatch, denominators, dropout_key=None) -> tuple[Array, Metrics]:
         cfg = self.cfg
         scores = score_sequences(
             self.placement.merge(params), batch.tokens, batch.token_mask, chunk_size=cfg.logprob_chunk_size,
-            temperature=cfg.temperature, with_entropy=True, sharding=self.placement.activations,
+            temperature=cfg.temperature, with_entropy=True, sharding=self.placement.activations, dropout_key=dropout_key,
         )
         return policy_objective(cfg, scores.logprobs, scores.entropy, batch, denominators)
 

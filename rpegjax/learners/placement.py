@@ -80,6 +80,11 @@ def has_adapters(params: Params) -> bool:
     return any(isinstance(variable, LoRAParam) for _, variable in nnx.to_flat_state(params))
 
 
+def has_dropout(lora: LoRAConfig | None) -> bool:
+    """Whether a model with adapters `lora` (None: none) draws LoRA dropout masks in its training forward."""
+    return lora is not None and lora.dropout > 0
+
+
 def jit_with_shardings(fn, in_shardings, out_shardings, *, mesh: Mesh | None, donate_argnums=()) -> Any:
     """`jax.jit` with explicit shardings on a mesh, plain `jax.jit` without one."""
     if mesh is None:

@@ -27,7 +27,7 @@ from rpegjax.learners.batch import TrainBatch
 from rpegjax.learners.losses import aggregation_denominator, kl_penalty, value_loss
 from rpegjax.learners.objective import PolicyConfig, PolicyUpdates, policy_denominators, policy_objective, update_inputs
 from rpegjax.learners.optim import OptimizerConfig, make_optimizer, make_schedule
-from rpegjax.learners.placement import ModelPlacement, Params, has_adapters, jit_with_shardings
+from rpegjax.learners.placement import ModelPlacement, Params, has_adapters, has_dropout, jit_with_shardings
 from rpegjax.learners.scoring import score_sequences
 from rpegjax.learners.trainable import join_frozen, split_trainable
 from rpegjax.learners.update import (
@@ -83,7 +83,8 @@ class PPOConfig(PolicyConfig):
 
 class PPOLearner(PolicyUpdates):
     """Jitted PPO functions for an actor and a critic (separate model or the actor's own value head).
-    Implements `rpegjax.learners.protocol.Learner`: its parameters are `{"actor": ..., "critic": ...?}`."""
+    Implements `rpegjax.learners.protocol.Learner`: its parameters are `{"actor": ..., "critic": ...?}`. `seed`: of the
+    update's random draws, the LoRA dropout masks of an actor with adapter dropout (`rpegjax.learners.update`)."""
 
     def __init__(
         self,
@@ -93,6 +94,7 @@ class PPOLearner(PolicyUpdates):
         *,
         mesh: Mesh | None = None,
         rules: ShardingRules | None = None,
+        seed: int = 0,
     ):
         if cfg.critic == CriticMode.SHARED:
             if critic is not None:
@@ -133,9 +135,11 @@ class PPOLearner(PolicyUpdates):
         def counted_update(state: TrainState, frozen: Params, batch: TrainBatch) -> tuple[TrainState, Metrics]:
             self.update_traces += 1
             update = make_update(
-                lambda params, micro, denominators: self._loss(join_frozen(params, frozen), micro, denominators),
+                lambda params, micro, denominators, key: self._loss(join_frozen(params, frozen), micro, denominators,
+                                                                    key),
                 self._denominators, self.optimizer, cfg.layout,
                 learning_rate_fn=make_schedule(cfg.optimizer), micro_batch_sharding=rows,
+                seed=seed if has_dropout(self.actor.lora) else None,
             )
             return update(state, batch)
 
@@ -159,13 +163,14 @@ class PPOLearner(PolicyUpdates):
     def _denominators(self, batch: TrainBatch):
         return dict(policy_denominators(self.cfg, batch), value=aggregation_denominator(batch.response_mask, self.cfg.aggregation))
 
-    def _loss(self, params: Params, batch: TrainBatch, denominators) -> tuple[Array, Metrics]:
+    def _loss(self, params: Params, batch: TrainBatch, denominators, dropout_key=None) -> tuple[Array, Metrics]:
+        """`dropout_key`: the actor's LoRA dropout (with a shared critic its values come from that same forward)."""
         cfg = self.cfg
         shared = cfg.critic == CriticMode.SHARED
         scores = score_sequences(
             self.actor.merge(params["actor"]), batch.tokens, batch.token_mask, chunk_size=cfg.logprob_chunk_size,
             temperature=cfg.temperature, with_entropy=True, with_values=shared,
-            sharding=self.actor.activations,
+            sharding=self.actor.activations, dropout_key=dropout_key,
         )
         loss, metrics = policy_objective(cfg, scores.logprobs, scores.entropy, batch, denominators)
         values = scores.values if shared else self._critic_values(params["critic"], batch.tokens, batch.token_mask)

@@ -37,11 +37,13 @@ def score_sequences(
     with_entropy: bool = False,
     with_values: bool = False,
     sharding: ActivationSharding | None = None,
+    dropout_key: Array | None = None,
 ) -> SequenceScores:
     """Log-probs (and optionally entropies and values) of every token from one forward pass.
 
     The log-softmax is computed `chunk_size` positions at a time so that [b, t, v] float32 logits
-    are never materialised (`rpegjax.models.logprobs.logprobs_from_hidden`).
+    are never materialised (`rpegjax.models.logprobs.logprobs_from_hidden`). `dropout_key`: the training
+    forward's LoRA dropout key (`Decoder.hidden_states`); None everywhere else.
     """
     if tokens.shape != token_mask.shape:
         raise ValueError(f"score_sequences: tokens {tokens.shape} and token_mask {token_mask.shape} differ in shape")
@@ -49,7 +51,7 @@ def score_sequences(
         raise ValueError("score_sequences: with_entropy needs with_logprobs")
     token_mask = token_mask.astype(bool)
     positions = default_positions(tokens, token_mask)
-    hidden, _ = model.hidden_states(tokens, positions, mask=token_mask, sharding=sharding)
+    hidden, _ = model.hidden_states(tokens, positions, mask=token_mask, sharding=sharding, dropout_key=dropout_key)
     # the first token is never scored (nothing precedes it), so index 0 is masked out too
     scored = token_mask.at[:, 0].set(False)
 

@@ -15,6 +15,11 @@ does not depend on the mesh, so a sharded update computes exactly what an unshar
 Losses are normalised by denominators computed over the whole mini-batch (see
 `rpegjax.learners.losses.aggregate`), so the summed micro-batch gradients equal the mini-batch
 gradient exactly, up to float rounding.
+
+Random draws of the training forward (LoRA dropout): with a `seed`, micro-batch u of the optimiser step
+with state.step = n gets the key fold_in(fold_in(key(seed), n), u). It depends on the step count the state
+carries, not on the call, so a resumed run draws what an uninterrupted one does, and not on the mesh (JAX's
+partitionable threefry), so a sharded update draws the masks an unsharded one does.
 """
 
 from __future__ import annotations
@@ -36,8 +41,9 @@ from rpegjax.sharding.rules import ShardingRules, logical_to_spec
 
 Params = Any
 Metrics = dict[str, Array]
-# loss(params, micro-batch, denominators) -> (loss, metrics); denominators come from `DenominatorFn`
-LossFn = Callable[[Params, TrainBatch, Any], tuple[Array, Metrics]]
+# loss(params, micro-batch, denominators, key) -> (loss, metrics); denominators come from `DenominatorFn`, key is the
+# micro-batch's random key (None when the update has no seed)
+LossFn = Callable[[Params, TrainBatch, Any, Array | None], tuple[Array, Metrics]]
 DenominatorFn = Callable[[TrainBatch], Any]
 
 
@@ -104,16 +110,21 @@ def _combine(metrics: Metrics, *, additive: bool = False) -> Metrics:
 
 
 def accumulate_gradients(
-    loss_fn: LossFn, params: Params, micro_batches: TrainBatch, denominators: Any
+    loss_fn: LossFn, params: Params, micro_batches: TrainBatch, denominators: Any, key: Array | None = None
 ) -> tuple[Params, Array, Metrics]:
-    """Sum over the leading (micro-batch) axis of grad loss_fn; returns (gradients, summed loss, metrics)."""
+    """Sum over the leading (micro-batch) axis of grad loss_fn; returns (gradients, summed loss, metrics).
+    Micro-batch u's loss gets the key fold_in(key, u) (None without a key)."""
 
     def micro_step(total, micro):
-        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, micro, denominators)
+        micro, index = micro
+        micro_key = None if key is None else jax.random.fold_in(key, index)
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, micro, denominators, micro_key)
         return jax.tree.map(jnp.add, total, grads), (loss, metrics)
 
     zeros = jax.tree.map(jnp.zeros_like, params)
-    grads, (losses, metrics) = jax.lax.scan(micro_step, zeros, micro_batches)
+    count = jax.tree.leaves(micro_batches)[0].shape[0]
+    indices = None if key is None else jnp.arange(count, dtype=jnp.uint32)
+    grads, (losses, metrics) = jax.lax.scan(micro_step, zeros, (micro_batches, indices))
     return grads, jnp.sum(losses), _combine(metrics, additive=True)
 
 
@@ -125,16 +136,20 @@ def make_update(
     *,
     learning_rate_fn: Callable[[Array], Array] | None = None,
     micro_batch_sharding: NamedSharding | None = None,
+    seed: int | None = None,
 ) -> Callable[[TrainState, TrainBatch], tuple[TrainState, Metrics]]:
     """The pure `update(state, batch) -> (state, metrics)` to jit; metrics are averaged over optimiser
-    steps (max/min for `*_max`/`*_min`) and include loss, grad_norm (before clipping) and learning_rate."""
+    steps (max/min for `*_max`/`*_min`) and include loss, grad_norm (before clipping) and learning_rate.
+    `seed`: the loss receives random keys drawn from it by step and micro-batch (module docstring); None:
+    the loss receives None."""
 
     def minibatch_step(state: TrainState, minibatch: TrainBatch) -> tuple[TrainState, Metrics]:
         rows = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), minibatch)
         denominators = denominator_fn(rows)
         if micro_batch_sharding is not None:
             minibatch = constrain_micro_batches(minibatch, micro_batch_sharding)
-        grads, loss, metrics = accumulate_gradients(loss_fn, state.params, minibatch, denominators)
+        key = None if seed is None else jax.random.fold_in(jax.random.key(seed), state.step)
+        grads, loss, metrics = accumulate_gradients(loss_fn, state.params, minibatch, denominators, key)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))

@@ -4,7 +4,11 @@ A targeted projection with kernel W (ours is [in..., out...], e.g. q_proj [d, h,
 
     y = x W + s * (x A) B,        s = alpha / rank,
 
-with A [in..., r] and B [r, out...]. A starts random (normal, std 1/sqrt(in)) and B at zero, so a freshly
+with A [in..., r] and B [r, out...]. In the training update's forward, with dropout p > 0 (PEFT's `lora_dropout`),
+the adapter reads an inverted-dropout copy of its input, y = x W + s * (dropout_p(x) A) B: each element kept with
+probability 1 - p and scaled by 1 / (1 - p), a fresh mask per adapter, layer, micro-batch and optimiser step drawn
+from the key the update passes down (`Decoder.hidden_states(dropout_key=)`). Without a key (log-probs, the
+reference, generation) and in merged weights there is no dropout. A starts random (normal, std 1/sqrt(in)) and B at zero, so a freshly
 adapted model computes exactly what its base does. Only A and B are trained (`LoRAParam`, a subclass of
 `nnx.Param` that filters pick out); the base weights stay frozen and serve as the reference policy with the
 adapters switched off. The merged kernel W + s * A B (`merge_adapters`) gives the same function with the base
@@ -57,6 +61,7 @@ class LoRAConfig:
     rank: int
     alpha: float = 16.0
     targets: tuple[LoRATarget, ...] = (*ATTENTION_TARGETS, *MLP_TARGETS)
+    dropout: float = 0.0  # probability of dropping an adapter input element in the training forward
 
     def __post_init__(self) -> None:
         if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
@@ -72,6 +77,8 @@ class LoRAConfig:
         if not targets or len(set(targets)) != len(targets):
             raise ValueError(f"LoRAConfig.targets must be non-empty and without repeats, got {list(self.targets)!r}")
         object.__setattr__(self, "targets", targets)
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, int | float) or not 0 <= self.dropout < 1:
+            raise ValueError(f"LoRAConfig.dropout must be a probability in [0, 1), got {self.dropout!r}")
 
     @property
     def scale(self) -> float:
@@ -97,12 +104,27 @@ class Adapter(nnx.Module):
         self.a = LoRAParam(a.astype(dtype), logical_axes=(*in_axes, None))
         self.b = LoRAParam(jnp.zeros((cfg.rank, *out_shape), dtype), logical_axes=(None, *out_axes))
         self.scale = cfg.scale
+        self.dropout = cfg.dropout
 
-    def __call__(self, x: Float[Array, "n i"], dtype: Any) -> Float[Array, "n o"]:
-        """s * (x A) B for x flattened to [n, prod(in)]; the output flattened to [n, prod(out)]."""
+    def __call__(self, x: Float[Array, "n i"], dtype: Any, dropout_key: Array | None = None) -> Float[Array, "n o"]:
+        """s * (x A) B for x flattened to [n, prod(in)]; the output flattened to [n, prod(out)]. With `dropout_key`
+        and dropout p > 0, x is replaced by x * keep / (1 - p), keep ~ Bernoulli(1 - p) per element from the key."""
         a, b = self.a.get_value().astype(dtype), self.b.get_value().astype(dtype)
         a = a.reshape(-1, a.shape[-1])
+        if dropout_key is not None and self.dropout > 0:
+            x = dropout_input(x, self.dropout, dropout_key)
         return (x @ a) @ (b.reshape(b.shape[0], -1) * jnp.asarray(self.scale, dtype))
+
+
+def dropout_input(x: Float[Array, "n i"], rate: float, key: Array) -> Float[Array, "n i"]:
+    """Inverted dropout: x * keep / (1 - rate), keep ~ Bernoulli(1 - rate) per element (in x's dtype)."""
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / jnp.asarray(1.0 - rate, x.dtype), jnp.zeros((), x.dtype))
+
+
+def target_key(layer_key: Array, target: LoRATarget) -> Array:
+    """The dropout key of one adapter from its layer's: independent masks for every target of a layer."""
+    return jax.random.fold_in(layer_key, list(LoRATarget).index(target))
 
 
 def adapter_delta(a: Array, b: Array, scale: float) -> Array:

@@ -39,7 +39,7 @@ _MODULES = {
 def peft_config(lora: LoRAConfig, *, base_model: str | None) -> dict:
     """The adapter_config.json of `lora` (PEFT's LoraConfig fields)."""
     return {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": 0.0,
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout,
         "target_modules": sorted(f"{t.value}_proj" for t in lora.targets), "bias": "none", "fan_in_fan_out": False,
         "inference_mode": True, "init_lora_weights": True, "use_rslora": False, "use_dora": False,
         "modules_to_save": None, "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {},

@@ -33,6 +33,7 @@ from rpegjax.models.lora import (
     LoRATarget,
     adapter_name,
     split_adapters,
+    target_key,
 )
 from rpegjax.sharding import axes
 from rpegjax.sharding.rules import ActivationSharding, constrain
@@ -150,11 +151,16 @@ def _add_adapters(module: nnx.Module, targets: tuple[LoRATarget, ...], lora: LoR
                                                       kernel.get_value().dtype, rngs=rngs))
 
 
-def _adapted_matmul(module: nnx.Module, name: str, x: Float[Array, "n i"], w: Array, dtype) -> Array:
-    """x W for x [n, i] and a kernel W whose leading dims hold i inputs, plus s (x A) B when `name` is adapted."""
+def _adapted_matmul(module: nnx.Module, name: str, x: Float[Array, "n i"], w: Array, dtype,
+                    dropout_key: Array | None = None) -> Array:
+    """x W for x [n, i] and a kernel W whose leading dims hold i inputs, plus s (x A) B when `name` is adapted
+    (its input under LoRA dropout when the layer's `dropout_key` is given)."""
     y = x @ w.reshape(x.shape[-1], -1)
     adapter = getattr(module, f"{name}_lora", None)
-    return y if adapter is None else y + adapter(x, dtype)
+    if adapter is None:
+        return y
+    key = None if dropout_key is None else target_key(dropout_key, LoRATarget(name.removesuffix("_proj")))
+    return y + adapter(x, dtype, key)
 
 
 class Attention(nnx.Module):
@@ -175,12 +181,12 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(e, cfg.rms_norm_eps, pdt, axes.HEAD_DIM)
         self.cfg = cfg
 
-    def _project(self, x, name: str, bias_name: str, norm_name: str | None, rope):
+    def _project(self, x, name: str, bias_name: str, norm_name: str | None, rope, dropout_key: Array | None):
         dt = self.cfg.jnp_dtype
         # 2-D matmuls: XLA's CPU backend runs [b*t, d] @ [d, h*e] several times faster than a batched einsum
         w = getattr(self, name).get_value().astype(dt)
         b, t, d = x.shape
-        y = _adapted_matmul(self, name, x.reshape(b * t, d), w, dt).reshape(b, t, *w.shape[1:])
+        y = _adapted_matmul(self, name, x.reshape(b * t, d), w, dt, dropout_key).reshape(b, t, *w.shape[1:])
         if self.cfg.attention_bias:
             y = y + getattr(self, bias_name).get_value().astype(dt)
         if self.cfg.qk_norm and norm_name is not None:
@@ -195,14 +201,16 @@ class Attention(nnx.Module):
         layer_cache: tuple[Array, Array] | None,  # this layer's cache k, v [b k T e]
         cache_offsets: Int[Array, " b"] | None,
         sharding: ActivationSharding | None,
+        dropout_key: Array | None = None,  # this layer's LoRA dropout key (training forward only)
     ) -> tuple[Float[Array, "b t d"], tuple[Array, Array] | None]:
         cfg = self.cfg
-        q = self._project(x, "q_proj", "q_bias", "q_norm", rope)
-        k = self._project(x, "k_proj", "k_bias", "k_norm", rope)
-        v = self._project(x, "v_proj", "v_bias", None, None)
+        q = self._project(x, "q_proj", "q_bias", "q_norm", rope, dropout_key)
+        k = self._project(x, "k_proj", "k_bias", "k_norm", rope, dropout_key)
+        v = self._project(x, "v_proj", "v_bias", None, None, dropout_key)
         q = constrain(q, sharding, (axes.BATCH, None, axes.HEADS, None))
         if layer_cache is None:
-            return self._output(attend(cfg.attention, cfg.attention_block_size, q, k, v, key_mask)), None
+            out = attend(cfg.attention, cfg.attention_block_size, q, k, v, key_mask)
+            return self._output(out, dropout_key), None
         if not isinstance(layer_cache, tuple):  # a cache with its own layout (paged) writes and attends itself
             out, layer_cache = layer_cache.write_and_attend(q, k, v, cache_offsets, key_mask)
             return self._output(out), layer_cache
@@ -219,10 +227,11 @@ class Attention(nnx.Module):
         out = _cached_attention(q, cache_k, cache_v, columns)
         return self._output(out), (cache_k, cache_v)
 
-    def _output(self, out: Float[Array, "b t h e"]) -> Float[Array, "b t d"]:
+    def _output(self, out: Float[Array, "b t h e"], dropout_key: Array | None = None) -> Float[Array, "b t d"]:
         o_proj = self.o_proj.get_value().astype(self.cfg.jnp_dtype)
         b, t = out.shape[:2]
-        return _adapted_matmul(self, "o_proj", out.reshape(b * t, -1), o_proj, self.cfg.jnp_dtype).reshape(b, t, -1)
+        flat = out.reshape(b * t, -1)
+        return _adapted_matmul(self, "o_proj", flat, o_proj, self.cfg.jnp_dtype, dropout_key).reshape(b, t, -1)
 
 
 def _cached_attention(
@@ -284,14 +293,16 @@ class MLP(nnx.Module):
         self.dtype = cfg.jnp_dtype
         _add_adapters(self, MLP_TARGETS, lora, dict.fromkeys(MLP_TARGETS, 1), rngs)
 
-    def __call__(self, x: Float[Array, "b t d"], sharding: ActivationSharding | None) -> Float[Array, "b t d"]:
+    def __call__(self, x: Float[Array, "b t d"], sharding: ActivationSharding | None,
+                 dropout_key: Array | None = None) -> Float[Array, "b t d"]:
         b, t, d = x.shape
+        dt, key = self.dtype, dropout_key
         flat = x.reshape(b * t, d)  # 2-D matmuls are much faster than batched ones on XLA's CPU backend
-        gate = _adapted_matmul(self, "gate_proj", flat, self.gate_proj.get_value().astype(self.dtype), self.dtype)
-        up = _adapted_matmul(self, "up_proj", flat, self.up_proj.get_value().astype(self.dtype), self.dtype)
+        gate = _adapted_matmul(self, "gate_proj", flat, self.gate_proj.get_value().astype(dt), dt, key)
+        up = _adapted_matmul(self, "up_proj", flat, self.up_proj.get_value().astype(dt), dt, key)
         hidden = constrain(swiglu(gate, up).reshape(b, t, -1), sharding, (axes.BATCH, None, axes.MLP))
-        down = self.down_proj.get_value().astype(self.dtype)
-        return _adapted_matmul(self, "down_proj", hidden.reshape(b * t, -1), down, self.dtype).reshape(b, t, d)
+        down = self.down_proj.get_value().astype(dt)
+        return _adapted_matmul(self, "down_proj", hidden.reshape(b * t, -1), down, dt, key).reshape(b, t, d)
 
 
 class Block(nnx.Module):
@@ -301,10 +312,11 @@ class Block(nnx.Module):
         self.post_attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_param_dtype)
         self.mlp = MLP(cfg, rngs=rngs, lora=lora)
 
-    def __call__(self, x, rope, key_mask, layer_cache, cache_offsets, sharding):
-        attended, new_cache = self.attention(self.input_norm(x), rope, key_mask, layer_cache, cache_offsets, sharding)
+    def __call__(self, x, rope, key_mask, layer_cache, cache_offsets, sharding, dropout_key=None):
+        attended, new_cache = self.attention(self.input_norm(x), rope, key_mask, layer_cache, cache_offsets, sharding,
+                                             dropout_key)
         x = x + attended
-        x = x + self.mlp(self.post_attention_norm(x), sharding)
+        x = x + self.mlp(self.post_attention_norm(x), sharding, dropout_key)
         return constrain(x, sharding, (axes.BATCH, None, axes.EMBED)), new_cache
 
 
@@ -336,24 +348,35 @@ class Decoder(nnx.Module):
         mask: Bool[Array, "b t"] | None = None,
         cache: KVCache | None = None,
         sharding: ActivationSharding | None = None,
+        dropout_key: Array | None = None,
     ) -> tuple[Float[Array, "b t d"], KVCache | None]:
         """Final-norm hidden states.
 
         Without a cache, `mask` marks real (non-padding) tokens: keys at padding are never attended to.
         With a cache, the t tokens are written at each row's `cache.lengths` and the returned cache
         has `lengths + mask.sum(-1)` (all t when `mask` is None).
+
+        `dropout_key`: the training forward's key for LoRA dropout (`rpegjax.models.lora`); layer l draws its
+        masks from fold_in(dropout_key, l), scanned or not. Ignored by a model without adapter dropout.
         """
+        if dropout_key is not None and cache is not None:
+            raise ValueError("Decoder.hidden_states: LoRA dropout (dropout_key) is for the training forward, "
+                             "not a cached (generation) forward")
+        if self.lora is None or self.lora.dropout == 0:
+            dropout_key = None
         x = self.embed.get_value()[tokens].astype(self.cfg.jnp_dtype)
         x = constrain(x, sharding, (axes.BATCH, None, axes.EMBED))
         # computed at trace time from the config: a constant, not a parameter
         rope = rope_tables(positions, rope_inverse_frequencies(self.cfg))
         written = []
         if cache is None and self.cfg.scan_layers:
-            return self.final_norm(_scan_layers(self.layers, x, rope, mask, self.cfg.remat, sharding)), None
+            hidden = _scan_layers(self.layers, x, rope, mask, self.cfg.remat, sharding, dropout_key)
+            return self.final_norm(hidden), None
         full_sequence = _remat_layer(self.cfg.remat, sharding) if cache is None else None
         for index, layer in enumerate(self.layers):
             if full_sequence is not None:
-                x = full_sequence(layer, x, rope, mask)
+                layer_key = None if dropout_key is None else jax.random.fold_in(dropout_key, index)
+                x = full_sequence(layer, x, rope, mask, layer_key)
                 continue
             layer_cache = cache.layer(index)
             offsets = None if cache is None else cache.lengths
@@ -432,33 +455,52 @@ _REMAT_POLICIES = {
 
 
 def _remat_layer(policy: RematPolicy, sharding: ActivationSharding | None):
-    """`apply(layer, x, rope, mask) -> x` of one full-sequence layer, under `nnx.remat` unless policy is NONE."""
+    """`apply(layer, x, rope, mask, dropout_key) -> x` of one full-sequence layer, rematerialised unless policy is
+    NONE (the recomputation redraws the same dropout masks: the key is an input).
 
-    def apply(layer: Block, x, rope, mask):
-        return layer(x, rope, mask, None, None, sharding)[0]
+    `jax.checkpoint` of a pure function of the layer's state, not `nnx.remat`: the latter writes the state back into
+    the layer's variables, which fails when they come from different traces (a LoRA model's adapters traced by the
+    gradient, its frozen base by the enclosing jit)."""
+
+    def apply(layer: Block, x, rope, mask, dropout_key):
+        return layer(x, rope, mask, None, None, sharding, dropout_key)[0]
 
     if policy is RematPolicy.NONE:
         return apply
-    return nnx.remat(apply, policy=_REMAT_POLICIES[policy])
+
+    def rematerialised(layer: Block, x, rope, mask, dropout_key):
+        graphdef, state = nnx.split(layer)
+
+        def pure(state, x, rope, mask, dropout_key):
+            return apply(nnx.merge(graphdef, state), x, rope, mask, dropout_key)
+
+        return jax.checkpoint(pure, policy=_REMAT_POLICIES[policy])(state, x, rope, mask, dropout_key)
+
+    return rematerialised
 
 
-def _scan_layers(layers: nnx.List, x, rope, mask, policy: RematPolicy, sharding: ActivationSharding | None):
+def _scan_layers(layers: nnx.List, x, rope, mask, policy: RematPolicy, sharding: ActivationSharding | None,
+                 dropout_key: Array | None = None):
     """The full-sequence layer stack as one `lax.scan` over the layers' parameters stacked at trace time.
 
     One compiled layer body, whatever the depth; and under remat the recomputation lives inside the backward
     loop's iterations, where no scheduler can hoist it next to the forward (with unrolled layers XLA's CPU
     scheduler does, keeping every layer's activations alive). Parameters stay per layer in the model, so
     checkpoints and the Hugging Face layout are unchanged; the stacking costs one copy of the layer weights.
+    With `dropout_key`, layer l's LoRA dropout key is fold_in(dropout_key, l), as in the unrolled stack.
     """
     graphdef = nnx.graphdef(layers[0])
     stacked = jax.tree.map(lambda *values: jnp.stack(values), *(nnx.state(layer) for layer in layers))
 
-    def body(x, state):
-        return nnx.merge(graphdef, state)(x, rope, mask, None, None, sharding)[0], None
+    def body(x, layer):
+        state, index = layer
+        layer_key = None if dropout_key is None else jax.random.fold_in(dropout_key, index)
+        return nnx.merge(graphdef, state)(x, rope, mask, None, None, sharding, layer_key)[0], None
 
     if policy is not RematPolicy.NONE:
         body = jax.checkpoint(body, policy=_REMAT_POLICIES[policy])
-    return jax.lax.scan(body, x, stacked)[0]
+    indices = None if dropout_key is None else jnp.arange(len(layers), dtype=jnp.uint32)
+    return jax.lax.scan(body, x, (stacked, indices))[0]
 
 
 def default_positions(tokens: Int[Array, "b t"], mask: Bool[Array, "b t"] | None) -> Int[Array, "b t"]:

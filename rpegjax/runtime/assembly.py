@@ -34,12 +34,13 @@ class RolloutShape:
 
 def place_models(graph: Graph, model: Decoder, algorithm: GRPOConfig | PPOConfig, rollout: RolloutShape, *,
                  critic: Decoder | None = None,
-                 lora_generation: LoRAGeneration = LoRAGeneration.MERGED) -> tuple[Learner, Sampler]:
+                 lora_generation: LoRAGeneration = LoRAGeneration.MERGED, seed: int = 0) -> tuple[Learner, Sampler]:
     """The learner of `algorithm` (PPO: with `critic`, or the actor's value head when shared) and the sampler of
     `model`'s architecture, each on the mesh the graph places its stage on, executing as `graph.execution` says.
     The models' precision must be the plan's: it changes the parameters, so it is refused, never converted.
     A model with LoRA adapters trains only them; its sampler decodes the base model with the adapters merged into
-    the weight-sync copy, or the adapted model (`lora_generation`)."""
+    the weight-sync copy, or the adapted model (`lora_generation`). `seed`: the learner's update draws its LoRA
+    dropout masks from it."""
     execution = graph.execution
     model, critic = apply_execution(model, execution), None if critic is None else apply_execution(critic, execution)
     algorithm = dataclasses.replace(algorithm, num_microbatches=execution.update_microbatches)
@@ -47,9 +48,9 @@ def place_models(graph: Graph, model: Decoder, algorithm: GRPOConfig | PPOConfig
     if isinstance(algorithm, GRPOConfig):
         if critic is not None:
             raise ValueError("place_models: GRPO trains no critic; do not pass one")
-        learner: Learner = GRPOLearner(algorithm, model, mesh=train_mesh)
+        learner: Learner = GRPOLearner(algorithm, model, mesh=train_mesh, seed=seed)
     elif isinstance(algorithm, PPOConfig):
-        learner = PPOLearner(algorithm, model, critic, mesh=train_mesh)
+        learner = PPOLearner(algorithm, model, critic, mesh=train_mesh, seed=seed)
     else:
         raise TypeError(f"place_models: algorithm must be a GRPOConfig or PPOConfig, got {type(algorithm).__name__}")
     merged = model.lora is not None and LoRAGeneration(lora_generation) == LoRAGeneration.MERGED

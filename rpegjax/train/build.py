@@ -351,7 +351,7 @@ def build(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Components:
         graph, model, algorithm,
         RolloutShape(num_slots=slots, max_prompt_len=max_prompt_len, max_new_tokens=rollout.max_new_tokens,
                      chunk_steps=rollout.chunk_steps),
-        critic=critic, lora_generation=cfg.lora.generation)
+        critic=critic, lora_generation=cfg.lora.generation, seed=cfg.train.seed)
     return Components(cfg=cfg, tokenizer=tokenizer, task=task, train_examples=train_examples,
                       eval_examples=eval_examples, model_cfg=model_cfg, learner=learner, sampler=sampler, graph=graph,
                       template=template, warm_start_metrics=warm_metrics, max_prompt_len=max_prompt_len,

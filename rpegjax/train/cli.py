@@ -414,7 +414,8 @@ def describe_lora(parts) -> str:
     optimiser = _state_bytes(jax.eval_shape(learner.optimizer.init, learner.params))
     full = _state_bytes(jax.eval_shape(learner.optimizer.init, whole))
     algorithm = parts.cfg.ppo if parts.cfg.algorithm == "ppo" else parts.cfg.grpo
-    return (f"LoRA: rank {lora.rank}, alpha {lora.alpha:g} on {','.join(lora.targets)}; trainable "
+    dropout = f", dropout {lora.dropout:g} in the update" if lora.dropout else ""
+    return (f"LoRA: rank {lora.rank}, alpha {lora.alpha:g} on {','.join(lora.targets)}{dropout}; trainable "
             f"{trainable / 1e6:.3f} M of {sum(leaf.size for leaf in jax.tree.leaves(whole)) / 1e6:.2f} M parameters; "
             f"optimiser state {optimiser / 2**20:.2f} MiB (full fine-tuning: {full / 2**20:.2f} MiB); "
             f"lr {lora.optimizer(algorithm.optimizer).learning_rate:g}; generation: {lora.generation.value} weights")

@@ -235,7 +235,8 @@ class LoRASection:
     they are the KL reference. `generation`: `merged` decodes the base model with the adapters merged into the
     generation copy at each weight sync (measured 1.0-1.3x faster, benchmarks/bench_lora_generation.py), `adapters` the
     adapted model. `learning_rate`: the optimiser's in a LoRA run (None: 10x the algorithm's learning rate, as
-    adapters want a larger step than full fine-tuning)."""
+    adapters want a larger step than full fine-tuning). `dropout`: PEFT's lora_dropout, on the adapters' input in the
+    update's forward only, its masks drawn from `train.seed` and the optimiser step (so a resumed run draws the same)."""
 
     rank: int = 0
     alpha: float = 16.0
@@ -248,13 +249,12 @@ class LoRASection:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
             raise ValueError(f"LoRASection.rank must be an integer >= 0 (0: no LoRA), got {self.rank!r}")
         _choice(self, "generation", LoRAGeneration)
-        if self.dropout != 0:
-            raise ValueError(f"LoRASection.dropout={self.dropout!r}: dropout on the adapters' input is not implemented "
-                             "(the training forward takes no random key); use 0")
         if self.learning_rate is not None and not self.learning_rate > 0:
             raise ValueError(f"LoRASection.learning_rate must be positive or unset, got {self.learning_rate!r}")
         if self.rank:
-            self.config()  # checks alpha and targets
+            self.config()  # checks alpha, targets and dropout
+        elif self.dropout != 0:
+            raise ValueError(f"LoRASection.dropout={self.dropout!r} needs LoRA adapters (rank > 0); rank is 0")
 
     @property
     def enabled(self) -> bool:
@@ -265,7 +265,7 @@ class LoRASection:
         if not self.enabled:
             return None
         try:
-            return LoRAConfig(rank=self.rank, alpha=self.alpha, targets=self.targets)
+            return LoRAConfig(rank=self.rank, alpha=self.alpha, targets=self.targets, dropout=self.dropout)
         except ValueError as error:
             raise ValueError(str(error).replace("LoRAConfig.", "LoRASection.")) from None
 

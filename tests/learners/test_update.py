@@ -31,7 +31,8 @@ def test_update_loop_matches_a_numpy_loop():
     batch = TrainBatch(tokens=jnp.zeros((b, t), jnp.int32), token_mask=jnp.asarray(mask), response_mask=jnp.asarray(mask),
                        values=jnp.asarray(x), returns=jnp.asarray(y))
 
-    def loss_fn(w, micro, denominator):
+    def loss_fn(w, micro, denominator, key):
+        assert key is None  # no seed: no random keys
         error = (w * micro.values - micro.returns) ** 2
         loss = aggregate(error, micro.response_mask, "token-mean", denominator=denominator)
         return loss, {"error_max": jnp.max(jnp.where(micro.response_mask, error, 0.0))}
@@ -51,6 +52,29 @@ def test_update_loop_matches_a_numpy_loop():
     np.testing.assert_allclose(state.params, w, rtol=1e-5)
     assert int(state.step) == 4
     assert float(metrics["error_max"]) > 0 and np.isfinite(float(metrics["loss"]))
+
+
+def test_update_keys_follow_the_state_step_and_the_micro_batch():
+    """With a seed, micro-batch u of the optimiser step with state.step = n draws from fold_in(fold_in(key(seed), n), u):
+    a run resumed at step n draws what an uninterrupted one does; every (step, micro-batch) draws anew."""
+    b, t, seed, start = 12, 3, 7, 5
+    batch = TrainBatch(tokens=jnp.zeros((b, t), jnp.int32), token_mask=jnp.ones((b, t), bool),
+                       response_mask=jnp.ones((b, t), bool))
+
+    def loss_fn(w, micro, denominator, key):
+        draw = jax.random.uniform(key)
+        return w * draw, {"draw": draw, "draw_max": draw, "draw_min": draw}
+
+    layout = UpdateLayout(epochs=2, num_minibatches=2, num_microbatches=3)
+    update = jax.jit(make_update(loss_fn, lambda rows: None, optax.sgd(0.1), layout, seed=seed))
+    state = TrainState(params=jnp.float32(0.5), opt_state=optax.sgd(0.1).init(jnp.float32(0.5)), step=jnp.int32(start))
+    _, metrics = update(state, batch)
+
+    draws = np.array([[float(jax.random.uniform(jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), n), u)))
+                       for u in range(3)] for n in range(start, start + 4)])
+    assert len(np.unique(draws)) == draws.size
+    np.testing.assert_allclose(float(metrics["draw"]), draws.mean(), rtol=1e-6)
+    assert float(metrics["draw_max"]) == draws.max() and float(metrics["draw_min"]) == draws.min()
 
 
 def test_optimizer_state_shardings_follow_parameters_through_multi_transform():

@@ -1,6 +1,7 @@
 """LoRA adapters: the initial adapted model is its base, the adapted forward equals the dense W + s A B model, and
 adapter gradients are the dense gradient of the merged kernel projected onto A and B."""
 
+import dataclasses
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -13,8 +14,17 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from rpegjax.models.config import Architecture, ModelConfig
-from rpegjax.models.lora import LoRAConfig, LoRAParam, adapter_paths, count_parameters, merge_adapters, split_adapters
-from rpegjax.models.transformer import Decoder
+from rpegjax.models.lora import (
+    Adapter,
+    LoRAConfig,
+    LoRAParam,
+    LoRATarget,
+    adapter_paths,
+    count_parameters,
+    merge_adapters,
+    split_adapters,
+)
+from rpegjax.models.transformer import Decoder, KVCache
 from rpegjax.sharding.mesh import make_mesh
 from rpegjax.sharding.rules import ShardingRules, param_shardings
 
@@ -140,8 +150,130 @@ def test_split_and_count():
 
 @pytest.mark.parametrize("bad, message", [
     (dict(rank=0), "rank"), (dict(rank=4, alpha=-1.0), "alpha"), (dict(rank=4, targets=("q", "x")), "targets"),
-    (dict(rank=4, targets=()), "targets"),
+    (dict(rank=4, targets=()), "targets"), (dict(rank=4, dropout=1.0), "dropout"), (dict(rank=4, dropout=-0.1), "dropout"),
+    (dict(rank=4, dropout=True), "dropout"),
 ])
 def test_config_errors(bad, message):
     with pytest.raises(ValueError, match=f"LoRAConfig.{message}"):
         LoRAConfig(**bad)
+    assert LoRAConfig(rank=4, dropout=0.1).dropout == 0.1
+
+
+# ---- LoRA dropout ---------------------------------------------------------------------------------------------------
+
+DROPOUT = 0.3
+KEY = jax.random.key(11)
+
+
+def _with_dropout(model: Decoder, rate: float) -> Decoder:
+    """`model`'s weights (shared) under adapters with dropout `rate`."""
+    lora = dataclasses.replace(model.lora, dropout=rate)
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: Decoder(model.cfg, rngs=nnx.Rngs(0), lora=lora)))
+    return nnx.merge(graphdef, nnx.state(model))
+
+
+def _hidden(model: Decoder, key) -> jax.Array:
+    positions = jnp.broadcast_to(jnp.arange(TOKENS.shape[1]), TOKENS.shape)
+    return model.hidden_states(TOKENS, positions, dropout_key=key)[0]
+
+
+def test_dropout_zero_or_no_key_is_the_plain_forward_bit_exact():
+    model = _adapted()
+    plain = np.asarray(jax.jit(_hidden)(model, None))
+    zero = _with_dropout(model, 0.0)
+    np.testing.assert_array_equal(np.asarray(jax.jit(_hidden)(zero, KEY)), plain)
+    dropped = _with_dropout(model, DROPOUT)
+    np.testing.assert_array_equal(np.asarray(jax.jit(_hidden)(dropped, None)), plain)  # no key: inference
+    # and neither draws anything: no random op in the program
+    for m, key in ((zero, KEY), (dropped, None)):
+        assert "random_bits" not in str(jax.make_jaxpr(_hidden)(m, key))
+    assert "random_bits" in str(jax.make_jaxpr(_hidden)(dropped, KEY))
+    assert np.abs(np.asarray(jax.jit(_hidden)(dropped, KEY)) - plain).max() > 1e-3
+
+
+def test_adapter_dropout_and_its_gradient_equal_numpy_with_the_same_mask():
+    """y = s (x * keep / (1 - p)) A B; with g = dL/dy: dL/dA = s xd^T g B^T, dL/dB = s (xd A)^T g, xd the dropped x."""
+    model = _adapted(lora=LoRAConfig(rank=4, alpha=8.0, dropout=DROPOUT))
+    adapter = model.layers[0].attention.o_proj_lora  # A [h, e, r], B [r, d]
+    rng = np.random.default_rng(3)
+    n, fan_in = 96, 4 * 16
+    x = rng.standard_normal((n, fan_in)).astype(np.float32)
+    g = rng.standard_normal((n, 64)).astype(np.float32)
+    keep = np.asarray(jax.random.bernoulli(KEY, 1 - DROPOUT, x.shape))
+    assert abs(keep.mean() - (1 - DROPOUT)) < 0.03
+    a = np.asarray(adapter.a.get_value(), np.float64).reshape(fan_in, -1)
+    b = np.asarray(adapter.b.get_value(), np.float64)
+    s = model.lora.scale
+    xd = x * keep / (1 - DROPOUT)
+    np.testing.assert_allclose(np.asarray(adapter(jnp.asarray(x), jnp.float32, KEY)), s * xd @ a @ b, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(adapter(jnp.asarray(x), jnp.float32)), s * x @ a @ b, atol=1e-5, rtol=1e-5)
+
+    graphdef, params = nnx.split(adapter)
+    grads = jax.grad(lambda p: jnp.sum(jnp.asarray(g) * nnx.merge(graphdef, p)(jnp.asarray(x), jnp.float32, KEY)))(params)
+    np.testing.assert_allclose(np.asarray(grads["a"].get_value()).reshape(fan_in, -1), s * xd.T @ g @ b.T,
+                               atol=1e-4, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(grads["b"].get_value()), s * (xd @ a).T @ g, atol=1e-4, rtol=1e-5)
+
+
+def _masked_reference(model: Decoder, masks: dict, monkeypatch) -> Decoder:
+    """Patches `Adapter.__call__` to multiply its input by the next of `masks[layer]` (in q, k, v, o, gate, up, down
+    order: the order a layer calls its adapters) and ignore any key: the dense reference of the dropped forward."""
+    calls = []
+
+    def reference_call(self, x, dtype, dropout_key=None):
+        layer, index = divmod(len(calls), len(LoRATarget))
+        calls.append(None)
+        keep = masks[layer][index]
+        a, b = self.a.get_value().astype(dtype), self.b.get_value().astype(dtype)
+        xd = x * jnp.asarray(keep / (1 - DROPOUT), dtype)
+        return (xd @ a.reshape(-1, a.shape[-1])) @ (b.reshape(b.shape[0], -1) * self.scale)
+
+    monkeypatch.setattr(Adapter, "__call__", reference_call)
+    return calls
+
+
+def test_dropped_forward_and_gradient_equal_the_masked_reference(monkeypatch):
+    """Layer l's adapter of target i draws keep ~ Bernoulli(1 - p) from fold_in(fold_in(key, l), i), independent of
+    every other adapter's; the model with dropout equals the adapted model whose adapter inputs are so masked,
+    forward and gradient, unrolled, scanned and rematerialised."""
+    model = _adapted(lora=LoRAConfig(rank=4, alpha=8.0, dropout=DROPOUT))
+    cfg, n = model.cfg, TOKENS.size
+    widths = {LoRATarget.O: cfg.num_heads * cfg.head_dim, LoRATarget.DOWN: cfg.intermediate_size}
+    masks = {layer: [np.asarray(jax.random.bernoulli(
+        jax.random.fold_in(jax.random.fold_in(KEY, layer), index), 1 - DROPOUT, (n, widths.get(target, cfg.hidden_size))))
+        for index, target in enumerate(LoRATarget)] for layer in range(cfg.num_layers)}
+    assert not np.array_equal(masks[0][0], masks[0][1]) and not np.array_equal(masks[0][0], masks[1][0])
+
+    def forward_and_grad(m, key):
+        graphdef, adapters, base = nnx.split(m, LoRAParam, ...)
+
+        @jax.jit
+        def run(adapters, base, key):
+            def loss(adapters):
+                hidden = _hidden(nnx.merge(graphdef, adapters, base), key)
+                return jnp.mean(hidden ** 2), hidden
+
+            return jax.grad(loss, has_aux=True)(adapters)
+
+        grads, hidden = run(adapters, base, key)
+        return np.asarray(hidden), grads
+
+    results = [forward_and_grad(m, KEY) for m in (model, model.with_execution(scan_layers=True, remat="full"),
+                                                   model.with_execution(remat="dots"))]
+    with monkeypatch.context() as patch:
+        calls = _masked_reference(model, masks, patch)
+        want_hidden, want_grads = forward_and_grad(model, None)
+        assert len(calls) == cfg.num_layers * len(LoRATarget)
+    for hidden, grads in results:
+        np.testing.assert_allclose(hidden, want_hidden, atol=1e-5, rtol=1e-5)
+        for (path, got), (_, want) in zip(nnx.to_flat_state(grads), nnx.to_flat_state(want_grads)):
+            np.testing.assert_allclose(got.get_value(), np.asarray(want.get_value()), atol=1e-6, rtol=1e-4,
+                                       err_msg=str(path))
+
+
+def test_dropout_is_refused_in_a_cached_forward():
+    model = _adapted(lora=LoRAConfig(rank=4, dropout=DROPOUT))
+    cache = KVCache.zeros(model.cfg, TOKENS.shape[0], 16)
+    positions = jnp.broadcast_to(jnp.arange(TOKENS.shape[1]), TOKENS.shape)
+    with pytest.raises(ValueError, match="dropout_key"):
+        model.hidden_states(TOKENS, positions, cache=cache, dropout_key=KEY)

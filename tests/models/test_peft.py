@@ -1,6 +1,8 @@
 """LoRA export: the PEFT adapter directory loads in transformers + peft onto the saved base model, and the merged
 Hugging Face weights load in transformers alone; both give our adapted model's logits."""
 
+import json
+
 import jax
 import numpy as np
 import peft
@@ -23,10 +25,12 @@ def _torch_logits(model) -> np.ndarray:
         return model(torch.tensor(TOKENS)).logits.float().numpy()
 
 
-@pytest.mark.parametrize("architecture, targets", [(Architecture.QWEN2, ("q", "k", "v", "o", "gate", "up", "down")),
-                                                   (Architecture.LLAMA, ("q", "v", "down"))])
-def test_peft_adapter_and_merged_weights_load_with_logit_parity(tmp_path, architecture, targets):
-    lora = LoRAConfig(rank=4, alpha=8.0, targets=targets)
+@pytest.mark.parametrize("architecture, targets, dropout", [
+    (Architecture.QWEN2, ("q", "k", "v", "o", "gate", "up", "down"), 0.0), (Architecture.LLAMA, ("q", "v", "down"), 0.1)])
+def test_peft_adapter_and_merged_weights_load_with_logit_parity(tmp_path, architecture, targets, dropout):
+    """With LoRA dropout the adapter directory records it (PEFT's lora_dropout); in eval mode PEFT drops nothing,
+    as our log-probs do not."""
+    lora = LoRAConfig(rank=4, alpha=8.0, targets=targets, dropout=dropout)
     adapted = Decoder(ModelConfig.tiny(architecture), rngs=nnx.Rngs(0)).with_lora(lora, seed=1)
     rng = np.random.default_rng(2)
     for _, variable in nnx.to_flat_state(nnx.state(adapted, LoRAParam)):  # a trained adapter: B != 0
@@ -40,6 +44,8 @@ def test_peft_adapter_and_merged_weights_load_with_logit_parity(tmp_path, archit
     assert (tmp_path / "adapter" / ADAPTER_CONFIG_FILE).is_file()
     hf_base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32).eval()
     with_adapter = peft.PeftModel.from_pretrained(hf_base, tmp_path / "adapter").eval()
+    assert json.loads((tmp_path / "adapter" / ADAPTER_CONFIG_FILE).read_text())["lora_dropout"] == dropout
+    assert with_adapter.peft_config["default"].lora_dropout == dropout
     np.testing.assert_allclose(_torch_logits(with_adapter), ours, atol=1e-4, rtol=1e-4)
 
     merged = nnx.merge(nnx.graphdef(base), merge_adapters(nnx.state(adapted), lora.scale))

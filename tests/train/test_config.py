@@ -76,9 +76,18 @@ def test_lora_flags_set_the_lora_section_and_round_trip():
     assert RunConfig().lora.config() is None and RunConfig().lora.optimizer(cfg.ppo.optimizer) == cfg.ppo.optimizer
 
 
+def test_lora_dropout_flag_reaches_the_adapters_and_round_trips():
+    cfg, _ = parse_args(["--lora-rank", "8", "--lora-dropout", "0.1"], Algorithm.GRPO)
+    assert cfg.lora.config().dropout == 0.1
+    assert RunConfig.from_json(cfg.to_json()).lora.config().dropout == 0.1  # config.json: what --resume reads
+    assert RunConfig().lora.dropout == 0.0
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--lora-rank", "-1"], "LoRASection.rank"), (["--lora-rank", "4", "--lora-targets", "q,x"], "LoRASection.targets"),
-    (["--lora-rank", "4", "--lora-dropout", "0.1"], "LoRASection.dropout"),
+    (["--lora-rank", "4", "--lora-dropout", "1"], "LoRASection.dropout must be a probability in [0, 1), got 1.0"),
+    (["--lora-rank", "4", "--lora-dropout", "-0.1"], "LoRASection.dropout must be a probability in [0, 1), got -0.1"),
+    (["--lora-dropout", "0.1"], "LoRASection.dropout=0.1 needs LoRA adapters (rank > 0)"),
     (["--lora-rank", "4", "--lora-alpha", "0"], "LoRASection.alpha"),
     (["--lora-generation", "fused"], "--lora.generation: 'fused' is not one of ['merged', 'adapters']"),
 ])

@@ -401,7 +401,8 @@ def test_job_trains_multi_turn_with_the_calculator(tmp_path):
 
 
 # ---- LoRA (--lora-rank): adapters trained, checkpointed and exported; resume exact ---------------------------
-LORA_FLAGS = ("--lora-rank=4", "--lora-targets=q,v,o,down", "--kl-coef=0.05", "--async-bound=1")
+# with LoRA dropout: the resumed run must draw the masks the straight one does
+LORA_FLAGS = ("--lora-rank=4", "--lora-targets=q,v,o,down", "--lora-dropout=0.1", "--kl-coef=0.05", "--async-bound=1")
 
 
 def _checkpoint_arrays(run_dir, step) -> list[str]:
@@ -413,7 +414,7 @@ def _checkpoint_arrays(run_dir, step) -> list[str]:
 def test_lora_job_checkpoints_adapters_exports_and_resumes_exactly(tmp_path):
     straight = run_job(tmp_path / "straight", *LORA_FLAGS, "--steps=3", "--checkpoint-every=1", config=LEARNING)
     assert straight.returncode == 0, straight.stderr[-3000:]
-    assert "LoRA: rank 4, alpha 16 on q,v,o,down; trainable" in straight.stdout + straight.stderr
+    assert "LoRA: rank 4, alpha 16 on q,v,o,down, dropout 0.1 in the update; trainable" in straight.stdout + straight.stderr
     run = tmp_path / "straight"
     assert json.loads((run / "config.json").read_text())["lora"]["rank"] == 4
     weights = [path for path in _checkpoint_arrays(run, 2) if "'opt_state'" not in path and "'step'" not in path]
@@ -421,6 +422,7 @@ def test_lora_job_checkpoints_adapters_exports_and_resumes_exactly(tmp_path):
     assert weights and all("_lora'" in path for path in weights), [p for p in weights if "_lora'" not in p][:3]
     adapter = json.loads((run / "adapter" / "adapter_config.json").read_text())
     assert adapter["r"] == 4 and adapter["target_modules"] == ["down_proj", "o_proj", "q_proj", "v_proj"]
+    assert adapter["lora_dropout"] == 0.1
     assert (run / "hf" / "model.safetensors").is_file()
     assert any(r.get("grad_norm", 0) > 0 for r in metrics(run)), "a blind comparison"
 
