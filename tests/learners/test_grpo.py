@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from rollouts import G, make_batch
 
-from rpegjax.learners.batch import pack_rollouts
 from rpegjax.learners.grpo import GRPOConfig, GRPOLearner
 from rpegjax.learners.objective import policy_denominators, update_inputs
 from rpegjax.learners.optim import OptimizerConfig
@@ -14,21 +14,12 @@ from rpegjax.learners.update import UpdateLayout, accumulate_gradients, split_ro
 from rpegjax.models import Decoder, ModelConfig
 from rpegjax.sharding import ShardingRules, make_mesh
 
-B, G, LENGTH = 8, 4, 16
-
 
 @pytest.fixture(scope="module")
 def model(tiny_model):
     return tiny_model
 
 
-def make_batch(seed=0):
-    rng = np.random.default_rng(seed)
-    prompts = [list(rng.integers(1, 128, size=rng.integers(2, 6))) for _ in range(B)]
-    responses = [list(rng.integers(1, 128, size=rng.integers(2, 10))) for _ in range(B)]
-    behaviour = [rng.normal(-4.8, 0.3, size=len(r)) for r in responses]
-    rewards = np.array([1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 0.0, 0.0], np.float32)
-    return pack_rollouts(prompts, responses, behaviour, pad_id=0, length=LENGTH, rewards=rewards)
 
 
 def perturbed(learner, batch, params, seed, scale):

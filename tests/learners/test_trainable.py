@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from rollouts import B, G, LENGTH, make_batch
 
-from rpegjax.learners.batch import pack_rollouts
 from rpegjax.learners.grpo import GRPOConfig, GRPOLearner
 from rpegjax.learners.objective import policy_denominators, update_inputs
 from rpegjax.learners.optim import OptimizerConfig
@@ -22,7 +22,6 @@ from rpegjax.models import Decoder, ModelConfig
 from rpegjax.models.lora import Adapter, LoRAConfig, LoRAParam, LoRATarget, adapter_paths, count_parameters
 from rpegjax.sharding import ShardingRules, make_mesh
 
-B, G, LENGTH = 8, 4, 16
 LORA = LoRAConfig(rank=4, alpha=8.0)
 DROPOUT, SEED = 0.3, 9
 CFG = dict(group_size=G, kl_coef=0.04, kl_kind="k3", optimizer=OptimizerConfig(learning_rate=1e-2, max_grad_norm=None))
@@ -38,13 +37,6 @@ def adapted(base):
     return base.with_lora(LORA, seed=1)
 
 
-def make_batch(seed=0):
-    rng = np.random.default_rng(seed)
-    prompts = [list(rng.integers(1, 128, size=rng.integers(2, 6))) for _ in range(B)]
-    responses = [list(rng.integers(1, 128, size=rng.integers(2, 10))) for _ in range(B)]
-    behaviour = [rng.normal(-4.8, 0.3, size=len(r)) for r in responses]
-    rewards = np.array([1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 0.0, 0.0], np.float32)
-    return pack_rollouts(prompts, responses, behaviour, pad_id=0, length=LENGTH, rewards=rewards)
 
 
 def with_dropout(model: Decoder, rate: float) -> Decoder:
