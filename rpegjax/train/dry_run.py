@@ -38,6 +38,7 @@ from rpegjax.learners.batch import TrainBatch
 from rpegjax.learners.grpo import GRPOConfig
 from rpegjax.learners.ppo import PPOConfig
 from rpegjax.models.config import ModelConfig
+from rpegjax.models.lora import LoRAConfig
 from rpegjax.models.transformer import Decoder
 from rpegjax.runtime.assembly import RolloutShape, place_models
 from rpegjax.runtime.meshes import (
@@ -185,11 +186,14 @@ class Batch:
 
 def dry_run(graph: Graph, model_cfg: ModelConfig, algorithm: GRPOConfig | PPOConfig, batch: Batch, *,
             capacity_bytes: float, predicted: dict[str, float] | None = None,
-            predicted_step_seconds: float | None = None, log: Callable[[str], None] = lambda line: None) -> DryRunReport:
+            predicted_step_seconds: float | None = None, lora: LoRAConfig | None = None,
+            log: Callable[[str], None] = lambda line: None) -> DryRunReport:
     """Compiles the plan's stage programs (see the module doc) and measures them; nothing is allocated.
 
     `model_cfg` carries the model's shape and precision (the graph's execution options are applied to it as a
-    run applies them); `predicted` maps stage names to the performance model's per-device peak bytes."""
+    run applies them); `predicted` maps stage names to the performance model's per-device peak bytes. With
+    `lora` the policy carries adapters: the training state holds only them, the frozen base stays beside it (and
+    is the reference), generation reads the merged weights."""
     if jax.device_count() < graph.num_devices:
         raise ValueError(f"dry run: the plan needs {graph.num_devices} devices, {jax.device_count()} exist "
                          f"(call ensure_devices first)")
@@ -200,7 +204,7 @@ def dry_run(graph: Graph, model_cfg: ModelConfig, algorithm: GRPOConfig | PPOCon
             f"{jax.default_backend()} (same memory class, O(tokens x block))")
     ppo = isinstance(algorithm, PPOConfig)
     abstract_model = nnx.eval_shape(lambda: Decoder(model_cfg.replace(value_head=ppo and algorithm.critic == "shared"),
-                                                    rngs=nnx.Rngs(0)))
+                                                    rngs=nnx.Rngs(0), lora=lora))
     critic = None
     if ppo and algorithm.critic == "separate":
         critic = nnx.eval_shape(lambda: Decoder(model_cfg.replace(value_head=True), rngs=nnx.Rngs(1)))
@@ -215,11 +219,14 @@ def dry_run(graph: Graph, model_cfg: ModelConfig, algorithm: GRPOConfig | PPOCon
     train_devices = device_ids(stage_mesh(graph, update_stage.name))
     state = _abstract(jax.eval_shape(learner.init_state), learner.state_shardings) if learner.state_shardings else \
         jax.eval_shape(learner.init_state)
-    train_bytes = shard_bytes(state)
-    params_bytes = shard_bytes(learner.params)
+    frozen = learner.frozen  # with LoRA the base weights, an argument of every program (None otherwise)
+    train_bytes = shard_bytes(state) + (0.0 if frozen is None else shard_bytes(frozen))
+    params_bytes = shard_bytes(learner.params) + (0.0 if frozen is None else shard_bytes(frozen))
     generate_stage = graph.stages_of_kind(StageKind.GENERATE)[0]
     generate_mesh = stage_mesh(graph, generate_stage.name)
     generation_params = learner.params if not ppo else learner.actor_params(learner.params)
+    if frozen is not None:  # the sampler decodes merged weights: the base model's layout
+        generation_params = nnx.eval_shape(lambda: nnx.state(Decoder(model_cfg, rngs=nnx.Rngs(0))))
     if sampler.params_sharding is not None:
         generation_params = _abstract(generation_params, sampler.params_sharding)
     generation_bytes = shard_bytes(generation_params)
@@ -231,10 +238,12 @@ def dry_run(graph: Graph, model_cfg: ModelConfig, algorithm: GRPOConfig | PPOCon
         ref_mesh = stage_mesh(graph, reference[0].name)
         if not same_layout(learner.placement.mesh, dict(ref_mesh.shape)):
             reference_layout = StageLayout(ref_mesh)
-        ref_params = _placed_params(learner, reference_layout)
-        if ppo:
-            ref_params = ref_params["actor"]
-        residents.append(("reference", device_ids(ref_mesh), shard_bytes(ref_params)))
+        if frozen is None:
+            ref_params = _placed_params(learner, reference_layout)
+            if ppo:
+                ref_params = ref_params["actor"]
+            residents.append(("reference", device_ids(ref_mesh), shard_bytes(ref_params)))
+        # with LoRA the reference is the frozen base, counted in the training state above (no copy)
 
     def resident_beside(devices: frozenset[int], *held: str) -> float:
         return sum(size for name, where, size in residents if name not in held and where & devices)
@@ -251,7 +260,8 @@ def dry_run(graph: Graph, model_cfg: ModelConfig, algorithm: GRPOConfig | PPOCon
 
     # the update
     update_inputs = _update_batch(learner, algorithm, batch.rows, tokens)
-    compiled, seconds = _compile(lambda: learner._update.lower(state, update_inputs))  # the runtime's own program
+    # the runtime's own program: state, frozen base (None without LoRA), batch
+    compiled, seconds = _compile(lambda: learner._update.lower(state, frozen, update_inputs))
     update_names = [s.name for s in graph.stages if set(s.kinds) & UPDATE_KINDS]
     record("+".join(dict.fromkeys(update_names)), "update", learner.placement.mesh, compiled, seconds,
            resident_beside(train_devices, "train"))
@@ -288,8 +298,9 @@ def dry_run(graph: Graph, model_cfg: ModelConfig, algorithm: GRPOConfig | PPOCon
 
 
 def _placed_params(learner, layout: StageLayout | None) -> Any:
-    """The learner's parameters (PPO: {"actor", "critic"}) on `layout` (None: the learner's own)."""
-    params = learner.params
+    """The learner's whole parameters (PPO: {"actor", "critic"}; with LoRA the adapters beside the frozen base) on
+    `layout` (None: the learner's own)."""
+    params = learner.model_params(learner.params)
     if layout is None:
         return params
     if isinstance(params, dict) and not isinstance(params, nnx.State):
@@ -300,6 +311,11 @@ def _placed_params(learner, layout: StageLayout | None) -> Any:
 def _inference_function(learner, kinds: set[StageKind], layout: StageLayout | None, *, ppo: bool):
     """The learner's pure function for an inference stage of `kinds` and the parameters it reads (as the
     runtime's `StagePrograms` picks them: values and joint log-probs + values read PPO's whole state)."""
+    if StageKind.REF_LOGPROB in kinds and learner.frozen is not None:  # with LoRA the reference is the frozen base
+        base = learner.frozen["actor"] if ppo else learner.frozen
+        if layout is not None:
+            base = _abstract(base, param_shardings(base, layout.mesh, layout.rules))
+        return learner.logprobs_fn, base
     params = _placed_params(learner, layout)
     if not ppo:
         return learner.logprobs_fn, params
@@ -383,9 +399,6 @@ def dry_run_config(cfg, *, capacity_bytes: float | None, log: Callable[[str], No
     """The dry run of a training job's config (`train_grpo.py ... --dry-run`): the run's graph (its plan, if
     any), model shape and precision, step batch and sampler slots, as `rpegjax.train.build` would make them,
     without loading weights or allocating. `capacity_bytes`: per device; None reads the devices' own limit."""
-    if cfg.lora.enabled:
-        raise ValueError("--dry-run does not model LoRA runs yet (--lora-rank); benchmarks/bench_memory.py "
-                         "--lora-rank compiles the LoRA update at real shapes")
     from rpegjax.generate.sampler import usable_slots
     from rpegjax.graph.ir import Algorithm
     from rpegjax.models.tokenizer import builtin_tokenizer, load_tokenizer
@@ -424,7 +437,7 @@ def dry_run_config(cfg, *, capacity_bytes: float | None, log: Callable[[str], No
     algorithm = cfg.grpo if cfg.algorithm == Algorithm.GRPO else cfg.ppo
     return dry_run(graph, model_cfg, algorithm, Batch(rows=rows, prompt=prompt, new=rollout.max_new_tokens,
                                                       slots=slots, chunk_steps=rollout.chunk_steps),
-                   capacity_bytes=capacity_bytes, predicted=predicted,
+                   capacity_bytes=capacity_bytes, predicted=predicted, lora=cfg.lora.config() if cfg.lora.enabled else None,
                    predicted_step_seconds=None if prediction is None else prediction.get("step_seconds"), log=log)
 
 

@@ -8,11 +8,13 @@ import sys
 
 import jax
 import pytest
+from flax import nnx
 
 from rpegjax.graph import builders
 from rpegjax.graph.ir import Execution
 from rpegjax.learners import GRPOConfig
-from rpegjax.models import ModelConfig
+from rpegjax.models import Decoder, ModelConfig
+from rpegjax.models.lora import LoRAConfig, LoRAParam
 from rpegjax.train.dry_run import Batch, dry_run
 
 ROOT = pathlib.Path(__file__).parents[2]
@@ -50,6 +52,25 @@ def test_dry_run_measures_every_stage_program_and_refuses_what_does_not_fit():
     assert not small.fits
     assert "stage 'actor_update' (update) needs" in small.refusal() and "GB per device" in small.refusal()
     assert "NO" in small.table()
+
+
+def test_dry_run_of_a_lora_run_compiles_the_runtime_programs_with_the_frozen_base():
+    """Runs by default (~50 s loaded): the dry run calls the learners' own programs, whose signature LoRA changed once
+    without the (slow) tests above noticing. The update's arguments hold the adapters' state and the frozen base
+    (float32, split 4 ways); the reference reads the base itself (no copy); generation decodes merged weights."""
+    graph = _graph({"fsdp": 2, "tensor": 2})
+    batch = Batch(rows=8, prompt=16, new=48, slots=8)
+    lora = LoRAConfig(rank=4)
+    report = dry_run(graph, CFG, GRPOConfig(group_size=4, kl_coef=0.04), batch, capacity_bytes=1e9, lora=lora)
+    assert [p.stage for p in report.programs] == ["actor_update", "ref_logprob", "old_logprob", "generate"]
+    base = 4 * CFG.num_params() / 4
+    adapters = sum(x.size for x in jax.tree.leaves(nnx.state(nnx.eval_shape(
+        lambda: Decoder(CFG, rngs=nnx.Rngs(0), lora=lora)), LoRAParam)))
+    update, reference = report.programs[0], report.programs[1]
+    assert base <= update.arguments <= 1.5 * base + 3 * 4 * adapters + 8 * 64 * 16
+    assert base <= reference.arguments <= 1.5 * base + 8 * 64 * 16
+    plain = dry_run(graph, CFG, GRPOConfig(group_size=4, kl_coef=0.04), batch, capacity_bytes=1e9)
+    assert update.arguments < plain.programs[0].arguments  # no Adam moments of the base weights
 
 
 @pytest.mark.slow
