@@ -66,11 +66,13 @@ def same_layout(mesh: Mesh | None, sizes: Mapping[str, int]) -> bool:
 
 def placed_meshes(graph: Graph) -> tuple[Mesh | None, Mesh | None]:
     """(training mesh, generation mesh) the graph places its update and generate stages on; None for the
-    default device alone (no mesh needed)."""
+    default device alone in a one-process run (no mesh needed). With several processes a one-device placement
+    keeps its mesh: other processes must know where its arrays live (e.g. to transfer weights there)."""
 
     def mesh_or_none(stage) -> Mesh | None:
         mesh = stage_mesh(graph, stage.name)
-        return None if mesh.size == 1 and mesh.devices.flat[0] == jax.devices()[0] else mesh
+        alone = jax.process_count() == 1 and mesh.size == 1 and mesh.devices.flat[0] == jax.devices()[0]
+        return None if alone else mesh
 
     return (mesh_or_none(graph.stages_of_kind(StageKind.ACTOR_UPDATE)[0]),
             mesh_or_none(graph.stages_of_kind(StageKind.GENERATE)[0]))
