@@ -284,7 +284,8 @@ class Execution:
 
     attention / attention_block_size: the full-sequence attention kernel (training, log-probs, prefill).
     remat / scan_layers: what each layer keeps for the backward pass; the layer stack as one `lax.scan`.
-    kv_cache / page_size: the sampler's KV-cache layout (the paged pool is sized for every slot at capacity).
+    kv_cache / page_size / kv_pool_tokens: the sampler's KV-cache layout; the paged pool's tokens per slot
+    replica (None: every slot at capacity, so no sequence is ever preempted but nothing is saved either).
     param_dtype / dtype: stored weights (and optimiser moments) / matmul compute.
     update_microbatches: gradient-accumulation pieces of every update mini-batch (memory against passes).
     Generation micro-batches are the stages' own `microbatches`. There is no sequence packing: the runtime
@@ -297,6 +298,7 @@ class Execution:
     scan_layers: bool = False
     kv_cache: str = "contiguous"
     page_size: int = 16
+    kv_pool_tokens: int | None = None
     param_dtype: str = "float32"
     dtype: str = "float32"
     update_microbatches: int = 1
@@ -314,6 +316,13 @@ class Execution:
                 raise GraphError(f"Execution.{name} must be a positive integer, got {value!r}")
         if not isinstance(self.scan_layers, bool):
             raise GraphError(f"Execution.scan_layers must be true or false, got {self.scan_layers!r}")
+        if self.kv_pool_tokens is not None:
+            value = self.kv_pool_tokens
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise GraphError(f"Execution.kv_pool_tokens must be a positive integer or null, got {value!r}")
+            if self.kv_cache != "paged":
+                raise GraphError(f"Execution.kv_pool_tokens={value} sizes a paged KV cache's pool; the "
+                                 f"{self.kv_cache} cache has none (set kv_cache to paged, or drop it)")
 
     def model_fields(self) -> dict[str, Any]:
         """The fields a model config takes (`ModelConfig` execution fields)."""
@@ -338,8 +347,9 @@ class Execution:
 
     def describe(self) -> str:
         micro = f", {self.update_microbatches} update micro-batches" if self.update_microbatches > 1 else ""
+        pool = f" ({self.kv_pool_tokens} tokens per replica)" if self.kv_pool_tokens is not None else ""
         return (f"{self.attention} attention, remat {self.remat}, {self.param_dtype}/{self.dtype}, "
-                f"{self.kv_cache} KV cache{micro}")
+                f"{self.kv_cache} KV cache{pool}{micro}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -58,8 +58,16 @@ def place_models(graph: Graph, model: Decoder, algorithm: GRPOConfig | PPOConfig
     sampler = Sampler(model.cfg, nnx.graphdef(generated), lora=generated.lora, num_slots=rollout.num_slots,
                       max_prompt_len=rollout.max_prompt_len,
                       max_new_tokens=rollout.max_new_tokens, chunk_steps=rollout.chunk_steps, mesh=rollout_mesh,
-                      cache=CacheConfig(layout=execution.kv_cache, page_size=execution.page_size))
+                      cache=cache_config(execution))
     return learner, sampler
+
+
+def cache_config(execution: Execution) -> CacheConfig:
+    """The sampler's KV cache of `execution`: its layout, page size and pool (tokens per slot replica, whole
+    pages; None: every slot at capacity)."""
+    pool = execution.kv_pool_tokens
+    pages = None if pool is None else -(-pool // execution.page_size)
+    return CacheConfig(layout=execution.kv_cache, page_size=execution.page_size, pages_per_replica=pages)
 
 
 def apply_execution(model: Decoder, execution: Execution) -> Decoder:

@@ -36,7 +36,7 @@ from rpegjax.rewards.tasks import make_task
 from rpegjax.runtime.assembly import RolloutShape, place_models
 from rpegjax.runtime.meshes import placed_meshes
 from rpegjax.sharding.mesh import resolve_axis_sizes
-from rpegjax.train.config import RunConfig
+from rpegjax.train.config import RolloutSection, RunConfig
 from rpegjax.train.warmstart import warm_start
 
 
@@ -158,12 +158,18 @@ def run_precision(cfg: RunConfig) -> Precision:
 
 def run_execution(cfg: RunConfig) -> Execution:
     """The execution options of a run without a plan: the model section's kernel, remat and precision (as the
-    policy resolves it), the algorithm's update micro-batches, the contiguous KV cache."""
+    policy resolves it), the algorithm's update micro-batches, the rollout section's KV cache."""
     m = cfg.model
     algo = cfg.grpo if cfg.algorithm == Algorithm.GRPO else cfg.ppo
     precision = run_precision(cfg)
     return Execution(param_dtype=precision.param_dtype, dtype=precision.dtype, update_microbatches=algo.num_microbatches,
-                     **{name: getattr(m, name) for name in ("attention", "attention_block_size", "remat", "scan_layers")})
+                     **{name: getattr(m, name) for name in ("attention", "attention_block_size", "remat", "scan_layers")},
+                     **_kv_cache_fields(cfg))
+
+
+def _kv_cache_fields(cfg: RunConfig) -> dict[str, Any]:
+    rollout = cfg.rollout
+    return {"kv_cache": str(rollout.kv_cache), "page_size": rollout.page_size, "kv_pool_tokens": rollout.kv_pool_tokens}
 
 
 def build_graph(cfg: RunConfig, num_devices: int) -> Graph:
@@ -237,6 +243,12 @@ def load_plan(cfg: RunConfig, num_devices: int) -> Graph:
                              f"(plan again, or change the run's options)")
     if graph.num_devices > num_devices:
         raise ValueError(f"{where}: planned for {graph.num_devices} devices, {num_devices} are available")
+    asked = {name: value for name, value in _kv_cache_fields(cfg).items()
+             if value != getattr(RolloutSection(), name)}
+    planned = {name: getattr(graph.execution, name) for name in asked}
+    if asked != planned:  # a KV cache set on the command line that the plan does not have: refused, not overridden
+        raise ValueError(f"{where}: the plan's KV cache is {planned}, this run asks for {asked} (rollout.kv_cache, "
+                         f"page_size, kv_pool_tokens; plan again, or leave them unset to run the plan's)")
     precision = (graph.execution.param_dtype, graph.execution.dtype)
     run = run_precision(cfg)  # the model section's dtypes as the precision policy resolves them here
     if precision != (run.param_dtype, run.dtype):

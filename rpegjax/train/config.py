@@ -20,6 +20,7 @@ from rpegjax.data.rows import DatasetFormat
 from rpegjax.distributed.launch import DistributedConfig
 from rpegjax.envs.catalog import EnvironmentName
 from rpegjax.envs.python_sandbox import NetworkIsolation
+from rpegjax.generate.paged_cache import CacheLayout
 from rpegjax.graph.ir import Algorithm
 from rpegjax.learners.advantages import AdvantageKind
 from rpegjax.learners.group_filter import DynamicSamplingConfig, SamplingCapAction
@@ -184,6 +185,12 @@ class RolloutSection:
     top_p: float = 1.0
     num_slots: int = 256
     chunk_steps: int = 8
+    # the sampler's KV cache (`rpegjax.generate.paged_cache`): contiguous (every slot reserves prompt + max new
+    # tokens) or paged, with pages of page_size tokens from a pool of kv_pool_tokens per slot replica (None: every
+    # slot at capacity); a plan (`graph.plan`) carries its own and a different one here is refused
+    kv_cache: CacheLayout = CacheLayout.CONTIGUOUS
+    page_size: int = 16
+    kv_pool_tokens: int | None = None
     # multi-turn rollouts with a tool (`rpegjax.envs`): the environment, model turns per episode, response
     # tokens per episode (model and tool; None: max_new_tokens), the tool tags to use instead of the
     # environment's (call start, call end, result start, result end) and the
@@ -198,6 +205,13 @@ class RolloutSection:
         _positive(self, "prompts_per_step", "group_size", "max_new_tokens", "num_slots", "chunk_steps", "max_turns")
         _choice(self, "env", EnvironmentName)
         _choice(self, "sandbox_network", NetworkIsolation)
+        _choice(self, "kv_cache", CacheLayout)
+        _positive(self, "page_size")
+        if self.kv_pool_tokens is not None:
+            _positive(self, "kv_pool_tokens")
+            if self.kv_cache != CacheLayout.PAGED:
+                raise ValueError(f"RolloutSection.kv_pool_tokens={self.kv_pool_tokens} sizes the paged cache's pool; "
+                                 "set rollout.kv_cache=paged too")
         if self.max_prompt_len is not None:
             _positive(self, "max_prompt_len")
         if self.episode_token_budget is not None:

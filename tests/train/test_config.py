@@ -95,3 +95,49 @@ def test_bad_lora_flags_name_the_field(flags, message, capsys):
     with pytest.raises(SystemExit):
         parse_args(flags, Algorithm.GRPO)
     assert message in capsys.readouterr().err
+
+
+KV_TINY = ["--model.hidden_size=32", "--model.num_layers=1", "--model.num_heads=2", "--model.num_kv_heads=1",
+           "--model.head_dim=16", "--model.intermediate_size=64", "--data.train_size=16", "--data.eval_size=4",
+           "--prompts-per-step=4", "--group-size=2", "--max-new-tokens=6", "--rollout.num_slots=16",
+           "--warm-start-steps=0", "--mesh=data=-1"]  # 8 virtual devices: 8 slot replicas of 2
+
+
+def test_the_rollout_kv_cache_options_reach_the_graph_and_the_sampler(tmp_path):
+    from rpegjax.train.build import build, build_graph
+
+    flags = [*KV_TINY, "--rollout.kv_cache=paged", "--rollout.page_size=4", "--rollout.kv_pool_tokens=62",
+             f"--run-dir={tmp_path / 'run'}"]
+    config, _ = parse_args(flags, Algorithm.GRPO)
+    assert RunConfig.from_json(config.to_json()).rollout == config.rollout  # saved with the run (and --resume)
+    execution = build_graph(config, num_devices=1).execution
+    assert (execution.kv_cache, execution.page_size, execution.kv_pool_tokens) == ("paged", 4, 62)
+    sampler = build(config, log=lambda _: None).sampler
+    assert sampler.paged is not None and sampler.paged.page_size == 4
+    assert sampler.paged.pages_per_replica == 16  # 62 tokens per replica in whole pages of 4
+    default, _ = parse_args([*KV_TINY, f"--run-dir={tmp_path / 'other'}"], Algorithm.GRPO)
+    assert build_graph(default, num_devices=1).execution.kv_cache == "contiguous"
+
+
+def test_kv_cache_options_are_checked_and_never_override_a_plan_silently(tmp_path):
+    from rpegjax.graph.ir import Execution, GraphError
+    from rpegjax.train.build import build_graph
+
+    with pytest.raises(ValueError, match="RolloutSection.kv_pool_tokens=64 sizes the paged cache's pool"):
+        RolloutSection(kv_pool_tokens=64)
+    with pytest.raises(ValueError, match="RolloutSection.page_size"):
+        RolloutSection(kv_cache="paged", page_size=0)
+    with pytest.raises(ValueError, match="RolloutSection.kv_cache"):
+        RolloutSection(kv_cache="ring")
+    with pytest.raises(GraphError, match="Execution.kv_pool_tokens=64 sizes a paged KV cache's pool"):
+        Execution(kv_pool_tokens=64)
+    assert Execution.from_dict(Execution(kv_cache="paged", kv_pool_tokens=64).to_dict()).kv_pool_tokens == 64
+    plan = tmp_path / "plan.json"
+    planned, _ = parse_args([*KV_TINY, f"--run-dir={tmp_path / 'run'}"], Algorithm.GRPO)
+    plan.write_text(build_graph(planned, num_devices=1).to_json())  # a contiguous plan
+    ours, _ = parse_args([*KV_TINY, f"--plan={plan}", f"--run-dir={tmp_path / 'run'}"], Algorithm.GRPO)
+    assert build_graph(ours, num_devices=1).execution.kv_cache == "contiguous"  # unset: the plan's
+    paged, _ = parse_args([*KV_TINY, f"--plan={plan}", "--rollout.kv_cache=paged", f"--run-dir={tmp_path / 'run'}"],
+                          Algorithm.GRPO)
+    with pytest.raises(ValueError, match="the plan's KV cache is {'kv_cache': 'contiguous'}, this run asks for"):
+        build_graph(paged, num_devices=1)
