@@ -35,6 +35,7 @@ from rpegjax.rewards.math import check_gold_answer
 from rpegjax.rewards.tasks import make_task
 from rpegjax.runtime.assembly import RolloutShape, place_models
 from rpegjax.runtime.meshes import placed_meshes
+from rpegjax.runtime.roles import process_groups
 from rpegjax.sharding.mesh import resolve_axis_sizes
 from rpegjax.train.config import RunConfig
 from rpegjax.train.warmstart import warm_start
@@ -329,9 +330,9 @@ def build(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Components:
             model_cfg = model_cfg.replace(eos_token_id=tokenizer.eos_id)
             model.cfg = model_cfg
     model_cfg = model_cfg.replace(**graph.execution.model_fields())  # what place_models runs the model with
-    if jax.process_count() > 1 and len({s.placement for s in graph.stages if not s.host}) > 1:
-        raise ValueError("stages on separate device sets (graph.rollout_devices or a disaggregated plan) run in one "
-                         "process only; with several processes generation and training share the devices")
+    # with several processes, generation and training run on the same processes or on disjoint groups of whole
+    # processes (`rpegjax.runtime.roles`); a placement that splits a process between the two is refused here
+    process_groups(graph)
     critic = None
     if ppo and not shared_critic:
         critic = critic_from_actor(model, model_cfg)
