@@ -34,6 +34,12 @@ same order, which two threads cannot promise; there the runtime runs with `concu
 step t's rollout is generated in the calling thread right before step t trains. The weights each
 rollout reads, and so every result, are the same as with the worker thread; only the overlap is lost.
 
+When generation and training are placed on disjoint groups of processes (`rpegjax.runtime.roles`), each process
+takes the role of the devices it owns: a generation process runs the rollout loop alone (its worker thread; `run`
+returns once the training processes say the run ended), a training process every other stage. Weights version v
+and each rollout piece cross between the groups through `jax.experimental.transfer` (`RoleLinks`), never through
+a collective spanning both groups; the staleness bound and every number are those of the one-process run.
+
 Every stage execution is recorded in a `Trace` (stage, step, weights version, placement, start, end);
 device stages block on their outputs inside the span so the measured timeline is honest.
 """

@@ -159,6 +159,7 @@ class StagePrograms:
             cast = lambda params: cast_only(merge_adapters(params, lora.scale))  # noqa: E731
         self._cast = cast
         self._staged_sync: Callable | None = None  # built on first use (training processes of a disaggregated run)
+        self._copies: dict[int, tuple[Any, Callable]] = {}  # `copy_actor`'s programs by layout
         self.reward_processes: Sequence[int] | None = None  # who scores a piece's rows (None: every process)
         if device_ids(sampler.mesh) == device_ids(self.train_mesh):
             self._sync = jax.jit(cast, out_shardings=generation_shardings)
@@ -375,6 +376,14 @@ class StagePrograms:
     def generation_shapes(self) -> Any:
         """Shapes and dtypes of the generation copy of the actor weights (computed abstractly: no program runs)."""
         return jax.eval_shape(self._cast, self.learner.actor_params(self.learner.params))
+
+    def copy_actor(self, state: Any, shardings: Any) -> Any:
+        """The generation copy of the actor weights of `state` (as `sync` computes it) laid out as `shardings`
+        on the training devices (e.g. a sampler of held-out evaluation there); one program per layout."""
+        key = id(shardings)
+        if key not in self._copies:
+            self._copies[key] = (shardings, jax.jit(self._cast, out_shardings=shardings))  # holds `shardings` alive
+        return self._copies[key][1](self.actor_params_of(state))
 
     def staged_sync(self, state: Any) -> Any:
         """The generation copy of the actor weights of `state` in `staging_shardings` (on the training devices),

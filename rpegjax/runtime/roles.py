@@ -109,6 +109,14 @@ def process_groups(graph: Graph) -> ProcessGroups | None:
     return ProcessGroups(generation=tuple(sorted(generation)), training=tuple(sorted(training)))
 
 
+def writer_process(graph: Graph) -> int:
+    """The process that writes the run's files (metrics, samples, trace, checkpoint metadata) and speaks for it:
+    process 0, or over process groups the first training process (it holds the training state and every step's
+    results; the generation processes hold neither)."""
+    groups = process_groups(graph)
+    return 0 if groups is None else groups.training[0]
+
+
 def heads(graph: Graph, placement: str) -> list[jax.Device]:
     """The first device of `placement` in each of its processes (in process order): where host data travel."""
     first: dict[int, jax.Device] = {}

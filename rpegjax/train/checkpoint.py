@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import pathlib
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -23,12 +24,24 @@ class CheckpointError(RuntimeError):
 class Checkpointer:
     """Saves and restores `(arrays, metadata)` pairs under `directory/<step>`; keeps the last `keep`."""
 
-    def __init__(self, directory: str | pathlib.Path, *, keep: int = 2, asynchronous: bool = True):
+    def __init__(self, directory: str | pathlib.Path, *, keep: int = 2, asynchronous: bool = True,
+                 processes: Sequence[int] | None = None):
+        """`processes`: the processes that save and restore together (None: all of them); the first writes the
+        shared files. A run over process groups checkpoints from its training processes alone."""
         if keep < 1:
             raise ValueError(f"Checkpointer keep must be >= 1, got {keep}")
         self.directory = pathlib.Path(directory).absolute()
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=asynchronous, create=True)
-        self._manager = ocp.CheckpointManager(self.directory, options=options)
+        multiprocessing = ocp.options.MultiprocessingOptions()
+        if processes is not None:  # orbax creates the directory only when every process takes part
+            multiprocessing = ocp.options.MultiprocessingOptions(primary_host=min(processes),
+                                                                 active_processes=set(processes))
+            self.directory.mkdir(parents=True, exist_ok=True)
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=asynchronous,
+                                               create=processes is None, multiprocessing_options=multiprocessing)
+        handlers = None if processes is None else {  # the items' handlers too, or they take process 0 as primary
+            "arrays": ocp.StandardCheckpointHandler(multiprocessing_options=multiprocessing, use_ocdbt=False),
+            "metadata": ocp.JsonCheckpointHandler(multiprocessing_options=multiprocessing)}
+        self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
     def save(self, step: int, arrays: Any, metadata: dict[str, Any]) -> None:
         """Starts writing checkpoint `step` (in the background when asynchronous). A write that fails (a full
