@@ -102,7 +102,7 @@ def jit_with_shardings(fn, in_shardings, out_shardings, *, mesh: Mesh | None, do
 def _place_in_group(leaf: jax.Array, sharding: NamedSharding) -> jax.Array:
     if not sharding.addressable_devices:
         return jax.make_array_from_single_device_arrays(leaf.shape, sharding, [], dtype=leaf.dtype)
-    if sharding.is_fully_addressable:
-        return jax.device_put(leaf, sharding)
+    if sharding.is_fully_addressable or (isinstance(leaf, jax.Array) and not leaf.is_fully_addressable):
+        return jax.device_put(leaf, sharding)  # within this process, or already on the group's mesh (a critic's trunk)
     host = np.asarray(leaf)
     return jax.make_array_from_callback(leaf.shape, sharding, lambda index: host[index], dtype=host.dtype)

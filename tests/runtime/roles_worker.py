@@ -45,17 +45,26 @@ from rpegjax.train.trainer import make_programs
 STEPS, BOUND = 3, 1
 
 
-def config() -> RunConfig:
-    # 2 KV heads: the generation layout's tensor=2 splits them
-    return RunConfig(
+def config(algorithm: str = "grpo", plan: str | None = None) -> RunConfig:
+    """The run: GRPO, or PPO with a `separate` or `shared` critic (`ppo-separate`, `ppo-shared`); the graph from
+    the flags above, or the graph JSON `plan`."""
+    graph = GraphSection(async_bound=BOUND, rollout_devices=4, mesh="data=4", rollout_mesh="data=2,tensor=2")
+    if plan is not None:
+        graph = GraphSection(plan=plan)
+    cfg = RunConfig(
+        # 2 KV heads: the generation layout's tensor=2 splits them
         model=ModelSection(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=2, head_dim=16, intermediate_size=64),
         data=DataSection(train_size=64, eval_size=4),
         rollout=RolloutSection(prompts_per_step=4, group_size=2, max_prompt_len=12, max_new_tokens=6, num_slots=8,
                                chunk_steps=3),
         warm_start=WarmStartSection(steps=0),
-        graph=GraphSection(async_bound=BOUND, rollout_devices=4, mesh="data=4", rollout_mesh="data=2,tensor=2"),
+        graph=graph,
         train=TrainSection(steps=STEPS, reward_workers=1),
     ).replace(grpo=dataclasses.replace(RunConfig().grpo, kl_coef=0.04))
+    if algorithm.startswith("ppo-"):
+        critic = algorithm.removeprefix("ppo-")
+        cfg = cfg.replace(algorithm="ppo", ppo=dataclasses.replace(RunConfig().ppo, critic=critic, kl_coef=0.04))
+    return cfg
 
 
 def length_reward(text, example):
@@ -63,24 +72,22 @@ def length_reward(text, example):
     return float(len(text) % 3) / 2
 
 
-def run(out: pathlib.Path) -> None:
-    cfg = config()
+def run(out: pathlib.Path, algorithm: str, plan: str | None) -> None:
+    cfg = config(algorithm, plan)
     parts = build(cfg, log=lambda _: None)
-    print("built", flush=True)
     rewards = RewardRunner(length_reward, RewardRunnerConfig(timeout_s=10.0, workers=1, isolation="thread"))
     programs = make_programs(parts, rewards)
     data = DataIterator(parts.train_examples, batch_size=cfg.rollout.prompts_per_step, seed=0)
     trace = Trace(clock=time.time)  # one host: the wall clock is shared by the processes
     runtime = Runtime(parts.graph, programs, data, prompt_ids=parts.prompt_ids, key=jax.random.key(7), trace=trace)
     role = runtime.role
-    print("runtime", role, flush=True)
     results = []
     state = None if role == Role.GENERATE else parts.learner.init_state()
     state = runtime.run(state, start_step=0, num_steps=STEPS, on_step=lambda result, _: results.append(result))
     rewards.close()
     me = jax.process_index()
     record = {
-        "process": me, "role": None if role is None else role.value,
+        "process": me, "role": None if role is None else role.value, "async_bound": runtime.async_bound,
         "events": [{"stage": e.stage, "step": e.step, "version": e.version, "start": e.start + trace.origin,
                     "end": e.end + trace.origin} for e in trace.events],
         "steps": [{"step": r.step, "version": r.version, "metrics": r.metrics,
@@ -106,10 +113,12 @@ def run(out: pathlib.Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=pathlib.Path, required=True)
+    parser.add_argument("--algorithm", default="grpo", choices=["grpo", "ppo-separate", "ppo-shared"])
+    parser.add_argument("--plan", default=None, help="a graph JSON to execute (graph.plan)")
     args = parser.parse_args()
     faulthandler.dump_traceback_later(150, exit=True)  # a hang shows where each thread waits, then ends the process
     distributed.initialize(distributed.DistributedConfig.from_env())
-    run(args.out)
+    run(args.out, args.algorithm, args.plan)
 
 
 if __name__ == "__main__":
