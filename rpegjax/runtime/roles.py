@@ -226,8 +226,10 @@ class RoleLinks:
         the clock the pull's start and end are recorded with."""
         start = now()
         params = jax.block_until_ready(transfers.receive(self.links, self.weights, version * 4 + _WEIGHTS))
+        me = jax.process_index()
         self.weight_pulls.append({"version": version, "start": start, "end": now(),
-                                  "bytes": self.weights.received_bytes(jax.process_index())})
+                                  "bytes": self.weights.received_bytes(me),
+                                  "sources": sorted({source for source, target in self.weights.routes if target == me})})
         return params
 
     # ---- rollouts ---------------------------------------------------------------------------------

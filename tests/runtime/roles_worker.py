@@ -45,15 +45,17 @@ from rpegjax.train.trainer import make_programs
 STEPS, BOUND = 3, 1
 
 
-def config(algorithm: str = "grpo", plan: str | None = None) -> RunConfig:
+def config(algorithm: str = "grpo", plan: str | None = None, width: int = 32) -> RunConfig:
     """The run: GRPO, or PPO with a `separate` or `shared` critic (`ppo-separate`, `ppo-shared`); the graph from
-    the flags above, or the graph JSON `plan`."""
+    the flags above, or the graph JSON `plan`. `width` (the hidden size; heads of 64 beyond 128) makes the
+    model larger, to measure weight sync at a size where bandwidth, not latency, counts."""
     graph = GraphSection(async_bound=BOUND, rollout_devices=4, mesh="data=4", rollout_mesh="data=2,tensor=2")
     if plan is not None:
         graph = GraphSection(plan=plan)
     cfg = RunConfig(
         # 2 KV heads: the generation layout's tensor=2 splits them
-        model=ModelSection(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=2, head_dim=16, intermediate_size=64),
+        model=ModelSection(hidden_size=width, num_layers=1, num_heads=max(2, width // 64), num_kv_heads=2,
+                           head_dim=width // max(2, width // 64), intermediate_size=2 * width),
         data=DataSection(train_size=64, eval_size=4),
         rollout=RolloutSection(prompts_per_step=4, group_size=2, max_prompt_len=12, max_new_tokens=6, num_slots=8,
                                chunk_steps=3),
@@ -72,8 +74,8 @@ def length_reward(text, example):
     return float(len(text) % 3) / 2
 
 
-def run(out: pathlib.Path, algorithm: str, plan: str | None) -> None:
-    cfg = config(algorithm, plan)
+def run(out: pathlib.Path, algorithm: str, plan: str | None, width: int) -> None:
+    cfg = config(algorithm, plan, width)
     parts = build(cfg, log=lambda _: None)
     rewards = RewardRunner(length_reward, RewardRunnerConfig(timeout_s=10.0, workers=1, isolation="thread"))
     programs = make_programs(parts, rewards)
@@ -115,10 +117,11 @@ def main() -> None:
     parser.add_argument("--out", type=pathlib.Path, required=True)
     parser.add_argument("--algorithm", default="grpo", choices=["grpo", "ppo-separate", "ppo-shared"])
     parser.add_argument("--plan", default=None, help="a graph JSON to execute (graph.plan)")
+    parser.add_argument("--width", type=int, default=32, help="the model's hidden size (measurements)")
     args = parser.parse_args()
     faulthandler.dump_traceback_later(150, exit=True)  # a hang shows where each thread waits, then ends the process
     distributed.initialize(distributed.DistributedConfig.from_env())
-    run(args.out, args.algorithm, args.plan)
+    run(args.out, args.algorithm, args.plan, args.width)
 
 
 if __name__ == "__main__":

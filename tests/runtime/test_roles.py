@@ -160,12 +160,14 @@ def test_four_processes_run_a_disaggregated_grpo_plan_like_one_process(tmp_path)
     # weight sync across the groups: each version a rollout reads, offered once by each trainer, pulled once by
     # each generator; seconds per GB from offer (or pull, if later) to arrival
     versions = sorted({max(0, t - 1) for t in range(steps)})
-    offers = {o["version"]: o["time"] for o in records[2]["weight_offers"]}
-    assert sorted(offers) == versions
+    offers = {p: {o["version"]: o["time"] for o in records[p]["weight_offers"]} for p in (2, 3)}
+    assert all(sorted(offered) == versions for offered in offers.values())
     for record in records[:2]:
         pulls = record["weight_pulls"]
         assert [p["version"] for p in pulls] == versions
-        seconds = [p["end"] - max(p["start"], offers[p["version"]]) for p in pulls]
+        # from the moment the last of its sources offered it (or the pull began, if later) to its arrival
+        seconds = [p["end"] - max(p["start"], *(offers[source][p["version"]] for source in p["sources"]))
+                   for p in pulls]
         gigabytes = pulls[0]["bytes"] / 1e9
         print(f"process {record['process']}: {pulls[0]['bytes'] / 1e6:.3f} MB of weights per version, "
               f"{min(seconds) * 1e3:.1f} ms at best: {min(seconds) / gigabytes:.1f} s/GB")
