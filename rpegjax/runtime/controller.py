@@ -480,8 +480,8 @@ class Runtime:
         return state
 
     def _receive_rollout(self, step: int) -> Rollout:
-        received = [self.links.receive_piece(step, index, self.pieces, group_size=self.programs.group_size,
-                                             base_data_state=self.data.state()) for index in range(self.pieces)]
+        received = [self.links.receive_piece(step, index, self.pieces, base_data_state=self.data.state())
+                    for index in range(self.pieces)]
         version = generation_version(step, self.async_bound)
         if any(r.version != version for r in received):
             raise RuntimeError(f"step {step}: the rollout was generated with weights version "

@@ -270,8 +270,7 @@ class RoleLinks:
         tree["meta"] = [_host_array(meta, sharding) for sharding in sources["meta"]]
         transfers.send(self.links, self.pieces, self._piece_id(step, index, pieces), tree)
 
-    def receive_piece(self, step: int, index: int, pieces: int, *, group_size: int,
-                      base_data_state: dict[str, Any]) -> ReceivedRollout:
+    def receive_piece(self, step: int, index: int, pieces: int, *, base_data_state: dict[str, Any]) -> ReceivedRollout:
         """Training side: piece `index` of `step` (waits for it). Raises RuntimeError with the generation
         processes' message when the rollout stage failed."""
         tree = jax.block_until_ready(transfers.receive(self.links, self.pieces, self._piece_id(step, index, pieces)))
