@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 
@@ -26,21 +27,32 @@ class Checkpointer:
 
     def __init__(self, directory: str | pathlib.Path, *, keep: int = 2, asynchronous: bool = True,
                  processes: Sequence[int] | None = None):
-        """`processes`: the processes that save and restore together (None: all of them); the first writes the
-        shared files. A run over process groups checkpoints from its training processes alone."""
+        """`processes`: the processes that save together (None: all of them; they also restore together); the
+        first writes the shared files. A run over process groups checkpoints from its training processes alone
+        (written in the same format: a colocated run restores it)."""
         if keep < 1:
             raise ValueError(f"Checkpointer keep must be >= 1, got {keep}")
         self.directory = pathlib.Path(directory).absolute()
         multiprocessing = ocp.options.MultiprocessingOptions()
-        if processes is not None:  # orbax creates the directory only when every process takes part
-            multiprocessing = ocp.options.MultiprocessingOptions(primary_host=min(processes),
-                                                                 active_processes=set(processes))
+        handlers = None
+        self._save_args = ocp.args.StandardSave
+        if processes is not None:
+            # orbax creates the directory only when every process takes part, and its items' handlers (down to the
+            # array handler, which writes each array's metadata) take process 0 as primary unless told otherwise
+            primary = min(processes)
+            multiprocessing = ocp.options.MultiprocessingOptions(primary_host=primary, active_processes=set(processes))
             self.directory.mkdir(parents=True, exist_ok=True)
+            types = ocp.type_handlers
+            registry = types.create_type_handler_registry(
+                (int, types.ScalarHandler()), (float, types.ScalarHandler()), (np.number, types.ScalarHandler()),
+                (np.ndarray, types.NumpyHandler()), (str, types.StringHandler()),
+                (jax.Array, types.ArrayHandler(primary_host=primary)))
+            handlers = {"arrays": ocp.PyTreeCheckpointHandler(multiprocessing_options=multiprocessing,
+                                                              type_handler_registry=registry),
+                        "metadata": ocp.JsonCheckpointHandler(multiprocessing_options=multiprocessing)}
+            self._save_args = ocp.args.PyTreeSave
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=asynchronous,
                                                create=processes is None, multiprocessing_options=multiprocessing)
-        handlers = None if processes is None else {  # the items' handlers too, or they take process 0 as primary
-            "arrays": ocp.StandardCheckpointHandler(multiprocessing_options=multiprocessing, use_ocdbt=False),
-            "metadata": ocp.JsonCheckpointHandler(multiprocessing_options=multiprocessing)}
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
     def save(self, step: int, arrays: Any, metadata: dict[str, Any]) -> None:
@@ -50,7 +62,7 @@ class Checkpointer:
         with self._writing(step):
             self._manager.save(
                 step,
-                args=ocp.args.Composite(arrays=ocp.args.StandardSave(arrays), metadata=ocp.args.JsonSave(metadata)),
+                args=ocp.args.Composite(arrays=self._save_args(arrays), metadata=ocp.args.JsonSave(metadata)),
                 force=True,
             )
 

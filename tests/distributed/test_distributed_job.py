@@ -265,3 +265,9 @@ def test_a_disaggregated_run_over_four_processes_trains_like_one_process(tmp_pat
     assert sorted(p.name for p in (split / "checkpoints").iterdir()) == ["2", "3"]
     assert {e["name"] for e in json.loads((split / "trace.json").read_text())["traceEvents"] if "name" in e} >= {
         "actor_update", "weight_sync"}
+    # the training processes' checkpoint restores in a colocated run of one process (resume over process groups is
+    # refused), which trains on from it
+    (_, resume_err), = finish(start(split, "--resume", str(split), "--steps=4", "--rollout-devices=0", "--mesh=data=8",
+                                    processes=1, devices=8), timeout=420)
+    assert "resumed from step 3" in resume_err
+    assert [r["step"] for r in records(split)] == [0, 1, 2, 3, 4, 4]
