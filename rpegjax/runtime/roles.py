@@ -227,9 +227,9 @@ class RoleLinks:
         start = now()
         params = jax.block_until_ready(transfers.receive(self.links, self.weights, version * 4 + _WEIGHTS))
         me = jax.process_index()
+        sources = sorted({source for source, target in self.weights.routes if target == me})
         self.weight_pulls.append({"version": version, "start": start, "end": now(),
-                                  "bytes": self.weights.received_bytes(me),
-                                  "sources": sorted({source for source, target in self.weights.routes if target == me})})
+                                  "bytes": self.weights.received_bytes(me), "sources": sources})
         return params
 
     # ---- rollouts ---------------------------------------------------------------------------------
@@ -247,7 +247,8 @@ class RoleLinks:
                   "examples": [self._example_index[id(e)] for e in examples],
                   "data": {"epoch": data_state["epoch"], "position": data_state["position"]},
                   "rewards": [float(r) for r in np.asarray(rewards, np.float32)],
-                  "stats": [stats.errors, stats.timeouts, stats.nonfinite, stats.seconds], "first_error": stats.first_error}
+                  "stats": [stats.errors, stats.timeouts, stats.nonfinite, stats.seconds],
+                  "first_error": stats.first_error}
         batch = piece.batch
         host = {"tokens": np.asarray(batch.tokens, np.int32), "token_mask": np.asarray(batch.token_mask, np.int8),
                 "response_mask": np.asarray(batch.response_mask, np.int8),
@@ -279,12 +280,14 @@ class RoleLinks:
         if failed:
             raise RuntimeError(f"the rollout stage of step {step} failed in the generation processes: {failed[0]}")
         first = records[0]
-        host = {name: _host_value(tree[name]) for name in ("tokens", "token_mask", "response_mask", "behaviour_logprobs")}
+        host = {name: _host_value(tree[name])
+                for name in ("tokens", "token_mask", "response_mask", "behaviour_logprobs")}
         batch = TrainBatch(tokens=host["tokens"], token_mask=host["token_mask"].astype(bool),
                            response_mask=host["response_mask"].astype(bool),
                            behaviour_logprobs=host["behaviour_logprobs"])
         completions, row_examples = [], []
-        for row, (prompt_index, sample_index, prompt, length, finish, version, example, masked) in enumerate(first["rows"]):
+        for row, fields in enumerate(first["rows"]):
+            prompt_index, sample_index, prompt, length, finish, version, example, masked = fields
             tokens = batch.tokens[row]
             mask = batch.response_mask[row, prompt:prompt + length].copy() if masked else None
             completions.append(Completion(

@@ -199,7 +199,8 @@ def test_the_planners_disaggregated_plan_runs_as_two_plus_two_processes(tmp_path
     evaluator = step_model.Evaluator.for_runtime(shape, workload, hardware.gh200_quad(8))
     space = planner.PlanSpace(async_bounds=(0, 1), fusion=(False, True), microbatches=(1, 2), tensor_sizes=(1,),
                               generation_fractions=(0.5,), reshard_inference=(True,), dtype="float32")
-    best = planner.Planner(evaluator, algorithm="grpo", num_devices=8, use_reference=True, space=space).search(top=1).best
+    search = planner.Planner(evaluator, algorithm="grpo", num_devices=8, use_reference=True, space=space)
+    best = search.search(top=1).best
     plan = tmp_path / "plan.json"
     plan.write_text(best.graph.to_json())
     generate = best.graph.stage("generate")
