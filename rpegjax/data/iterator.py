@@ -48,6 +48,14 @@ class DataIterator:
         return order
 
     @property
+    def examples(self) -> tuple[Example, ...]:
+        return self._examples
+
+    @property
+    def batch_size(self) -> int:
+        return self._batch_size
+
+    @property
     def epoch(self) -> int:
         return self._epoch
 

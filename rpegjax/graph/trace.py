@@ -112,6 +112,12 @@ class Trace:
     def from_events(cls, events: Iterable[TraceEvent], name: str = "") -> Trace:
         return cls(name, events=events)
 
+    @property
+    def origin(self) -> float:
+        """The clock's reading at the trace origin (with `clock=time.time`, traces of several processes of one
+        host share a timeline: event time + origin)."""
+        return self._origin
+
     def now(self) -> float:
         """Seconds since the trace origin."""
         return self._clock() - self._origin

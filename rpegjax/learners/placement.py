@@ -11,6 +11,7 @@ import warnings
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
@@ -61,7 +62,13 @@ class ModelPlacement:
         if all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(params)):
             return jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
                                 params, self.param_shardings)
-        return jax.device_put(params, self.param_shardings)
+        if len({device.process_index for device in self.mesh.devices.flat}) == jax.process_count():
+            return jax.device_put(params, self.param_shardings)
+        # a mesh of some processes only (one role's group in a run over process groups): each process builds its
+        # own shards from its whole copy (alike in every process, by the same-decisions contract); a process of the
+        # other role builds arrays without shards. A device_put would attempt a cross-process transfer, which
+        # backends without one (CPU) refuse.
+        return jax.tree.map(_place_in_group, params, self.param_shardings)
 
     def merge(self, params: Params) -> Decoder:
         """The model of `params`: this model's whole parameters, or (a model with adapters) its base's alone,
@@ -90,3 +97,12 @@ def jit_with_shardings(fn, in_shardings, out_shardings, *, mesh: Mesh | None, do
     if mesh is None:
         return jax.jit(fn, donate_argnums=donate_argnums)
     return jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings, donate_argnums=donate_argnums)
+
+
+def _place_in_group(leaf: jax.Array, sharding: NamedSharding) -> jax.Array:
+    if not sharding.addressable_devices:
+        return jax.make_array_from_single_device_arrays(leaf.shape, sharding, [], dtype=leaf.dtype)
+    if sharding.is_fully_addressable or (isinstance(leaf, jax.Array) and not leaf.is_fully_addressable):
+        return jax.device_put(leaf, sharding)  # within this process, or already on the group's mesh (a critic's trunk)
+    host = np.asarray(leaf)
+    return jax.make_array_from_callback(leaf.shape, sharding, lambda index: host[index], dtype=host.dtype)

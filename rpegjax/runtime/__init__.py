@@ -1,6 +1,7 @@
 """The single controller that executes an RPEG: the step loop and its threads (`controller`), the stage programs
-it dispatches (`programs`), the versioned parameter store (`versions`) placement -> mesh (`meshes`) and JAX's persistent
-compilation cache for a job (`compilation_cache`).
+it dispatches (`programs`), the versioned parameter store (`versions`) placement -> mesh (`meshes`), arrays between
+process groups (`transfers`), the roles of processes in a disaggregated run and what crosses between them (`roles`)
+and JAX's persistent compilation cache for a job (`compilation_cache`).
 
 This package is the one place that dispatches stages, moves arrays between device sets and reshards weights.
 """

@@ -70,6 +70,15 @@ def cache_config(execution: Execution) -> CacheConfig:
     return CacheConfig(layout=execution.kv_cache, page_size=execution.page_size, pages_per_replica=pages)
 
 
+def sampler_on(sampler: Sampler, mesh, num_slots: int) -> Sampler:
+    """A sampler like `sampler` (model, budgets, cache layout) on `mesh` with `num_slots` slots: e.g. held-out
+    evaluation in the training processes of a run over process groups, which cannot launch programs on the
+    generation devices."""
+    return Sampler(sampler.cfg, sampler.graphdef, lora=sampler.lora, num_slots=num_slots,
+                   max_prompt_len=sampler.max_prompt_len, max_new_tokens=sampler.max_new_tokens,
+                   chunk_steps=sampler.chunk_steps, window_step=sampler.window_step, mesh=mesh, cache=sampler.cache)
+
+
 def apply_execution(model: Decoder, execution: Execution) -> Decoder:
     """`model` under the execution's kernel, remat and scan choices; its precision must already match."""
     cfg = model.cfg

@@ -34,6 +34,12 @@ same order, which two threads cannot promise; there the runtime runs with `concu
 step t's rollout is generated in the calling thread right before step t trains. The weights each
 rollout reads, and so every result, are the same as with the worker thread; only the overlap is lost.
 
+When generation and training are placed on disjoint groups of processes (`rpegjax.runtime.roles`), each process
+takes the role of the devices it owns: a generation process runs the rollout loop alone (its worker thread; `run`
+returns once the training processes say the run ended), a training process every other stage. Weights version v
+and each rollout piece cross between the groups through `jax.experimental.transfer` (`RoleLinks`), never through
+a collective spanning both groups; the staleness bound and every number are those of the one-process run.
+
 Every stage execution is recorded in a `Trace` (stage, step, weights version, placement, start, end);
 device stages block on their outputs inside the span so the measured timeline is honest.
 """
@@ -66,6 +72,7 @@ from rpegjax.learners.group_filter import DynamicSamplingConfig, GroupBatchFille
 from rpegjax.rewards.runner import RewardStats
 from rpegjax.runtime.meshes import device_ids, same_layout, stage_mesh
 from rpegjax.runtime.programs import Piece, StagePrograms, concatenate_pieces
+from rpegjax.runtime.roles import Role, RoleLinks, process_groups
 from rpegjax.runtime.sampled_groups import SampledGroup, group_piece, split_groups
 from rpegjax.runtime.versions import ParameterStore, RuntimeStopped, generation_version
 
@@ -170,6 +177,31 @@ class Runtime:
         self.pieces = self.generate_stage.microbatches
         self.dispatches_per_step: list[int] = []
         self.last_reward_error = ""
+        self._read_versions: set[int] | None = None  # weights versions the run's rollouts read (set by `run`)
+        self.groups = process_groups(graph)
+        self.links: RoleLinks | None = None
+        if self.groups is not None:
+            self.links = self._link_groups(data)
+
+    @property
+    def role(self) -> Role | None:
+        """This process's role in a run over process groups (None: every process runs every stage)."""
+        return None if self.groups is None else self.groups.role
+
+    def _link_groups(self, data: DataIterator) -> RoleLinks:
+        """The transfers between the generation and the training processes (a collective of every process)."""
+        if self.dynamic_sampling is not None:
+            raise ValueError("dynamic sampling decides on every round's rewards gathered over the generation "
+                             "processes; over separate process groups it is not supported yet")
+        if data.batch_size % self.pieces:
+            raise GraphError(f"stage {self.generate_stage.name!r}: {data.batch_size} prompts per step cannot be "
+                             f"split into {self.pieces} micro-batches", stage=self.generate_stage.name)
+        self.programs.reward_processes = self.groups.generation
+        return RoleLinks(self.graph, self.groups, weights_like=self.programs.generation_shapes(),
+                         weights_staging=self.programs.staging_shardings(),
+                         weights_targets=self.programs.sampler.params_sharding,
+                         rows=data.batch_size // self.pieces * self.programs.group_size,
+                         length=self.programs.sequence_length, examples=data.examples)
 
     # ---- helpers -------------------------------------------------------------------------------
     def _kinds(self, unit: Sequence[str]) -> tuple[StageKind, ...]:
@@ -318,12 +350,22 @@ class Runtime:
     ) -> Any:
         """Runs steps `start_step .. start_step + num_steps - 1` from training `state` (the actor is at version
         `start_step`). `history` holds older generation-layout weights (version, params) that pending
-        rollouts may read after a resume. Calls `on_step(result, state)` after each step; returns the state."""
+        rollouts may read after a resume. Calls `on_step(result, state)` after each step; returns the state.
+
+        Over process groups (`role`) a generation process runs the rollout loop (`state`, `history` and `on_step`
+        are unused; it returns None once the training processes have received every rollout) and a training process
+        every other stage; there `history` holds the versions in the staging layout (`StagePrograms.staged_sync`)."""
+        self._read_versions = {generation_version(step, self.async_bound)
+                               for step in range(start_step, start_step + num_steps)}
+        if self.role == Role.GENERATE:
+            return self._run_generation(start_step, start_step + num_steps)
         for version, params in history:
-            self.store.put(version, params)
+            self._publish(version, params)
         with self.trace.span(self.graph.stage(self._sync_unit()[0]).name, start_step, start_step,
                              self._devices(self._sync_unit())):
-            self.store.put(start_step, _block(self.programs.sync(state)))
+            self._publish(start_step, _block(self._sync(state)))
+        if self.role == Role.TRAIN:
+            return self._run_training(state, start_step, start_step + num_steps, on_step)
         rollouts: queue.Queue = queue.Queue()
         worker = None
         if self.concurrent_rollout:
@@ -352,6 +394,104 @@ class Runtime:
             if worker is not None:
                 worker.join(timeout=60)
         return state
+
+    def _sync(self, state: Any) -> Any:
+        """The weight-sync stage's copy: the generation layout (on the generation devices, or over the training
+        devices when a transfer takes it to the generation processes)."""
+        return self.programs.sync(state) if self.links is None else self.programs.staged_sync(state)
+
+    def _publish(self, version: int, params: Any) -> None:
+        """Makes weights `version` readable by generation: the store, and over process groups a transfer (only of
+        the versions a rollout of this run reads: an offer is held until it is pulled)."""
+        self.store.put(version, params)
+        if self.links is not None and version in self._read_versions:
+            self.links.send_weights(version, params, self.trace.now)
+
+    # ---- process groups ------------------------------------------------------------------------
+    def _run_generation(self, start: int, end: int) -> None:
+        """A generation process: the rollout loop in its thread, until the training processes say the run ended
+        (or the loop failed without being able to tell them)."""
+        failures: list[BaseException] = []
+        unsent = threading.Event()
+
+        def loop() -> None:
+            try:
+                self._generation_loop(start, end, unsent)
+            except BaseException as error:  # re-raised below, once the training processes have stopped
+                failures.append(error)
+
+        worker = threading.Thread(target=loop, name="rpegjax-rollout", daemon=True)
+        worker.start()
+        message = self.links.await_finish(give_up=unsent.is_set)  # every rollout offered has been pulled
+        if message is not None and message["status"] == "ok":
+            worker.join()
+        self.store.stop(RuntimeStopped("run finished"))
+        if failures:
+            raise failures[0]
+        if message["status"] != "ok":
+            raise RuntimeStopped(f"the training processes failed: {message['message']}")
+
+    def _generation_loop(self, start: int, end: int, unsent: threading.Event) -> None:
+        """Rollouts of steps `start..end-1`, each from the weights version the bound allows (pulled from the
+        training processes once, kept while later steps read it), each piece sent to the training processes
+        with this process's block of its rewards. A failure is sent in place of the pieces not sent yet (`unsent`
+        is set when even that fails)."""
+        step, sent = start, set()
+        try:
+            for step in range(start, end):
+                sent = set()
+                version = generation_version(step, self.async_bound)
+                if version not in self.store.versions():
+                    self.store.prune(version)  # versions only grow: older ones are read by no later step
+                    self.store.put(version, self.links.receive_weights(version, self.trace.now))
+                rollout, params = self._start_rollout(step)
+                self._generate(rollout, params)
+                for future in rollout.pieces:
+                    piece = future.result()
+                    rewards, stats = piece.rewards.result()
+                    self.links.send_piece(step, self.pieces, piece, version=rollout.version, examples=rollout.examples,
+                                          data_state=rollout.data_state, rewards=rewards, stats=stats)
+                    sent.add(piece.index)
+        except BaseException as error:
+            try:
+                for index in range(self.pieces):
+                    if index not in sent:
+                        self.links.send_failure(step, index, self.pieces, error)
+            except BaseException:
+                unsent.set()
+            raise
+
+    def _run_training(self, state: Any, start: int, end: int,
+                      on_step: Callable[[StepResult, Any], None] | None) -> Any:
+        """A training process: every stage but generation, each step's rollout received from the generation
+        processes; the end of the run (or its failure) is sent to them."""
+        try:
+            for step in range(start, end):
+                state, result = self._train_step(state, self._receive_rollout(step))
+                self.store.prune(generation_version(step + 1, self.async_bound))
+                if on_step is not None:
+                    on_step(result, state)
+        except BaseException as error:
+            self.links.finish(error)
+            raise
+        finally:
+            self.store.stop(RuntimeStopped("run finished"))
+        self.links.finish()
+        return state
+
+    def _receive_rollout(self, step: int) -> Rollout:
+        received = [self.links.receive_piece(step, index, self.pieces, base_data_state=self.data.state())
+                    for index in range(self.pieces)]
+        version = generation_version(step, self.async_bound)
+        if any(r.version != version for r in received):
+            raise RuntimeError(f"step {step}: the rollout was generated with weights version "
+                               f"{[r.version for r in received]}, the bound allows only {version}")
+        futures = []
+        for r in received:
+            futures.append(concurrent.futures.Future())
+            futures[-1].set_result(r.piece)
+        last = received[-1]
+        return Rollout(step=step, version=version, examples=last.examples, pieces=futures, data_state=last.data_state)
 
     def _sync_unit(self) -> tuple[str, ...]:
         for unit in self.train_units:
@@ -400,7 +540,7 @@ class Runtime:
                 _merge_metrics(metrics, update_metrics)
             elif StageKind.WEIGHT_SYNC in kinds:
                 with self.trace.span(name, step, step + 1, devices):
-                    self.store.put(step + 1, _block(programs.sync(state)))
+                    self._publish(step + 1, _block(self._sync(state)))
             else:
                 raise GraphError(f"the runtime cannot execute stage kinds {[k.value for k in kinds]} of {unit}",
                                  stage=unit[0])
@@ -434,7 +574,9 @@ class Runtime:
             task, shaping, stats = [], [], []
             for future in rollout.pieces:  # in piece order in every process: gathering rewards is a collective
                 piece = future.result()
-                piece_rewards, piece_stats = self.programs.collect_rewards(piece)
+                # over process groups a piece arrives with every row's rewards
+                piece_rewards, piece_stats = (piece.rewards.result() if self.links is not None
+                                              else self.programs.collect_rewards(piece))
                 task.append(piece_rewards)
                 shaping.append(self._shaping(piece.completions))
                 stats.append(piece_stats)

@@ -34,6 +34,7 @@ from rpegjax.learners.update import batch_sharding, row_shards
 from rpegjax.models.lora import merge_adapters
 from rpegjax.models.precision import cast_floating
 from rpegjax.rewards.runner import RewardFn, RewardRunner, RewardStats
+from rpegjax.runtime import transfers
 from rpegjax.runtime.meshes import device_ids, same_layout
 from rpegjax.sharding import axes
 from rpegjax.sharding.rules import ActivationSharding, ShardingRules, param_shardings
@@ -156,6 +157,10 @@ class StagePrograms:
         if merge:
             cast_only = cast
             cast = lambda params: cast_only(merge_adapters(params, lora.scale))  # noqa: E731
+        self._cast = cast
+        self._staged_sync: Callable | None = None  # built on first use (training processes of a disaggregated run)
+        self._copies: dict[int, tuple[Any, Callable]] = {}  # `copy_actor`'s programs by layout
+        self.reward_processes: Sequence[int] | None = None  # who scores a piece's rows (None: every process)
         if device_ids(sampler.mesh) == device_ids(self.train_mesh):
             self._sync = jax.jit(cast, out_shardings=generation_shardings)
         else:
@@ -209,7 +214,10 @@ class StagePrograms:
                       examples: Sequence[Example]) -> Piece:
         completions = [c for c, _ in items]
         rows = [examples[c.prompt_index] for c in completions]
-        mine = process_rows(len(rows))
+        if self.reward_processes is None:
+            mine = process_rows(len(rows))
+        else:  # only the generation processes score (a disaggregated run over process groups)
+            mine = process_rows(len(rows), self.reward_processes.index(jax.process_index()), len(self.reward_processes))
         texts = [self.decode(c.response_ids) if e is None else e.final_text for c, e in items[mine]]
         batch = pack_rollouts(
             [c.prompt_ids for c in completions], [c.response_ids for c in completions],
@@ -359,6 +367,32 @@ class StagePrograms:
         """Generation-layout copy of the actor weights of `state`."""
         self.dispatches += 1
         return self._sync(self.actor_params_of(state))
+
+    def staging_shardings(self) -> Any:
+        """The generation layout laid over the training devices (`rpegjax.runtime.transfers.layout_on`): what
+        `staged_sync` outputs, so that a transfer moves whole generation shards to the generation processes."""
+        return transfers.layout_on(self.sampler.params_sharding, list(self.train_mesh.devices.flat))
+
+    def generation_shapes(self) -> Any:
+        """Shapes and dtypes of the generation copy of the actor weights (computed abstractly: no program runs)."""
+        return jax.eval_shape(self._cast, self.learner.actor_params(self.learner.params))
+
+    def copy_actor(self, state: Any, shardings: Any) -> Any:
+        """The generation copy of the actor weights of `state` (as `sync` computes it) laid out as `shardings`
+        on the training devices (e.g. a sampler of held-out evaluation there); one program per layout."""
+        key = id(shardings)
+        if key not in self._copies:
+            self._copies[key] = (shardings, jax.jit(self._cast, out_shardings=shardings))  # holds `shardings` alive
+        return self._copies[key][1](self.actor_params_of(state))
+
+    def staged_sync(self, state: Any) -> Any:
+        """The generation copy of the actor weights of `state` in `staging_shardings` (on the training devices),
+        computed as `sync` computes it: a disaggregated run over process groups sends it to the generation
+        processes."""
+        if self._staged_sync is None:
+            self._staged_sync = jax.jit(self._cast, out_shardings=self.staging_shardings())
+        self.dispatches += 1
+        return self._staged_sync(self.actor_params_of(state))
 
     def actor_params_of(self, state: Any) -> Any:
         """The policy's parameters in a learner's train state."""

@@ -33,8 +33,9 @@ from rpegjax.rewards.custom import RewardedTask, load_rewards
 from rpegjax.rewards.dataset_task import MathDatasetTask
 from rpegjax.rewards.math import check_gold_answer
 from rpegjax.rewards.tasks import make_task
-from rpegjax.runtime.assembly import RolloutShape, place_models
+from rpegjax.runtime.assembly import RolloutShape, place_models, sampler_on
 from rpegjax.runtime.meshes import placed_meshes
+from rpegjax.runtime.roles import process_groups
 from rpegjax.sharding.mesh import resolve_axis_sizes
 from rpegjax.train.config import RolloutSection, RunConfig
 from rpegjax.train.warmstart import warm_start
@@ -57,6 +58,12 @@ class Components:
     warm_start_metrics: dict[str, float]
     max_prompt_len: int  # rollout.max_prompt_len, or the longest prompt of the data when that is unset
     environment: Any = None  # rollout.env's (`rpegjax.envs`), None for single-turn rollouts
+    # held-out evaluation's sampler when it is not `sampler`: over process groups, one on the training devices
+    eval_sampler: Sampler | None = None
+
+    @property
+    def evaluation_sampler(self) -> Sampler:
+        return self.sampler if self.eval_sampler is None else self.eval_sampler
 
     def prompt_ids(self, examples) -> list[list[int]]:
         return [self.encode_prompt(e) for e in examples]
@@ -341,9 +348,9 @@ def build(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Components:
             model_cfg = model_cfg.replace(eos_token_id=tokenizer.eos_id)
             model.cfg = model_cfg
     model_cfg = model_cfg.replace(**graph.execution.model_fields())  # what place_models runs the model with
-    if jax.process_count() > 1 and len({s.placement for s in graph.stages if not s.host}) > 1:
-        raise ValueError("stages on separate device sets (graph.rollout_devices or a disaggregated plan) run in one "
-                         "process only; with several processes generation and training share the devices")
+    # with several processes, generation and training run on the same processes or on disjoint groups of whole
+    # processes (`rpegjax.runtime.roles`); a placement that splits a process between the two is refused here
+    groups = process_groups(graph)
     critic = None
     if ppo and not shared_critic:
         critic = critic_from_actor(model, model_cfg)
@@ -364,7 +371,10 @@ def build(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Components:
         RolloutShape(num_slots=slots, max_prompt_len=max_prompt_len, max_new_tokens=rollout.max_new_tokens,
                      chunk_steps=rollout.chunk_steps),
         critic=critic, lora_generation=cfg.lora.generation, seed=cfg.train.seed)
+    eval_sampler = None
+    if groups is not None:  # the training processes evaluate (they hold the weights), on their own devices
+        eval_sampler = sampler_on(sampler, train_mesh, usable_slots(slots, rollout.group_size, train_mesh))
     return Components(cfg=cfg, tokenizer=tokenizer, task=task, train_examples=train_examples,
                       eval_examples=eval_examples, model_cfg=model_cfg, learner=learner, sampler=sampler, graph=graph,
                       template=template, warm_start_metrics=warm_metrics, max_prompt_len=max_prompt_len,
-                      environment=environment)
+                      environment=environment, eval_sampler=eval_sampler)

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import pathlib
+from collections.abc import Sequence
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 
@@ -23,12 +25,35 @@ class CheckpointError(RuntimeError):
 class Checkpointer:
     """Saves and restores `(arrays, metadata)` pairs under `directory/<step>`; keeps the last `keep`."""
 
-    def __init__(self, directory: str | pathlib.Path, *, keep: int = 2, asynchronous: bool = True):
+    def __init__(self, directory: str | pathlib.Path, *, keep: int = 2, asynchronous: bool = True,
+                 processes: Sequence[int] | None = None):
+        """`processes`: the processes that save together (None: all of them; they also restore together); the
+        first writes the shared files. A run over process groups checkpoints from its training processes alone
+        (written in the same format: a colocated run restores it)."""
         if keep < 1:
             raise ValueError(f"Checkpointer keep must be >= 1, got {keep}")
         self.directory = pathlib.Path(directory).absolute()
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=asynchronous, create=True)
-        self._manager = ocp.CheckpointManager(self.directory, options=options)
+        multiprocessing = ocp.options.MultiprocessingOptions()
+        handlers = None
+        self._save_args = ocp.args.StandardSave
+        if processes is not None:
+            # orbax creates the directory only when every process takes part, and its items' handlers (down to the
+            # array handler, which writes each array's metadata) take process 0 as primary unless told otherwise
+            primary = min(processes)
+            multiprocessing = ocp.options.MultiprocessingOptions(primary_host=primary, active_processes=set(processes))
+            self.directory.mkdir(parents=True, exist_ok=True)
+            types = ocp.type_handlers
+            registry = types.create_type_handler_registry(
+                (int, types.ScalarHandler()), (float, types.ScalarHandler()), (np.number, types.ScalarHandler()),
+                (np.ndarray, types.NumpyHandler()), (str, types.StringHandler()),
+                (jax.Array, types.ArrayHandler(primary_host=primary)))
+            handlers = {"arrays": ocp.PyTreeCheckpointHandler(multiprocessing_options=multiprocessing,
+                                                              type_handler_registry=registry),
+                        "metadata": ocp.JsonCheckpointHandler(multiprocessing_options=multiprocessing)}
+            self._save_args = ocp.args.PyTreeSave
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=asynchronous,
+                                               create=processes is None, multiprocessing_options=multiprocessing)
+        self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
     def save(self, step: int, arrays: Any, metadata: dict[str, Any]) -> None:
         """Starts writing checkpoint `step` (in the background when asynchronous). A write that fails (a full
@@ -37,7 +62,7 @@ class Checkpointer:
         with self._writing(step):
             self._manager.save(
                 step,
-                args=ocp.args.Composite(arrays=ocp.args.StandardSave(arrays), metadata=ocp.args.JsonSave(metadata)),
+                args=ocp.args.Composite(arrays=self._save_args(arrays), metadata=ocp.args.JsonSave(metadata)),
                 force=True,
             )
 

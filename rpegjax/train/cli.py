@@ -352,6 +352,11 @@ def main(argv: list[str], algorithm: Algorithm) -> int:
         log(f"{resolved.num_processes} processes joined (coordinator {resolved.coordinator_address})")
     try:
         parts = build(config, log=log)
+        from rpegjax.runtime.roles import writer_process
+
+        # over process groups the first training process speaks and writes (it holds the state and the results)
+        main_process = jax.process_index() == writer_process(parts.graph)
+        log = say if main_process else (lambda _: None)
         log(describe_run(parts))
         if command.verbose:
             log(parts.graph.to_text())

@@ -16,10 +16,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rpegjax import distributed
 from rpegjax.data.iterator import DataIterator
 from rpegjax.envs.rollout import EpisodeConfig, EpisodeRunner
+from rpegjax.generate.sampler import Sampler
 from rpegjax.generate.sampling import SamplingConfig
 from rpegjax.graph.ir import Algorithm
 from rpegjax.graph.trace import Trace, gantt_png
@@ -27,6 +29,7 @@ from rpegjax.models.precision import generation_cast
 from rpegjax.rewards.runner import ResourceLimits, RewardRunner
 from rpegjax.runtime.controller import Runtime, StepResult
 from rpegjax.runtime.programs import StagePrograms
+from rpegjax.runtime.roles import Role, process_groups
 from rpegjax.train.build import Components
 from rpegjax.train.checkpoint import Checkpointer, CheckpointError
 from rpegjax.train.config import RunConfig, TrainSection
@@ -45,12 +48,14 @@ from rpegjax.train.samples import (
 GANTT_STEPS = 3  # steps shown by gantt.png: the last ones, past compilation (trace.json has them all)
 
 
-def _fingerprint(tree: Any) -> float:
+def _fingerprint(tree: Any, mesh: Mesh | None = None) -> float:
     """A cheap checksum of weights: a resumed run must start from the same initial (reference) weights.
 
     The sum of |w| in float64, from the shards each process holds (each shard counted once, whichever
     device holds its first replica), summed over processes: no array is gathered, and the value hardly
-    depends on the mesh or the number of processes (only through float64 rounding)."""
+    depends on the mesh or the number of processes (only through float64 rounding). With `mesh` the sum runs
+    over the processes of its devices alone (a collective of those: the training processes of a run over
+    process groups), else over every process."""
     total = 0.0
     for leaf in jax.tree.leaves(tree):
         if not isinstance(leaf, jax.Array):  # a host array: every process holds it whole; process 0 counts it
@@ -59,10 +64,32 @@ def _fingerprint(tree: Any) -> float:
         for shard in leaf.addressable_shards:
             if shard.replica_id == 0:
                 total += float(np.abs(np.asarray(shard.data, np.float64)).sum())
+    if mesh is not None:
+        return _sum_over_processes(total, mesh)
     if jax.process_count() > 1:  # as bytes: without jax_enable_x64 a float64 would travel as float32
         gathered = distributed.gather_to_all(np.array([total], np.float64).view(np.uint8), tiled=False)
         total = float(np.ascontiguousarray(gathered).view(np.float64).sum())
     return total
+
+
+def _sum_over_processes(value: float, mesh: Mesh) -> float:
+    """The sum of each process's `value` over the processes that own devices of `mesh`, computed by one program of
+    theirs (as bytes: without jax_enable_x64 a float64 would travel as float32)."""
+    devices = list(mesh.devices.flat)
+    first: dict[int, jax.Device] = {}
+    for device in devices:
+        first.setdefault(device.process_index, device)
+    mine = np.frombuffer(np.float64(value).tobytes(), np.uint8)
+    flat = Mesh(np.array(devices, dtype=object), ("devices",))
+
+    def block(index) -> np.ndarray:  # row i lives on devices[i]: the value once per process, zeros elsewhere
+        device = devices[index[0].start]
+        return (mine if first[device.process_index] is device else np.zeros_like(mine))[None]
+
+    rows = jax.make_array_from_callback((len(devices), 8), NamedSharding(flat, PartitionSpec("devices")), block,
+                                        dtype=np.uint8)
+    gathered = jax.jit(lambda x: x, out_shardings=NamedSharding(flat, PartitionSpec()))(rows)
+    return float(np.ascontiguousarray(np.asarray(gathered.addressable_shards[0].data)).view(np.float64).sum())
 
 
 def reward_limits(train: TrainSection) -> ResourceLimits:
@@ -79,9 +106,11 @@ def _write_atomically(path: pathlib.Path, text: str) -> None:
         staging.unlink(missing_ok=True)
 
 
-def episode_runner(parts: Components, sampling: SamplingConfig) -> EpisodeRunner | None:
-    """The multi-turn driver of the run's tool environment decoding with `sampling` (its turns stop at the tool
-    call's closing tag, one token or several); None for a run without an environment."""
+def episode_runner(parts: Components, sampling: SamplingConfig,
+                   sampler: Sampler | None = None) -> EpisodeRunner | None:
+    """The multi-turn driver of the run's tool environment decoding with `sampling` on `sampler` (default: the
+    run's; its turns stop at the tool call's closing tag, one token or several); None for a run without an
+    environment."""
     if parts.environment is None:
         return None
     cfg, tokenizer, env = parts.cfg, parts.tokenizer, parts.environment
@@ -95,7 +124,7 @@ def episode_runner(parts: Components, sampling: SamplingConfig) -> EpisodeRunner
         return text if len(known) == len(kept) else text + "\ufffd"
 
     return EpisodeRunner(
-        parts.sampler, env, sampling,
+        parts.sampler if sampler is None else sampler, env, sampling,
         EpisodeConfig(max_turns=cfg.rollout.max_turns,
                       token_budget=cfg.rollout.episode_token_budget or cfg.rollout.max_new_tokens),
         render=parts.render_messages, encode=tokenizer.encode, decode=decode_turn)
@@ -145,9 +174,10 @@ class Trainer:
         parts = self.parts
         max_new = self.cfg.rollout.max_new_tokens
         accuracy, answers = evaluate_accuracy(
-            parts.sampler, params, parts.eval_examples, parts.prompt_ids(parts.eval_examples),
+            parts.evaluation_sampler, params, parts.eval_examples, parts.prompt_ids(parts.eval_examples),
             is_correct=parts.task.is_correct, decode=parts.decode, max_new_tokens=max_new,
-            episodes=episode_runner(parts, SamplingConfig(max_new_tokens=max_new, greedy=True)))
+            episodes=episode_runner(parts, SamplingConfig(max_new_tokens=max_new, greedy=True),
+                                    sampler=parts.evaluation_sampler))
         self._record_samples(step, evaluation_samples(step, answers, self.cfg.train.samples_per_step), console=False)
         return accuracy
 
@@ -158,18 +188,40 @@ class Trainer:
             for line in console_lines(samples):
                 self.log(line)
 
+    def _evaluation_weights(self, programs: StagePrograms, state: Any) -> Any:
+        """The actor weights of `state` in the evaluation sampler's layout."""
+        if self.parts.eval_sampler is None:
+            return programs.sync(state)
+        return programs.copy_actor(state, self.parts.eval_sampler.params_sharding)
+
     def run(self) -> dict[str, Any]:
+        """Over process groups (`rpegjax.runtime.roles`) a generation process only runs the rollout loop; the
+        training processes do everything else, the first of them writing (`writer_process`)."""
         started = time.perf_counter()
         parts, cfg = self.parts, self.cfg
         learner = parts.learner
+        groups = process_groups(parts.graph)
+        role = None if groups is None else groups.role
+        if groups is not None:  # refused in every process alike, before anything runs
+            if cfg.train.export_hf:
+                raise ValueError("train.export_hf: a run over separate generation and training processes does not "
+                                 "write its Hugging Face directory yet; run with --train.export_hf=false and export "
+                                 "a checkpoint with scripts/export_hf.py RUN_DIR")
+            if self.resume:
+                raise ValueError("--resume: a run over separate generation and training processes cannot resume yet "
+                                 "(its checkpoints restore in a colocated run: --rollout-devices=0)")
         data = DataIterator(parts.train_examples, batch_size=cfg.rollout.prompts_per_step, seed=cfg.data.seed)
-        checkpoints = Checkpointer(self.run_dir / "checkpoints", keep=cfg.train.keep_checkpoints)
-        state = learner.init_state()
+        checkpoints = None if role == Role.GENERATE else Checkpointer(
+            self.run_dir / "checkpoints", keep=cfg.train.keep_checkpoints,
+            processes=None if groups is None else groups.training)
+        train_mesh = None if groups is None else learner.placement.mesh
+        self._train_mesh = train_mesh
+        state = None if role == Role.GENERATE else learner.init_state()
         # with LoRA, checkpoints keep the older versions generation may still read as their adapters (a copy per
         # step, small), not as generation copies of the whole model
         self._adapter_versions: dict[int, Any] | None = {} if cfg.lora.enabled else None
         initial = learner.model_params(learner.params)  # with LoRA the frozen base too
-        reference_print = _fingerprint(initial)
+        reference_print = _fingerprint(initial)  # a collective of every process, at set-up
         if not np.isfinite(reference_print):  # NaN weights would train to garbage without a word
             where = cfg.model.path or "the built model (warm start?)"
             raise ValueError(f"{where}: the initial weights hold NaN or inf values "
@@ -179,6 +231,21 @@ class Trainer:
         rewards = RewardRunner.for_task(parts.task, timeout_s=cfg.train.reward_timeout_s,
                                         workers=cfg.train.reward_workers, limits=reward_limits(cfg.train))
         programs = make_programs(parts, rewards)
+        trace = Trace(parts.graph.name)
+        # processes sharing a mesh must launch device programs in one order: no rollout thread then. Over process
+        # groups, constructing it links the groups (a collective of every process, before either runs a stage)
+        grpo = cfg.grpo if cfg.algorithm == Algorithm.GRPO else None
+        runtime = Runtime(parts.graph, programs, data, prompt_ids=parts.prompt_ids,
+                          key=jax.random.key(cfg.train.seed), trace=trace, concurrent_rollout=jax.process_count() == 1,
+                          dynamic_sampling=grpo.dynamic_sampling_config() if grpo else None,
+                          reward_shaping=grpo.overlong_shaping(cfg.rollout.max_new_tokens) if grpo else None)
+        if role == Role.GENERATE:
+            try:
+                runtime.run(None, start_step=0, num_steps=cfg.train.steps)
+            finally:
+                rewards.close()
+            return {"role": role.value, "steps": cfg.train.steps,
+                    "wall_seconds": round(time.perf_counter() - started, 2), "run_dir": str(self.run_dir)}
         if self.resume and checkpoints.latest_step() is not None:
             state, history, meta = self._restore(checkpoints, state, programs)
             if abs(meta["reference_fingerprint"] - reference_print) > 1e-6 * max(1.0, reference_print):
@@ -198,16 +265,9 @@ class Trainer:
         if start_step:
             self.samples.truncate(start_step)
         if start_accuracy is None:
-            start_accuracy = self._evaluate(programs.sync(state), 0)
+            start_accuracy = self._evaluate(self._evaluation_weights(programs, state), 0)
             metrics.log(0, {"eval/accuracy": start_accuracy, **parts.warm_start_metrics})
             self.log(f"held-out accuracy at start: {start_accuracy:.3f} ({len(parts.eval_examples)} examples)")
-        trace = Trace(parts.graph.name)
-        # processes sharing a mesh must launch device programs in one order: no rollout thread then
-        grpo = cfg.grpo if cfg.algorithm == Algorithm.GRPO else None
-        runtime = Runtime(parts.graph, programs, data, prompt_ids=parts.prompt_ids,
-                          key=jax.random.key(cfg.train.seed), trace=trace, concurrent_rollout=jax.process_count() == 1,
-                          dynamic_sampling=grpo.dynamic_sampling_config() if grpo else None,
-                          reward_shaping=grpo.overlong_shaping(cfg.rollout.max_new_tokens) if grpo else None)
         remaining = cfg.train.steps - start_step
         progress = _progress(remaining, start_step, enabled=self.main)
         step_started = time.perf_counter()
@@ -235,7 +295,7 @@ class Trainer:
                                                                 result.rewards, parts.decode,
                                                                 cfg.train.samples_per_step), console=True)
             if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
-                record["eval/accuracy"] = self._evaluate(programs.sync(state), step)
+                record["eval/accuracy"] = self._evaluate(self._evaluation_weights(programs, state), step)
                 with _progress_paused(progress):
                     self.log(f"step {step}: held-out accuracy {record['eval/accuracy']:.3f}")
             bad = guard.observe(step, record)
@@ -259,7 +319,7 @@ class Trainer:
             progress.close()
             checkpoints.close()
             rewards.close()
-        end_accuracy = self._evaluate(programs.sync(state), cfg.train.steps)
+        end_accuracy = self._evaluate(self._evaluation_weights(programs, state), cfg.train.steps)
         metrics.log(cfg.train.steps, {"eval/accuracy": end_accuracy})
         metrics.close()
         self.log(f"held-out accuracy at end: {end_accuracy:.3f} (start {start_accuracy:.3f})")
@@ -277,7 +337,7 @@ class Trainer:
     # ---- checkpoints -----------------------------------------------------------------------------
     def _save(self, checkpoints: Checkpointer, step: int, state, runtime: Runtime, result: StepResult,
               start_accuracy: float, reference_print: float) -> None:
-        if not np.isfinite(_fingerprint(state.params)):  # a checkpoint of NaN weights would poison every resume
+        if not np.isfinite(_fingerprint(state.params, self._train_mesh)):  # a checkpoint of NaN weights would poison every resume
             bad = ", ".join(nonfinite_leaves(state.params)) or "another process's shards"
             raise TrainingError(f"step {step}: the weights hold NaN or inf (in {bad}); not checkpointed. "
                                 f"The last checkpoint ({checkpoints.latest_step()}) holds finite weights")

@@ -240,3 +240,34 @@ def test_dynamic_sampling_decides_alike_in_every_process(tmp_path):
     two_records = records(two)
     assert sum(r.get("dynamic_sampling/extra_rounds", 0) for r in two_records) > 0  # not a blind comparison
     assert_same_records(two_records, records(one))
+
+
+@pytest.mark.slow
+def test_a_disaggregated_run_over_four_processes_trains_like_one_process(tmp_path):
+    """`--rollout-devices=4` as 4 processes x 2 CPU devices: processes 0-1 generate (data=2 x tensor=2), 2-3 train
+    (data=4), bound 1. One process with the same 8 devices runs the same plan from the same warm-start weights.
+    Every metric of every step agrees; the first training process writes the run and prints the summary, and the
+    training processes checkpoint it."""
+    split, one = tmp_path / "split", tmp_path / "one"
+    flags = ["--steps=3", "--async-bound=1", "--rollout-devices=4", "--mesh=data=4", "--rollout-mesh=data=2,tensor=2",
+             "--train.export_hf=false", "--checkpoint-every=2"]
+    finish(start(one, *flags, f"--warm_start.cache_dir={tmp_path}/cache_one", processes=1, devices=8), timeout=420)
+    shutil.copytree(tmp_path / "cache_one", tmp_path / "cache_split")  # the same warm-start weights, bit for bit
+    outputs = finish(start(split, *flags, f"--warm_start.cache_dir={tmp_path}/cache_split", processes=4, devices=2),
+                     timeout=420)
+    assert [summary(out) is not None for out, _ in outputs] == [False, False, True, False]
+    assert "held-out accuracy at start" in outputs[2][1] and "held-out accuracy" not in outputs[0][1]
+    split_records, one_records = records(split), records(one)
+    assert [r["step"] for r in split_records] == [0, 1, 2, 3, 3]
+    assert [r["staleness"] for r in split_records if "staleness" in r] == [0, 1, 1]
+    assert any(r.get("reward", 0) > 0 for r in split_records)  # not a blind comparison
+    assert_same_records(split_records, one_records)
+    assert sorted(p.name for p in (split / "checkpoints").iterdir()) == ["2", "3"]
+    assert {e["name"] for e in json.loads((split / "trace.json").read_text())["traceEvents"] if "name" in e} >= {
+        "actor_update", "weight_sync"}
+    # the training processes' checkpoint restores in a colocated run of one process (resume over process groups is
+    # refused), which trains on from it
+    (_, resume_err), = finish(start(split, "--resume", str(split), "--steps=4", "--rollout-devices=0", "--mesh=data=8",
+                                    processes=1, devices=8), timeout=420)
+    assert "resumed from step 3" in resume_err
+    assert [r["step"] for r in records(split)] == [0, 1, 2, 3, 4, 4]

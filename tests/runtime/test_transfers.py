@@ -89,12 +89,13 @@ def test_four_processes_two_roles_exchange_weights_and_rollouts_like_one_process
         assert [s["stage"] for s in record["spans"]] == ["generate"] * STEPS
     for record in trainers:
         np.testing.assert_allclose(record["sums"], sums, rtol=1e-6)  # sharded over 4 devices vs one device
-    # generation of step t+1 overlaps training of step t, in other processes (one machine: one clock)
+    # generation of step t+1 overlaps training of step t, in other processes, on the wall clock (one machine: the
+    # processes share it; each process's own origin would not be shared)
     generate = {s["step"]: s for s in generators[0]["spans"]}
     train = {s["step"]: s for s in trainers[0]["spans"]}
     assert generate[1]["start"] < train[0]["end"]  # step 1 reads version 0: it need not wait for step 0's update
-    for step in range(1, STEPS):
-        assert generate[step]["start"] >= 0 and train[step]["start"] >= generate[step]["end"] - 1e-3
+    for step in range(STEPS):  # training of step t waits for its rollout
+        assert train[step]["start"] > generate[step]["end"]
     # every target shard arrived once, timed after it was offered
     for record in generators:
         transfer = record["transfer"]

@@ -1,0 +1,332 @@
+"""Process roles of a disaggregated plan: which processes generate and which train, and everything that crosses
+between the two groups during a run.
+
+When the devices of the generate stage and those of every other device stage belong to disjoint sets of processes,
+each process takes the role of the devices it owns (`process_groups`): generation processes run the rollout loop
+(data, prompts, generation, rewards), training processes every other stage. Each group launches programs only on
+its own meshes, so the two never have to agree on a launch order. After set-up no collective may span the two
+groups (a process waiting in one while a peer's transfer pull from it is pending deadlocks both), so everything
+that crosses goes through `rpegjax.runtime.transfers` (`RoleLinks`):
+
+- *weights*, training -> generation: version v, laid out as the generation layout over the training devices
+  (`StagePrograms.staged_sync`), is offered under version v and pulled by the generation processes;
+- *rollouts*, generation -> training: each piece's packed rows (tokens, masks, behaviour log-probs) and its host
+  data (per-row indices and lengths, finish reasons, the example of each row, the data position, each generation
+  process's block of rewards and reward statistics, or the failure of the rollout stage) encoded as JSON bytes in
+  a small array, one per generation process (each scored its own block of the rows);
+- *the end of the run*, training -> generation: a small control message saying whether training finished or
+  failed. A generation process does not exit before it has it, so every rollout it offered has been pulled.
+
+Host data travel as arrays on one device per process (`heads`): every process of a group holds the same host
+arrays, so each builds its shard alone and the transfer pulls one copy per process.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import enum
+import json
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from rpegjax.data.example import Example
+from rpegjax.generate.completion import Completion, FinishReason
+from rpegjax.graph.ir import Graph, GraphError, StageKind
+from rpegjax.learners.batch import TrainBatch
+from rpegjax.rewards.runner import RewardStats
+from rpegjax.runtime import transfers
+from rpegjax.runtime.meshes import placement_devices
+from rpegjax.runtime.programs import Piece
+
+_FINISH = list(FinishReason)
+_CONTROL_BYTES = 4096
+# transfer ids: (serial << 2) | channel, so weights, rollout pieces and control messages never share one
+_WEIGHTS, _PIECE, _CONTROL = 0, 1, 2
+
+
+class Role(enum.StrEnum):
+    GENERATE = "generate"
+    TRAIN = "train"
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessGroups:
+    """The processes that generate and those that train (disjoint, each sorted)."""
+
+    generation: tuple[int, ...]
+    training: tuple[int, ...]
+
+    def role_of(self, process: int) -> Role:
+        if process in self.generation:
+            return Role.GENERATE
+        if process in self.training:
+            return Role.TRAIN
+        raise ValueError(f"process {process} holds no device of the plan (generation {list(self.generation)}, "
+                         f"training {list(self.training)})")
+
+    @property
+    def role(self) -> Role:
+        """This process's role."""
+        return self.role_of(jax.process_index())
+
+
+def process_groups(graph: Graph) -> ProcessGroups | None:
+    """The roles of the processes under `graph`: None when every process takes part in every device stage (one
+    process, or generation and training on the same processes: the colocated path), else the two disjoint groups.
+
+    Raises GraphError, naming the stages, when generation and training share a process without sharing all of
+    them (a placement whose devices split a process between the roles), or when a process holds no device of the
+    plan (it would have nothing to run and would still be waited for)."""
+    generate = graph.stages_of_kind(StageKind.GENERATE)[0]
+    generation = {d.process_index for d in placement_devices(graph, generate.placement)}
+    trainers: dict[int, list[str]] = {}
+    for stage in graph.stages:
+        if stage.host or stage.name == generate.name:
+            continue
+        for device in placement_devices(graph, stage.placement):
+            trainers.setdefault(device.process_index, []).append(stage.name)
+    training = set(trainers)
+    if generation == training:
+        return None
+    shared = sorted(generation & training)
+    if shared:
+        stages = sorted({name for process in shared for name in trainers[process]})
+        raise GraphError(f"stage {generate.name!r} (placement {generate.placement!r}) runs on processes "
+                         f"{sorted(generation)} and stages {stages} on processes {sorted(training)}: process(es) "
+                         f"{shared} would hold devices of both; place generation and training either on the same "
+                         "processes or on disjoint ones (whole processes)", stage=generate.name)
+    idle = sorted(set(range(jax.process_count())) - generation - training)
+    if idle:
+        raise GraphError(f"process(es) {idle} hold no device of the plan (generation on processes "
+                         f"{sorted(generation)}, training on {sorted(training)}); give every process a role",
+                         stage=generate.name)
+    return ProcessGroups(generation=tuple(sorted(generation)), training=tuple(sorted(training)))
+
+
+def writer_process(graph: Graph) -> int:
+    """The process that writes the run's files (metrics, samples, trace, checkpoint metadata) and speaks for it:
+    process 0, or over process groups the first training process (it holds the training state and every step's
+    results; the generation processes hold neither)."""
+    groups = process_groups(graph)
+    return 0 if groups is None else groups.training[0]
+
+
+def heads(graph: Graph, placement: str) -> list[jax.Device]:
+    """The first device of `placement` in each of its processes (in process order): where host data travel."""
+    first: dict[int, jax.Device] = {}
+    for device in placement_devices(graph, placement):
+        first.setdefault(device.process_index, device)
+    return [first[p] for p in sorted(first)]
+
+
+def _replicated(devices: Sequence[jax.Device]) -> NamedSharding:
+    return NamedSharding(Mesh(np.array(list(devices), dtype=object), ("process",)), PartitionSpec())
+
+
+def _host_array(value: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """`value` as a global array of `sharding`, built by each process from its own copy (no communication)."""
+    value = np.ascontiguousarray(value)
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index], dtype=value.dtype)
+
+
+def _host_value(array: jax.Array) -> np.ndarray:
+    """The whole value of a replicated global array from this process's shard."""
+    return np.asarray(array.addressable_shards[0].data)
+
+
+def _encode(record: dict[str, Any], size: int, what: str) -> np.ndarray:
+    data = json.dumps(record, separators=(",", ":")).encode()
+    if len(data) + 8 > size:
+        raise ValueError(f"{what}: {len(data)} bytes of host data do not fit the {size} bytes reserved for them")
+    out = np.zeros(size, np.uint8)
+    out[:8] = np.frombuffer(np.array([len(data)], np.int64).tobytes(), np.uint8)
+    out[8:8 + len(data)] = np.frombuffer(data, np.uint8)
+    return out
+
+
+def _decode(encoded: np.ndarray) -> dict[str, Any]:
+    length = int(np.frombuffer(encoded[:8].tobytes(), np.int64)[0])
+    return json.loads(encoded[8:8 + length].tobytes().decode())
+
+
+@dataclasses.dataclass
+class ReceivedRollout:
+    """A rollout piece as the training processes receive it."""
+
+    piece: Piece  # its rewards future holds every row's task reward and the summed statistics
+    version: int
+    examples: list[Example]  # the step's prompts
+    data_state: dict[str, Any]
+
+
+class RoleLinks:
+    """The transfers between the generation and the training processes of one run (see the module docstring).
+
+    `weights_like` is the generation copy's tree of shapes, `weights_targets` its shardings on the generation mesh
+    and `weights_staging` the same layout over the training devices; `rows` and `length` a rollout piece's shape.
+    `examples` are the data iterator's examples (rows travel as indices into them). Constructing it is a collective
+    of every process (the transfer servers' addresses are exchanged); after that nothing here is a collective."""
+
+    def __init__(self, graph: Graph, groups: ProcessGroups, *, weights_like: Any, weights_staging: Any,
+                 weights_targets: Any, rows: int, length: int, examples: Sequence[Example]):
+        self.groups = groups
+        generate = graph.stages_of_kind(StageKind.GENERATE)[0]
+        train = graph.stages_of_kind(StageKind.ACTOR_UPDATE)[0]
+        self.generation_heads, self.training_heads = heads(graph, generate.placement), heads(graph, train.placement)
+        self.weights = transfers.plan_transfer(weights_like, weights_staging, weights_targets)
+        self.rows, self.length = rows, length
+        self.meta_bytes = 8192 + 256 * rows
+        self._sources = {"batch": _replicated(self.generation_heads),
+                         "meta": [_replicated([head]) for head in self.generation_heads]}
+        targets = _replicated(self.training_heads)
+        like = self._piece_like()
+        self.pieces = transfers.plan_transfer(like, self._piece_sources(), targets)
+        self.control = transfers.plan_transfer(jax.ShapeDtypeStruct((_CONTROL_BYTES,), np.uint8),
+                                               _replicated(self.training_heads), _replicated(self.generation_heads))
+        self.examples = list(examples)
+        self._example_index = {id(example): index for index, example in enumerate(self.examples)}
+        self.links = transfers.ProcessTransfers()
+        self.weight_offers: list[dict[str, float]] = []  # training side: when each version was offered
+        self.weight_pulls: list[dict[str, float]] = []  # generation side: when each version's pull started/ended
+
+    # ---- shapes -----------------------------------------------------------------------------------
+    def _piece_like(self) -> dict[str, Any]:
+        shape = (self.rows, self.length)
+        like = {"tokens": jax.ShapeDtypeStruct(shape, np.int32), "token_mask": jax.ShapeDtypeStruct(shape, np.int8),
+                "response_mask": jax.ShapeDtypeStruct(shape, np.int8),
+                "behaviour_logprobs": jax.ShapeDtypeStruct(shape, np.float32)}
+        like["meta"] = [jax.ShapeDtypeStruct((self.meta_bytes,), np.uint8) for _ in self.generation_heads]
+        return like
+
+    def _piece_sources(self) -> dict[str, Any]:
+        batch = self._sources["batch"]
+        return {"tokens": batch, "token_mask": batch, "response_mask": batch, "behaviour_logprobs": batch,
+                "meta": list(self._sources["meta"])}
+
+    @property
+    def weights_bytes(self) -> int:
+        """Bytes of one weights version (every generation device's shard once)."""
+        return self.weights.nbytes
+
+    # ---- weights ----------------------------------------------------------------------------------
+    def send_weights(self, version: int, params: Any, now) -> None:
+        """Training side: offers weights `version` (in the staging layout) to the generation processes; `now()` is
+        the clock the offer is recorded with."""
+        transfers.send(self.links, self.weights, version * 4 + _WEIGHTS, params)
+        self.weight_offers.append({"version": version, "time": now()})
+
+    def receive_weights(self, version: int, now) -> Any:
+        """Generation side: weights `version` in the generation layout (waits until they have arrived); `now()` is
+        the clock the pull's start and end are recorded with."""
+        start = now()
+        params = jax.block_until_ready(transfers.receive(self.links, self.weights, version * 4 + _WEIGHTS))
+        me = jax.process_index()
+        sources = sorted({source for source, target in self.weights.routes if target == me})
+        self.weight_pulls.append({"version": version, "start": start, "end": now(),
+                                  "bytes": self.weights.received_bytes(me), "sources": sources})
+        return params
+
+    # ---- rollouts ---------------------------------------------------------------------------------
+    def _piece_id(self, step: int, index: int, pieces: int) -> int:
+        return (step * pieces + index) * 4 + _PIECE
+
+    def send_piece(self, step: int, pieces: int, piece: Piece, *, version: int, examples: Sequence[Example],
+                   data_state: dict[str, Any], rewards: np.ndarray, stats: RewardStats) -> None:
+        """Generation side: offers `piece` of `step` with this process's block of its rewards."""
+        completions = piece.completions
+        rows = [[c.prompt_index, c.sample_index, int(c.prompt_ids.shape[0]), c.length, _FINISH.index(c.finish_reason),
+                 -1 if c.version is None else c.version, self._example_index[id(e)], c.model_mask is not None]
+                for c, e in zip(completions, piece.examples)]
+        record = {"status": "ok", "rows": rows, "version": version,
+                  "examples": [self._example_index[id(e)] for e in examples],
+                  "data": {"epoch": data_state["epoch"], "position": data_state["position"]},
+                  "rewards": [float(r) for r in np.asarray(rewards, np.float32)],
+                  "stats": [stats.errors, stats.timeouts, stats.nonfinite, stats.seconds],
+                  "first_error": stats.first_error}
+        batch = piece.batch
+        host = {"tokens": np.asarray(batch.tokens, np.int32), "token_mask": np.asarray(batch.token_mask, np.int8),
+                "response_mask": np.asarray(batch.response_mask, np.int8),
+                "behaviour_logprobs": np.asarray(batch.behaviour_logprobs, np.float32)}
+        self._offer_piece(step, piece.index, pieces, host, record)
+
+    def send_failure(self, step: int, index: int, pieces: int, error: BaseException) -> None:
+        """Generation side: offers, in place of piece `index` of `step`, the rollout stage's failure."""
+        shape = (self.rows, self.length)
+        host = {"tokens": np.zeros(shape, np.int32), "token_mask": np.zeros(shape, np.int8),
+                "response_mask": np.zeros(shape, np.int8), "behaviour_logprobs": np.zeros(shape, np.float32)}
+        message = f"{type(error).__name__}: {error}"[:2000]
+        self._offer_piece(step, index, pieces, host, {"status": "error", "message": message})
+
+    def _offer_piece(self, step: int, index: int, pieces: int, host: dict[str, np.ndarray], record: dict) -> None:
+        meta = _encode(record, self.meta_bytes, f"step {step} rollout piece {index}")
+        sources = self._piece_sources()
+        tree = {name: _host_array(value, sources[name]) for name, value in host.items()}
+        # record i lives on generation process i's head only: each process offers its own
+        tree["meta"] = [_host_array(meta, sharding) for sharding in sources["meta"]]
+        transfers.send(self.links, self.pieces, self._piece_id(step, index, pieces), tree)
+
+    def receive_piece(self, step: int, index: int, pieces: int, *, base_data_state: dict[str, Any]) -> ReceivedRollout:
+        """Training side: piece `index` of `step` (waits for it). Raises RuntimeError with the generation
+        processes' message when the rollout stage failed."""
+        tree = jax.block_until_ready(transfers.receive(self.links, self.pieces, self._piece_id(step, index, pieces)))
+        records = [_decode(_host_value(meta)) for meta in tree["meta"]]
+        failed = [r["message"] for r in records if r["status"] != "ok"]
+        if failed:
+            raise RuntimeError(f"the rollout stage of step {step} failed in the generation processes: {failed[0]}")
+        first = records[0]
+        host = {name: _host_value(tree[name])
+                for name in ("tokens", "token_mask", "response_mask", "behaviour_logprobs")}
+        batch = TrainBatch(tokens=host["tokens"], token_mask=host["token_mask"].astype(bool),
+                           response_mask=host["response_mask"].astype(bool),
+                           behaviour_logprobs=host["behaviour_logprobs"])
+        completions, row_examples = [], []
+        for row, fields in enumerate(first["rows"]):
+            prompt_index, sample_index, prompt, length, finish, version, example, masked = fields
+            tokens = batch.tokens[row]
+            mask = batch.response_mask[row, prompt:prompt + length].copy() if masked else None
+            completions.append(Completion(
+                prompt_index=prompt_index, sample_index=sample_index, prompt_ids=tokens[:prompt].copy(),
+                response_ids=tokens[prompt:prompt + length].copy(),
+                behaviour_logprobs=batch.behaviour_logprobs[row, prompt:prompt + length].copy(),
+                finish_reason=_FINISH[finish], version=None if version < 0 else version, model_mask=mask))
+            row_examples.append(self.examples[example])
+        rewards = np.concatenate([np.asarray(r["rewards"], np.float32) for r in records])
+        if len(rewards) != len(completions):
+            raise RuntimeError(f"step {step} piece {index}: {len(rewards)} rewards for {len(completions)} rows")
+        stats = np.array([r["stats"] for r in records], np.float64)
+        first_error = next((r["first_error"] for r in records if r["first_error"]), "")
+        scored: concurrent.futures.Future = concurrent.futures.Future()
+        scored.set_result((rewards, RewardStats(count=len(rewards), errors=int(stats[:, 0].sum()),
+                                                timeouts=int(stats[:, 1].sum()), nonfinite=int(stats[:, 2].sum()),
+                                                seconds=float(stats[:, 3].max()), first_error=first_error,
+                                                mean_reward=float(rewards.mean()) if len(rewards) else 0.0)))
+        piece = Piece(index=index, examples=row_examples, completions=completions, batch=batch, rewards=scored)
+        return ReceivedRollout(piece=piece, version=first["version"],
+                               examples=[self.examples[i] for i in first["examples"]],
+                               data_state={**base_data_state, **first["data"]})
+
+    # ---- the end of the run ---------------------------------------------------------------------------
+    def finish(self, error: BaseException | None = None) -> None:
+        """Training side: tells the generation processes that the run ended (or failed with `error`)."""
+        record = {"status": "ok"} if error is None else {"status": "error",
+                                                         "message": f"{type(error).__name__}: {error}"[:2000]}
+        encoded = _encode(record, _CONTROL_BYTES, "the end-of-run message")
+        transfers.send(self.links, self.control, _CONTROL, _host_array(encoded, _replicated(self.training_heads)))
+
+    def await_finish(self, give_up: Callable[[], bool] = lambda: False) -> dict[str, Any] | None:
+        """Generation side: waits for the training processes' end-of-run message and returns it; None as soon
+        as `give_up()` (polled) holds."""
+        message = transfers.receive(self.links, self.control, _CONTROL)
+        while not message.is_ready():
+            if give_up():
+                return None
+            time.sleep(0.02)
+        return _decode(_host_value(message))
+
+

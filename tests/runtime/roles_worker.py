@@ -1,0 +1,128 @@
+"""One process of the 4-process disaggregated GRPO test (tests/runtime/test_roles.py), or, with one process and 8
+devices, its one-process reference.
+
+    JAX_COORDINATOR_ADDRESS=127.0.0.1:PORT JAX_NUM_PROCESSES=4 JAX_PROCESS_ID=i \
+        XLA_FLAGS=--xla_force_host_platform_device_count=2 python tests/runtime/roles_worker.py --out DIR
+
+The plan: generation on devices 0-3 (processes 0-1, data=2 x tensor=2), every other stage on devices 4-7 (processes
+2-3, data=4), asynchrony bound 1, a tiny model, STEPS steps. Every process builds the job as the trainer does
+(`rpegjax.train.build`) and runs the `Runtime`; each writes DIR/process<i>.json (its role, the trace with
+wall-clock times, the versions it generated with, the metrics of each step, the weight transfers) and the lowest
+training process DIR/params.npz (the trained parameters, gathered over the training processes only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import faulthandler
+import json
+import pathlib
+import time
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from rpegjax import distributed
+from rpegjax.data.iterator import DataIterator
+from rpegjax.graph.trace import Trace
+from rpegjax.rewards.runner import RewardRunner, RewardRunnerConfig
+from rpegjax.runtime.controller import Runtime
+from rpegjax.runtime.roles import Role
+from rpegjax.train.build import build
+from rpegjax.train.config import (
+    DataSection,
+    GraphSection,
+    ModelSection,
+    RolloutSection,
+    RunConfig,
+    TrainSection,
+    WarmStartSection,
+)
+from rpegjax.train.trainer import make_programs
+
+STEPS, BOUND = 3, 1
+
+
+def config(algorithm: str = "grpo", plan: str | None = None, width: int = 32) -> RunConfig:
+    """The run: GRPO, or PPO with a `separate` or `shared` critic (`ppo-separate`, `ppo-shared`); the graph from
+    the flags above, or the graph JSON `plan`. `width` (the hidden size; heads of 64 beyond 128) makes the
+    model larger, to measure weight sync at a size where bandwidth, not latency, counts."""
+    graph = GraphSection(async_bound=BOUND, rollout_devices=4, mesh="data=4", rollout_mesh="data=2,tensor=2")
+    if plan is not None:
+        graph = GraphSection(plan=plan)
+    cfg = RunConfig(
+        # 2 KV heads: the generation layout's tensor=2 splits them
+        model=ModelSection(hidden_size=width, num_layers=1, num_heads=max(2, width // 64), num_kv_heads=2,
+                           head_dim=width // max(2, width // 64), intermediate_size=2 * width),
+        data=DataSection(train_size=64, eval_size=4),
+        rollout=RolloutSection(prompts_per_step=4, group_size=2, max_prompt_len=12, max_new_tokens=6, num_slots=8,
+                               chunk_steps=3),
+        warm_start=WarmStartSection(steps=0),
+        graph=graph,
+        train=TrainSection(steps=STEPS, reward_workers=1),
+    ).replace(grpo=dataclasses.replace(RunConfig().grpo, kl_coef=0.04))
+    if algorithm.startswith("ppo-"):
+        critic = algorithm.removeprefix("ppo-")
+        cfg = cfg.replace(algorithm="ppo", ppo=dataclasses.replace(RunConfig().ppo, critic=critic, kl_coef=0.04))
+    return cfg
+
+
+def length_reward(text, example):
+    """A reward with signal for an untrained model (the task's would be 0 everywhere: a blind comparison)."""
+    return float(len(text) % 3) / 2
+
+
+def run(out: pathlib.Path, algorithm: str, plan: str | None, width: int) -> None:
+    cfg = config(algorithm, plan, width)
+    parts = build(cfg, log=lambda _: None)
+    rewards = RewardRunner(length_reward, RewardRunnerConfig(timeout_s=10.0, workers=1, isolation="thread"))
+    programs = make_programs(parts, rewards)
+    data = DataIterator(parts.train_examples, batch_size=cfg.rollout.prompts_per_step, seed=0)
+    trace = Trace(clock=time.time)  # one host: the wall clock is shared by the processes
+    runtime = Runtime(parts.graph, programs, data, prompt_ids=parts.prompt_ids, key=jax.random.key(7), trace=trace)
+    role = runtime.role
+    results = []
+    state = None if role == Role.GENERATE else parts.learner.init_state()
+    state = runtime.run(state, start_step=0, num_steps=STEPS, on_step=lambda result, _: results.append(result))
+    rewards.close()
+    me = jax.process_index()
+    record = {
+        "process": me, "role": None if role is None else role.value, "async_bound": runtime.async_bound,
+        "events": [{"stage": e.stage, "step": e.step, "version": e.version, "start": e.start + trace.origin,
+                    "end": e.end + trace.origin} for e in trace.events],
+        "steps": [{"step": r.step, "version": r.version, "metrics": r.metrics,
+                   "completion_versions": sorted({c.version for c in r.completions}),
+                   "data_state": r.data_state} for r in results],
+    }
+    if runtime.links is not None:
+        links = runtime.links
+        record["weight_offers"] = [dict(o, time=o["time"] + trace.origin) for o in links.weight_offers]
+        record["weight_pulls"] = [dict(p, start=p["start"] + trace.origin, end=p["end"] + trace.origin)
+                                  for p in links.weight_pulls]
+        record["weights_bytes"] = links.weights_bytes
+    if role != Role.GENERATE:
+        # gathered by a program of the training processes only: no collective spans the two groups
+        mesh = parts.learner.placement.mesh
+        whole = jax.jit(lambda tree: tree, out_shardings=NamedSharding(mesh, PartitionSpec()))(state.params)
+        if me == min(d.process_index for d in mesh.devices.flat):
+            np.savez(out / "params.npz", **{jax.tree_util.keystr(path): np.asarray(leaf.addressable_shards[0].data)
+                                            for path, leaf in jax.tree_util.tree_flatten_with_path(whole)[0]})
+    (out / f"process{me}.json").write_text(json.dumps(record))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=pathlib.Path, required=True)
+    parser.add_argument("--algorithm", default="grpo", choices=["grpo", "ppo-separate", "ppo-shared"])
+    parser.add_argument("--plan", default=None, help="a graph JSON to execute (graph.plan)")
+    parser.add_argument("--width", type=int, default=32, help="the model's hidden size (measurements)")
+    args = parser.parse_args()
+    faulthandler.dump_traceback_later(150, exit=True)  # a hang shows where each thread waits, then ends the process
+    distributed.initialize(distributed.DistributedConfig.from_env())
+    run(args.out, args.algorithm, args.plan, args.width)
+
+
+if __name__ == "__main__":
+    main()
