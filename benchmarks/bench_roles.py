@@ -76,9 +76,17 @@ def step_seconds(run_dir: pathlib.Path, warmup: int) -> list[float]:
     return [r["seconds"] for r in records if "seconds" in r and r.get("step", 0) > warmup]
 
 
+def _events(path: pathlib.Path) -> list[dict]:
+    """The "X" events of a trace file with ts on the wall clock (ts + the trace's origin, microseconds)."""
+    document = json.loads(path.read_text())
+    origin = document.get("otherData", {}).get("origin", 0.0) * 1e6
+    return [dict(e, ts=e["ts"] + origin) for e in document["traceEvents"] if e.get("ph") == "X"]
+
+
 def overlap_fraction(run_dir: pathlib.Path, warmup: int) -> float | None:
-    """Share of the training stages' time during which a generate span of a later step was running."""
-    events = [e for e in json.loads((run_dir / "trace.json").read_text())["traceEvents"] if e.get("ph") == "X"]
+    """Share of the training stages' time during which a generate span of a later step was running (a split run's
+    generation process writes its spans to trace.generation-<process>.json)."""
+    events = [e for path in sorted(run_dir.glob("trace*.json")) for e in _events(path)]
 
     def step(event) -> int:
         return int(event.get("args", {}).get("step", -1))

@@ -189,7 +189,7 @@ class Trace:
                 },
             })
         document = {"traceEvents": chrome, "displayTimeUnit": "ms",
-                    "otherData": {"format": CHROME_FORMAT, "name": self.name}}
+                    "otherData": {"format": CHROME_FORMAT, "name": self.name, "origin": self._origin}}
         if path is not None:
             with open(path, "w") as file:
                 json.dump(document, file)

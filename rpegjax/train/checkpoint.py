@@ -33,6 +33,7 @@ class Checkpointer:
         if keep < 1:
             raise ValueError(f"Checkpointer keep must be >= 1, got {keep}")
         self.directory = pathlib.Path(directory).absolute()
+        self._processes = None if processes is None else tuple(processes)
         multiprocessing = ocp.options.MultiprocessingOptions()
         handlers = None
         self._save_args = ocp.args.StandardSave
@@ -59,6 +60,12 @@ class Checkpointer:
         """Starts writing checkpoint `step` (in the background when asynchronous). A write that fails (a full
         disk, a read-only directory; here or in the background write of the previous one) raises
         CheckpointError naming the directory; the committed checkpoints are left as they were."""
+        if self._processes is not None and jax.process_count() > 1:
+            # orbax refuses an array one process holds whole while several processes run (its guard against pmap's
+            # host-local arrays): a group of one training process holds every array so. Written from the host
+            # instead: the same files, which any run restores into its own shardings
+            arrays = jax.tree.map(lambda x: np.asarray(x) if isinstance(x, jax.Array) and x.is_fully_addressable
+                                  else x, arrays)
         with self._writing(step):
             self._manager.save(
                 step,

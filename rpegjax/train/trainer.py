@@ -83,7 +83,7 @@ def _sum_over_processes(value: float, mesh: Mesh) -> float:
     flat = Mesh(np.array(devices, dtype=object), ("devices",))
 
     def block(index) -> np.ndarray:  # row i lives on devices[i]: the value once per process, zeros elsewhere
-        device = devices[index[0].start]
+        device = devices[index[0].start or 0]  # a one-device mesh asks for the whole array: slice(None)
         return (mine if first[device.process_index] is device else np.zeros_like(mine))[None]
 
     rows = jax.make_array_from_callback((len(devices), 8), NamedSharding(flat, PartitionSpec("devices")), block,
@@ -231,7 +231,8 @@ class Trainer:
         rewards = RewardRunner.for_task(parts.task, timeout_s=cfg.train.reward_timeout_s,
                                         workers=cfg.train.reward_workers, limits=reward_limits(cfg.train))
         programs = make_programs(parts, rewards)
-        trace = Trace(parts.graph.name)
+        # on the wall clock: the trace files of a run over process groups share one timeline (ts + otherData.origin)
+        trace = Trace(parts.graph.name, clock=time.time)
         # processes sharing a mesh must launch device programs in one order: no rollout thread then. Over process
         # groups, constructing it links the groups (a collective of every process, before either runs a stage)
         grpo = cfg.grpo if cfg.algorithm == Algorithm.GRPO else None
@@ -244,6 +245,8 @@ class Trainer:
                 runtime.run(None, start_step=0, num_steps=cfg.train.steps)
             finally:
                 rewards.close()
+            # the run's trace.json holds the training processes' stages; each generation process adds its own
+            trace.to_chrome_json(self.run_dir / f"trace.generation-{jax.process_index()}.json")
             return {"role": role.value, "steps": cfg.train.steps,
                     "wall_seconds": round(time.perf_counter() - started, 2), "run_dir": str(self.run_dir)}
         if self.resume and checkpoints.latest_step() is not None:
