@@ -158,7 +158,7 @@ class StagePrograms:
             cast_only = cast
             cast = lambda params: cast_only(merge_adapters(params, lora.scale))  # noqa: E731
         self._cast = cast
-        self._staged_sync: Callable | None = None  # built on first use (training processes of a disaggregated run)
+        self._staging: Any = None  # `staging_shardings()`, built on first use (training processes over process groups)
         self._copies: dict[int, tuple[Any, Callable]] = {}  # `copy_actor`'s programs by layout
         self.reward_processes: Sequence[int] | None = None  # who scores a piece's rows (None: every process)
         if device_ids(sampler.mesh) == device_ids(self.train_mesh):
@@ -389,10 +389,10 @@ class StagePrograms:
         """The generation copy of the actor weights of `state` in `staging_shardings` (on the training devices),
         computed as `sync` computes it: a disaggregated run over process groups sends it to the generation
         processes."""
-        if self._staged_sync is None:
-            self._staged_sync = jax.jit(self._cast, out_shardings=self.staging_shardings())
+        if self._staging is None:  # one object: `copy_actor` keeps one program per layout object
+            self._staging = self.staging_shardings()
         self.dispatches += 1
-        return self._staged_sync(self.actor_params_of(state))
+        return self.copy_actor(state, self._staging)
 
     def actor_params_of(self, state: Any) -> Any:
         """The policy's parameters in a learner's train state."""
