@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from rpegjax.envs.calculator import calculator_environment
 from rpegjax.envs.protocol import TaggedToolEnvironment
 from rpegjax.envs.python_sandbox import (
-    NetworkIsolation,
+    Isolation,
     PythonSandbox,
     SandboxConfig,
     python_environment,
@@ -22,9 +22,10 @@ class EnvironmentName(enum.StrEnum):
 
 
 def make_environment(name: EnvironmentName | str, *, tags: Sequence[str] = (),
-                     sandbox_network: NetworkIsolation | str = NetworkIsolation.NAMESPACE) -> TaggedToolEnvironment | None:
+                     sandbox_isolation: Isolation | str = Isolation.BUBBLEWRAP) -> TaggedToolEnvironment | None:
     """The environment `name` (None for `none`). `tags`: (call start, call end, result start, result end) to
-    replace the environment's own (e.g. a model's own tool tags); () keeps the environment's."""
+    replace the environment's own (e.g. a model's own tool tags); () keeps the environment's. `sandbox_isolation`:
+    the Python sandbox's (`rpegjax.envs.python_sandbox.Isolation`)."""
     name = EnvironmentName(name)
     if name == EnvironmentName.NONE:
         return None
@@ -33,7 +34,7 @@ def make_environment(name: EnvironmentName | str, *, tags: Sequence[str] = (),
     if name == EnvironmentName.CALCULATOR:
         env = calculator_environment()
     else:
-        env = python_environment(PythonSandbox(SandboxConfig(network=sandbox_network)))
+        env = python_environment(PythonSandbox(SandboxConfig(isolation=sandbox_isolation)))
     if not tags:
         return env
     call_start, call_end, result_start, result_end = tags

@@ -296,7 +296,7 @@ def build(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Components:
         log("prompts: rendered with the model tokenizer's chat template (--chat-template none to turn it off)")
     examples = [*train_examples, *eval_examples]
     environment = make_environment(cfg.rollout.env, tags=cfg.rollout.tool_tags,
-                                   sandbox_network=cfg.rollout.sandbox_network)
+                                   sandbox_isolation=cfg.rollout.sandbox_isolation)
     if environment is None:
         prompts = [tokenizer.encode(template.render(e, tokenizer)) for e in examples]
     else:

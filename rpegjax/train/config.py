@@ -19,7 +19,7 @@ from rpegjax.data.prompts import ChatTemplateMode
 from rpegjax.data.rows import DatasetFormat
 from rpegjax.distributed.launch import DistributedConfig
 from rpegjax.envs.catalog import EnvironmentName
-from rpegjax.envs.python_sandbox import NetworkIsolation
+from rpegjax.envs.python_sandbox import Isolation
 from rpegjax.generate.paged_cache import CacheLayout
 from rpegjax.graph.ir import Algorithm
 from rpegjax.learners.advantages import AdvantageKind
@@ -194,17 +194,17 @@ class RolloutSection:
     # multi-turn rollouts with a tool (`rpegjax.envs`): the environment, model turns per episode, response
     # tokens per episode (model and tool; None: max_new_tokens), the tool tags to use instead of the
     # environment's (call start, call end, result start, result end) and the
-    # Python sandbox's network isolation
+    # Python sandbox's isolation (bubblewrap; `none` only for trusted code: see rpegjax.envs.python_sandbox)
     env: EnvironmentName = EnvironmentName.NONE
     max_turns: int = 4
     episode_token_budget: int | None = None
     tool_tags: tuple[str, ...] = ()
-    sandbox_network: NetworkIsolation = NetworkIsolation.NAMESPACE
+    sandbox_isolation: Isolation = Isolation.BUBBLEWRAP
 
     def __post_init__(self) -> None:
         _positive(self, "prompts_per_step", "group_size", "max_new_tokens", "num_slots", "chunk_steps", "max_turns")
         _choice(self, "env", EnvironmentName)
-        _choice(self, "sandbox_network", NetworkIsolation)
+        _choice(self, "sandbox_isolation", Isolation)
         _choice(self, "kv_cache", CacheLayout)
         _positive(self, "page_size")
         if self.kv_pool_tokens is not None:

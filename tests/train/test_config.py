@@ -46,13 +46,13 @@ def test_one_critic_mode_for_graph_and_learner():
 
 def test_multi_turn_flags_and_their_checks():
     from rpegjax.envs.catalog import EnvironmentName
-    from rpegjax.envs.python_sandbox import NetworkIsolation
+    from rpegjax.envs.python_sandbox import Isolation
 
     config = parse_args(["--env=calculator", "--max-turns=3", "--episode-token-budget=20", "--max-new-tokens=24",
-                         "--rollout.tool_tags=[,],{,}", "--rollout.sandbox_network=audit-hook"], Algorithm.GRPO)[0]
+                         "--rollout.tool_tags=[,],{,}", "--rollout.sandbox_isolation=none"], Algorithm.GRPO)[0]
     rollout = config.rollout
     assert rollout.env == EnvironmentName.CALCULATOR and rollout.max_turns == 3 and rollout.episode_token_budget == 20
-    assert rollout.tool_tags == ("[", "]", "{", "}") and rollout.sandbox_network == NetworkIsolation.AUDIT_HOOK
+    assert rollout.tool_tags == ("[", "]", "{", "}") and rollout.sandbox_isolation == Isolation.NONE
     assert RunConfig.from_json(config.to_json()).rollout == rollout
     with pytest.raises(ValueError, match=r"episode_token_budget \(40\) must fit in max_new_tokens \(32\)"):
         RolloutSection(env="calculator", episode_token_budget=40)
