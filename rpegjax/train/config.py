@@ -545,6 +545,10 @@ class RunConfig:
         value raises `ConfigFileError` naming the file and the field."""
         path = pathlib.Path(path)
         data = read_config_file(path)
+        if isinstance(data, dict) and isinstance(data.get("rollout"), dict):
+            # runs saved before the Python sandbox moved to bubblewrap hold rollout.sandbox_network (namespace or
+            # audit-hook): sandbox_isolation replaces it, and its default is stronger than either old mode
+            data["rollout"].pop("sandbox_network", None)
         try:
             # fields the file leaves out keep the job's defaults (of the file's algorithm)
             algorithm = data.get("algorithm", Algorithm.GRPO) if isinstance(data, dict) else Algorithm.GRPO

@@ -1,5 +1,7 @@
 """The run configuration: choices are enums validated on construction, derived fields have one source."""
 
+import json
+
 import pytest
 
 from rpegjax.data.jsonl import DatasetFormat
@@ -60,6 +62,18 @@ def test_multi_turn_flags_and_their_checks():
         RolloutSection(tool_tags=("[", "]"))
     with pytest.raises(ValueError, match="RolloutSection.env must be one of \\['none', 'calculator', 'python-sandbox'\\]"):
         RolloutSection(env="browser")
+
+
+def test_a_config_saved_with_the_old_sandbox_network_field_still_loads(tmp_path):
+    """Runs saved before the sandbox moved to bubblewrap stay resumable and exportable: the replaced field is read
+    as the default isolation (stronger than either old mode)."""
+    from rpegjax.envs.python_sandbox import Isolation
+
+    data = json.loads(RunConfig().to_json())
+    del data["rollout"]["sandbox_isolation"]
+    data["rollout"]["sandbox_network"] = "audit-hook"
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    assert RunConfig.from_file(tmp_path / "config.json").rollout.sandbox_isolation == Isolation.BUBBLEWRAP
 
 
 def test_lora_flags_set_the_lora_section_and_round_trip():
