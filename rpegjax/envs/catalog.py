@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from rpegjax.envs.calculator import calculator_environment
 from rpegjax.envs.protocol import TaggedToolEnvironment
 from rpegjax.envs.python_sandbox import (
-    Isolation,
+    SandboxIsolation,
     PythonSandbox,
     SandboxConfig,
     python_environment,
@@ -22,10 +22,11 @@ class EnvironmentName(enum.StrEnum):
 
 
 def make_environment(name: EnvironmentName | str, *, tags: Sequence[str] = (),
-                     sandbox_isolation: Isolation | str = Isolation.BUBBLEWRAP) -> TaggedToolEnvironment | None:
+                     sandbox_isolation: SandboxIsolation | str = SandboxIsolation.BUBBLEWRAP,
+                     ) -> TaggedToolEnvironment | None:
     """The environment `name` (None for `none`). `tags`: (call start, call end, result start, result end) to
     replace the environment's own (e.g. a model's own tool tags); () keeps the environment's. `sandbox_isolation`:
-    the Python sandbox's (`rpegjax.envs.python_sandbox.Isolation`)."""
+    the Python sandbox's (`rpegjax.envs.python_sandbox.SandboxIsolation`)."""
     name = EnvironmentName(name)
     if name == EnvironmentName.NONE:
         return None

@@ -73,7 +73,7 @@ _SANDBOX_TMP = "/tmp"
 _INSTALL_BUBBLEWRAP = "install bubblewrap (Debian/Ubuntu: apt-get install bubblewrap; Fedora: dnf install bubblewrap)"
 
 
-class Isolation(enum.StrEnum):
+class SandboxIsolation(enum.StrEnum):
     BUBBLEWRAP = "bubblewrap"  # namespaces, a file system of the interpreter only, a private /tmp (the default)
     NONE = "none"  # the limits only: no file, network or process isolation (trusted code only)
 
@@ -99,11 +99,11 @@ class SandboxConfig:
     max_output_chars: int = 2000  # what the model reads back
     max_processes: int = 64  # processes and threads inside the sandbox (see the module docstring)
     tmp_mb: int = 64  # the private /tmp (bubblewrap)
-    isolation: Isolation = Isolation.BUBBLEWRAP
+    isolation: SandboxIsolation = SandboxIsolation.BUBBLEWRAP
     bubblewrap: str = "bwrap"  # the bubblewrap program: a name looked up on PATH, or a path
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "isolation", Isolation(self.isolation))
+        object.__setattr__(self, "isolation", SandboxIsolation(self.isolation))
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, int | float) or not 0 < self.timeout_s < math.inf:
             raise ValueError(f"SandboxConfig.timeout_s must be a positive number of seconds, got {self.timeout_s!r}")
         for name in ("cpu_s", "memory_mb", "max_output_bytes", "max_output_chars", "max_processes", "tmp_mb"):
@@ -219,7 +219,8 @@ class PythonSandbox:
 
     def __init__(self, config: SandboxConfig | None = None):
         self.config = SandboxConfig() if config is None else config
-        self._bubblewrap = find_bubblewrap(self.config) if self.config.isolation == Isolation.BUBBLEWRAP else None
+        bubblewrap = self.config.isolation == SandboxIsolation.BUBBLEWRAP
+        self._bubblewrap = find_bubblewrap(self.config) if bubblewrap else None
 
     def run(self, code: str) -> SandboxResult:
         config = self.config

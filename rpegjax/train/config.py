@@ -19,7 +19,7 @@ from rpegjax.data.prompts import ChatTemplateMode
 from rpegjax.data.rows import DatasetFormat
 from rpegjax.distributed.launch import DistributedConfig
 from rpegjax.envs.catalog import EnvironmentName
-from rpegjax.envs.python_sandbox import Isolation
+from rpegjax.envs.python_sandbox import SandboxIsolation
 from rpegjax.generate.paged_cache import CacheLayout
 from rpegjax.graph.ir import Algorithm
 from rpegjax.learners.advantages import AdvantageKind
@@ -199,12 +199,12 @@ class RolloutSection:
     max_turns: int = 4
     episode_token_budget: int | None = None
     tool_tags: tuple[str, ...] = ()
-    sandbox_isolation: Isolation = Isolation.BUBBLEWRAP
+    sandbox_isolation: SandboxIsolation = SandboxIsolation.BUBBLEWRAP
 
     def __post_init__(self) -> None:
         _positive(self, "prompts_per_step", "group_size", "max_new_tokens", "num_slots", "chunk_steps", "max_turns")
         _choice(self, "env", EnvironmentName)
-        _choice(self, "sandbox_isolation", Isolation)
+        _choice(self, "sandbox_isolation", SandboxIsolation)
         _choice(self, "kv_cache", CacheLayout)
         _positive(self, "page_size")
         if self.kv_pool_tokens is not None:

@@ -19,7 +19,7 @@ import pytest
 
 import rpegjax
 from rpegjax.envs.python_sandbox import (
-    Isolation,
+    SandboxIsolation,
     PythonSandbox,
     SandboxConfig,
     SandboxError,
@@ -59,7 +59,8 @@ def test_a_host_process_cannot_be_signalled(sandbox):
     host = subprocess.Popen(["sleep", "60"])
     try:
         result = sandbox.run(RESET_HOOK + "import os\n" + "".join(
-            f"try:\n    os.kill({pid}, 9)\nexcept OSError as e:\n    print(type(e).__name__)\n" for pid in (host.pid, -1)))
+            f"try:\n    os.kill({pid}, 9)\nexcept OSError as e:\n    print(type(e).__name__)\n"
+            for pid in (host.pid, -1)))
         time.sleep(0.2)
         assert host.poll() is None
         assert result.stdout == "ProcessLookupError\nProcessLookupError\n"  # kill -1: nothing else to signal
@@ -106,7 +107,7 @@ def test_isolation_none_protects_none_of_it(tmp_path):
     """The weaker mode, chosen by name, is what its documentation says: the grandchild survives and writes."""
     token = f"rpegjax-sandbox-test-{uuid.uuid4()}"
     target = tmp_path / "late.txt"
-    result = PythonSandbox(SandboxConfig(isolation=Isolation.NONE)).run(_late_writer(target, token, delay_s=1))
+    result = PythonSandbox(SandboxConfig(isolation=SandboxIsolation.NONE)).run(_late_writer(target, token, delay_s=1))
     try:
         assert result.status == SandboxStatus.OK and result.stdout == "grandchild started\nparent done\n"
         assert _host_processes_with(token) != []
@@ -248,7 +249,7 @@ def test_bubblewrap_that_cannot_start_is_a_clear_error(tmp_path):
 def test_bad_config_is_refused():
     with pytest.raises(ValueError, match="SandboxConfig.memory_mb must be a positive integer, got 0"):
         SandboxConfig(memory_mb=0)
-    with pytest.raises(ValueError, match="'sometimes' is not a valid Isolation"):
+    with pytest.raises(ValueError, match="'sometimes' is not a valid SandboxIsolation"):
         SandboxConfig(isolation="sometimes")
     with pytest.raises(ValueError, match="SandboxConfig.bubblewrap must name the bwrap program, got ''"):
         SandboxConfig(bubblewrap="")

@@ -48,13 +48,13 @@ def test_one_critic_mode_for_graph_and_learner():
 
 def test_multi_turn_flags_and_their_checks():
     from rpegjax.envs.catalog import EnvironmentName
-    from rpegjax.envs.python_sandbox import Isolation
+    from rpegjax.envs.python_sandbox import SandboxIsolation
 
     config = parse_args(["--env=calculator", "--max-turns=3", "--episode-token-budget=20", "--max-new-tokens=24",
                          "--rollout.tool_tags=[,],{,}", "--rollout.sandbox_isolation=none"], Algorithm.GRPO)[0]
     rollout = config.rollout
     assert rollout.env == EnvironmentName.CALCULATOR and rollout.max_turns == 3 and rollout.episode_token_budget == 20
-    assert rollout.tool_tags == ("[", "]", "{", "}") and rollout.sandbox_isolation == Isolation.NONE
+    assert rollout.tool_tags == ("[", "]", "{", "}") and rollout.sandbox_isolation == SandboxIsolation.NONE
     assert RunConfig.from_json(config.to_json()).rollout == rollout
     with pytest.raises(ValueError, match=r"episode_token_budget \(40\) must fit in max_new_tokens \(32\)"):
         RolloutSection(env="calculator", episode_token_budget=40)
@@ -67,13 +67,13 @@ def test_multi_turn_flags_and_their_checks():
 def test_a_config_saved_with_the_old_sandbox_network_field_still_loads(tmp_path):
     """Runs saved before the sandbox moved to bubblewrap stay resumable and exportable: the replaced field is read
     as the default isolation (stronger than either old mode)."""
-    from rpegjax.envs.python_sandbox import Isolation
+    from rpegjax.envs.python_sandbox import SandboxIsolation
 
     data = json.loads(RunConfig().to_json())
     del data["rollout"]["sandbox_isolation"]
     data["rollout"]["sandbox_network"] = "audit-hook"
     (tmp_path / "config.json").write_text(json.dumps(data))
-    assert RunConfig.from_file(tmp_path / "config.json").rollout.sandbox_isolation == Isolation.BUBBLEWRAP
+    assert RunConfig.from_file(tmp_path / "config.json").rollout.sandbox_isolation == SandboxIsolation.BUBBLEWRAP
 
 
 def test_lora_flags_set_the_lora_section_and_round_trip():
