@@ -7,13 +7,13 @@ have) and then runs the code read from stdin:
   * CPU seconds (`cpu_s`, per process): SIGXCPU kills it;
   * the size of any file written (`max_output_bytes`; the captured stdout and stderr are files): a write past it
     fails;
-  * processes and threads (`max_processes`): a fork past it fails. The kernel (5.14+) counts them per user
-    namespace, so only the sandbox's own; it exempts a job running as root, whose fork bombs are bounded by
-    `timeout_s` alone.
+  * processes and threads (`max_processes`, bubblewrap only): a fork past it fails. Linux 5.14+ counts them
+    per user namespace, so only the sandbox's own (older kernels count every process of the job's user); the
+    kernel exempts a job running as root, where a fork bomb is bounded by `timeout_s` alone.
 The host kills the sandbox past `timeout_s` of wall time (a sleeping or blocked process uses no CPU).
 
-`isolation=bubblewrap` (the default) runs the interpreter under bubblewrap (`bwrap`, the Debian/Ubuntu package
-`bubblewrap`) with new user, PID, network, IPC, UTS and cgroup namespaces, no capabilities, no further user
+`isolation=bubblewrap` (the default) runs the interpreter under bubblewrap (`bwrap` 0.8 or later, the Debian/Ubuntu
+package `bubblewrap`) with new user, PID, network, IPC, UTS and cgroup namespaces, no capabilities, no further user
 namespaces, an empty environment (HOME=/tmp) and its own session. Its file system is built from nothing and holds
 exactly:
   * read-only: the system's shared libraries (/usr/lib, /usr/lib32, /usr/lib64, /usr/libx32 where they exist, and
@@ -172,13 +172,17 @@ def find_bubblewrap(config: SandboxConfig) -> str:
                            f"({config.bubblewrap!r}), which is not found: {_INSTALL_BUBBLEWRAP}")
     with tempfile.TemporaryFile() as status:
         command = [*_bubblewrap_command(program, config, status.fileno()), _interpreter(), "-I", "-S", "-c", "pass"]
-        probe = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False,
-                               pass_fds=(status.fileno(),))
-    if probe.returncode != 0:
+        try:
+            probe = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False,
+                                   pass_fds=(status.fileno(),))
+            failure = probe.returncode != 0 and (probe.stderr.strip() or f"exit status {probe.returncode}")
+        except subprocess.TimeoutExpired:
+            failure = "it did not finish in 60 s"
+    if failure:
         raise SandboxError(f"SandboxConfig.isolation=bubblewrap: bubblewrap ({program}) cannot start the sandbox "
-                           f"here: {probe.stderr.strip() or f'exit status {probe.returncode}'}. It needs "
-                           "unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1, "
-                           "user.max_user_namespaces > 0; in a container, a seccomp profile that allows them)")
+                           f"here: {failure}. It needs bubblewrap 0.8 or later and unprivileged user namespaces "
+                           "(sysctl kernel.unprivileged_userns_clone=1, user.max_user_namespaces > 0; in a "
+                           "container, a seccomp profile that allows them)")
     return program
 
 
@@ -208,7 +212,10 @@ def _await_namespace_end(status: dict, deadline_s: float) -> None:
         if not alive:
             return
         if time.monotonic() > end:
-            os.kill(pid, signal.SIGKILL)  # its death kills the namespace
+            try:
+                os.kill(pid, signal.SIGKILL)  # its death kills the namespace
+            except ProcessLookupError:
+                return
             end = math.inf
         time.sleep(0.005)
 
