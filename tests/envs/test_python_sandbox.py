@@ -242,7 +242,8 @@ def test_bubblewrap_that_cannot_start_is_a_clear_error(tmp_path):
     fake.write_text("#!/bin/sh\necho 'bwrap: setting up uid map: Permission denied' >&2\nexit 1\n")
     fake.chmod(0o755)
     with pytest.raises(SandboxError, match=r"cannot start the sandbox here: bwrap: setting up uid map: Permission "
-                                           r"denied\. It needs unprivileged user namespaces"):
+                                           r"denied\. It needs bubblewrap 0\.8 or later and unprivileged user "
+                                           r"namespaces"):
         PythonSandbox(SandboxConfig(bubblewrap=str(fake)))
 
 
