@@ -20,18 +20,19 @@ exactly:
     /lib* as the host has them), the interpreter's executable, standard library and shared library directory
     (for a pyenv or conda install: its `lib/`), every site-packages directory of the interpreter hidden under an
     empty read-only tmpfs;
-  * /proc of its own PID namespace (only its own processes), a minimal read-only /dev (null, zero, random,
-    urandom, tty, pts, shm);
+  * /proc of its own PID namespace (only its own processes; system-wide files such as /proc/cpuinfo stay
+    readable), a minimal read-only /dev (null, zero, full, random, urandom, tty, pts, an empty shm);
   * /tmp: a private tmpfs of `tmp_mb` MiB, the working directory and the only writable place, gone with the call.
-Nothing else of the host exists inside: no /etc (so no /etc/passwd), no home directory, no package source, no
-run directory, no cache. The network namespace has only its own loopback: no host interface, no host port
+Nothing else of the host exists inside: no /etc (so no /etc/passwd), no home directory (a Python installed under
+one shows only its own files), no package source, no run directory, no cache. The network namespace has only its own loopback: no host interface, no host port
 (127.0.0.1 included), no abstract Unix socket of the host. The PID namespace shows and signals only the
 sandbox's processes, and when the call ends (the code exits, or is killed past a limit) every process inside it
 is killed by the kernel, including children that forked and called setsid. Where `bwrap` is missing or cannot
 create the namespaces (user namespaces disabled, a container's seccomp profile), constructing the sandbox raises
 SandboxError saying what to install or enable.
 
-`isolation=none` (chosen by name only) runs the same interpreter and limits without any sandbox: the code can
+`isolation=none` (chosen by name only) runs the same interpreter and limits (but `max_processes`) in an empty
+temporary directory without any sandbox, killing its process group past `timeout_s`: the code can
 read and write every file the job's user can (the run directory, checkpoints, ~/.cache, the package source),
 use the network, signal the user's processes (the trainer included), and leave processes behind that started
 their own session. Use it only for code one trusts, e.g. on a machine without user namespaces.
