@@ -83,14 +83,16 @@ def _host_processes_with(token: str) -> list[int]:
     return found
 
 
-def _late_writer(target: pathlib.Path, token: str, delay_s: float) -> str:
+def _late_writer(target: pathlib.Path, token: str, delay_s: float, parent_s: float = 0.0) -> str:
     """Code that forks a child, which starts its own session and forks a grandchild that execs an interpreter
-    (with `token` in its command line, for the host's process list) that writes `target` `delay_s` later."""
-    writer = f"import time; time.sleep({delay_s}); open({str(target)!r}, 'w').write('survived')"
-    return (RESET_HOOK + "import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
-            "        print('grandchild started', flush=True)\n"
-            f"        os.execv(sys.executable, [sys.executable, '-c', {writer!r}, {token!r}])\n"
-            "    os._exit(0)\ntime.sleep(1)\nprint('parent done')")
+    (with `token` in its command line, for the host's process list) that writes `target` `delay_s` later; the
+    parent prints once that interpreter runs (it tells through a pipe), `parent_s` later."""
+    writer = (f"import os, time; os.write(%d, b'x'); time.sleep({delay_s}); "
+              f"open({str(target)!r}, 'w').write('survived')")
+    return (RESET_HOOK + "import os, time\nr, w = os.pipe()\nif os.fork() == 0:\n    os.setsid()\n"
+            "    if os.fork() == 0:\n        print('grandchild started', flush=True)\n        os.set_inheritable(w, True)\n"
+            f"        os.execv(sys.executable, [sys.executable, '-c', {writer!r} % w, {token!r}])\n"
+            f"    os._exit(0)\nos.close(w)\nos.read(r, 1)\ntime.sleep({parent_s})\nprint('parent done')")
 
 
 def test_no_process_outlives_the_call(sandbox, tmp_path):
@@ -145,16 +147,17 @@ def test_host_files_are_neither_written_nor_read(sandbox, tmp_path):
 
 def test_only_the_private_tmp_is_writable_and_it_is_gone_after_the_call(sandbox):
     """Every directory of the sandbox's file system (but /proc) is tried: only /tmp takes a file; the next call
-    finds /tmp empty, and the host keeps no directory of the call."""
-    host_tmp = set(os.listdir(tempfile.gettempdir()))
+    finds /tmp empty, and the host directory that held the call's output (its stdout's path) is gone."""
     walk = ("import os\nwritable = []\nfor root, dirs, files in os.walk('/'):\n    if root == '/':\n"
             "        dirs.remove('proc')\n    try:\n"
             "        open(os.path.join(root, '.write-probe'), 'w').close()\n        writable.append(root)\n"
-            "    except OSError:\n        pass\nprint(writable)\nprint(os.getcwd())")
+            "    except OSError:\n        pass\nprint(writable)\nprint(os.getcwd())\n"
+            "open('/tmp/left-behind', 'w').write('x')\nprint(os.readlink('/proc/self/fd/1'))")
     result = PythonSandbox(SandboxConfig(timeout_s=120.0, cpu_s=60)).run(walk)
-    assert result.status == SandboxStatus.OK and result.stdout == "['/tmp']\n/tmp\n"
+    writable, cwd, host_stdout = result.stdout.splitlines()
+    assert result.status == SandboxStatus.OK and (writable, cwd) == ("['/tmp']", "/tmp")
+    assert host_stdout.endswith("/stdout") and not os.path.exists(os.path.dirname(host_stdout))
     assert sandbox("import os\nprint(os.listdir('/tmp'))") == "[]\n"
-    assert {n for n in set(os.listdir(tempfile.gettempdir())) - host_tmp if n.startswith("rpegjax-sandbox-")} == set()
 
 
 def test_private_tmp_is_bounded():
@@ -193,7 +196,7 @@ def test_wall_timeout_kills():
 
 def test_wall_timeout_kills_the_grandchildren_too(tmp_path):
     token = f"rpegjax-sandbox-test-{uuid.uuid4()}"
-    code = _late_writer(tmp_path / "late.txt", token, delay_s=30).replace("time.sleep(1)", "time.sleep(60)")
+    code = _late_writer(tmp_path / "late.txt", token, delay_s=30, parent_s=60)
     result = PythonSandbox(SandboxConfig(timeout_s=3.0)).run(code)
     assert result.status == SandboxStatus.TIMEOUT and result.stdout == "grandchild started\n"
     assert _host_processes_with(token) == []
