@@ -72,6 +72,8 @@ exec(compile(code, "<sandbox>", "exec"), {"__name__": "__main__", "__builtins__"
 _SYSTEM_LIBRARIES = ("/usr/lib", "/usr/lib32", "/usr/lib64", "/usr/libx32", "/lib", "/lib32", "/lib64", "/libx32")
 _SANDBOX_TMP = "/tmp"
 _INSTALL_BUBBLEWRAP = "install bubblewrap (Debian/Ubuntu: apt-get install bubblewrap; Fedora: dnf install bubblewrap)"
+_WEAKER = ("isolation=none (rollout.sandbox_isolation in a run's config) runs without a sandbox, for trusted code "
+           "only")
 
 
 class SandboxIsolation(enum.StrEnum):
@@ -170,7 +172,7 @@ def find_bubblewrap(config: SandboxConfig) -> str:
     program = shutil.which(config.bubblewrap)
     if program is None:
         raise SandboxError(f"SandboxConfig.isolation=bubblewrap needs the bubblewrap program "
-                           f"({config.bubblewrap!r}), which is not found: {_INSTALL_BUBBLEWRAP}")
+                           f"({config.bubblewrap!r}), which is not found: {_INSTALL_BUBBLEWRAP}; {_WEAKER}")
     with tempfile.TemporaryFile() as status:
         command = [*_bubblewrap_command(program, config, status.fileno()), _interpreter(), "-I", "-S", "-c", "pass"]
         try:
@@ -182,8 +184,9 @@ def find_bubblewrap(config: SandboxConfig) -> str:
     if failure:
         raise SandboxError(f"SandboxConfig.isolation=bubblewrap: bubblewrap ({program}) cannot start the sandbox "
                            f"here: {failure}. It needs bubblewrap 0.8 or later and unprivileged user namespaces "
-                           "(sysctl kernel.unprivileged_userns_clone=1, user.max_user_namespaces > 0; in a "
-                           "container, a seccomp profile that allows them)")
+                           "(sysctl user.max_user_namespaces > 0, kernel.unprivileged_userns_clone=1 where it "
+                           "exists, kernel.apparmor_restrict_unprivileged_userns=0 on Ubuntu 23.10+; in a container, "
+                           f"a seccomp profile that allows them); {_WEAKER}")
     return program
 
 

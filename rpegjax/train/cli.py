@@ -328,6 +328,7 @@ def main(argv: list[str], algorithm: Algorithm) -> int:
     where = f"process {resolved.process_id}: " if resolved.is_multi_process else ""
     log = say if main_process else (lambda _: None)
 
+    from rpegjax.envs.python_sandbox import SandboxError
     from rpegjax.runtime.compilation_cache import enable_compilation_cache
     from rpegjax.train.build import build
     from rpegjax.train.checkpoint import CheckpointError
@@ -364,7 +365,7 @@ def main(argv: list[str], algorithm: Algorithm) -> int:
             clear_run_dir(run_dir)
             log(f"--overwrite: removed the earlier contents of {run_dir}")
         summary = Trainer(parts, run_dir, resume=resume is not None, is_main_process=main_process, log=log).run()
-    except (ValueError, CheckpointError) as error:  # bad input: say what and where, no traceback
+    except (ValueError, CheckpointError, SandboxError) as error:  # bad input, a sandbox that cannot run: no traceback
         say(f"{where}error: {error}")
         _drop_if_empty(run_dir, claimed and main_process)
         return 2

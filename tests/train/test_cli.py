@@ -106,6 +106,14 @@ def test_verbose_is_a_flag_and_ppo_flags_are_only_in_train_ppo(capsys):
         assert present in text and absent not in text and "--verbose" in text and "YAML" in text
 
 
+def test_a_python_sandbox_without_bubblewrap_is_one_clear_error(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no bwrap on it
+    assert main([f"--run-dir={tmp_path / 'run'}", "--env=python-sandbox"], Algorithm.GRPO) == 2
+    assert "error: SandboxConfig.isolation=bubblewrap needs the bubblewrap program ('bwrap'), which is not found: " \
+           "install bubblewrap (Debian/Ubuntu: apt-get install bubblewrap" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
 def test_wandb_without_the_package_is_one_clear_error_before_anything_is_built(tmp_path, capsys, monkeypatch):
     import sys
 
