@@ -90,7 +90,8 @@ def _late_writer(target: pathlib.Path, token: str, delay_s: float, parent_s: flo
     writer = (f"import os, time; os.write(%d, b'x'); time.sleep({delay_s}); "
               f"open({str(target)!r}, 'w').write('survived')")
     return (RESET_HOOK + "import os, time\nr, w = os.pipe()\nif os.fork() == 0:\n    os.setsid()\n"
-            "    if os.fork() == 0:\n        print('grandchild started', flush=True)\n        os.set_inheritable(w, True)\n"
+            "    if os.fork() == 0:\n        print('grandchild started', flush=True)\n"
+            "        os.set_inheritable(w, True)\n"
             f"        os.execv(sys.executable, [sys.executable, '-c', {writer!r} % w, {token!r}])\n"
             f"    os._exit(0)\nos.close(w)\nos.read(r, 1)\ntime.sleep({parent_s})\nprint('parent done')")
 
@@ -158,6 +159,26 @@ def test_only_the_private_tmp_is_writable_and_it_is_gone_after_the_call(sandbox)
     assert result.status == SandboxStatus.OK and (writable, cwd) == ("['/tmp']", "/tmp")
     assert host_stdout.endswith("/stdout") and not os.path.exists(os.path.dirname(host_stdout))
     assert sandbox("import os\nprint(os.listdir('/tmp'))") == "[]\n"
+
+
+def test_no_privilege_can_be_regained(sandbox):
+    """No capability; no new user namespace (where one would regain them), mount or network namespace; the
+    read-only host libraries cannot be remounted writable."""
+    code = ("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "for flag in (0x10000000, 0x00020000, 0x40000000):  # CLONE_NEWUSER, CLONE_NEWNS, CLONE_NEWNET\n"
+            "    print(libc.unshare(flag), ctypes.get_errno() in (1, 28))  # EPERM, or ENOSPC: no user namespace left\n"
+            "print(libc.mount(b'none', b'/usr/lib', None, 0x20 | 0x1000, None))  # MS_REMOUNT | MS_BIND, writable\n"
+            "print([line.split()[1] for line in open('/proc/self/status') if line.startswith('Cap')])")
+    assert sandbox(code) == "-1 True\n-1 True\n-1 True\n-1\n" + str(["0000000000000000"] * 5) + "\n"
+
+
+def test_concurrent_calls_keep_their_own_output(sandbox):
+    """The episode runner calls the tool from a thread pool: each call gets its own sandbox and output."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(8) as pool:
+        outputs = list(pool.map(lambda i: sandbox(f"print({i} * 2)"), range(24)))
+    assert outputs == [f"{i * 2}\n" for i in range(24)]
 
 
 def test_private_tmp_is_bounded():
