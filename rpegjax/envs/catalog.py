@@ -8,9 +8,9 @@ from collections.abc import Sequence
 from rpegjax.envs.calculator import calculator_environment
 from rpegjax.envs.protocol import TaggedToolEnvironment
 from rpegjax.envs.python_sandbox import (
-    SandboxIsolation,
     PythonSandbox,
     SandboxConfig,
+    SandboxIsolation,
     python_environment,
 )
 

@@ -19,10 +19,10 @@ import pytest
 
 import rpegjax
 from rpegjax.envs.python_sandbox import (
-    SandboxIsolation,
     PythonSandbox,
     SandboxConfig,
     SandboxError,
+    SandboxIsolation,
     SandboxStatus,
     python_environment,
 )
