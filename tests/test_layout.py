@@ -14,23 +14,26 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "rpegjax"
 
 # What each sub-package may import (besides itself). Lower layers never import upper ones.
 ALLOWED = {
+    "options": set(),  # execution options (attention, remat, KV-cache layout, dtypes): plain Python, for every layer
     "sharding": set(),
-    "models": {"sharding"},
+    "models": {"options", "sharding"},
     "data": set(),
     "rewards": {"data"},
     "distributed": {"sharding"},
-    "generate": {"models", "sharding"},
+    "generate": {"options", "models", "sharding"},
     "envs": {"generate", "rewards", "data"},  # multi-turn episodes: tools, their environments, the sampler's feed
-    "learners": {"models", "sharding", "graph"},  # graph: the RPEG's vocabulary (CriticMode), pure Python
-    "graph": set(),
-    "perf": {"graph", "models"},
-    "runtime": {"graph", "learners", "generate", "rewards", "data", "models", "sharding", "distributed", "envs"},
-    "train": {"runtime", "envs", "graph", "perf", "learners", "generate", "rewards", "data", "models", "sharding",
-              "distributed"},
+    "learners": {"options", "models", "sharding", "graph"},  # graph: the RPEG's vocabulary (CriticMode), pure Python
+    "graph": {"options"},
+    "perf": {"options", "graph", "models"},
+    "runtime": {"options", "graph", "learners", "generate", "rewards", "data", "models", "sharding", "distributed",
+                "envs"},
+    "train": {"options", "runtime", "envs", "graph", "perf", "learners", "generate", "rewards", "data", "models",
+              "sharding", "distributed"},
 }
 # Third-party modules a layer must not need: the RPEG is plain Python, the perf model never runs a model
 # (its calibration imports JAX lazily, inside the function that times kernels).
-FORBIDDEN_TOP_LEVEL = {"graph": {"jax", "flax", "optax", "numpy"}, "perf": {"flax", "optax"}}
+FORBIDDEN_TOP_LEVEL = {"options": {"jax", "flax", "optax", "numpy"}, "graph": {"jax", "flax", "optax", "numpy"},
+                       "perf": {"flax", "optax"}}
 
 
 def _imports(path: pathlib.Path, *, top_level_only: bool = False) -> set[str]:

@@ -24,11 +24,12 @@ from rpegjax.envs.catalog import make_environment
 from rpegjax.generate.sampler import Sampler, usable_slots
 from rpegjax.graph import builders, transforms
 from rpegjax.graph.ir import Algorithm, Execution, Graph, GraphError, StageKind
-from rpegjax.models.config import EXECUTION_FIELDS, ModelConfig
+from rpegjax.models.config import ModelConfig
 from rpegjax.models.hf import load_pretrained, read_config
 from rpegjax.models.precision import Precision
 from rpegjax.models.tokenizer import builtin_tokenizer, load_tokenizer
 from rpegjax.models.transformer import Decoder
+from rpegjax.options import MODEL_EXECUTION_FIELDS
 from rpegjax.rewards.custom import RewardedTask, load_rewards
 from rpegjax.rewards.dataset_task import MathDatasetTask
 from rpegjax.rewards.math import check_gold_answer
@@ -125,7 +126,7 @@ def make_task_and_examples(cfg: RunConfig):
 
 def _numerics(model_cfg: ModelConfig) -> dict:
     """The model config without its execution fields (they change neither parameters nor results)."""
-    return {k: v for k, v in dataclasses.asdict(model_cfg).items() if k not in EXECUTION_FIELDS}
+    return {k: v for k, v in dataclasses.asdict(model_cfg).items() if k not in MODEL_EXECUTION_FIELDS}
 
 
 def check_prompt_lengths(examples: list[Example], prompt_ids: list[list[int]], limit: int | None) -> int:
@@ -170,13 +171,13 @@ def run_execution(cfg: RunConfig) -> Execution:
     algo = cfg.grpo if cfg.algorithm == Algorithm.GRPO else cfg.ppo
     precision = run_precision(cfg)
     return Execution(param_dtype=precision.param_dtype, dtype=precision.dtype, update_microbatches=algo.num_microbatches,
-                     **{name: getattr(m, name) for name in ("attention", "attention_block_size", "remat", "scan_layers")},
+                     **m.execution(),
                      **_kv_cache_fields(cfg))
 
 
 def _kv_cache_fields(cfg: RunConfig) -> dict[str, Any]:
     rollout = cfg.rollout
-    return {"kv_cache": str(rollout.kv_cache), "page_size": rollout.page_size, "kv_pool_tokens": rollout.kv_pool_tokens}
+    return {"kv_cache": rollout.kv_cache.value, "page_size": rollout.page_size, "kv_pool_tokens": rollout.kv_pool_tokens}
 
 
 def build_graph(cfg: RunConfig, num_devices: int) -> Graph:
@@ -252,7 +253,7 @@ def load_plan(cfg: RunConfig, num_devices: int) -> Graph:
         raise ValueError(f"{where}: planned for {graph.num_devices} devices, {num_devices} are available")
     asked = {name: value for name, value in _kv_cache_fields(cfg).items()
              if value != getattr(RolloutSection(), name)}
-    planned = {name: getattr(graph.execution, name) for name in asked}
+    planned = {name: graph.execution.to_dict()[name] for name in asked}
     if asked != planned:  # a KV cache set on the command line that the plan does not have: refused, not overridden
         raise ValueError(f"{where}: the plan's KV cache is {planned}, this run asks for {asked} (rollout.kv_cache, "
                          f"page_size, kv_pool_tokens; plan again, or leave them unset to run the plan's)")
