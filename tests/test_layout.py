@@ -16,13 +16,13 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "rpegjax"
 ALLOWED = {
     "options": set(),  # execution options (attention, remat, KV-cache layout, dtypes): plain Python, for every layer
     "sharding": set(),
-    "models": {"options", "sharding"},
+    "models": {"options", "sharding", "distributed"},  # distributed: the barrier of a collective export
     "data": set(),
     "rewards": {"data"},
-    "distributed": {"sharding"},
+    "distributed": {"sharding"},  # below models: process collectives, no model
     "generate": {"options", "models", "sharding"},
     "envs": {"generate", "rewards", "data"},  # multi-turn episodes: tools, their environments, the sampler's feed
-    "learners": {"options", "models", "sharding", "graph"},  # graph: the RPEG's vocabulary (CriticMode), pure Python
+    "learners": {"models", "sharding", "graph"},  # graph: the RPEG's vocabulary (CriticMode), pure Python
     "graph": {"options"},
     "perf": {"options", "graph", "models"},
     "runtime": {"options", "graph", "learners", "generate", "rewards", "data", "models", "sharding", "distributed",

@@ -20,7 +20,7 @@ from rpegjax.data.rows import DatasetFormat
 from rpegjax.distributed.launch import DistributedConfig
 from rpegjax.envs.catalog import EnvironmentName
 from rpegjax.envs.python_sandbox import NetworkIsolation
-from rpegjax.graph.ir import Algorithm
+from rpegjax.graph.ir import Algorithm, CriticMode
 from rpegjax.learners.advantages import AdvantageKind
 from rpegjax.learners.group_filter import DynamicSamplingConfig, SamplingCapAction
 from rpegjax.learners.grpo import GRPOConfig
@@ -521,6 +521,15 @@ class RunConfig:
         if self.rollout.prompts_per_step % self.graph.generate_microbatches:
             raise ValueError(f"graph.generate_microbatches ({self.graph.generate_microbatches}) must divide "
                              f"rollout.prompts_per_step ({self.rollout.prompts_per_step})")
+
+    def algorithm_section(self) -> GRPOSection | PPOConfig:
+        """The section of this run's algorithm, `grpo` or `ppo` (its KL weight, optimiser, mini-batches)."""
+        return {Algorithm.GRPO: self.grpo, Algorithm.PPO: self.ppo}[self.algorithm]
+
+    @property
+    def shares_actor_critic(self) -> bool:
+        """Whether the actor carries the critic (PPO with `ppo.critic = shared`: a value head on the actor's trunk)."""
+        return self.algorithm is Algorithm.PPO and self.ppo.critic is CriticMode.SHARED
 
     def to_json(self) -> str:
         return json.dumps(to_jsonable(self), indent=2)
