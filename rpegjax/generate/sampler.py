@@ -454,7 +454,7 @@ class Sampler:
             finished = [slot for slot in running if done[slot]]
             if steps == 0 and not finished:
                 lengths = self._fetch_lengths(state)
-                raise DecodeStalledError.describe("contiguous", self.stats.decode_calls, running, done, lengths,
+                raise DecodeStalledError.describe(CacheLayout.CONTIGUOUS, self.stats.decode_calls, running, done, lengths,
                                                   np.full(self.num_slots, window))
             if not finished:
                 continue
