@@ -20,9 +20,9 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
+from rpegjax.options import DType
 from rpegjax.perf import profile as hardware_profile
 from rpegjax.perf.hardware import GIB, DeviceSpec, HardwareSpec, Level
-from rpegjax.options import DType
 
 DTYPES = tuple(dtype.value for dtype in DType)  # the compute dtypes a plan may use
 

@@ -8,8 +8,8 @@ from flax import nnx
 
 from rpegjax.models import Decoder, ModelConfig
 from rpegjax.models.logprobs import token_logprobs
-from rpegjax.perf import costs
 from rpegjax.options import RematPolicy
+from rpegjax.perf import costs
 from rpegjax.perf.costs import AttentionKernel, ModelShape
 
 SHAPE = ModelShape(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, mlp=128, vocab=128,
