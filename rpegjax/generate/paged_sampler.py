@@ -228,7 +228,8 @@ class PagedController:
             finished = [slot for slot in running if done[slot]]
             if steps == 0 and not finished:
                 lengths = jax.device_get(state.cache.lengths)
-                raise DecodeStalledError.describe(CacheLayout.PAGED, self.stats.decode_calls, running, done, lengths, limits)
+                raise DecodeStalledError.describe(CacheLayout.PAGED, self.stats.decode_calls, running, done, lengths,
+                                                  limits)
             if not finished:
                 continue
             bucket = pow2_at_least(len(finished), self.num_slots)
