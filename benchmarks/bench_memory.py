@@ -64,6 +64,7 @@ from rpegjax.learners.update import TrainState, row_shards  # noqa: E402
 from rpegjax.models import Decoder, ModelConfig  # noqa: E402
 from rpegjax.models.lora import LoRAConfig  # noqa: E402
 from rpegjax.models.memory import forward_bytes_per_row, forward_fixed_bytes  # noqa: E402
+from rpegjax.options import RematPolicy  # noqa: E402
 from rpegjax.sharding import make_mesh  # noqa: E402
 
 GIB = 1 << 30
@@ -111,7 +112,7 @@ def predicted_peak(cfg: ModelConfig, parallel: dict[str, int], tokens: int, prom
     """The planner's per-device peak: persistent state (weights, + optimiser moments for the update) + transient bytes."""
     shape = costs.ModelShape.from_config(cfg)
     layout = Layout.from_parallel(parallel, where="bench_memory")
-    options = ExecutionOptions(attention=costs.AttentionKernel.FLASH, remat=costs.Remat.FULL, microbatch_tokens=tokens,
+    options = ExecutionOptions(attention=costs.AttentionKernel.FLASH, remat=RematPolicy.FULL, microbatch_tokens=tokens,
                                optimizer_bytes_per_param=8.0, grad_bytes_per_param=4.0)
     workload = Workload(prompts=layout.replicas, group_size=1, prompt_tokens=prompt,
                         responses=ResponseLengths.fixed(tokens - prompt))

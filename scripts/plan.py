@@ -19,9 +19,10 @@ import os
 import sys
 from typing import Any
 
-from rpegjax.graph.ir import ATTENTION_KINDS, DTYPES, REMAT_POLICIES
+from rpegjax.graph.ir import Algorithm
 from rpegjax.graph.trace import gantt_png
 from rpegjax.models import ModelConfig
+from rpegjax.options import AttentionKind, DType, RematPolicy
 from rpegjax.perf import executable, explain, hardware, planner, step_model, validation
 from rpegjax.perf import profile as hardware_profile
 from rpegjax.perf.generation_cost import ResponseLengths
@@ -76,13 +77,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--response-max", type=int, default=16384, help="maximum response length in tokens")
     parser.add_argument("--no-reference", action="store_true", help="no reference model (no KL term)")
     parser.add_argument("--attention", default="cudnn,blockwise,dense",
-                        help=f"attention kernels to search, comma-separated, of {', '.join(ATTENTION_KINDS)} (those "
+                        help=f"attention kernels to search, comma-separated, of {', '.join(AttentionKind)} (those "
                              f"the runtime cannot run on --hardware are skipped; asking only for those is refused)")
     parser.add_argument("--remat", default="full,dots,none",
-                        help=f"remat policies to search, comma-separated, of {', '.join(REMAT_POLICIES)}")
-    parser.add_argument("--param-dtype", default="float32", choices=DTYPES,
+                        help=f"remat policies to search, comma-separated, of {', '.join(RematPolicy)}")
+    parser.add_argument("--param-dtype", default="float32", choices=list(DType),
                         help="weights and optimiser moments (the run's model.param_dtype)")
-    parser.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="matmul compute (the run's model.dtype)")
+    parser.add_argument("--dtype", default="bfloat16", choices=list(DType), help="matmul compute (the run's model.dtype)")
     parser.add_argument("--top", type=int, default=3, help="alternatives to list after the best plan")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON document instead of the table (null times and a reason for plans that "
@@ -113,12 +114,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--top must be >= 0, got {args.top}")
     if not 1 <= args.response_mean < args.response_max:
         parser.error(f"--response-mean must be in [1, --response-max), got {args.response_mean}")
-    for name, known in (("attention", ATTENTION_KINDS), ("remat", REMAT_POLICIES)):
+    for name, kind in (("attention", AttentionKind), ("remat", RematPolicy)):
         values = tuple(v.strip() for v in getattr(args, name).split(",") if v.strip())
-        unknown = [v for v in values if v not in known]
+        unknown = [v for v in values if v not in {member.value for member in kind}]
         if not values or unknown:
-            parser.error(f"--{name}: {unknown or 'nothing'} given; choose from {', '.join(known)}")
-        setattr(args, name, values)
+            parser.error(f"--{name}: {unknown or 'nothing'} given; choose from {', '.join(kind)}")
+        setattr(args, name, tuple(kind(v) for v in values))
     return args
 
 
@@ -166,7 +167,7 @@ def verify(args: argparse.Namespace, model: ModelConfig, best: planner.Plan, hw:
 
     choice, prediction, execution = best.choice, best.prediction, best.graph.execution
     kl = 0.04 if choice.use_reference else 0.0
-    if choice.algorithm.value == "ppo":
+    if choice.algorithm is Algorithm.PPO:
         algorithm = PPOConfig(critic=choice.critic_mode.value, kl_coef=kl, num_minibatches=choice.optimizer_steps)
     else:
         algorithm = GRPOConfig(group_size=args.group_size, kl_coef=kl, num_minibatches=choice.optimizer_steps)

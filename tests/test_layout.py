@@ -14,23 +14,26 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "rpegjax"
 
 # What each sub-package may import (besides itself). Lower layers never import upper ones.
 ALLOWED = {
+    "options": set(),  # execution options (attention, remat, KV-cache layout, dtypes): plain Python, for every layer
     "sharding": set(),
-    "models": {"sharding"},
+    "models": {"options", "sharding", "distributed"},  # distributed: the barrier of a collective export
     "data": set(),
     "rewards": {"data"},
-    "distributed": {"sharding"},
-    "generate": {"models", "sharding"},
+    "distributed": {"sharding"},  # below models: process collectives, no model
+    "generate": {"options", "models", "sharding"},
     "envs": {"generate", "rewards", "data"},  # multi-turn episodes: tools, their environments, the sampler's feed
     "learners": {"models", "sharding", "graph"},  # graph: the RPEG's vocabulary (CriticMode), pure Python
-    "graph": set(),
-    "perf": {"graph", "models"},
-    "runtime": {"graph", "learners", "generate", "rewards", "data", "models", "sharding", "distributed", "envs"},
-    "train": {"runtime", "envs", "graph", "perf", "learners", "generate", "rewards", "data", "models", "sharding",
-              "distributed"},
+    "graph": {"options"},
+    "perf": {"options", "graph", "models"},
+    "runtime": {"options", "graph", "learners", "generate", "rewards", "data", "models", "sharding", "distributed",
+                "envs"},
+    "train": {"options", "runtime", "envs", "graph", "perf", "learners", "generate", "rewards", "data", "models",
+              "sharding", "distributed"},
 }
 # Third-party modules a layer must not need: the RPEG is plain Python, the perf model never runs a model
 # (its calibration imports JAX lazily, inside the function that times kernels).
-FORBIDDEN_TOP_LEVEL = {"graph": {"jax", "flax", "optax", "numpy"}, "perf": {"flax", "optax"}}
+FORBIDDEN_TOP_LEVEL = {"options": {"jax", "flax", "optax", "numpy"}, "graph": {"jax", "flax", "optax", "numpy"},
+                       "perf": {"flax", "optax"}}
 
 
 def _imports(path: pathlib.Path, *, top_level_only: bool = False) -> set[str]:
@@ -110,3 +113,26 @@ def test_layer_does_not_need(package):
 def test_cycle_finder_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+# Every collective over processes lives in `distributed/collectives.py`; the runtime's address exchange is still
+# to move there (issue 22), and leaves this list when it does.
+MULTIHOST_UTILS_USERS = {"distributed/collectives.py", "runtime/transfers.py"}
+
+
+def _uses_multihost_utils(path: pathlib.Path) -> bool:
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module == "jax.experimental":
+            if any(alias.name == "multihost_utils" for alias in node.names):
+                return True
+        elif isinstance(node, ast.ImportFrom | ast.Import):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+            if any(name.startswith("jax.experimental.multihost_utils") for name in names):
+                return True
+    return False
+
+
+def test_only_the_collectives_module_talks_to_multihost_utils():
+    users = {str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*.py") if _uses_multihost_utils(path)}
+    stray = sorted(users - MULTIHOST_UTILS_USERS)
+    assert not stray, f"collectives over processes belong in distributed/collectives.py: {stray}"

@@ -4,8 +4,8 @@ Every process (one per host, or one per GPU) runs the same controller program. `
 the processes into one JAX runtime (a coordinator on process 0; XLA collectives over NCCL on GPU and
 gloo on CPU), after which `jax.devices()` lists every process's devices and one jitted function runs
 over a mesh that spans them all (`global_mesh`). Each process feeds only its own rows of a batch
-(`process_slice`, `host_local_to_global`) and gathers host values where the graph needs them
-(`gather_to_all`).
+(`process_rows`, `host_local_to_global`) and combines host values where the graph needs them
+(`gather_to_all`, `sum_over_processes`, `holds_in_every_process`, `broadcast_text`, `barrier`).
 
 The contract: every process takes identical decisions. Multi-controller JAX requires all processes
 to launch the same jitted computations in the same order with the same shapes; a process that
@@ -17,7 +17,7 @@ diverges deadlocks the others inside a collective or trains on a different batch
 * never branches on wall-clock time, on `jax.process_index()` (except for host I/O: only the main
   process writes metrics, plots and traces; checkpoints are written collectively by all), or on
   anything read from the local machine (free memory, file listings taken mid-run);
-* splits host-side work (rewards, data loading) by rows with `process_slice` and gathers the
+* splits host-side work (rewards, data loading) by rows with `process_rows` and gathers the
   results with `gather_to_all`, so every process ends up with the same values.
 
 `assert_same_across_processes(value, what)` checks the contract where it matters (config, plan,
@@ -33,18 +33,21 @@ default 10 s heartbeat ends survivors about 11 s after a peer is killed; a dead 
 Standard output: `initialize` sends native libraries' writes to it (gloo's connection messages) to
 standard error, so that standard output carries only what the program prints (the job's summary line).
 
-Modules: `launch` (configuration, start-up), `data` (mesh, per-process rows, gathers, the check).
+Modules: `launch` (configuration, start-up), `data` (mesh, per-process rows, global arrays), `collectives`
+(gathers, sums, agreement, broadcast, barriers, the check: the only users of `jax.experimental.multihost_utils`).
 Nothing here holds module-level state besides what `jax.distributed` itself holds.
 """
 
-from rpegjax.distributed.data import (
+from rpegjax.distributed.collectives import (
     assert_same_across_processes,
+    barrier,
+    broadcast_text,
     gather_to_all,
-    global_mesh,
-    host_local_to_global,
-    process_slice,
+    holds_in_every_process,
+    sum_over_processes,
     tree_digest,
 )
+from rpegjax.distributed.data import global_mesh, host_local_to_global, process_rows
 from rpegjax.distributed.launch import (
     CpuCollectives,
     DistributedConfig,
@@ -58,13 +61,17 @@ __all__ = [
     "CpuCollectives",
     "DistributedConfig",
     "assert_same_across_processes",
+    "barrier",
+    "broadcast_text",
     "expand_nodelist",
     "gather_to_all",
     "global_mesh",
+    "holds_in_every_process",
     "host_local_to_global",
     "initialize",
     "is_main_process",
     "keep_native_output_off_stdout",
-    "process_slice",
+    "process_rows",
+    "sum_over_processes",
     "tree_digest",
 ]

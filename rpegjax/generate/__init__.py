@@ -6,7 +6,7 @@ from rpegjax.generate.completion import (
     FinishReason,
     stack_completions,
 )
-from rpegjax.generate.paged_cache import CacheConfig, CacheLayout
+from rpegjax.generate.paged_cache import CacheConfig
 from rpegjax.generate.requests import Request, RequestFeed
 from rpegjax.generate.sampler import Sampler, SamplerStats, slot_replicas, usable_slots
 from rpegjax.generate.sampling import SamplingConfig, filter_logits, sample_tokens
@@ -18,7 +18,6 @@ from rpegjax.generate.weight_sync import (
 
 __all__ = [
     "CacheConfig",
-    "CacheLayout",
     "Completion",
     "CompletionBatch",
     "FinishReason",

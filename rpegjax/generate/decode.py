@@ -26,6 +26,7 @@ from rpegjax.generate.completion import EOS_CODE, LENGTH_CODE, RUNNING_CODE, STO
 from rpegjax.generate.sampling import SamplingArrays, row_step_keys, sample_tokens
 from rpegjax.models.config import ModelConfig
 from rpegjax.models.transformer import KVCache
+from rpegjax.options import CacheLayout
 from rpegjax.sharding import axes
 from rpegjax.sharding.rules import ActivationSharding
 
@@ -263,7 +264,7 @@ class DecodeStalledError(RuntimeError):
     the controller raises this rather than dispatch chunks that may never progress."""
 
     @classmethod
-    def describe(cls, sampler: str, chunk: int, running: list[int], done: np.ndarray, lengths: np.ndarray,
+    def describe(cls, sampler: CacheLayout, chunk: int, running: list[int], done: np.ndarray, lengths: np.ndarray,
                  limits: np.ndarray) -> DecodeStalledError:
         """The error for the sampler's `chunk`-th decode call, naming the device rows that stop the loop
         (running on the device, cache length at or past the row's limit) and the slots the host runs."""

@@ -20,7 +20,6 @@ page 0: what they read is masked out by position like any key past the row's len
 from __future__ import annotations
 
 import dataclasses
-import enum
 import math
 
 import flax.struct
@@ -31,12 +30,8 @@ from jaxtyping import Array, Bool, Float, Int
 
 from rpegjax.models.config import ModelConfig
 from rpegjax.models.transformer import _cached_attention
+from rpegjax.options import CacheLayout, parse_choice
 from rpegjax.sharding import axes
-
-
-class CacheLayout(enum.StrEnum):
-    CONTIGUOUS = "contiguous"  # [slots, k, capacity, e] per layer: the reference layout
-    PAGED = "paged"  # pages from a shared pool, a page table per slot
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -57,9 +52,7 @@ class CacheConfig:
     prefill_chunk: int = 256
 
     def __post_init__(self) -> None:
-        if self.layout not in set(CacheLayout):
-            raise ValueError(f"CacheConfig.layout must be one of {[str(c) for c in CacheLayout]}, got {self.layout!r}")
-        object.__setattr__(self, "layout", CacheLayout(self.layout))
+        object.__setattr__(self, "layout", parse_choice(CacheLayout, self.layout, "CacheConfig.layout"))
         for name in ("page_size", "prefill_chunk"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

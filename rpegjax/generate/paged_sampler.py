@@ -31,6 +31,7 @@ from rpegjax.generate.paged_decode import (
 )
 from rpegjax.generate.requests import Request, RequestFeed, RequestQueue
 from rpegjax.models.config import ModelConfig
+from rpegjax.options import CacheLayout
 from rpegjax.sharding import axes
 from rpegjax.sharding.rules import ActivationSharding
 
@@ -227,7 +228,8 @@ class PagedController:
             finished = [slot for slot in running if done[slot]]
             if steps == 0 and not finished:
                 lengths = jax.device_get(state.cache.lengths)
-                raise DecodeStalledError.describe("paged", self.stats.decode_calls, running, done, lengths, limits)
+                raise DecodeStalledError.describe(CacheLayout.PAGED, self.stats.decode_calls, running, done, lengths,
+                                                  limits)
             if not finished:
                 continue
             bucket = pow2_at_least(len(finished), self.num_slots)

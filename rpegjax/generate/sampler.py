@@ -36,7 +36,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rpegjax.generate.completion import FINISH_CODES, Completion
 from rpegjax.generate.decode import DecodeStalledError, DecodeState, admit, decode, decode_state_shardings
-from rpegjax.generate.paged_cache import CacheConfig, CacheLayout
+from rpegjax.generate.paged_cache import CacheConfig
 from rpegjax.generate.paged_sampler import PagedController
 from rpegjax.generate.requests import Request, RequestFeed, RequestQueue, check_request
 from rpegjax.generate.sampling import SamplingConfig, sampling_arrays
@@ -44,6 +44,7 @@ from rpegjax.generate.weight_sync import generation_batch_axes, generation_rules
 from rpegjax.models.config import ModelConfig
 from rpegjax.models.lora import LoRAConfig
 from rpegjax.models.transformer import Decoder
+from rpegjax.options import CacheLayout
 from rpegjax.sharding import axes
 from rpegjax.sharding.rules import (
     ActivationSharding,
@@ -453,7 +454,7 @@ class Sampler:
             finished = [slot for slot in running if done[slot]]
             if steps == 0 and not finished:
                 lengths = self._fetch_lengths(state)
-                raise DecodeStalledError.describe("contiguous", self.stats.decode_calls, running, done, lengths,
+                raise DecodeStalledError.describe(CacheLayout.CONTIGUOUS, self.stats.decode_calls, running, done, lengths,
                                                   np.full(self.num_slots, window))
             if not finished:
                 continue

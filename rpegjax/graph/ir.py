@@ -35,6 +35,8 @@ from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 from typing import Any
 
+from rpegjax.options import MODEL_EXECUTION_FIELDS, AttentionKind, CacheLayout, DType, RematPolicy, parse_choice
+
 PARAMS_PREFIX = "params:"
 HOST_PLACEMENT = "host"  # host stages run in the controller process, not on a sub-mesh
 
@@ -269,14 +271,6 @@ class Edge:
         return max(produced + 1, 0) if self.is_params else produced
 
 
-# Values of the execution options, as the runtime names them (rpegjax.models.config.AttentionKind and
-# RematPolicy, rpegjax.generate.paged_cache.CacheLayout; tests/graph/test_execution.py keeps them equal).
-ATTENTION_KINDS = ("dense", "blockwise", "cudnn")
-REMAT_POLICIES = ("none", "dots", "full")
-KV_CACHE_LAYOUTS = ("contiguous", "paged")
-DTYPES = ("float32", "bfloat16", "float16")
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Execution:
     """How the plan's programs execute: the one record the runtime applies (`rpegjax.runtime.assembly`) and the
@@ -292,24 +286,24 @@ class Execution:
     pads every row of a batch to the same length.
     """
 
-    attention: str = "dense"
+    attention: AttentionKind = AttentionKind.DENSE
     attention_block_size: int = 512
-    remat: str = "none"
+    remat: RematPolicy = RematPolicy.NONE
     scan_layers: bool = False
-    kv_cache: str = "contiguous"
+    kv_cache: CacheLayout = CacheLayout.CONTIGUOUS
     page_size: int = 16
     kv_pool_tokens: int | None = None
-    param_dtype: str = "float32"
-    dtype: str = "float32"
+    param_dtype: DType = DType.FLOAT32
+    dtype: DType = DType.FLOAT32
     update_microbatches: int = 1
 
     def __post_init__(self) -> None:
-        for name, allowed in (("attention", ATTENTION_KINDS), ("remat", REMAT_POLICIES), ("kv_cache", KV_CACHE_LAYOUTS),
-                              ("param_dtype", DTYPES), ("dtype", DTYPES)):
-            value = getattr(self, name)
-            if value not in allowed:  # enum members of the same values compare equal; store plain strings
-                raise GraphError(f"Execution.{name} must be one of {list(allowed)}, got {value!r}")
-            object.__setattr__(self, name, str(value))
+        for name, kind in (("attention", AttentionKind), ("remat", RematPolicy), ("kv_cache", CacheLayout),
+                           ("param_dtype", DType), ("dtype", DType)):
+            try:
+                object.__setattr__(self, name, parse_choice(kind, getattr(self, name), f"Execution.{name}"))
+            except ValueError as error:
+                raise GraphError(str(error)) from None
         for name in ("attention_block_size", "page_size", "update_microbatches"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -320,17 +314,18 @@ class Execution:
             value = self.kv_pool_tokens
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise GraphError(f"Execution.kv_pool_tokens must be a positive integer or null, got {value!r}")
-            if self.kv_cache != "paged":
+            if self.kv_cache != CacheLayout.PAGED:
                 raise GraphError(f"Execution.kv_pool_tokens={value} sizes a paged KV cache's pool; the "
                                  f"{self.kv_cache} cache has none (set kv_cache to paged, or drop it)")
 
     def model_fields(self) -> dict[str, Any]:
         """The fields a model config takes (`ModelConfig` execution fields)."""
-        return {"attention": self.attention, "attention_block_size": self.attention_block_size, "remat": self.remat,
-                "scan_layers": self.scan_layers}
+        return {name: getattr(self, name) for name in MODEL_EXECUTION_FIELDS}
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """JSON-ready: choices as their plain string values."""
+        return {name: value.value if isinstance(value, enum.Enum) else value
+                for name, value in dataclasses.asdict(self).items()}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, where: str = "execution") -> Execution:

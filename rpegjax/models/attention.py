@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float
 
-from rpegjax.models.config import AttentionKind
+from rpegjax.models.config import JAX_DTYPES
+from rpegjax.options import AttentionKind
 
 _NEG_INF = -1e30
 
@@ -103,8 +104,9 @@ def cudnn_attention(
     if backend != "gpu":
         raise ValueError(f"ModelConfig.attention={AttentionKind.CUDNN.value!r} needs a CUDA GPU; the JAX backend is {backend!r}"
                          f" (use {AttentionKind.BLOCKWISE.value!r})")
-    if q.dtype not in (jnp.bfloat16, jnp.float16):
-        raise ValueError(f"ModelConfig.attention={AttentionKind.CUDNN.value!r} needs dtype bfloat16 or float16, got {q.dtype}")
+    if q.dtype not in [JAX_DTYPES[dtype] for dtype in AttentionKind.CUDNN.compute_dtypes]:
+        raise ValueError(f"ModelConfig.attention={AttentionKind.CUDNN.value!r} needs dtype "
+                         f"{' or '.join(AttentionKind.CUDNN.compute_dtypes)}, got {q.dtype}")
     lengths = None if key_mask is None else key_mask.sum(axis=-1).astype(jnp.int32)
     return jax.nn.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), is_causal=True,
                                         key_value_seq_lengths=lengths, implementation="cudnn")

@@ -8,31 +8,14 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from rpegjax.options import AttentionKind, DType, RematPolicy, parse_choice
+
 
 class Architecture(enum.StrEnum):
     QWEN2 = "qwen2"  # q/k/v bias, no q/k norm
     QWEN3 = "qwen3"  # q/k RMSNorm over head dim, no bias
     LLAMA = "llama"  # no bias, optional llama3 RoPE scaling
 
-
-class AttentionKind(enum.StrEnum):
-    """Full-sequence attention kernel (training, log-probs, prefill); see `rpegjax.models.attention`."""
-
-    DENSE = "dense"  # materialises [b, h, t, t] scores: fastest for short sequences, memory O(t^2)
-    BLOCKWISE = "blockwise"  # flash attention in plain JAX, any backend and dtype: memory O(t * block)
-    CUDNN = "cudnn"  # cuDNN fused flash attention: CUDA GPU, bfloat16/float16 only
-
-
-class RematPolicy(enum.StrEnum):
-    """What each decoder layer keeps for the backward pass (`nnx.remat` per layer)."""
-
-    NONE = "none"  # keep every activation: fastest, memory grows with layers x tokens x widths
-    DOTS = "dots"  # keep matmul outputs, recompute the elementwise ops between them
-    FULL = "full"  # keep only each layer's input, recompute the whole layer in the backward
-
-
-# How the model executes, not what it computes: changing these keeps the parameters and the maths.
-EXECUTION_FIELDS = ("attention", "attention_block_size", "remat", "scan_layers")
 
 # Real-size presets train on 4k-32k-token rows: memory linear in length (blockwise attention, one
 # layer input kept per layer). The field defaults (dense, no remat, unrolled) are fastest for the small CPU models.
@@ -44,7 +27,7 @@ HF_ARCHITECTURE_CLASS = {
     Architecture.LLAMA: "LlamaForCausalLM",
 }
 
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+JAX_DTYPES = {DType.FLOAT32: jnp.float32, DType.BFLOAT16: jnp.bfloat16, DType.FLOAT16: jnp.float16}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -84,8 +67,8 @@ class ModelConfig:
     attention_bias: bool = False
     qk_norm: bool = False
     value_head: bool = False
-    param_dtype: str = "float32"
-    dtype: str = "float32"
+    param_dtype: DType = DType.FLOAT32
+    dtype: DType = DType.FLOAT32
     attention: AttentionKind = AttentionKind.DENSE
     attention_block_size: int = 512
     remat: RematPolicy = RematPolicy.NONE
@@ -95,12 +78,9 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "architecture", Architecture(self.architecture))
-        for name, kind in (("attention", AttentionKind), ("remat", RematPolicy)):
-            try:
-                object.__setattr__(self, name, kind(getattr(self, name)))
-            except ValueError:
-                raise ValueError(f"ModelConfig.{name} must be one of {[k.value for k in kind]}, "
-                                 f"got {getattr(self, name)!r}") from None
+        for name, kind in (("attention", AttentionKind), ("remat", RematPolicy), ("param_dtype", DType),
+                           ("dtype", DType)):
+            object.__setattr__(self, name, parse_choice(kind, getattr(self, name), f"ModelConfig.{name}"))
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
                      "attention_block_size"):
             value = getattr(self, name)
@@ -110,19 +90,16 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
-        for name in ("param_dtype", "dtype"):
-            if getattr(self, name) not in _DTYPES:
-                raise ValueError(f"ModelConfig.{name} must be one of {sorted(_DTYPES)}, got {getattr(self, name)!r}")
         if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
             raise ValueError("ModelConfig.rms_norm_eps and rope_theta must be positive")
 
     @property
     def jnp_param_dtype(self) -> Any:
-        return _DTYPES[self.param_dtype]
+        return JAX_DTYPES[self.param_dtype]
 
     @property
     def jnp_dtype(self) -> Any:
-        return _DTYPES[self.dtype]
+        return JAX_DTYPES[self.dtype]
 
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
@@ -251,8 +228,8 @@ class ModelConfig:
             # attention_bias were rejected by _check_hf_features (they would also need an o_proj bias).
             attention_bias=architecture == Architecture.QWEN2,
             qk_norm=architecture == Architecture.QWEN3,
-            param_dtype=torch_dtype if torch_dtype in _DTYPES else "float32",
-            dtype=torch_dtype if torch_dtype in _DTYPES else "float32",
+            param_dtype=torch_dtype if torch_dtype in JAX_DTYPES else "float32",
+            dtype=torch_dtype if torch_dtype in JAX_DTYPES else "float32",
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=eos,
         )

@@ -31,9 +31,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
+from rpegjax.distributed.collectives import barrier
 from rpegjax.models.config import ModelConfig
 from rpegjax.models.hf_layout import (
     CheckpointError,
@@ -305,7 +305,7 @@ def save_pretrained(model: Decoder, config: ModelConfig, path: PathLike, *, max_
         for names in shards:
             for _ in iter_hf_tensors(model, hf_cfg, dtype, set(names), to_host):
                 pass
-        multihost_utils.sync_global_devices(f"save_pretrained {target}")
+        barrier(f"save_pretrained {target}")
         return target
 
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -335,7 +335,7 @@ def save_pretrained(model: Decoder, config: ModelConfig, path: PathLike, *, max_
         shutil.rmtree(staging, ignore_errors=True)
         raise
     if collective:
-        multihost_utils.sync_global_devices(f"save_pretrained {target}")
+        barrier(f"save_pretrained {target}")
     return target
 
 

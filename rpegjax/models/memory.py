@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from rpegjax.models.config import AttentionKind, ModelConfig
+from rpegjax.models.config import ModelConfig
+from rpegjax.options import AttentionKind
 
 _FLOAT32 = 4
 

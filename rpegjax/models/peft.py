@@ -18,8 +18,8 @@ from pathlib import Path
 import jax
 import numpy as np
 from flax import nnx
-from jax.experimental import multihost_utils
 
+from rpegjax.distributed.collectives import barrier
 from rpegjax.models.hf import _host_fetcher, _replace_directory, _write_json
 from rpegjax.models.lora import LoRAConfig, LoRAParam, LoRATarget, adapter_name
 from rpegjax.models.safetensors_file import write_safetensors
@@ -86,7 +86,7 @@ def save_peft_adapter(model: Decoder, path: str | Path, *, base_model: str | Non
     if collective and jax.process_index() != 0:
         for _ in tensors():
             pass
-        multihost_utils.sync_global_devices(f"save_peft_adapter {target}")
+        barrier(f"save_peft_adapter {target}")
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = target.with_name(f".{target.name}.tmp")
@@ -102,5 +102,5 @@ def save_peft_adapter(model: Decoder, path: str | Path, *, base_model: str | Non
                 file.unlink()
             staging.rmdir()
     if collective:
-        multihost_utils.sync_global_devices(f"save_peft_adapter {target}")
+        barrier(f"save_peft_adapter {target}")
     return target

@@ -20,32 +20,31 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-PRECISION_DTYPES = ("float32", "bfloat16", "float16")
+from rpegjax.options import DType, parse_choice
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Precision:
-    param_dtype: str  # how parameters (and so optimiser moments) are stored
-    dtype: str  # how matmuls compute
-    generation_dtype: str  # the generation copy of the weights
+    param_dtype: DType  # how parameters (and so optimiser moments) are stored
+    dtype: DType  # how matmuls compute
+    generation_dtype: DType  # the generation copy of the weights
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "dtype", "generation_dtype"):
-            if getattr(self, name) not in PRECISION_DTYPES:
-                raise ValueError(f"Precision.{name} must be one of {list(PRECISION_DTYPES)}, got {getattr(self, name)!r}")
+            object.__setattr__(self, name, parse_choice(DType, getattr(self, name), f"Precision.{name}"))
 
 
-def resolve_precision(*, backend: str, checkpoint_dtype: str | None, param_dtype: str | None = None,
-                      dtype: str | None = None, generation_dtype: str | None = None) -> Precision:
+def resolve_precision(*, backend: str, checkpoint_dtype: DType | str | None, param_dtype: DType | str | None = None,
+                      dtype: DType | str | None = None, generation_dtype: DType | str | None = None) -> Precision:
     """The policy of the module docstring for `backend` (`jax.default_backend()`) and a checkpoint stored in
     `checkpoint_dtype` (None: no checkpoint); `param_dtype`, `dtype`, `generation_dtype` given override it."""
     for name, value in (("checkpoint_dtype", checkpoint_dtype), ("param_dtype", param_dtype), ("dtype", dtype),
                         ("generation_dtype", generation_dtype)):
-        if value is not None and value not in PRECISION_DTYPES:
-            raise ValueError(f"resolve_precision: {name} must be one of {list(PRECISION_DTYPES)} or None, got {value!r}")
-    default_compute = checkpoint_dtype if backend == "gpu" and checkpoint_dtype is not None else "float32"
+        if value is not None:
+            parse_choice(DType, value, f"resolve_precision: {name}")
+    default_compute = checkpoint_dtype if backend == "gpu" and checkpoint_dtype is not None else DType.FLOAT32
     compute = dtype or default_compute
-    return Precision(param_dtype=param_dtype or "float32", dtype=compute, generation_dtype=generation_dtype or compute)
+    return Precision(param_dtype=param_dtype or DType.FLOAT32, dtype=compute, generation_dtype=generation_dtype or compute)
 
 
 def cast_floating(tree: Any, dtype: str) -> Any:

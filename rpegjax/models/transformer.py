@@ -23,7 +23,7 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from rpegjax.models.attention import attend, causal_attention  # noqa: F401  (causal_attention: re-exported)
-from rpegjax.models.config import EXECUTION_FIELDS, ModelConfig, RematPolicy
+from rpegjax.models.config import ModelConfig
 from rpegjax.models.lora import (
     ATTENTION_TARGETS,
     MLP_TARGETS,
@@ -35,6 +35,7 @@ from rpegjax.models.lora import (
     split_adapters,
     target_key,
 )
+from rpegjax.options import MODEL_EXECUTION_FIELDS, RematPolicy
 from rpegjax.sharding import axes
 from rpegjax.sharding.rules import ActivationSharding, constrain
 
@@ -389,11 +390,11 @@ class Decoder(nnx.Module):
         return self.final_norm(x), new_cache
 
     def with_execution(self, **changes: Any) -> Decoder:
-        """This model's parameters under a config whose execution fields (`EXECUTION_FIELDS`: attention kernel,
+        """This model's parameters under a config whose execution fields (`MODEL_EXECUTION_FIELDS`: attention kernel,
         remat, layer scan) are changed; e.g. for a checkpoint loaded with the defaults."""
-        unknown = sorted(set(changes) - set(EXECUTION_FIELDS))
+        unknown = sorted(set(changes) - set(MODEL_EXECUTION_FIELDS))
         if unknown:
-            raise ValueError(f"Decoder.with_execution changes only {list(EXECUTION_FIELDS)}, got {unknown}")
+            raise ValueError(f"Decoder.with_execution changes only {list(MODEL_EXECUTION_FIELDS)}, got {unknown}")
         cfg = self.cfg.replace(**changes)
         graphdef = nnx.graphdef(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0), lora=self.lora)))
         return nnx.merge(graphdef, nnx.state(self))

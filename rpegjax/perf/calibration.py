@@ -20,11 +20,11 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
+from rpegjax.options import DType
 from rpegjax.perf import profile as hardware_profile
 from rpegjax.perf.hardware import GIB, DeviceSpec, HardwareSpec, Level
 
-
-DTYPES = ("float32", "bfloat16", "float16")  # the compute dtypes a plan may use
+DTYPES = tuple(dtype.value for dtype in DType)  # the compute dtypes a plan may use
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -17,9 +17,7 @@ import dataclasses
 import enum
 
 from rpegjax.models.config import ModelConfig
-
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
+from rpegjax.options import DType, RematPolicy, parse_choice
 
 class AttentionKernel(enum.StrEnum):
     DENSE = "dense"  # every query scored against every key position (masked); scores materialised
@@ -29,12 +27,6 @@ class AttentionKernel(enum.StrEnum):
 class DecodeKernel(enum.StrEnum):
     STATIC = "static"  # fixed slots x fixed capacity every step (rpegjax's jitted sampler): all slots, whole cache
     PAGED = "paged"  # serving-engine style: only active sequences, only their written keys
-
-
-class Remat(enum.StrEnum):
-    NONE = "none"  # keep every activation for the backward pass
-    DOTS = "dots"  # keep the matmul outputs, recompute the elementwise work between them (no matmul recomputed)
-    FULL = "full"  # checkpoint each layer's input, recompute the layer in the backward pass
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -53,8 +45,8 @@ class ModelShape:
     vocab: int
     gated_mlp: bool = True
     tied_embeddings: bool = False
-    param_dtype: str = "bfloat16"
-    compute_dtype: str = "bfloat16"
+    param_dtype: DType = DType.BFLOAT16
+    compute_dtype: DType = DType.BFLOAT16
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "kv_heads", "head_dim", "mlp", "vocab"):
@@ -64,8 +56,7 @@ class ModelShape:
         if self.heads % self.kv_heads:
             raise ValueError(f"ModelShape.heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
         for name in ("param_dtype", "compute_dtype"):
-            if getattr(self, name) not in DTYPE_BYTES:
-                raise ValueError(f"ModelShape.{name} must be one of {sorted(DTYPE_BYTES)}, got {getattr(self, name)!r}")
+            object.__setattr__(self, name, parse_choice(DType, getattr(self, name), f"ModelShape.{name}"))
 
     @classmethod
     def from_config(cls, cfg: ModelConfig) -> ModelShape:
@@ -76,11 +67,11 @@ class ModelShape:
     # ---- sizes ---------------------------------------------------------------------------------------
     @property
     def param_bytes_each(self) -> int:
-        return DTYPE_BYTES[self.param_dtype]
+        return self.param_dtype.itemsize
 
     @property
     def compute_bytes_each(self) -> int:
-        return DTYPE_BYTES[self.compute_dtype]
+        return self.compute_dtype.itemsize
 
     @property
     def matmul_params_per_layer(self) -> int:
@@ -121,11 +112,11 @@ def forward_flops(shape: ModelShape, *, tokens: float, pairs: float, logit_token
             + 2 * shape.hidden * shape.vocab * logit_tokens)
 
 
-def training_flops(shape: ModelShape, *, tokens: float, pairs: float, remat: Remat | str) -> float:
+def training_flops(shape: ModelShape, *, tokens: float, pairs: float, remat: RematPolicy | str) -> float:
     """Forward + backward (2x forward) + one extra forward of the layer stack under full rematerialisation."""
     forward = forward_flops(shape, tokens=tokens, pairs=pairs, logit_tokens=tokens)
     layers_forward = forward_flops(shape, tokens=tokens, pairs=pairs, logit_tokens=0)
-    return 3 * forward + (layers_forward if Remat(remat) is Remat.FULL else 0.0)
+    return 3 * forward + (layers_forward if RematPolicy(remat) is RematPolicy.FULL else 0.0)
 
 
 def model_flops(shape: ModelShape, *, tokens: float, pairs: float, backward: bool) -> float:
@@ -180,18 +171,18 @@ def layer_matmul_output_bytes_per_token(shape: ModelShape, *, keys_per_query: fl
 
 
 def training_activation_bytes(shape: ModelShape, *, tokens: float, keys_per_query: float, kernel: AttentionKernel | str,
-                              remat: Remat | str, tensor: int = 1) -> float:
+                              remat: RematPolicy | str, tensor: int = 1) -> float:
     """Activation memory of one forward/backward over `tokens` tokens on one device.
 
     NONE keeps every layer's activations; DOTS each layer's input and matmul outputs; FULL each layer's input
     (d per token). DOTS and FULL add one layer's worth, live while a layer is recomputed and differentiated.
     """
     per_layer = layer_activation_bytes_per_token(shape, keys_per_query=keys_per_query, kernel=kernel, tensor=tensor)
-    remat = Remat(remat)
-    if remat is Remat.NONE:
+    remat = RematPolicy(remat)
+    if remat is RematPolicy.NONE:
         return tokens * shape.layers * per_layer
     kept = shape.hidden * shape.compute_bytes_each
-    if remat is Remat.DOTS:
+    if remat is RematPolicy.DOTS:
         kept += layer_matmul_output_bytes_per_token(shape, keys_per_query=keys_per_query, kernel=kernel, tensor=tensor)
     return tokens * (shape.layers * kept + per_layer)
 

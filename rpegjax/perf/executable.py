@@ -17,23 +17,23 @@ printed. The rules mirror the runtime:
 from __future__ import annotations
 
 from rpegjax.graph.ir import INFERENCE_KINDS, UPDATE_KINDS, Execution, Graph
+from rpegjax.options import AttentionKind
 from rpegjax.perf.hardware import HardwareSpec
 
 RUNTIME_AXES = ("data", "fsdp", "tensor")
-CUDNN_DTYPES = ("bfloat16", "float16")
 
 
 def execution_problems(execution: Execution, hardware: HardwareSpec) -> list[str]:
     """Why the runtime cannot run `execution` on `hardware` (empty when it can)."""
     problems = []
-    if execution.attention == "cudnn":
+    if execution.attention is AttentionKind.CUDNN:
         platform = hardware.device.platform
         if platform != "gpu":
             problems.append(f"attention 'cudnn' needs a CUDA GPU; {hardware.device.name} is a {platform} device "
                             f"(use 'blockwise')")
-        if execution.dtype not in CUDNN_DTYPES:
-            problems.append(f"attention 'cudnn' computes in {' or '.join(CUDNN_DTYPES)}, the plan in {execution.dtype} "
-                            f"(use 'blockwise', or bfloat16 compute)")
+    if execution.dtype not in execution.attention.compute_dtypes:
+        problems.append(f"attention '{execution.attention}' computes in {' or '.join(execution.attention.compute_dtypes)}, "
+                        f"the plan in {execution.dtype} (use 'blockwise', or bfloat16 compute)")
     return problems
 
 
@@ -90,4 +90,4 @@ def require_executable(graph: Graph, hardware: HardwareSpec, *, follows_runtime:
         raise ValueError(f"{where} cannot be executed by rpegjax's runtime: " + "; ".join(problems))
 
 
-__all__ = ["CUDNN_DTYPES", "RUNTIME_AXES", "batch_problems", "execution_problems", "plan_problems", "require_executable"]
+__all__ = ["RUNTIME_AXES", "batch_problems", "execution_problems", "plan_problems", "require_executable"]

@@ -39,6 +39,7 @@ from rpegjax.graph.ir import (
     Role,
     StageKind,
 )
+from rpegjax.options import AttentionKind, CacheLayout, DType, RematPolicy
 from rpegjax.perf import executable, stage_costs
 from rpegjax.perf.step_model import Evaluator, Prediction, placement_devices
 
@@ -57,12 +58,12 @@ class PlanSpace:
     tensor_sizes: tuple[int, ...] = (1, 2, 4, 8)
     reshard_inference: tuple[bool, ...] = (False, True)
     # those the hardware cannot run are skipped; cuDNN first, so that GPUs with bfloat16 get the fused kernel
-    attention: tuple[str, ...] = ("cudnn", "blockwise", "dense")
-    remat: tuple[str, ...] = ("full", "dots", "none")
+    attention: tuple[AttentionKind, ...] = (AttentionKind.CUDNN, AttentionKind.BLOCKWISE, AttentionKind.DENSE)
+    remat: tuple[RematPolicy, ...] = (RematPolicy.FULL, RematPolicy.DOTS, RematPolicy.NONE)
     update_microbatches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)  # the fewest that fit are taken
-    param_dtype: str = "float32"  # master weights and optimiser moments
-    dtype: str = "bfloat16"  # matmul compute
-    kv_cache: str = "contiguous"
+    param_dtype: DType = DType.FLOAT32  # master weights and optimiser moments
+    dtype: DType = DType.BFLOAT16  # matmul compute
+    kv_cache: CacheLayout = CacheLayout.CONTIGUOUS
 
     def __post_init__(self) -> None:
         try:

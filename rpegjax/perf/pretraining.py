@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+from rpegjax.options import RematPolicy
 from rpegjax.perf import collectives, costs
 from rpegjax.perf.costs import AttentionKernel, ModelShape
 from rpegjax.perf.hardware import HardwareSpec
@@ -63,7 +64,7 @@ def iteration_seconds(run: PipelineRun, hardware: HardwareSpec) -> dict[str, flo
     pairs = run.micro_batch * costs.attention_pairs(run.seq_len, AttentionKernel.DENSE)  # Megatron masks a full s x s
     stage_layers = shape.layers // run.pipeline
     layer_shape = dataclasses.replace(shape, layers=stage_layers)
-    flops = costs.training_flops(layer_shape, tokens=tokens, pairs=pairs, remat=costs.Remat.NONE)
+    flops = costs.training_flops(layer_shape, tokens=tokens, pairs=pairs, remat=RematPolicy.NONE)
     flops -= 3 * 2 * shape.hidden * shape.vocab * tokens  # the logits are counted once, below, on the last stage
     if run.recompute is Recompute.SELECTIVE:
         flops += 4 * stage_layers * shape.heads * shape.head_dim * pairs

@@ -21,8 +21,9 @@ from collections.abc import Mapping
 import numpy as np
 
 from rpegjax.graph.ir import Execution
+from rpegjax.options import RematPolicy
 from rpegjax.perf import collectives, costs
-from rpegjax.perf.costs import DTYPE_BYTES, DecodeKernel, ModelShape, Remat
+from rpegjax.perf.costs import DecodeKernel, ModelShape
 from rpegjax.perf.generation_cost import (
     DecodeStepCost,
     ResponseLengths,
@@ -93,7 +94,7 @@ class ExecutionOptions:
     decode: DecodeKernel = DecodeKernel.PAGED
     continuous_batching: bool = True
     sequence_packing: bool = True  # batches hold real tokens only; False pads every row to prompt + max response
-    remat: Remat = Remat.FULL
+    remat: RematPolicy = RematPolicy.FULL
     logprob_chunk: int = 256
     microbatch_tokens: int = 8192  # tokens per device per forward/backward pass (gradient accumulation)
     optimizer_bytes_per_param: float = 12.0  # float32 master weights + two float32 moments
@@ -118,7 +119,7 @@ class ExecutionOptions:
     def __post_init__(self) -> None:
         object.__setattr__(self, "attention", costs.AttentionKernel(self.attention))
         object.__setattr__(self, "decode", DecodeKernel(self.decode))
-        object.__setattr__(self, "remat", Remat(self.remat))
+        object.__setattr__(self, "remat", RematPolicy(self.remat))
         for name in ("logprob_chunk", "microbatch_tokens", "kernels_per_layer", "max_decode_slots"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -142,10 +143,10 @@ class ExecutionOptions:
         sampler decodes every slot each step over its window (STATIC) with continuous batching, and its KV cache
         reserves each slot's capacity (the paged pool is sized for every slot at capacity); rows are padded to
         the longest (no packing); AdamW moments and gradients in the weights' dtype."""
-        param_bytes = DTYPE_BYTES[execution.param_dtype]
-        attention = costs.AttentionKernel.DENSE if execution.attention == "dense" else costs.AttentionKernel.FLASH
+        param_bytes = execution.param_dtype.itemsize
+        attention = costs.AttentionKernel.FLASH if execution.attention.skips_causal_blocks else costs.AttentionKernel.DENSE
         return dataclasses.replace(
-            self, attention=attention, remat=Remat(execution.remat), decode=DecodeKernel.STATIC, continuous_batching=True,
+            self, attention=attention, remat=execution.remat, decode=DecodeKernel.STATIC, continuous_batching=True,
             sequence_packing=False, update_microbatches=execution.update_microbatches, replicated_generation_weights=True,
             optimizer_bytes_per_param=2.0 * param_bytes, grad_bytes_per_param=float(param_bytes))
     @classmethod
@@ -156,7 +157,7 @@ class ExecutionOptions:
         # backward ~2.2x the forward (hand-written SwiGLU and log-prob backward passes); tests/perf/test_costs.py
         # checks this ratio on the compiled programs.
         base = dict(attention=costs.AttentionKernel.DENSE, decode=DecodeKernel.STATIC, continuous_batching=False,
-                    sequence_packing=False, remat=Remat.NONE, logprob_chunk=256, microbatch_tokens=1 << 30,
+                    sequence_packing=False, remat=RematPolicy.NONE, logprob_chunk=256, microbatch_tokens=1 << 30,
                     optimizer_bytes_per_param=8.0, backward_traffic_ratio=2.2)
         base.update(changes)
         return cls(**base)
@@ -280,12 +281,12 @@ def model_pass_cost(inputs: CostInputs, shape: ModelShape, layout: Layout, *, lo
     if backward:
         flops = costs.training_flops(shape, tokens=tokens, pairs=pairs, remat=o.remat)
         flops += 2 * shape.hidden * shape.vocab * tokens  # chunked log-probs recompute their logits backward
-        forward_equivalents = 3 + (1 if o.remat is Remat.FULL else 0)
+        forward_equivalents = 3 + (1 if o.remat is RematPolicy.FULL else 0)
         # DOTS recomputes the elementwise work (and FULL everything) of the forward once more
-        traffic_equivalents = 1 + o.backward_traffic_ratio + (0 if o.remat is Remat.NONE else 1)
+        traffic_equivalents = 1 + o.backward_traffic_ratio + (0 if o.remat is RematPolicy.NONE else 1)
         # all-reduces per layer: 2 forward, 2 backward (input gradients), 2 more for a recomputed forward
-        tensor_reductions = 4 + (2 if o.remat is Remat.FULL else 0)
-        fsdp_gathers = 2 + (1 if o.remat is Remat.FULL else 0)
+        tensor_reductions = 4 + (2 if o.remat is RematPolicy.FULL else 0)
+        fsdp_gathers = 2 + (1 if o.remat is RematPolicy.FULL else 0)
     else:
         flops = costs.forward_flops(shape, tokens=tokens, pairs=pairs, logit_tokens=tokens if logits else 0)
         forward_equivalents, traffic_equivalents, tensor_reductions, fsdp_gathers = 1, 1, 2, 1
@@ -350,7 +351,7 @@ def _compute_seconds(inputs: CostInputs, shape: ModelShape, *, tokens: float, pa
     forward = layers + attention + output
     if not backward:
         return forward
-    recompute = layers + attention if o.remat is Remat.FULL else 0.0
+    recompute = layers + attention if o.remat is RematPolicy.FULL else 0.0
     return forward + 2 * forward / device.backward_efficiency + recompute + output
 
 

@@ -13,9 +13,10 @@ import math
 from collections.abc import Sequence
 
 from rpegjax.graph.ir import Algorithm
+from rpegjax.options import RematPolicy
 from rpegjax.perf import hardware as hardware_module
 from rpegjax.perf import planner
-from rpegjax.perf.costs import ModelShape, Remat
+from rpegjax.perf.costs import ModelShape
 from rpegjax.perf.generation_cost import ResponseLengths
 from rpegjax.perf.hardware import HardwareSpec, a100_node
 from rpegjax.perf.pretraining import PipelineRun
@@ -195,7 +196,8 @@ def rl_evaluator(run: RLRun, efficiencies: Efficiencies) -> Evaluator:
     hw = dataclasses.replace(hw, device=device)
     workload = Workload(prompts=run.prompts, group_size=run.group_size, prompt_tokens=run.prompt_tokens,
                         responses=ResponseLengths.lognormal(run.response_mean, run.response_max))
-    options = ExecutionOptions(remat=Remat.FULL if run.remat else Remat.NONE, microbatch_tokens=run.microbatch_tokens,
+    options = ExecutionOptions(remat=RematPolicy.FULL if run.remat else RematPolicy.NONE,
+                               microbatch_tokens=run.microbatch_tokens,
                                generation_memory_fraction=run.generation_memory_fraction,
                                decode_memory_efficiency=efficiencies.decode_memory)
     return Evaluator(run.shape, workload, hw, options)

@@ -12,7 +12,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import numpy as np
 from flax import nnx
 
 from rpegjax import distributed
@@ -24,11 +23,12 @@ from rpegjax.envs.catalog import make_environment
 from rpegjax.generate.sampler import Sampler, usable_slots
 from rpegjax.graph import builders, transforms
 from rpegjax.graph.ir import Algorithm, Execution, Graph, GraphError, StageKind
-from rpegjax.models.config import EXECUTION_FIELDS, ModelConfig
+from rpegjax.models.config import ModelConfig
 from rpegjax.models.hf import load_pretrained, read_config
 from rpegjax.models.precision import Precision
 from rpegjax.models.tokenizer import builtin_tokenizer, load_tokenizer
 from rpegjax.models.transformer import Decoder
+from rpegjax.options import MODEL_EXECUTION_FIELDS
 from rpegjax.rewards.custom import RewardedTask, load_rewards
 from rpegjax.rewards.dataset_task import MathDatasetTask
 from rpegjax.rewards.math import check_gold_answer
@@ -125,7 +125,7 @@ def make_task_and_examples(cfg: RunConfig):
 
 def _numerics(model_cfg: ModelConfig) -> dict:
     """The model config without its execution fields (they change neither parameters nor results)."""
-    return {k: v for k, v in dataclasses.asdict(model_cfg).items() if k not in EXECUTION_FIELDS}
+    return {k: v for k, v in dataclasses.asdict(model_cfg).items() if k not in MODEL_EXECUTION_FIELDS}
 
 
 def check_prompt_lengths(examples: list[Example], prompt_ids: list[list[int]], limit: int | None) -> int:
@@ -167,16 +167,16 @@ def run_execution(cfg: RunConfig) -> Execution:
     """The execution options of a run without a plan: the model section's kernel, remat and precision (as the
     policy resolves it), the algorithm's update micro-batches, the rollout section's KV cache."""
     m = cfg.model
-    algo = cfg.grpo if cfg.algorithm == Algorithm.GRPO else cfg.ppo
+    algo = cfg.algorithm_section()
     precision = run_precision(cfg)
     return Execution(param_dtype=precision.param_dtype, dtype=precision.dtype, update_microbatches=algo.num_microbatches,
-                     **{name: getattr(m, name) for name in ("attention", "attention_block_size", "remat", "scan_layers")},
+                     **m.execution(),
                      **_kv_cache_fields(cfg))
 
 
 def _kv_cache_fields(cfg: RunConfig) -> dict[str, Any]:
     rollout = cfg.rollout
-    return {"kv_cache": str(rollout.kv_cache), "page_size": rollout.page_size, "kv_pool_tokens": rollout.kv_pool_tokens}
+    return {"kv_cache": rollout.kv_cache.value, "page_size": rollout.page_size, "kv_pool_tokens": rollout.kv_pool_tokens}
 
 
 def build_graph(cfg: RunConfig, num_devices: int) -> Graph:
@@ -186,7 +186,7 @@ def build_graph(cfg: RunConfig, num_devices: int) -> Graph:
     if cfg.graph.plan is not None:
         return load_plan(cfg, num_devices)
     section = cfg.graph
-    algo = cfg.grpo if cfg.algorithm == Algorithm.GRPO else cfg.ppo
+    algo = cfg.algorithm_section()
     if section.rollout_devices >= num_devices:
         raise ValueError(f"graph.rollout_devices={section.rollout_devices} leaves no device for training "
                          f"({num_devices} devices)")
@@ -237,13 +237,11 @@ def load_plan(cfg: RunConfig, num_devices: int) -> Graph:
         graph = Graph.from_dict(data).validate()
     except GraphError as error:
         raise ValueError(f"{where}: {error}") from None
-    ppo = cfg.algorithm == Algorithm.PPO
-    algo = cfg.ppo if ppo else cfg.grpo
-    expected = {"algorithm": cfg.algorithm.value, "reference model": algo.kl_coef > 0}
+    expected = {"algorithm": cfg.algorithm.value, "reference model": cfg.algorithm_section().kl_coef > 0}
     found = {"algorithm": graph.algorithm.value if graph.algorithm else None,
              "reference model": bool(graph.stages_of_kind(StageKind.REF_LOGPROB))}
-    if ppo:
-        expected["shared critic"], found["shared critic"] = cfg.ppo.critic == "shared", graph.shares_actor_critic()
+    if cfg.algorithm is Algorithm.PPO:
+        expected["shared critic"], found["shared critic"] = cfg.shares_actor_critic, graph.shares_actor_critic()
     for what, value in expected.items():
         if found[what] != value:
             raise ValueError(f"{where}: the plan has {what} = {found[what]}, this run {value} "
@@ -252,7 +250,7 @@ def load_plan(cfg: RunConfig, num_devices: int) -> Graph:
         raise ValueError(f"{where}: planned for {graph.num_devices} devices, {num_devices} are available")
     asked = {name: value for name, value in _kv_cache_fields(cfg).items()
              if value != getattr(RolloutSection(), name)}
-    planned = {name: getattr(graph.execution, name) for name in asked}
+    planned = {name: graph.execution.to_dict()[name] for name in asked}
     if asked != planned:  # a KV cache set on the command line that the plan does not have: refused, not overridden
         raise ValueError(f"{where}: the plan's KV cache is {planned}, this run asks for {asked} (rollout.kv_cache, "
                          f"page_size, kv_pool_tokens; plan again, or leave them unset to run the plan's)")
@@ -279,11 +277,6 @@ def critic_from_actor(actor: Decoder, cfg: ModelConfig) -> Decoder:
     return nnx.merge(graphdef, nnx.from_flat_state(filled))
 
 
-def _every_process(flag: bool) -> bool:
-    """Whether `flag` holds in every process (a collective)."""
-    return bool(np.all(distributed.gather_to_all(np.array([flag], np.uint8))))
-
-
 def build(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Components:
     tokenizer = builtin_tokenizer() if cfg.model.path is None else load_tokenizer(cfg.model.path)
     template = PromptTemplate(template=cfg.data.prompt_template, system=cfg.data.system_prompt,
@@ -304,8 +297,8 @@ def build(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Components:
         log(f"rollouts: multi-turn with the {environment.name} tool ({cfg.rollout.max_turns} turns, "
             f"{cfg.rollout.episode_token_budget or cfg.rollout.max_new_tokens} tokens per episode)")
     max_prompt_len = check_prompt_lengths(examples, prompts, cfg.rollout.max_prompt_len)
-    ppo = cfg.algorithm == Algorithm.PPO
-    shared_critic = ppo and cfg.ppo.critic == "shared"
+    ppo = cfg.algorithm is Algorithm.PPO
+    shared_critic = cfg.shares_actor_critic
     warm_metrics: dict[str, float] = {}
     graph = build_graph(cfg, num_devices=len(jax.devices()))
     train_mesh = placed_meshes(graph)[0]
@@ -331,7 +324,7 @@ def build(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Components:
                            "data": dataclasses.asdict(dataclasses.replace(cfg.data, reward=())),
                            "warm_start": dataclasses.asdict(dataclasses.replace(cfg.warm_start, cache_dir="")),
                            "seed": cfg.model.seed, "template": cfg.data.prompt_template, "format": 1},
-                agree=None if jax.process_count() == 1 else _every_process,
+                agree=None if jax.process_count() == 1 else distributed.holds_in_every_process,
             )
             warm_metrics["warm_start/seconds"] = time.perf_counter() - started
             log(f"warm start: {cfg.warm_start.steps} supervised steps "
@@ -354,7 +347,7 @@ def build(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Components:
     critic = None
     if ppo and not shared_critic:
         critic = critic_from_actor(model, model_cfg)
-    algorithm = cfg.ppo if ppo else cfg.grpo
+    algorithm = cfg.algorithm_section()
     lora = cfg.lora.config()
     if lora is not None:  # adapters on the actor only (a separate critic trains fully, at the algorithm's rate)
         model = model.with_lora(lora, seed=cfg.model.seed + 1)

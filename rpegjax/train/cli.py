@@ -290,14 +290,8 @@ def agree_on_run_dir(config: RunConfig, algorithm: Algorithm) -> RunConfig:
     process runs the same configuration (the `distributed` section aside: it names the process)."""
     run_dir = config.train.run_dir
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
         if run_dir is None:  # one name for all: the wall clock differs between hosts
-            encoded = np.zeros(512, np.uint8)
-            if jax.process_index() == 0:
-                name = claim_new_run_dir(algorithm).encode()
-                encoded[: len(name)] = np.frombuffer(name, np.uint8)
-            run_dir = bytes(multihost_utils.broadcast_one_to_all(encoded)).rstrip(b"\0").decode()
+            run_dir = distributed.broadcast_text(claim_new_run_dir(algorithm) if jax.process_index() == 0 else None)
         config = config.replace(train=dataclasses.replace(config.train, run_dir=run_dir))
         distributed.assert_same_across_processes(
             config.replace(distributed=DistributedConfig()).to_json(), "the run configuration")
@@ -419,7 +413,7 @@ def describe_lora(parts) -> str:
     whole = learner.model_params(learner.params)
     optimiser = _state_bytes(jax.eval_shape(learner.optimizer.init, learner.params))
     full = _state_bytes(jax.eval_shape(learner.optimizer.init, whole))
-    algorithm = parts.cfg.ppo if parts.cfg.algorithm == "ppo" else parts.cfg.grpo
+    algorithm = parts.cfg.algorithm_section()
     dropout = f", dropout {lora.dropout:g} in the update" if lora.dropout else ""
     return (f"LoRA: rank {lora.rank}, alpha {lora.alpha:g} on {','.join(lora.targets)}{dropout}; trainable "
             f"{trainable / 1e6:.3f} M of {sum(leaf.size for leaf in jax.tree.leaves(whole)) / 1e6:.2f} M parameters; "

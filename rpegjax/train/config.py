@@ -20,16 +20,15 @@ from rpegjax.data.rows import DatasetFormat
 from rpegjax.distributed.launch import DistributedConfig
 from rpegjax.envs.catalog import EnvironmentName
 from rpegjax.envs.python_sandbox import SandboxIsolation
-from rpegjax.generate.paged_cache import CacheLayout
-from rpegjax.graph.ir import Algorithm
+from rpegjax.graph.ir import Algorithm, CriticMode
 from rpegjax.learners.advantages import AdvantageKind
 from rpegjax.learners.group_filter import DynamicSamplingConfig, SamplingCapAction
 from rpegjax.learners.grpo import GRPOConfig
 from rpegjax.learners.optim import OptimizerConfig
 from rpegjax.learners.ppo import PPOConfig
-from rpegjax.models.config import EXECUTION_FIELDS, AttentionKind, RematPolicy
 from rpegjax.models.lora import LoRAConfig, LoRAGeneration, LoRATarget
-from rpegjax.models.precision import PRECISION_DTYPES, Precision, resolve_precision
+from rpegjax.models.precision import Precision, resolve_precision
+from rpegjax.options import MODEL_EXECUTION_FIELDS, AttentionKind, CacheLayout, DType, RematPolicy, parse_choice
 from rpegjax.rewards.custom import RewardSpec
 from rpegjax.rewards.format import overlong_penalty
 from rpegjax.rewards.task import Difficulty
@@ -55,14 +54,12 @@ def _positive(section: object, *names: str) -> None:
             raise ValueError(f"{type(section).__name__}.{name} must be a positive integer, got {value!r}")
 
 
-def _choice(section: object, name: str, kind: type[enum.StrEnum]) -> None:
-    """Stores field `name` as a member of `kind`; a value outside it is an error naming field and choices."""
+def _choice(section: object, name: str, kind: type[enum.StrEnum], *, optional: bool = False) -> None:
+    """Stores field `name` as a member of `kind` (or None when `optional`); a value outside it is an error naming
+    field and choices."""
     value = getattr(section, name)
-    try:
-        object.__setattr__(section, name, kind(value))
-    except ValueError:
-        raise ValueError(f"{type(section).__name__}.{name} must be one of {[m.value for m in kind]}, "
-                         f"got {value!r}") from None
+    if not (optional and value is None):
+        object.__setattr__(section, name, parse_choice(kind, value, f"{type(section).__name__}.{name}"))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -79,9 +76,9 @@ class ModelSection:
     intermediate_size: int = 384
     # None: the mixed-precision policy (rpegjax.models.precision): float32 everywhere on CPU; on a GPU float32
     # master weights computing in a checkpoint's own dtype, generation in the compute dtype
-    param_dtype: str | None = None
-    dtype: str | None = None
-    generation_dtype: str | None = None
+    param_dtype: DType | None = None
+    dtype: DType | None = None
+    generation_dtype: DType | None = None
     # how the model executes (see rpegjax.models.config): long sequences want blockwise, full, scan_layers
     attention: AttentionKind = AttentionKind.DENSE
     attention_block_size: int = 512
@@ -92,16 +89,10 @@ class ModelSection:
     def __post_init__(self) -> None:
         _positive(self, "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
                   "attention_block_size")
-        for name, kind in (("attention", AttentionKind), ("remat", RematPolicy)):
-            try:
-                object.__setattr__(self, name, kind(getattr(self, name)))
-            except ValueError:
-                raise ValueError(f"ModelSection.{name} must be one of {[k.value for k in kind]}, "
-                                 f"got {getattr(self, name)!r}") from None
-        for name in ("param_dtype", "dtype", "generation_dtype"):
-            if getattr(self, name) not in (None, *PRECISION_DTYPES):
-                raise ValueError(f"ModelSection.{name} must be one of {list(PRECISION_DTYPES)} or unset (the "
-                                 f"mixed-precision policy), got {getattr(self, name)!r}")
+        _choice(self, "attention", AttentionKind)
+        _choice(self, "remat", RematPolicy)
+        for name in ("param_dtype", "dtype", "generation_dtype"):  # unset: the mixed-precision policy
+            _choice(self, name, DType, optional=True)
         if self.path is not None and not pathlib.Path(self.path).is_dir():
             raise ValueError(f"ModelSection.path {self.path!r} is not a directory (a local Hugging Face checkpoint)")
         if self.path is not None:  # absolute: a run's config.json is read from anywhere (--resume, export)
@@ -114,8 +105,8 @@ class ModelSection:
                                  dtype=self.dtype, generation_dtype=self.generation_dtype)
 
     def execution(self) -> dict[str, Any]:
-        """The model config's execution fields (`rpegjax.models.config.EXECUTION_FIELDS`) from this section."""
-        return {name: getattr(self, name) for name in EXECUTION_FIELDS}
+        """The model config's execution fields (`rpegjax.options.MODEL_EXECUTION_FIELDS`) from this section."""
+        return {name: getattr(self, name) for name in MODEL_EXECUTION_FIELDS}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -530,6 +521,15 @@ class RunConfig:
         if self.rollout.prompts_per_step % self.graph.generate_microbatches:
             raise ValueError(f"graph.generate_microbatches ({self.graph.generate_microbatches}) must divide "
                              f"rollout.prompts_per_step ({self.rollout.prompts_per_step})")
+
+    def algorithm_section(self) -> GRPOSection | PPOConfig:
+        """The section of this run's algorithm, `grpo` or `ppo` (its KL weight, optimiser, mini-batches)."""
+        return {Algorithm.GRPO: self.grpo, Algorithm.PPO: self.ppo}[self.algorithm]
+
+    @property
+    def shares_actor_critic(self) -> bool:
+        """Whether the actor carries the critic (PPO with `ppo.critic = shared`: a value head on the actor's trunk)."""
+        return self.algorithm is Algorithm.PPO and self.ppo.critic is CriticMode.SHARED
 
     def to_json(self) -> str:
         return json.dumps(to_jsonable(self), indent=2)

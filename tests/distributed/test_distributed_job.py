@@ -20,9 +20,9 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 from test_processes import FAST_COMPILE, free_port
 
+from rpegjax import distributed
 from rpegjax.distributed import CpuCollectives, DistributedConfig
 from rpegjax.graph.ir import Algorithm
-from rpegjax.runtime.programs import process_rows
 from rpegjax.sharding import make_mesh
 from rpegjax.train.cli import parse_args
 from rpegjax.train.config import RunConfig
@@ -104,12 +104,12 @@ def test_bad_distributed_settings_fail_before_joining(tmp_path, flags, environme
 
 @pytest.mark.parametrize("rows, count", [(8, 2), (7, 2), (3, 4), (16, 3), (1, 1)])
 def test_process_rows_are_contiguous_blocks_covering_every_row_once(rows, count):
-    blocks = [process_rows(rows, process, count) for process in range(count)]
+    blocks = [distributed.process_rows(rows, process, count) for process in range(count)]
     assert blocks[0].start == 0 and blocks[-1].stop == rows
     assert all(a.stop == b.start for a, b in zip(blocks, blocks[1:]))
     sizes = [block.stop - block.start for block in blocks]
     assert max(sizes) - min(sizes) <= 1
-    assert process_rows(rows) == slice(0, rows)  # this test runs as one process
+    assert distributed.process_rows(rows) == slice(0, rows)  # this test runs as one process
 
 
 def test_fingerprint_is_the_float64_sum_of_magnitudes_whatever_the_layout():

@@ -134,16 +134,34 @@ def test_native_writes_to_stdout_go_to_stderr_and_print_keeps_stdout():
 # ---- per-process helpers, in one process ------------------------------------------------------
 
 
-def test_process_slice_blocks_and_sharding():
-    assert [distributed.process_slice(12, process_index=p, process_count=3) for p in range(3)] == [
+def test_process_rows_blocks_and_sharding():
+    assert [distributed.process_rows(12, p, 3) for p in range(3)] == [
         slice(0, 4), slice(4, 8), slice(8, 12)]
-    with pytest.raises(ValueError, match="10 rows do not split evenly over 4 processes"):
-        distributed.process_slice(10, process_index=0, process_count=4)
+    # uneven: block sizes differ by at most one
+    assert [distributed.process_rows(10, p, 4) for p in range(4)] == [
+        slice(0, 2), slice(2, 5), slice(5, 7), slice(7, 10)]
+    with pytest.raises(ValueError, match="process 4 is not one of 4 processes"):
+        distributed.process_rows(10, 4, 4)
+    with pytest.raises(ValueError, match="non-negative integer, got -1"):
+        distributed.process_rows(-1)
     mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     # one process holds every device, so it owns every row
-    assert distributed.process_slice(8, NamedSharding(mesh, PartitionSpec(("data", "fsdp")))) == slice(0, 8)
+    assert distributed.process_rows(8, sharding=NamedSharding(mesh, PartitionSpec(("data", "fsdp")))) == slice(0, 8)
     with pytest.raises(ValueError, match="cannot be split"):
-        distributed.process_slice(6, NamedSharding(mesh, PartitionSpec(("data", "fsdp"))))
+        distributed.process_rows(6, sharding=NamedSharding(mesh, PartitionSpec(("data", "fsdp"))))
+    with pytest.raises(ValueError, match="either a sharding or process/count"):
+        distributed.process_rows(8, count=2, sharding=NamedSharding(mesh, PartitionSpec("data")))
+
+
+def test_collectives_in_one_process_return_this_process_values():
+    mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    assert distributed.sum_over_processes(1.0 + 2.0**-40) == 1.0 + 2.0**-40
+    assert distributed.sum_over_processes(1.0 + 2.0**-40, mesh) == 1.0 + 2.0**-40  # counted once, not per device
+    assert distributed.holds_in_every_process(True) and not distributed.holds_in_every_process(False)
+    assert distributed.broadcast_text("run") == "run"
+    with pytest.raises(ValueError, match="process 0 must give the text"):
+        distributed.broadcast_text(None)
+    distributed.barrier("one process")
 
 
 def test_host_local_to_global_in_one_process_is_a_placement():
@@ -271,6 +289,11 @@ def test_two_processes_equal_one_process(runs):
     assert sorted(two_params) == sorted(one_params) and len(two_params) > 10
     for name, value in one_params.items():
         np.testing.assert_allclose(two_params[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+    # every collective combined both processes' values (or returned the one process's own)
+    for result, count in ((two, 2), (one, 1)):
+        assert result["collectives"] == {
+            "sum": sum(1.0 + p + 2.0**-40 for p in range(count)), "mesh_sum": sum(0.5 + p + 2.0**-40 for p in range(count)),
+            "all_true": True, "only_process_0": count == 1, "text": "runs/2026-12-01 grpo é"}
     # the contract check caught the one value that legitimately differs between processes
     assert one["disagreement"] is None
     assert "process index differs across processes: process(es) [1]" in two["disagreement"]

@@ -65,6 +65,21 @@ def flat_numpy(tree) -> dict[str, np.ndarray]:
     return {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in leaves}
 
 
+def combine_over_processes(mesh) -> dict:
+    """Each of `rpegjax.distributed.collectives` once, on values that differ between processes."""
+    me = jax.process_index()
+    result = {
+        # 2^-40 survives only in float64: the sums must not travel as float32
+        "sum": distributed.sum_over_processes(1.0 + me + 2.0**-40),
+        "mesh_sum": distributed.sum_over_processes(0.5 + me + 2.0**-40, mesh),
+        "all_true": distributed.holds_in_every_process(True),
+        "only_process_0": distributed.holds_in_every_process(me == 0),
+        "text": distributed.broadcast_text("runs/2026-12-01 grpo é" if me == 0 else None),
+    }
+    distributed.barrier("worker: collectives done")
+    return result
+
+
 def train(out: pathlib.Path) -> None:
     from flax import nnx
 
@@ -88,8 +103,8 @@ def train(out: pathlib.Path) -> None:
 
     full = synthetic_rollouts()
     distributed.assert_same_across_processes(full, "synthetic batch")
-    rows = distributed.process_slice(B, learner.placement.rows)
-    assert rows == distributed.process_slice(B), f"rows {rows} are not this process's block"
+    rows = distributed.process_rows(B, sharding=learner.placement.rows)
+    assert rows == distributed.process_rows(B), f"rows {rows} are not this process's block"
     local = {name: value[rows] for name, value in full.items()}
     # host work on this process's rows only, then gathered: every process sees every reward
     local["rewards"] = reward_rule(local["tokens"], local["response_mask"])
@@ -119,6 +134,7 @@ def train(out: pathlib.Path) -> None:
     checkpointer.save(STEPS, {"params": state.params}, {"step": STEPS, "losses": losses})
     checkpointer.close()
 
+    collectives = combine_over_processes(mesh)
     try:  # the contract check must fail, naming what, when processes disagree
         distributed.assert_same_across_processes(jax.process_index(), "process index")
         disagreement = None
@@ -127,7 +143,8 @@ def train(out: pathlib.Path) -> None:
 
     if distributed.is_main_process():
         np.savez(out / "params.npz", **params)
-        result = {"losses": losses, "process_count": jax.process_count(), "disagreement": disagreement}
+        result = {"losses": losses, "process_count": jax.process_count(), "disagreement": disagreement,
+                  "collectives": collectives}
         (out / "result.json").write_text(json.dumps(result))
 
 

@@ -4,7 +4,8 @@ import pytest
 
 from rpegjax.generate import Sampler, SamplingConfig
 from rpegjax.generate.decode import DecodeStalledError
-from rpegjax.generate.paged_cache import CacheConfig, CacheLayout, PagePool, pages_for
+from rpegjax.generate.paged_cache import CacheConfig, PagePool, pages_for
+from rpegjax.options import CacheLayout
 
 SAMPLED = SamplingConfig(max_new_tokens=12, temperature=0.9, top_k=20, top_p=0.9)
 GREEDY = SamplingConfig(max_new_tokens=12, greedy=True, ignore_eos=True)

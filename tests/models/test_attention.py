@@ -8,7 +8,7 @@ from flax import nnx
 
 from rpegjax.models import Decoder, ModelConfig
 from rpegjax.models.attention import blockwise_attention, causal_attention, cudnn_attention
-from rpegjax.models.config import AttentionKind
+from rpegjax.options import AttentionKind
 
 TOLERANCE = 1e-5  # float32, one attention
 

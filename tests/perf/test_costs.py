@@ -8,8 +8,9 @@ from flax import nnx
 
 from rpegjax.models import Decoder, ModelConfig
 from rpegjax.models.logprobs import token_logprobs
+from rpegjax.options import RematPolicy
 from rpegjax.perf import costs
-from rpegjax.perf.costs import AttentionKernel, ModelShape, Remat
+from rpegjax.perf.costs import AttentionKernel, ModelShape
 
 SHAPE = ModelShape(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, mlp=128, vocab=128,
                    param_dtype="float32", compute_dtype="float32")
@@ -20,9 +21,9 @@ def test_training_flops_are_six_n_tokens_plus_attention():
     pairs = 4 * costs.attention_pairs(length, AttentionKernel.FLASH)
     n_matmul = SHAPE.layers * SHAPE.matmul_params_per_layer + SHAPE.hidden * SHAPE.vocab  # weights used per token
     attention = 3 * 4 * SHAPE.layers * SHAPE.heads * SHAPE.head_dim * pairs
-    assert costs.training_flops(SHAPE, tokens=tokens, pairs=pairs, remat=Remat.NONE) == 6 * n_matmul * tokens + attention
+    assert costs.training_flops(SHAPE, tokens=tokens, pairs=pairs, remat=RematPolicy.NONE) == 6 * n_matmul * tokens + attention
     forward_layers = 2 * SHAPE.layers * SHAPE.matmul_params_per_layer * tokens + attention / 3
-    assert costs.training_flops(SHAPE, tokens=tokens, pairs=pairs, remat=Remat.FULL) == pytest.approx(
+    assert costs.training_flops(SHAPE, tokens=tokens, pairs=pairs, remat=RematPolicy.FULL) == pytest.approx(
         6 * n_matmul * tokens + attention + forward_layers)
     assert costs.attention_pairs(10, AttentionKernel.DENSE) == 100 and costs.attention_pairs(10, "flash") == 55
 

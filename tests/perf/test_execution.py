@@ -7,21 +7,12 @@ import json
 import pytest
 from flax import nnx
 
-from rpegjax.generate.paged_cache import CacheLayout
 from rpegjax.graph import builders
-from rpegjax.graph.ir import (
-    ATTENTION_KINDS,
-    DTYPES,
-    KV_CACHE_LAYOUTS,
-    REMAT_POLICIES,
-    Execution,
-    Graph,
-    GraphError,
-)
+from rpegjax.graph.ir import Execution, Graph, GraphError
 from rpegjax.learners import GRPOConfig
 from rpegjax.models import ModelConfig
-from rpegjax.models.config import _DTYPES, AttentionKind, RematPolicy
 from rpegjax.models.transformer import Decoder
+from rpegjax.options import CacheLayout
 from rpegjax.perf import executable, hardware, planner, step_model
 from rpegjax.perf.generation_cost import ResponseLengths
 from rpegjax.perf.stage_costs import Workload
@@ -32,13 +23,6 @@ SMALL_SPACE = planner.PlanSpace(async_bounds=(0,), fusion=(False,), microbatches
                                 generation_fractions=(None,), reshard_inference=(False,))
 PLANNED = Execution(attention="blockwise", attention_block_size=64, remat="dots", scan_layers=True, kv_cache="paged",
                     page_size=8, param_dtype="float32", dtype="float32", update_microbatches=2)
-
-
-def test_the_graph_vocabulary_is_the_runtime_one():
-    assert ATTENTION_KINDS == tuple(k.value for k in AttentionKind)
-    assert REMAT_POLICIES == tuple(r.value for r in RematPolicy)
-    assert KV_CACHE_LAYOUTS == tuple(c.value for c in CacheLayout)
-    assert set(DTYPES) == set(_DTYPES)
 
 
 def test_execution_round_trips_through_json_and_is_part_of_the_graph():

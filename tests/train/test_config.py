@@ -34,6 +34,27 @@ def test_dataset_format_needs_a_dataset(tmp_path):
     assert DataSection(dataset=str(data), dataset_format="plain").dataset_format is DatasetFormat.PLAIN
 
 
+def test_the_algorithm_picks_its_section_and_the_critic_layout():
+    grpo = RunConfig(ppo=PPOConfig(critic="shared"))
+    assert grpo.algorithm_section() is grpo.grpo and not grpo.shares_actor_critic  # a PPO section GRPO ignores
+    separate = RunConfig(algorithm="ppo")
+    assert separate.algorithm_section() is separate.ppo and not separate.shares_actor_critic
+    shared = RunConfig(algorithm="ppo", ppo=PPOConfig(critic="shared"))
+    assert shared.algorithm_section().critic is CriticMode.SHARED and shared.shares_actor_critic
+
+
+def test_model_section_dtypes_are_choices_and_round_trip(tmp_path):
+    from rpegjax.options import DType
+    from rpegjax.train.config import ModelSection
+
+    config = RunConfig(model=ModelSection(param_dtype="float32", dtype="bfloat16"))
+    assert config.model.dtype is DType.BFLOAT16 and config.model.generation_dtype is None
+    assert '"dtype": "bfloat16"' in config.to_json()
+    assert RunConfig.from_json(config.to_json()) == config
+    with pytest.raises(ValueError, match=r"ModelSection.dtype must be one of \['float32', 'bfloat16', 'float16'\], got 'fp8'"):
+        ModelSection(dtype="fp8")
+
+
 def test_group_size_and_temperature_come_from_the_rollout():
     config = RunConfig(rollout=RolloutSection(group_size=4, temperature=0.9))
     assert config.grpo.group_size == 4 and config.grpo.temperature == 0.9 and config.ppo.temperature == 0.9

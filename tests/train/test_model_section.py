@@ -2,7 +2,7 @@
 
 import pytest
 
-from rpegjax.models.config import AttentionKind, RematPolicy
+from rpegjax.options import AttentionKind, RematPolicy
 from rpegjax.train.config import ModelSection
 
 
