@@ -94,7 +94,7 @@ def test_the_current_directory_is_searched_by_default(user_module, monkeypatch):
         ("exac", "did you mean 'exact'?"),
         ("not_a_function", "is int 3, not a function"),
         ("Scorer", "is a class"),
-        ("one_argument", "cannot be called as function(completion: str, example: dict); its signature is (completion)"),
+        ("one_argument", "cannot be called as function(completion: str, example: dict) nor as TRL's function(prompts, completions, **columns); its signature is (completion)"),
         ("three_required", "its signature is (completion, example, extra)"),
         ("lambda_reward", "cannot be sent to the reward worker processes"),
     ],
@@ -128,25 +128,28 @@ def test_a_failing_term_names_itself(user_module):
     assert reward("4", EXAMPLE) == 1.5
     with pytest.raises(RuntimeError, match=f"reward {name}:misbehave=0.5: ValueError: no luck"):
         reward("raise", EXAMPLE)
-    with pytest.raises(TypeError, match=f"reward {name}:misbehave=0.5 returned str '1'; expected a finite float"):
+    with pytest.raises(RuntimeError, match=f"reward {name}:misbehave=0.5 returned str '1'; expected a finite float"):
         reward("string", EXAMPLE)
-    with pytest.raises(NonFiniteReward, match=f"reward {name}:misbehave=0.5 returned nan"):
+    with pytest.raises(RuntimeError, match=f"reward {name}:misbehave=0.5 returned nan"):
         reward("nan", EXAMPLE)
 
 
 def test_library_callables_and_weights():
-    from reward_fns_for_tests import text_length
+    from reward_fns_for_tests import slow, text_length
 
-    reward = WeightedReward.of(text_length, (text_length, 0.5))
-    assert reward("abcd", EXAMPLE) == 6.0
-    assert reward.terms[0].name.endswith(":text_length")
+    reward = WeightedReward.of(text_length, (lambda_free_constant, 8))
+    assert reward("abcd", EXAMPLE) == 5.0
+    assert reward.terms[0].name.endswith(":text_length") and reward.term_names[1].endswith(":lambda_free_constant")
     with pytest.raises(RewardSpecError, match="the weight must be a finite number"):
         WeightedReward.of((text_length, float("nan")))
     with pytest.raises(RewardSpecError, match="is a class"):
         WeightedReward.of(Example)
+    with pytest.raises(RewardSpecError, match="text_length is given more than once"):  # its metrics would clash
+        WeightedReward.of(text_length, (text_length, 0.5), slow)
 
 
-def test_the_runner_runs_user_rewards_in_worker_processes(user_module):
+def test_one_failing_term_costs_only_its_own_score(user_module):
+    """The other terms keep their scores; each term's errors and mean are counted (TRL's per-function logs)."""
     name, directory = user_module
     reward = load_rewards([f"{name}:misbehave", f"{name}:bonus=2"], search_path=[directory])
     task = RewardedTask(make_task("arithmetic"), reward)
@@ -155,9 +158,13 @@ def test_the_runner_runs_user_rewards_in_worker_processes(user_module):
     with RewardRunner(task.reward, config) as runner:
         texts = ["ok", "raise", "string", "nan", "fine"]
         rewards, stats = runner.score(texts, [EXAMPLE] * len(texts))
-    np.testing.assert_array_equal(rewards, np.array([1.5, 0, 0, 0, 1.5], np.float32))
+    # misbehave (1 when it works) + 2 x bonus (0.25): a failing misbehave leaves 0.5, not 0
+    np.testing.assert_array_equal(rewards, np.array([1.5, 0.5, 0.5, 0.5, 1.5], np.float32))
     assert (stats.errors, stats.nonfinite, stats.timeouts) == (3, 1, 0)
-    assert stats.first_error == f"RuntimeError: reward {name}:misbehave: ValueError: no luck"
+    assert stats.first_error == f"reward {name}:misbehave: ValueError: no luck"
+    metrics = stats.metrics()
+    assert metrics[f"reward/{name}:misbehave"] == 1.0 and metrics[f"reward/{name}:misbehave/errors"] == 3.0
+    assert metrics[f"reward/{name}:bonus"] == 0.25 and metrics[f"reward/{name}:bonus/errors"] == 0.0
 
 
 def test_a_rewarded_task_keeps_the_task_but_its_reward():
