@@ -54,8 +54,8 @@ def send_message(sock: socket.socket, message: list) -> None:
 
 class MessageReader:
     """The runner's reading end: `read()` takes what the socket holds now (it never blocks) and returns the
-    complete messages in it. Raises `ChannelBroken` on end of file, an oversized frame, or a frame that is
-    not a JSON list."""
+    complete messages in it, and a `ChannelBroken` (None while the pipe is sound) for end of file, an oversized
+    frame, or a frame that is not a JSON list; messages before the break are still returned."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -65,22 +65,20 @@ class MessageReader:
     def fileno(self) -> int:
         return self.sock.fileno()
 
-    def read(self) -> list[list]:
+    def read(self) -> tuple[list[list], ChannelBroken | None]:
         try:
             data = self.sock.recv(1 << 16)
         except (BlockingIOError, InterruptedError):
-            return []
+            return [], None
         except OSError as error:
-            raise ChannelBroken(f"the worker's pipe failed ({error})") from None
-        if not data:
-            raise ChannelBroken("the worker closed its pipe")
+            return [], ChannelBroken(f"the worker's pipe failed ({error})")
         self._buffer += data
         messages = []
         while len(self._buffer) >= _HEADER.size:
             (size,) = _HEADER.unpack_from(self._buffer)
             if size > MAX_WORKER_FRAME:
-                raise ChannelBroken(f"the worker sent a frame of {size} bytes (at most {MAX_WORKER_FRAME}): "
-                                    "not a message; did the reward function write to the worker's pipe?")
+                return messages, ChannelBroken(f"the worker sent a frame of {size} bytes (at most {MAX_WORKER_FRAME}):"
+                                               " not a message; did the reward function write to the worker's pipe?")
             if len(self._buffer) < _HEADER.size + size:
                 break
             payload = bytes(self._buffer[_HEADER.size:_HEADER.size + size])
@@ -88,9 +86,9 @@ class MessageReader:
             try:
                 message = json.loads(payload)
             except (UnicodeDecodeError, json.JSONDecodeError):
-                raise ChannelBroken(f"the worker sent undecodable bytes {payload[:40]!r}; did the reward function "
-                                    "write to the worker's pipe?") from None
+                return messages, ChannelBroken(f"the worker sent undecodable bytes {payload[:40]!r}; did the reward "
+                                               "function write to the worker's pipe?")
             if not isinstance(message, list) or not message:
-                raise ChannelBroken(f"the worker sent {message!r:.80}, not a message")
+                return messages, ChannelBroken(f"the worker sent {message!r:.80}, not a message")
             messages.append(message)
-        return messages
+        return messages, None if data else ChannelBroken("the worker closed its pipe")

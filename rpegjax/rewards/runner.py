@@ -40,7 +40,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -148,11 +148,11 @@ class RewardStats:
         }
 
 
-def merge_terms(stats: Sequence[RewardStats]) -> tuple[TermStats, ...]:
+def merge_terms(batches: Iterable[Sequence[TermStats]]) -> tuple[TermStats, ...]:
     """The terms of several batches (of the same reward) added up, term by term."""
     merged: dict[str, TermStats] = {}
-    for batch in stats:
-        for term in batch.terms:
+    for terms in batches:
+        for term in terms:
             merged[term.name] = merged[term.name].add(term) if term.name in merged else term
     return tuple(merged.values())
 
@@ -161,7 +161,7 @@ def term_metrics(stats: Sequence[RewardStats], prefix: str = "reward/") -> dict[
     """`reward/<term>`: the term's mean unweighted score over the calls that succeeded (left out when none
     did), and `reward/<term>/errors`: its failed calls, as TRL logs each reward function."""
     metrics = {}
-    for term in merge_terms(stats):
+    for term in merge_terms(batch.terms for batch in stats):
         if term.scored:
             metrics[f"{prefix}{term.name}"] = term.total / term.scored
         metrics[f"{prefix}{term.name}/errors"] = float(term.errors)
@@ -412,8 +412,9 @@ class RewardRunner:
     def _read(self, position: int, scores: _BatchScores, todo: collections.deque[int]) -> None:
         """Takes what worker `position` sent; a closed or broken pipe fails its running item(s) and replaces it."""
         worker = self._workers[position]
+        messages, broken = worker.reader.read()
         try:
-            for message in worker.reader.read():
+            for message in messages:
                 if message[0] == "ready" and len(message) == 1 and not worker.ready:
                     worker.ready = True
                 elif message[0] == "failed" and not worker.ready:
@@ -428,6 +429,8 @@ class RewardRunner:
                         raise ChannelBroken(str(error)) from None
                 else:
                     raise ChannelBroken(f"the worker sent {message!r:.80}, not a message")
+            if broken is not None:
+                raise broken
         except ChannelBroken as error:
             if not worker.ready:
                 raise RuntimeError(

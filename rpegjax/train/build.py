@@ -356,6 +356,10 @@ def build(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Components:
         critic = critic_from_actor(model, model_cfg)
     algorithm = cfg.ppo if ppo else cfg.grpo
     lora = cfg.lora.config()
+    if lora is not None and cfg.model.path is not None:
+        cfg.lora.check_rank(hidden_size=model_cfg.hidden_size, num_heads=model_cfg.num_heads,
+                            num_kv_heads=model_cfg.num_kv_heads, head_dim=model_cfg.head_dim,
+                            intermediate_size=model_cfg.intermediate_size, where=f"the model {cfg.model.path}")
     if lora is not None:  # adapters on the actor only (a separate critic trains fully, at the algorithm's rate)
         model = model.with_lora(lora, seed=cfg.model.seed + 1)
         changes = dict(optimizer=cfg.lora.optimizer(algorithm.optimizer))

@@ -194,6 +194,8 @@ def parse_command(argv: list[str], algorithm: Algorithm) -> Command:
             for field in fields:
                 overrides.setdefault(field, value)
     if known.reward:
+        if not all(spec.strip() for spec in known.reward):  # joined, an empty spec would vanish silently
+            parser.error(f"--reward {known.reward!r}: an empty reward; give package.module:function[=weight]")
         overrides.setdefault("data.reward", ",".join(known.reward))
     for section in Algorithm:
         for derived, source in (("group_size", "--group-size"), ("temperature", "--temperature")):

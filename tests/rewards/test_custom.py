@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 from rpegjax.data.example import Example
-from rpegjax.rewards.custom import (RewardedTask, RewardSpec, RewardSpecError, WeightedReward, load_reward_function,
+from rpegjax.rewards.custom import (RewardedTask, RewardSpec, RewardSpecError, RewardTerm, WeightedReward,
+                                    load_reward_function,
                                     load_rewards)
-from rpegjax.rewards.runner import Isolation, NonFiniteReward, RewardRunner, RewardRunnerConfig
+from rpegjax.rewards.runner import Isolation, RewardRunner, RewardRunnerConfig
 from rpegjax.rewards.tasks import make_task
 
 EXAMPLE = Example(id="e", prompt="2+2?", answer="4", task="math", meta={"bonus": "0.25"})
@@ -197,3 +198,56 @@ def test_each_term_receives_its_own_plain_dict():
     reward = WeightedReward.of(_mutates_and_reports_type, _reads_answer)
     assert reward("4", example) == 2.0
     assert example.answer == "4"
+
+
+@pytest.mark.parametrize("body, message", [
+    ("import sys\nsys.exit(0)\n", r"called sys.exit\(0\); a reward module must not exit at import"),
+    ("import sys\nsys.exit('bye')\n", r"called sys.exit\('bye'\)"),
+    ("import os\nos._exit(0)\n", r"ended the interpreter \(exit code 0\); a reward module must not exit at import"),
+    ("import time\ntime.sleep(3600)\n", r"did not finish within 3 s \(the import time limit"),
+])
+def test_a_module_that_exits_or_blocks_at_import_is_an_error_naming_the_spec(tmp_path, monkeypatch, body, message):
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    name = f"bad_import_{uuid.uuid4().hex}"
+    (tmp_path / f"{name}.py").write_text(body + "def f(completion, example):\n    return 1.0\n")
+    with pytest.raises(RewardSpecError, match=rf"^reward {name}:f: importing '{name}' " + message):
+        load_rewards([f"{name}:f"], search_path=[tmp_path], import_timeout_s=3)
+
+
+def test_batched_trl_functions_beside_per_completion_ones():
+    """TRL's f(prompts, completions, **columns) -> list[float | None], detected by its signature, in a worker
+    process: its columns are the examples' fields; a raise fails its term for the chunk, None adds 0 (no error)."""
+    from reward_fns_for_tests import batched_length, batched_misbehave, text_length
+
+    reward = WeightedReward.of((batched_length, 0.5), batched_misbehave, (text_length, -1))
+    assert [term.kind.value for term in reward.terms] == ["batched", "batched", "per_completion"] and reward.batched
+    examples = [EXAMPLE, Example(id="c", prompt="chat", answer="abc", task="math", messages=[("user", "chat")])]
+    config = RewardRunnerConfig(timeout_s=30, workers=1, isolation=Isolation.PROCESS)
+    with RewardRunner(reward, config) as runner:
+        rewards, stats = runner.score(["4", "abc"], examples)
+        skipped, skip_stats = runner.score(["skip", "xy"], examples)
+        raised, raise_stats = runner.score(["raise", "raise"], examples)  # chunks may hold one completion
+    # 0.5 x (len + exact answer) + 2 - len
+    np.testing.assert_array_equal(rewards, np.array([0.5 * 2 + 2 - 1, 0.5 * 4 + 2 - 3], np.float32))
+    assert stats.errors == 0 and [t.scored for t in stats.terms] == [2, 2, 2]
+    np.testing.assert_array_equal(skipped, np.array([0.5 * 4 + 0 - 4, 0.5 * 2 + 2 - 2], np.float32))
+    assert skip_stats.errors == 0 and skip_stats.terms[1].scored == 1  # None: no score, no error
+    np.testing.assert_array_equal(raised, np.array([0.5 * 5 - 5] * 2, np.float32))
+    assert raise_stats.errors == 2 and raise_stats.terms[1].errors == 2
+    assert "batched_misbehave: RuntimeError: batched failure" in raise_stats.first_error
+    assert reward("4", EXAMPLE) == 0.5 * 2 + 2 - 1
+
+
+def test_a_batched_function_receives_trl_arguments():
+    seen = {}
+
+    def record(prompts, completions, answer, bonus, **kwargs):
+        seen.update(prompts=prompts, completions=completions, answer=answer, bonus=bonus, **kwargs)
+        return [1.0] * len(completions)
+
+    chat = Example(id="c", prompt="hi", answer="7", task="math", messages=[("system", "be brief"), ("user", "hi")],
+                   meta={"bonus": "0.5", "extra": '{"level": 3}'}, json_fields=["extra"])
+    WeightedReward((RewardTerm(record, 1.0, "record"),)).score_terms(["a", "b"], [EXAMPLE, chat])
+    assert seen["prompts"] == ["2+2?", [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]]
+    assert seen["completions"] == ["a", "b"] and seen["answer"] == ["4", "7"] and seen["bonus"] == ["0.25", "0.5"]
+    assert seen["extra"] == [None, {"level": 3}] and seen["id"] == ["e", "c"] and "prompt" not in seen
