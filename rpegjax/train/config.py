@@ -123,9 +123,10 @@ class ModelSection:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DataSection:
     """Either a built-in `task` (generated, with a held-out split) or a `dataset` (a JSONL or Parquet file, a
-    directory of Parquet files, or a Hugging Face `save_to_disk` directory) of GSM8K, MATH or prompt/answer
-    rows, with an optional `eval_dataset`. `prompt_field` / `answer_field` name the row fields when they are
-    not the format's own. `reward`: specs `package.module:function[=weight]` of user reward functions whose
+    directory of Parquet files, or a Hugging Face `save_to_disk` directory) of GSM8K, MATH, prompt/answer (TRL's
+    rows, a prompt of messages too) or verl rows, with an optional `eval_dataset`. `prompt_field` / `answer_field`
+    name the row fields when they are not the format's own (nested ones by dotted names,
+    `reward_model.ground_truth`). `reward`: specs `package.module:function[=weight]` of user reward functions whose
     weighted sum replaces the task's reward in training (`rpegjax.rewards.custom`); held-out accuracy stays
     the task's verifier. Prompts go through the model tokenizer's chat template per `chat_template`, with
     `system_prompt` as the system turn."""
