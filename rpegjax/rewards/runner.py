@@ -293,6 +293,7 @@ class RewardRunner:
                     try:
                         scores.answer(*message)
                     except ValueError as error:
+                        worker.pending.appendleft(message[0])  # the item is failed with the broken worker
                         raise ChannelBroken(str(error)) from None
                 else:
                     raise ChannelBroken(f"the worker sent {message!r:.80}, not a message")

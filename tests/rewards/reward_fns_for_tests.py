@@ -74,6 +74,9 @@ def channel_breaker(text, example):
         elif text == "forged":  # a well-formed answer to an item it was not asked
             payload = json.dumps([10**6, "ok", 5.0]).encode()
             os.write(fd, struct.pack("!I", len(payload)) + payload)
+        elif text == "bad-answer":  # the right frame shape, an answer that is not a reward
+            payload = json.dumps([0, "ok", "not a number"]).encode()
+            os.write(fd, struct.pack("!I", len(payload)) + payload)
         elif text == "close":
             os.close(fd)
     return 1.0

@@ -153,7 +153,7 @@ def test_worker_processes_are_limited_and_a_limit_is_a_failed_reward():
         ResourceLimits(memory_mb=0)
 
 
-@pytest.mark.parametrize("how", ["garbage", "huge-header", "half-frame", "forged", "close"])
+@pytest.mark.parametrize("how", ["garbage", "huge-header", "half-frame", "forged", "bad-answer", "close"])
 def test_a_reward_that_breaks_its_worker_pipe_fails_that_call_and_the_run_goes_on(how):
     """Writing into the worker's pipe, or closing it, must not hang or crash the runner: the call fails
     (an error, or a timeout when the written frame never completes), the worker is replaced, scoring goes on."""
