@@ -300,6 +300,11 @@ def build(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Components:
     if environment is None:
         prompts = [tokenizer.encode(template.render(e, tokenizer)) for e in examples]
     else:
+        conversational = next((e for e in examples if e.messages), None)
+        if conversational is not None:  # the environment opens with one user turn of the prompt text
+            raise DatasetError(f"{conversational.where()}: a conversational prompt (a list of messages) cannot open a "
+                               f"multi-turn {environment.name} episode, which starts from one user turn; write the "
+                               "prompts as text")
         prompts = [render_opening(environment.reset(e), template, tokenizer) for e in examples]
         log(f"rollouts: multi-turn with the {environment.name} tool ({cfg.rollout.max_turns} turns, "
             f"{cfg.rollout.episode_token_budget or cfg.rollout.max_new_tokens} tokens per episode)")
