@@ -97,7 +97,14 @@ def _replies(fn: RewardFn | TermedReward, chunk: list[tuple[int, str, Example]])
             scores = fn.score_terms([text for _, text, _ in chunk], [example for _, _, example in chunk])
             if len(scores) != len(chunk):
                 raise RuntimeError(f"score_terms returned {len(scores)} scores for {len(chunk)} completions")
-            return [[index, "terms", score.to_message()] for (index, _, _), score in zip(chunk, scores)]
+            replies = []
+            for (index, _, _), score in zip(chunk, scores):
+                try:  # finite terms can still sum past float32 (huge weights)
+                    checked_reward(score.total, "the weighted sum of the reward terms")
+                    replies.append([index, "terms", score.to_message()])
+                except NonFiniteReward as error:
+                    replies.append([index, "nonfinite", str(error)[:_ERROR_CHARS]])
+            return replies
         except Exception as error:  # score_terms catches each term's errors; this is its own failure
             return [[index, "error", describe_error(error)] for index, _, _ in chunk]
     replies = []

@@ -251,3 +251,18 @@ def test_a_batched_function_receives_trl_arguments():
     assert seen["prompts"] == ["2+2?", [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]]
     assert seen["completions"] == ["a", "b"] and seen["answer"] == ["4", "7"] and seen["bonus"] == ["0.25", "0.5"]
     assert seen["extra"] == [None, {"level": 3}] and seen["id"] == ["e", "c"] and "prompt" not in seen
+
+
+def _huge(completion, example):
+    return 3e38
+
+
+def test_a_weighted_sum_past_float32_is_a_nonfinite_error_not_inf():
+    reward = WeightedReward.of(_huge, (lambda_free_constant, 1.0), (_huge_too, 1.0))
+    with RewardRunner(reward, RewardRunnerConfig(timeout_s=30, workers=1, isolation=Isolation.THREAD)) as runner:
+        rewards, stats = runner.score(["x"], [EXAMPLE])
+    assert rewards.tolist() == [0.0] and stats.errors == stats.nonfinite == 1 and "weighted sum" in stats.first_error
+
+
+def _huge_too(completion, example):
+    return 3e38
