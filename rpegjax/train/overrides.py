@@ -64,9 +64,9 @@ def apply_overrides(config: Any, overrides: Mapping[str, str]) -> Any:
     is checked as 3 of 6, never as 3 of the default 32."""
     tree: dict[str, Any] = {}
     for dotted, text in overrides.items():
-        node, *path, last = dotted.split(".")
+        *path, last = dotted.split(".")
         branch = tree
-        for part in (node, *path):
+        for part in path:
             branch = branch.setdefault(part, {})
             if not isinstance(branch, dict):
                 raise ValueError(f"--{dotted}: {part!r} is set as a value by another flag")

@@ -187,3 +187,16 @@ def test_a_config_file_that_sets_a_key_twice_is_an_error_naming_key_and_file(tmp
     with pytest.raises(ValueError) as error:
         RunConfig.from_file(path)
     assert str(path) in str(error.value) and message in str(error.value)
+
+
+def test_overrides_of_top_level_and_nested_fields_apply_together():
+    from rpegjax.train.overrides import apply_overrides
+
+    config = apply_overrides(RunConfig(), {"recipe": "dapo", "rollout.prompts_per_step": "6",
+                                           "graph.generate_microbatches": "3", "grpo.clip_high": "0.3"})
+    assert (config.recipe, config.rollout.prompts_per_step, config.graph.generate_microbatches) == ("dapo", 6, 3)
+    assert config.grpo.clip_high == 0.3
+    with pytest.raises(ValueError, match="--rollout.nothing: unknown field 'nothing' of RolloutSection"):
+        apply_overrides(RunConfig(), {"rollout.nothing": "1"})
+    with pytest.raises(ValueError, match="--rollout.prompts_per_step.x: int has no fields"):
+        apply_overrides(RunConfig(), {"rollout.prompts_per_step.x": "1"})
