@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Iterator, Mapping
 
 SOLUTION_KEY = "solution"
@@ -22,7 +23,10 @@ class Example(Mapping):
     `\\boxed{}`, a Countdown target...). `task` names the task that knows how to verify it. `meta` holds
     task-specific fields as sorted `(key, value)` string pairs, so an Example stays hashable, immutable and
     picklable (reward functions receive it in worker processes); pass a dict and it is converted.
-    `source` is `file:line` for rows read from a file, else empty.
+    `source` is `file:line` for rows read from a file, else empty. `messages` holds a conversational prompt
+    (TRL's and verl's format: a list of `{role, content}` messages) as `(role, content)` pairs, and `prompt` is
+    then its last user message; such a prompt goes to the model through its chat template. `json_fields` names
+    the meta fields that hold a row's non-string value as JSON text (`columns()` decodes them).
 
     An Example also reads as a (read-only) dict (a user's reward function gets a `dict` copy):
     `example["prompt"]`, `example["answer"]`, `example["id"]`, `example["task"]`, then the `meta` fields
@@ -35,6 +39,8 @@ class Example(Mapping):
     task: str
     meta: tuple[tuple[str, str], ...] = ()
     source: str = ""
+    messages: tuple[tuple[str, str], ...] = ()
+    json_fields: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         where = f" ({self.source})" if self.source else ""
@@ -55,6 +61,15 @@ class Example(Mapping):
         if len(set(keys)) != len(keys):
             raise DatasetError(f"Example.meta has duplicate keys {keys!r}{where}")
         object.__setattr__(self, "meta", pairs)
+        turns = tuple(tuple(turn) for turn in self.messages)
+        for turn in turns:
+            if len(turn) != 2 or not all(isinstance(part, str) for part in turn):
+                raise DatasetError(f"Example.messages entries must be (role, content) string pairs, got {turn!r}{where}")
+        object.__setattr__(self, "messages", turns)
+        object.__setattr__(self, "json_fields", tuple(sorted(self.json_fields)))
+        unknown = sorted(set(self.json_fields) - set(keys))
+        if unknown:
+            raise DatasetError(f"Example.json_fields names {unknown}, which are not meta fields{where}")
 
     def meta_value(self, key: str) -> str:
         """The value of `meta[key]`; a missing key raises naming the example."""
@@ -82,6 +97,20 @@ class Example(Mapping):
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
+
+    def columns(self) -> dict[str, object]:
+        """The fields as a dataset row held them: `dict(self)` with the `json_fields` decoded."""
+        row: dict[str, object] = dict(self)
+        for key in self.json_fields:
+            row[key] = json.loads(row[key])
+        return row
+
+    def chat_prompt(self) -> str | list[dict[str, str]]:
+        """The prompt as TRL passes it to reward functions: the messages `[{role, content}, ...]` of a
+        conversational prompt, else the text."""
+        if self.messages:
+            return [{"role": role, "content": content} for role, content in self.messages]
+        return self.prompt
 
     def where(self) -> str:
         """`file:line` when known, else the example id — for error messages."""

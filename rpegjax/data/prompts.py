@@ -37,7 +37,8 @@ class PromptTemplate:
     """`template` with a `{question}` field (literal braces doubled, `{{ }}`) becomes the user turn;
     `system`, if set, the system turn. Under `chat_template` (`ChatTemplateMode`) the turns go through
     `tokenizer.apply_chat_template(..., add_generation_prompt=True)`; otherwise the text is
-    `system + "\\n\\n" + user` (or just the user turn)."""
+    `system + "\\n\\n" + user` (or just the user turn). A conversational example (TRL's list of messages)
+    keeps its messages, the template applied to its last user message (`conversation`)."""
 
     template: str = "{question}"
     system: str | None = None
@@ -89,16 +90,45 @@ class PromptTemplate:
         return self.template.format(question=example.prompt)
 
     def render(self, example: Example, tokenizer: ChatTokenizer | None = None) -> str:
-        """The prompt text for `example` (see the class docstring)."""
+        """The prompt text for `example` (see the class docstring); a conversational example (`Example.messages`)
+        always goes through the chat template (`conversation`)."""
+        if example.messages:
+            return self._apply(self.conversation(example, tokenizer), tokenizer, example)
         user = self.user_message(example)
         if self.uses_chat_template(tokenizer):
             messages = [{"role": "system", "content": self.system}] if self.system is not None else []
             messages.append({"role": "user", "content": user})
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-            if not isinstance(text, str):
-                raise TypeError(f"apply_chat_template returned {type(text).__name__}, expected str (example {example.id!r})")
-            return text
+            return self._apply(messages, tokenizer, example)
         return user if self.system is None else f"{self.system}\n\n{user}"
+
+    def conversation(self, example: Example, tokenizer: ChatTokenizer | None) -> list[dict[str, str]]:
+        """The messages of a conversational example: its own, the template applied to its last user message,
+        `system` as the first message when set (a conversation with its own system message and `system` set is
+        an error). It needs the tokenizer's chat template: without one, or under `chat_template='none'`, it is
+        an error (flattening the messages into text would train on a format the model was not given)."""
+        where = example.where()
+        if self.chat_template is ChatTemplateMode.NONE:
+            raise ValueError(f"{where}: a conversational prompt (a list of messages) goes through the tokenizer's "
+                             "chat template, but chat_template is 'none'")
+        if tokenizer is None or not tokenizer.has_chat_template:
+            raise ValueError(f"{where}: a conversational prompt (a list of messages) needs a tokenizer with a chat "
+                             "template, and this one has none (give --model an instruct model's directory, or "
+                             "write the prompts as text)")
+        roles = [role for role, _ in example.messages]
+        if self.system is not None and "system" in roles:
+            raise ValueError(f"{where}: the conversation has its own system message and a system prompt is set too; "
+                             "drop one")
+        last_user = len(roles) - 1 - roles[::-1].index("user")
+        messages = [{"role": role, "content": self.template.format(question=content) if i == last_user else content}
+                    for i, (role, content) in enumerate(example.messages)]
+        return ([{"role": "system", "content": self.system}] if self.system is not None else []) + messages
+
+    @staticmethod
+    def _apply(messages: list[dict[str, str]], tokenizer: ChatTokenizer, example: Example) -> str:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        if not isinstance(text, str):
+            raise TypeError(f"apply_chat_template returned {type(text).__name__}, expected str (example {example.id!r})")
+        return text
 
     def render_all(self, examples: Sequence[Example], tokenizer: ChatTokenizer | None = None) -> list[str]:
         return [self.render(example, tokenizer) for example in examples]

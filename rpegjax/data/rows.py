@@ -1,5 +1,7 @@
 """Dataset rows (JSON objects, Parquet or Arrow records) into checked `Example`s: the row formats (GSM8K,
-MATH, plain), field mapping, and the checks every row passes whatever file it came from."""
+MATH, plain, verl), field mapping (nested fields by dotted names: `reward_model.ground_truth`), conversational
+prompts (TRL's and verl's list of `{role, content}` messages), and the checks every row passes whatever file it
+came from."""
 
 from __future__ import annotations
 
@@ -17,14 +19,45 @@ ID_FIELD = "id"
 class DatasetFormat(enum.StrEnum):
     GSM8K = "gsm8k"  # {"question": ..., "answer": "...reasoning... #### 72"}
     MATH = "math"  # {"problem": ..., "solution": "...\\boxed{\\frac{1}{2}}..."}
-    PLAIN = "plain"  # {"prompt": ..., "answer": "1/2"}
+    PLAIN = "plain"  # {"prompt": ..., "answer": "1/2"}; TRL's conversational rows have a list of messages as prompt
+    # verl's GSM8K/MATH Parquet: {"data_source": ..., "prompt": [{"role": "user", "content": ...}], "ability": ...,
+    # "reward_model": {"style": "rule", "ground_truth": "72"}, "extra_info": {...}}
+    VERL = "verl"
 
 
 FIELDS: dict[DatasetFormat, tuple[str, str]] = {
     DatasetFormat.GSM8K: ("question", "answer"),
     DatasetFormat.MATH: ("problem", "solution"),
     DatasetFormat.PLAIN: ("prompt", "answer"),
+    DatasetFormat.VERL: ("prompt", "reward_model.ground_truth"),
 }
+ROLES = ("system", "user", "assistant")
+
+
+def has_field(row: dict, field: str) -> bool:
+    """Whether `row` has `field`: a key of that name, else a path of nested keys (`reward_model.ground_truth`)."""
+    try:
+        field_value(row, field)
+    except KeyError:
+        return False
+    return True
+
+
+def field_value(row: dict, field: str) -> object:
+    """`row[field]`, or for a dotted name without such a key the nested value; KeyError when absent."""
+    if field in row:
+        return row[field]
+    value: object = row
+    for part in field.split("."):
+        if not isinstance(value, dict) or part not in value:
+            raise KeyError(field)
+        value = value[part]
+    return value
+
+
+def column_of(field: str, columns: Collection[str]) -> str:
+    """The top-level column that holds `field` (itself, or the first part of a dotted name)."""
+    return field if field in columns else field.split(".")[0]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -62,7 +95,7 @@ class RowSchema:
         (`####` for GSM8K, `\\boxed{}` for MATH), else plain."""
         if self.dataset_format is not None:
             return self.dataset_format
-        matching = [f for f in DatasetFormat if all(field in row for field in self.fields(f))]
+        matching = [f for f in DatasetFormat if all(has_field(row, field) for field in self.fields(f))]
         if not matching:
             expected = " or ".join(f"({a!r}, {b!r})" for a, b in dict.fromkeys(map(self.fields, DatasetFormat)))
             raise DatasetError(f"{where}: cannot tell the dataset format: the row has fields {sorted(row)}, "
@@ -71,7 +104,7 @@ class RowSchema:
             return matching[0]
         for dataset_format in matching:
             try:
-                _gold_answer(dataset_format, row[self.fields(dataset_format)[1]])
+                _gold_answer(dataset_format, field_value(row, self.fields(dataset_format)[1]))
                 return dataset_format
             except (ValueError, TypeError):
                 continue
@@ -99,39 +132,72 @@ def _field_text(value: object, where: str, column: str) -> str:
                            "JSON value (rewards receive the row's fields as text or JSON)") from None
 
 
-def row_to_example(row: object, schema: RowSchema, dataset_format: DatasetFormat, where: str, default_id: str,
-                   task: str) -> Example:
-    """The `Example` of one row; a malformed row raises `DatasetError` starting with `where`.
+def prompt_messages(value: object, where: str, field: str) -> tuple[tuple[str, str], ...]:
+    """A conversational prompt (a list of `{role, content}` messages) as `(role, content)` pairs; it must hold
+    a user message. Anything else raises `DatasetError` naming the field."""
+    if not isinstance(value, list) or not value:
+        raise DatasetError(f"{where}: field {field!r} must be a string or a non-empty list of messages, got "
+                           f"{type(value).__name__} {value!r:.80}")
+    turns = []
+    for number, message in enumerate(value):
+        ok = isinstance(message, dict) and isinstance(message.get("role"), str) and isinstance(message.get("content"), str)
+        if not ok or message["role"] not in ROLES:
+            raise DatasetError(f"{where}: field {field!r}[{number}] must be a message {{'role': one of {list(ROLES)}, "
+                               f"'content': text}}, got {message!r:.80}")
+        turns.append((message["role"], message["content"]))
+    if not any(role == "user" for role, _ in turns):
+        raise DatasetError(f"{where}: field {field!r} holds no user message (roles {[role for role, _ in turns]})")
+    return tuple(turns)
 
-    The row's further fields (not prompt, answer or `id`) go to `Example.meta` (strings as they are, other
-    values as JSON), so that a reward function sees them; GSM8K and MATH rows also keep their worked
-    solution there (`SOLUTION_KEY`)."""
-    if not isinstance(row, dict):
-        raise DatasetError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
-    prompt_field, answer_field = schema.fields(dataset_format)
-    for field in (prompt_field, answer_field):
-        if field not in row:
-            raise DatasetError(
-                f"{where}: missing field {field!r} of a {dataset_format.value} row (the row has fields {sorted(row)})"
-            )
-    prompt, solution = row[prompt_field], row[answer_field]
-    if dataset_format is DatasetFormat.PLAIN and isinstance(solution, (int, float)) and not isinstance(solution, bool):
+
+def _answer_text(dataset_format: DatasetFormat, solution: object, where: str, answer_field: str) -> tuple[str, str]:
+    """(solution text as the row has it, gold answer) of the row's answer field."""
+    if dataset_format in (DatasetFormat.PLAIN, DatasetFormat.VERL) and isinstance(solution, (int, float)) \
+            and not isinstance(solution, bool):
         solution = str(solution)
-    for field, value in ((prompt_field, prompt), (answer_field, solution)):
-        if not isinstance(value, str):
-            raise DatasetError(f"{where}: field {field!r} must be a string, got {type(value).__name__} {value!r}")
-    if not prompt.strip():
-        raise DatasetError(f"{where}: empty prompt (field {prompt_field!r})")
+    if not isinstance(solution, str):
+        raise DatasetError(f"{where}: field {answer_field!r} must be a string, got {type(solution).__name__} {solution!r}")
     try:
         answer = _gold_answer(dataset_format, solution)
     except ValueError as error:
         raise DatasetError(f"{where}: field {answer_field!r}: {error}") from None
     if not answer:
         raise DatasetError(f"{where}: empty gold answer (field {answer_field!r})")
+    return solution, answer
+
+
+def row_to_example(row: object, schema: RowSchema, dataset_format: DatasetFormat, where: str, default_id: str,
+                   task: str) -> Example:
+    """The `Example` of one row; a malformed row raises `DatasetError` starting with `where`.
+
+    A prompt field that holds a list of messages is a conversation (`Example.messages`; its last user message
+    is the prompt text). The row's further fields (not prompt, answer or `id`) go to `Example.meta` (strings as
+    they are, other values as JSON), so that a reward function sees them; GSM8K and MATH rows also keep their
+    worked solution there (`SOLUTION_KEY`)."""
+    if not isinstance(row, dict):
+        raise DatasetError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
+    prompt_field, answer_field = schema.fields(dataset_format)
+    values = {}
+    for field in (prompt_field, answer_field):
+        try:
+            values[field] = field_value(row, field)
+        except KeyError:
+            raise DatasetError(
+                f"{where}: missing field {field!r} of a {dataset_format.value} row (the row has fields {sorted(row)})"
+            ) from None
+    prompt, messages = values[prompt_field], ()
+    if not isinstance(prompt, str):
+        messages = prompt_messages(prompt, where, prompt_field)
+        prompt = next(content for role, content in reversed(messages) if role == "user")
+    if not prompt.strip():
+        raise DatasetError(f"{where}: empty prompt (field {prompt_field!r})")
+    solution, answer = _answer_text(dataset_format, values[answer_field], where, answer_field)
     row_id = row.get(ID_FIELD, default_id)
     if not isinstance(row_id, (str, int)) or isinstance(row_id, bool):
         raise DatasetError(f"{where}: field 'id' must be a string or integer, got {row_id!r}")
-    meta = {} if dataset_format is DatasetFormat.PLAIN else {SOLUTION_KEY: solution}
+    keep_solution = dataset_format in (DatasetFormat.GSM8K, DatasetFormat.MATH)
+    meta = {SOLUTION_KEY: solution} if keep_solution else {}
+    json_fields = []
     for column, value in row.items():
         if column in (prompt_field, answer_field, ID_FIELD):
             continue
@@ -139,7 +205,10 @@ def row_to_example(row: object, schema: RowSchema, dataset_format: DatasetFormat
             raise DatasetError(f"{where}: field {column!r} clashes with the worked solution that a "
                                f"{dataset_format.value} row keeps under that name; rename the field")
         meta[column] = _field_text(value, where, column)
-    return Example(id=str(row_id), prompt=prompt, answer=answer, task=task, meta=meta, source=where)
+        if not isinstance(value, str):
+            json_fields.append(column)
+    return Example(id=str(row_id), prompt=prompt, answer=answer, task=task, meta=meta, source=where,
+                   messages=messages, json_fields=json_fields)
 
 
 def examples_from_rows(
@@ -177,9 +246,10 @@ def examples_from_rows(
 
 
 def check_columns(columns: Collection[str], schema: RowSchema, source: str) -> None:
-    """For files with a schema (Parquet, Arrow): the columns must hold some format's (mapped) fields."""
+    """For files with a schema (Parquet, Arrow): the columns must hold some format's (mapped) fields (a dotted
+    field's first part, the rest is checked row by row)."""
     formats = [schema.dataset_format] if schema.dataset_format is not None else list(DatasetFormat)
-    if not any(all(field in columns for field in schema.fields(f)) for f in formats):
+    if not any(all(column_of(field, columns) in columns for field in schema.fields(f)) for f in formats):
         expected = " or ".join(f"({a!r}, {b!r})" for a, b in dict.fromkeys(map(schema.fields, formats)))
         raise DatasetError(f"{source}: the columns {sorted(columns)} do not hold the prompt and answer fields "
                            f"{expected} (map yours with --prompt-field / --answer-field)")

@@ -175,12 +175,15 @@ class ModelConfig:
                 f"{source}: unsupported model_type {model_type!r}; supported: {[a.value for a in Architecture]}"
             ) from None
 
-        def need(key: str) -> Any:
+        def need(key: str) -> int:
             if key not in hf:
                 raise ValueError(f"{source}: missing required field {key!r}")
-            return hf[key]
+            return hf_value(hf, key, int, source)
 
         hidden, heads = need("hidden_size"), need("num_attention_heads")
+        for key, kind in _HF_TYPES.items():  # each field present has its JSON type (not "64" for 64, "no" for false)
+            if hf.get(key) is not None:
+                hf_value(hf, key, kind, source)
         _check_hf_features(hf, architecture, source)
         # transformers 5 writes `rope_parameters` (with rope_theta inside); older versions `rope_theta` and
         # `rope_scaling`. When both are present transformers gives `rope_scaling` priority, and so do we.
@@ -271,6 +274,26 @@ class ModelConfig:
             hf["rope_scaling"] = scaling
             hf["rope_parameters"] = {**scaling, "rope_theta": self.rope_theta}
         return hf
+
+
+_HF_TYPES: dict[str, type] = {
+    "vocab_size": int, "num_hidden_layers": int, "num_key_value_heads": int, "head_dim": int, "intermediate_size": int,
+    "max_position_embeddings": int, "rms_norm_eps": float, "rope_theta": float, "tie_word_embeddings": bool,
+    "attention_bias": bool, "mlp_bias": bool, "use_sliding_window": bool, "bos_token_id": int,
+}
+"""The JSON type of each config.json field read (when present and not null)."""
+
+
+def hf_value(hf: dict[str, Any], key: str, kind: type, source: str) -> Any:
+    """`hf[key]` checked to be a JSON value of `kind` (int: an integer, float: any number, bool: true/false);
+    else ValueError naming `source`, the field and the value (a string "64" is not the number 64)."""
+    value = hf[key]
+    ok = (isinstance(value, bool) if kind is bool
+          else not isinstance(value, bool) and isinstance(value, int if kind is int else (int, float)))
+    if not ok:
+        expected = {bool: "true or false", int: "an integer", float: "a number"}[kind]
+        raise ValueError(f"{source}: field {key!r} must be {expected}, got {type(value).__name__} {value!r:.60}")
+    return value
 
 
 def _check_hf_features(hf: dict[str, Any], architecture: Architecture, source: str) -> None:

@@ -69,7 +69,7 @@ from rpegjax.graph.ir import (
 )
 from rpegjax.graph.trace import Trace
 from rpegjax.learners.group_filter import DynamicSamplingConfig, GroupBatchFiller
-from rpegjax.rewards.runner import RewardStats
+from rpegjax.rewards.runner import RewardStats, term_metrics
 from rpegjax.runtime.meshes import device_ids, same_layout, stage_mesh
 from rpegjax.runtime.programs import Piece, StagePrograms, concatenate_pieces
 from rpegjax.runtime.roles import Role, RoleLinks, process_groups
@@ -595,6 +595,7 @@ class Runtime:
                    "reward/seconds": float(sum(s.seconds for s in stats))}
         if self.reward_shaping is not None:
             metrics["reward/shaping"] = float(shaping.mean())
+        metrics.update(term_metrics(stats))  # each term of a user's weighted sum: reward/<name>, .../errors
         first_error = next((s.first_error for s in stats if s.first_error), "")
         if first_error:
             self.last_reward_error = first_error

@@ -33,7 +33,7 @@ from rpegjax.learners.protocol import Learner
 from rpegjax.learners.update import batch_sharding, row_shards
 from rpegjax.models.lora import merge_adapters
 from rpegjax.models.precision import cast_floating
-from rpegjax.rewards.runner import RewardFn, RewardRunner, RewardStats
+from rpegjax.rewards.runner import RewardFn, RewardRunner, RewardStats, TermStats
 from rpegjax.runtime import transfers
 from rpegjax.runtime.meshes import device_ids, same_layout
 from rpegjax.sharding import axes
@@ -242,15 +242,19 @@ class StagePrograms:
         width = -(-rows // count)
         padded = np.zeros(width, np.float32)
         padded[: len(local)] = local
-        numbers = np.array([stats.errors, stats.timeouts, stats.seconds], np.float32)
+        # every process's reward has the same terms (the same function): their sums travel as numbers too
+        numbers = np.array([stats.errors, stats.timeouts, stats.seconds, stats.nonfinite,
+                            *(x for t in stats.terms for x in (t.total, t.scored, t.errors))], np.float32)
         gathered = distributed.gather_to_all({"rewards": padded, "numbers": numbers}, tiled=False)
         blocks = [process_rows(rows, process, count) for process in range(count)]
         rewards = np.concatenate([gathered["rewards"][p][: b.stop - b.start] for p, b in enumerate(blocks)])
-        numbers = gathered["numbers"]  # [processes, 3]
-        errors, timeouts = numbers[:, :2].sum(0)
-        seconds = numbers[:, 2].max()
-        return rewards, RewardStats(count=rows, errors=int(errors), timeouts=int(timeouts),
-                                    mean_reward=float(rewards.mean()), seconds=float(seconds), first_error=stats.first_error)
+        numbers = np.asarray(gathered["numbers"]).sum(0)  # [4 + 3 x terms] summed over processes
+        seconds = np.asarray(gathered["numbers"])[:, 2].max()
+        terms = tuple(TermStats(name=t.name, total=float(numbers[4 + 3 * i]), scored=int(numbers[5 + 3 * i]),
+                                errors=int(numbers[6 + 3 * i])) for i, t in enumerate(stats.terms))
+        return rewards, RewardStats(count=rows, errors=int(numbers[0]), timeouts=int(numbers[1]),
+                                    nonfinite=int(numbers[3]), mean_reward=float(rewards.mean()), seconds=float(seconds),
+                                    first_error=stats.first_error, terms=terms)
 
     # ---- train side ----------------------------------------------------------------------------
     def _inference_program(self, kinds: tuple[StageKind, ...], layout: StageLayout | None, micro_batches: int,

@@ -39,7 +39,7 @@ from rpegjax.data.example import Example
 from rpegjax.generate.completion import Completion, FinishReason
 from rpegjax.graph.ir import Graph, GraphError, StageKind
 from rpegjax.learners.batch import TrainBatch
-from rpegjax.rewards.runner import RewardStats
+from rpegjax.rewards.runner import RewardStats, TermStats, merge_terms
 from rpegjax.runtime import transfers
 from rpegjax.runtime.meshes import placement_devices
 from rpegjax.runtime.programs import Piece
@@ -150,6 +150,12 @@ def _encode(record: dict[str, Any], size: int, what: str) -> np.ndarray:
     return out
 
 
+def _record_terms(record: dict[str, Any]) -> list[TermStats]:
+    """The reward terms a generation process's piece record carries (`send_piece`)."""
+    return [TermStats(name=name, total=total, scored=scored, errors=errors)
+            for name, total, scored, errors in record["terms"]]
+
+
 def _decode(encoded: np.ndarray) -> dict[str, Any]:
     length = int(np.frombuffer(encoded[:8].tobytes(), np.int64)[0])
     return json.loads(encoded[8:8 + length].tobytes().decode())
@@ -248,7 +254,8 @@ class RoleLinks:
                   "data": {"epoch": data_state["epoch"], "position": data_state["position"]},
                   "rewards": [float(r) for r in np.asarray(rewards, np.float32)],
                   "stats": [stats.errors, stats.timeouts, stats.nonfinite, stats.seconds],
-                  "first_error": stats.first_error}
+                  "first_error": stats.first_error,
+                  "terms": [[t.name, t.total, t.scored, t.errors] for t in stats.terms]}
         batch = piece.batch
         host = {"tokens": np.asarray(batch.tokens, np.int32), "token_mask": np.asarray(batch.token_mask, np.int8),
                 "response_mask": np.asarray(batch.response_mask, np.int8),
@@ -305,7 +312,8 @@ class RoleLinks:
         scored.set_result((rewards, RewardStats(count=len(rewards), errors=int(stats[:, 0].sum()),
                                                 timeouts=int(stats[:, 1].sum()), nonfinite=int(stats[:, 2].sum()),
                                                 seconds=float(stats[:, 3].max()), first_error=first_error,
-                                                mean_reward=float(rewards.mean()) if len(rewards) else 0.0)))
+                                                mean_reward=float(rewards.mean()) if len(rewards) else 0.0,
+                                                terms=merge_terms([_record_terms(r) for r in records]))))
         piece = Piece(index=index, examples=row_examples, completions=completions, batch=batch, rewards=scored)
         return ReceivedRollout(piece=piece, version=first["version"],
                                examples=[self.examples[i] for i in first["examples"]],

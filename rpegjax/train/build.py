@@ -293,6 +293,11 @@ def build(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Components:
     if environment is None:
         prompts = [tokenizer.encode(template.render(e, tokenizer)) for e in examples]
     else:
+        conversational = next((e for e in examples if e.messages), None)
+        if conversational is not None:  # the environment opens with one user turn of the prompt text
+            raise DatasetError(f"{conversational.where()}: a conversational prompt (a list of messages) cannot open a "
+                               f"multi-turn {environment.name} episode, which starts from one user turn; write the "
+                               "prompts as text")
         prompts = [render_opening(environment.reset(e), template, tokenizer) for e in examples]
         log(f"rollouts: multi-turn with the {environment.name} tool ({cfg.rollout.max_turns} turns, "
             f"{cfg.rollout.episode_token_budget or cfg.rollout.max_new_tokens} tokens per episode)")
@@ -349,6 +354,10 @@ def build(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Components:
         critic = critic_from_actor(model, model_cfg)
     algorithm = cfg.algorithm_section()
     lora = cfg.lora.config()
+    if lora is not None and cfg.model.path is not None:
+        cfg.lora.check_rank(hidden_size=model_cfg.hidden_size, num_heads=model_cfg.num_heads,
+                            num_kv_heads=model_cfg.num_kv_heads, head_dim=model_cfg.head_dim,
+                            intermediate_size=model_cfg.intermediate_size, where=f"the model {cfg.model.path}")
     if lora is not None:  # adapters on the actor only (a separate critic trains fully, at the algorithm's rate)
         model = model.with_lora(lora, seed=cfg.model.seed + 1)
         changes = dict(optimizer=cfg.lora.optimizer(algorithm.optimizer))

@@ -148,9 +148,10 @@ def parse_command(argv: list[str], algorithm: Algorithm) -> Command:
     for flag, fields in short.items():
         parser.add_argument(f"--{flag}", dest=flag, metavar="VALUE", help=_flag_help(defaults, fields))
     parser.add_argument(f"--{REWARD_FLAG}", action="append", metavar="MODULE:FUNCTION[=WEIGHT]",
-                        help="train on your reward function(completion: str, example: dict) -> float, from a module "
-                        "in the current directory or on PYTHONPATH; repeat for a weighted sum (data.reward; "
-                        "default: the task's own reward)")
+                        help="train on your reward function(completion: str, example: dict) -> float, or TRL's "
+                        "function(prompts, completions, **columns) -> list[float], from a module in the current "
+                        "directory or on PYTHONPATH; repeat for a weighted sum (data.reward; default: the task's own "
+                        "reward)")
     parser.add_argument("--recipe", choices=[r.value for r in Recipe], help="start from a preset (dapo: clip-higher "
                         "0.2/0.28, token-mean loss, no KL, dynamic sampling, overlong shaping; Yu et al. 2025, "
                         "arXiv:2503.14476); flags given explicitly win over it")
@@ -194,6 +195,8 @@ def parse_command(argv: list[str], algorithm: Algorithm) -> Command:
             for field in fields:
                 overrides.setdefault(field, value)
     if known.reward:
+        if not all(spec.strip() for spec in known.reward):  # joined, an empty spec would vanish silently
+            parser.error(f"--reward {known.reward!r}: an empty reward; give package.module:function[=weight]")
         overrides.setdefault("data.reward", ",".join(known.reward))
     for section in Algorithm:
         for derived, source in (("group_size", "--group-size"), ("temperature", "--temperature")):

@@ -43,6 +43,8 @@ from rpegjax.train.overrides import (
     to_jsonable,
 )
 
+_WIDTHS = ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size")
+"""The model widths a LoRA rank is checked against (`LoRASection.check_rank`)."""
 MESH_AXES = (DATA_AXIS, FSDP_AXIS, TENSOR_AXIS)
 """The mesh axis names the sharding rules know."""
 
@@ -112,9 +114,10 @@ class ModelSection:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DataSection:
     """Either a built-in `task` (generated, with a held-out split) or a `dataset` (a JSONL or Parquet file, a
-    directory of Parquet files, or a Hugging Face `save_to_disk` directory) of GSM8K, MATH or prompt/answer
-    rows, with an optional `eval_dataset`. `prompt_field` / `answer_field` name the row fields when they are
-    not the format's own. `reward`: specs `package.module:function[=weight]` of user reward functions whose
+    directory of Parquet files, or a Hugging Face `save_to_disk` directory) of GSM8K, MATH, prompt/answer (TRL's
+    rows, a prompt of messages too) or verl rows, with an optional `eval_dataset`. `prompt_field` / `answer_field`
+    name the row fields when they are not the format's own (nested ones by dotted names,
+    `reward_model.ground_truth`). `reward`: specs `package.module:function[=weight]` of user reward functions whose
     weighted sum replaces the task's reward in training (`rpegjax.rewards.custom`); held-out accuracy stays
     the task's verifier. Prompts go through the model tokenizer's chat template per `chat_template`, with
     `system_prompt` as the system turn."""
@@ -258,8 +261,29 @@ class LoRASection:
             raise ValueError(f"LoRASection.learning_rate must be positive or unset, got {self.learning_rate!r}")
         if self.rank:
             self.config()  # checks alpha, targets and dropout
-        elif self.dropout != 0:
-            raise ValueError(f"LoRASection.dropout={self.dropout!r} needs LoRA adapters (rank > 0); rank is 0")
+            return
+        defaults = LoRASection.__dataclass_fields__
+        for name in ("alpha", "targets", "dropout", "generation", "learning_rate"):
+            if getattr(self, name) != defaults[name].default:  # set for adapters that will not exist
+                raise ValueError(f"LoRASection.{name}={getattr(self, name)!r} needs LoRA adapters (rank > 0); rank is 0 "
+                                 "(set --lora-rank)")
+
+    def check_rank(self, *, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                   intermediate_size: int, where: str) -> None:
+        """The rank must not exceed min(in, out) of any projection it adapts (a larger one adds parameters, not
+        rank); `where` names the model whose widths these are."""
+        if not self.enabled:
+            return
+        shapes = {"q": (hidden_size, num_heads * head_dim), "k": (hidden_size, num_kv_heads * head_dim),
+                  "v": (hidden_size, num_kv_heads * head_dim), "o": (num_heads * head_dim, hidden_size),
+                  "gate": (hidden_size, intermediate_size), "up": (hidden_size, intermediate_size),
+                  "down": (intermediate_size, hidden_size)}
+        target = min(self.targets, key=lambda name: min(shapes[name]))
+        if self.rank > min(shapes[target]):
+            width_in, width_out = shapes[target]
+            raise ValueError(f"LoRASection.rank={self.rank} exceeds min(in, out) = {min(shapes[target])} of the "
+                             f"targeted projection {target} ({width_in} -> {width_out}) of {where}; a rank is at most "
+                             "the smaller width of every projection it adapts")
 
     @property
     def enabled(self) -> bool:
@@ -518,6 +542,9 @@ class RunConfig:
                              f"rollout.max_new_tokens ({self.rollout.max_new_tokens})")
         if self.recipe == Recipe.DAPO and self.algorithm != Algorithm.GRPO:
             raise ValueError(f"recipe {self.recipe.value!r} is a GRPO recipe; this run uses {self.algorithm.value}")
+        if self.model.path is None:  # a model from config.json is checked when it is read (build)
+            self.lora.check_rank(**{name: getattr(self.model, name) for name in _WIDTHS}, where="the built model "
+                                 f"(model.hidden_size={self.model.hidden_size})")
         if self.rollout.prompts_per_step % self.graph.generate_microbatches:
             raise ValueError(f"graph.generate_microbatches ({self.graph.generate_microbatches}) must divide "
                              f"rollout.prompts_per_step ({self.rollout.prompts_per_step})")

@@ -31,7 +31,9 @@ def _parse_value(text: str, annotation: Any, where: str) -> Any:
         raise ValueError(f"{where}: cannot read {text!r} as {annotation}")
     if origin is tuple:
         args = typing.get_args(annotation)
-        items = [item for item in text.split(",") if item.strip()] if text else []
+        items = text.split(",") if text else []  # "" is the empty tuple
+        if any(not item.strip() for item in items):
+            raise ValueError(f"{where}: an empty item in the list {text!r}")
         element = args[0] if args else str
         return tuple(_parse_value(item.strip(), element, where) for item in items)
     if annotation is bool:
@@ -55,27 +57,54 @@ def _parse_value(text: str, annotation: Any, where: str) -> Any:
 
 
 def apply_overrides(config: Any, overrides: Mapping[str, str]) -> Any:
-    """Returns `config` with `{"rollout.group_size": "8", ...}` applied; unknown names are errors."""
+    """Returns `config` with `{"rollout.group_size": "8", ...}` applied; unknown names are errors.
+
+    All overrides are applied together (each dataclass is rebuilt once with all its changed fields), so a check
+    that relates two fields sees both new values: `--graph.generate_microbatches=3 --rollout.prompts_per_step=6`
+    is checked as 3 of 6, never as 3 of the default 32."""
+    tree: dict[str, Any] = {}
     for dotted, text in overrides.items():
-        config = _apply_one(config, dotted.split("."), text, dotted)
-    return config
+        *path, last = dotted.split(".")
+        branch = tree
+        for part in path:
+            branch = branch.setdefault(part, {})
+            if not isinstance(branch, dict):
+                raise ValueError(f"--{dotted}: {part!r} is set as a value by another flag")
+        if isinstance(branch.get(last), dict):
+            raise ValueError(f"--{dotted}: a section, set field by field (--{dotted}.FIELD=...)")
+        branch[last] = (text, dotted)
+    return _apply_tree(config, tree)
 
 
-def _apply_one(node: Any, path: list[str], text: str, dotted: str) -> Any:
+def _apply_tree(node: Any, tree: dict[str, Any]) -> Any:
+    """`node` with the fields of `tree` ({name: (text, dotted) or a subtree}) replaced in one step."""
     if not dataclasses.is_dataclass(node):
+        dotted = next(iter(_leaves(tree)))
         raise ValueError(f"--{dotted}: {type(node).__name__} has no fields")
     hints = typing.get_type_hints(type(node))
     fields = {f.name for f in dataclasses.fields(node)}
-    head = path[0]
-    if head not in fields:
-        close = difflib.get_close_matches(head, fields, n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        raise ValueError(f"--{dotted}: unknown field {head!r} of {type(node).__name__}; {hint}known: {sorted(fields)}")
-    if len(path) == 1:
-        value = _parse_value(text, hints[head], f"--{dotted}")
-    else:
-        value = _apply_one(getattr(node, head), path[1:], text, dotted)
-    return dataclasses.replace(node, **{head: value})
+    changes = {}
+    for head, branch in tree.items():
+        if head not in fields:
+            dotted = next(iter(_leaves(branch))) if isinstance(branch, dict) else branch[1]
+            close = difflib.get_close_matches(head, fields, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ValueError(f"--{dotted}: unknown field {head!r} of {type(node).__name__}; {hint}known: {sorted(fields)}")
+        if isinstance(branch, dict):
+            changes[head] = _apply_tree(getattr(node, head), branch)
+        else:
+            text, dotted = branch
+            changes[head] = _parse_value(text, hints[head], f"--{dotted}")
+    return dataclasses.replace(node, **changes)
+
+
+def _leaves(tree: dict[str, Any]):
+    """The dotted names of a subtree's overrides."""
+    for branch in tree.values():
+        if isinstance(branch, dict):
+            yield from _leaves(branch)
+        else:
+            yield branch[1]
 
 
 def to_jsonable(config: Any) -> Any:
@@ -136,7 +165,17 @@ def _yaml_loader():
     import yaml
 
     class Loader(yaml.SafeLoader):
-        pass
+        def construct_mapping(self, node, deep=False):
+            # PyYAML keeps the last of repeated keys: a setting written twice is a mistake to report
+            seen = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        "while reading a mapping", node.start_mark,
+                        f"duplicate key {key!r} (first at line {seen[key] + 1})", key_node.start_mark)
+                seen[key] = key_node.start_mark.line
+            return super().construct_mapping(node, deep=deep)
 
     Loader.add_implicit_resolver(
         "tag:yaml.org,2002:float",
@@ -144,6 +183,18 @@ def _yaml_loader():
                    r"|[0-9][0-9_]*[eE][-+]?[0-9]+|\.(?:inf|Inf|INF)|[-+]\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
         list("-+0123456789."))
     return Loader
+
+
+class DuplicateKeyError(ValueError):
+    """A JSON object names one key twice (json keeps the last silently)."""
+
+
+def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [key for key, _ in pairs]
+    repeated = next((key for key in keys if keys.count(key) > 1), None)
+    if repeated is not None:
+        raise DuplicateKeyError(f"duplicate key {repeated!r} in an object (with keys {keys})")
+    return dict(pairs)
 
 
 def read_config_file(path: pathlib.Path) -> Any:
@@ -164,7 +215,9 @@ def read_config_file(path: pathlib.Path) -> Any:
             problem = getattr(error, "problem", None) or str(error)
             raise ConfigFileError(f"{path}: not valid YAML ({problem}{where})") from None
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=_refuse_duplicate_keys)
+    except DuplicateKeyError as error:
+        raise ConfigFileError(f"{path}: {error}") from None
     except json.JSONDecodeError as error:
         raise ConfigFileError(f"{path}: not valid JSON ({error.msg} at line {error.lineno} column "
                               f"{error.colno}; truncated?)") from None

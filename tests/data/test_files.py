@@ -123,3 +123,55 @@ def test_a_damaged_saved_dataset_is_a_clear_error(tmp_path):
     (tmp_path / "d" / "state.json").write_text("{")
     with pytest.raises(DatasetError, match="state.json: cannot read it"):
         load_examples(tmp_path / "d")
+
+
+def verl_rows(count):
+    """Rows as verl's examples/data_preprocess/gsm8k.py writes them."""
+    return [{"data_source": "openai/gsm8k",
+             "prompt": [{"role": "user", "content": f"What is {a} + 2? Let's think step by step and output the final "
+                                                    "answer after \"####\"."}],
+             "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(a + 2)},
+             "extra_info": {"split": "train", "index": a, "answer": f"{a} + 2 = {a + 2}\n#### {a + 2}",
+                            "question": f"What is {a} + 2?"}}
+            for a in range(count)]
+
+
+def test_verl_parquet_loads_without_conversion(tmp_path):
+    """verl's GSM8K/MATH Parquet layout is detected (DatasetFormat.VERL): the prompt messages, the gold answer
+    from reward_model.ground_truth, the other columns for rewards (decoded for batched ones)."""
+    rows = verl_rows(5)
+    path = write_parquet(tmp_path / "train.parquet", rows)
+    examples = load_examples(path, check_answer=check_gold_answer)
+    assert [e.answer for e in examples] == [str(a + 2) for a in range(5)]
+    first = examples[0]
+    assert first.messages == (("user", rows[0]["prompt"][0]["content"]),) and first.prompt == rows[0]["prompt"][0]["content"]
+    assert first["data_source"] == "openai/gsm8k" and json.loads(first["reward_model"])["style"] == "rule"
+    assert first.columns()["extra_info"] == rows[0]["extra_info"] and first.columns()["ability"] == "math"
+    assert SOLUTION_KEY not in dict(first)
+    assert load_examples(path, schema=RowSchema(dataset_format="verl")) == examples
+
+
+def test_trl_conversational_jsonl_and_nested_fields(tmp_path):
+    """TRL's conversational rows (a prompt that is a list of messages) and dotted field names for nested values."""
+    path = tmp_path / "chat.jsonl"
+    rows = [{"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"{a}+1?"}],
+             "meta": {"gold": {"value": str(a + 1)}}, "solution": str(a + 1)} for a in range(3)]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    plain = load_examples(path, schema=RowSchema(answer_field="solution"))
+    assert [e.messages for e in plain] == [(("system", "Be brief."), ("user", f"{a}+1?")) for a in range(3)]
+    assert [e.prompt for e in plain] == ["0+1?", "1+1?", "2+1?"] and [e.answer for e in plain] == ["1", "2", "3"]
+    nested = load_examples(path, schema=RowSchema(answer_field="meta.gold.value"))
+    assert [e.answer for e in nested] == ["1", "2", "3"] and nested[0]["solution"] == "1"
+    with pytest.raises(DatasetError, match=r"chat\.jsonl:1: missing field 'meta\.gold\.nothing' of a plain row"):
+        load_examples(path, schema=RowSchema(dataset_format="plain", answer_field="meta.gold.nothing"))
+    with pytest.raises(DatasetError, match=r"chat\.jsonl:1: cannot tell the dataset format.*'meta\.gold\.nothing'"):
+        load_examples(path, schema=RowSchema(answer_field="meta.gold.nothing"))
+
+
+def test_nested_fields_in_parquet(tmp_path):
+    rows = [{"input": {"text": f"{a}*2?"}, "target": {"value": a * 2}} for a in range(4)]
+    path = write_parquet(tmp_path / "nested.parquet", rows)
+    examples = load_examples(path, schema=RowSchema(prompt_field="input.text", answer_field="target.value"))
+    assert [(e.prompt, e.answer) for e in examples] == [(f"{a}*2?", str(a * 2)) for a in range(4)]
+    with pytest.raises(DatasetError, match="do not hold the prompt and answer fields"):
+        load_examples(path, schema=RowSchema(prompt_field="question.text", answer_field="target.value"))

@@ -1,5 +1,7 @@
 """Prompt templating, with and without a chat template."""
 
+import re
+
 import jinja2.sandbox
 import pytest
 
@@ -99,3 +101,55 @@ def test_chat_template_modes():
         PromptTemplate(chat_template="required").render(EXAMPLE, plain)
     with pytest.raises(ValueError, match="chat_template must be one of"):
         PromptTemplate(chat_template="always")
+
+
+CONVERSATION = Example(id="c1", prompt="And 1/3 + 1/3?", answer="2/3", task="math", source="chat.jsonl:4",
+                       messages=[("system", "Answer in \\boxed{}."), ("user", "What is 1/4 + 1/4?"),
+                                 ("assistant", "\\boxed{1/2}"), ("user", "And 1/3 + 1/3?")])
+
+
+def test_a_conversational_prompt_goes_through_the_chat_template_as_messages():
+    """TRL's conversational format: the messages as they are, the template on the last user message."""
+    tokenizer = ChatTemplateTokenizer(CHATML)
+    text = PromptTemplate(template="{question}\nAnswer:").render(CONVERSATION, tokenizer)
+    assert text == ("<|im_start|>system\nAnswer in \\boxed{}.<|im_end|>\n<|im_start|>user\nWhat is 1/4 + 1/4?<|im_end|>\n"
+                    "<|im_start|>assistant\n\\boxed{1/2}<|im_end|>\n<|im_start|>user\nAnd 1/3 + 1/3?\nAnswer:<|im_end|>\n"
+                    "<|im_start|>assistant\n")
+    one_turn = Example(id="c2", prompt="Hi", answer="1", task="math", messages=[("user", "Hi")])
+    with_system = PromptTemplate(system="Be brief.").render(one_turn, tokenizer)
+    assert with_system.startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>")
+
+
+@pytest.mark.parametrize("template, tokenizer, message", [
+    (PromptTemplate(), None, "chat.jsonl:4: a conversational prompt (a list of messages) needs a tokenizer with a chat "
+                             "template, and this one has none"),
+    (PromptTemplate(), ChatTemplateTokenizer(None), "needs a tokenizer with a chat template"),
+    (PromptTemplate(chat_template="none"), ChatTemplateTokenizer(CHATML), "but chat_template is 'none'"),
+    (PromptTemplate(system="x"), ChatTemplateTokenizer(CHATML), "has its own system message and a system prompt"),
+])
+def test_a_conversational_prompt_without_a_chat_template_is_an_error(template, tokenizer, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        template.render(CONVERSATION, tokenizer)
+
+
+def test_loaded_verl_and_trl_rows_render_through_the_chat_template(tmp_path):
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from rpegjax.data.files import load_examples
+
+    verl = [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": "1+1?"}], "ability": "math",
+             "reward_model": {"style": "rule", "ground_truth": "2"}, "extra_info": {"index": 0}}]
+    pq.write_table(pa.Table.from_pylist(verl), tmp_path / "verl.parquet")
+    trl = [{"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}], "answer": "4"}]
+    (tmp_path / "trl.jsonl").write_text(json.dumps(trl[0]) + "\n")
+    tokenizer = ChatTemplateTokenizer(CHATML)
+    [verl_example] = load_examples(tmp_path / "verl.parquet")
+    [trl_example] = load_examples(tmp_path / "trl.jsonl")
+    assert PromptTemplate().render(verl_example, tokenizer) == "<|im_start|>user\n1+1?<|im_end|>\n<|im_start|>assistant\n"
+    assert PromptTemplate().render(trl_example, tokenizer) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n")
+    with pytest.raises(ValueError, match="trl.jsonl:1: a conversational prompt .* needs a tokenizer with a chat template"):
+        PromptTemplate().render(trl_example, None)

@@ -253,6 +253,24 @@ def test_unsupported_config_features(saved):
             load_pretrained(path)
 
 
+@pytest.mark.parametrize("change, message", [
+    ({"tie_word_embeddings": "no"}, "field 'tie_word_embeddings' must be true or false, got str 'no'"),
+    ({"tie_word_embeddings": 0}, "field 'tie_word_embeddings' must be true or false, got int 0"),
+    ({"hidden_size": "64"}, "field 'hidden_size' must be an integer, got str '64'"),
+    ({"num_key_value_heads": 2.0}, "field 'num_key_value_heads' must be an integer, got float 2.0"),
+    ({"rms_norm_eps": "1e-6"}, "field 'rms_norm_eps' must be a number, got str '1e-6'"),
+    ({"mlp_bias": "false"}, "field 'mlp_bias' must be true or false, got str 'false'"),
+])
+def test_config_values_of_the_wrong_json_type_name_the_file_and_field(saved, change, message):
+    """A string "no" must not read as true (bool("no")), nor "64" give an error without the field's name."""
+    _, path = saved
+    config = json.loads((path / CONFIG_FILE).read_text())
+    (path / CONFIG_FILE).write_text(json.dumps({**config, **change}))
+    with pytest.raises(CheckpointError) as error:
+        load_pretrained(path)
+    assert str(path / CONFIG_FILE) in str(error.value) and message in str(error.value)
+
+
 def test_save_rejects_what_transformers_cannot_represent(tmp_path):
     cfg = ModelConfig.tiny(Architecture.LLAMA, attention_bias=True)
     with pytest.raises(CheckpointError, match="attention_bias=True"):

@@ -151,3 +151,21 @@ def test_worker_processes_are_limited_and_a_limit_is_a_failed_reward():
     assert "MemoryError" in stats.first_error
     with pytest.raises(ValueError, match="ResourceLimits.memory_mb must be a positive integer or None, got 0"):
         ResourceLimits(memory_mb=0)
+
+
+@pytest.mark.parametrize("how", ["garbage", "huge-header", "half-frame", "forged", "bad-answer", "close"])
+def test_a_reward_that_breaks_its_worker_pipe_fails_that_call_and_the_run_goes_on(how):
+    """Writing into the worker's pipe, or closing it, must not hang or crash the runner: the call fails
+    (an error, or a timeout when the written frame never completes), the worker is replaced, scoring goes on."""
+    texts = ["ok", how, "ok", "ok"]
+    with runner(fns.channel_breaker, Isolation.PROCESS, timeout_s=3.0, workers=1) as reward_runner:
+        start = time.monotonic()
+        rewards, stats = reward_runner.score(texts, [EXAMPLE] * len(texts))
+        elapsed = time.monotonic() - start
+        again, again_stats = reward_runner.score(["ok"] * 3, [EXAMPLE] * 3)
+        restarts = reward_runner.restarts
+    assert rewards[0] == 1.0 and rewards[1] == 0.0
+    assert stats.errors + stats.timeouts >= 1 and stats.first_error
+    assert restarts >= 1 and elapsed < 30
+    np.testing.assert_array_equal(again, [1.0] * 3)
+    assert again_stats.errors == again_stats.timeouts == 0

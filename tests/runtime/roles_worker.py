@@ -27,6 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from rpegjax import distributed
 from rpegjax.data.iterator import DataIterator
 from rpegjax.graph.trace import Trace
+from rpegjax.rewards.custom import WeightedReward
 from rpegjax.rewards.runner import RewardRunner, RewardRunnerConfig
 from rpegjax.runtime.controller import Runtime
 from rpegjax.runtime.roles import Role
@@ -74,10 +75,16 @@ def length_reward(text, example):
     return float(len(text) % 3) / 2
 
 
+def short_answers(prompts, completions, **columns):
+    """A batched (TRL-form) second term, so that each function's metrics are compared across processes too."""
+    return [float(len(completion) < 3) for completion in completions]
+
+
 def run(out: pathlib.Path, algorithm: str, plan: str | None, width: int) -> None:
     cfg = config(algorithm, plan, width)
     parts = build(cfg, log=lambda _: None)
-    rewards = RewardRunner(length_reward, RewardRunnerConfig(timeout_s=10.0, workers=1, isolation="thread"))
+    reward = WeightedReward.of(length_reward, (short_answers, 0.25))
+    rewards = RewardRunner(reward, RewardRunnerConfig(timeout_s=10.0, workers=1, isolation="thread"))
     programs = make_programs(parts, rewards)
     data = DataIterator(parts.train_examples, batch_size=cfg.rollout.prompts_per_step, seed=0)
     trace = Trace(clock=time.time)  # one host: the wall clock is shared by the processes

@@ -16,6 +16,7 @@ import pytest
 
 from rpegjax.graph import builders, transforms
 from rpegjax.graph.ir import GraphError
+from rpegjax.rewards.runner import TermStats, merge_terms
 from rpegjax.runtime import roles
 
 WORKER = pathlib.Path(__file__).with_name("roles_worker.py")
@@ -68,6 +69,14 @@ def test_host_records_round_trip_and_refuse_what_does_not_fit():
     assert np.float32(roles._decode(encoded)["rewards"][0]) == np.float32(0.1)  # float32 values exactly
     with pytest.raises(ValueError, match="a piece: .* bytes of host data do not fit the 32 bytes"):
         roles._encode(record, 32, "a piece")
+
+
+def test_reward_terms_travel_in_the_host_records_and_add_up():
+    """Each generation process's record carries its block's per-function reward sums; the trainer adds them."""
+    records = [{"terms": [["m:f", 1.5, 3, 0], ["m:g", 0.0, 1, 2]]}, {"terms": [["m:f", 0.5, 1, 1], ["m:g", 2.0, 2, 0]]}]
+    decoded = [roles._decode(roles._encode(record, 256, "a piece")) for record in records]
+    merged = merge_terms(roles._record_terms(record) for record in decoded)
+    assert merged == (TermStats(name="m:f", total=2.0, scored=4, errors=1), TermStats(name="m:g", total=2.0, scored=3, errors=2))
 
 
 def _launch(out: pathlib.Path, processes: int, devices: int, args: list[str]) -> list[subprocess.Popen]:
@@ -127,6 +136,9 @@ def _run_split_and_one(tmp_path: pathlib.Path, *args: str) -> tuple[list[dict], 
                     np.testing.assert_allclose(value, theirs["metrics"][key], rtol=1e-5, atol=1e-7,
                                                err_msg=f"step {mine['step']} {key}")
     assert any(s["metrics"]["reward"] > 0 for s in reference["steps"])  # not a blind comparison
+    # each reward function's mean and errors, gathered from the generation processes' records
+    assert all({"reward/__main__:length_reward", "reward/__main__:short_answers/errors"} <= s["metrics"].keys()
+               for s in records[2]["steps"])
     ours, theirs = np.load(split / "params.npz"), np.load(one / "params.npz")
     assert sorted(ours.files) == sorted(theirs.files)
     for name in ours.files:

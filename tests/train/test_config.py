@@ -176,3 +176,62 @@ def test_kv_cache_options_are_checked_and_never_override_a_plan_silently(tmp_pat
                           Algorithm.GRPO)
     with pytest.raises(ValueError, match="the plan's KV cache is {'kv_cache': 'contiguous'}, this run asks for"):
         build_graph(paged, num_devices=1)
+
+
+def test_related_flags_are_checked_against_each_other_not_the_defaults():
+    """--microbatches 3 with --prompts-per-step 6 was checked as 3 of the default 32 prompts and refused."""
+    cfg, _ = parse_args(["--microbatches", "3", "--prompts-per-step", "6"], Algorithm.GRPO)
+    assert (cfg.graph.generate_microbatches, cfg.rollout.prompts_per_step) == (3, 6)
+    cfg, _ = parse_args(["--prompts-per-step=6", "--graph.generate_microbatches=3"], Algorithm.GRPO)
+    assert cfg.graph.generate_microbatches == 3
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--microbatches", "4", "--prompts-per-step", "6"],
+     "graph.generate_microbatches (4) must divide rollout.prompts_per_step (6)"),
+    (["--lora-rank", "100000"], "LoRASection.rank=100000 exceeds min(in, out) = 64 of the targeted projection k "
+                                "(128 -> 64) of the built model (model.hidden_size=128)"),
+    (["--lora-rank", "200", "--lora-targets", "gate,up"],
+     "LoRASection.rank=200 exceeds min(in, out) = 128 of the targeted projection gate (128 -> 384)"),
+    (["--lora-alpha", "32"], "LoRASection.alpha=32.0 needs LoRA adapters (rank > 0); rank is 0 (set --lora-rank)"),
+    (["--lora-targets", "q,v"], "LoRASection.targets=('q', 'v') needs LoRA adapters"),
+    (["--lora-lr", "1e-4"], "LoRASection.learning_rate=0.0001 needs LoRA adapters"),
+    (["--reward", ""], "--reward ['']: an empty reward; give package.module:function[=weight]"),
+    (["--reward", "m:f", "--reward", " "], "an empty reward"),
+    (["--data.reward=m:f,,m:g"], "--data.reward: an empty item in the list 'm:f,,m:g'"),
+])
+def test_values_are_checked_against_the_resolved_config(flags, message, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(flags, Algorithm.GRPO)
+    assert message in capsys.readouterr().err
+
+
+def test_a_lora_rank_within_the_widths_is_accepted():
+    cfg, _ = parse_args(["--lora-rank", "64"], Algorithm.GRPO)
+    assert cfg.lora.rank == 64
+
+
+@pytest.mark.parametrize("name, text, message", [
+    ("run.yaml", "train:\n  steps: 3\n  steps: 5\n", "duplicate key 'steps' (first at line 2)"),
+    ("run.yaml", "train:\n  steps: 3\ntrain:\n  seed: 1\n", "duplicate key 'train' (first at line 1)"),
+    ("run.json", '{"train": {"steps": 3, "steps": 5}}', "duplicate key 'steps'"),
+])
+def test_a_config_file_that_sets_a_key_twice_is_an_error_naming_key_and_file(tmp_path, name, text, message):
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ValueError) as error:
+        RunConfig.from_file(path)
+    assert str(path) in str(error.value) and message in str(error.value)
+
+
+def test_overrides_of_top_level_and_nested_fields_apply_together():
+    from rpegjax.train.overrides import apply_overrides
+
+    config = apply_overrides(RunConfig(), {"recipe": "dapo", "rollout.prompts_per_step": "6",
+                                           "graph.generate_microbatches": "3", "grpo.clip_high": "0.3"})
+    assert (config.recipe, config.rollout.prompts_per_step, config.graph.generate_microbatches) == ("dapo", 6, 3)
+    assert config.grpo.clip_high == 0.3
+    with pytest.raises(ValueError, match="--rollout.nothing: unknown field 'nothing' of RolloutSection"):
+        apply_overrides(RunConfig(), {"rollout.nothing": "1"})
+    with pytest.raises(ValueError, match="--rollout.prompts_per_step.x: int has no fields"):
+        apply_overrides(RunConfig(), {"rollout.prompts_per_step.x": "1"})

@@ -27,8 +27,9 @@ def bonus(completion, example):
     assert isinstance(completion, str)
     return float(example["bonus"])
 
-def digits(completion, example):
-    return sum(c.isdigit() for c in completion) / 10
+def digits(prompts, completions, answer, bonus, **kwargs):  # TRL's batched form, with columns
+    assert len(prompts) == len(completions) == len(answer) and bonus == [0.3] * len(completions)
+    return [sum(c.isdigit() for c in completion) / 10 for completion in completions]
 """
 CHAT_TEMPLATE = "{% for m in messages %}<{{ m['content'] }}>{% endfor %}{% if add_generation_prompt %}:{% endif %}"
 
@@ -78,6 +79,10 @@ def test_job_trains_on_a_custom_reward_with_parquet_and_saved_datasets(tmp_path)
     steps = [r for r in records if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2]
     assert all(record["reward/errors"] == 0 for record in steps)
+    # each function's mean (unweighted) and errors, as TRL logs them
+    assert all(record["reward/myrewards:bonus"] == pytest.approx(0.3) for record in steps)
+    assert all(record["reward/myrewards:bonus/errors"] == record["reward/myrewards:digits/errors"] == 0 for record in steps)
+    assert all(0 <= record["reward/myrewards:digits"] <= 0.3 for record in steps)
     samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
     trained = [s for s in samples if s["source"] == "train"]
     assert trained and len({s["reward"] for s in trained}) > 1

@@ -1,5 +1,7 @@
 """Non-finite guard, prompt-length checks at load, and the warm-start cache keeping a value head."""
 
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -110,3 +112,26 @@ def test_a_pretrained_checkpoint_is_loaded_straight_into_the_training_layout(tmp
                 np.testing.assert_array_equal(np.asarray(variable.get_value()), np.asarray(expected[path].get_value()),
                                               err_msg=f"{name} {path}")
     assert not np.any(np.asarray(params["critic"]["value_kernel"].get_value()))
+
+
+@pytest.mark.parametrize("flags, message", [
+    ([], "a conversational prompt (a list of messages) needs a tokenizer with a chat template"),
+    (["--env=calculator"], "a conversational prompt (a list of messages) cannot open a multi-turn calculator episode"),
+])
+def test_conversational_prompts_the_run_cannot_render_are_refused_at_build(tmp_path, flags, message):
+    """TRL's conversational rows need the model's chat template, and cannot open a tool episode: a clear error
+    naming the row at start, never messages flattened silently."""
+    import json
+
+    from rpegjax.graph.ir import Algorithm
+    from rpegjax.train.build import build
+    from rpegjax.train.cli import parse_args
+
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"{a}+1="}], "answer": str(a + 1)})
+                            + "\n" for a in range(30)))
+    config, _ = parse_args([f"--dataset={data}", "--prompts-per-step=4", "--group-size=2", "--data.eval_size=2",
+                            f"--run-dir={tmp_path / 'run'}", *flags], Algorithm.GRPO)
+    with pytest.raises(ValueError) as error:
+        build(config, log=lambda _: None)
+    assert re.search(r"chat\.jsonl:\d+: ", str(error.value)) and message in str(error.value)  # the row (shuffled)
