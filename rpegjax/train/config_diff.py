@@ -12,10 +12,6 @@ import numpy as np
 
 from rpegjax import distributed
 
-# settings a resumed run may change without changing what its checkpoint holds (how long and how it runs)
-FREE_ON_RESUME = ("train.", "distributed.")
-
-
 def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     """A config's JSON form as `{"section.field": value}` (nested sections joined by dots)."""
     flat: dict[str, Any] = {}

@@ -18,15 +18,20 @@ from collections.abc import Callable
 from typing import Any
 
 from rpegjax.train.checkpoint import Checkpointer, CheckpointError
-from rpegjax.train.config_diff import FREE_ON_RESUME, describe, differences
+from rpegjax.train.config_diff import describe, differences
+
+# sections whose settings never change the structure of a checkpoint's arrays (how long and how the run goes,
+# where its data come from); and those that never change the initial weights either
+KEEP_STRUCTURE = ("train.", "distributed.", "graph.", "rollout.", "data.", "warm_start.")
+KEEP_WEIGHTS = ("train.", "distributed.", "graph.", "rollout.")
 
 
-def settings_changed(saved_config: dict[str, Any] | None, config_json: str) -> str:
-    """The settings (outside those a resume may change) in which this run differs from a checkpoint's saved
+def settings_changed(saved_config: dict[str, Any] | None, config_json: str, *, ignore: tuple[str, ...]) -> str:
+    """The settings (outside the sections in `ignore`) in which this run differs from a checkpoint's saved
     config, described; empty when none differ (or the checkpoint kept no config)."""
     if not saved_config:
         return ""
-    return describe(differences(saved_config, json.loads(config_json), ignore=FREE_ON_RESUME), "saved", "this run")
+    return describe(differences(saved_config, json.loads(config_json), ignore=ignore), "saved", "this run")
 
 
 def restore_newest(checkpoints: Checkpointer, like: Callable[[list[int]], Any], *, config_json: str,
@@ -41,7 +46,7 @@ def restore_newest(checkpoints: Checkpointer, like: Callable[[list[int]], Any], 
             meta = checkpoints.metadata(step)
             arrays, meta = checkpoints.restore(like(meta["history_versions"]), step)
         except (CheckpointError, KeyError, TypeError) as error:
-            changed = settings_changed(_saved_config(checkpoints, step), config_json)
+            changed = settings_changed(_saved_config(checkpoints, step), config_json, ignore=KEEP_STRUCTURE)
             if changed:
                 raise CheckpointError(
                     f"checkpoint {checkpoints.directory / str(step)} does not restore into this run, whose settings "

@@ -48,7 +48,7 @@ from rpegjax.train.hooks import (
     run_hooks,
 )
 from rpegjax.train.metrics import MetricsWriter, plot_dashboard, read_metrics, set_aside_later_metrics
-from rpegjax.train.resume import check_steps, restore_newest, settings_changed
+from rpegjax.train.resume import KEEP_WEIGHTS, check_steps, restore_newest, settings_changed
 from rpegjax.train.samples import (
     Sample,
     SampleLog,
@@ -336,7 +336,7 @@ class Trainer:
         else:
             state, history, meta = self._restore(job)
             if abs(meta["reference_fingerprint"] - job.reference_print) > 1e-6 * max(1.0, job.reference_print):
-                changed = settings_changed(meta.get("config"), self.cfg.to_json())
+                changed = settings_changed(meta.get("config"), self.cfg.to_json(), ignore=KEEP_WEIGHTS)
                 raise CheckpointError(f"{self.run_dir}: the checkpoint was trained from other initial weights "
                                       "(model path, warm start or seed changed" + (f": {changed})" if changed else ")"))
             step, accuracy = meta["next_step"], meta["start_accuracy"]
