@@ -28,6 +28,10 @@ def test_a_run_directory_in_use_is_refused_to_a_new_run_and_to_a_resume(tmp_path
                                                                                  else [])})
 
 
+def _records(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
 def _steps(records) -> list[tuple[int, bool]]:
     """(step, is a training record) of each record: an evaluation alone has no loss."""
     return [(r["step"], "loss" in r) for r in records]
@@ -57,7 +61,7 @@ def test_resume_keeps_each_step_once_and_refuses_what_it_cannot_do(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from step 1" in resumed.stderr
     assert _steps(metrics(run_dir)) == [(0, False), (1, True), (2, True), (3, True), (3, False)]
-    assert _steps(metrics(run_dir / "metrics.dropped-at-resume-1.jsonl")) == [(2, True), (2, False)]
+    assert _steps(_records(run_dir / "metrics.dropped-at-resume-1.jsonl")) == [(2, True), (2, False)]
     assert f"moved to {run_dir / 'metrics.dropped-at-resume-1.jsonl'}" in resumed.stderr
 
     # no complete checkpoint: a restart from step 0, every earlier record set aside
@@ -66,9 +70,8 @@ def test_resume_keeps_each_step_once_and_refuses_what_it_cannot_do(tmp_path):
     assert restarted.returncode == 0, restarted.stderr[-3000:]
     assert "no complete checkpoint" in restarted.stderr
     assert _steps(metrics(run_dir)) == [(0, False), (1, True), (2, True), (3, True), (3, False)]
-    assert len(metrics(run_dir / "metrics.dropped-at-resume-2.jsonl")) == 5
-    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
-    dropped = [json.loads(line) for line in (run_dir / "samples.dropped-at-resume-2.jsonl").read_text().splitlines()]
+    assert len(_records(run_dir / "metrics.dropped-at-resume-2.jsonl")) == 5
+    samples, dropped = _records(run_dir / "samples.jsonl"), _records(run_dir / "samples.dropped-at-resume-2.jsonl")
     key = lambda s: (s["step"], s["source"], s["prompt"])
     assert len({key(s) for s in samples}) == len(samples)  # each sample once
     assert {key(s) for s in samples} <= {key(s) for s in dropped}  # the same data order: the restart redid them
