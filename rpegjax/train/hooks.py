@@ -84,10 +84,6 @@ class Console:
         finally:
             self.progress.refresh()
 
-    def say(self, message: str) -> None:
-        with self.paused():
-            self.log(message)
-
 
 class AdapterVersions:
     """With LoRA, the adapters of the weights versions generation may still read (a copy per step, small):
