@@ -9,7 +9,10 @@ deleted only after a newer one is committed, so a crash never loses the last com
 from __future__ import annotations
 
 import contextlib
+import errno
+import logging
 import pathlib
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,6 +23,14 @@ import orbax.checkpoint as ocp
 
 class CheckpointError(RuntimeError):
     pass
+
+
+class _OrbaxFailureFilter(logging.Filter):
+    """Drops the error records (with tracebacks) that orbax's background threads log for a failed write: the
+    failure reaches the Checkpointer as an exception too, which it reports as one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno >= logging.ERROR and record.exc_info and "orbax" in record.pathname)
 
 
 class Checkpointer:
@@ -55,6 +66,8 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=asynchronous,
                                                create=processes is None, multiprocessing_options=multiprocessing)
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+        self._quiet = _OrbaxFailureFilter()
+        logging.getLogger("absl").addFilter(self._quiet)  # orbax logs through absl
 
     def save(self, step: int, arrays: Any, metadata: dict[str, Any]) -> None:
         """Starts writing checkpoint `step` (in the background when asynchronous). A write that fails (a full
@@ -82,7 +95,12 @@ class Checkpointer:
         except Exception as error:  # orbax wraps OS errors in its own types: find the cause to name it
             cause = _os_error(error)
             what = f"checkpoint {self.directory / str(step)}" if step is not None else f"checkpoints in {self.directory}"
-            reason = f"{cause.strerror or cause} ({cause.filename})" if cause is not None else f"{type(error).__name__}: {error}"
+            if _disk_full(error):
+                reason = "the disk is full (no space left on device)"
+            elif cause is not None:
+                reason = f"{cause.strerror or cause} ({cause.filename})"
+            else:
+                reason = f"{type(error).__name__}: {error}"
             raise CheckpointError(f"cannot write {what}: {reason}; the earlier complete checkpoints are intact "
                                   f"({self.all_steps() or 'none'})") from error
 
@@ -137,6 +155,22 @@ class Checkpointer:
                 self._manager.wait_until_finished()
         finally:
             self._manager.close()
+            logging.getLogger("absl").removeFilter(self._quiet)
+
+
+def _disk_full(error: BaseException) -> bool:
+    """Whether `error` (or a cause along its chain) is a full disk: an OSError ENOSPC, or TensorStore's error
+    for one (a ValueError naming the OS error code)."""
+    cause = _os_error(error)
+    if cause is not None and cause.errno == errno.ENOSPC:
+        return True
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if re.search(rf"os_error_code='{errno.ENOSPC}'|No space left on device", str(error)):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def _os_error(error: BaseException) -> OSError | None:

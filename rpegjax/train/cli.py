@@ -22,7 +22,9 @@ from rpegjax import distributed
 from rpegjax.distributed import DistributedConfig
 from rpegjax.graph.ir import Algorithm
 from rpegjax.train.config import Recipe, RunConfig, recipe_overrides
+from rpegjax.train.config_diff import check_same_across_processes
 from rpegjax.train.overrides import apply_overrides
+from rpegjax.train.run_directory import claim_for_run, drop_if_empty, run_files
 
 # short flag -> dotted fields it sets (a flag may set several)
 ALIASES: dict[str, tuple[str, ...]] = {
@@ -257,25 +259,10 @@ def claim_new_run_dir(algorithm: Algorithm) -> str:
     raise RuntimeError(f"cannot find a free run directory name {base}-N")
 
 
-def check_run_dir(run_dir: str, *, resume: bool, overwrite: bool) -> None:
-    """Refuses to start a new run in a directory that holds files (an earlier run's checkpoints and metrics
-    would mix with this one's) unless `overwrite`; raises ValueError saying what to do."""
-    path = pathlib.Path(run_dir)
-    if resume:
-        return
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"run directory {run_dir} exists and is not a directory")
-    if path.is_dir() and any(path.iterdir()) and not overwrite:
-        raise ValueError(f"run directory {run_dir} is not empty (an earlier run?): continue it with --resume "
-                         f"{run_dir}, replace it with --overwrite, or choose another --run-dir")
-
-
 def clear_run_dir(run_dir: str) -> None:
     """Deletes what an earlier run left in `run_dir` (for `--overwrite`, once everything is validated)."""
-    path = pathlib.Path(run_dir)
-    if path.is_dir():
-        for child in path.iterdir():
-            shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+    for child in run_files(pathlib.Path(run_dir)):  # the run's lock stays: this run holds it
+        shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
 
 
 def join_processes(config: RunConfig) -> DistributedConfig:
@@ -296,8 +283,7 @@ def agree_on_run_dir(config: RunConfig, algorithm: Algorithm) -> RunConfig:
         if run_dir is None:  # one name for all: the wall clock differs between hosts
             run_dir = distributed.broadcast_text(claim_new_run_dir(algorithm) if jax.process_index() == 0 else None)
         config = config.replace(train=dataclasses.replace(config.train, run_dir=run_dir))
-        distributed.assert_same_across_processes(
-            config.replace(distributed=DistributedConfig()).to_json(), "the run configuration")
+        check_same_across_processes(config.replace(distributed=DistributedConfig()).to_json())
     elif run_dir is None:
         config = config.replace(train=dataclasses.replace(config.train, run_dir=claim_new_run_dir(algorithm)))
     return config
@@ -338,17 +324,18 @@ def main(argv: list[str], algorithm: Algorithm) -> int:
             log(f"compiled programs cached in {enable_compilation_cache(config.train.compilation_cache_dir)}")
         if config.train.wandb and main_process:  # before anything is built: a missing package is found at once
             require_wandb()
-        if config.train.run_dir is not None:  # refused before anything is built or written
-            check_run_dir(config.train.run_dir, resume=resume is not None, overwrite=command.overwrite)
         config = agree_on_run_dir(config.replace(distributed=resolved), algorithm)
     except (ValueError, OSError) as error:
         say(f"{where}error: {error}")
         return 2
     run_dir = config.train.run_dir
+    fresh = claimed or not pathlib.Path(run_dir).exists()  # this launch makes the directory
     log(f"run directory: {run_dir}")
     if resolved.is_multi_process:
         log(f"{resolved.num_processes} processes joined (coordinator {resolved.coordinator_address})")
-    try:
+    lock = None
+    try:  # the directory is claimed (locked, then checked) before anything is built or written
+        lock = claim_for_run(run_dir, resume=resume is not None, overwrite=command.overwrite)
         parts = build(config, log=log)
         from rpegjax.runtime.roles import writer_process
 
@@ -364,7 +351,7 @@ def main(argv: list[str], algorithm: Algorithm) -> int:
         summary = Trainer(parts, run_dir, resume=resume is not None, is_main_process=main_process, log=log).run()
     except (ValueError, CheckpointError, SandboxError) as error:  # bad input, a sandbox that cannot run: no traceback
         say(f"{where}error: {error}")
-        _drop_if_empty(run_dir, claimed and main_process)
+        drop_if_empty(lock, fresh=fresh)
         return 2
     except TrainingError as error:  # the run went wrong (non-finite values): its checkpoints are kept
         say(f"{where}error: {error}")
@@ -373,8 +360,11 @@ def main(argv: list[str], algorithm: Algorithm) -> int:
         name = f"{error.filename}: " if error.filename else ""
         say(f"{where}error: cannot write the run: {name}{error.strerror or error} (completed checkpoints in "
             f"{run_dir}/checkpoints are intact)")
-        _drop_if_empty(run_dir, claimed and main_process)
+        drop_if_empty(lock, fresh=fresh)
         return 1
+    finally:
+        if lock is not None:
+            lock.release()
     if main_process:
         print(json.dumps(summary), flush=True)
     return 0
@@ -439,10 +429,3 @@ def _dry_run(config: RunConfig, memory_gb: float | None, say) -> int:
         say(f"error: {report.refusal()}")
         return 3
     return 0
-
-
-def _drop_if_empty(run_dir: str, claimed: bool) -> None:
-    """Removes a default run directory this launch created if the run failed before writing into it."""
-    path = pathlib.Path(run_dir)
-    if claimed and path.is_dir() and not any(path.iterdir()):
-        path.rmdir()

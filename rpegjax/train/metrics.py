@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from rpegjax.train.records import set_aside_records
 from rpegjax.train.samples import Sample, markdown
 
 
@@ -37,11 +38,12 @@ class MetricsWriter:
     """Appends `{"step": s, ...}` records to `metrics.jsonl` and mirrors numeric ones to TensorBoard (and to
     Weights & Biases when `wandb` is given: `{"project", "mode", "config"}`, a run under `run_dir/wandb`).
 
-    `enabled=False` (non-zero processes of a multi-host run) makes every call a no-op.
+    `enabled=False` (non-zero processes of a multi-host run) makes every call a no-op. `purge_step` (a resumed
+    run: the step it continues from) hides the TensorBoard events of later steps an earlier attempt wrote.
     """
 
     def __init__(self, run_dir: str | pathlib.Path, *, enabled: bool = True, tensorboard: bool = True,
-                 wandb: Mapping[str, Any] | None = None):
+                 wandb: Mapping[str, Any] | None = None, purge_step: int | None = None):
         self.run_dir = pathlib.Path(run_dir)
         self.enabled = enabled
         self._tb = None
@@ -58,7 +60,7 @@ class MetricsWriter:
         if tensorboard:
             from tensorboardX import SummaryWriter
 
-            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=purge_step)
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
         record = {"step": int(step)}
@@ -97,6 +99,15 @@ class MetricsWriter:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def set_aside_later_metrics(run_dir: str | pathlib.Path, next_step: int) -> pathlib.Path | None:
+    """Sets aside the records of `metrics.jsonl` that a run resumed at `next_step` writes again (in the file
+    returned; `rpegjax.train.records`). Records are numbered by steps completed: the checkpoint's own step keeps
+    its training record (it has `staleness`), not the final evaluation of a run that ended there; a restart from
+    scratch (`next_step` 0) sets aside every record, its start evaluation included."""
+    return set_aside_records(pathlib.Path(run_dir) / "metrics.jsonl", lambda record: 0 < next_step and (
+        record["step"] < next_step or (record["step"] == next_step and "staleness" in record)))
 
 
 def read_metrics(path: str | pathlib.Path) -> list[dict[str, Any]]:

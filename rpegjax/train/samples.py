@@ -13,6 +13,7 @@ import numpy as np
 
 from rpegjax.data.example import Example
 from rpegjax.train.evaluation import Answer
+from rpegjax.train.records import set_aside_records
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -96,14 +97,11 @@ class SampleLog:
             with open(self.path, "a") as handle:
                 handle.write("".join(s.to_json() + "\n" for s in samples))
 
-    def truncate(self, next_step: int) -> None:
-        """Drops the samples of steps after a resumed checkpoint (they are generated again) and the
-        evaluations at `next_step` (the final evaluation of a run that ended there)."""
-        if not self.enabled or not self.path.exists():
-            return
-        kept = []
-        for line in self.path.read_text().splitlines():
-            record = json.loads(line)
-            if record["step"] < next_step or (record["step"] == next_step and record["source"] == "train"):
-                kept.append(line + "\n")
-        self.path.write_text("".join(kept))
+    def truncate(self, next_step: int) -> pathlib.Path | None:
+        """Sets aside the samples of steps after a resumed checkpoint (they are generated again) and the
+        evaluations at `next_step` (the final evaluation of a run that ended there), in the file returned
+        (`rpegjax.train.records`; None when nothing was dropped)."""
+        if not self.enabled:
+            return None
+        return set_aside_records(self.path, lambda record: record["step"] < next_step or (
+            record["step"] == next_step and record["source"] == "train"))

@@ -4,7 +4,6 @@ plots, traces and the final policy as a Hugging Face directory."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import pathlib
@@ -14,7 +13,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -27,7 +25,7 @@ from rpegjax.graph.ir import Algorithm
 from rpegjax.graph.trace import Trace, gantt_png
 from rpegjax.models.precision import generation_cast
 from rpegjax.rewards.runner import ResourceLimits, RewardRunner
-from rpegjax.runtime.controller import Runtime, StepResult
+from rpegjax.runtime.controller import Runtime
 from rpegjax.runtime.programs import StagePrograms
 from rpegjax.runtime.roles import Role, process_groups
 from rpegjax.train.build import Components
@@ -35,8 +33,22 @@ from rpegjax.train.checkpoint import Checkpointer, CheckpointError
 from rpegjax.train.config import RunConfig, TrainSection
 from rpegjax.train.evaluation import evaluate_accuracy
 from rpegjax.train.export import export_adapter, export_policy
-from rpegjax.train.health import NonFiniteGuard, TrainingError, nonfinite_leaves
-from rpegjax.train.metrics import MetricsWriter, plot_dashboard, read_metrics
+from rpegjax.train.health import TrainingError, nonfinite_leaves
+from rpegjax.train.hooks import (
+    AdapterVersions,
+    Console,
+    Hook,
+    NonFiniteCheck,
+    Period,
+    StepInfo,
+    StepTimer,
+    metrics_hook,
+    progress_hook,
+    reward_errors_hook,
+    run_hooks,
+)
+from rpegjax.train.metrics import MetricsWriter, plot_dashboard, read_metrics, set_aside_later_metrics
+from rpegjax.train.resume import KEEP_WEIGHTS, check_steps, restore_newest, settings_changed
 from rpegjax.train.samples import (
     Sample,
     SampleLog,
@@ -148,9 +160,34 @@ def make_programs(parts: Components, rewards: RewardRunner) -> StagePrograms:
     )
 
 
+@dataclasses.dataclass(kw_only=True)
+class _Job:
+    """What `Trainer.run` sets up before its first step."""
+
+    role: Role | None
+    data: DataIterator
+    checkpoints: Checkpointer | None
+    rewards: RewardRunner
+    programs: StagePrograms
+    trace: Trace
+    runtime: Runtime
+    state: Any
+    reference_print: float
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Start:
+    """Where the steps start: the step, the held-out accuracy at step 0, older weights versions for generation."""
+
+    step: int
+    accuracy: float
+    history: list[tuple[int, Any]]
+
+
 class Trainer:
     """One run directory: `run()` trains `cfg.train.steps` steps (continuing from the last complete
-    checkpoint when `resume`), evaluating held-out accuracy at the start and the end."""
+    checkpoint when `resume`), evaluating held-out accuracy at the start and the end. After each step the side
+    jobs run as hooks (`rpegjax.train.hooks`), each at its period."""
 
     def __init__(self, parts: Components, run_dir: str | pathlib.Path, *, resume: bool = False,
                  is_main_process: bool = True, log: Callable[[str], None] = print):
@@ -160,74 +197,71 @@ class Trainer:
         self.resume = resume
         self.main = is_main_process
         self.log = log if is_main_process else (lambda _: None)
-
-    def _write_config(self) -> None:
-        """config.json and graph.json: written only once a resumed run has been checked against its
-        checkpoint, so that a refused `--resume` leaves the run as it was."""
-        if self.main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            _write_atomically(self.run_dir / "config.json", self.cfg.to_json())
-            _write_atomically(self.run_dir / "graph.json", self.parts.graph.to_json())
-
-    def _evaluate(self, params: Any, step: int) -> float:
-        """Held-out accuracy after `step` steps; its first answers go to the samples."""
-        parts = self.parts
-        max_new = self.cfg.rollout.max_new_tokens
-        accuracy, answers = evaluate_accuracy(
-            parts.evaluation_sampler, params, parts.eval_examples, parts.prompt_ids(parts.eval_examples),
-            is_correct=parts.task.is_correct, decode=parts.decode, max_new_tokens=max_new,
-            episodes=episode_runner(parts, SamplingConfig(max_new_tokens=max_new, greedy=True),
-                                    sampler=parts.evaluation_sampler))
-        self._record_samples(step, evaluation_samples(step, answers, self.cfg.train.samples_per_step), console=False)
-        return accuracy
-
-    def _record_samples(self, step: int, samples: list[Sample], *, console: bool) -> None:
-        self.samples.write(samples)
-        self.metrics.log_samples(step, samples)
-        if console:
-            for line in console_lines(samples):
-                self.log(line)
-
-    def _evaluation_weights(self, programs: StagePrograms, state: Any) -> Any:
-        """The actor weights of `state` in the evaluation sampler's layout."""
-        if self.parts.eval_sampler is None:
-            return programs.sync(state)
-        return programs.copy_actor(state, self.parts.eval_sampler.params_sharding)
+        # with LoRA, checkpoints keep the older versions generation may still read as their adapters (a copy per
+        # step, small), not as generation copies of the whole model
+        self.adapters = AdapterVersions(self.cfg.graph.async_bound) if self.cfg.lora.enabled else None
 
     def run(self) -> dict[str, Any]:
         """Over process groups (`rpegjax.runtime.roles`) a generation process only runs the rollout loop; the
         training processes do everything else, the first of them writing (`writer_process`)."""
         started = time.perf_counter()
+        job = self._set_up()
+        if job.role == Role.GENERATE:
+            return self._generate(job, started)
+        try:
+            state, start = self._start(job)
+            console = Console(self.log, _progress(self.cfg.train.steps - start.step, start.step, enabled=self.main))
+            hooks = self._hooks(job, start, console)
+            try:
+                state = job.runtime.run(state, start_step=start.step, num_steps=self.cfg.train.steps - start.step,
+                                        history=start.history, on_step=lambda result, s: run_hooks(hooks, result, s))
+            finally:
+                console.progress.close()
+        finally:
+            job.checkpoints.close()
+            job.rewards.close()
+        end_accuracy = self._finish(job, state, start.accuracy)
+        return {"start_accuracy": start.accuracy, "end_accuracy": end_accuracy, "steps": self.cfg.train.steps,
+                "wall_seconds": round(time.perf_counter() - started, 2), "run_dir": str(self.run_dir)}
+
+    def _hooks(self, job: _Job, start: _Start, console: Console) -> list[Hook]:
+        """The side jobs after each step, in the order they run (a hook sees what the earlier ones recorded)."""
+        train = self.cfg.train
+        samples = Period(every=train.sample_every, also=frozenset({start.step + 1} if train.sample_every else ()))
+        return [
+            *([Hook(name="adapter versions", run=self.adapters)] if self.adapters is not None else []),
+            Hook(name="step timing", run=StepTimer()),
+            Hook(name="samples", run=lambda info: self._sample(info, console), period=samples),
+            Hook(name="evaluation", run=lambda info: self._evaluate_during(job, info, console),
+                 period=Period(every=train.eval_every, skip=frozenset({train.steps}))),
+            Hook(name="non-finite check", run=NonFiniteCheck(train.max_nonfinite_steps, console)),
+            metrics_hook(self.metrics),
+            reward_errors_hook(lambda: job.runtime.last_reward_error, console),
+            progress_hook(console),
+            Hook(name="checkpoint", run=lambda info: self._save(job, info, start.accuracy),
+                 period=Period(every=train.checkpoint_every, also=frozenset({train.steps}))),
+        ]
+
+    # ---- set-up ----------------------------------------------------------------------------------
+    def _set_up(self) -> _Job:
         parts, cfg = self.parts, self.cfg
         learner = parts.learner
         groups = process_groups(parts.graph)
         role = None if groups is None else groups.role
         if groups is not None:  # refused in every process alike, before anything runs
-            if cfg.train.export_hf:
-                raise ValueError("train.export_hf: a run over separate generation and training processes does not "
-                                 "write its Hugging Face directory yet; run with --train.export_hf=false and export "
-                                 "a checkpoint with scripts/export_hf.py RUN_DIR")
-            if self.resume:
-                raise ValueError("--resume: a run over separate generation and training processes cannot resume yet "
-                                 "(its checkpoints restore in a colocated run: --rollout-devices=0)")
+            self._refuse_over_process_groups()
         data = DataIterator(parts.train_examples, batch_size=cfg.rollout.prompts_per_step, seed=cfg.data.seed)
         checkpoints = None if role == Role.GENERATE else Checkpointer(
             self.run_dir / "checkpoints", keep=cfg.train.keep_checkpoints,
             processes=None if groups is None else groups.training)
-        train_mesh = None if groups is None else learner.placement.mesh
-        self._train_mesh = train_mesh
+        self._train_mesh = None if groups is None else learner.placement.mesh
         state = None if role == Role.GENERATE else learner.init_state()
-        # with LoRA, checkpoints keep the older versions generation may still read as their adapters (a copy per
-        # step, small), not as generation copies of the whole model
-        self._adapter_versions: dict[int, Any] | None = {} if cfg.lora.enabled else None
         initial = learner.model_params(learner.params)  # with LoRA the frozen base too
         reference_print = _fingerprint(initial)  # a collective of every process, at set-up
         if not np.isfinite(reference_print):  # NaN weights would train to garbage without a word
             where = cfg.model.path or "the built model (warm start?)"
             raise ValueError(f"{where}: the initial weights hold NaN or inf values "
                              f"(in {', '.join(nonfinite_leaves(initial))})")
-        guard = NonFiniteGuard(cfg.train.max_nonfinite_steps)
-        start_step, history, start_accuracy = 0, [], None
         rewards = RewardRunner.for_task(parts.task, timeout_s=cfg.train.reward_timeout_s,
                                         workers=cfg.train.reward_workers, limits=reward_limits(cfg.train))
         programs = make_programs(parts, rewards)
@@ -240,160 +274,169 @@ class Trainer:
                           key=jax.random.key(cfg.train.seed), trace=trace, concurrent_rollout=jax.process_count() == 1,
                           dynamic_sampling=grpo.dynamic_sampling_config() if grpo else None,
                           reward_shaping=grpo.overlong_shaping(cfg.rollout.max_new_tokens) if grpo else None)
-        if role == Role.GENERATE:
-            try:
-                runtime.run(None, start_step=0, num_steps=cfg.train.steps)
-            finally:
-                rewards.close()
-            # the run's trace.json holds the training processes' stages; each generation process adds its own
-            trace.to_chrome_json(self.run_dir / f"trace.generation-{jax.process_index()}.json")
-            return {"role": role.value, "steps": cfg.train.steps,
-                    "wall_seconds": round(time.perf_counter() - started, 2), "run_dir": str(self.run_dir)}
-        if self.resume and checkpoints.latest_step() is not None:
-            state, history, meta = self._restore(checkpoints, state, programs)
-            if abs(meta["reference_fingerprint"] - reference_print) > 1e-6 * max(1.0, reference_print):
-                raise CheckpointError(f"{self.run_dir}: the checkpoint was trained from other initial weights "
-                                      "(model path, warm start or seed changed)")
-            start_step, start_accuracy = meta["next_step"], meta["start_accuracy"]
-            data.restore(meta["data_state"])
-            self._truncate_metrics(start_step)
-            self.log(f"resumed from step {start_step} ({checkpoints.directory / str(start_step)})")
-        elif self.resume:
-            self.log(f"no complete checkpoint in {checkpoints.directory}: starting from scratch")
-        self._write_config()
-        wandb = ({"project": cfg.train.wandb_project, "mode": cfg.train.wandb_mode.value,
-                  "config": json.loads(cfg.to_json())} if cfg.train.wandb else None)
-        metrics = self.metrics = MetricsWriter(self.run_dir, enabled=self.main, wandb=wandb)
-        self.samples = SampleLog(self.run_dir, enabled=self.main)
-        if start_step:
-            self.samples.truncate(start_step)
-        if start_accuracy is None:
-            start_accuracy = self._evaluate(self._evaluation_weights(programs, state), 0)
-            metrics.log(0, {"eval/accuracy": start_accuracy, **parts.warm_start_metrics})
-            self.log(f"held-out accuracy at start: {start_accuracy:.3f} ({len(parts.eval_examples)} examples)")
-        remaining = cfg.train.steps - start_step
-        progress = _progress(remaining, start_step, enabled=self.main)
-        step_started = time.perf_counter()
+        return _Job(role=role, data=data, checkpoints=checkpoints, rewards=rewards, programs=programs, trace=trace,
+                    runtime=runtime, state=state, reference_print=reference_print)
 
-        if self._adapter_versions is not None:
-            self._adapter_versions[start_step] = jax.tree.map(jnp.copy, state.params)
+    def _refuse_over_process_groups(self) -> None:
+        if self.cfg.train.export_hf:
+            raise ValueError("train.export_hf: a run over separate generation and training processes does not "
+                             "write its Hugging Face directory yet; run with --train.export_hf=false and export "
+                             "a checkpoint with scripts/export_hf.py RUN_DIR")
+        if self.resume:
+            raise ValueError("--resume: a run over separate generation and training processes cannot resume yet "
+                             "(its checkpoints restore in a colocated run: --rollout-devices=0)")
 
-        def on_step(result: StepResult, state: Any) -> None:
-            nonlocal step_started
-            if self._adapter_versions is not None:
-                self._adapter_versions[result.step + 1] = jax.tree.map(jnp.copy, state.params)
-                for old in [v for v in self._adapter_versions if v < result.step + 1 - cfg.graph.async_bound]:
-                    del self._adapter_versions[old]
-            now = time.perf_counter()
-            record = dict(result.metrics)
-            record["seconds"] = now - step_started
-            record["tokens_per_second"] = result.metrics["tokens"] / max(now - step_started, 1e-9)
-            step_started = now
-            step = result.step + 1  # steps completed
-            if cfg.train.sample_every and (step % cfg.train.sample_every == 0 or step == start_step + 1) \
-                    and result.rewards is not None:
-                with _progress_paused(progress):
-                    self.log(f"step {step}: reward {record.get('reward', 0):.3f}, samples:")
-                    self._record_samples(step, training_samples(step, result.completions, result.examples,
-                                                                result.rewards, parts.decode,
-                                                                cfg.train.samples_per_step), console=True)
-            if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
-                record["eval/accuracy"] = self._evaluate(self._evaluation_weights(programs, state), step)
-                with _progress_paused(progress):
-                    self.log(f"step {step}: held-out accuracy {record['eval/accuracy']:.3f}")
-            bad = guard.observe(step, record)
-            if bad:
-                self.log(f"step {step}: non-finite {', '.join(bad)} ({guard.count} such steps; "
-                         f"train.max_nonfinite_steps={cfg.train.max_nonfinite_steps})")
-            record["nonfinite_steps"] = guard.count
-            metrics.log(step, record)
-            if runtime.last_reward_error and record.get("reward/errors", 0) > 0:
-                self.log(f"step {step}: reward function failed on {int(record['reward/errors'])} completions "
-                         f"(scored 0): {runtime.last_reward_error}")
-            progress.update(1)
-            progress.set_postfix(reward=f"{record.get('reward', 0):.3f}", acc=f"{record.get('accuracy', 0):.3f}",
-                                 tok_s=f"{record['tokens_per_second']:.0f}", stale=int(record["staleness"]))
-            if step % cfg.train.checkpoint_every == 0 or step == cfg.train.steps:
-                self._save(checkpoints, step, state, runtime, result, start_accuracy, reference_print)
-
+    def _generate(self, job: _Job, started: float) -> dict[str, Any]:
+        """A generation process of a run over process groups: the rollout loop, then its own trace file (the
+        run's trace.json holds the training processes' stages)."""
         try:
-            state = runtime.run(state, start_step=start_step, num_steps=remaining, history=history, on_step=on_step)
+            job.runtime.run(None, start_step=0, num_steps=self.cfg.train.steps)
         finally:
-            progress.close()
-            checkpoints.close()
-            rewards.close()
-        end_accuracy = self._evaluate(self._evaluation_weights(programs, state), cfg.train.steps)
-        metrics.log(cfg.train.steps, {"eval/accuracy": end_accuracy})
-        metrics.close()
-        self.log(f"held-out accuracy at end: {end_accuracy:.3f} (start {start_accuracy:.3f})")
-        if self.main:
-            self._write_outputs(trace)
-        if cfg.train.export_hf:  # with several processes a collective: every process takes part
-            path = export_policy(parts, learner.actor_params(state.params), self.run_dir / "hf")
-            self.log(f"final policy as a Hugging Face model: {path}" + (" (LoRA merged)" if cfg.lora.enabled else ""))
-            if cfg.lora.enabled:
-                path = export_adapter(parts, learner.actor_params(state.params), self.run_dir / "adapter")
-                self.log(f"its LoRA adapters as a PEFT adapter directory: {path}")
-        return {"start_accuracy": start_accuracy, "end_accuracy": end_accuracy, "steps": cfg.train.steps,
+            job.rewards.close()
+        job.trace.to_chrome_json(self.run_dir / f"trace.generation-{jax.process_index()}.json")
+        return {"role": job.role.value, "steps": self.cfg.train.steps,
                 "wall_seconds": round(time.perf_counter() - started, 2), "run_dir": str(self.run_dir)}
 
-    # ---- checkpoints -----------------------------------------------------------------------------
-    def _save(self, checkpoints: Checkpointer, step: int, state, runtime: Runtime, result: StepResult,
-              start_accuracy: float, reference_print: float) -> None:
+    def _start(self, job: _Job) -> tuple[Any, _Start]:
+        """The state to train from (restored with `resume`), the run's files opened, the held-out accuracy at
+        step 0 (measured now unless a checkpoint holds it)."""
+        state, step, accuracy, history = job.state, 0, None, []
+        if self.resume:
+            state, step, accuracy, history = self._resume(job)
+        self._write_config()
+        wandb = ({"project": self.cfg.train.wandb_project, "mode": self.cfg.train.wandb_mode.value,
+                  "config": json.loads(self.cfg.to_json())} if self.cfg.train.wandb else None)
+        self.metrics = MetricsWriter(self.run_dir, enabled=self.main, wandb=wandb,
+                                     purge_step=(step + 1 if step else 0) if self.resume else None)
+        self.samples = SampleLog(self.run_dir, enabled=self.main)
+        if accuracy is None:
+            accuracy = self._evaluate(self._evaluation_weights(job.programs, state), 0)
+            self.metrics.log(0, {"eval/accuracy": accuracy, **self.parts.warm_start_metrics})
+            self.log(f"held-out accuracy at start: {accuracy:.3f} ({len(self.parts.eval_examples)} examples)")
+        if self.adapters is not None:
+            self.adapters.keep(step, state.params)
+        return state, _Start(step=step, accuracy=accuracy, history=history)
+
+    def _write_config(self) -> None:
+        """config.json and graph.json: written only once a resumed run has been checked against its
+        checkpoint, so that a refused `--resume` leaves the run as it was."""
+        if self.main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            _write_atomically(self.run_dir / "config.json", self.cfg.to_json())
+            _write_atomically(self.run_dir / "graph.json", self.parts.graph.to_json())
+
+    # ---- resume ----------------------------------------------------------------------------------
+    def _resume(self, job: _Job) -> tuple[Any, int, float | None, list[tuple[int, Any]]]:
+        """The state, next step, start accuracy and older weights versions of the last complete checkpoint
+        (`rpegjax.train.resume`); from scratch when there is none. Either way the records of the steps trained
+        again are set aside."""
+        checkpoints, state, step, accuracy, history = job.checkpoints, job.state, 0, None, []
+        if checkpoints.latest_step() is None:
+            self.log(f"no complete checkpoint in {checkpoints.directory}: starting from scratch")
+        else:
+            state, history, meta = self._restore(job)
+            if abs(meta["reference_fingerprint"] - job.reference_print) > 1e-6 * max(1.0, job.reference_print):
+                changed = settings_changed(meta.get("config"), self.cfg.to_json(), ignore=KEEP_WEIGHTS)
+                raise CheckpointError(f"{self.run_dir}: the checkpoint was trained from other initial weights "
+                                      "(model path, warm start or seed changed" + (f": {changed})" if changed else ")"))
+            step, accuracy = meta["next_step"], meta["start_accuracy"]
+            check_steps(self.run_dir, self.cfg.train.steps, step)
+            job.data.restore(meta["data_state"])
+            self.log(f"resumed from step {step} ({checkpoints.directory / str(step)})")
+        if self.main:
+            for kept in (set_aside_later_metrics(self.run_dir, step), SampleLog(self.run_dir).truncate(step)):
+                if kept is not None:
+                    self.log(f"records of steps after {step} from the earlier attempt, trained again now: moved to {kept}")
+        return state, step, accuracy, history
+
+    def _restore(self, job: _Job) -> tuple[Any, list[tuple[int, Any]], dict[str, Any]]:
+        """The newest checkpoint that restores (a damaged newer one is reported and set aside)."""
+        state, programs = job.state, job.programs
+        template = state.params if self.adapters is not None else programs.sync(state)  # LoRA: saved as adapters
+        arrays, meta = restore_newest(
+            job.checkpoints, lambda versions: {"state": state, "history": {str(v): template for v in versions}},
+            config_json=self.cfg.to_json(), log=self.log,
+            damaged_dir=self.run_dir / "damaged_checkpoints" if self.main else None)
+        history = sorted((int(v), p) for v, p in arrays["history"].items())
+        if self.adapters is not None:  # back to generation copies, as the weight sync makes them; kept for the next save
+            self.adapters.versions.update(dict(history))
+            history = [(v, programs.sync(state.replace(params=p))) for v, p in history]
+        return arrays["state"], history, meta
+
+    # ---- side jobs ---------------------------------------------------------------------------------
+    def _evaluate(self, params: Any, step: int) -> float:
+        """Held-out accuracy after `step` steps; its first answers go to the samples."""
+        parts = self.parts
+        max_new = self.cfg.rollout.max_new_tokens
+        accuracy, answers = evaluate_accuracy(
+            parts.evaluation_sampler, params, parts.eval_examples, parts.prompt_ids(parts.eval_examples),
+            is_correct=parts.task.is_correct, decode=parts.decode, max_new_tokens=max_new,
+            episodes=episode_runner(parts, SamplingConfig(max_new_tokens=max_new, greedy=True),
+                                    sampler=parts.evaluation_sampler))
+        self._record_samples(step, evaluation_samples(step, answers, self.cfg.train.samples_per_step))
+        return accuracy
+
+    def _evaluate_during(self, job: _Job, info: StepInfo, console: Console) -> None:
+        info.record["eval/accuracy"] = self._evaluate(self._evaluation_weights(job.programs, info.state), info.step)
+        with console.paused():
+            self.log(f"step {info.step}: held-out accuracy {info.record['eval/accuracy']:.3f}")
+
+    def _sample(self, info: StepInfo, console: Console) -> None:
+        """A few completions of the step with their rewards: to the samples and the console."""
+        result = info.result
+        if result.rewards is None:
+            return
+        samples = training_samples(info.step, result.completions, result.examples, result.rewards, self.parts.decode,
+                                   self.cfg.train.samples_per_step)
+        with console.paused():
+            self.log(f"step {info.step}: reward {info.record.get('reward', 0):.3f}, samples:")
+            self._record_samples(info.step, samples)
+            for line in console_lines(samples):
+                self.log(line)
+
+    def _record_samples(self, step: int, samples: list[Sample]) -> None:
+        self.samples.write(samples)
+        self.metrics.log_samples(step, samples)
+
+    def _evaluation_weights(self, programs: StagePrograms, state: Any) -> Any:
+        """The actor weights of `state` in the evaluation sampler's layout."""
+        if self.parts.eval_sampler is None:
+            return programs.sync(state)
+        return programs.copy_actor(state, self.parts.eval_sampler.params_sharding)
+
+    def _save(self, job: _Job, info: StepInfo, start_accuracy: float) -> None:
+        state, step = info.state, info.step
         if not np.isfinite(_fingerprint(state.params, self._train_mesh)):  # a checkpoint of NaN weights would poison every resume
             bad = ", ".join(nonfinite_leaves(state.params)) or "another process's shards"
             raise TrainingError(f"step {step}: the weights hold NaN or inf (in {bad}); not checkpointed. "
-                                f"The last checkpoint ({checkpoints.latest_step()}) holds finite weights")
+                                f"The last checkpoint ({job.checkpoints.latest_step()}) holds finite weights")
         # the k older weights versions that the next rollouts will still read (with LoRA: their adapters)
-        history = {str(v): p for v, p in runtime.store.items() if v < step}
-        if self._adapter_versions is not None:
-            history = {v: self._adapter_versions[int(v)] for v in history}
-        meta = {"next_step": step, "data_state": result.data_state, "start_accuracy": start_accuracy,
-                "history_versions": sorted(int(v) for v in history), "reference_fingerprint": reference_print,
+        history = {str(v): p for v, p in job.runtime.store.items() if v < step}
+        if self.adapters is not None:
+            history = {v: self.adapters.versions[int(v)] for v in history}
+        meta = {"next_step": step, "data_state": info.result.data_state, "start_accuracy": start_accuracy,
+                "history_versions": sorted(int(v) for v in history), "reference_fingerprint": job.reference_print,
                 "graph": json.loads(self.parts.graph.to_json()), "config": json.loads(self.cfg.to_json())}
-        checkpoints.save(step, {"state": state, "history": history}, meta)
+        job.checkpoints.save(step, {"state": state, "history": history}, meta)
 
-    def _restore(self, checkpoints: Checkpointer, state, programs: StagePrograms):
-        """The newest checkpoint that restores; a damaged newer one is reported and passed over (it is
-        overwritten when training reaches its step again)."""
-        lora = self._adapter_versions is not None
-        template = state.params if lora else programs.sync(state)  # LoRA: the versions are saved as adapters
-        failures = []
-        for step in reversed(checkpoints.all_steps()):
-            try:
-                versions = checkpoints.metadata(step)["history_versions"]
-                like = {"state": state, "history": {str(v): template for v in versions}}
-                arrays, meta = checkpoints.restore(like, step)
-            except (CheckpointError, KeyError, TypeError) as error:
-                failures.append(step)
-                self.log(f"checkpoint {checkpoints.directory / str(step)} is damaged and cannot be restored "
-                         f"({str(error)[:300]}); trying the previous one")
-                continue
-            if failures:
-                self.log(f"falling back to checkpoint {step}: damaged newer checkpoint(s) {failures} are skipped")
-                if self.main:  # out of the way of the new saves of those steps, kept for inspection
-                    for bad in failures:
-                        moved = checkpoints.set_aside(bad, self.run_dir / "damaged_checkpoints" / f"{bad}-{time.time():.0f}")
-                        self.log(f"moved damaged checkpoint {bad} to {moved}")
-            history = sorted((int(v), p) for v, p in arrays["history"].items())
-            if lora:  # back to generation copies, as the weight sync makes them; the adapters kept for the next save
-                self._adapter_versions.update(dict(history))
-                history = [(v, programs.sync(state.replace(params=p))) for v, p in history]
-            return arrays["state"], history, meta
-        raise CheckpointError(f"{checkpoints.directory}: no checkpoint can be restored (damaged: {failures})")
+    # ---- the end ---------------------------------------------------------------------------------
+    def _finish(self, job: _Job, state: Any, start_accuracy: float) -> float:
+        """The final evaluation, the run's plots and traces, the exported policy; returns the final accuracy."""
+        cfg, parts = self.cfg, self.parts
+        end_accuracy = self._evaluate(self._evaluation_weights(job.programs, state), cfg.train.steps)
+        self.metrics.log(cfg.train.steps, {"eval/accuracy": end_accuracy})
+        self.metrics.close()
+        self.log(f"held-out accuracy at end: {end_accuracy:.3f} (start {start_accuracy:.3f})")
+        if self.main:
+            self._write_outputs(job.trace)
+        if cfg.train.export_hf:  # with several processes a collective: every process takes part
+            path = export_policy(parts, parts.learner.actor_params(state.params), self.run_dir / "hf")
+            self.log(f"final policy as a Hugging Face model: {path}" + (" (LoRA merged)" if cfg.lora.enabled else ""))
+            if cfg.lora.enabled:
+                path = export_adapter(parts, parts.learner.actor_params(state.params), self.run_dir / "adapter")
+                self.log(f"its LoRA adapters as a PEFT adapter directory: {path}")
+        return end_accuracy
 
-    def _truncate_metrics(self, next_step: int) -> None:
-        """Drops records of steps after the checkpoint: they are trained again. Records are numbered by steps
-        completed, so the checkpoint's own step keeps its training record (it has `staleness`), not the
-        final evaluation of a run that ended there."""
-        path = self.run_dir / "metrics.jsonl"
-        if not self.main or not path.exists():
-            return
-        kept = [r for r in read_metrics(path) if r["step"] < next_step or (r["step"] == 0 and next_step == 0)
-                or (r["step"] == 0 and "eval/accuracy" in r) or (r["step"] == next_step and "staleness" in r)]
-        path.write_text("".join(json.dumps(r) + "\n" for r in kept))
-
-    # ---- outputs ---------------------------------------------------------------------------------
     def _write_outputs(self, trace: Trace) -> None:
         records = read_metrics(self.run_dir / "metrics.jsonl")
         plot_dashboard(records, self.run_dir / "training.png", title=f"{self.parts.graph.name} ({self.run_dir.name})")
@@ -416,16 +459,6 @@ def steady_window(trace: Trace, steps: int) -> tuple[Trace, int, int]:
     origin = min(event.start for event in events)
     shifted = [dataclasses.replace(event, start=event.start - origin, end=event.end - origin) for event in events]
     return Trace.from_events(shifted, name=trace.name or "measured"), min(chosen), max(chosen)
-
-
-@contextlib.contextmanager
-def _progress_paused(progress):
-    """Clears the progress bar while lines are printed, then draws it again below them."""
-    progress.clear()
-    try:
-        yield
-    finally:
-        progress.refresh()
 
 
 def _progress(total: int, initial: int, *, enabled: bool):
