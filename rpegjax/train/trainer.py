@@ -14,7 +14,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from rpegjax import distributed
 from rpegjax.data.iterator import DataIterator
@@ -76,32 +76,7 @@ def _fingerprint(tree: Any, mesh: Mesh | None = None) -> float:
         for shard in leaf.addressable_shards:
             if shard.replica_id == 0:
                 total += float(np.abs(np.asarray(shard.data, np.float64)).sum())
-    if mesh is not None:
-        return _sum_over_processes(total, mesh)
-    if jax.process_count() > 1:  # as bytes: without jax_enable_x64 a float64 would travel as float32
-        gathered = distributed.gather_to_all(np.array([total], np.float64).view(np.uint8), tiled=False)
-        total = float(np.ascontiguousarray(gathered).view(np.float64).sum())
-    return total
-
-
-def _sum_over_processes(value: float, mesh: Mesh) -> float:
-    """The sum of each process's `value` over the processes that own devices of `mesh`, computed by one program of
-    theirs (as bytes: without jax_enable_x64 a float64 would travel as float32)."""
-    devices = list(mesh.devices.flat)
-    first: dict[int, jax.Device] = {}
-    for device in devices:
-        first.setdefault(device.process_index, device)
-    mine = np.frombuffer(np.float64(value).tobytes(), np.uint8)
-    flat = Mesh(np.array(devices, dtype=object), ("devices",))
-
-    def block(index) -> np.ndarray:  # row i lives on devices[i]: the value once per process, zeros elsewhere
-        device = devices[index[0].start or 0]  # a one-device mesh asks for the whole array: slice(None)
-        return (mine if first[device.process_index] is device else np.zeros_like(mine))[None]
-
-    rows = jax.make_array_from_callback((len(devices), 8), NamedSharding(flat, PartitionSpec("devices")), block,
-                                        dtype=np.uint8)
-    gathered = jax.jit(lambda x: x, out_shardings=NamedSharding(flat, PartitionSpec()))(rows)
-    return float(np.ascontiguousarray(np.asarray(gathered.addressable_shards[0].data)).view(np.float64).sum())
+    return distributed.sum_over_processes(total, mesh)
 
 
 def reward_limits(train: TrainSection) -> ResourceLimits:
