@@ -92,9 +92,9 @@ class Runtime:
         self.trace = trace if trace is not None else Trace(graph.name)
         self.store = ParameterStore()
         self.scorer = Scorer(programs.collect_rewards, reward_shaping)
-        self.rollouts = RolloutStage(graph, programs, data, prompt_ids=prompt_ids, key=key, trace=self.trace,
+        self.rollout_stage = RolloutStage(graph, programs, data, prompt_ids=prompt_ids, key=key, trace=self.trace,
                                      weights=self.store.get, scorer=self.scorer, dynamic_sampling=dynamic_sampling)
-        self.async_bound = self.rollouts.async_bound
+        self.async_bound = self.rollout_stage.async_bound
         self.stage_meshes = check_placements(graph, programs)
         self.groups = process_groups(graph)
         self.links: RoleLinks | None = None
@@ -103,10 +103,10 @@ class Runtime:
             # a piece arrives with every row's rewards (colocated, gathering them is a collective)
             self.scorer.collect = _arrived_rewards
             if self.role == Role.GENERATE:
-                self.rollouts.weights = PulledWeights(self.links, self.store, self.trace)
+                self.rollout_stage.weights = PulledWeights(self.links, self.store, self.trace)
         self.publisher = WeightPublisher(programs, self.store, self.trace, self.links)
         self.executor = StepExecutor(graph, programs, scorer=self.scorer, publisher=self.publisher, trace=self.trace,
-                                     stage_meshes=self.stage_meshes, pieces=self.rollouts.pieces)
+                                     stage_meshes=self.stage_meshes, pieces=self.rollout_stage.pieces)
 
     @property
     def role(self) -> Role | None:
@@ -128,13 +128,13 @@ class Runtime:
         if dynamic_sampling is not None:
             raise ValueError("dynamic sampling decides on every round's rewards gathered over the generation "
                              "processes; over separate process groups it is not supported yet")
-        self.rollouts.check_batch(data.batch_size)
+        self.rollout_stage.check_batch(data.batch_size)
         programs = self.programs
         programs.reward_processes = self.groups.generation
         return RoleLinks(self.graph, self.groups, weights_like=programs.generation_shapes(),
                          weights_staging=programs.staging_shardings(),
                          weights_targets=programs.sampler.params_sharding,
-                         rows=data.batch_size // self.rollouts.pieces * programs.group_size,
+                         rows=data.batch_size // self.rollout_stage.pieces * programs.group_size,
                          length=programs.sequence_length, examples=data.examples)
 
     # ---- the step loop -------------------------------------------------------------------------
@@ -166,9 +166,9 @@ class Runtime:
     def _source(self) -> RolloutSource:
         """Where a training process gets its rollouts (see the module docstring)."""
         if self.role == Role.TRAIN:
-            return ReceivedSource(self.links, pieces=self.rollouts.pieces, async_bound=self.async_bound,
+            return ReceivedSource(self.links, pieces=self.rollout_stage.pieces, async_bound=self.async_bound,
                                   data_state=self.data.state)
-        return ThreadedSource(self.rollouts) if self.concurrent_rollout else InlineSource(self.rollouts)
+        return ThreadedSource(self.rollout_stage) if self.concurrent_rollout else InlineSource(self.rollout_stage)
 
     def _loop(self, source: RolloutSource, consume: _Consumer, steps: range) -> None:
         """The step loop: each step's rollout from `source`, handed to `consume`. A failure stops the parameter
@@ -190,12 +190,12 @@ class Runtime:
     def _serve_generation(self, steps: range) -> None:
         """A generation process: the step loop in a thread of its own, sending each rollout to the training
         processes, until they say the run ended (or the loop failed without being able to tell them)."""
-        sender = RolloutSender(self.links, pieces=self.rollouts.pieces, first_step=steps.start)
+        sender = RolloutSender(self.links, pieces=self.rollout_stage.pieces, first_step=steps.start)
         failures: list[BaseException] = []
 
         def loop() -> None:
             try:
-                self._loop(InlineSource(self.rollouts), sender, steps)
+                self._loop(InlineSource(self.rollout_stage), sender, steps)
             except BaseException as error:  # re-raised below, once the training processes have stopped
                 failures.append(error)
 
