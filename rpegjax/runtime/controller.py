@@ -220,7 +220,7 @@ class _Consumer(Protocol):
 
 
 class _Training:
-    """The training processes' consumer of rollouts: the step executor, then the parameter store pruned and
+    """The consumer that trains on each rollout: the step executor, then the parameter store pruned and
     `on_step(result, state)` called."""
 
     def __init__(self, runtime: Runtime, state: Any, on_step: Callable[[StepResult, Any], None] | None):
