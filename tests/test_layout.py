@@ -11,6 +11,7 @@ import pathlib
 import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "rpegjax"
+TESTS = pathlib.Path(__file__).resolve().parent
 
 # What each sub-package may import (besides itself). Lower layers never import upper ones.
 ALLOWED = {
@@ -34,6 +35,9 @@ ALLOWED = {
 # (its calibration imports JAX lazily, inside the function that times kernels).
 FORBIDDEN_TOP_LEVEL = {"options": {"jax", "flax", "optax", "numpy"}, "graph": {"jax", "flax", "optax", "numpy"},
                        "perf": {"flax", "optax"}}
+# Packages whose tests build what they test from the layers below, never through an upper layer's set-up path:
+# the runtime's tests run the runtime on their own small setup (tests/runtime/tiny_setup.py), not through the job.
+TESTS_MUST_NOT_IMPORT = {"runtime": {"train"}}
 
 
 def _imports(path: pathlib.Path, *, top_level_only: bool = False) -> set[str]:
@@ -108,6 +112,24 @@ def test_layer_does_not_need(package):
     found = {f"{path.name}: {name}" for path in (PACKAGE / package).rglob("*.py")
              for name in _imports(path, top_level_only=True) if name.split(".")[0] in FORBIDDEN_TOP_LEVEL[package]}
     assert not found, f"rpegjax/{package} imports {sorted(found)}"
+
+
+def upper_layer_imports(tests: pathlib.Path, forbidden: set[str]) -> set[str]:
+    """`file: module` for every import of `rpegjax.<forbidden package>` in the Python files of `tests`."""
+    return {f"{path.name}: {name}" for path in sorted(tests.glob("*.py")) for name in _imports(path)
+            if name.split(".")[:1] == ["rpegjax"] and name.split(".")[1:2] and name.split(".")[1] in forbidden}
+
+
+@pytest.mark.parametrize("package", sorted(TESTS_MUST_NOT_IMPORT))
+def test_tests_build_without_upper_layers(package):
+    found = upper_layer_imports(TESTS / package, TESTS_MUST_NOT_IMPORT[package])
+    assert not found, f"tests/{package} imports {sorted(found)}"
+
+
+def test_the_test_import_rule_sees_late_and_package_imports(tmp_path):
+    (tmp_path / "test_a.py").write_text("def f():\n    from rpegjax.train.build import build\n")
+    (tmp_path / "b.py").write_text("from rpegjax import train\nimport rpegjax.trainer_free\nimport rpegjax.runtime\n")
+    assert upper_layer_imports(tmp_path, {"train"}) == {"test_a.py: rpegjax.train.build", "b.py: rpegjax.train"}
 
 
 def test_cycle_finder_finds_a_cycle():

@@ -1,4 +1,4 @@
-"""Groups of a dynamically sampled rollout (`rpegjax.runtime.controller`, DAPO's dynamic sampling): a generated
+"""Groups of a dynamically sampled rollout (`rpegjax.runtime.rollout_stage`, DAPO's dynamic sampling): a generated
 piece split into its prompts' groups, and the pieces of the step's batch assembled from the groups kept."""
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ devices, its one-process reference.
         XLA_FLAGS=--xla_force_host_platform_device_count=2 python tests/runtime/roles_worker.py --out DIR
 
 The plan: generation on devices 0-3 (processes 0-1, data=2 x tensor=2), every other stage on devices 4-7 (processes
-2-3, data=4), asynchrony bound 1, a tiny model, STEPS steps. Every process builds the job as the trainer does
-(`rpegjax.train.build`) and runs the `Runtime`; each writes DIR/process<i>.json (its role, the trace with
+2-3, data=4), asynchrony bound 1, a tiny model, STEPS steps. Every process builds the runtime tests' small setup
+(`tiny_setup.py`) and runs the `Runtime`; each writes DIR/process<i>.json (its role, the trace with
 wall-clock times, the versions it generated with, the metrics of each step, the weight transfers) and the lowest
 training process DIR/params.npz (the trained parameters, gathered over the training processes only).
 """
@@ -14,7 +14,6 @@ training process DIR/params.npz (the trained parameters, gathered over the train
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import faulthandler
 import json
 import pathlib
@@ -26,48 +25,39 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from rpegjax import distributed
 from rpegjax.data.iterator import DataIterator
+from rpegjax.graph.ir import Graph
 from rpegjax.graph.trace import Trace
 from rpegjax.rewards.custom import WeightedReward
 from rpegjax.rewards.runner import RewardRunner, RewardRunnerConfig
 from rpegjax.runtime.controller import Runtime
 from rpegjax.runtime.roles import Role
-from rpegjax.train.build import build
-from rpegjax.train.config import (
-    DataSection,
-    GraphSection,
-    ModelSection,
-    RolloutSection,
-    RunConfig,
-    TrainSection,
-    WarmStartSection,
-)
-from rpegjax.train.trainer import make_programs
+from tiny_setup import TinyRun, TinySetup, built, built_on
 
 STEPS, BOUND = 3, 1
 
 
-def config(algorithm: str = "grpo", plan: str | None = None, width: int = 32) -> RunConfig:
-    """The run: GRPO, or PPO with a `separate` or `shared` critic (`ppo-separate`, `ppo-shared`); the graph from
-    the flags above, or the graph JSON `plan`. `width` (the hidden size; heads of 64 beyond 128) makes the
-    model larger, to measure weight sync at a size where bandwidth, not latency, counts."""
-    graph = GraphSection(async_bound=BOUND, rollout_devices=4, mesh="data=4", rollout_mesh="data=2,tensor=2")
-    if plan is not None:
-        graph = GraphSection(plan=plan)
-    cfg = RunConfig(
-        # 2 KV heads: the generation layout's tensor=2 splits them
-        model=ModelSection(hidden_size=width, num_layers=1, num_heads=max(2, width // 64), num_kv_heads=2,
-                           head_dim=width // max(2, width // 64), intermediate_size=2 * width),
-        data=DataSection(train_size=64, eval_size=4),
-        rollout=RolloutSection(prompts_per_step=4, group_size=2, max_prompt_len=12, max_new_tokens=6, num_slots=8,
-                               chunk_steps=3),
-        warm_start=WarmStartSection(steps=0),
-        graph=graph,
-        train=TrainSection(steps=STEPS, reward_workers=1),
-    ).replace(grpo=dataclasses.replace(RunConfig().grpo, kl_coef=0.04))
+def setup_of(algorithm: str = "grpo", width: int = 32) -> TinySetup:
+    """The run: GRPO, or PPO with a `separate` or `shared` critic (`ppo-separate`, `ppo-shared`), on the graph of
+    the flags above. `width` (the hidden size) makes the model larger, to measure weight sync at a size where
+    bandwidth, not latency, counts."""
+    # 2 KV heads: the generation layout's tensor=2 splits them
+    setup = TinySetup(width=width, num_kv_heads=2, async_bound=BOUND, rollout_devices=4, train_mesh=(("data", 4),),
+                      rollout_mesh=(("data", 2), ("tensor", 2)))
     if algorithm.startswith("ppo-"):
-        critic = algorithm.removeprefix("ppo-")
-        cfg = cfg.replace(algorithm="ppo", ppo=dataclasses.replace(RunConfig().ppo, critic=critic, kl_coef=0.04))
-    return cfg
+        setup = setup.replace(ppo_critic=algorithm.removeprefix("ppo-"))
+    return setup
+
+
+def build(algorithm: str, plan: str | None, width: int) -> TinyRun:
+    """The setup built on its own graph, or on the graph JSON `plan` (a graph, or `scripts/plan.py --json` output:
+    its best plan)."""
+    setup = setup_of(algorithm, width)
+    if plan is None:
+        return built(setup)
+    data = json.loads(pathlib.Path(plan).read_text())
+    if isinstance(data, dict) and "plans" in data:
+        data = data["plans"][0]["graph"]
+    return built_on(setup, Graph.from_dict(data).validate())
 
 
 def length_reward(text, example):
@@ -81,12 +71,11 @@ def short_answers(prompts, completions, **columns):
 
 
 def run(out: pathlib.Path, algorithm: str, plan: str | None, width: int) -> None:
-    cfg = config(algorithm, plan, width)
-    parts = build(cfg, log=lambda _: None)
+    parts = build(algorithm, plan, width)
     reward = WeightedReward.of(length_reward, (short_answers, 0.25))
     rewards = RewardRunner(reward, RewardRunnerConfig(timeout_s=10.0, workers=1, isolation="thread"))
-    programs = make_programs(parts, rewards)
-    data = DataIterator(parts.train_examples, batch_size=cfg.rollout.prompts_per_step, seed=0)
+    programs = parts.programs(rewards)
+    data = DataIterator(parts.train_examples, batch_size=parts.setup.prompts_per_step, seed=0)
     trace = Trace(clock=time.time)  # one host: the wall clock is shared by the processes
     runtime = Runtime(parts.graph, programs, data, prompt_ids=parts.prompt_ids, key=jax.random.key(7), trace=trace)
     role = runtime.role
@@ -123,7 +112,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=pathlib.Path, required=True)
     parser.add_argument("--algorithm", default="grpo", choices=["grpo", "ppo-separate", "ppo-shared"])
-    parser.add_argument("--plan", default=None, help="a graph JSON to execute (graph.plan)")
+    parser.add_argument("--plan", default=None, help="a graph JSON to execute")
     parser.add_argument("--width", type=int, default=32, help="the model's hidden size (measurements)")
     args = parser.parse_args()
     faulthandler.dump_traceback_later(150, exit=True)  # a hang shows where each thread waits, then ends the process

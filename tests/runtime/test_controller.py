@@ -1,80 +1,30 @@
 """The runtime executes the RPEG: version bookkeeping under bounded asynchrony, equivalence with a plain
 synchronous loop, fusion, micro-batched rollouts, and failures that must not stop training."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from rpegjax.data.iterator import DataIterator
-from rpegjax.generate.sampling import SamplingConfig
 from rpegjax.generate.weight_sync import reshard_params
-from rpegjax.graph.trace import Trace, max_staleness
+from rpegjax.graph.trace import max_staleness
 from rpegjax.learners.batch import pack_rollouts
-from rpegjax.rewards.runner import RewardRunner, RewardRunnerConfig
 from rpegjax.runtime.controller import Runtime
-from rpegjax.train.build import build, build_graph
-from rpegjax.train.config import (
-    DataSection,
-    GraphSection,
-    ModelSection,
-    RolloutSection,
-    RunConfig,
-    TrainSection,
-    WarmStartSection,
-)
-from rpegjax.train.trainer import make_programs
+from tiny_setup import TinySetup, built, run_runtime, tiny_graph
+
+TINY = TinySetup()
 
 
-def tiny_config(num_slots: int = 8, prompts_per_step: int = 4, num_kv_heads: int = 1, **graph) -> RunConfig:
-    return RunConfig(
-        model=ModelSection(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=num_kv_heads, head_dim=16,
-                           intermediate_size=64),
-        data=DataSection(train_size=64, eval_size=4),
-        rollout=RolloutSection(prompts_per_step=prompts_per_step, group_size=2, max_prompt_len=12, max_new_tokens=6, num_slots=num_slots,
-                               chunk_steps=3),
-        warm_start=WarmStartSection(steps=0),
-        graph=GraphSection(**{"async_bound": 0, **graph}),
-        train=TrainSection(steps=4, reward_workers=1),
-    ).replace(grpo=dataclasses.replace(RunConfig().grpo, kl_coef=0.04))
-
-
-_BUILT = {}
-
-
-def built(cfg: RunConfig):
-    """Components are shared by configs that differ only in the graph section (saves compilations);
-    the graph itself is rebuilt for each config."""
-    placement = cfg.graph
-    key = cfg.replace(graph=GraphSection(mesh=placement.mesh, rollout_devices=placement.rollout_devices,
-                                         rollout_mesh=placement.rollout_mesh)).to_json()
-    if key not in _BUILT:
-        _BUILT[key] = build(cfg, log=lambda _: None)
-    return dataclasses.replace(_BUILT[key], cfg=cfg, graph=build_graph(cfg, num_devices=jax.device_count()))
-
-
-def run_runtime(cfg: RunConfig, steps: int, *, task_reward=None, graph=None):
-    parts = built(cfg)
-    if graph is not None:
-        parts = dataclasses.replace(parts, graph=graph)
-    fn = parts.task.reward if task_reward is None else task_reward
-    rewards = RewardRunner(fn, RewardRunnerConfig(timeout_s=2.0, workers=1, isolation=parts.task.isolation))
-    programs = make_programs(parts, rewards)
-    data = DataIterator(parts.train_examples, batch_size=cfg.rollout.prompts_per_step, seed=0)
-    trace = Trace()
-    runtime = Runtime(parts.graph, programs, data, prompt_ids=parts.prompt_ids, key=jax.random.key(7), trace=trace)
-    results = []
-    state = runtime.run(parts.learner.init_state(), start_step=0, num_steps=steps,
-                        on_step=lambda result, _: results.append(result))
-    rewards.close()
-    return parts, runtime, state, results, trace
+def run(setup: TinySetup, steps: int, **options):
+    """(built setup, runtime, final state, results, trace) of `steps` steps of `setup`."""
+    done = run_runtime(setup, steps, **options)
+    return done.run, done.runtime, done.state, done.results, done.trace
 
 
 @pytest.mark.parametrize("k", [0, 1, 2])
 def test_staleness_is_exactly_the_bound_and_never_more(k):
-    _, runtime, _, results, trace = run_runtime(tiny_config(async_bound=k), 5)
+    _, runtime, _, results, trace = run(TINY.replace(async_bound=k), 5)
     for result in results:
         versions = {c.version for c in result.completions}
         assert versions == {result.version}  # every sequence of a rollout was generated with one version
@@ -85,14 +35,14 @@ def test_staleness_is_exactly_the_bound_and_never_more(k):
 
 
 def test_synchronous_runtime_reproduces_a_plain_on_policy_loop():
-    cfg = tiny_config(async_bound=0, fuse=False)
-    parts, _, state, results, _ = run_runtime(cfg, 3)
+    setup = TINY.replace(async_bound=0, fuse=False)
+    _, _, state, results, _ = run(setup, 3)
 
     # the same run written as a plain loop, without the graph or threads
-    reference = built(cfg)
+    reference = built(setup)
     learner, sampler = reference.learner, reference.sampler
-    data = DataIterator(reference.train_examples, batch_size=cfg.rollout.prompts_per_step, seed=0)
-    sampling = SamplingConfig(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature)
+    data = DataIterator(reference.train_examples, batch_size=setup.prompts_per_step, seed=0)
+    sampling = setup.sampling()
     plain = learner.init_state()
     reference_params = jax.tree.map(np.copy, jax.device_get(learner.params))
     for step in range(3):
@@ -104,8 +54,8 @@ def test_synchronous_runtime_reproduces_a_plain_on_policy_loop():
                                        key=jax.random.fold_in(jax.random.key(7), step), version=step)
         assert [list(c.response_ids) for c in completions] == [list(c.response_ids) for c in results[step].completions]
         batch = pack_rollouts([c.prompt_ids for c in completions], [c.response_ids for c in completions],
-                              [c.behaviour_logprobs for c in completions], pad_id=reference.tokenizer.pad_id,
-                              length=cfg.rollout.max_prompt_len + cfg.rollout.max_new_tokens)
+                              [c.behaviour_logprobs for c in completions], pad_id=reference.pad_id,
+                              length=setup.max_prompt_len + setup.max_new_tokens)
         rewards = np.array([reference.task.reward(reference.decode(c.response_ids), examples[c.prompt_index])
                             for c in completions], np.float32)
         batch = batch.replace(rewards=rewards, old_logprobs=learner.logprobs(plain.params, batch),
@@ -118,8 +68,8 @@ def test_synchronous_runtime_reproduces_a_plain_on_policy_loop():
 
 
 def test_fused_graph_gives_the_same_numbers_with_fewer_dispatches():
-    _, fused_runtime, fused_state, fused, _ = run_runtime(tiny_config(async_bound=0, fuse=True), 2)
-    _, plain_runtime, plain_state, unfused, _ = run_runtime(tiny_config(async_bound=0, fuse=False), 2)
+    _, fused_runtime, fused_state, fused, _ = run(TINY.replace(async_bound=0, fuse=True), 2)
+    _, plain_runtime, plain_state, unfused, _ = run(TINY.replace(async_bound=0, fuse=False), 2)
     for a, b in zip(fused, unfused):
         assert a.metrics["loss"] == pytest.approx(b.metrics["loss"], abs=1e-6)
         assert a.metrics["reward"] == b.metrics["reward"]
@@ -132,9 +82,9 @@ def test_fused_graph_gives_the_same_numbers_with_fewer_dispatches():
 def test_microbatched_rollout_hands_pieces_downstream_and_matches_the_whole_batch():
     # 8 slots (one per device: slots split over all 8) hold the 4 prompts x 2 samples of one piece: the second
     # piece decodes after the first finished
-    _, _, whole_state, whole, _ = run_runtime(tiny_config(num_slots=8, prompts_per_step=8, async_bound=0), 2)
-    _, runtime, pieces_state, pieces, trace = run_runtime(
-        tiny_config(num_slots=8, prompts_per_step=8, async_bound=0, generate_microbatches=2), 2)
+    eight_prompts = TINY.replace(num_slots=8, prompts_per_step=8, async_bound=0)
+    _, _, whole_state, whole, _ = run(eight_prompts, 2)
+    _, runtime, pieces_state, pieces, trace = run(eight_prompts.replace(generate_microbatches=2), 2)
     for a, b in zip(whole, pieces):
         assert a.metrics["reward"] == b.metrics["reward"]
         assert a.metrics["loss"] == pytest.approx(b.metrics["loss"], abs=1e-5)
@@ -152,28 +102,17 @@ def _flaky_reward(text, example):
 
 
 def test_a_reward_function_that_throws_is_counted_and_training_goes_on():
-    _, _, _, results, _ = run_runtime(tiny_config(async_bound=1), 3, task_reward=_flaky_reward)
+    _, _, _, results, _ = run(TINY.replace(async_bound=1), 3, reward=_flaky_reward)
     assert len(results) == 3
     assert sum(r.metrics["reward/errors"] for r in results) > 0
     assert all(r.metrics["reward"] == 0.0 for r in results)
 
 
-def test_an_impossible_mesh_is_refused_clearly():
-    with pytest.raises(ValueError, match="3 devices but 8 are available"):
-        build(tiny_config(mesh="data=3"), log=lambda _: None)
-
-
 def test_single_step_graphs_without_decoupled_correction_skip_the_old_logprob_pass():
-    on_policy = tiny_config(async_bound=0)
-    on_policy = on_policy.replace(grpo=dataclasses.replace(on_policy.grpo, decoupled=False, importance_cap=None))
-    assert not build_graph(on_policy, num_devices=1).has_stage("old_logprob")
-    # bounded staleness needs the proximal policy for the decoupled correction; without it one step's ratio is 1
-    assert build_graph(tiny_config(async_bound=1), num_devices=1).has_stage("old_logprob")
-    stale = on_policy.replace(graph=dataclasses.replace(on_policy.graph, async_bound=1))
-    assert not build_graph(stale, num_devices=1).has_stage("old_logprob")
-    two_steps = on_policy.replace(grpo=dataclasses.replace(on_policy.grpo, num_minibatches=2))
-    assert build_graph(two_steps, num_devices=1).has_stage("old_logprob")
-    _, _, _, results, _ = run_runtime(on_policy, 2)
+    # the job's graph choice (tests/train/test_build_graph.py); here the runtime without the pass
+    on_policy = TINY.replace(async_bound=0, decoupled=False)
+    assert not tiny_graph(on_policy, num_devices=1).has_stage("old_logprob")
+    _, _, _, results, _ = run(on_policy, 2)
     assert all(r.metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-5) for r in results)
 
 
@@ -189,9 +128,9 @@ def _length_reward(text, example):
 
 def test_disaggregated_generation_runs_on_its_own_devices_and_matches_colocated():
     # 2 KV heads: tensor=2 splits them (the sharding rules refuse to replicate 1 head over 2 devices)
-    colocated = tiny_config(async_bound=1, num_kv_heads=2)
-    split = tiny_config(async_bound=1, num_kv_heads=2, rollout_devices=4, mesh="data=4", rollout_mesh="data=2,tensor=2")
-    parts, runtime, state, results, trace = run_runtime(split, 3, task_reward=_length_reward)
+    colocated = TINY.replace(async_bound=1, num_kv_heads=2)
+    split = colocated.replace(rollout_devices=4, train_mesh=(("data", 4),), rollout_mesh=(("data", 2), ("tensor", 2)))
+    parts, runtime, state, results, trace = run(split, 3, reward=_length_reward)
     assert set(parts.graph.placements) == {"rollout", "train"}
     assert _device_ids(state.params) == {4, 5, 6, 7}  # training on the last four devices
     assert all(_device_ids(params) == {0, 1, 2, 3} for _, params in runtime.store.items())  # generation weights
@@ -205,7 +144,7 @@ def test_disaggregated_generation_runs_on_its_own_devices_and_matches_colocated(
         np.testing.assert_array_equal(np.asarray(trained), np.asarray(moved))
     # the same run colocated: the same rollouts from the same weights, the same first update. (Later updates
     # agree only to round-off: Adam's first step turns round-off in zero-gradient coordinates into lr-sized steps.)
-    reference = run_runtime(colocated, 3, task_reward=_length_reward)[3]
+    reference = run(colocated, 3, reward=_length_reward)[3]
     assert any(r.metrics["reward"] > 0 for r in reference)
     for mine, theirs in zip(results, reference):
         if mine.version == 0:
@@ -219,22 +158,22 @@ def test_an_inference_stage_with_its_own_layout_runs_resharded_with_the_same_num
     from rpegjax.graph.ir import StageKind
     from rpegjax.runtime.meshes import stage_mesh
 
-    cfg = tiny_config(async_bound=1, fuse=False)
-    parts = built(cfg)
+    setup = TINY.replace(async_bound=1, fuse=False)
+    parts = built(setup)
     graph = transforms.place(parts.graph, "ref_logprob", "all", {"data": 2, "fsdp": 4})
     graph = transforms.place(graph, "old_logprob", "all", {"fsdp": 8})
-    _, runtime, _, resharded, trace = run_runtime(cfg, 2, task_reward=_length_reward, graph=graph)
+    _, runtime, _, resharded, trace = run(setup, 2, reward=_length_reward, graph=graph)
     assert {name: dict(mesh.shape) for name, mesh in runtime.stage_meshes.items()} == {
         "ref_logprob": {"data": 2, "fsdp": 4}, "old_logprob": {"fsdp": 8}}
     assert {"ref_logprob", "old_logprob"} <= {e.stage for e in trace.events}
-    plain = run_runtime(cfg, 2, task_reward=_length_reward)[3]
+    plain = run(setup, 2, reward=_length_reward)[3]
     for key in ("loss", "kl_loss", "ratio_mean"):
         assert resharded[0].metrics[key] == pytest.approx(plain[0].metrics[key], rel=1e-5, abs=1e-7), key
     # equal rewards: plain's gradient is exactly 0 (zero advantages, KL of identical log-probs); the resharded
     # reference log-probs differ by float32 rounding (~1e-7), which leaves a KL gradient of that order
     assert resharded[0].metrics["grad_norm"] == pytest.approx(plain[0].metrics["grad_norm"], rel=1e-5, abs=1e-6)
     # one fused program on a layout of its own gives the learner-layout numbers
-    programs, state = make_programs(parts, None), parts.learner.init_state()
+    programs, state = parts.programs(None), parts.learner.init_state()
     rows = np.random.default_rng(0).integers(3, 90, size=(8, 18)).tolist()
     batch = pack_rollouts([r[:6] for r in rows], [r[6:] for r in rows], [[0.0] * 12] * 8, pad_id=0, length=18)
     kinds = [StageKind.REF_LOGPROB, StageKind.OLD_LOGPROB]
@@ -249,8 +188,8 @@ def test_graphs_whose_placements_the_programs_do_not_honour_are_refused():
     from rpegjax.graph import transforms
     from rpegjax.graph.ir import GraphError
 
-    parts = built(tiny_config(async_bound=1))  # sampler and learner on all eight devices
-    programs = make_programs(parts, None)
+    parts = built(TINY.replace(async_bound=1))  # sampler and learner on all eight devices
+    programs = parts.programs(None)
     split = transforms.disaggregate(parts.graph, 4, {"data": 4}, {"data": 4})
     with pytest.raises(GraphError, match=r"stage 'generate' .* placed on devices \[0, 1, 2, 3\], but its program runs on "
                                          r"devices \[0, 1, 2, 3, 4, 5, 6, 7\]"):
@@ -263,9 +202,8 @@ def test_graphs_whose_placements_the_programs_do_not_honour_are_refused():
 def test_a_shared_critic_stage_gets_log_probs_and_values_from_one_pass():
     from rpegjax.graph.ir import StageKind
 
-    ppo = tiny_config().replace(algorithm="ppo", ppo=dataclasses.replace(RunConfig().ppo, critic="shared", kl_coef=0.04))
-    parts = built(ppo)
-    programs, state = make_programs(parts, None), parts.learner.init_state()
+    parts = built(TINY.replace(ppo_critic="shared"))
+    programs, state = parts.programs(None), parts.learner.init_state()
     rows = np.random.default_rng(1).integers(3, 90, size=(8, 18)).tolist()
     batch = pack_rollouts([r[:6] for r in rows], [r[6:] for r in rows], [[0.0] * 12] * 8, pad_id=0, length=18)
     both, alone = (StageKind.OLD_LOGPROB, StageKind.CRITIC_VALUE), [(StageKind.OLD_LOGPROB,), (StageKind.CRITIC_VALUE,)]
@@ -293,10 +231,10 @@ def test_a_plain_reward_function_is_enough_for_the_stage_programs(tmp_path, monk
     monkeypatch.setattr(sys, "path", [*sys.path, str(tmp_path)])
     from user_length_reward import length
 
-    cfg = tiny_config(async_bound=0)
-    parts = built(cfg)
-    programs = make_programs(parts, length)  # no RewardRunner: the programs make one and own it
-    data = DataIterator(parts.train_examples, batch_size=cfg.rollout.prompts_per_step, seed=0)
+    setup = TINY.replace(async_bound=0)
+    parts = built(setup)
+    programs = parts.programs(length)  # no RewardRunner: the programs make one and own it
+    data = DataIterator(parts.train_examples, batch_size=setup.prompts_per_step, seed=0)
     results = []
     Runtime(parts.graph, programs, data, prompt_ids=parts.prompt_ids, key=jax.random.key(7)).run(
         parts.learner.init_state(), start_step=0, num_steps=1, on_step=lambda result, _: results.append(result))

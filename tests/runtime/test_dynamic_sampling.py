@@ -2,53 +2,18 @@
 the update, the batch keeps its shape, every row is generated with the version the asynchrony bound allows,
 the extra generation is logged, and the data position covers every round."""
 
-import dataclasses
 import zlib
 
-import jax
 import numpy as np
 import pytest
 
-from rpegjax.data.iterator import DataIterator
-from rpegjax.graph.trace import Trace, max_staleness
+from rpegjax.graph.trace import max_staleness
 from rpegjax.learners.group_filter import DynamicSamplingConfig, DynamicSamplingError
-from rpegjax.rewards.runner import RewardRunner, RewardRunnerConfig
-from rpegjax.runtime.controller import Runtime
-from rpegjax.train.build import build, build_graph
-from rpegjax.train.config import (
-    DataSection,
-    GraphSection,
-    ModelSection,
-    RolloutSection,
-    RunConfig,
-    TrainSection,
-    WarmStartSection,
-)
-from rpegjax.train.trainer import make_programs
+from rpegjax.rewards.format import overlong_penalty
+from tiny_setup import TinySetup, run_runtime
 
 PROMPTS, GROUP, NEW_TOKENS = 4, 2, 6
-
-
-def tiny_config(prompts: int = PROMPTS, **graph) -> RunConfig:
-    return RunConfig(
-        model=ModelSection(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64),
-        data=DataSection(train_size=64, eval_size=4),
-        rollout=RolloutSection(prompts_per_step=prompts, group_size=GROUP, max_prompt_len=12,
-                               max_new_tokens=NEW_TOKENS, num_slots=8, chunk_steps=3),
-        warm_start=WarmStartSection(steps=0),
-        graph=GraphSection(**{"async_bound": 1, **graph}),
-        train=TrainSection(steps=4, reward_workers=1),
-    )
-
-
-_BUILT = {}
-
-
-def built(cfg: RunConfig):
-    key = cfg.replace(graph=GraphSection()).to_json()
-    if key not in _BUILT:
-        _BUILT[key] = build(cfg, log=lambda _: None)
-    return dataclasses.replace(_BUILT[key], cfg=cfg, graph=build_graph(cfg, num_devices=jax.device_count()))
+TINY = TinySetup(prompts_per_step=PROMPTS, group_size=GROUP, max_new_tokens=NEW_TOKENS, kl_coef=0.0, async_bound=1)
 
 
 def _decided(prompt: str) -> bool:
@@ -65,35 +30,26 @@ def _constant_reward(text, example):
     return 1.0
 
 
-def run(cfg: RunConfig, steps: int, reward, *, dynamic: DynamicSamplingConfig | None, shaping=None):
-    parts = built(cfg)
-    rewards = RewardRunner(reward, RewardRunnerConfig(timeout_s=5.0, workers=1, isolation=parts.task.isolation))
-    programs = make_programs(parts, rewards)
+def run(setup: TinySetup, steps: int, reward, *, dynamic: DynamicSamplingConfig | None, shaping=None):
     generated = []  # every completion any round generated
-    generate = programs.generate
 
-    def counting_generate(*args, **kwargs):
-        for piece in generate(*args, **kwargs):
-            generated.append(piece.completions)
-            yield piece
+    def count_generation(programs):
+        generate = programs.generate
 
-    programs.generate = counting_generate
-    data = DataIterator(parts.train_examples, batch_size=cfg.rollout.prompts_per_step, seed=0)
-    trace = Trace()
-    runtime = Runtime(parts.graph, programs, data, prompt_ids=parts.prompt_ids, key=jax.random.key(3), trace=trace,
-                      dynamic_sampling=dynamic, reward_shaping=shaping)
-    results = []
-    try:
-        runtime.run(parts.learner.init_state(), start_step=0, num_steps=steps,
-                    on_step=lambda result, _: results.append(result))
-    finally:
-        rewards.close()
-    return parts, results, trace, generated
+        def counting_generate(*args, **kwargs):
+            for piece in generate(*args, **kwargs):
+                generated.append(piece.completions)
+                yield piece
+
+        programs.generate = counting_generate
+
+    done = run_runtime(setup, steps, reward=reward, key=3, prepare=count_generation, dynamic_sampling=dynamic,
+                       reward_shaping=shaping)
+    return done.run, done.results, done.trace, generated
 
 
 def test_every_trained_group_has_differing_rewards_and_versions_stay_exact_under_bound_one():
-    cfg = tiny_config(async_bound=1)
-    parts, results, trace, generated = run(cfg, 4, _half_decided_reward,
+    parts, results, trace, generated = run(TINY.replace(async_bound=1), 4, _half_decided_reward,
                                            dynamic=DynamicSamplingConfig(max_extra_rounds=30))
     rounds = 0
     for result in results:
@@ -138,7 +94,7 @@ def _prompt_of(parts, completion) -> str:
 
 def test_at_the_cap_the_step_trains_on_what_it_found_and_says_so():
     # every group agrees: nothing to keep; one extra round, then the batch is all filler, masked out of the loss
-    _, results, _, generated = run(tiny_config(async_bound=0), 1, _constant_reward,
+    _, results, _, generated = run(TINY.replace(async_bound=0), 1, _constant_reward,
                                    dynamic=DynamicSamplingConfig(max_extra_rounds=1))
     m = results[0].metrics
     assert m["dynamic_sampling/cap_hit"] == 1.0
@@ -151,7 +107,7 @@ def test_at_the_cap_the_step_trains_on_what_it_found_and_says_so():
 
 def test_at_the_cap_the_run_stops_with_an_error_when_configured_so():
     with pytest.raises(DynamicSamplingError, match=r"step 0: dynamic sampling found 0 of 4 groups .* 3 rounds"):
-        run(tiny_config(async_bound=1), 2, _constant_reward,
+        run(TINY.replace(async_bound=1), 2, _constant_reward,
             dynamic=DynamicSamplingConfig(max_extra_rounds=2, on_cap="error"))
 
 
@@ -165,9 +121,10 @@ def _numpy_overlong(length: int, max_length: int, cache: int, factor: float) -> 
 
 
 def test_overlong_shaping_is_added_to_the_rewards_the_advantages_read():
-    cfg = tiny_config(async_bound=0)
-    section = dataclasses.replace(cfg.grpo, overlong_buffer=4, overlong_penalty=0.5)
-    parts, results, _, _ = run(cfg, 2, _length_reward, dynamic=None, shaping=section.overlong_shaping(NEW_TOKENS))
+    def shaping(lengths):  # the job's overlong shaping: buffer 4, penalty factor 0.5
+        return (0.5 * overlong_penalty(lengths, max_length=NEW_TOKENS, cache_length=4)).astype(np.float32)
+
+    parts, results, _, _ = run(TINY.replace(async_bound=0), 2, _length_reward, dynamic=None, shaping=shaping)
     for result in results:
         lengths = [c.length for c in result.completions]
         texts_reward = np.array([_length_reward(parts.decode(c.response_ids), None) for c in result.completions])
@@ -188,8 +145,8 @@ def test_a_batch_handed_over_in_pieces_trains_like_the_whole_batch():
     rounds end when it is full); the step must train on the same rows as without pieces."""
     # 8 prompts: each piece's 8 rows divide the 8 devices
     dynamic = DynamicSamplingConfig(max_extra_rounds=30)
-    _, whole, _, _ = run(tiny_config(prompts=8, async_bound=0), 2, _half_decided_reward, dynamic=dynamic)
-    _, pieces, trace, _ = run(tiny_config(prompts=8, async_bound=0, generate_microbatches=2), 2, _half_decided_reward,
+    _, whole, _, _ = run(TINY.replace(prompts_per_step=8, async_bound=0), 2, _half_decided_reward, dynamic=dynamic)
+    _, pieces, trace, _ = run(TINY.replace(prompts_per_step=8, async_bound=0, generate_microbatches=2), 2, _half_decided_reward,
                               dynamic=dynamic)
     for a, b in zip(whole, pieces):
         assert [list(c.response_ids) for c in a.completions] == [list(c.response_ids) for c in b.completions]

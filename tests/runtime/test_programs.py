@@ -8,35 +8,19 @@ import pytest
 
 from rpegjax.graph.ir import StageKind
 from rpegjax.learners.batch import pack_rollouts
-from rpegjax.train.build import build
-from rpegjax.train.config import (
-    DataSection,
-    ModelSection,
-    RolloutSection,
-    RunConfig,
-    TrainSection,
-    WarmStartSection,
-)
-from rpegjax.train.trainer import make_programs
+from tiny_setup import TinySetup, built
 
 
 @pytest.fixture(scope="module")
 def parts():
-    cfg = RunConfig(
-        model=ModelSection(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64),
-        data=DataSection(train_size=16, eval_size=4),
-        rollout=RolloutSection(prompts_per_step=8, group_size=2, max_prompt_len=12, max_new_tokens=20, num_slots=8),
-        warm_start=WarmStartSection(steps=0),
-        train=TrainSection(steps=1, reward_workers=1),
-    ).replace(grpo=dataclasses.replace(RunConfig().grpo, kl_coef=0.04))
-    return build(cfg, log=lambda _: None)
+    return built(TinySetup(prompts_per_step=8, max_new_tokens=20))
 
 
 def with_settings(parts, **changes):
     """The same learner (same parameters and jitted functions) with other inference/bucketing settings."""
     learner = copy.copy(parts.learner)
     learner.cfg = dataclasses.replace(learner.cfg, **changes)
-    return make_programs(dataclasses.replace(parts, learner=learner), None)
+    return dataclasses.replace(parts, learner=learner).programs(None)
 
 
 def test_micro_batched_bucketed_inference_equals_the_whole_padded_batch(parts):
@@ -74,9 +58,7 @@ def test_weight_sync_casts_the_generation_copy_and_generation_runs_on_it(parts):
 
     from rpegjax.generate.sampling import SamplingConfig
 
-    cast_parts = dataclasses.replace(parts, cfg=parts.cfg.replace(
-        model=dataclasses.replace(parts.cfg.model, generation_dtype="bfloat16")))
-    programs = make_programs(cast_parts, None)
+    programs = parts.programs(None, generation_dtype="bfloat16")
     state = parts.learner.init_state()
     copy_ = programs.sync(state)
     shardings = jax.tree.leaves(parts.sampler.params_sharding)
