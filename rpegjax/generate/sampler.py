@@ -192,6 +192,7 @@ class Sampler:
 
         def decode_fn(window, *arrays):  # the attention window is static: one program per window size
             return decode(graphdef, *arrays, window=window, sharding=activation)
+        self._state_sharding = None
         if mesh is None:
             self._admit = jax.jit(admit_fn, static_argnums=(0,), donate_argnums=(2,))
             self._decode = jax.jit(decode_fn, static_argnums=(0,), donate_argnums=(2,))
@@ -201,6 +202,7 @@ class Sampler:
             abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0), lora=lora))
             self.params_sharding = param_shardings(nnx.split(abstract)[1], mesh, self.rules)
             state_sharding = decode_state_shardings(jax.eval_shape(self._empty), activation)
+            self._state_sharding = state_sharding
             replicated = NamedSharding(mesh, PartitionSpec())
             self._admit = jax.jit(
                 admit_fn,
@@ -290,28 +292,35 @@ class Sampler:
         request). The prefill is max_prompt_len wide, or the capacity when a context (a later turn) is longer."""
         group_size = requests[indices[0]].samples
         n = len(indices)
-        most = self.num_slots // group_size
-        bucket = min(1 << (n - 1).bit_length(), most)  # few shapes: powers of two up to the slot count
-        bucket = -(-bucket // self.replicas) * self.replicas  # prompt rows split over the slot replicas too
         width = self.max_prompt_len if max(requests[i].size for i in indices) <= self.max_prompt_len else self.capacity
-        tokens = np.zeros((bucket, width), np.int32)
-        lengths = np.ones((bucket,), np.int32)
+        tokens, lengths, slot_ids, key_index, sample_index, row_budgets = self._admit_arrays(
+            self._admit_bucket(n, group_size), width, group_size)
         for row, index in enumerate(indices):
             tokens[row, : requests[index].size] = requests[index].tokens
             lengths[row] = requests[index].size
-        rows = bucket * group_size
-        slot_ids = np.full((rows,), self.num_slots, np.int32)  # past the end: dropped
         slot_ids[: n * group_size] = slots
-        key_index, sample_index = np.zeros((rows,), np.int32), np.zeros((rows,), np.int32)
         key_index[: n * group_size] = np.repeat([requests[i].key_index for i in indices], group_size)
         sample_index[: n * group_size] = (np.repeat([requests[i].first_sample for i in indices], group_size)
                                           + np.tile(np.arange(group_size), n))
-        row_budgets = np.ones((rows,), np.int32)
         row_budgets[: n * group_size] = np.repeat([requests[i].budget for i in indices], group_size)
         self.stats.prefill_calls += 1
         self.stats.prefilled_prompts += n
         return self._admit(group_size, params, state, tokens, lengths, slot_ids, key_index, sample_index,
                            row_budgets, key, arrays)
+
+    def _admit_bucket(self, prompts: int, group_size: int) -> int:
+        """Prompt rows of one admit of `prompts` prompts: a power of two up to the groups the slots hold (few
+        shapes), a multiple of the slot replicas (prompt rows split over them too)."""
+        bucket = min(1 << (prompts - 1).bit_length(), self.num_slots // group_size)
+        return -(-bucket // self.replicas) * self.replicas
+
+    def _admit_arrays(self, bucket: int, width: int, group_size: int) -> tuple[np.ndarray, ...]:
+        """The host arrays of one admit, padded: tokens [bucket, width], lengths [bucket], then per sample row
+        slot ids (past the end: dropped), key index, sample index and budget."""
+        rows = bucket * group_size
+        return (np.zeros((bucket, width), np.int32), np.ones((bucket,), np.int32),
+                np.full((rows,), self.num_slots, np.int32), np.zeros((rows,), np.int32), np.zeros((rows,), np.int32),
+                np.ones((rows,), np.int32))
 
     def _window(self, longest: int) -> int:
         """Cache positions a chunk attends to: enough for the longest running row to take every step of
@@ -319,6 +328,39 @@ class Sampler:
         sizes), at most the capacity."""
         steps = -(-(longest + self.chunk_steps) // self.window_step)
         return min(self.capacity, self.window_step * (1 << (steps - 1).bit_length()))
+
+    # ---- lowering ahead of time ----------------------------------------------------------------------
+    def abstract_state(self) -> DecodeState:
+        """The decode state's shapes and dtypes with the sampler's shardings (nothing allocated)."""
+        if self.paged is not None:
+            return self.paged.abstract_state()
+        state = jax.eval_shape(self._empty)
+        if self._state_sharding is None:
+            return state
+        return jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+                            state, self._state_sharding)
+
+    def _abstract_key(self) -> jax.ShapeDtypeStruct:
+        key = jax.eval_shape(lambda: jax.random.key(0))
+        replicated = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
+        return jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=replicated)
+
+    def lower_programs(self, params: nnx.State, sampling: SamplingConfig, *, group_size: int
+                       ) -> dict[str, jax.stages.Lowered]:
+        """Every program generation launches, lowered at the largest shapes a run of `sampling` with groups of
+        `group_size` reaches (`params` in the generation layout, may be abstract; nothing is allocated).
+        Contiguous cache: `prefill` (every group's prompts at once, max_prompt_len wide) and `decode` (a chunk
+        attending to the whole capacity). Paged cache: `prefill` (one chunk of the longest prompts, every slot
+        replica's groups), `start` and `decode` (a chunk over every page of a sequence)."""
+        arrays = sampling_arrays(sampling, vocab_size=self.cfg.vocab_size, default_eos_id=self.cfg.eos_token_id)
+        key, state = self._abstract_key(), self.abstract_state()
+        if self.paged is not None:
+            return self.paged.lower_programs(params, state, key, arrays, max_prompt_len=self.max_prompt_len,
+                                             group_size=group_size)
+        prefill = self._admit.lower(group_size, params, state, *self._admit_arrays(
+            self._admit_bucket(self.num_slots // group_size, group_size), self.max_prompt_len, group_size), key, arrays)
+        decode = self._decode.lower(self.capacity, params, state, key, arrays, np.int32(self.chunk_steps))
+        return {"prefill": prefill, "decode": decode}
 
     def _decode_chunk(self, params, state, key, arrays, window: int):
         state, steps = self._decode(window, params, state, key, arrays, np.int32(self.chunk_steps))
