@@ -33,6 +33,7 @@ from rpegjax.generate.paged_decode import (
 from rpegjax.generate.requests import Request, RequestFeed, RequestQueue
 from rpegjax.models.config import ModelConfig
 from rpegjax.sharding import axes
+from rpegjax.sharding.abstract import with_shardings
 from rpegjax.sharding.rules import ActivationSharding
 
 
@@ -111,8 +112,7 @@ class PagedController:
         state = jax.eval_shape(self._empty)
         if self._state_sharding is None:
             return state
-        return jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
-                            state, self._state_sharding)
+        return with_shardings(state, self._state_sharding)
 
     def lower_programs(self, params, state, key, arrays, *, max_prompt_len: int, group_size: int
                        ) -> dict[str, jax.stages.Lowered]:

@@ -45,6 +45,7 @@ from rpegjax.models.config import ModelConfig
 from rpegjax.models.lora import LoRAConfig
 from rpegjax.models.transformer import Decoder
 from rpegjax.sharding import axes
+from rpegjax.sharding.abstract import with_shardings
 from rpegjax.sharding.rules import (
     ActivationSharding,
     ShardingRules,
@@ -337,8 +338,7 @@ class Sampler:
         state = jax.eval_shape(self._empty)
         if self._state_sharding is None:
             return state
-        return jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
-                            state, self._state_sharding)
+        return with_shardings(state, self._state_sharding)
 
     def _abstract_key(self) -> jax.ShapeDtypeStruct:
         key = jax.eval_shape(lambda: jax.random.key(0))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import jax
 import numpy as np

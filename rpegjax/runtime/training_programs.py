@@ -27,6 +27,7 @@ from rpegjax.learners.protocol import Learner
 from rpegjax.learners.update import batch_sharding, row_shards
 from rpegjax.runtime.meshes import device_ids, same_layout
 from rpegjax.sharding import axes
+from rpegjax.sharding.abstract import is_abstract, with_shardings
 from rpegjax.sharding.rules import ActivationSharding, ShardingRules, param_shardings
 
 # Which TrainBatch field each inference kind fills, and whose weights it reads.
@@ -35,18 +36,6 @@ INFERENCE_FIELDS = {
     StageKind.OLD_LOGPROB: "old_logprobs",
     StageKind.CRITIC_VALUE: "values",
 }
-
-
-def is_abstract(tree: Any) -> bool:
-    """Whether every leaf of `tree` is a `jax.ShapeDtypeStruct` (inputs for lowering, nothing allocated)."""
-    leaves = jax.tree.leaves(tree)
-    return bool(leaves) and all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in leaves)
-
-
-def with_shardings(tree: Any, shardings: Any) -> Any:
-    """Abstract arrays of `tree`'s shapes and dtypes carrying `shardings` (a tree like it)."""
-    return jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
-                        tree, shardings)
 
 
 class StageLayout:
@@ -158,9 +147,19 @@ class TrainingPrograms:
             self._inference_programs[key] = jax.jit(program)
         return self._inference_programs[key]
 
+    def has_own_layout(self, mesh: Mesh | None) -> bool:
+        """Whether an inference stage on `mesh` runs on a layout of its own (weights moved there per call)."""
+        return mesh is not None and not same_layout(self.mesh, dict(mesh.shape))
+
+    def placed_reference(self, mesh: Mesh | None = None) -> Any:
+        """The reference weights as a reference stage on `mesh` reads them (abstract when the learner's are)."""
+        params = self._params_of[StageKind.REF_LOGPROB](None)
+        layout = self._stage_layout((StageKind.REF_LOGPROB,), mesh)
+        return params if layout is None else layout.place_params(params, constant=True)
+
     def _stage_layout(self, kinds: tuple[StageKind, ...], mesh: Mesh | None) -> StageLayout | None:
         """The stage's own layout when `mesh` differs from the learner's (None: the learner's)."""
-        if mesh is None or same_layout(self.mesh, dict(mesh.shape)):
+        if not self.has_own_layout(mesh):
             return None
         if device_ids(mesh) != device_ids(self.mesh):
             raise ValueError(f"stages {[k.value for k in kinds]}: mesh on devices {sorted(device_ids(mesh))} is not "
@@ -235,18 +234,20 @@ class TrainingPrograms:
         self._check_update_kinds(kinds)
         return self.learner.lower_update(state, self.place(batch))
 
-    def abstract_batch(self, rows: int, length: int, kinds: Sequence[StageKind]) -> TrainBatch:
-        """The step's batch as the update receives it, abstract: what the rollout packs (tokens, masks,
-        behaviour log-probs, rewards), the fields the inference `kinds` fill and the learner's advantages."""
-        def array(shape, dtype):
-            return jax.ShapeDtypeStruct(shape, dtype)
+    @staticmethod
+    def abstract_rollout(rows: int, length: int) -> TrainBatch:
+        """What the rollout packs (`rpegjax.learners.batch.pack_rollouts`), abstract: tokens, masks, behaviour
+        log-probs and rewards of `rows` rows of `length` tokens; what inference stages receive."""
+        per_token = lambda dtype: jax.ShapeDtypeStruct((rows, length), dtype)  # noqa: E731
+        return TrainBatch(tokens=per_token(jnp.int32), token_mask=per_token(jnp.bool_), response_mask=per_token(jnp.bool_),
+                          behaviour_logprobs=per_token(jnp.float32), rewards=jax.ShapeDtypeStruct((rows,), jnp.float32))
 
-        per_token = {INFERENCE_FIELDS[kind]: array((rows, length), jnp.float32) for kind in kinds
-                     if kind in INFERENCE_FIELDS}
-        batch = TrainBatch(tokens=array((rows, length), jnp.int32), token_mask=array((rows, length), jnp.bool_),
-                           response_mask=array((rows, length), jnp.bool_),
-                           behaviour_logprobs=array((rows, length), jnp.float32), rewards=array((rows,), jnp.float32),
-                           **per_token)
+    def abstract_batch(self, rows: int, length: int, kinds: Sequence[StageKind]) -> TrainBatch:
+        """The step's batch as the update receives it, abstract: the rollout's (`abstract_rollout`), the fields
+        the inference `kinds` fill and what the learner's advantage stage adds."""
+        filled = {INFERENCE_FIELDS[kind]: jax.ShapeDtypeStruct((rows, length), jnp.float32) for kind in kinds
+                  if kind in INFERENCE_FIELDS}
+        batch = self.abstract_rollout(rows, length).replace(**filled)
         with_advantages = jax.eval_shape(lambda b: self.learner.compute_advantages(b)[0], batch)
         return jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype), with_advantages)
 

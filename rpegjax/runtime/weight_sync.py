@@ -21,6 +21,7 @@ from rpegjax.models.lora import merge_adapters
 from rpegjax.models.precision import cast_floating
 from rpegjax.runtime import transfers
 from rpegjax.runtime.meshes import device_ids
+from rpegjax.sharding.abstract import with_shardings
 
 
 class WeightSyncPrograms:
@@ -80,6 +81,13 @@ class WeightSyncPrograms:
     def generation_shapes(self) -> Any:
         """Shapes and dtypes of the generation copy of the actor weights (computed abstractly: no program runs)."""
         return jax.eval_shape(self._cast, self.learner.actor_params(self.learner.params))
+
+    def abstract_copy(self) -> Any:
+        """The generation copy as abstract arrays in the sampler's layout: what generation programs are lowered with."""
+        shapes = self.generation_shapes()
+        if self.sampler.params_sharding is None:
+            return shapes
+        return with_shardings(shapes, self.sampler.params_sharding)
 
     def _copy_program(self, shardings: Any) -> Callable:
         key = id(shardings)
