@@ -46,6 +46,7 @@ from rpegjax.runtime.meshes import device_ids, stage_mesh
 from rpegjax.runtime.training_programs import TrainingPrograms
 from rpegjax.runtime.weight_sync import WeightSyncPrograms
 from rpegjax.sharding.abstract import with_shardings
+from rpegjax.train.plan_document import read_plan_file
 
 GB = 1e9
 _REEXEC_FLAG = "RPEGJAX_DRY_RUN_DEVICES"
@@ -259,18 +260,16 @@ def lower_step(graph: Graph, learner: Learner, sampler: Sampler, training: Train
     return lowered
 
 
-def dry_run(graph: Graph, model_cfg: ModelConfig, algorithm: GRPOConfig | PPOConfig, batch: Batch, *,
-            capacity_bytes: float, predicted: dict[str, float] | None = None,
-            predicted_step_seconds: float | None = None, lora: LoRAConfig | None = None,
-            sampling: SamplingConfig | None = None, generation_dtype: str | None = None,
-            log: Callable[[str], None] = lambda line: None) -> DryRunReport:
-    """Compiles the plan's stage programs (see the module doc) and measures them; nothing is allocated.
-
-    `model_cfg` carries the model's shape and precision (the graph's execution options are applied to it as a
-    run applies them); `predicted` maps stage names to the performance model's per-device peak bytes. With
-    `lora` the policy carries adapters: the training state holds only them, the frozen base stays beside it (and
-    is the reference), generation reads the merged weights. `sampling`: the run's (default: plain sampling of
-    `batch.new` tokens); `generation_dtype`: the run's `model.generation_dtype` (None: the precision policy's)."""
+def lower_plan(graph: Graph, model_cfg: ModelConfig, algorithm: GRPOConfig | PPOConfig, batch: Batch, *,
+               lora: LoRAConfig | None = None, sampling: SamplingConfig | None = None,
+               generation_dtype: str | None = None, log: Callable[[str], None] = lambda line: None
+               ) -> list[LoweredProgram]:
+    """Every program a step of `graph` launches (`lower_step`), for a model of `model_cfg` built abstractly and
+    placed as a run places it. `model_cfg` carries the model's shape and precision (the graph's execution options
+    are applied to it as a run applies them). With `lora` the policy carries adapters: the training state holds
+    only them, the frozen base stays beside it (and is the reference), generation reads the merged weights.
+    `sampling`: the run's (default: plain sampling of `batch.new` tokens); `generation_dtype`: the run's
+    `model.generation_dtype` (None: the precision policy's)."""
     if jax.device_count() < graph.num_devices:
         raise ValueError(f"dry run: the plan needs {graph.num_devices} devices, {jax.device_count()} exist "
                          f"(call ensure_devices first)")
@@ -289,8 +288,15 @@ def dry_run(graph: Graph, model_cfg: ModelConfig, algorithm: GRPOConfig | PPOCon
                            chunk_steps=batch.chunk_steps)
     learner, sampler = place_models(graph, abstract_model, algorithm, rollout, critic=critic)
     cast = generation_cast(model_cfg.param_dtype, model_cfg.dtype, generation_dtype)
-    programs = lower_step(graph, learner, sampler, TrainingPrograms(learner), WeightSyncPrograms(learner, sampler, cast),
-                          batch, SamplingConfig(max_new_tokens=batch.new) if sampling is None else sampling)
+    return lower_step(graph, learner, sampler, TrainingPrograms(learner), WeightSyncPrograms(learner, sampler, cast),
+                      batch, SamplingConfig(max_new_tokens=batch.new) if sampling is None else sampling)
+
+
+def compile_programs(programs: Sequence[LoweredProgram], *, capacity_bytes: float,
+                     predicted: dict[str, float] | None = None, predicted_step_seconds: float | None = None,
+                     log: Callable[[str], None] = lambda line: None) -> DryRunReport:
+    """Compiles `programs` and measures them against `capacity_bytes` per device; `predicted` maps stage names
+    to the performance model's per-device peak bytes (shown beside each stage's peak program)."""
     predicted = predicted or {}
     measured = []
     for item in programs:
@@ -307,74 +313,100 @@ def dry_run(graph: Graph, model_cfg: ModelConfig, algorithm: GRPOConfig | PPOCon
                         predicted_step_seconds=predicted_step_seconds)
 
 
+def dry_run(graph: Graph, model_cfg: ModelConfig, algorithm: GRPOConfig | PPOConfig, batch: Batch, *,
+            capacity_bytes: float, predicted: dict[str, float] | None = None,
+            predicted_step_seconds: float | None = None, lora: LoRAConfig | None = None,
+            sampling: SamplingConfig | None = None, generation_dtype: str | None = None,
+            log: Callable[[str], None] = lambda line: None) -> DryRunReport:
+    """Lowers (`lower_plan`) and compiles (`compile_programs`) every program a step of the plan launches; nothing
+    is allocated."""
+    programs = lower_plan(graph, model_cfg, algorithm, batch, lora=lora, sampling=sampling,
+                          generation_dtype=generation_dtype, log=log)
+    return compile_programs(programs, capacity_bytes=capacity_bytes, predicted=predicted,
+                            predicted_step_seconds=predicted_step_seconds, log=log)
+
+
 # ------------------------------------------------------------------------------------------- a run's config
 def plan_devices(cfg) -> int:
     """Devices the run's graph needs: the plan's count, else the devices here (a run without a plan uses them all)."""
     if cfg.graph.plan is None:
         return jax.device_count()
-    from rpegjax.train.build import load_plan
-
-    return load_plan(cfg, num_devices=1 << 30).num_devices
+    return read_plan_file(cfg.graph.plan).graph.num_devices
 
 
-def planned_prediction(cfg) -> dict[str, Any] | None:
-    """The prediction stored beside the best plan in a `plan.py --json` document (None for a bare graph)."""
-    import json
-    import pathlib
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunPlan:
+    """What a training job's config runs, as the dry run needs it: its graph, model, algorithm and step shapes,
+    and the prediction stored beside a plan document's best plan."""
 
-    if cfg.graph.plan is None:
-        return None
-    document = json.loads(pathlib.Path(cfg.graph.plan).read_text())
-    if isinstance(document, dict) and "plans" in document:
-        return document["plans"][0].get("prediction")
-    return None
+    graph: Graph
+    model_cfg: ModelConfig
+    algorithm: GRPOConfig | PPOConfig
+    batch: Batch
+    sampling: SamplingConfig
+    lora: LoRAConfig | None
+    generation_dtype: str | None
+    prediction: dict[str, Any] | None
+
+    def lower(self, log: Callable[[str], None] = lambda line: None) -> list[LoweredProgram]:
+        return lower_plan(self.graph, self.model_cfg, self.algorithm, self.batch, lora=self.lora,
+                          sampling=self.sampling, generation_dtype=self.generation_dtype, log=log)
 
 
-def dry_run_config(cfg, *, capacity_bytes: float | None, log: Callable[[str], None]) -> DryRunReport:
-    """The dry run of a training job's config (`train_grpo.py ... --dry-run`): the run's graph (its plan, if
-    any), model shape and precision, step batch and sampler slots, as `rpegjax.train.build` would make them,
-    without loading weights or allocating. `capacity_bytes`: per device; None reads the devices' own limit."""
+def run_plan(cfg) -> RunPlan:
+    """The graph (its plan, if any), model shape and precision, step batch, prompt width (rendered as the run
+    renders prompts) and sampler slots of a job's config, as `rpegjax.train.build` makes them, without loading
+    weights or allocating. A plan document made for another model or step shapes is refused
+    (`rpegjax.train.plan_document`)."""
     from rpegjax.generate.sampler import usable_slots
     from rpegjax.graph.ir import Algorithm
     from rpegjax.models.tokenizer import builtin_tokenizer, load_tokenizer
     from rpegjax.runtime.meshes import placed_meshes
     from rpegjax.train import build as job
+    from rpegjax.train.trainer import run_sampling
 
     tokenizer = builtin_tokenizer() if cfg.model.path is None else load_tokenizer(cfg.model.path)
-    template = job.PromptTemplate(template=cfg.data.prompt_template)
-    _, train_examples, eval_examples = job._task_and_examples(cfg)
+    _, train_examples, eval_examples = job.make_task_and_examples(cfg)
     examples = [*train_examples, *eval_examples]
-    prompt = job.check_prompt_lengths(examples, [tokenizer.encode(template.render(e, tokenizer)) for e in examples],
-                                      cfg.rollout.max_prompt_len)
-    if cfg.model.path is None:
-        model_cfg = job._model_config(cfg, tokenizer, value_head=False)
-    else:
-        import json
-        import pathlib
-
-        hf = json.loads((pathlib.Path(cfg.model.path) / "config.json").read_text())
-        model_cfg = ModelConfig.from_hf_dict(hf, source=f"{cfg.model.path}/config.json").replace(
-            param_dtype=cfg.model.param_dtype, dtype=cfg.model.dtype)
+    prompt_ids = job.encode_prompts(examples, job.run_template(cfg), tokenizer, job.run_environment(cfg))
+    prompt = job.check_prompt_lengths(examples, prompt_ids, cfg.rollout.max_prompt_len)
     graph = job.build_graph(cfg, num_devices=jax.device_count())
+    model_cfg = job.run_model_config(cfg, tokenizer, value_head=False).replace(**graph.execution.model_fields())
+    job.check_plan_shapes(cfg, model_cfg, prompt)
     rollout = cfg.rollout
     rows = rollout.prompts_per_step * rollout.group_size
-    slots = min(rollout.num_slots, max(rows, len(eval_examples)))
-    slots = usable_slots(slots, rollout.group_size, placed_meshes(graph)[1])
+    slots = usable_slots(min(rollout.num_slots, max(rows, len(eval_examples))), rollout.group_size,
+                         placed_meshes(graph)[1])
+    algorithm = cfg.grpo if cfg.algorithm == Algorithm.GRPO else cfg.ppo
+    lora = cfg.lora.config()
+    if lora is not None:  # the optimiser of the adapters, as `build` sets it
+        changes = {"optimizer": cfg.lora.optimizer(algorithm.optimizer)}
+        if isinstance(algorithm, PPOConfig) and algorithm.critic == CriticMode.SEPARATE:
+            changes["critic_optimizer"] = algorithm.critic_optimizer or algorithm.optimizer
+        algorithm = dataclasses.replace(algorithm, **changes)
+    prediction = None if cfg.graph.plan is None else read_plan_file(cfg.graph.plan).prediction
+    return RunPlan(graph=graph, model_cfg=model_cfg, algorithm=algorithm, lora=lora, sampling=run_sampling(cfg),
+                   batch=Batch(rows=rows, prompt=prompt, new=rollout.max_new_tokens, slots=slots,
+                               group_size=rollout.group_size, chunk_steps=rollout.chunk_steps),
+                   generation_dtype=cfg.model.generation_dtype, prediction=prediction)
+
+
+def dry_run_config(cfg, *, capacity_bytes: float | None, log: Callable[[str], None]) -> DryRunReport:
+    """The dry run of a training job's config (`train_grpo.py ... --dry-run`, `run_plan`). `capacity_bytes`: per
+    device; None reads the devices' own limit."""
+    plan = run_plan(cfg)
     if capacity_bytes is None:
         stats = jax.devices()[0].memory_stats() or {}
         if "bytes_limit" not in stats:
             raise ValueError(f"dry run: {jax.devices()[0].device_kind} devices report no memory limit; give the "
                              f"capacity per device (--memory-gb)")
         capacity_bytes = float(stats["bytes_limit"])
-    prediction = planned_prediction(cfg)
+    prediction = plan.prediction
     predicted = None if prediction is None else {
         s["name"]: s["peak_memory_bytes"] for s in prediction["stages"] if s.get("peak_memory_bytes") is not None}
-    algorithm = cfg.grpo if cfg.algorithm == Algorithm.GRPO else cfg.ppo
-    return dry_run(graph, model_cfg, algorithm, Batch(rows=rows, prompt=prompt, new=rollout.max_new_tokens,
-                                                      slots=slots, chunk_steps=rollout.chunk_steps),
-                   capacity_bytes=capacity_bytes, predicted=predicted, lora=cfg.lora.config() if cfg.lora.enabled else None,
-                   predicted_step_seconds=None if prediction is None else prediction.get("step_seconds"), log=log)
+    return compile_programs(plan.lower(log), capacity_bytes=capacity_bytes, predicted=predicted, log=log,
+                            predicted_step_seconds=None if prediction is None else prediction.get("step_seconds"))
 
 
-__all__ = ["Batch", "DryRunReport", "ProgramMemory", "dry_run", "dry_run_config", "ensure_devices", "plan_devices",
-           "shard_bytes"]
+__all__ = ["Batch", "DryRunReport", "LoweredProgram", "ProgramMemory", "RunPlan", "compile_programs", "dry_run",
+           "dry_run_config", "ensure_devices", "lower_plan", "lower_step", "plan_devices", "run_plan", "shard_bytes"]

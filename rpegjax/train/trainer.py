@@ -130,10 +130,15 @@ def episode_runner(parts: Components, sampling: SamplingConfig,
         render=parts.render_messages, encode=tokenizer.encode, decode=decode_turn)
 
 
+def run_sampling(cfg: RunConfig) -> SamplingConfig:
+    """How the run's rollouts sample (multi-turn episodes add their stop sequences to it)."""
+    return SamplingConfig(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
+                          top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p)
+
+
 def make_programs(parts: Components, rewards: RewardRunner) -> StagePrograms:
     cfg = parts.cfg
-    sampling = SamplingConfig(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
-                              top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p)
+    sampling = run_sampling(cfg)
     episodes = episode_runner(parts, sampling)
     return StagePrograms(
         learner=parts.learner,
