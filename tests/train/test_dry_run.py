@@ -2,6 +2,7 @@
 
 import dataclasses
 import hashlib
+import json
 import os
 import pathlib
 import subprocess
@@ -162,3 +163,85 @@ def test_the_dry_run_lowers_the_very_programs_a_run_launches(kv_cache, tmp_path)
     for program in lowered:
         found = launched.get(_fingerprint(program.lowered.as_text()))
         assert found is not None, (program.stage, program.program, sorted(launched.values()))
+
+
+def _plan_document(tmp_path, graph, model: ModelConfig, **workload) -> pathlib.Path:
+    from rpegjax.train.plan_document import model_shape
+
+    document = {"model": "qwen2.5-7b", "model_config": model_shape(model),
+                "workload": {"prompts": 512, "group_size": 8, "prompt_tokens": 1024, "response_max": 16384, **workload},
+                "plans": [{"name": "best", "graph": graph.to_dict(), "prediction": {"step_seconds": 211.0, "stages": []}}]}
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(document))
+    return path
+
+
+def test_a_plan_made_for_another_model_or_step_is_refused_by_the_job_and_its_dry_run(tmp_path, capsys):
+    """`train_grpo.py --plan plan.json --dry-run` once compiled the built-in 0.4M model at the run's short shapes for
+    a 7B plan and printed "fits: yes" beside a 63.5 GB prediction; it is refused, naming what differs."""
+    from rpegjax.train.cli import main
+    from rpegjax.train.config import RunConfig
+
+    graph = builders.grpo_graph(use_reference=False, num_devices=4, parallel={"fsdp": 4})
+    graph = dataclasses.replace(graph, execution=Execution(param_dtype="float32", dtype="bfloat16"))
+    plan = _plan_document(tmp_path, graph, ModelConfig.qwen2p5("7b"))
+    code = main(["--dry-run", "--plan", str(plan), "--memory-gb", "80", "--run-dir", str(tmp_path / "run")],
+                RunConfig().algorithm)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "the plan was made for model 'qwen2.5-7b', this run's model differs" in err
+    assert "model.hidden_size: plan 3584" in err and "--model DIR" in err
+    assert not (tmp_path / "run").exists()
+
+    from rpegjax.train.build import check_plan_shapes, run_model_config
+    from rpegjax.models.tokenizer import builtin_tokenizer
+
+    cfg = RunConfig().replace(graph=dataclasses.replace(RunConfig().graph, plan=str(plan)))
+    builtin = run_model_config(cfg, builtin_tokenizer(), value_head=False)
+    same_model = _plan_document(tmp_path, graph, builtin, prompt_tokens=40)
+    cfg = cfg.replace(graph=dataclasses.replace(cfg.graph, plan=str(same_model)))
+    with pytest.raises(ValueError, match=r"the plan was made for another step \(--prompts-per-step: plan 512, run "):
+        check_plan_shapes(cfg, builtin, 40)
+
+
+def test_the_job_takes_the_plans_precision_and_a_checkpoints_dry_run_has_dtypes(tmp_path):
+    """A default plan (bfloat16 compute) used to be refused by a default job on the CPU (float32 there); the job
+    now takes the plan's dtypes when it sets none. `--dry-run --model DIR` without dtypes once built its model with
+    None dtypes."""
+    from rpegjax.models.tokenizer import builtin_tokenizer
+    from rpegjax.train.build import build_graph, run_model_config, run_precision
+    from rpegjax.train.config import RunConfig
+
+    graph = builders.grpo_graph(use_reference=False, num_devices=4, parallel={"fsdp": 4})
+    graph = dataclasses.replace(graph, execution=Execution(param_dtype="float32", dtype="bfloat16"))
+    plan = tmp_path / "graph.json"
+    plan.write_text(graph.to_json())
+    cfg = RunConfig().replace(graph=dataclasses.replace(RunConfig().graph, plan=str(plan)))
+    assert (run_precision(cfg).param_dtype, run_precision(cfg).dtype) == ("float32", "bfloat16")
+    assert build_graph(cfg, num_devices=8).execution.dtype == "bfloat16"
+    explicit = cfg.replace(model=dataclasses.replace(cfg.model, dtype="float32"))
+    with pytest.raises(ValueError, match="the plan executes with float32 weights and bfloat16 compute, this run with "
+                                         "float32 weights and float32 compute"):
+        build_graph(explicit, num_devices=8)
+
+    checkpoint = tmp_path / "model"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text(json.dumps(CFG.to_hf_dict()))
+    run = RunConfig().replace(model=dataclasses.replace(RunConfig().model, path=str(checkpoint)))
+    model = run_model_config(run, builtin_tokenizer(), value_head=False)
+    assert (model.param_dtype, model.dtype) == ("float32", "float32")  # the policy's on the CPU, never None
+    assert model.hidden_size == CFG.hidden_size
+
+
+def test_the_dry_run_renders_prompts_as_the_run_does():
+    """The dry run once rendered prompts without the run's system prompt (and chat template): its prompt width, and
+    so every program's shapes, differed from the run's."""
+    from rpegjax.train.build import build
+    from rpegjax.train.config import DataSection, RunConfig, WarmStartSection
+
+    cfg = RunConfig(data=DataSection(train_size=8, eval_size=4, system_prompt="Think step by step, then answer."),
+                    warm_start=WarmStartSection(steps=0))
+    plain = run_plan(cfg.replace(data=dataclasses.replace(cfg.data, system_prompt=None)))
+    planned = run_plan(cfg)
+    assert planned.batch.prompt == build(cfg, log=lambda _: None).max_prompt_len
+    assert planned.batch.prompt >= plain.batch.prompt + len("Think step by step, then answer.")
