@@ -193,17 +193,15 @@ class Sampler:
 
         def decode_fn(window, *arrays):  # the attention window is static: one program per window size
             return decode(graphdef, *arrays, window=window, sharding=activation)
-        self._state_sharding = None
         if mesh is None:
             self._admit = jax.jit(admit_fn, static_argnums=(0,), donate_argnums=(2,))
             self._decode = jax.jit(decode_fn, static_argnums=(0,), donate_argnums=(2,))
             self._build_state = jax.jit(self._empty)
-            self.params_sharding = None
+            self.params_sharding = self._state_sharding = None
         else:
             abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0), lora=lora))
             self.params_sharding = param_shardings(nnx.split(abstract)[1], mesh, self.rules)
-            state_sharding = decode_state_shardings(jax.eval_shape(self._empty), activation)
-            self._state_sharding = state_sharding
+            self._state_sharding = state_sharding = decode_state_shardings(jax.eval_shape(self._empty), activation)
             replicated = NamedSharding(mesh, PartitionSpec())
             self._admit = jax.jit(
                 admit_fn,
@@ -245,47 +243,6 @@ class Sampler:
     def new_state(self) -> DecodeState:
         """All slots empty, placed with the sampler's shardings."""
         return self._build_state() if self.paged is None else self.paged.new_state()
-
-    # ---- input checks ------------------------------------------------------------------------------
-    def _check(self, prompts, sampling: SamplingConfig, group_size: int, budgets) -> list[np.ndarray]:
-        if not isinstance(sampling, SamplingConfig):
-            raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
-        if sampling.max_new_tokens > self.max_new_tokens:
-            raise ValueError(
-                f"SamplingConfig.max_new_tokens={sampling.max_new_tokens} exceeds the sampler's "
-                f"max_new_tokens={self.max_new_tokens} (its cache capacity)"
-            )
-        group_size = _positive_int("group_size", group_size)
-        if group_size > self.num_slots:
-            raise ValueError(f"group_size={group_size} exceeds num_slots={self.num_slots}: a group must fit at once")
-        if self.paged is not None and group_size > self.num_slots // self.replicas:
-            raise ValueError(f"group_size={group_size} exceeds the {self.num_slots // self.replicas} slots of one replica: "
-                             "a group shares its prompt pages, so it must fit in one replica")
-        if isinstance(prompts, str | bytes) or not isinstance(prompts, Sequence) or not prompts:
-            raise ValueError("prompts must be a non-empty list of token-id lists")
-        checked = []
-        for index, prompt in enumerate(prompts):
-            ids = np.asarray(prompt)
-            if ids.ndim != 1 or ids.size == 0:
-                raise ValueError(f"prompt {index} is empty or not a flat list of token ids (shape {ids.shape})")
-            if not np.issubdtype(ids.dtype, np.integer):
-                raise ValueError(f"prompt {index} holds non-integer token ids (dtype {ids.dtype})")
-            if ids.size > self.max_prompt_len:
-                raise ValueError(
-                    f"prompt {index} has {ids.size} tokens, more than the sampler's max_prompt_len={self.max_prompt_len}"
-                )
-            if ids.min() < 0 or ids.max() >= self.cfg.vocab_size:
-                raise ValueError(f"prompt {index} has token ids outside [0, {self.cfg.vocab_size})")
-            checked.append(ids.astype(np.int32))
-        if budgets is not None:
-            if len(budgets) != len(prompts):
-                raise ValueError(f"budgets has {len(budgets)} entries for {len(prompts)} prompts")
-            for index, budget in enumerate(budgets):
-                if isinstance(budget, bool) or not isinstance(budget, int | np.integer) or not 1 <= budget <= sampling.max_new_tokens:
-                    raise ValueError(
-                        f"budgets[{index}] must be an integer in [1, max_new_tokens={sampling.max_new_tokens}], got {budget!r}"
-                    )
-        return checked
 
     # ---- the two compiled calls ----------------------------------------------------------------------
     def _admit_requests(self, params, state, requests, indices, slots, key, arrays):
@@ -403,7 +360,7 @@ class Sampler:
 
     def _prepare(self, params, prompts, sampling, group_size, budgets, key):
         self._check_params(params)
-        checked = self._check(prompts, sampling, group_size, budgets)
+        checked = _checked_prompts(self, prompts, sampling, group_size, budgets)
         arrays = sampling_arrays(sampling, vocab_size=self.cfg.vocab_size, default_eos_id=self.cfg.eos_token_id)
         budgets = [sampling.max_new_tokens] * len(checked) if budgets is None else [int(b) for b in budgets]
         if not isinstance(key, jax.Array):
@@ -521,3 +478,45 @@ class Sampler:
         requests, arrays = self._prepare(params, prompts, sampling, group_size, budgets, key)
         completions = self._run(params, requests, arrays, key, version, continuous=False)
         return sorted(completions, key=lambda c: c.order)
+
+
+def _checked_prompts(sampler: Sampler, prompts, sampling: SamplingConfig, group_size: int, budgets) -> list[np.ndarray]:
+    """`prompts` as int32 arrays, checked against the sampler's limits, the sampling config and `budgets`."""
+    if not isinstance(sampling, SamplingConfig):
+        raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
+    if sampling.max_new_tokens > sampler.max_new_tokens:
+        raise ValueError(
+            f"SamplingConfig.max_new_tokens={sampling.max_new_tokens} exceeds the sampler's "
+            f"max_new_tokens={sampler.max_new_tokens} (its cache capacity)"
+        )
+    group_size = _positive_int("group_size", group_size)
+    if group_size > sampler.num_slots:
+        raise ValueError(f"group_size={group_size} exceeds num_slots={sampler.num_slots}: a group must fit at once")
+    if sampler.paged is not None and group_size > sampler.num_slots // sampler.replicas:
+        raise ValueError(f"group_size={group_size} exceeds the {sampler.num_slots // sampler.replicas} slots of one replica: "
+                         "a group shares its prompt pages, so it must fit in one replica")
+    if isinstance(prompts, str | bytes) or not isinstance(prompts, Sequence) or not prompts:
+        raise ValueError("prompts must be a non-empty list of token-id lists")
+    checked = []
+    for index, prompt in enumerate(prompts):
+        ids = np.asarray(prompt)
+        if ids.ndim != 1 or ids.size == 0:
+            raise ValueError(f"prompt {index} is empty or not a flat list of token ids (shape {ids.shape})")
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"prompt {index} holds non-integer token ids (dtype {ids.dtype})")
+        if ids.size > sampler.max_prompt_len:
+            raise ValueError(
+                f"prompt {index} has {ids.size} tokens, more than the sampler's max_prompt_len={sampler.max_prompt_len}"
+            )
+        if ids.min() < 0 or ids.max() >= sampler.cfg.vocab_size:
+            raise ValueError(f"prompt {index} has token ids outside [0, {sampler.cfg.vocab_size})")
+        checked.append(ids.astype(np.int32))
+    if budgets is not None:
+        if len(budgets) != len(prompts):
+            raise ValueError(f"budgets has {len(budgets)} entries for {len(prompts)} prompts")
+        for index, budget in enumerate(budgets):
+            if isinstance(budget, bool) or not isinstance(budget, int | np.integer) or not 1 <= budget <= sampling.max_new_tokens:
+                raise ValueError(
+                    f"budgets[{index}] must be an integer in [1, max_new_tokens={sampling.max_new_tokens}], got {budget!r}"
+                )
+    return checked
