@@ -305,12 +305,20 @@ def compile_programs(programs: Sequence[LoweredProgram], *, capacity_bytes: floa
         seconds = time.perf_counter() - started
         memory = ProgramMemory(stage=item.stage, program=item.program, mesh={} if item.mesh is None else dict(item.mesh.shape),
                                resident=item.resident, flops=_flops(compiled), compile_seconds=seconds,
-                               predicted=predicted.get(item.stage) if item.predicted else None, **_memory(compiled))
+                               predicted=_unit_prediction(predicted, item.stage) if item.predicted else None,
+                               **_memory(compiled))
         measured.append(memory)
         log(f"compiled {item.stage} ({item.program}) in {seconds:.1f} s: {memory.peak / GB:.2f} GB per device")
     devices = f"{jax.device_count()} x {jax.devices()[0].device_kind} ({jax.default_backend()})"
     return DryRunReport(programs=tuple(measured), capacity_bytes=capacity_bytes, devices=devices,
                         predicted_step_seconds=predicted_step_seconds)
+
+
+def _unit_prediction(predicted: dict[str, float], unit: str) -> float | None:
+    """The performance model's peak for an execution unit: its stage's, or the largest of its fused stages' (one
+    program runs them all); None when a stage has no prediction."""
+    stages = [predicted.get(stage) for stage in unit.split("+")]
+    return None if any(value is None for value in stages) else max(stages)
 
 
 def dry_run(graph: Graph, model_cfg: ModelConfig, algorithm: GRPOConfig | PPOConfig, batch: Batch, *,
