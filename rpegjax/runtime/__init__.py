@@ -1,5 +1,5 @@
 """The single controller that executes an RPEG: the step loop and its threads (`controller`), the stage programs
-it dispatches (`programs`), the versioned parameter store (`versions`) placement -> mesh (`meshes`), arrays between
+it dispatches (`programs`: rollout, training and weight-sync parts, each able to lower its compiled programs), the versioned parameter store (`versions`) placement -> mesh (`meshes`), arrays between
 process groups (`transfers`), the roles of processes in a disaggregated run and what crosses between them (`roles`)
 and JAX's persistent compilation cache for a job (`compilation_cache`).
 
