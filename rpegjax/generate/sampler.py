@@ -302,20 +302,21 @@ class Sampler:
         replicated = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
         return jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=replicated)
 
-    def lower_programs(self, params: nnx.State, sampling: SamplingConfig, *, group_size: int
-                       ) -> dict[str, jax.stages.Lowered]:
+    def lower_programs(self, params: nnx.State, sampling: SamplingConfig, *, group_size: int,
+                       long_contexts: bool = False) -> dict[str, jax.stages.Lowered]:
         """Every program generation launches, lowered at the largest shapes a run of `sampling` with groups of
         `group_size` reaches (`params` in the generation layout, may be abstract; nothing is allocated).
         Contiguous cache: `prefill` (every group's prompts at once, max_prompt_len wide) and `decode` (a chunk
         attending to the whole capacity). Paged cache: `prefill` (one chunk of the longest prompts, every slot
-        replica's groups), `start` and `decode` (a chunk over every page of a sequence)."""
+        replica's groups), `start` and `decode` (a chunk over every page of a sequence). `long_contexts`: fed
+        requests (an episode's later turns) may be longer than max_prompt_len, up to the capacity."""
         arrays = sampling_arrays(sampling, vocab_size=self.cfg.vocab_size, default_eos_id=self.cfg.eos_token_id)
         key, state = self._abstract_key(), self.abstract_state()
+        longest = self.capacity if long_contexts else self.max_prompt_len
         if self.paged is not None:
-            return self.paged.lower_programs(params, state, key, arrays, max_prompt_len=self.max_prompt_len,
-                                             group_size=group_size)
+            return self.paged.lower_programs(params, state, key, arrays, max_prompt_len=longest, group_size=group_size)
         prefill = self._admit.lower(group_size, params, state, *self._admit_arrays(
-            self._admit_bucket(self.num_slots // group_size, group_size), self.max_prompt_len, group_size), key, arrays)
+            self._admit_bucket(self.num_slots // group_size, group_size), longest, group_size), key, arrays)
         decode = self._decode.lower(self.capacity, params, state, key, arrays, np.int32(self.chunk_steps))
         return {"prefill": prefill, "decode": decode}
 

@@ -172,6 +172,7 @@ class Batch:
     slots: int
     group_size: int
     chunk_steps: int = 16
+    multi_turn: bool = False  # episodes: a later turn's context may fill the whole capacity
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -252,7 +253,9 @@ def lower_step(graph: Graph, learner: Learner, sampler: Sampler, training: Train
                                               predicted=False))
     generate = graph.stages_of_kind(StageKind.GENERATE)[0]
     beside = residents.beside(device_ids(sampler.mesh), "generation")
-    for program, generation in sampler.lower_programs(copy, sampling, group_size=batch.group_size).items():
+    generation_programs = sampler.lower_programs(copy, sampling, group_size=batch.group_size,
+                                                 long_contexts=batch.multi_turn)
+    for program, generation in generation_programs.items():
         label = (f"{program} ({sampler.num_slots} slots x {sampler.capacity} tokens)" if program == "decode"
                  else program)
         lowered.append(LoweredProgram(stage=generate.name, program=label, lowered=generation, mesh=sampler.mesh,
@@ -371,12 +374,13 @@ def run_plan(cfg) -> RunPlan:
     from rpegjax.models.tokenizer import builtin_tokenizer, load_tokenizer
     from rpegjax.runtime.meshes import placed_meshes
     from rpegjax.train import build as job
-    from rpegjax.train.trainer import run_sampling
+    from rpegjax.train.trainer import episode_sampling, run_sampling
 
     tokenizer = builtin_tokenizer() if cfg.model.path is None else load_tokenizer(cfg.model.path)
     _, train_examples, eval_examples = job.make_task_and_examples(cfg)
     examples = [*train_examples, *eval_examples]
-    prompt_ids = job.encode_prompts(examples, job.run_template(cfg), tokenizer, job.run_environment(cfg))
+    environment = job.run_environment(cfg)
+    prompt_ids = job.encode_prompts(examples, job.run_template(cfg), tokenizer, environment)
     prompt = job.check_prompt_lengths(examples, prompt_ids, cfg.rollout.max_prompt_len)
     graph = job.build_graph(cfg, num_devices=jax.device_count())
     model_cfg = job.run_model_config(cfg, tokenizer, value_head=False).replace(**graph.execution.model_fields())
@@ -393,9 +397,11 @@ def run_plan(cfg) -> RunPlan:
             changes["critic_optimizer"] = algorithm.critic_optimizer or algorithm.optimizer
         algorithm = dataclasses.replace(algorithm, **changes)
     prediction = None if cfg.graph.plan is None else read_plan_file(cfg.graph.plan).prediction
-    return RunPlan(graph=graph, model_cfg=model_cfg, algorithm=algorithm, lora=lora, sampling=run_sampling(cfg),
+    sampling = run_sampling(cfg) if environment is None else episode_sampling(run_sampling(cfg), tokenizer, environment)
+    return RunPlan(graph=graph, model_cfg=model_cfg, algorithm=algorithm, lora=lora, sampling=sampling,
                    batch=Batch(rows=rows, prompt=prompt, new=rollout.max_new_tokens, slots=slots,
-                               group_size=rollout.group_size, chunk_steps=rollout.chunk_steps),
+                               group_size=rollout.group_size, chunk_steps=rollout.chunk_steps,
+                               multi_turn=environment is not None),
                    generation_dtype=cfg.model.generation_dtype, prediction=prediction)
 
 

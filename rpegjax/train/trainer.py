@@ -106,6 +106,11 @@ def _write_atomically(path: pathlib.Path, text: str) -> None:
         staging.unlink(missing_ok=True)
 
 
+def episode_sampling(sampling: SamplingConfig, tokenizer, environment) -> SamplingConfig:
+    """`sampling` for an episode's model turns: they stop at the tool call's closing tag."""
+    return sampling.replace(stop_sequences=(tuple(tokenizer.encode(environment.call_end)),))
+
+
 def episode_runner(parts: Components, sampling: SamplingConfig,
                    sampler: Sampler | None = None) -> EpisodeRunner | None:
     """The multi-turn driver of the run's tool environment decoding with `sampling` on `sampler` (default: the
@@ -114,7 +119,7 @@ def episode_runner(parts: Components, sampling: SamplingConfig,
     if parts.environment is None:
         return None
     cfg, tokenizer, env = parts.cfg, parts.tokenizer, parts.environment
-    sampling = sampling.replace(stop_sequences=(tuple(tokenizer.encode(env.call_end)),))
+    sampling = episode_sampling(sampling, tokenizer, env)
     ends = {*tokenizer.eos_ids, tokenizer.pad_id}
 
     def decode_turn(ids) -> str:  # tool tags may be special tokens: keep them, drop end-of-sequence and padding
