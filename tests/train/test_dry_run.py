@@ -245,3 +245,19 @@ def test_the_dry_run_renders_prompts_as_the_run_does():
     planned = run_plan(cfg)
     assert planned.batch.prompt == build(cfg, log=lambda _: None).max_prompt_len
     assert planned.batch.prompt >= plain.batch.prompt + len("Think step by step, then answer.")
+
+
+def test_the_dry_run_of_a_multi_turn_job_samples_and_prefills_as_its_episodes_do():
+    """Episodes stop a model turn at the tool call's end (a stop sequence: another decode program) and feed later
+    turns longer than a prompt (a capacity-wide prefill); the dry run once lowered neither."""
+    from rpegjax.train.config import DataSection, RolloutSection, RunConfig, WarmStartSection
+
+    cfg = RunConfig(data=DataSection(train_size=8, eval_size=4), warm_start=WarmStartSection(steps=0),
+                    rollout=RolloutSection(env="calculator", max_new_tokens=32))
+    planned = run_plan(cfg)
+    assert planned.batch.multi_turn and planned.sampling.stop_sequences
+    single = run_plan(cfg.replace(rollout=dataclasses.replace(cfg.rollout, env="none")))
+    assert not single.batch.multi_turn and not single.sampling.stop_sequences
+    prefill = next(p for p in planned.lower() if p.program == "prefill")
+    tokens = prefill.lowered.args_info[0][2]  # (params, state, tokens, ...): the group size is static
+    assert tokens.shape[1] == planned.batch.prompt + planned.batch.new  # a later turn's whole context
