@@ -53,10 +53,12 @@ def compare(model: ModelConfig, parallel: dict[str, int], tokens: int, prompt: i
     prediction = step_model.Evaluator.for_runtime(cfg, workload, hw).predict(graph, enforce_memory=False, with_trace=False)
     predicted = {s.name: s.peak_memory_bytes for s in prediction.stages}
     report = dry_run(graph, cfg, GRPOConfig(group_size=replicas, kl_coef=0.04, logprob_chunk_size=logprob_chunk),
-                     Batch(rows=replicas, prompt=prompt, new=tokens - prompt, slots=replicas),
+                     Batch(rows=replicas, prompt=prompt, new=tokens - prompt, slots=replicas, group_size=replicas),
                      capacity_bytes=hw.usable_memory_bytes, predicted=predicted)
     rows = []
     for program in report.programs:
+        if program.predicted is None:  # a program the model does not predict alone (prefill, weight sync)
+            continue
         rows.append({"stage": program.stage, "program": program.program.split(" ")[0], "compiled": program.peak,
                      "xla_program": program.program_bytes, "resident": program.resident,
                      "predicted": program.predicted, "compile_s": program.compile_seconds})

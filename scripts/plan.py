@@ -27,6 +27,7 @@ from rpegjax.perf import executable, explain, hardware, planner, step_model, val
 from rpegjax.perf import profile as hardware_profile
 from rpegjax.perf.generation_cost import ResponseLengths
 from rpegjax.perf.stage_costs import ExecutionOptions, Workload
+from rpegjax.train.plan_document import model_shape
 
 MODEL_PRESETS = {
     **{f"qwen2.5-{size}": (ModelConfig.qwen2p5, size) for size in ("0.5b", "1.5b", "7b", "32b", "72b")},
@@ -75,7 +76,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--response-mean", type=float, default=4096,
                         help="mean response length in tokens (log-normal, sigma 1, clipped at --response-max)")
     parser.add_argument("--response-max", type=int, default=16384, help="maximum response length in tokens")
-    parser.add_argument("--no-reference", action="store_true", help="no reference model (no KL term)")
+    parser.add_argument("--reference", action="store_true",
+                        help="plan a reference model (a KL term: the job's grpo.kl_coef / ppo.kl_coef > 0); without it, "
+                             "no reference, as the job runs by default")
     parser.add_argument("--attention", default="cudnn,blockwise,dense",
                         help=f"attention kernels to search, comma-separated, of {', '.join(AttentionKind)} (those "
                              f"the runtime cannot run on --hardware are skipped; asking only for those is refused)")
@@ -162,19 +165,24 @@ def _plan_json(name: str, plan: planner.Plan) -> dict[str, Any]:
 def verify(args: argparse.Namespace, model: ModelConfig, best: planner.Plan, hw: hardware.HardwareSpec):
     """The dry run of `best` (`rpegjax.train.dry_run`): the step batch padded to the longest response, the
     sampler with the slots the prediction gives generation."""
-    from rpegjax.learners import GRPOConfig, PPOConfig
+    from rpegjax.learners import GRPOConfig
     from rpegjax.train import dry_run
+    from rpegjax.train.config import default_grpo, default_ppo
 
     choice, prediction, execution = best.choice, best.prediction, best.graph.execution
     kl = 0.04 if choice.use_reference else 0.0
+    # the job's own defaults (decoupled PPO for the asynchrony bound...) with the plan's choices: what it would run
     if choice.algorithm is Algorithm.PPO:
-        algorithm = PPOConfig(critic=choice.critic_mode.value, kl_coef=kl, num_minibatches=choice.optimizer_steps)
+        algorithm = dataclasses.replace(default_ppo(), critic=choice.critic_mode.value, kl_coef=kl,
+                                        num_minibatches=choice.optimizer_steps)
     else:
-        algorithm = GRPOConfig(group_size=args.group_size, kl_coef=kl, num_minibatches=choice.optimizer_steps)
+        algorithm = GRPOConfig(**{field.name: getattr(default_grpo(), field.name) for field in dataclasses.fields(GRPOConfig)})
+        algorithm = dataclasses.replace(algorithm, group_size=args.group_size, kl_coef=kl,
+                                        num_minibatches=choice.optimizer_steps)
     generate = next(s for s in prediction.stages if s.kind == "generate")
     replicas = math.prod(size for axis, size in choice.generation_layout if axis != "tensor")
     batch = dry_run.Batch(rows=args.prompts * args.group_size, prompt=args.prompt_tokens, new=args.response_max,
-                          slots=int(generate.detail["slots"]) * replicas)
+                          slots=int(generate.detail["slots"]) * replicas, group_size=args.group_size)
     model = model.replace(param_dtype=execution.param_dtype, dtype=execution.dtype,
                           max_position_embeddings=max(model.max_position_embeddings, batch.prompt + batch.new))
     log = lambda line: print(line, file=sys.stderr, flush=True)
@@ -218,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     # every plan is predicted as rpegjax's runtime executes it (its kernels, padding, micro-batching)
     evaluator = step_model.Evaluator.for_runtime(model, workload, hw, options)
     space = planner.PlanSpace(attention=args.attention, remat=args.remat, param_dtype=args.param_dtype, dtype=args.dtype)
-    use_reference = not args.no_reference
+    use_reference = args.reference
     common = {"algorithm": args.algo, "num_devices": args.gpus, "use_reference": use_reference, "space": space}
     try:
         result = planner.Planner(evaluator, **common).search(top=args.top + 1)
@@ -243,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         gantt_png(traces, args.gantt, title=f"{args.model} {args.algo} on {args.gpus} x {args.hardware} (predicted)")
     if args.json:
         document = {
-            "model": args.model, "hardware": args.hardware, "hardware_profile": args.hardware_profile, "gpus": args.gpus,
+            "model": args.model, "model_config": model_shape(model), "hardware": args.hardware, "hardware_profile": args.hardware_profile, "gpus": args.gpus,
             "algorithm": args.algo,
             "workload": {"prompts": workload.prompts, "group_size": workload.group_size,
                          "prompt_tokens": workload.prompt_tokens, "response_mean": args.response_mean,

@@ -139,7 +139,7 @@ def test_cycle_finder_finds_a_cycle():
 
 # Every collective over processes lives in `distributed/collectives.py`; the runtime's address exchange is still
 # to move there (issue 22), and leaves this list when it does.
-MULTIHOST_UTILS_USERS = {"distributed/collectives.py", "runtime/transfers.py"}
+MULTIHOST_UTILS_USERS = {"distributed/collectives.py"}
 
 
 def _uses_multihost_utils(path: pathlib.Path) -> bool:

@@ -103,6 +103,18 @@ def broadcast_text(text: str | None) -> str:
     return bytes(np.asarray(multihost_utils.broadcast_one_to_all(encoded))).decode()
 
 
+def gather_text(text: str) -> list[str]:
+    """Every process's `text` (UTF-8, any length), in process order, in every process."""
+    if jax.process_count() == 1:
+        return [text]
+    mine = np.frombuffer(text.encode(), np.uint8)
+    lengths = np.asarray(gather_to_all(np.array([mine.size], np.int32), tiled=False)).reshape(-1)
+    padded = np.zeros(int(lengths.max()), np.uint8)
+    padded[: mine.size] = mine
+    rows = np.asarray(gather_to_all(padded, tiled=False)).reshape(lengths.size, -1)
+    return [bytes(row[:length]).decode() for row, length in zip(rows, lengths)]
+
+
 def barrier(name: str) -> None:
     """Waits until every process reaches the barrier `name` (the same name in every process)."""
     multihost_utils.sync_global_devices(name)

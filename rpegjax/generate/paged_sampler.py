@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from functools import partial
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -33,6 +34,7 @@ from rpegjax.generate.requests import Request, RequestFeed, RequestQueue
 from rpegjax.models.config import ModelConfig
 from rpegjax.options import CacheLayout
 from rpegjax.sharding import axes
+from rpegjax.sharding.abstract import with_shardings
 from rpegjax.sharding.rules import ActivationSharding
 
 
@@ -71,6 +73,8 @@ class PagedController:
         def rows_fn(tokens, logprobs, rows):
             return tokens[rows], logprobs[rows]
 
+        self._state_sharding = None
+        self._replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())  # prefill's logits
         if mesh is None:
             self._prefill = jax.jit(prefill_fn, static_argnums=(0,), donate_argnums=(2,))
             self._start = jax.jit(start_rows, donate_argnums=(0,))
@@ -79,6 +83,7 @@ class PagedController:
             self._rows = jax.jit(rows_fn)
         else:
             state_sharding = paged_state_shardings(jax.eval_shape(self._empty), activation)
+            self._state_sharding = state_sharding
             replicated = NamedSharding(mesh, PartitionSpec())
             rows = activation.sharding((axes.BATCH,), (num_slots,), name="slot rows")
             self._prefill = jax.jit(prefill_fn, static_argnums=(0,),
@@ -101,6 +106,35 @@ class PagedController:
 
     def new_state(self):
         return self._build_state()
+
+    # ---- lowering ahead of time ----------------------------------------------------------------------
+    def abstract_state(self):
+        """The paged decode state's shapes and dtypes with its shardings (nothing allocated)."""
+        state = jax.eval_shape(self._empty)
+        if self._state_sharding is None:
+            return state
+        return with_shardings(state, self._state_sharding)
+
+    def lower_programs(self, params, state, key, arrays, *, max_prompt_len: int, group_size: int
+                       ) -> dict[str, jax.stages.Lowered]:
+        """`prefill`, `start` and `decode` lowered at the largest shapes `run` gives them (`Sampler.lower_programs`):
+        every replica's groups prefilled at once in a chunk of the longest prompts over all their pages, every slot
+        started, a decode chunk over a sequence's every page."""
+        per_replica = pow2_at_least(max(self.slots_per_replica // group_size, 1), self.slots_per_replica)
+        p = per_replica * self.replicas
+        chunk = pow2_at_least(min(self.prefill_chunk, max_prompt_len), self.prefill_chunk)
+        window = pow2_at_least(pages_for(max_prompt_len, self.page_size), self.max_pages)
+        ints = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
+        prefill = self._prefill.lower(window, params, state, ints(p, self.max_pages), ints(p), ints(p, chunk), ints(p),
+                                      np.zeros((p,), bool), np.zeros((p, self.cfg.vocab_size), np.float32))
+        logits = jax.ShapeDtypeStruct((p, self.cfg.vocab_size), jnp.float32, sharding=self._replicated)
+        # every slot started; a copy of the prompt's partial last page for each sample but a group's first
+        r, c = self.num_slots, pow2_at_least(max((group_size - 1) * (self.num_slots // group_size), 1), self.num_slots)
+        start = self._start.lower(state, logits, *(ints(r) for _ in range(6)), *(ints(c) for _ in range(3)), key, arrays)
+        decode = self._decode.lower(self.max_pages, params, state, ints(self.num_slots, self.max_pages),
+                                    ints(self.num_slots), np.zeros((self.num_slots,), bool), key, arrays,
+                                    np.int32(self.chunk_steps))
+        return {"prefill": prefill, "start": start, "decode": decode}
 
     # ---- the controller ----------------------------------------------------------------------------
     def run(self, params, requests: list[Request], arrays, key: jax.Array, version, *, continuous: bool,

@@ -46,6 +46,7 @@ from rpegjax.models.lora import LoRAConfig
 from rpegjax.models.transformer import Decoder
 from rpegjax.options import CacheLayout
 from rpegjax.sharding import axes
+from rpegjax.sharding.abstract import with_shardings
 from rpegjax.sharding.rules import (
     ActivationSharding,
     ShardingRules,
@@ -197,11 +198,11 @@ class Sampler:
             self._admit = jax.jit(admit_fn, static_argnums=(0,), donate_argnums=(2,))
             self._decode = jax.jit(decode_fn, static_argnums=(0,), donate_argnums=(2,))
             self._build_state = jax.jit(self._empty)
-            self.params_sharding = None
+            self.params_sharding = self._state_sharding = None
         else:
             abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0), lora=lora))
             self.params_sharding = param_shardings(nnx.split(abstract)[1], mesh, self.rules)
-            state_sharding = decode_state_shardings(jax.eval_shape(self._empty), activation)
+            self._state_sharding = state_sharding = decode_state_shardings(jax.eval_shape(self._empty), activation)
             replicated = NamedSharding(mesh, PartitionSpec())
             self._admit = jax.jit(
                 admit_fn,
@@ -244,75 +245,41 @@ class Sampler:
         """All slots empty, placed with the sampler's shardings."""
         return self._build_state() if self.paged is None else self.paged.new_state()
 
-    # ---- input checks ------------------------------------------------------------------------------
-    def _check(self, prompts, sampling: SamplingConfig, group_size: int, budgets) -> list[np.ndarray]:
-        if not isinstance(sampling, SamplingConfig):
-            raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
-        if sampling.max_new_tokens > self.max_new_tokens:
-            raise ValueError(
-                f"SamplingConfig.max_new_tokens={sampling.max_new_tokens} exceeds the sampler's "
-                f"max_new_tokens={self.max_new_tokens} (its cache capacity)"
-            )
-        group_size = _positive_int("group_size", group_size)
-        if group_size > self.num_slots:
-            raise ValueError(f"group_size={group_size} exceeds num_slots={self.num_slots}: a group must fit at once")
-        if self.paged is not None and group_size > self.num_slots // self.replicas:
-            raise ValueError(f"group_size={group_size} exceeds the {self.num_slots // self.replicas} slots of one replica: "
-                             "a group shares its prompt pages, so it must fit in one replica")
-        if isinstance(prompts, str | bytes) or not isinstance(prompts, Sequence) or not prompts:
-            raise ValueError("prompts must be a non-empty list of token-id lists")
-        checked = []
-        for index, prompt in enumerate(prompts):
-            ids = np.asarray(prompt)
-            if ids.ndim != 1 or ids.size == 0:
-                raise ValueError(f"prompt {index} is empty or not a flat list of token ids (shape {ids.shape})")
-            if not np.issubdtype(ids.dtype, np.integer):
-                raise ValueError(f"prompt {index} holds non-integer token ids (dtype {ids.dtype})")
-            if ids.size > self.max_prompt_len:
-                raise ValueError(
-                    f"prompt {index} has {ids.size} tokens, more than the sampler's max_prompt_len={self.max_prompt_len}"
-                )
-            if ids.min() < 0 or ids.max() >= self.cfg.vocab_size:
-                raise ValueError(f"prompt {index} has token ids outside [0, {self.cfg.vocab_size})")
-            checked.append(ids.astype(np.int32))
-        if budgets is not None:
-            if len(budgets) != len(prompts):
-                raise ValueError(f"budgets has {len(budgets)} entries for {len(prompts)} prompts")
-            for index, budget in enumerate(budgets):
-                if isinstance(budget, bool) or not isinstance(budget, int | np.integer) or not 1 <= budget <= sampling.max_new_tokens:
-                    raise ValueError(
-                        f"budgets[{index}] must be an integer in [1, max_new_tokens={sampling.max_new_tokens}], got {budget!r}"
-                    )
-        return checked
-
     # ---- the two compiled calls ----------------------------------------------------------------------
     def _admit_requests(self, params, state, requests, indices, slots, key, arrays):
         """Prefills requests[indices] (one number of samples G) once each into `slots` (G consecutive slots per
         request). The prefill is max_prompt_len wide, or the capacity when a context (a later turn) is longer."""
         group_size = requests[indices[0]].samples
         n = len(indices)
-        most = self.num_slots // group_size
-        bucket = min(1 << (n - 1).bit_length(), most)  # few shapes: powers of two up to the slot count
-        bucket = -(-bucket // self.replicas) * self.replicas  # prompt rows split over the slot replicas too
         width = self.max_prompt_len if max(requests[i].size for i in indices) <= self.max_prompt_len else self.capacity
-        tokens = np.zeros((bucket, width), np.int32)
-        lengths = np.ones((bucket,), np.int32)
+        tokens, lengths, slot_ids, key_index, sample_index, row_budgets = self._admit_arrays(
+            self._admit_bucket(n, group_size), width, group_size)
         for row, index in enumerate(indices):
             tokens[row, : requests[index].size] = requests[index].tokens
             lengths[row] = requests[index].size
-        rows = bucket * group_size
-        slot_ids = np.full((rows,), self.num_slots, np.int32)  # past the end: dropped
         slot_ids[: n * group_size] = slots
-        key_index, sample_index = np.zeros((rows,), np.int32), np.zeros((rows,), np.int32)
         key_index[: n * group_size] = np.repeat([requests[i].key_index for i in indices], group_size)
         sample_index[: n * group_size] = (np.repeat([requests[i].first_sample for i in indices], group_size)
                                           + np.tile(np.arange(group_size), n))
-        row_budgets = np.ones((rows,), np.int32)
         row_budgets[: n * group_size] = np.repeat([requests[i].budget for i in indices], group_size)
         self.stats.prefill_calls += 1
         self.stats.prefilled_prompts += n
         return self._admit(group_size, params, state, tokens, lengths, slot_ids, key_index, sample_index,
                            row_budgets, key, arrays)
+
+    def _admit_bucket(self, prompts: int, group_size: int) -> int:
+        """Prompt rows of one admit of `prompts` prompts: a power of two up to the groups the slots hold (few
+        shapes), a multiple of the slot replicas (prompt rows split over them too)."""
+        bucket = min(1 << (prompts - 1).bit_length(), self.num_slots // group_size)
+        return -(-bucket // self.replicas) * self.replicas
+
+    def _admit_arrays(self, bucket: int, width: int, group_size: int) -> tuple[np.ndarray, ...]:
+        """The host arrays of one admit, padded: tokens [bucket, width], lengths [bucket], then per sample row
+        slot ids (past the end: dropped), key index, sample index and budget."""
+        rows = bucket * group_size
+        return (np.zeros((bucket, width), np.int32), np.ones((bucket,), np.int32),
+                np.full((rows,), self.num_slots, np.int32), np.zeros((rows,), np.int32), np.zeros((rows,), np.int32),
+                np.ones((rows,), np.int32))
 
     def _window(self, longest: int) -> int:
         """Cache positions a chunk attends to: enough for the longest running row to take every step of
@@ -320,6 +287,39 @@ class Sampler:
         sizes), at most the capacity."""
         steps = -(-(longest + self.chunk_steps) // self.window_step)
         return min(self.capacity, self.window_step * (1 << (steps - 1).bit_length()))
+
+    # ---- lowering ahead of time ----------------------------------------------------------------------
+    def abstract_state(self) -> DecodeState:
+        """The decode state's shapes and dtypes with the sampler's shardings (nothing allocated)."""
+        if self.paged is not None:
+            return self.paged.abstract_state()
+        state = jax.eval_shape(self._empty)
+        if self._state_sharding is None:
+            return state
+        return with_shardings(state, self._state_sharding)
+
+    def _abstract_key(self) -> jax.ShapeDtypeStruct:
+        key = jax.eval_shape(lambda: jax.random.key(0))
+        replicated = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
+        return jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=replicated)
+
+    def lower_programs(self, params: nnx.State, sampling: SamplingConfig, *, group_size: int,
+                       long_contexts: bool = False) -> dict[str, jax.stages.Lowered]:
+        """Every program generation launches, lowered at the largest shapes a run of `sampling` with groups of
+        `group_size` reaches (`params` in the generation layout, may be abstract; nothing is allocated).
+        Contiguous cache: `prefill` (every group's prompts at once, max_prompt_len wide) and `decode` (a chunk
+        attending to the whole capacity). Paged cache: `prefill` (one chunk of the longest prompts, every slot
+        replica's groups), `start` and `decode` (a chunk over every page of a sequence). `long_contexts`: fed
+        requests (an episode's later turns) may be longer than max_prompt_len, up to the capacity."""
+        arrays = sampling_arrays(sampling, vocab_size=self.cfg.vocab_size, default_eos_id=self.cfg.eos_token_id)
+        key, state = self._abstract_key(), self.abstract_state()
+        longest = self.capacity if long_contexts else self.max_prompt_len
+        if self.paged is not None:
+            return self.paged.lower_programs(params, state, key, arrays, max_prompt_len=longest, group_size=group_size)
+        prefill = self._admit.lower(group_size, params, state, *self._admit_arrays(
+            self._admit_bucket(self.num_slots // group_size, group_size), longest, group_size), key, arrays)
+        decode = self._decode.lower(self.capacity, params, state, key, arrays, np.int32(self.chunk_steps))
+        return {"prefill": prefill, "decode": decode}
 
     def _decode_chunk(self, params, state, key, arrays, window: int):
         state, steps = self._decode(window, params, state, key, arrays, np.int32(self.chunk_steps))
@@ -362,7 +362,7 @@ class Sampler:
 
     def _prepare(self, params, prompts, sampling, group_size, budgets, key):
         self._check_params(params)
-        checked = self._check(prompts, sampling, group_size, budgets)
+        checked = _checked_prompts(self, prompts, sampling, group_size, budgets)
         arrays = sampling_arrays(sampling, vocab_size=self.cfg.vocab_size, default_eos_id=self.cfg.eos_token_id)
         budgets = [sampling.max_new_tokens] * len(checked) if budgets is None else [int(b) for b in budgets]
         if not isinstance(key, jax.Array):
@@ -480,3 +480,45 @@ class Sampler:
         requests, arrays = self._prepare(params, prompts, sampling, group_size, budgets, key)
         completions = self._run(params, requests, arrays, key, version, continuous=False)
         return sorted(completions, key=lambda c: c.order)
+
+
+def _checked_prompts(sampler: Sampler, prompts, sampling: SamplingConfig, group_size: int, budgets) -> list[np.ndarray]:
+    """`prompts` as int32 arrays, checked against the sampler's limits, the sampling config and `budgets`."""
+    if not isinstance(sampling, SamplingConfig):
+        raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
+    if sampling.max_new_tokens > sampler.max_new_tokens:
+        raise ValueError(
+            f"SamplingConfig.max_new_tokens={sampling.max_new_tokens} exceeds the sampler's "
+            f"max_new_tokens={sampler.max_new_tokens} (its cache capacity)"
+        )
+    group_size = _positive_int("group_size", group_size)
+    if group_size > sampler.num_slots:
+        raise ValueError(f"group_size={group_size} exceeds num_slots={sampler.num_slots}: a group must fit at once")
+    if sampler.paged is not None and group_size > sampler.num_slots // sampler.replicas:
+        raise ValueError(f"group_size={group_size} exceeds the {sampler.num_slots // sampler.replicas} slots of one replica: "
+                         "a group shares its prompt pages, so it must fit in one replica")
+    if isinstance(prompts, str | bytes) or not isinstance(prompts, Sequence) or not prompts:
+        raise ValueError("prompts must be a non-empty list of token-id lists")
+    checked = []
+    for index, prompt in enumerate(prompts):
+        ids = np.asarray(prompt)
+        if ids.ndim != 1 or ids.size == 0:
+            raise ValueError(f"prompt {index} is empty or not a flat list of token ids (shape {ids.shape})")
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"prompt {index} holds non-integer token ids (dtype {ids.dtype})")
+        if ids.size > sampler.max_prompt_len:
+            raise ValueError(
+                f"prompt {index} has {ids.size} tokens, more than the sampler's max_prompt_len={sampler.max_prompt_len}"
+            )
+        if ids.min() < 0 or ids.max() >= sampler.cfg.vocab_size:
+            raise ValueError(f"prompt {index} has token ids outside [0, {sampler.cfg.vocab_size})")
+        checked.append(ids.astype(np.int32))
+    if budgets is not None:
+        if len(budgets) != len(prompts):
+            raise ValueError(f"budgets has {len(budgets)} entries for {len(prompts)} prompts")
+        for index, budget in enumerate(budgets):
+            if isinstance(budget, bool) or not isinstance(budget, int | np.integer) or not 1 <= budget <= sampling.max_new_tokens:
+                raise ValueError(
+                    f"budgets[{index}] must be an integer in [1, max_new_tokens={sampling.max_new_tokens}], got {budget!r}"
+                )
+    return checked

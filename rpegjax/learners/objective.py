@@ -201,15 +201,22 @@ def update_inputs(batch: TrainBatch, cfg: PolicyConfig, *extra: str) -> TrainBat
     update's input structure depends only on the config (old_logprobs is kept when present)."""
     keep = set(cfg.required_fields()) | set(extra) | {"old_logprobs"}
     floats = {
-        name: None if getattr(batch, name) is None or name not in keep else jnp.asarray(getattr(batch, name), jnp.float32)
+        name: None if getattr(batch, name) is None or name not in keep else _as_dtype(getattr(batch, name), jnp.float32)
         for name in ("behaviour_logprobs", "old_logprobs", "ref_logprobs", "advantages", "values", "returns")
     }
     return TrainBatch(
-        tokens=jnp.asarray(batch.tokens, jnp.int32),
-        token_mask=jnp.asarray(batch.token_mask, bool),
-        response_mask=jnp.asarray(batch.response_mask, bool),
+        tokens=_as_dtype(batch.tokens, jnp.int32),
+        token_mask=_as_dtype(batch.token_mask, jnp.bool_),
+        response_mask=_as_dtype(batch.response_mask, jnp.bool_),
         **floats,
     )
+
+
+def _as_dtype(value: Any, dtype: Any) -> Any:
+    """`value` as a device-ready array of `dtype`; an abstract one (for lowering) stays abstract, its sharding kept."""
+    if isinstance(value, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(value.shape, dtype, sharding=value.sharding)
+    return jnp.asarray(value, dtype)
 
 
 class PolicyUpdates:
@@ -232,14 +239,16 @@ class PolicyUpdates:
         return self._update(state, self.frozen, self._update_inputs(batch))
 
     def lower_update(self, state, batch: TrainBatch) -> jax.stages.Lowered:
-        """The update lowered for these shapes: `.compile().cost_analysis()` / `.memory_analysis()` give
-        XLA's FLOP and memory figures (ground truth for the performance model)."""
+        """The program `update(state, batch)` runs, lowered for these shapes; `state` and `batch` may be abstract
+        (`jax.ShapeDtypeStruct`s with shardings: nothing is allocated). `.compile().cost_analysis()` /
+        `.memory_analysis()` give XLA's FLOP and memory figures (ground truth for the performance model)."""
         return self._update.lower(state, self.frozen, self._update_inputs(batch))
 
     def trimmed_length(self, token_mask) -> int:
-        """The length inference and update programs run rows of this mask at (`rpegjax.learners.lengths`)."""
+        """The length inference and update programs run rows of this mask at (`rpegjax.learners.lengths`); an
+        abstract mask (lowering ahead of time) runs at its whole length, the longest bucket."""
         full = token_mask.shape[1]
-        if self.cfg.length_bucket is None:
+        if self.cfg.length_bucket is None or isinstance(token_mask, jax.ShapeDtypeStruct):
             return full
         return bucket_length(longest_row(token_mask), full, self.cfg.length_bucket)
 

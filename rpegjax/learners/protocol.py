@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
+import jax
 from jaxtyping import Array, Float
 
 from rpegjax.learners.batch import TrainBatch
@@ -36,6 +37,8 @@ class Learner(Protocol):
     """
 
     placement: ModelPlacement  # the policy's: mesh, parameter and row shardings
+    state_shardings: TrainState | None  # of `init_state()`'s state on the mesh (None without one)
+    frozen: Params | None  # the parameters it holds but does not train (LoRA's base; None: none)
     values_fn: TokenFunction | None
     logprobs_and_values_fn: Callable | None
 
@@ -51,6 +54,10 @@ class Learner(Protocol):
     def init_state(self, params: Params | None = None) -> TrainState: ...
 
     def update(self, state: TrainState, batch: TrainBatch) -> tuple[TrainState, Metrics]: ...
+
+    def lower_update(self, state: TrainState, batch: TrainBatch) -> jax.stages.Lowered:
+        """The program `update` runs, lowered; `state` and `batch` may be abstract (`jax.ShapeDtypeStruct`)."""
+        ...
 
     def compute_advantages(self, batch: TrainBatch) -> tuple[TrainBatch, Metrics]: ...
 

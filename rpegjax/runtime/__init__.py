@@ -3,7 +3,7 @@ step's rollout from a source (`sources`: a worker thread, inline, or received fr
 the rollout stage (`rollout_stage`, with dynamic sampling's groups in `sampled_groups`) and scored by the scorer
 (`scoring`: rewards, shaping, reward metrics), and hands it to the step executor (`executor`), which runs the
 graph's other stages and publishes each weights version (`publishing`). Around them: the stage programs they
-dispatch (`programs`), the versioned parameter store (`versions`), placement -> mesh (`meshes`), arrays between
+dispatch (`programs`: rollout, training and weight-sync parts, each able to lower its compiled programs), the versioned parameter store (`versions`), placement -> mesh (`meshes`), arrays between
 process groups (`transfers`), the roles of processes in a disaggregated run and what crosses between them (`roles`;
 a generation process's side in `sending`), the one set-up path of learner and sampler (`assembly`) and JAX's
 persistent compilation cache for a job (`compilation_cache`).

@@ -11,7 +11,8 @@ import jax
 import numpy as np
 
 from rpegjax.rewards.runner import RewardStats
-from rpegjax.runtime.programs import Piece, process_rows
+from rpegjax import distributed
+from rpegjax.runtime.programs import Piece
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +45,7 @@ def group_piece(index: int, groups: Sequence[SampledGroup], trained: np.ndarray)
     task = np.concatenate([g.task for g in groups])
     # scored by the rollout stage (`Rollout.scores`, with the failures of every round): the future holds this
     # process's rows, as a generated piece's does
-    local = task[process_rows(len(task))]
+    local = task[distributed.process_rows(len(task))]
     rewards: concurrent.futures.Future = concurrent.futures.Future()
     rewards.set_result((local, RewardStats(count=len(local), errors=0, timeouts=0, seconds=0.0,
                                            mean_reward=float(local.mean()) if len(local) else 0.0)))

@@ -30,11 +30,10 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
 from jax.experimental import transfer as jax_transfer
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
-_ADDRESS_BYTES = 128
+from rpegjax import distributed
 
 
 class ProcessTransfers:
@@ -46,13 +45,7 @@ class ProcessTransfers:
     def __init__(self, host: str = "127.0.0.1"):
         client = jax.local_devices()[0].client
         self.server = jax_transfer.start_transfer_server(client, f"{host}:0", [f"{host}:0"] * jax.local_device_count())
-        encoded = np.zeros(_ADDRESS_BYTES, np.uint8)
-        address = self.server.address().encode()
-        if len(address) > _ADDRESS_BYTES:
-            raise ValueError(f"transfer server address {address!r} is longer than {_ADDRESS_BYTES} bytes")
-        encoded[: len(address)] = np.frombuffer(address, np.uint8)
-        gathered = np.asarray(multihost_utils.process_allgather(encoded, tiled=False)).reshape(-1, _ADDRESS_BYTES)
-        self.addresses = [bytes(row).rstrip(b"\0").decode() for row in gathered]
+        self.addresses = distributed.gather_text(self.server.address())
         self._connections: dict[int, Any] = {}
         self._lock = threading.Lock()  # the rollout and trainer threads may both pull
 

@@ -5,8 +5,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
-import pathlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -22,7 +20,7 @@ from rpegjax.data.rows import RowSchema
 from rpegjax.envs.catalog import make_environment
 from rpegjax.generate.sampler import Sampler, usable_slots
 from rpegjax.graph import builders, transforms
-from rpegjax.graph.ir import Algorithm, Execution, Graph, GraphError, StageKind
+from rpegjax.graph.ir import Algorithm, Execution, Graph, StageKind
 from rpegjax.models.config import ModelConfig
 from rpegjax.models.hf import load_pretrained, read_config
 from rpegjax.models.precision import Precision
@@ -38,6 +36,7 @@ from rpegjax.runtime.meshes import placed_meshes
 from rpegjax.runtime.roles import process_groups
 from rpegjax.sharding.mesh import resolve_axis_sizes
 from rpegjax.train.config import RolloutSection, RunConfig
+from rpegjax.train.plan_document import PlanWorkload, read_plan_file
 from rpegjax.train.warmstart import warm_start
 
 
@@ -144,6 +143,51 @@ def check_prompt_lengths(examples: list[Example], prompt_ids: list[list[int]], l
     return limit
 
 
+def run_model_config(cfg: RunConfig, tokenizer, *, value_head: bool) -> ModelConfig:
+    """The config of the model a run trains, without loading a weight: the checkpoint's (`model.path`) or the
+    built-in model's, with the run's precision and execution options."""
+    if cfg.model.path is None:
+        return _model_config(cfg, tokenizer, value_head=value_head)
+    precision = run_precision(cfg)
+    model_cfg = read_config(cfg.model.path).replace(param_dtype=precision.param_dtype, dtype=precision.dtype,
+                                                    value_head=value_head, **cfg.model.execution())
+    return model_cfg if model_cfg.eos_token_id is not None else model_cfg.replace(eos_token_id=tokenizer.eos_id)
+
+
+def run_template(cfg: RunConfig) -> PromptTemplate:
+    """How the run renders prompts: its template, system prompt and chat-template choice."""
+    return PromptTemplate(template=cfg.data.prompt_template, system=cfg.data.system_prompt,
+                          chat_template=cfg.data.chat_template)
+
+
+def encode_prompts(examples: list[Example], template: PromptTemplate, tokenizer, environment) -> list[list[int]]:
+    """The prompt ids the run's sampler receives: each example rendered through `template`, or through the
+    environment's opening messages when the run has one."""
+    if environment is None:
+        return [tokenizer.encode(template.render(e, tokenizer)) for e in examples]
+    conversational = next((e for e in examples if e.messages), None)
+    if conversational is not None:  # the environment opens with one user turn of the prompt text
+        raise DatasetError(f"{conversational.where()}: a conversational prompt (a list of messages) cannot open a "
+                           f"multi-turn {environment.name} episode, which starts from one user turn; write the "
+                           "prompts as text")
+    return [render_opening(environment.reset(e), template, tokenizer) for e in examples]
+
+
+def run_environment(cfg: RunConfig):
+    """The run's multi-turn environment (`rpegjax.envs`), None for single-turn rollouts."""
+    return make_environment(cfg.rollout.env, tags=cfg.rollout.tool_tags, sandbox_isolation=cfg.rollout.sandbox_isolation)
+
+
+def check_plan_shapes(cfg: RunConfig, model_cfg: ModelConfig, max_prompt_len: int) -> None:
+    """With a plan document (`graph.plan`), refuses a run whose model or step shapes are not the plan's."""
+    if cfg.graph.plan is None:
+        return
+    rollout = cfg.rollout
+    read_plan_file(cfg.graph.plan).check_run(model_cfg, PlanWorkload(
+        prompts=rollout.prompts_per_step, group_size=rollout.group_size, prompt_tokens=max_prompt_len,
+        response_max=rollout.max_new_tokens))
+
+
 def _model_config(cfg: RunConfig, tokenizer, *, value_head: bool) -> ModelConfig:
     m = cfg.model
     precision = run_precision(cfg)
@@ -157,10 +201,16 @@ def _model_config(cfg: RunConfig, tokenizer, *, value_head: bool) -> ModelConfig
 
 
 def run_precision(cfg: RunConfig) -> Precision:
-    """The run's dtypes: the model section's, resolved by the precision policy for this backend and the
-    checkpoint's stored dtype (`rpegjax.models.precision`)."""
+    """The run's dtypes: the model section's; those it leaves unset are the plan's when the run executes one
+    (`graph.plan`: the job takes the plan's precision, whatever machine it is checked on), else the precision
+    policy's for this backend and the checkpoint's stored dtype (`rpegjax.models.precision`)."""
+    model = cfg.model
+    if cfg.graph.plan is not None and (model.param_dtype is None or model.dtype is None):
+        planned = read_plan_file(cfg.graph.plan).graph.execution
+        model = dataclasses.replace(model, param_dtype=model.param_dtype or planned.param_dtype,
+                                    dtype=model.dtype or planned.dtype)
     checkpoint_dtype = read_config(cfg.model.path).param_dtype if cfg.model.path is not None else None
-    return cfg.model.precision(backend=jax.default_backend(), checkpoint_dtype=checkpoint_dtype)
+    return model.precision(backend=jax.default_backend(), checkpoint_dtype=checkpoint_dtype)
 
 
 def run_execution(cfg: RunConfig) -> Execution:
@@ -223,20 +273,8 @@ def build_graph(cfg: RunConfig, num_devices: int) -> Graph:
 def load_plan(cfg: RunConfig, num_devices: int) -> Graph:
     """The graph of `graph.plan`: a graph JSON, or a `scripts/plan.py --json` document (its best plan);
     checked against the run's algorithm, reference model, critic and device count."""
-    path = pathlib.Path(cfg.graph.plan)
-    where = f"graph.plan {path}"
-    try:
-        data = json.loads(path.read_text())
-    except OSError as error:
-        raise ValueError(f"{where}: cannot read it ({error.strerror})") from None
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{where}: not valid JSON ({error})") from None
-    if isinstance(data, dict) and "plans" in data:  # plan.py --json: plans[0] is the best
-        data = data["plans"][0]["graph"]
-    try:
-        graph = Graph.from_dict(data).validate()
-    except GraphError as error:
-        raise ValueError(f"{where}: {error}") from None
+    plan = read_plan_file(cfg.graph.plan)
+    graph, where = plan.graph, plan.where
     expected = {"algorithm": cfg.algorithm.value, "reference model": cfg.algorithm_section().kl_coef > 0}
     found = {"algorithm": graph.algorithm.value if graph.algorithm else None,
              "reference model": bool(graph.stages_of_kind(StageKind.REF_LOGPROB))}
@@ -279,8 +317,7 @@ def critic_from_actor(actor: Decoder, cfg: ModelConfig) -> Decoder:
 
 def build(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Components:
     tokenizer = builtin_tokenizer() if cfg.model.path is None else load_tokenizer(cfg.model.path)
-    template = PromptTemplate(template=cfg.data.prompt_template, system=cfg.data.system_prompt,
-                              chat_template=cfg.data.chat_template)
+    template = run_template(cfg)
     task, train_examples, eval_examples = make_task_and_examples(cfg)
     if cfg.data.reward:
         log(f"reward: {' + '.join(term.name for term in task.reward.terms)} (weighted sum; replaces the "
@@ -288,17 +325,9 @@ def build(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Components:
     if template.uses_chat_template(tokenizer):
         log("prompts: rendered with the model tokenizer's chat template (--chat-template none to turn it off)")
     examples = [*train_examples, *eval_examples]
-    environment = make_environment(cfg.rollout.env, tags=cfg.rollout.tool_tags,
-                                   sandbox_isolation=cfg.rollout.sandbox_isolation)
-    if environment is None:
-        prompts = [tokenizer.encode(template.render(e, tokenizer)) for e in examples]
-    else:
-        conversational = next((e for e in examples if e.messages), None)
-        if conversational is not None:  # the environment opens with one user turn of the prompt text
-            raise DatasetError(f"{conversational.where()}: a conversational prompt (a list of messages) cannot open a "
-                               f"multi-turn {environment.name} episode, which starts from one user turn; write the "
-                               "prompts as text")
-        prompts = [render_opening(environment.reset(e), template, tokenizer) for e in examples]
+    environment = run_environment(cfg)
+    prompts = encode_prompts(examples, template, tokenizer, environment)
+    if environment is not None:
         log(f"rollouts: multi-turn with the {environment.name} tool ({cfg.rollout.max_turns} turns, "
             f"{cfg.rollout.episode_token_budget or cfg.rollout.max_new_tokens} tokens per episode)")
     max_prompt_len = check_prompt_lengths(examples, prompts, cfg.rollout.max_prompt_len)
@@ -346,6 +375,7 @@ def build(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Components:
             model_cfg = model_cfg.replace(eos_token_id=tokenizer.eos_id)
             model.cfg = model_cfg
     model_cfg = model_cfg.replace(**graph.execution.model_fields())  # what place_models runs the model with
+    check_plan_shapes(cfg, model_cfg, max_prompt_len)
     # with several processes, generation and training run on the same processes or on disjoint groups of whole
     # processes (`rpegjax.runtime.roles`); a placement that splits a process between the two is refused here
     groups = process_groups(graph)

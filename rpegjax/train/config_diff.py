@@ -8,8 +8,6 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
-
 from rpegjax import distributed
 
 def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -40,12 +38,7 @@ def describe(found: Sequence[tuple[str, Any, Any]], first: str, second: str) -> 
 def check_same_across_processes(config_json: str) -> None:
     """Raises ValueError naming each setting in which a process's configuration differs from process 0's, with
     both values, the same message in every process. A collective: every process of the run calls it."""
-    text = np.frombuffer(config_json.encode(), np.uint8)
-    lengths = np.asarray(distributed.gather_to_all(np.array([text.size], np.int32), tiled=False)).reshape(-1)
-    padded = np.zeros(int(lengths.max()), np.uint8)
-    padded[: text.size] = text
-    rows = np.asarray(distributed.gather_to_all(padded, tiled=False)).reshape(lengths.size, -1)
-    configs = [json.loads(bytes(row[:length]).decode()) for row, length in zip(rows, lengths)]
+    configs = [json.loads(text) for text in distributed.gather_text(config_json)]
     found = []
     for process, config in enumerate(configs[1:], 1):
         for name, ours, theirs in differences(configs[0], config):

@@ -1,19 +1,20 @@
-"""A dry run before a big launch: compile every stage program of a plan ahead of time, allocate nothing.
+"""A dry run before a big launch: compile every program a step of a plan launches, ahead of time, allocate nothing.
 
 The learner and the sampler are built exactly as a run builds them (`rpegjax.runtime.assembly.place_models`,
-so with the plan's meshes and execution options) from an abstract model (`nnx.eval_shape`); every program is
-lowered with abstract inputs (`jax.ShapeDtypeStruct` with the runtime's shardings) and compiled. XLA's
-`memory_analysis()` gives each program's bytes per device (arguments + outputs + temporaries − donated
-aliases); to that the dry run adds the state that stays on the same devices while the program runs and is not
-among its arguments (the training state, the reference weights, the generation copy of the actor), measured
-from the same abstract arrays' shards. `cost_analysis()` gives the compiled FLOPs per device.
+so with the plan's meshes and execution options) from an abstract model (`nnx.eval_shape`); each program is
+then lowered by the object that runs it, through the path that runs it, for abstract inputs
+(`jax.ShapeDtypeStruct` with the runtime's shardings): `TrainingPrograms.lower_inference` / `lower_update`,
+`WeightSyncPrograms.lower_sync` and `Sampler.lower_programs` (prefill and decode chunk, contiguous or paged KV
+cache), at the largest shapes the run reaches. So the dry run compiles the very programs the runtime launches
+(`tests/train/test_dry_run.py` checks their fingerprints against a real run's). XLA's `memory_analysis()` gives
+each program's bytes per device (arguments + outputs + temporaries − donated aliases); to that the dry run adds
+the state that stays on the same devices while the program runs and is not among its arguments (the training
+state, the reference weights, the generation copy of the actor), measured from the same abstract arrays' shards.
+`cost_analysis()` gives the compiled FLOPs per device.
 
-Programs: the update (one program: epochs x mini-batches x micro-batches); each inference stage (reference /
-old log-probs, values) on its own layout; generation's decode program at the largest attention window
-(the whole capacity). Not compiled: the prefill programs (smaller than the decode program's KV cache for
-prompts shorter than the capacity) and the paged sampler's programs. On a machine without the plan's devices the
-caller runs on virtual CPU devices (`ensure_devices`): memory figures are then XLA's CPU-backend ones, which
-keep float32 copies of bfloat16 matmul operands (so they overstate a GPU's temporaries).
+On a machine without the plan's devices the caller runs on virtual CPU devices (`ensure_devices`): memory
+figures are then XLA's CPU-backend ones, which keep float32 copies of bfloat16 matmul operands (so they
+overstate a GPU's temporaries).
 """
 
 from __future__ import annotations
@@ -28,26 +29,25 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 
-from rpegjax.generate.sampling import SamplingConfig, sampling_arrays
-from rpegjax.graph.ir import INFERENCE_KINDS, UPDATE_KINDS, Graph, StageKind
-from rpegjax.learners.batch import TrainBatch
+from rpegjax.generate.sampler import Sampler
+from rpegjax.generate.sampling import SamplingConfig
+from rpegjax.graph.ir import INFERENCE_KINDS, UPDATE_KINDS, CriticMode, Graph, StageKind
 from rpegjax.learners.grpo import GRPOConfig
 from rpegjax.learners.ppo import PPOConfig
+from rpegjax.learners.protocol import Learner
 from rpegjax.models.config import ModelConfig
 from rpegjax.models.lora import LoRAConfig
+from rpegjax.models.precision import generation_cast
 from rpegjax.models.transformer import Decoder
+from rpegjax.options import AttentionKind
 from rpegjax.runtime.assembly import RolloutShape, place_models
-from rpegjax.runtime.meshes import (
-    device_ids,
-    same_layout,
-    stage_mesh,
-)
-from rpegjax.runtime.programs import StageLayout
-from rpegjax.sharding.rules import param_shardings
+from rpegjax.runtime.meshes import device_ids, stage_mesh
+from rpegjax.runtime.training_programs import TrainingPrograms
+from rpegjax.runtime.weight_sync import WeightSyncPrograms
+from rpegjax.sharding.abstract import with_shardings
+from rpegjax.train.plan_document import read_plan_file
 
 GB = 1e9
 _REEXEC_FLAG = "RPEGJAX_DRY_RUN_DEVICES"
@@ -138,11 +138,6 @@ class DryRunReport:
 
 
 # ------------------------------------------------------------------------------------------ abstract arrays
-def _abstract(tree: Any, shardings: Any) -> Any:
-    return jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
-                        tree, shardings)
-
-
 def shard_bytes(tree: Any) -> float:
     """Bytes one device holds of `tree` (abstract or concrete leaves with NamedShardings; none: whole)."""
     total = 0.0
@@ -166,210 +161,181 @@ def _flops(compiled) -> float:
     return float((analysis or {}).get("flops", 0.0))
 
 
-def _compile(lower: Callable[[], Any]) -> tuple[Any, float]:
-    started = time.perf_counter()
-    compiled = lower().compile()
-    return compiled, time.perf_counter() - started
-
-
 # -------------------------------------------------------------------------------------------------- the run
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Batch:
-    """The step's shapes: `rows` sequences of `prompt + new` tokens (padded), sampler slots and decode chunk."""
+    """The step's shapes: `rows` sequences (`group_size` samples per prompt) of `prompt + new` tokens (padded),
+    sampler slots and decode chunk."""
 
     rows: int
     prompt: int
     new: int
     slots: int
+    group_size: int
     chunk_steps: int = 16
+    multi_turn: bool = False  # episodes: a later turn's context may fill the whole capacity
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoweredProgram:
+    """One program a run launches, lowered for abstract inputs by its owner: where it runs and what stays beside it."""
+
+    stage: str  # the execution unit's stage names, joined by '+'
+    program: str
+    lowered: jax.stages.Lowered
+    mesh: Any  # None: the default device
+    resident: float  # bytes per device of other state on its devices while it runs (not among its arguments)
+    predicted: bool  # whether the performance model's figure for `stage` is this program's peak
+
+
+class _Residents:
+    """The state that stays on devices for the whole step (training state, reference weights, the generation copy of
+    the actor), per device, and which devices hold each."""
+
+    def __init__(self):
+        self.items: list[tuple[str, frozenset[int], float]] = []
+
+    def add(self, name: str, devices: frozenset[int], size: float) -> None:
+        self.items.append((name, devices, size))
+
+    def beside(self, devices: frozenset[int], *held: str) -> float:
+        """Bytes of the state on `devices` that a program not holding `held` as arguments has beside it."""
+        return sum(size for name, where, size in self.items if name not in held and where & devices)
+
+
+def lower_step(graph: Graph, learner: Learner, sampler: Sampler, training: TrainingPrograms,
+               weights: WeightSyncPrograms, batch: Batch, sampling: SamplingConfig) -> list[LoweredProgram]:
+    """Every program one step of `graph` launches, lowered by its owner for abstract inputs at `batch`'s shapes, in
+    the order the runtime runs them: each training execution unit (inference, update), weight sync, then generation
+    (`Sampler.lower_programs`). Advantages (a few element-wise ops on [rows] arrays) are left out."""
+    state = jax.eval_shape(learner.init_state)
+    if learner.state_shardings is not None:
+        state = with_shardings(state, learner.state_shardings)
+    frozen = learner.frozen  # with LoRA the base weights, an argument of every training program
+    train_devices = device_ids(learner.placement.mesh)
+    residents = _Residents()
+    residents.add("train", train_devices, shard_bytes(state) + (0.0 if frozen is None else shard_bytes(frozen)))
+    copy = weights.abstract_copy()
+    residents.add("generation", device_ids(sampler.mesh), shard_bytes(copy))
+    params_bytes = shard_bytes(learner.model_params(learner.params))  # the whole weights the state's programs read
+    tokens = batch.prompt + batch.new
+    inference_kinds = [kind for stage in graph.stages for kind in stage.kinds if kind in INFERENCE_KINDS]
+    for stage in graph.stages_of_kind(StageKind.REF_LOGPROB)[:1]:
+        if frozen is None:  # with LoRA the reference is the frozen base, counted in the training state
+            mesh = stage_mesh(graph, stage.name)
+            reference = training.placed_reference(mesh)
+            residents.add("reference", device_ids(mesh), shard_bytes(reference))
+    lowered: list[LoweredProgram] = []
+    for unit in graph.execution_units():
+        stages = [graph.stage(name) for name in unit]
+        kinds = tuple(dict.fromkeys(kind for stage in stages for kind in stage.kinds))
+        name, first = "+".join(unit), stages[0]
+        if first.host or StageKind.GENERATE in kinds:
+            continue
+        if set(kinds) <= INFERENCE_KINDS:
+            mesh = stage_mesh(graph, first.name)
+            rows = batch.rows // first.microbatches  # a piece of the rollout, or a micro-batch of the step's rows
+            program = training.lower_inference(kinds, state, training.abstract_rollout(rows, tokens), mesh)
+            own_layout = training.has_own_layout(mesh)
+            held = ("reference",) if StageKind.REF_LOGPROB in kinds else ()
+            # on the training layout it reads the training state's weights; on its own layout a fresh copy
+            resident = residents.beside(device_ids(mesh), *held) - (params_bytes if not own_layout and not held else 0.0)
+            lowered.append(LoweredProgram(stage=name, program="inference", lowered=program, mesh=mesh,
+                                          resident=resident, predicted=True))
+        elif set(kinds) & UPDATE_KINDS:
+            program = training.lower_update(kinds, state, training.abstract_batch(batch.rows, tokens, inference_kinds))
+            lowered.append(LoweredProgram(stage=name, program="update", lowered=program, mesh=learner.placement.mesh,
+                                          resident=residents.beside(train_devices, "train"), predicted=True))
+        elif StageKind.WEIGHT_SYNC in kinds:
+            program = weights.lower_sync(state)
+            if program is not None:  # none when the copy is a plain transfer to other devices
+                lowered.append(LoweredProgram(stage=name, program="weight sync", lowered=program,
+                                              mesh=learner.placement.mesh, resident=residents.beside(train_devices, "train"),
+                                              predicted=False))
+    generate = graph.stages_of_kind(StageKind.GENERATE)[0]
+    beside = residents.beside(device_ids(sampler.mesh), "generation")
+    generation_programs = sampler.lower_programs(copy, sampling, group_size=batch.group_size,
+                                                 long_contexts=batch.multi_turn)
+    for program, generation in generation_programs.items():
+        label = (f"{program} ({sampler.num_slots} slots x {sampler.capacity} tokens)" if program == "decode"
+                 else program)
+        lowered.append(LoweredProgram(stage=generate.name, program=label, lowered=generation, mesh=sampler.mesh,
+                                      resident=beside, predicted=program == "decode"))
+    return lowered
+
+
+def lower_plan(graph: Graph, model_cfg: ModelConfig, algorithm: GRPOConfig | PPOConfig, batch: Batch, *,
+               lora: LoRAConfig | None = None, sampling: SamplingConfig | None = None,
+               generation_dtype: str | None = None, log: Callable[[str], None] = lambda line: None
+               ) -> list[LoweredProgram]:
+    """Every program a step of `graph` launches (`lower_step`), for a model of `model_cfg` built abstractly and
+    placed as a run places it. `model_cfg` carries the model's shape and precision (the graph's execution options
+    are applied to it as a run applies them). With `lora` the policy carries adapters: the training state holds
+    only them, the frozen base stays beside it (and is the reference), generation reads the merged weights.
+    `sampling`: the run's (default: plain sampling of `batch.new` tokens); `generation_dtype`: the run's
+    `model.generation_dtype` (None: the precision policy's)."""
+    if jax.device_count() < graph.num_devices:
+        raise ValueError(f"dry run: the plan needs {graph.num_devices} devices, {jax.device_count()} exist "
+                         f"(call ensure_devices first)")
+    if graph.execution.attention is AttentionKind.CUDNN and jax.default_backend() != "gpu":
+        # cuDNN's kernel compiles only for CUDA; the blockwise kernel has the same O(T x block) memory class
+        graph = dataclasses.replace(graph, execution=dataclasses.replace(graph.execution, attention=AttentionKind.BLOCKWISE))
+        log(f"dry run: attention 'cudnn' compiles only on a CUDA GPU; compiling with 'blockwise' on "
+            f"{jax.default_backend()} (same memory class, O(tokens x block))")
+    ppo = isinstance(algorithm, PPOConfig)
+    shared = ppo and algorithm.critic == CriticMode.SHARED
+    abstract_model = nnx.eval_shape(lambda: Decoder(model_cfg.replace(value_head=shared), rngs=nnx.Rngs(0), lora=lora))
+    critic = None
+    if ppo and algorithm.critic == CriticMode.SEPARATE:
+        critic = nnx.eval_shape(lambda: Decoder(model_cfg.replace(value_head=True), rngs=nnx.Rngs(1)))
+    rollout = RolloutShape(num_slots=batch.slots, max_prompt_len=batch.prompt, max_new_tokens=batch.new,
+                           chunk_steps=batch.chunk_steps)
+    learner, sampler = place_models(graph, abstract_model, algorithm, rollout, critic=critic)
+    cast = generation_cast(model_cfg.param_dtype, model_cfg.dtype, generation_dtype)
+    return lower_step(graph, learner, sampler, TrainingPrograms(learner), WeightSyncPrograms(learner, sampler, cast),
+                      batch, SamplingConfig(max_new_tokens=batch.new) if sampling is None else sampling)
+
+
+def compile_programs(programs: Sequence[LoweredProgram], *, capacity_bytes: float,
+                     predicted: dict[str, float] | None = None, predicted_step_seconds: float | None = None,
+                     log: Callable[[str], None] = lambda line: None) -> DryRunReport:
+    """Compiles `programs` and measures them against `capacity_bytes` per device; `predicted` maps stage names
+    to the performance model's per-device peak bytes (shown beside each stage's peak program)."""
+    predicted = predicted or {}
+    measured = []
+    for item in programs:
+        started = time.perf_counter()
+        compiled = item.lowered.compile()
+        seconds = time.perf_counter() - started
+        memory = ProgramMemory(stage=item.stage, program=item.program, mesh={} if item.mesh is None else dict(item.mesh.shape),
+                               resident=item.resident, flops=_flops(compiled), compile_seconds=seconds,
+                               predicted=_unit_prediction(predicted, item.stage) if item.predicted else None,
+                               **_memory(compiled))
+        measured.append(memory)
+        log(f"compiled {item.stage} ({item.program}) in {seconds:.1f} s: {memory.peak / GB:.2f} GB per device")
+    devices = f"{jax.device_count()} x {jax.devices()[0].device_kind} ({jax.default_backend()})"
+    return DryRunReport(programs=tuple(measured), capacity_bytes=capacity_bytes, devices=devices,
+                        predicted_step_seconds=predicted_step_seconds)
+
+
+def _unit_prediction(predicted: dict[str, float], unit: str) -> float | None:
+    """The performance model's peak for an execution unit: its stage's, or the largest of its fused stages' (one
+    program runs them all); None when a stage has no prediction."""
+    stages = [predicted.get(stage) for stage in unit.split("+")]
+    return None if any(value is None for value in stages) else max(stages)
 
 
 def dry_run(graph: Graph, model_cfg: ModelConfig, algorithm: GRPOConfig | PPOConfig, batch: Batch, *,
             capacity_bytes: float, predicted: dict[str, float] | None = None,
             predicted_step_seconds: float | None = None, lora: LoRAConfig | None = None,
+            sampling: SamplingConfig | None = None, generation_dtype: str | None = None,
             log: Callable[[str], None] = lambda line: None) -> DryRunReport:
-    """Compiles the plan's stage programs (see the module doc) and measures them; nothing is allocated.
-
-    `model_cfg` carries the model's shape and precision (the graph's execution options are applied to it as a
-    run applies them); `predicted` maps stage names to the performance model's per-device peak bytes. With
-    `lora` the policy carries adapters: the training state holds only them, the frozen base stays beside it (and
-    is the reference), generation reads the merged weights."""
-    if jax.device_count() < graph.num_devices:
-        raise ValueError(f"dry run: the plan needs {graph.num_devices} devices, {jax.device_count()} exist "
-                         f"(call ensure_devices first)")
-    if graph.execution.attention == "cudnn" and jax.default_backend() != "gpu":
-        # cuDNN's kernel compiles only for CUDA; the blockwise kernel has the same O(T x block) memory class
-        graph = dataclasses.replace(graph, execution=dataclasses.replace(graph.execution, attention="blockwise"))
-        log(f"dry run: attention 'cudnn' compiles only on a CUDA GPU; compiling with 'blockwise' on "
-            f"{jax.default_backend()} (same memory class, O(tokens x block))")
-    ppo = isinstance(algorithm, PPOConfig)
-    abstract_model = nnx.eval_shape(lambda: Decoder(model_cfg.replace(value_head=ppo and algorithm.critic == "shared"),
-                                                    rngs=nnx.Rngs(0), lora=lora))
-    critic = None
-    if ppo and algorithm.critic == "separate":
-        critic = nnx.eval_shape(lambda: Decoder(model_cfg.replace(value_head=True), rngs=nnx.Rngs(1)))
-    rollout = RolloutShape(num_slots=batch.slots, max_prompt_len=batch.prompt, max_new_tokens=batch.new,
-                           chunk_steps=batch.chunk_steps)
-    learner, sampler = place_models(graph, abstract_model, algorithm, rollout, critic=critic)
-    predicted = predicted or {}
-    devices = f"{jax.device_count()} x {jax.devices()[0].device_kind} ({jax.default_backend()})"
-
-    # persistent state, per device, and which devices hold it
-    update_stage = graph.stages_of_kind(StageKind.ACTOR_UPDATE)[0]
-    train_devices = device_ids(stage_mesh(graph, update_stage.name))
-    state = _abstract(jax.eval_shape(learner.init_state), learner.state_shardings) if learner.state_shardings else \
-        jax.eval_shape(learner.init_state)
-    frozen = learner.frozen  # with LoRA the base weights, an argument of every program (None otherwise)
-    train_bytes = shard_bytes(state) + (0.0 if frozen is None else shard_bytes(frozen))
-    params_bytes = shard_bytes(learner.params) + (0.0 if frozen is None else shard_bytes(frozen))
-    generate_stage = graph.stages_of_kind(StageKind.GENERATE)[0]
-    generate_mesh = stage_mesh(graph, generate_stage.name)
-    generation_params = learner.params if not ppo else learner.actor_params(learner.params)
-    if frozen is not None:  # the sampler decodes merged weights: the base model's layout
-        generation_params = nnx.eval_shape(lambda: nnx.state(Decoder(model_cfg, rngs=nnx.Rngs(0))))
-    if sampler.params_sharding is not None:
-        generation_params = _abstract(generation_params, sampler.params_sharding)
-    generation_bytes = shard_bytes(generation_params)
-    residents: list[tuple[str, frozenset[int], float]] = [
-        ("train", train_devices, train_bytes), ("generation", device_ids(generate_mesh), generation_bytes)]
-    reference = graph.stages_of_kind(StageKind.REF_LOGPROB)
-    reference_layout = None
-    if reference:
-        ref_mesh = stage_mesh(graph, reference[0].name)
-        if not same_layout(learner.placement.mesh, dict(ref_mesh.shape)):
-            reference_layout = StageLayout(ref_mesh)
-        if frozen is None:
-            ref_params = _placed_params(learner, reference_layout)
-            if ppo:
-                ref_params = ref_params["actor"]
-            residents.append(("reference", device_ids(ref_mesh), shard_bytes(ref_params)))
-        # with LoRA the reference is the frozen base, counted in the training state above (no copy)
-
-    def resident_beside(devices: frozenset[int], *held: str) -> float:
-        return sum(size for name, where, size in residents if name not in held and where & devices)
-
-    tokens = batch.prompt + batch.new
-    programs: list[ProgramMemory] = []
-
-    def record(stage: str, program: str, mesh, compiled, seconds: float, resident: float) -> None:
-        item = ProgramMemory(stage=stage, program=program, mesh={} if mesh is None else dict(mesh.shape),
-                             resident=resident, flops=_flops(compiled), compile_seconds=seconds,
-                             predicted=predicted.get(stage), **_memory(compiled))
-        programs.append(item)
-        log(f"compiled {stage} ({program}) in {seconds:.1f} s: {item.peak / GB:.2f} GB per device")
-
-    # the update
-    update_inputs = _update_batch(learner, algorithm, batch.rows, tokens)
-    # the runtime's own program: state, frozen base (None without LoRA), batch
-    compiled, seconds = _compile(lambda: learner._update.lower(state, frozen, update_inputs))
-    update_names = [s.name for s in graph.stages if set(s.kinds) & UPDATE_KINDS]
-    record("+".join(dict.fromkeys(update_names)), "update", learner.placement.mesh, compiled, seconds,
-           resident_beside(train_devices, "train"))
-
-    # inference stages, each on its own layout
-    for stage in graph.stages:
-        kinds = set(stage.kinds) & INFERENCE_KINDS
-        if not kinds or stage.host:
-            continue
-        mesh = stage_mesh(graph, stage.name)
-        layout = None if same_layout(learner.placement.mesh, dict(mesh.shape)) else StageLayout(mesh)
-        rows = learner.placement.rows if layout is None else layout.rows
-        sharding = None if layout is None else layout.activations
-        piece = batch.rows // stage.microbatches
-        token_in = jax.ShapeDtypeStruct((piece, tokens), jnp.int32, sharding=rows)
-        mask_in = jax.ShapeDtypeStruct((piece, tokens), jnp.bool_, sharding=rows)
-        fn, params = _inference_function(learner, kinds, layout, ppo=ppo)
-        program = jax.jit(lambda p, t, m, fn=fn, sharding=sharding: fn(p, t, m, sharding))
-        compiled, seconds = _compile(lambda program=program, params=params, token_in=token_in, mask_in=mask_in:
-                                     program.lower(params, token_in, mask_in))
-        held = ("reference",) if StageKind.REF_LOGPROB in kinds else ()
-        # a stage on the training layout reads the training state's weights; re-sharded, it reads a fresh copy
-        resident = resident_beside(device_ids(mesh), *held) - (params_bytes if layout is None and not held else 0.0)
-        record(stage.name, "inference", mesh, compiled, seconds, resident)
-
-    # generation: the decode program at the whole capacity, and the prefill of a full bucket of prompts
-    if sampler.paged is None:
-        programs.extend(_generation_programs(sampler, generation_params, generate_stage.name, generate_mesh,
-                                             resident_beside(device_ids(generate_mesh), "generation"), predicted, log))
-    else:
-        log("generation: paged KV cache; its programs are not compiled by the dry run (memory from the pool size)")
-    return DryRunReport(programs=tuple(programs), capacity_bytes=capacity_bytes, devices=devices,
-                        predicted_step_seconds=predicted_step_seconds)
-
-
-def _placed_params(learner, layout: StageLayout | None) -> Any:
-    """The learner's whole parameters (PPO: {"actor", "critic"}; with LoRA the adapters beside the frozen base) on
-    `layout` (None: the learner's own)."""
-    params = learner.model_params(learner.params)
-    if layout is None:
-        return params
-    if isinstance(params, dict) and not isinstance(params, nnx.State):
-        return {name: _abstract(value, param_shardings(value, layout.mesh, layout.rules)) for name, value in params.items()}
-    return _abstract(params, param_shardings(params, layout.mesh, layout.rules))
-
-
-def _inference_function(learner, kinds: set[StageKind], layout: StageLayout | None, *, ppo: bool):
-    """The learner's pure function for an inference stage of `kinds` and the parameters it reads (as the
-    runtime's `StagePrograms` picks them: values and joint log-probs + values read PPO's whole state)."""
-    if StageKind.REF_LOGPROB in kinds and learner.frozen is not None:  # with LoRA the reference is the frozen base
-        base = learner.frozen["actor"] if ppo else learner.frozen
-        if layout is not None:
-            base = _abstract(base, param_shardings(base, layout.mesh, layout.rules))
-        return learner.logprobs_fn, base
-    params = _placed_params(learner, layout)
-    if not ppo:
-        return learner.logprobs_fn, params
-    if StageKind.CRITIC_VALUE in kinds:
-        both = StageKind.OLD_LOGPROB in kinds
-        return (learner.logprobs_and_values_fn if both else learner.values_fn), params
-    return learner.logprobs_fn, params["actor"]
-
-
-def _update_batch(learner, algorithm, rows: int, tokens: int) -> TrainBatch:
-    """The update's inputs as abstract arrays on the learner's row sharding (the fields the config reads)."""
-    algorithm.layout.check_batch(rows)
-    sharding = learner.rows
-    floats = lambda: jax.ShapeDtypeStruct((rows, tokens), jnp.float32, sharding=sharding)
-    fields = set(algorithm.required_fields()) | {"old_logprobs"} if getattr(algorithm, "decoupled", False) else \
-        set(algorithm.required_fields())
-    values = {name: (jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=_rows_1d(sharding))
-                     if name == "advantages" and isinstance(algorithm, GRPOConfig) else floats())
-              for name in ("behaviour_logprobs", "old_logprobs", "ref_logprobs", "advantages", "values", "returns")
-              if name in fields}
-    return TrainBatch(tokens=jax.ShapeDtypeStruct((rows, tokens), jnp.int32, sharding=sharding),
-                      token_mask=jax.ShapeDtypeStruct((rows, tokens), jnp.bool_, sharding=sharding),
-                      response_mask=jax.ShapeDtypeStruct((rows, tokens), jnp.bool_, sharding=sharding), **values)
-
-
-def _rows_1d(sharding):
-    if sharding is None:
-        return None
-    return NamedSharding(sharding.mesh, PartitionSpec(sharding.spec[0] if len(sharding.spec) else None))
-
-
-def _generation_programs(sampler, params, stage: str, mesh, resident: float, predicted: dict[str, float],
-                         log: Callable[[str], None]) -> list[ProgramMemory]:
-    state = jax.eval_shape(sampler._empty)
-    if sampler.mesh is not None:
-        state = _abstract(state, sampler._build_state.lower().compile().output_shardings)
-    replicated = None if sampler.mesh is None else NamedSharding(sampler.mesh, PartitionSpec())
-    arrays = sampling_arrays(SamplingConfig(max_new_tokens=sampler.max_new_tokens, ignore_eos=True),
-                             vocab_size=sampler.cfg.vocab_size, default_eos_id=sampler.cfg.eos_token_id)
-    key = jax.eval_shape(lambda: jax.random.key(0))
-    key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=replicated)
-    out = []
-    started = time.perf_counter()
-    compiled = sampler._decode.lower(sampler.capacity, params, state, key, arrays, np.int32(sampler.chunk_steps)).compile()
-    seconds = time.perf_counter() - started
-    memory = _memory(compiled)
-    item = ProgramMemory(stage=stage, program=f"decode ({sampler.num_slots} slots x {sampler.capacity} tokens)",
-                         mesh={} if mesh is None else dict(mesh.shape), resident=resident, flops=_flops(compiled),
-                         compile_seconds=seconds, predicted=predicted.get(stage), **memory)
-    log(f"compiled {stage} (decode) in {seconds:.1f} s: {item.peak / GB:.2f} GB per device")
-    out.append(item)
-    return out
-
-
+    """Lowers (`lower_plan`) and compiles (`compile_programs`) every program a step of the plan launches; nothing
+    is allocated."""
+    programs = lower_plan(graph, model_cfg, algorithm, batch, lora=lora, sampling=sampling,
+                          generation_dtype=generation_dtype, log=log)
+    return compile_programs(programs, capacity_bytes=capacity_bytes, predicted=predicted,
+                            predicted_step_seconds=predicted_step_seconds, log=log)
 
 
 # ------------------------------------------------------------------------------------------- a run's config
@@ -377,69 +343,84 @@ def plan_devices(cfg) -> int:
     """Devices the run's graph needs: the plan's count, else the devices here (a run without a plan uses them all)."""
     if cfg.graph.plan is None:
         return jax.device_count()
-    from rpegjax.train.build import load_plan
-
-    return load_plan(cfg, num_devices=1 << 30).num_devices
+    return read_plan_file(cfg.graph.plan).graph.num_devices
 
 
-def planned_prediction(cfg) -> dict[str, Any] | None:
-    """The prediction stored beside the best plan in a `plan.py --json` document (None for a bare graph)."""
-    import json
-    import pathlib
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunPlan:
+    """What a training job's config runs, as the dry run needs it: its graph, model, algorithm and step shapes,
+    and the prediction stored beside a plan document's best plan."""
 
-    if cfg.graph.plan is None:
-        return None
-    document = json.loads(pathlib.Path(cfg.graph.plan).read_text())
-    if isinstance(document, dict) and "plans" in document:
-        return document["plans"][0].get("prediction")
-    return None
+    graph: Graph
+    model_cfg: ModelConfig
+    algorithm: GRPOConfig | PPOConfig
+    batch: Batch
+    sampling: SamplingConfig
+    lora: LoRAConfig | None
+    generation_dtype: str | None
+    prediction: dict[str, Any] | None
+
+    def lower(self, log: Callable[[str], None] = lambda line: None) -> list[LoweredProgram]:
+        return lower_plan(self.graph, self.model_cfg, self.algorithm, self.batch, lora=self.lora,
+                          sampling=self.sampling, generation_dtype=self.generation_dtype, log=log)
 
 
-def dry_run_config(cfg, *, capacity_bytes: float | None, log: Callable[[str], None]) -> DryRunReport:
-    """The dry run of a training job's config (`train_grpo.py ... --dry-run`): the run's graph (its plan, if
-    any), model shape and precision, step batch and sampler slots, as `rpegjax.train.build` would make them,
-    without loading weights or allocating. `capacity_bytes`: per device; None reads the devices' own limit."""
+def run_plan(cfg) -> RunPlan:
+    """The graph (its plan, if any), model shape and precision, step batch, prompt width (rendered as the run
+    renders prompts) and sampler slots of a job's config, as `rpegjax.train.build` makes them, without loading
+    weights or allocating. A plan document made for another model or step shapes is refused
+    (`rpegjax.train.plan_document`)."""
     from rpegjax.generate.sampler import usable_slots
-    from rpegjax.graph.ir import Algorithm
     from rpegjax.models.tokenizer import builtin_tokenizer, load_tokenizer
     from rpegjax.runtime.meshes import placed_meshes
     from rpegjax.train import build as job
+    from rpegjax.train.trainer import episode_sampling, run_sampling
 
     tokenizer = builtin_tokenizer() if cfg.model.path is None else load_tokenizer(cfg.model.path)
-    template = job.PromptTemplate(template=cfg.data.prompt_template)
-    _, train_examples, eval_examples = job._task_and_examples(cfg)
+    _, train_examples, eval_examples = job.make_task_and_examples(cfg)
     examples = [*train_examples, *eval_examples]
-    prompt = job.check_prompt_lengths(examples, [tokenizer.encode(template.render(e, tokenizer)) for e in examples],
-                                      cfg.rollout.max_prompt_len)
-    if cfg.model.path is None:
-        model_cfg = job._model_config(cfg, tokenizer, value_head=False)
-    else:
-        import json
-        import pathlib
-
-        hf = json.loads((pathlib.Path(cfg.model.path) / "config.json").read_text())
-        model_cfg = ModelConfig.from_hf_dict(hf, source=f"{cfg.model.path}/config.json").replace(
-            param_dtype=cfg.model.param_dtype, dtype=cfg.model.dtype)
+    environment = job.run_environment(cfg)
+    prompt_ids = job.encode_prompts(examples, job.run_template(cfg), tokenizer, environment)
+    prompt = job.check_prompt_lengths(examples, prompt_ids, cfg.rollout.max_prompt_len)
     graph = job.build_graph(cfg, num_devices=jax.device_count())
+    model_cfg = job.run_model_config(cfg, tokenizer, value_head=False).replace(**graph.execution.model_fields())
+    job.check_plan_shapes(cfg, model_cfg, prompt)
     rollout = cfg.rollout
     rows = rollout.prompts_per_step * rollout.group_size
-    slots = min(rollout.num_slots, max(rows, len(eval_examples)))
-    slots = usable_slots(slots, rollout.group_size, placed_meshes(graph)[1])
+    slots = usable_slots(min(rollout.num_slots, max(rows, len(eval_examples))), rollout.group_size,
+                         placed_meshes(graph)[1])
+    algorithm = cfg.algorithm_section()
+    lora = cfg.lora.config()
+    if lora is not None:  # the optimiser of the adapters, as `build` sets it
+        changes = {"optimizer": cfg.lora.optimizer(algorithm.optimizer)}
+        if isinstance(algorithm, PPOConfig) and algorithm.critic == CriticMode.SEPARATE:
+            changes["critic_optimizer"] = algorithm.critic_optimizer or algorithm.optimizer
+        algorithm = dataclasses.replace(algorithm, **changes)
+    prediction = None if cfg.graph.plan is None else read_plan_file(cfg.graph.plan).prediction
+    sampling = run_sampling(cfg) if environment is None else episode_sampling(run_sampling(cfg), tokenizer, environment)
+    return RunPlan(graph=graph, model_cfg=model_cfg, algorithm=algorithm, lora=lora, sampling=sampling,
+                   batch=Batch(rows=rows, prompt=prompt, new=rollout.max_new_tokens, slots=slots,
+                               group_size=rollout.group_size, chunk_steps=rollout.chunk_steps,
+                               multi_turn=environment is not None),
+                   generation_dtype=cfg.model.generation_dtype, prediction=prediction)
+
+
+def dry_run_config(cfg, *, capacity_bytes: float | None, log: Callable[[str], None]) -> DryRunReport:
+    """The dry run of a training job's config (`train_grpo.py ... --dry-run`, `run_plan`). `capacity_bytes`: per
+    device; None reads the devices' own limit."""
+    plan = run_plan(cfg)
     if capacity_bytes is None:
         stats = jax.devices()[0].memory_stats() or {}
         if "bytes_limit" not in stats:
             raise ValueError(f"dry run: {jax.devices()[0].device_kind} devices report no memory limit; give the "
                              f"capacity per device (--memory-gb)")
         capacity_bytes = float(stats["bytes_limit"])
-    prediction = planned_prediction(cfg)
+    prediction = plan.prediction
     predicted = None if prediction is None else {
         s["name"]: s["peak_memory_bytes"] for s in prediction["stages"] if s.get("peak_memory_bytes") is not None}
-    algorithm = cfg.grpo if cfg.algorithm == Algorithm.GRPO else cfg.ppo
-    return dry_run(graph, model_cfg, algorithm, Batch(rows=rows, prompt=prompt, new=rollout.max_new_tokens,
-                                                      slots=slots, chunk_steps=rollout.chunk_steps),
-                   capacity_bytes=capacity_bytes, predicted=predicted, lora=cfg.lora.config() if cfg.lora.enabled else None,
-                   predicted_step_seconds=None if prediction is None else prediction.get("step_seconds"), log=log)
+    return compile_programs(plan.lower(log), capacity_bytes=capacity_bytes, predicted=predicted, log=log,
+                            predicted_step_seconds=None if prediction is None else prediction.get("step_seconds"))
 
 
-__all__ = ["Batch", "DryRunReport", "ProgramMemory", "dry_run", "dry_run_config", "ensure_devices", "plan_devices",
-           "shard_bytes"]
+__all__ = ["Batch", "DryRunReport", "LoweredProgram", "ProgramMemory", "RunPlan", "compile_programs", "dry_run",
+           "dry_run_config", "ensure_devices", "lower_plan", "lower_step", "plan_devices", "run_plan", "shard_bytes"]

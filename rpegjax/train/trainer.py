@@ -93,6 +93,11 @@ def _write_atomically(path: pathlib.Path, text: str) -> None:
         staging.unlink(missing_ok=True)
 
 
+def episode_sampling(sampling: SamplingConfig, tokenizer, environment) -> SamplingConfig:
+    """`sampling` for an episode's model turns: they stop at the tool call's closing tag."""
+    return sampling.replace(stop_sequences=(tuple(tokenizer.encode(environment.call_end)),))
+
+
 def episode_runner(parts: Components, sampling: SamplingConfig,
                    sampler: Sampler | None = None) -> EpisodeRunner | None:
     """The multi-turn driver of the run's tool environment decoding with `sampling` on `sampler` (default: the
@@ -101,7 +106,7 @@ def episode_runner(parts: Components, sampling: SamplingConfig,
     if parts.environment is None:
         return None
     cfg, tokenizer, env = parts.cfg, parts.tokenizer, parts.environment
-    sampling = sampling.replace(stop_sequences=(tuple(tokenizer.encode(env.call_end)),))
+    sampling = episode_sampling(sampling, tokenizer, env)
     ends = {*tokenizer.eos_ids, tokenizer.pad_id}
 
     def decode_turn(ids) -> str:  # tool tags may be special tokens: keep them, drop end-of-sequence and padding
@@ -117,10 +122,15 @@ def episode_runner(parts: Components, sampling: SamplingConfig,
         render=parts.render_messages, encode=tokenizer.encode, decode=decode_turn)
 
 
+def run_sampling(cfg: RunConfig) -> SamplingConfig:
+    """How the run's rollouts sample (multi-turn episodes add their stop sequences to it)."""
+    return SamplingConfig(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
+                          top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p)
+
+
 def make_programs(parts: Components, rewards: RewardRunner) -> StagePrograms:
     cfg = parts.cfg
-    sampling = SamplingConfig(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
-                              top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p)
+    sampling = run_sampling(cfg)
     episodes = episode_runner(parts, sampling)
     return StagePrograms(
         learner=parts.learner,

@@ -213,10 +213,7 @@ def test_a_shared_critic_stage_gets_log_probs_and_values_from_one_pass():
         np.testing.assert_allclose(np.asarray(joint[field]), np.asarray(separate[field]), atol=1e-6)
 
     def flops(kinds):  # XLA's count for the compiled program
-        params = tuple(programs._params_of[kind](state) for kind in kinds)
-        program = programs._inference_program(kinds, None, 1, batch.length)
-        tokens, mask = programs._place(batch.tokens), programs._place(batch.token_mask)
-        return program.lower(params, tokens, mask).compile().cost_analysis()["flops"]
+        return programs.training.lower_inference(kinds, state, batch).compile().cost_analysis()["flops"]
 
     # one trunk pass: the log-prob pass plus a value head, far from a second pass
     assert flops(both) < flops(alone[0]) + 0.5 * flops(alone[1])

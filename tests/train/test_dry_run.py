@@ -1,6 +1,8 @@
 """The dry run: every stage program of a plan compiled with abstract inputs, measured, refused when too big."""
 
 import dataclasses
+import hashlib
+import json
 import os
 import pathlib
 import subprocess
@@ -15,7 +17,7 @@ from rpegjax.graph.ir import Execution
 from rpegjax.learners import GRPOConfig
 from rpegjax.models import Decoder, ModelConfig
 from rpegjax.models.lora import LoRAConfig, LoRAParam
-from rpegjax.train.dry_run import Batch, dry_run
+from rpegjax.train.dry_run import Batch, dry_run, run_plan
 
 ROOT = pathlib.Path(__file__).parents[2]
 CFG = ModelConfig.tiny(vocab_size=256)
@@ -32,11 +34,13 @@ def test_dry_run_measures_every_stage_program_and_refuses_what_does_not_fit():
     """~30 s on an idle machine (4 programs compiled on 4 virtual devices)."""
     assert jax.device_count() >= 4
     graph = _graph({"fsdp": 2, "tensor": 2})
-    batch = Batch(rows=8, prompt=16, new=48, slots=8)
+    batch = Batch(rows=8, prompt=16, new=48, slots=8, group_size=4)
     report = dry_run(graph, CFG, GRPOConfig(group_size=4, kl_coef=0.04), batch, capacity_bytes=1e9)
-    assert [p.stage for p in report.programs] == ["actor_update", "ref_logprob", "old_logprob", "generate"]
+    assert [(p.stage, p.program.split(" ")[0]) for p in report.programs] == [
+        ("ref_logprob", "inference"), ("old_logprob", "inference"), ("actor_update", "update"),
+        ("weight_sync", "weight"), ("generate", "prefill"), ("generate", "decode")]
     assert report.fits and report.refusal() is None
-    update = report.programs[0]
+    update = report.programs[2]
     # the update's arguments hold the training state's shard (float32 weights + two AdamW moments, split 4 ways
     # by fsdp x tensor; norms and biases replicate, so a little more) and the batch
     state = 3 * 4 * CFG.num_params() / 4
@@ -59,18 +63,19 @@ def test_dry_run_of_a_lora_run_compiles_the_runtime_programs_with_the_frozen_bas
     without the (slow) tests above noticing. The update's arguments hold the adapters' state and the frozen base
     (float32, split 4 ways); the reference reads the base itself (no copy); generation decodes merged weights."""
     graph = _graph({"fsdp": 2, "tensor": 2})
-    batch = Batch(rows=8, prompt=16, new=48, slots=8)
+    batch = Batch(rows=8, prompt=16, new=48, slots=8, group_size=4)
     lora = LoRAConfig(rank=4)
     report = dry_run(graph, CFG, GRPOConfig(group_size=4, kl_coef=0.04), batch, capacity_bytes=1e9, lora=lora)
-    assert [p.stage for p in report.programs] == ["actor_update", "ref_logprob", "old_logprob", "generate"]
+    assert [p.stage for p in report.programs] == ["ref_logprob", "old_logprob", "actor_update", "weight_sync",
+                                                  "generate", "generate"]
     base = 4 * CFG.num_params() / 4
     adapters = sum(x.size for x in jax.tree.leaves(nnx.state(nnx.eval_shape(
         lambda: Decoder(CFG, rngs=nnx.Rngs(0), lora=lora)), LoRAParam)))
-    update, reference = report.programs[0], report.programs[1]
+    reference, update = report.programs[0], report.programs[2]
     assert base <= update.arguments <= 1.5 * base + 3 * 4 * adapters + 8 * 64 * 16
     assert base <= reference.arguments <= 1.5 * base + 8 * 64 * 16
     plain = dry_run(graph, CFG, GRPOConfig(group_size=4, kl_coef=0.04), batch, capacity_bytes=1e9)
-    assert update.arguments < plain.programs[0].arguments  # no Adam moments of the base weights
+    assert update.arguments < plain.programs[2].arguments  # no Adam moments of the base weights
 
 
 @pytest.mark.slow
@@ -105,3 +110,154 @@ def test_predicted_memory_is_within_15_percent_of_the_compiled_programs(remat):
     execution = Execution(attention="blockwise", attention_block_size=128, remat=remat, scan_layers=True)
     for row in bench.compare(model, {"data": 1, "fsdp": 8, "tensor": 1}, 1024, 256, execution):
         assert row["predicted"] == pytest.approx(row["compiled"], rel=0.15), row
+
+
+def _fingerprint(module_text: str) -> str:
+    return hashlib.sha256(module_text.encode()).hexdigest()
+
+
+@pytest.mark.parametrize("kv_cache", ["contiguous", "paged"])
+def test_the_dry_run_lowers_the_very_programs_a_run_launches(kv_cache, tmp_path):
+    """A real one-step run of a small job records every program it compiles (JAX's StableHLO dumps); the dry run
+    of the same config lowers its programs through their owners. Each program the dry run lowers (update,
+    inference stages, weight sync, generation's prefill and decode chunk; paged: prefill, start, decode) is one the
+    run launched: the same module, byte for byte. Before the dry run lowered through the owners its log-prob
+    programs were its own (no micro-batching, no padding) and prefill was not checked at all."""
+    from rpegjax.data.iterator import DataIterator
+    from rpegjax.rewards.runner import RewardRunner, RewardRunnerConfig
+    from rpegjax.runtime import Runtime
+    from rpegjax.train.build import build
+    from rpegjax.train.config import (DataSection, ModelSection, RolloutSection, RunConfig, TrainSection,
+                                      WarmStartSection)
+    from rpegjax.train.trainer import make_programs
+
+    # prompts sized from the data (the arithmetic task's are 8 tokens: the longest is the prefill the dry run
+    # lowers); capacity 8 + 8 <= the sampler's window step: every decode chunk attends to the whole capacity, as the
+    # dry run's decode does; 8 prompts fill the 16 slots in one prefill, as the dry run's prefill does; pages longer
+    # than any prompt: every later sample of a group copies its prompt's partial page, as the dry run's start does
+    cfg = RunConfig(
+        model=ModelSection(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64),
+        data=DataSection(train_size=16, eval_size=4),
+        rollout=RolloutSection(prompts_per_step=8, group_size=2, max_new_tokens=8, num_slots=16,
+                               chunk_steps=4, kv_cache=kv_cache, page_size=16),
+        warm_start=WarmStartSection(steps=0), train=TrainSection(steps=1, reward_workers=1),
+    ).replace(grpo=dataclasses.replace(RunConfig().grpo, kl_coef=0.04))
+    dumps = tmp_path / "run"
+    jax.config.update("jax_include_debug_info_in_dumps", False)
+    jax.config.update("jax_dump_ir_to", str(dumps))
+    try:
+        parts = build(cfg, log=lambda _: None)
+        rewards = RewardRunner(parts.task.reward, RewardRunnerConfig(timeout_s=5.0, workers=1,
+                                                                     isolation=parts.task.isolation))
+        programs = make_programs(parts, rewards)
+        data = DataIterator(parts.train_examples, batch_size=cfg.rollout.prompts_per_step, seed=0)
+        Runtime(parts.graph, programs, data, prompt_ids=parts.prompt_ids, key=jax.random.key(0)).run(
+            parts.learner.init_state(), start_step=0, num_steps=1, on_step=lambda result, _: None)
+        rewards.close()
+    finally:
+        jax.config.update("jax_dump_ir_to", "")
+    launched = {_fingerprint(path.read_text()): path.name for path in dumps.glob("*.mlir")}
+    lowered = run_plan(cfg).lower()
+    expected = {"inference", "update", "weight sync", "prefill", "decode"} | ({"start"} if kv_cache == "paged" else set())
+    assert {program.program.split(" (")[0] for program in lowered} == expected
+    for program in lowered:
+        found = launched.get(_fingerprint(program.lowered.as_text()))
+        assert found is not None, (program.stage, program.program, sorted(launched.values()))
+
+
+def _plan_document(tmp_path, graph, model: ModelConfig, **workload) -> pathlib.Path:
+    from rpegjax.train.plan_document import model_shape
+
+    document = {"model": "qwen2.5-7b", "model_config": model_shape(model),
+                "workload": {"prompts": 512, "group_size": 8, "prompt_tokens": 1024, "response_max": 16384, **workload},
+                "plans": [{"name": "best", "graph": graph.to_dict(), "prediction": {"step_seconds": 211.0, "stages": []}}]}
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(document))
+    return path
+
+
+def test_a_plan_made_for_another_model_or_step_is_refused_by_the_job_and_its_dry_run(tmp_path, capsys):
+    """`train_grpo.py --plan plan.json --dry-run` once compiled the built-in 0.4M model at the run's short shapes for
+    a 7B plan and printed "fits: yes" beside a 63.5 GB prediction; it is refused, naming what differs."""
+    from rpegjax.train.cli import main
+    from rpegjax.train.config import RunConfig
+
+    graph = builders.grpo_graph(use_reference=False, num_devices=4, parallel={"fsdp": 4})
+    graph = dataclasses.replace(graph, execution=Execution(param_dtype="float32", dtype="bfloat16"))
+    plan = _plan_document(tmp_path, graph, ModelConfig.qwen2p5("7b"))
+    code = main(["--dry-run", "--plan", str(plan), "--memory-gb", "80", "--run-dir", str(tmp_path / "run")],
+                RunConfig().algorithm)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "the plan was made for model 'qwen2.5-7b', this run's model differs" in err
+    assert "model.hidden_size: plan 3584" in err and "--model DIR" in err
+    assert not (tmp_path / "run").exists()
+
+    from rpegjax.train.build import check_plan_shapes, run_model_config
+    from rpegjax.models.tokenizer import builtin_tokenizer
+
+    cfg = RunConfig().replace(graph=dataclasses.replace(RunConfig().graph, plan=str(plan)))
+    builtin = run_model_config(cfg, builtin_tokenizer(), value_head=False)
+    same_model = _plan_document(tmp_path, graph, builtin, prompt_tokens=40)
+    cfg = cfg.replace(graph=dataclasses.replace(cfg.graph, plan=str(same_model)))
+    with pytest.raises(ValueError, match=r"the plan was made for another step \(--prompts-per-step: plan 512, run "):
+        check_plan_shapes(cfg, builtin, 40)
+
+
+def test_the_job_takes_the_plans_precision_and_a_checkpoints_dry_run_has_dtypes(tmp_path):
+    """A default plan (bfloat16 compute) used to be refused by a default job on the CPU (float32 there); the job
+    now takes the plan's dtypes when it sets none. `--dry-run --model DIR` without dtypes once built its model with
+    None dtypes."""
+    from rpegjax.models.tokenizer import builtin_tokenizer
+    from rpegjax.train.build import build_graph, run_model_config, run_precision
+    from rpegjax.train.config import RunConfig
+
+    graph = builders.grpo_graph(use_reference=False, num_devices=4, parallel={"fsdp": 4})
+    graph = dataclasses.replace(graph, execution=Execution(param_dtype="float32", dtype="bfloat16"))
+    plan = tmp_path / "graph.json"
+    plan.write_text(graph.to_json())
+    cfg = RunConfig().replace(graph=dataclasses.replace(RunConfig().graph, plan=str(plan)))
+    assert (run_precision(cfg).param_dtype, run_precision(cfg).dtype) == ("float32", "bfloat16")
+    assert build_graph(cfg, num_devices=8).execution.dtype == "bfloat16"
+    explicit = cfg.replace(model=dataclasses.replace(cfg.model, dtype="float32"))
+    with pytest.raises(ValueError, match="the plan executes with float32 weights and bfloat16 compute, this run with "
+                                         "float32 weights and float32 compute"):
+        build_graph(explicit, num_devices=8)
+
+    checkpoint = tmp_path / "model"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text(json.dumps(CFG.to_hf_dict()))
+    run = RunConfig().replace(model=dataclasses.replace(RunConfig().model, path=str(checkpoint)))
+    model = run_model_config(run, builtin_tokenizer(), value_head=False)
+    assert (model.param_dtype, model.dtype) == ("float32", "float32")  # the policy's on the CPU, never None
+    assert model.hidden_size == CFG.hidden_size
+
+
+def test_the_dry_run_renders_prompts_as_the_run_does():
+    """The dry run once rendered prompts without the run's system prompt (and chat template): its prompt width, and
+    so every program's shapes, differed from the run's."""
+    from rpegjax.train.build import build
+    from rpegjax.train.config import DataSection, RunConfig, WarmStartSection
+
+    cfg = RunConfig(data=DataSection(train_size=8, eval_size=4, system_prompt="Think step by step, then answer."),
+                    warm_start=WarmStartSection(steps=0))
+    plain = run_plan(cfg.replace(data=dataclasses.replace(cfg.data, system_prompt=None)))
+    planned = run_plan(cfg)
+    assert planned.batch.prompt == build(cfg, log=lambda _: None).max_prompt_len
+    assert planned.batch.prompt >= plain.batch.prompt + len("Think step by step, then answer.")
+
+
+def test_the_dry_run_of_a_multi_turn_job_samples_and_prefills_as_its_episodes_do():
+    """Episodes stop a model turn at the tool call's end (a stop sequence: another decode program) and feed later
+    turns longer than a prompt (a capacity-wide prefill); the dry run once lowered neither."""
+    from rpegjax.train.config import DataSection, RolloutSection, RunConfig, WarmStartSection
+
+    cfg = RunConfig(data=DataSection(train_size=8, eval_size=4), warm_start=WarmStartSection(steps=0),
+                    rollout=RolloutSection(env="calculator", max_new_tokens=32))
+    planned = run_plan(cfg)
+    assert planned.batch.multi_turn and planned.sampling.stop_sequences
+    single = run_plan(cfg.replace(rollout=dataclasses.replace(cfg.rollout, env="none")))
+    assert not single.batch.multi_turn and not single.sampling.stop_sequences
+    prefill = next(p for p in planned.lower() if p.program == "prefill")
+    tokens = prefill.lowered.args_info[0][2]  # (params, state, tokens, ...): the group size is static
+    assert tokens.shape[1] == planned.batch.prompt + planned.batch.new  # a later turn's whole context
