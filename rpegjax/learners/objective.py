@@ -158,7 +158,8 @@ class PolicyConfig:
             if not self.decoupled:  # the corrections read the old-log-prob pass and the sampler's log-probs
                 raise ValueError(f"{name}.{option}={value!r} needs decoupled=True")
             if option != "correction" and option not in used[self.correction]:
-                raise ValueError(f"{name}.{option}={value!r} is not read by correction {self.correction.value!r}")
+                raise ValueError(f"{name}.{option}={value!r} is not read by correction {self.correction.value!r}; "
+                                 f"set it back to {defaults[option]!r} (command line: before the correction)")
         if self.decoupled and self.correction == CorrectionKind.SEQUENCE_TIS and self.importance_cap is None:
             raise ValueError(f"{name}.correction='sequence-tis' needs importance_cap (its truncation C)")
 

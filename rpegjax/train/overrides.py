@@ -55,27 +55,34 @@ def _parse_value(text: str, annotation: Any, where: str) -> Any:
 
 
 def apply_overrides(config: Any, overrides: Mapping[str, str]) -> Any:
-    """Returns `config` with `{"rollout.group_size": "8", ...}` applied; unknown names are errors."""
-    for dotted, text in overrides.items():
-        config = _apply_one(config, dotted.split("."), text, dotted)
-    return config
+    """Returns `config` with `{"rollout.group_size": "8", ...}` applied; unknown names are errors. The fields of one
+    section are replaced together, so its checks see the final combination whatever the flags' order (a check that
+    ties two fields never rejects a half-applied pair)."""
+    return _apply(config, [(dotted.split("."), text, dotted) for dotted, text in overrides.items()])
 
 
-def _apply_one(node: Any, path: list[str], text: str, dotted: str) -> Any:
+def _apply(node: Any, overrides: list[tuple[list[str], str, str]]) -> Any:
+    if not overrides:
+        return node
+    dotted = overrides[0][2]
     if not dataclasses.is_dataclass(node):
         raise ValueError(f"--{dotted}: {type(node).__name__} has no fields")
     hints = typing.get_type_hints(type(node))
     fields = {f.name for f in dataclasses.fields(node)}
-    head = path[0]
-    if head not in fields:
-        close = difflib.get_close_matches(head, fields, n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        raise ValueError(f"--{dotted}: unknown field {head!r} of {type(node).__name__}; {hint}known: {sorted(fields)}")
-    if len(path) == 1:
-        value = _parse_value(text, hints[head], f"--{dotted}")
-    else:
-        value = _apply_one(getattr(node, head), path[1:], text, dotted)
-    return dataclasses.replace(node, **{head: value})
+    values, nested = {}, {}
+    for path, text, dotted in overrides:
+        head = path[0]
+        if head not in fields:
+            close = difflib.get_close_matches(head, fields, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ValueError(f"--{dotted}: unknown field {head!r} of {type(node).__name__}; {hint}known: {sorted(fields)}")
+        if len(path) == 1:
+            values[head] = _parse_value(text, hints[head], f"--{dotted}")
+        else:
+            nested.setdefault(head, []).append((path[1:], text, dotted))
+    for head, inner in nested.items():
+        values[head] = _apply(getattr(node, head), inner)
+    return dataclasses.replace(node, **values)
 
 
 def to_jsonable(config: Any) -> Any:
