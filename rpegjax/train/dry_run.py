@@ -332,6 +332,7 @@ def _update_batch(learner, algorithm, rows: int, tokens: int) -> TrainBatch:
     floats = lambda: jax.ShapeDtypeStruct((rows, tokens), jnp.float32, sharding=sharding)
     fields = set(algorithm.required_fields()) | {"old_logprobs"} if getattr(algorithm, "decoupled", False) else \
         set(algorithm.required_fields())
+    fields.add("behaviour_logprobs")  # the sampler always records them; the update's mismatch metrics read them
     values = {name: (jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=_rows_1d(sharding))
                      if name == "advantages" and isinstance(algorithm, GRPOConfig) else floats())
               for name in ("behaviour_logprobs", "old_logprobs", "ref_logprobs", "advantages", "values", "returns")
