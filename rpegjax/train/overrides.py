@@ -75,7 +75,8 @@ def _apply(node: Any, overrides: list[tuple[list[str], str, str]]) -> Any:
         if head not in fields:
             close = difflib.get_close_matches(head, fields, n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
-            raise ValueError(f"--{dotted}: unknown field {head!r} of {type(node).__name__}; {hint}known: {sorted(fields)}")
+            raise ValueError(f"--{dotted}: unknown field {head!r} of {type(node).__name__}; {hint}"
+                             f"known: {sorted(fields)}")
         if len(path) == 1:
             values[head] = _parse_value(text, hints[head], f"--{dotted}")
         else:
