@@ -108,7 +108,7 @@ def test_sharded_update_equals_unsharded_and_compiles_once(model, unsharded):
         np.testing.assert_allclose(a.get_value(), b.get_value(), rtol=1e-4, atol=1e-5, err_msg=str(path))
     for key, value in metrics.items():
         np.testing.assert_allclose(sharded_metrics[key], value, rtol=1e-4, atol=1e-6, err_msg=key)
-    assert float(metrics["kl_loss"]) > 0 and float(metrics["importance_weight_mean"]) > 0
+    assert float(metrics["kl_loss"]) > 0 and float(metrics["correction/weight_mean"]) > 0
 
 
 def test_updates_raise_logprob_of_positive_advantage_sequences(unsharded):
