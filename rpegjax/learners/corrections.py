@@ -17,7 +17,7 @@ r_t = pi_theta / pi_old). T_i is the set of response tokens of row i, n_i = |T_i
     none            w_t = 1                                                    (the mismatch is only logged)
 
 Sources: token TIS is Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"
-(truncation C = 2 in their runs), and verl's rollout correction `rollout_is="token"`; sequence TIS is verl's
+(Aug 2025), and verl's rollout correction `rollout_is="token"` (typical C 1.5 to 5); sequence TIS is verl's
 `rollout_is="sequence"` (docs/algo/rollout_corr_math.md, section 3.3.2: the product in log space, truncated at
 C); IcePop is the Ling team's "Small Leak Can Sink a Great Ship: Boost RL Training on MoE with IcePop!" (2025,
 used for Ring-1T, arXiv:2510.18855): the masking function M(k) = k for k in [alpha, beta], else 0, with
