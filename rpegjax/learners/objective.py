@@ -140,8 +140,7 @@ class PolicyConfig:
         object.__setattr__(self, "correction", _enum(CorrectionKind, self.correction, f"{name}.correction"))
         if self.importance_cap is not None and not self.importance_cap > 0:
             raise ValueError(f"{name}.importance_cap must be positive, got {self.importance_cap!r}")
-        for kind, low, high in ((CorrectionKind.ICEPOP, "icepop_low", "icepop_high"),
-                                (CorrectionKind.GEOMETRIC_MASK, "geometric_low", "geometric_high")):
+        for low, high in (("icepop_low", "icepop_high"), ("geometric_low", "geometric_high")):
             if not 0 < getattr(self, low) <= getattr(self, high):
                 raise ValueError(f"{name}.{low}/{high} must satisfy 0 < low <= high, "
                                  f"got {getattr(self, low)!r}, {getattr(self, high)!r}")
