@@ -29,7 +29,8 @@ overstate a GPU's temporaries.
 
 `--lora-rank r`: the model carries LoRA adapters of rank r on every projection and only they train (the
 planner's figure, for full fine-tuning, is then not shown); `--lora-dropout p` adds LoRA dropout to the update's
-forward (the log-prob stages never drop).
+forward (the log-prob stages never drop). `--correction KIND`: the update runs decoupled PPO with that train/rollout
+correction (`rpegjax.learners.corrections`; the batch then carries old log-probs; TIS kinds cap at 2); unset: on-policy.
 """
 
 from __future__ import annotations
@@ -91,14 +92,16 @@ def abstract_state(learner: GRPOLearner) -> TrainState:
     return TrainState(params=learner.params, opt_state=opt_state, step=step)
 
 
-def batch_of(rows: int, tokens: int, prompt: int, longest: int) -> TrainBatch:
-    """Rows of `tokens` columns: a prompt, then response tokens up to `longest`, padding after (host arrays)."""
+def batch_of(rows: int, tokens: int, prompt: int, longest: int, *, old_logprobs: bool = False) -> TrainBatch:
+    """Rows of `tokens` columns: a prompt, then response tokens up to `longest`, padding after (host arrays);
+    `old_logprobs`: with the old-log-prob pass's output (decoupled PPO)."""
     columns = np.arange(tokens)
     real = np.broadcast_to(columns < longest, (rows, tokens)).copy()
     response = real & (columns >= prompt)
     zeros = np.zeros((rows, tokens), np.float32)
     return TrainBatch(tokens=np.ones((rows, tokens), np.int32), token_mask=real,
                       response_mask=response, behaviour_logprobs=zeros, ref_logprobs=zeros,
+                      old_logprobs=zeros if old_logprobs else None,
                       advantages=np.linspace(-1, 1, rows, dtype=np.float32))
 
 
@@ -129,12 +132,15 @@ def measure(size: str, layout_name: str, tokens: int, programs: list[str], args)
     rows = mesh.devices.size // parallel.get("tensor", 1) * args.rows_per_device
     lora = LoRAConfig(rank=args.lora_rank, dropout=args.lora_dropout) if args.lora_rank else None
     model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0), lora=lora))
-    grpo = GRPOConfig(group_size=rows, clip_low=0.2, clip_high=0.2, kl_coef=0.04, kl_kind="k3",
+    correction = {} if not args.correction else dict(
+        decoupled=True, correction=args.correction,
+        importance_cap=2.0 if args.correction in ("token-tis", "sequence-tis") else None)
+    grpo = GRPOConfig(group_size=rows, clip_low=0.2, clip_high=0.2, kl_coef=0.04, kl_kind="k3", **correction,
                       logprob_chunk_size=args.logprob_chunk, length_bucket=args.bucket or None,
                       inference_rows=args.inference_rows or None, inference_memory_gib=args.inference_memory_gib or None,
                       optimizer=OptimizerConfig(learning_rate=1e-6, weight_decay=0.0, max_grad_norm=1.0))
     learner = GRPOLearner(grpo, model, mesh=mesh)
-    batch = batch_of(rows, tokens, args.prompt, args.longest or tokens)
+    batch = batch_of(rows, tokens, args.prompt, args.longest or tokens, old_logprobs=bool(args.correction))
     length = learner.trimmed_length(batch.token_mask)
     out = []
     for program in programs:
@@ -193,7 +199,7 @@ def print_header(args) -> None:
             f"attention {args.attention} (block {args.block}), remat {args.remat}, "
             f"{'unrolled' if args.unrolled else 'scanned'} layers, float32 master / {args.dtype} compute")
     print(f"W-long memory per device (GiB), {jax.device_count()} virtual CPU devices, jax {jax.__version__}; {kind}; "
-          f"log-prob chunk {args.logprob_chunk}")
+          f"log-prob chunk {args.logprob_chunk}; update: {args.correction or 'on-policy'}")
     print("| model | layers | layout | tokens/row | program | ran at (length, rows) | arguments | outputs | temporaries "
           "| args+temps | planner peak | compile s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -230,6 +236,8 @@ def main() -> None:
     parser.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank on every projection, only "
                         "they trained (0: full fine-tuning)")
     parser.add_argument("--lora-dropout", type=float, default=0.0, help="LoRA dropout in the update's forward")
+    parser.add_argument("--correction", default="", help="decoupled PPO with this train/rollout correction (token-tis, "
+                        "sequence-tis, icepop, geometric-mask, none); unset: on-policy GRPO")
     args = parser.parse_args()
     if args.lora_dropout and not args.lora_rank:
         parser.error("--lora-dropout needs --lora-rank")

@@ -104,26 +104,11 @@ def _check_shapes(where: str, mask: Bool[Array, "b t"], **arrays: Array | None) 
             raise ValueError(f"{where}: {name} has shape {array.shape}, expected {mask.shape} like mask")
 
 
-def _behaviour_weights(
-    old_logprobs: Float[Array, "b t"],
-    behaviour_logprobs: Float[Array, "b t"] | None,
-    importance_cap: float | None,
-    mask: Bool[Array, "b t"],
-) -> tuple[Float[Array, "b t"], Metrics]:
-    """w = min(pi_prox / pi_behav, cap) per token (1 without behaviour log-probs); never differentiated."""
-    if behaviour_logprobs is None:
-        if importance_cap is not None:
-            raise ValueError("importance_cap is set but no behaviour_logprobs were given")
-        return jnp.ones(mask.shape, jnp.float32), {}
-    if importance_cap is not None and importance_cap <= 0:
-        raise ValueError(f"importance_cap must be positive, got {importance_cap!r}")
-    log_weight = jnp.where(mask, old_logprobs - behaviour_logprobs, 0.0)
-    weights = jnp.exp(jax.lax.stop_gradient(log_weight))
-    metrics = {"importance_weight_mean": _masked_mean(weights, mask)}
-    if importance_cap is not None:
-        metrics["importance_capped_fraction"] = _masked_mean((weights > importance_cap).astype(jnp.float32), mask)
-        weights = jnp.minimum(weights, importance_cap)
-    return weights, metrics
+def _token_weights(weights: Float[Array, "b t"] | None, mask: Bool[Array, "b t"]) -> Float[Array, "b t"]:
+    """Per-token loss weights (1 without any), never differentiated."""
+    if weights is None:
+        return jnp.ones(mask.shape, jnp.float32)
+    return jax.lax.stop_gradient(jnp.where(mask, weights, 0.0).astype(jnp.float32))
 
 
 def _clipped_surrogate(
@@ -178,8 +163,7 @@ def policy_loss(
     dual_clip: float | None = None,
     aggregation: LossAggregation | str = LossAggregation.TOKEN_MEAN,
     max_length: int | None = None,
-    behaviour_logprobs: Float[Array, "b t"] | None = None,
-    importance_cap: float | None = None,
+    weights: Float[Array, "b t"] | None = None,
     denominator: Scalar | float | None = None,
 ) -> tuple[Scalar, Metrics]:
     """PPO clipped surrogate with asymmetric (DAPO clip-higher) and dual clipping; decoupled PPO.
@@ -189,27 +173,26 @@ def policy_loss(
         L = min(L, -A c)   where A < 0, when dual_clip = c > 1 (bounds the loss of very large ratios)
     and the loss is aggregate(L) (see module docstring).
 
-    Decoupled PPO (AReaL, bounded asynchrony): given `behaviour_logprobs` (the sampler's policy,
-    possibly several versions stale), `old_logprobs` is the *proximal* policy pi_prox (recomputed
-    with recent weights), the clip acts on r = pi_theta / pi_prox, and each token is weighted by the
-    importance weight of the proximal against the behaviour policy:
-        L_decoupled = w * L,   w = min(pi_prox / pi_behav, importance_cap)   (no gradient through w)
-    so the objective is E_{pi_behav}[w * clipped surrogate] = E_{pi_prox}[clipped surrogate]
-    up to the truncation, which bounds the variance a stale, unlikely sample can add.
+    Decoupled PPO (AReaL, bounded asynchrony): `old_logprobs` is the *proximal* policy pi_prox (recomputed
+    with recent weights), the clip acts on r = pi_theta / pi_prox, and each token's loss is multiplied by
+    `weights` w, a rollout correction computed from pi_prox and the sampler's behaviour policy
+    (`rpegjax.learners.corrections`, e.g. token TIS w = min(pi_prox / pi_behav, C)), never differentiated:
+        L_decoupled = w * L
+    so the objective is E_{pi_behav}[w * clipped surrogate] = E_{pi_prox}[clipped surrogate] up to the
+    truncation or masking, which bounds the variance a stale or mismatched sample can add.
 
     Metrics: clip_fraction (tokens whose clipped term is active), clip_low_fraction / clip_high_fraction,
-    dual_clip_fraction, approx_kl (k3 estimate of KL(pi_old || pi_theta)), ratio mean/max/min,
-    importance weight mean and capped fraction when decoupled.
+    dual_clip_fraction, approx_kl (k3 estimate of KL(pi_old || pi_theta)), ratio mean/max/min.
     """
     _check_clip("policy_loss", clip_low, clip_high, dual_clip)
-    _check_shapes("policy_loss", mask, logprobs=logprobs, old_logprobs=old_logprobs, behaviour_logprobs=behaviour_logprobs)
+    _check_shapes("policy_loss", mask, logprobs=logprobs, old_logprobs=old_logprobs, weights=weights)
     adv = _token_advantages(advantages, mask, "policy_loss")
     log_ratio = jnp.where(mask, logprobs - old_logprobs, 0.0)
     ratio = jnp.exp(log_ratio)
     token_loss, clipped, dual = _clipped_surrogate(ratio, adv, clip_low, clip_high, dual_clip)
-    weights, metrics = _behaviour_weights(old_logprobs, behaviour_logprobs, importance_cap, mask)
-    loss = aggregate(token_loss * weights, mask, aggregation, max_length=max_length, denominator=denominator)
-    metrics.update(_ratio_metrics(ratio, log_ratio, mask))
+    loss = aggregate(token_loss * _token_weights(weights, mask), mask, aggregation, max_length=max_length,
+                     denominator=denominator)
+    metrics = _ratio_metrics(ratio, log_ratio, mask)
     metrics.update(
         policy_loss=loss,
         clip_fraction=_masked_mean(clipped, mask),
@@ -228,8 +211,7 @@ def gspo_loss(
     *,
     clip_low: float = 3e-4,
     clip_high: float = 4e-4,
-    behaviour_logprobs: Float[Array, "b t"] | None = None,
-    importance_cap: float | None = None,
+    weights: Float[Array, "b t"] | None = None,
     denominator: Scalar | float | None = None,
 ) -> tuple[Scalar, Metrics]:
     """GSPO: a sequence-level importance ratio, clipped per sequence (default clip range from the paper).
@@ -240,11 +222,11 @@ def gspo_loss(
     Implemented in the GSPO-token form s_it = sg(s_i) * pi_theta(y_t) / sg(pi_theta(y_t)), whose value
     is s_i and whose gradient is s_i * grad log pi_theta(y_t); with the seq-mean-token-mean aggregation
     this has exactly the value and gradient of the sequence-level loss above for advantages [b], and it
-    also accepts token-level advantages [b, t]. `behaviour_logprobs` / `importance_cap` weight tokens as
-    in `policy_loss` (decoupled PPO). Metrics: clip_fraction is the fraction of clipped sequences.
+    also accepts token-level advantages [b, t]. `weights` multiply tokens' losses as in `policy_loss`
+    (decoupled PPO). Metrics: clip_fraction is the fraction of clipped sequences.
     """
     _check_clip("gspo_loss", clip_low, clip_high, None)
-    _check_shapes("gspo_loss", mask, logprobs=logprobs, old_logprobs=old_logprobs, behaviour_logprobs=behaviour_logprobs)
+    _check_shapes("gspo_loss", mask, logprobs=logprobs, old_logprobs=old_logprobs, weights=weights)
     adv = _token_advantages(advantages, mask, "gspo_loss")
     m = mask.astype(jnp.float32)
     counts = jnp.maximum(jnp.sum(m, axis=-1), 1.0)
@@ -254,13 +236,13 @@ def gspo_loss(
     log_ratio = jax.lax.stop_gradient(sequence_log_ratio)[:, None] + safe_logprobs - jax.lax.stop_gradient(safe_logprobs)
     ratio = jnp.exp(log_ratio)
     token_loss, clipped, _ = _clipped_surrogate(ratio, adv, clip_low, clip_high, None)
-    weights, metrics = _behaviour_weights(old_logprobs, behaviour_logprobs, importance_cap, mask)
-    loss = aggregate(token_loss * weights, mask, LossAggregation.SEQ_MEAN_TOKEN_MEAN, denominator=denominator)
+    loss = aggregate(token_loss * _token_weights(weights, mask), mask, LossAggregation.SEQ_MEAN_TOKEN_MEAN,
+                     denominator=denominator)
     has_tokens = jnp.any(mask, axis=-1)
     sequence_ratio = jnp.exp(sequence_log_ratio)
     rows = jnp.maximum(jnp.sum(has_tokens.astype(jnp.float32)), 1.0)
     clipped_rows = jnp.any(clipped * m > 0, axis=-1) & has_tokens
-    metrics.update(
+    metrics = dict(
         policy_loss=loss,
         clip_fraction=jnp.sum(clipped_rows.astype(jnp.float32)) / rows,
         approx_kl=_masked_mean(jnp.exp(token_log_ratio) - 1.0 - token_log_ratio, mask),

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from rpegjax.learners.batch import TrainBatch
+from rpegjax.learners.corrections import CorrectionKind, correction_weights, mismatch_metrics
 from rpegjax.learners.inference import InferenceMicroBatching
 from rpegjax.learners.lengths import bucket_length, longest_row, trim_batch
 from rpegjax.learners.losses import (
@@ -53,9 +54,14 @@ def _enum(cls, value, where: str):
 class PolicyConfig:
     """Policy-loss, schedule and optimiser settings shared by GRPOConfig and PPOConfig.
 
-    `decoupled=True` turns on decoupled PPO for bounded asynchrony: the batch's `old_logprobs` are the
-    proximal policy and `behaviour_logprobs` the sampler's; tokens are weighted by
-    min(pi_prox / pi_behav, importance_cap). Without it, behaviour log-probs are ignored.
+    `decoupled=True` turns on decoupled PPO for bounded asynchrony and the train/rollout mismatch: the batch's
+    `old_logprobs` are the proximal policy (the old-log-prob pass) and `behaviour_logprobs` the sampler's; each
+    token's loss is weighted by the rollout `correction` of rho = pi_prox / pi_behav
+    (`rpegjax.learners.corrections`): token-tis min(rho, importance_cap) (the default; importance_cap None: rho
+    untruncated), sequence-tis min(prod rho, importance_cap), icepop rho inside [icepop_low, icepop_high] else 0,
+    geometric-mask 0/1 per sequence by its geometric-mean rho against [geometric_low, geometric_high], or none
+    (weight 1). Without it the correction options must keep their defaults and behaviour log-probs only feed the
+    mismatch metrics (`mismatch/*`, logged whenever the batch has them).
     When `old_logprobs` is absent and the update takes one optimiser step, pi_old = the current policy
     (ratio 1, gradient of the plain policy gradient), which saves the old-log-prob pass.
     """
@@ -70,7 +76,12 @@ class PolicyConfig:
     kl_coef: float = 0.0  # KL to the reference in the loss; 0: no reference needed
     entropy_coef: float = 0.0
     decoupled: bool = False
-    importance_cap: float | None = None
+    correction: CorrectionKind = CorrectionKind.TOKEN_TIS
+    importance_cap: float | None = None  # C of token-tis / sequence-tis
+    icepop_low: float = 0.5  # IcePop's published band [0.5, 5]
+    icepop_high: float = 5.0
+    geometric_low: float = 0.999  # verl's typical geometric rejection bounds
+    geometric_high: float = 1.001
     temperature: float = 1.0  # the sampler's temperature: log-probs are of softmax(logits / temperature)
     logprob_chunk_size: int = 256
     # rows trimmed to the longest real row rounded up to a multiple of this (None: padded to the maximum);
@@ -106,11 +117,7 @@ class PolicyConfig:
         for field in ("kl_coef", "entropy_coef"):
             if getattr(self, field) < 0:
                 raise ValueError(f"{name}.{field} must be >= 0, got {getattr(self, field)!r}")
-        if self.importance_cap is not None:
-            if not self.decoupled:
-                raise ValueError(f"{name}.importance_cap={self.importance_cap!r} needs decoupled=True")
-            if self.importance_cap <= 0:
-                raise ValueError(f"{name}.importance_cap must be positive, got {self.importance_cap!r}")
+        self._check_correction(name)
         if self.temperature <= 0:
             raise ValueError(f"{name}.temperature must be positive, got {self.temperature!r}")
         if self.logprob_chunk_size < 1:
@@ -128,6 +135,39 @@ class PolicyConfig:
         if not isinstance(self.optimizer, OptimizerConfig):
             raise ValueError(f"{name}.optimizer must be an OptimizerConfig, got {type(self.optimizer).__name__}")
         _ = self.layout  # validates epochs / mini-batches / micro-batches
+
+    def _check_correction(self, name: str) -> None:
+        object.__setattr__(self, "correction", _enum(CorrectionKind, self.correction, f"{name}.correction"))
+        if self.importance_cap is not None and not self.importance_cap > 0:
+            raise ValueError(f"{name}.importance_cap must be positive, got {self.importance_cap!r}")
+        for low, high in (("icepop_low", "icepop_high"), ("geometric_low", "geometric_high")):
+            if not 0 < getattr(self, low) <= getattr(self, high):
+                raise ValueError(f"{name}.{low}/{high} must satisfy 0 < low <= high, "
+                                 f"got {getattr(self, low)!r}, {getattr(self, high)!r}")
+        defaults = {field.name: field.default for field in dataclasses.fields(PolicyConfig)}
+        # options the chosen correction does not read must keep their defaults: a set value would be ignored
+        used = {CorrectionKind.TOKEN_TIS: {"importance_cap"}, CorrectionKind.SEQUENCE_TIS: {"importance_cap"},
+                CorrectionKind.ICEPOP: {"icepop_low", "icepop_high"},
+                CorrectionKind.GEOMETRIC_MASK: {"geometric_low", "geometric_high"}, CorrectionKind.NONE: set()}
+        for option in ("correction", "importance_cap", "icepop_low", "icepop_high", "geometric_low", "geometric_high"):
+            value = getattr(self, option)
+            if value == defaults[option]:
+                continue
+            value = str(value) if isinstance(value, enum.Enum) else value
+            if not self.decoupled:  # the corrections read the old-log-prob pass and the sampler's log-probs
+                raise ValueError(f"{name}.{option}={value!r} needs decoupled=True")
+            if option != "correction" and option not in used[self.correction]:
+                raise ValueError(f"{name}.{option}={value!r} is not read by correction {self.correction.value!r}; "
+                                 f"set it back to {defaults[option]!r} (command line: before the correction)")
+        if self.decoupled and self.correction == CorrectionKind.SEQUENCE_TIS and self.importance_cap is None:
+            raise ValueError(f"{name}.correction='sequence-tis' needs importance_cap (its truncation C)")
+
+    @property
+    def correction_band(self) -> tuple[float, float] | None:
+        """The accepted ratio band of a masking correction (None for the others)."""
+        bands = {CorrectionKind.ICEPOP: (self.icepop_low, self.icepop_high),
+                 CorrectionKind.GEOMETRIC_MASK: (self.geometric_low, self.geometric_high)}
+        return bands.get(self.correction)
 
     @property
     def layout(self) -> UpdateLayout:
@@ -167,19 +207,27 @@ def policy_objective(
 ) -> tuple[Array, Metrics]:
     """Policy loss + KL + entropy terms for one (micro-)batch; `logprobs` from the current parameters."""
     mask = batch.response_mask
+    # pi_old: the old-log-prob pass, or without one (a single optimiser step) this forward, which it equals
     old = batch.old_logprobs if batch.old_logprobs is not None else jax.lax.stop_gradient(logprobs)
-    behaviour = batch.behaviour_logprobs if cfg.decoupled else None
+    weights, correction_metrics = None, {}
+    if batch.behaviour_logprobs is not None:
+        correction_metrics = mismatch_metrics(old, batch.behaviour_logprobs, mask)
+        if cfg.decoupled:
+            weights, applied = correction_weights(cfg.correction, old, batch.behaviour_logprobs, mask,
+                                                  cap=cfg.importance_cap, band=cfg.correction_band)
+            correction_metrics.update(applied)
     if cfg.loss == PolicyLossKind.GSPO:
         loss, metrics = gspo_loss(
-            logprobs, old, batch.advantages, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-            behaviour_logprobs=behaviour, importance_cap=cfg.importance_cap, denominator=denominators["policy"],
+            logprobs, old, batch.advantages, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high, weights=weights,
+            denominator=denominators["policy"],
         )
     else:
         loss, metrics = policy_loss(
             logprobs, old, batch.advantages, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-            dual_clip=cfg.dual_clip, aggregation=cfg.aggregation, max_length=cfg.max_length,
-            behaviour_logprobs=behaviour, importance_cap=cfg.importance_cap, denominator=denominators["policy"],
+            dual_clip=cfg.dual_clip, aggregation=cfg.aggregation, max_length=cfg.max_length, weights=weights,
+            denominator=denominators["policy"],
         )
+    metrics.update(correction_metrics)
     terms = dict(aggregation=cfg.aggregation, max_length=cfg.max_length, denominator=denominators["terms"])
     if cfg.kl_coef > 0:
         kl, _ = kl_penalty(logprobs, batch.ref_logprobs, cfg.kl_kind, mask)
@@ -198,8 +246,9 @@ def policy_objective(
 
 def update_inputs(batch: TrainBatch, cfg: PolicyConfig, *extra: str) -> TrainBatch:
     """The fields of `batch` an update reads, as device-ready dtypes; the others are dropped so that the
-    update's input structure depends only on the config (old_logprobs is kept when present)."""
-    keep = set(cfg.required_fields()) | set(extra) | {"old_logprobs"}
+    update's input structure depends only on the config (old_logprobs is kept when present, and so are the
+    behaviour log-probs: the mismatch metrics read them)."""
+    keep = set(cfg.required_fields()) | set(extra) | {"old_logprobs", "behaviour_logprobs"}
     floats = {
         name: None if getattr(batch, name) is None or name not in keep else _as_dtype(getattr(batch, name), jnp.float32)
         for name in ("behaviour_logprobs", "old_logprobs", "ref_logprobs", "advantages", "values", "returns")

@@ -83,6 +83,7 @@ ALGORITHM_ALIASES = {
     "clip-low": "clip_low",
     "clip-high": "clip_high",
     "aggregation": "aggregation",
+    "correction": "correction",
     "epochs": "epochs",
     "minibatches": "num_minibatches",
 }

@@ -493,7 +493,7 @@ def recipe_overrides(recipe: Recipe | str, *, max_new_tokens: int) -> dict[str, 
 #   sampler's behaviour log-probs, importance weights capped at 5), and its default model is the 2-layer CPU model
 #   trained from a warm start, which learns in minutes only at lr 1e-4, b2 0.99, no weight decay. PPO's GAE uses
 #   lam = 1 (outcome rewards on the last token; the library's 0.95 suits per-token rewards).
-# Set any of them back with flags (`--grpo.decoupled=false`, `--lr 1e-6`, ...).
+# Set any of them back with flags (`--grpo.decoupled=false --grpo.importance_cap=none`, `--lr 1e-6`, ...).
 def default_grpo() -> GRPOSection:
     return GRPOSection(group_size=8, decoupled=True, importance_cap=5.0,
                        optimizer=OptimizerConfig(learning_rate=1e-4, b2=0.99, weight_decay=0.0))

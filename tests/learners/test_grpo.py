@@ -108,7 +108,7 @@ def test_sharded_update_equals_unsharded_and_compiles_once(model, unsharded):
         np.testing.assert_allclose(a.get_value(), b.get_value(), rtol=1e-4, atol=1e-5, err_msg=str(path))
     for key, value in metrics.items():
         np.testing.assert_allclose(sharded_metrics[key], value, rtol=1e-4, atol=1e-6, err_msg=key)
-    assert float(metrics["kl_loss"]) > 0 and float(metrics["importance_weight_mean"]) > 0
+    assert float(metrics["kl_loss"]) > 0 and float(metrics["correction/weight_mean"]) > 0
 
 
 def test_updates_raise_logprob_of_positive_advantage_sequences(unsharded):
@@ -148,6 +148,14 @@ def test_update_reports_missing_fields_and_bad_shapes(unsharded):
         (dict(advantage="gae"), "GAE needs a critic"),
         (dict(group_size=1), "group_size must be >= 2"),
         (dict(importance_cap=2.0), "importance_cap=2.0 needs decoupled=True"),
+        (dict(correction="icepop"), "correction='icepop' needs decoupled=True"),
+        (dict(decoupled=True, correction="tis"), "GRPOConfig.correction must be one of"),
+        (dict(decoupled=True, correction="sequence-tis"), "'sequence-tis' needs importance_cap"),
+        (dict(decoupled=True, correction="icepop", importance_cap=2.0),
+         "importance_cap=2.0 is not read by correction 'icepop'"),
+        (dict(decoupled=True, geometric_low=0.9), "geometric_low=0.9 is not read by correction 'token-tis'"),
+        (dict(decoupled=True, correction="icepop", icepop_low=3.0, icepop_high=2.0),
+         "icepop_low/icepop_high must satisfy"),
         (dict(loss="gspo", dual_clip=3.0), "dual_clip is not defined for loss='gspo'"),
         (dict(aggregation="sum"), "GRPOConfig.aggregation must be one of"),
         (dict(num_microbatches=0), "UpdateLayout.num_microbatches must be a positive integer"),
@@ -225,3 +233,57 @@ def test_bfloat16_update_with_cudnn_attention_on_the_gpu_matches_dense():
         assert np.all((after - before)[advantages > 0] > 0) and np.all((after - before)[advantages < 0] < 0)
         results[attention] = (float(metrics["loss"]), float(metrics["grad_norm"]))
     np.testing.assert_allclose(results["cudnn"], results["dense"], rtol=2e-2)
+
+
+def _with_one_mismatched_row(learner, state, batch):
+    """Old log-probs from `state`, behaviour log-probs equal to them except on row 0, which the sampler gave 30 nats
+    less (rho = pi_old / mu = e^30 on each of its tokens)."""
+    old = np.asarray(learner.logprobs(learner.actor_params(state.params), batch))
+    behaviour = np.where(batch.response_mask, old, 0.0)
+    behaviour[0] -= 30.0 * batch.response_mask[0]
+    return batch.replace(old_logprobs=old, behaviour_logprobs=behaviour.astype(np.float32))
+
+
+@pytest.mark.parametrize("correction,options,row_weight,fraction", [
+    ("token-tis", dict(importance_cap=2.0), 2.0, "correction/truncated_fraction"),
+    ("sequence-tis", dict(importance_cap=3.0), 3.0, "correction/truncated_fraction"),
+    ("icepop", {}, 0.0, "correction/masked_fraction"),
+    ("geometric-mask", {}, 0.0, "correction/masked_fraction"),
+])
+def test_update_truncates_or_masks_a_mismatched_row(model, correction, options, row_weight, fraction):
+    """Every other token has rho = 1 (weight 1), so the corrected update equals the uncorrected one (correction
+    'none') with row 0's advantage scaled by its weight: C for TIS, 0 for the masks (at ratio 1 the clipped surrogate
+    is linear in A)."""
+    base = dict(group_size=G, decoupled=True, optimizer=OptimizerConfig(learning_rate=1e-3))
+    learner = GRPOLearner(GRPOConfig(**base, correction=correction, **options), model)
+    uncorrected = GRPOLearner(GRPOConfig(**base, correction="none"), model)
+    batch, _ = learner.compute_advantages(make_batch())
+    batch = _with_one_mismatched_row(learner, learner.init_state(), batch)
+    scaled = np.asarray(batch.advantages).copy()
+    scaled[0] *= row_weight
+    _, metrics = learner.update(learner.init_state(), batch)
+    _, want = uncorrected.update(uncorrected.init_state(), batch.replace(advantages=scaled))
+    _, unscaled = uncorrected.update(uncorrected.init_state(), batch)
+    for key in ("loss", "grad_norm"):
+        np.testing.assert_allclose(metrics[key], want[key], rtol=1e-5)
+        assert abs(float(unscaled[key]) - float(want[key])) > 1e-3 * abs(float(want[key]))  # row 0 matters
+    mask = batch.response_mask
+    np.testing.assert_allclose(metrics[fraction], mask[0].sum() / mask.sum(), rtol=1e-6)
+    np.testing.assert_allclose(metrics["mismatch/abs_logprob_diff_max"], 30.0, rtol=1e-5)
+    np.testing.assert_allclose(metrics["mismatch/kl_k1"], -30.0 * mask[0].sum() / mask.sum(), rtol=1e-5)
+
+
+def test_on_policy_update_logs_the_mismatch_against_its_own_forward(model):
+    """Without decoupled PPO or an old-log-prob pass, the mismatch metrics compare the sampler's log-probs with the
+    update's forward (pi_old at its only step); the loss ignores them."""
+    learner = GRPOLearner(GRPOConfig(group_size=G), model)
+    state = learner.init_state()
+    batch, _ = learner.compute_advantages(make_batch())
+    train = np.asarray(learner.logprobs(learner.params, batch))
+    mask = batch.response_mask
+    d = np.where(mask, batch.behaviour_logprobs - train.astype(np.float64), 0.0)[mask]
+    _, metrics = learner.update(state, batch)
+    np.testing.assert_allclose(metrics["mismatch/kl_k1"], d.mean(), rtol=1e-4)
+    np.testing.assert_allclose(metrics["mismatch/kl_k3"], (np.exp(-d) - 1 + d).mean(), rtol=1e-4)
+    np.testing.assert_allclose(metrics["mismatch/abs_logprob_diff_max"], np.abs(d).max(), rtol=1e-5)
+    assert not any(key.startswith("correction/") for key in metrics)

@@ -97,3 +97,29 @@ def test_ppo_config_and_model_errors(models):
     learner = PPOLearner(PPOConfig(), actor, critic_model)
     with pytest.raises(ValueError, match="PPOLearner.update needs TrainBatch fields"):
         learner.update(learner.init_state(), make_batch())
+
+
+def test_decoupled_ppo_update_masks_a_mismatched_row(models):
+    """PPO's update applies the rollout correction like GRPO's (one policy objective): with IcePop, a row the sampler
+    gave 30 nats less than the training forward (rho = e^30) trains like a row of zero advantage."""
+    actor, _ = models
+    base = dict(critic="shared", decoupled=True, optimizer=OptimizerConfig(learning_rate=1e-3))
+    learner = PPOLearner(PPOConfig(**base, correction="icepop"), actor)
+    uncorrected = PPOLearner(PPOConfig(**base, correction="none"), actor)
+    state = learner.init_state()
+    batch = make_batch()
+    old = np.asarray(learner.logprobs(state.params["actor"], batch))
+    behaviour = np.where(batch.response_mask, old, 0.0)
+    behaviour[0] -= 30.0 * batch.response_mask[0]
+    batch = batch.replace(old_logprobs=old, behaviour_logprobs=behaviour.astype(np.float32),
+                          values=learner.values(state.params, batch))
+    batch, _ = learner.compute_advantages(batch)
+    zeroed = np.asarray(batch.advantages).copy()
+    zeroed[0] = 0.0
+    _, metrics = learner.update(learner.init_state(), batch)
+    _, want = uncorrected.update(uncorrected.init_state(), batch.replace(advantages=zeroed))
+    for key in ("policy_loss", "grad_norm"):
+        np.testing.assert_allclose(metrics[key], want[key], rtol=1e-5)
+    mask = batch.response_mask
+    np.testing.assert_allclose(metrics["correction/masked_fraction"], mask[0].sum() / mask.sum(), rtol=1e-6)
+    np.testing.assert_allclose(metrics["mismatch/abs_logprob_diff_max"], 30.0, rtol=1e-5)

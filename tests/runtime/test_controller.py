@@ -63,6 +63,9 @@ def test_synchronous_runtime_reproduces_a_plain_on_policy_loop():
         batch, _ = learner.compute_advantages(batch)
         plain, metrics = learner.update(plain, batch)
         assert float(metrics["loss"]) == pytest.approx(results[step].metrics["loss"], abs=1e-6)
+        # synchronous: the sampler's log-probs are the training forward's up to kernel round-off, and logged so
+        mismatch = results[step].metrics["mismatch/abs_logprob_diff_max"]
+        assert mismatch == pytest.approx(float(metrics["mismatch/abs_logprob_diff_max"]), abs=1e-6) and mismatch < 1e-3
     for ours, theirs in zip(jax.tree.leaves(state.params), jax.tree.leaves(plain.params)):
         np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), atol=1e-6)
 

@@ -235,3 +235,19 @@ def test_overrides_of_top_level_and_nested_fields_apply_together():
         apply_overrides(RunConfig(), {"rollout.nothing": "1"})
     with pytest.raises(ValueError, match="--rollout.prompts_per_step.x: int has no fields"):
         apply_overrides(RunConfig(), {"rollout.prompts_per_step.x": "1"})
+
+
+def test_correction_flags_reach_the_learner_and_round_trip(capsys):
+    cfg, _ = parse_args(["--grpo.importance_cap=none", "--correction", "icepop", "--grpo.icepop_high=3"],
+                        Algorithm.GRPO)
+    assert (cfg.grpo.correction, cfg.grpo.correction_band, cfg.grpo.importance_cap) == ("icepop", (0.5, 3.0), None)
+    assert RunConfig.from_json(cfg.to_json()).grpo == cfg.grpo
+    cfg, _ = parse_args(["--correction=sequence-tis", "--ppo.importance_cap=2"], Algorithm.PPO)
+    assert (cfg.ppo.correction, cfg.ppo.importance_cap) == ("sequence-tis", 2.0)
+    # the job's default importance cap (5, token TIS) is not read by IcePop: an error, not an ignored value
+    with pytest.raises(SystemExit):
+        parse_args(["--correction", "icepop"], Algorithm.GRPO)
+    assert "importance_cap=5.0 is not read by correction 'icepop'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--correction", "tis"], Algorithm.GRPO)
+    assert "'tis' is not one of" in capsys.readouterr().err
