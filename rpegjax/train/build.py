@@ -38,7 +38,7 @@ from rpegjax.runtime.meshes import placed_meshes
 from rpegjax.runtime.roles import process_groups
 from rpegjax.sharding.mesh import resolve_axis_sizes
 from rpegjax.train.config import RolloutSection, RunConfig
-from rpegjax.train.warmstart import warm_start
+from rpegjax.train.warmstart import warm_start, worked_targets
 
 
 @dataclasses.dataclass
@@ -70,9 +70,7 @@ class Components:
 
     def encode_prompt(self, example: Example) -> list[int]:
         """The prompt of `example`: through the environment's opening messages when the run has one."""
-        if self.environment is None:
-            return self.tokenizer.encode(self.template.render(example, self.tokenizer))
-        return self.render_messages(self.environment.reset(example))
+        return prompt_ids(example, self.environment, self.template, self.tokenizer)
 
     def render_messages(self, messages) -> list[int]:
         """An episode's opening messages (one user turn) as prompt ids, through the run's prompt template."""
@@ -93,6 +91,14 @@ def render_opening(messages, template: PromptTemplate, tokenizer) -> list[int]:
                          "turn through its prompt template")
     example = Example(id="episode", prompt=messages[0]["content"], answer="", task="episode")
     return tokenizer.encode(template.render(example, tokenizer))
+
+
+def prompt_ids(example: Example, environment, template: PromptTemplate, tokenizer) -> list[int]:
+    """The prompt of `example` as the policy sees it: through the environment's opening messages when the run
+    has one (`rpegjax.envs`), else the prompt template."""
+    if environment is None:
+        return tokenizer.encode(template.render(example, tokenizer))
+    return render_opening(environment.reset(example), template, tokenizer)
 
 
 def _task_and_examples(cfg: RunConfig):
@@ -297,10 +303,8 @@ def build(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Components:
     examples = [*train_examples, *eval_examples]
     environment = make_environment(cfg.rollout.env, tags=cfg.rollout.tool_tags,
                                    sandbox_network=cfg.rollout.sandbox_network)
-    if environment is None:
-        prompts = [tokenizer.encode(template.render(e, tokenizer)) for e in examples]
-    else:
-        prompts = [render_opening(environment.reset(e), template, tokenizer) for e in examples]
+    prompts = [prompt_ids(e, environment, template, tokenizer) for e in examples]
+    if environment is not None:
         log(f"rollouts: multi-turn with the {environment.name} tool ({cfg.rollout.max_turns} turns, "
             f"{cfg.rollout.episode_token_budget or cfg.rollout.max_new_tokens} tokens per episode)")
     max_prompt_len = check_prompt_lengths(examples, prompts, cfg.rollout.max_prompt_len)
@@ -316,12 +320,13 @@ def build(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Components:
             if not hasattr(task, "reference_solution"):
                 raise ValueError("warm_start.steps > 0 needs a task with reference solutions (the built-in tasks); "
                                  "set --warm_start.steps=0 for a dataset")
-            eos = [tokenizer.eos_id]
             started = time.perf_counter()
+            # the prompts the policy will see (with an environment, its opening messages) and what to answer
+            encode_target, taught = worked_targets(task, environment, tokenizer.encode, tokenizer.eos_id)
             model, warm_metrics = warm_start(
                 model, model_cfg, train_examples,
-                encode_prompt=lambda e: tokenizer.encode(template.render(e, tokenizer)),
-                encode_target=lambda e: tokenizer.encode(task.reference_solution(e)) + eos,
+                encode_prompt=lambda e: prompt_ids(e, environment, template, tokenizer),
+                encode_target=encode_target,
                 steps=cfg.warm_start.steps, batch_size=cfg.warm_start.batch_size,
                 learning_rate=cfg.warm_start.learning_rate,
                 pad_id=tokenizer.pad_id,
@@ -330,11 +335,14 @@ def build(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Components:
                            # the reward does not change supervised targets
                            "data": dataclasses.asdict(dataclasses.replace(cfg.data, reward=())),
                            "warm_start": dataclasses.asdict(dataclasses.replace(cfg.warm_start, cache_dir="")),
-                           "seed": cfg.model.seed, "template": cfg.data.prompt_template, "format": 1},
+                           "seed": cfg.model.seed, "template": cfg.data.prompt_template, "format": 1,
+                           # an environment changes prompts and targets (its key is absent without one: the
+                           # plain warm starts cached before keep their entries)
+                           **({"env": [cfg.rollout.env.value, *cfg.rollout.tool_tags]} if environment else {})},
                 agree=None if jax.process_count() == 1 else _every_process,
             )
             warm_metrics["warm_start/seconds"] = time.perf_counter() - started
-            log(f"warm start: {cfg.warm_start.steps} supervised steps "
+            log(f"warm start: {cfg.warm_start.steps} supervised steps {taught} "
                 f"({'cached' if warm_metrics['warm_start/cached'] else 'trained'}, "
                 f"{warm_metrics['warm_start/seconds']:.1f} s)")
     else:
