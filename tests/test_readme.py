@@ -380,11 +380,13 @@ def test_dry_run_commands(tmp_path):
 def test_multi_process_commands(tmp_path):
     import socket
 
-    for key in ("for i in 0 1 2 3; do", "JAX_PROCESS_ID=0 python scripts/train_grpo.py --graph.mesh=data=2,tensor=2"):
+    for index, key in enumerate(("for i in 0 1 2 3; do",
+                                 "JAX_PROCESS_ID=0 python scripts/train_grpo.py --graph.mesh=data=2,tensor=2")):
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
-        directory = scratch(tmp_path / key.split()[0])
+        (tmp_path / f"block{index}").mkdir()
+        directory = scratch(tmp_path / f"block{index}")
         result = run_bash(block_text(key).replace("PORT", str(port)), directory, timeout=1200)
         assert result.returncode == 0, result.stderr[-3000:]
         assert summary(result.stdout)["steps"] == 2
