@@ -46,7 +46,11 @@ def main(argv: list[str]) -> int:
     from rpegjax.train.export import load_policy
 
     examples = [Example(id=str(i), prompt=text, answer="", task="prompt") for i, text in enumerate(prompts)]
-    rollout = {"group_size": args.samples, "max_prompt_len": None}
+    rollout: dict = {"max_prompt_len": None}
+    # the sampler takes any number of samples per prompt, but the run's config also describes training, whose
+    # GRPO group needs >= 2: one sample (greedy or not) keeps the run's group, more size the sampler's slots
+    if args.samples > 1:
+        rollout["group_size"] = args.samples
     if args.max_new_tokens is not None:
         rollout["max_new_tokens"] = args.max_new_tokens
     # the user's prompts may be longer than the task's: the sampler is sized for the longest of both

@@ -51,6 +51,11 @@ class Environment(Protocol):
         ...
 
 
+WorkedEpisode = list[tuple[str, bool]]
+"""An episode written out for supervised training: its texts in order after the prompt, each with whether it is
+the model's (trained) or the tool's (context)."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TaggedToolEnvironment:
     """An environment of one tool called as `<open>argument<close>` at the end of a turn; `tool(argument)`
@@ -81,6 +86,11 @@ class TaggedToolEnvironment:
         if start < 0:
             return None
         return text[start + len(self.call_start): len(text) - len(self.call_end)]
+
+    def worked_episode(self, argument: str, answer: str) -> WorkedEpisode:
+        """A model turn that calls the tool on `argument`, the tool's real output, and a last turn `answer`."""
+        return [(self.call_start + argument + self.call_end, True),
+                (self.result_start + self.tool(argument) + self.result_end, False), (answer, True)]
 
     def step(self, messages: Sequence[Message]) -> Observation:
         if not messages or messages[-1].get("role") != "assistant":

@@ -300,12 +300,26 @@ _KIND_COLOURS = {
 _OTHER_COLOURS = ("#8dd3c7", "#fb8072", "#80b1d3", "#fdb462", "#bc80bd", "#ccebc5")
 
 
-def gantt_png(traces: Trace | Sequence[Trace], path: str | os.PathLike, *, title: str | None = None) -> None:
-    """Draws one Gantt panel per trace (stacked, shared time axis) to a PNG: one row per stage, bars coloured by
-    kind, predicted events hatched, step numbers written inside wide-enough bars.
+_LEGEND_ROW_INCHES = 0.3  # one row of the kind legend under the plots
+_TITLE_LINE_INCHES = 0.25  # one line of the figure title
+
+
+def gantt_png(traces: Trace | Sequence[Trace], path: str | os.PathLike, *, title: str | None = None,
+              first_step_number: int = 0) -> None:
+    """Writes `gantt_figure(traces, title=..., first_step_number=...)` to a PNG at `path`."""
+    gantt_figure(traces, title=title, first_step_number=first_step_number).savefig(path, format="png", dpi=100)
+
+
+def gantt_figure(traces: Trace | Sequence[Trace], *, title: str | None = None, first_step_number: int = 0):
+    """One Gantt panel per trace (stacked, shared time axis): one row per stage, bars coloured by kind,
+    predicted events hatched, step numbers written inside wide-enough bars (trace step s shown as
+    s + `first_step_number`, so a chart can number steps as the run's other outputs do). The title is wrapped to
+    the figure's width above the panels and the legend sits below them, so neither covers the other.
 
     Uses matplotlib's Agg canvas directly, so it needs no display and leaves pyplot's state alone.
     """
+    import textwrap
+
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
@@ -316,7 +330,13 @@ def gantt_png(traces: Trace | Sequence[Trace], path: str | os.PathLike, *, title
     panels = [t.events for t in traces]
     rows = [list(dict.fromkeys(e.stage for e in events)) for events in panels]
     heights = [max(len(r), 1) for r in rows]
-    figure = Figure(figsize=(12, 1.2 + 0.35 * sum(heights) + 0.6 * len(panels)))
+    used = sorted({e.kind for events in panels for e in events})
+    columns = min(len(used), 5) or 1
+    legend_rows = -(-len(used) // columns)
+    lines = textwrap.wrap(title, 150) if title else []
+    height = 1.2 + 0.35 * sum(heights) + 0.6 * len(panels) + _LEGEND_ROW_INCHES * legend_rows \
+        + _TITLE_LINE_INCHES * len(lines)
+    figure = Figure(figsize=(12, height))
     FigureCanvasAgg(figure)
     axes = figure.subplots(len(panels), 1, sharex=True, squeeze=False, height_ratios=heights)[:, 0]
     colours: dict[str, str] = {str(k): c for k, c in _KIND_COLOURS.items()}
@@ -329,18 +349,20 @@ def gantt_png(traces: Trace | Sequence[Trace], path: str | os.PathLike, *, title
             axis.barh(row, event.duration, left=event.start, height=0.7, color=colour, edgecolor="black",
                       linewidth=0.3, hatch="//" if event.predicted else None)
             if span and event.duration > 0.04 * span:
-                axis.text(event.start + event.duration / 2, row, str(event.step), ha="center", va="center", fontsize=7)
+                axis.text(event.start + event.duration / 2, row, str(event.step + first_step_number), ha="center",
+                          va="center", fontsize=7)
         axis.set_yticks(range(len(stages)), stages, fontsize=8)
         axis.set_ylim(len(stages) - 0.5 if stages else 0.5, -0.5)
         label = trace.name or ("predicted" if events and all(e.predicted for e in events) else "measured")
         axis.set_title(label, fontsize=9, loc="left")
         axis.grid(axis="x", alpha=0.3)
     axes[-1].set_xlabel("seconds")
-    used = sorted({e.kind for events in panels for e in events})
+    bottom = (_LEGEND_ROW_INCHES * legend_rows + 0.05) / height if used else 0.0
+    top = 1 - (_TITLE_LINE_INCHES * len(lines) + 0.1) / height if lines else 1.0
     if used:
-        figure.legend(handles=[Patch(color=colours[k], label=k) for k in used], loc="upper right", fontsize=7,
-                      ncol=min(len(used), 5))
-    if title:
-        figure.suptitle(title, x=0.01, ha="left", fontsize=10)
-    figure.tight_layout(rect=(0, 0, 1, 0.94))
-    figure.savefig(path, format="png", dpi=100)
+        figure.legend(handles=[Patch(color=colours[k], label=k) for k in used], loc="lower center", fontsize=7,
+                      ncol=columns, frameon=False, bbox_to_anchor=(0.5, 0.0))
+    if lines:
+        figure.suptitle("\n".join(lines), x=0.01, y=1 - 0.05 / height, ha="left", va="top", fontsize=10)
+    figure.tight_layout(rect=(0, bottom, 1, top))
+    return figure

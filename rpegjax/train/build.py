@@ -37,7 +37,7 @@ from rpegjax.runtime.roles import process_groups
 from rpegjax.sharding.mesh import resolve_axis_sizes
 from rpegjax.train.config import RolloutSection, RunConfig
 from rpegjax.train.plan_document import PlanWorkload, read_plan_file
-from rpegjax.train.warmstart import warm_start
+from rpegjax.train.warmstart import warm_start, worked_targets
 
 
 @dataclasses.dataclass
@@ -69,9 +69,7 @@ class Components:
 
     def encode_prompt(self, example: Example) -> list[int]:
         """The prompt of `example`: through the environment's opening messages when the run has one."""
-        if self.environment is None:
-            return self.tokenizer.encode(self.template.render(example, self.tokenizer))
-        return self.render_messages(self.environment.reset(example))
+        return prompt_ids(example, self.environment, self.template, self.tokenizer)
 
     def render_messages(self, messages) -> list[int]:
         """An episode's opening messages (one user turn) as prompt ids, through the run's prompt template."""
@@ -92,6 +90,14 @@ def render_opening(messages, template: PromptTemplate, tokenizer) -> list[int]:
                          "turn through its prompt template")
     example = Example(id="episode", prompt=messages[0]["content"], answer="", task="episode")
     return tokenizer.encode(template.render(example, tokenizer))
+
+
+def prompt_ids(example: Example, environment, template: PromptTemplate, tokenizer) -> list[int]:
+    """The prompt of `example` as the policy sees it: through the environment's opening messages when the run
+    has one (`rpegjax.envs`), else the prompt template."""
+    if environment is None:
+        return tokenizer.encode(template.render(example, tokenizer))
+    return render_opening(environment.reset(example), template, tokenizer)
 
 
 def _task_and_examples(cfg: RunConfig):
@@ -161,16 +167,15 @@ def run_template(cfg: RunConfig) -> PromptTemplate:
 
 
 def encode_prompts(examples: list[Example], template: PromptTemplate, tokenizer, environment) -> list[list[int]]:
-    """The prompt ids the run's sampler receives: each example rendered through `template`, or through the
-    environment's opening messages when the run has one."""
-    if environment is None:
-        return [tokenizer.encode(template.render(e, tokenizer)) for e in examples]
-    conversational = next((e for e in examples if e.messages), None)
-    if conversational is not None:  # the environment opens with one user turn of the prompt text
-        raise DatasetError(f"{conversational.where()}: a conversational prompt (a list of messages) cannot open a "
-                           f"multi-turn {environment.name} episode, which starts from one user turn; write the "
-                           "prompts as text")
-    return [render_opening(environment.reset(e), template, tokenizer) for e in examples]
+    """The prompt ids the run's sampler receives: each example's `prompt_ids`. A conversational prompt (a list of
+    messages) cannot open a multi-turn episode: DatasetError naming its row."""
+    if environment is not None:
+        conversational = next((e for e in examples if e.messages), None)
+        if conversational is not None:  # the environment opens with one user turn of the prompt text
+            raise DatasetError(f"{conversational.where()}: a conversational prompt (a list of messages) cannot open a "
+                               f"multi-turn {environment.name} episode, which starts from one user turn; write the "
+                               "prompts as text")
+    return [prompt_ids(e, environment, template, tokenizer) for e in examples]
 
 
 def run_environment(cfg: RunConfig):
@@ -343,12 +348,13 @@ def build(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Components:
             if not hasattr(task, "reference_solution"):
                 raise ValueError("warm_start.steps > 0 needs a task with reference solutions (the built-in tasks); "
                                  "set --warm_start.steps=0 for a dataset")
-            eos = [tokenizer.eos_id]
             started = time.perf_counter()
+            # the prompts the policy will see (with an environment, its opening messages) and what to answer
+            encode_target, taught = worked_targets(task, environment, tokenizer.encode, tokenizer.eos_id)
             model, warm_metrics = warm_start(
                 model, model_cfg, train_examples,
-                encode_prompt=lambda e: tokenizer.encode(template.render(e, tokenizer)),
-                encode_target=lambda e: tokenizer.encode(task.reference_solution(e)) + eos,
+                encode_prompt=lambda e: prompt_ids(e, environment, template, tokenizer),
+                encode_target=encode_target,
                 steps=cfg.warm_start.steps, batch_size=cfg.warm_start.batch_size,
                 learning_rate=cfg.warm_start.learning_rate,
                 pad_id=tokenizer.pad_id,
@@ -357,11 +363,14 @@ def build(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Components:
                            # the reward does not change supervised targets
                            "data": dataclasses.asdict(dataclasses.replace(cfg.data, reward=())),
                            "warm_start": dataclasses.asdict(dataclasses.replace(cfg.warm_start, cache_dir="")),
-                           "seed": cfg.model.seed, "template": cfg.data.prompt_template, "format": 1},
+                           "seed": cfg.model.seed, "template": cfg.data.prompt_template, "format": 1,
+                           # an environment changes prompts and targets (its key is absent without one: the
+                           # plain warm starts cached before keep their entries)
+                           **({"env": [cfg.rollout.env.value, *cfg.rollout.tool_tags]} if environment else {})},
                 agree=None if jax.process_count() == 1 else distributed.holds_in_every_process,
             )
             warm_metrics["warm_start/seconds"] = time.perf_counter() - started
-            log(f"warm start: {cfg.warm_start.steps} supervised steps "
+            log(f"warm start: {cfg.warm_start.steps} supervised steps {taught} "
                 f"({'cached' if warm_metrics['warm_start/cached'] else 'trained'}, "
                 f"{warm_metrics['warm_start/seconds']:.1f} s)")
     else:

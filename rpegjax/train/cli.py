@@ -23,6 +23,7 @@ from rpegjax.distributed import DistributedConfig
 from rpegjax.graph.ir import Algorithm
 from rpegjax.train.config import Recipe, RunConfig, recipe_overrides
 from rpegjax.train.config_diff import check_same_across_processes
+from rpegjax.train.flag_help import FLAG_HELP
 from rpegjax.train.overrides import apply_overrides
 from rpegjax.train.run_directory import claim_for_run, drop_if_empty, run_files
 
@@ -116,7 +117,8 @@ def _field(config: object, dotted: str) -> tuple[object, object]:
     return node, annotation
 
 
-def _flag_help(defaults: RunConfig, fields: tuple[str, ...]) -> str:
+def _flag_help(defaults: RunConfig, flag: str, fields: tuple[str, ...]) -> str:
+    """What `--flag` does (`FLAG_HELP`), then the field it sets, its default and its choices."""
     import enum
     import typing
 
@@ -124,9 +126,11 @@ def _flag_help(defaults: RunConfig, fields: tuple[str, ...]) -> str:
     options = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
     choices = [m.value for option in options if isinstance(option, type) and issubclass(option, enum.Enum)
                for m in option]
-    shown = value.value if isinstance(value, enum.Enum) else value
-    text = f"{', '.join(fields)} (default: {shown})"
-    return text + (f"; one of {', '.join(choices)}" if choices else "")
+    shown = value.value if isinstance(value, enum.Enum) else ("unset" if value is None else value)
+    if isinstance(shown, tuple):
+        shown = ",".join(map(str, shown))
+    text = f"{FLAG_HELP[flag].meaning} ({', '.join(fields)}; default: {shown}"
+    return text + (f"; one of {', '.join(choices)})" if choices else ")")
 
 
 def _known_flags(algorithm: Algorithm) -> list[str]:
@@ -149,7 +153,8 @@ def parse_command(argv: list[str], algorithm: Algorithm) -> Command:
     short = {**ALIASES, **ALGORITHM_ONLY[algorithm],
              **{flag: (f"{algorithm.value}.{field}",) for flag, field in ALGORITHM_ALIASES.items()}}
     for flag, fields in short.items():
-        parser.add_argument(f"--{flag}", dest=flag, metavar="VALUE", help=_flag_help(defaults, fields))
+        parser.add_argument(f"--{flag}", dest=flag, metavar=FLAG_HELP[flag].metavar,
+                            help=_flag_help(defaults, flag, fields))
     parser.add_argument(f"--{REWARD_FLAG}", action="append", metavar="MODULE:FUNCTION[=WEIGHT]",
                         help="train on your reward function(completion: str, example: dict) -> float, or TRL's "
                         "function(prompts, completions, **columns) -> list[float], from a module in the current "
@@ -377,23 +382,77 @@ def describe_run(parts) -> str:
     data, rollout, train, model = cfg.data, cfg.rollout, cfg.train, parts.model_cfg
     source = data.dataset if data.dataset is not None else f"the built-in {data.task.value} task ({data.difficulty.value})"
     weights = sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(parts.learner.actor_params(parts.learner.params)))
-    what = cfg.model.path or "a new Qwen2-style model for the character tokenizer"
     lag = (f"generation uses weights {cfg.graph.async_bound} step(s) old while the previous step trains"
            if cfg.graph.async_bound else "on-policy: generation waits for the newest weights")
     every = lambda n, what: f"{what} every {n} steps" if n else f"no {what}"
     return "\n".join([
         f"{cfg.algorithm.value.upper()} on {source}: {len(parts.train_examples)} training, "
         f"{len(parts.eval_examples)} held-out problems",
-        f"model: {what} ({model.num_layers} layers, hidden {model.hidden_size}, {weights / 1e6:.2f} M parameters)",
+        f"model: {describe_model(cfg)} ({model.num_layers} layers, hidden {model.hidden_size}, "
+        f"{weights / 1e6:.2f} M parameters)",
         *([describe_lora(parts)] if cfg.lora.enabled else []),
+        f"algorithm: {describe_algorithm(cfg)}",
         f"each step: {rollout.prompts_per_step} prompts x {rollout.group_size} samples of up to "
         f"{rollout.max_new_tokens} tokens; {lag}",
-        f"{train.steps} steps on {len(jax.devices())} {jax.devices()[0].platform} device(s); held-out accuracy at "
-        f"the start and end, {every(train.eval_every, 'evaluation')}, {every(train.sample_every, 'samples')}, "
-        f"{every(train.checkpoint_every, 'checkpoint')}",
+        f"devices: {describe_placement(parts.graph, cfg.graph.plan)}",
+        f"{train.steps} steps; held-out accuracy at the start and end, {every(train.eval_every, 'evaluation')}, "
+        f"{every(train.sample_every, 'samples')}, {every(train.checkpoint_every, 'checkpoint')}",
         f"watch: tensorboard --logdir {pathlib.Path(train.run_dir) / 'tensorboard'}  (samples.jsonl, training.png "
         "at the end; --verbose shows the executed graph)",
     ])
+
+
+def describe_model(cfg: RunConfig) -> str:
+    """Where the weights come from; a dataset run without --model is said to start from random weights."""
+    if cfg.model.path is not None:
+        return cfg.model.path
+    built = "a new Qwen2-style model for the character tokenizer"
+    if cfg.warm_start.steps > 0:
+        return f"{built}, warm-started with {cfg.warm_start.steps} supervised steps on the task's worked solutions"
+    if cfg.data.dataset is not None:
+        return (f"{built} with RANDOM weights and no warm start (a dataset has no worked solutions): it will "
+                "hardly learn; give --model DIR to fine-tune a pretrained checkpoint")
+    return f"{built} with random weights (warm start off: --warm-start-steps 0)"
+
+
+def describe_algorithm(cfg: RunConfig) -> str:
+    """The recipe and the loss settings that distinguish runs (and PPO's critic)."""
+    if cfg.algorithm == Algorithm.PPO:
+        algo = cfg.ppo
+        critic = {"shared": "shared (a value head on the actor's trunk)",
+                  "separate": "separate (a second model)"}[cfg.ppo.critic.value]
+        head = f"PPO, critic {critic}"
+    else:
+        algo = cfg.grpo
+        sampling = ", dynamic sampling" if cfg.grpo.dynamic_sampling else ""
+        overlong = f", overlong penalty over {cfg.grpo.overlong_buffer} tokens" if cfg.grpo.overlong_buffer else ""
+        head = f"GRPO, recipe {cfg.recipe.value}, advantage {cfg.grpo.advantage.value}{sampling}{overlong}"
+    return (f"{head}; loss {algo.loss.value}, clip {algo.clip_low:g}/{algo.clip_high:g}, {algo.aggregation.value}, "
+            f"KL coefficient {algo.kl_coef:g}, lr {algo.optimizer.learning_rate:g}")
+
+
+def describe_placement(graph, plan: str | None) -> str:
+    """Which devices generate and which train, and their meshes (from the executed graph)."""
+    from rpegjax.graph.ir import StageKind
+    from rpegjax.runtime.meshes import stage_mesh
+
+    def where(kind: StageKind) -> tuple[list[int], str]:
+        mesh = stage_mesh(graph, graph.stages_of_kind(kind)[0].name)
+        indices = sorted(jax.devices().index(device) for device in mesh.devices.flat)
+        shape = ",".join(f"{axis}={size}" for axis, size in mesh.shape.items())
+        return indices, shape
+
+    generation, generation_mesh = where(StageKind.GENERATE)
+    training, training_mesh = where(StageKind.ACTOR_UPDATE)
+    span = lambda indices: (f"{indices[0]}" if len(indices) == 1 else f"{indices[0]}-{indices[-1]}"
+                            if indices == list(range(indices[0], indices[-1] + 1)) else ",".join(map(str, indices)))
+    platform = jax.devices()[0].platform
+    source = f" (plan {plan})" if plan else ""
+    if generation == training:
+        return (f"colocated{source}: generation (mesh {generation_mesh}) and training (mesh {training_mesh}) "
+                f"time-share {platform} devices {span(training)}")
+    return (f"split{source}: generation on {platform} devices {span(generation)} (mesh {generation_mesh}), training on "
+            f"{span(training)} (mesh {training_mesh})")
 
 
 def _state_bytes(tree) -> int:

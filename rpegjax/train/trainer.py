@@ -428,9 +428,10 @@ class Trainer:
         trace.to_chrome_json(self.run_dir / "trace.json")
         window, first, last = steady_window(trace, GANTT_STEPS)
         if len(window):
-            gantt_png(window, self.run_dir / "gantt.png",
-                      title=f"measured stage timeline of the last {last - first + 1} steps (trace steps {first}-{last}, "
-                            "numbered from 0); the whole run is in trace.json")
+            # numbered as metrics.jsonl numbers them: step n is the n-th step completed (trace step n - 1)
+            gantt_png(window, self.run_dir / "gantt.png", first_step_number=1,
+                      title=f"measured stage timeline of the last {last - first + 1} steps (steps {first + 1}-{last + 1}, "
+                            "numbered as in metrics.jsonl); the whole run is in trace.json")
 
 
 def steady_window(trace: Trace, steps: int) -> tuple[Trace, int, int]:

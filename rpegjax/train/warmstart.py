@@ -9,6 +9,7 @@ import json
 import pathlib
 import random
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -16,27 +17,65 @@ import optax
 from flax import nnx
 
 from rpegjax.data.example import Example
+from rpegjax.envs.calculator import worked_calculator_episode
 from rpegjax.models.config import ModelConfig
 from rpegjax.models.hf import load_pretrained, save_pretrained
 from rpegjax.models.logprobs import token_logprobs
 from rpegjax.models.transformer import Decoder
 
 
+SupervisedTarget = tuple[list[int], list[bool]]
+"""A warm-start target: its token ids and, for each, whether it is trained (a tool's output is context only)."""
+
+
 def pack_supervised(
-    prompts: Sequence[Sequence[int]], targets: Sequence[Sequence[int]], *, length: int, pad_id: int
+    prompts: Sequence[Sequence[int]], targets: Sequence[SupervisedTarget], *, length: int, pad_id: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """tokens [b, t], token mask [b, t], loss mask [b, t] (on target tokens only, aligned with tokens)."""
+    """tokens [b, t], token mask [b, t], loss mask [b, t] (on the trained target tokens only, aligned with tokens)."""
     tokens = np.full((len(prompts), length), pad_id, np.int32)
     mask = np.zeros((len(prompts), length), bool)
     loss_mask = np.zeros((len(prompts), length), np.float32)
-    for row, (prompt, target) in enumerate(zip(prompts, targets)):
+    for row, (prompt, (target, trained)) in enumerate(zip(prompts, targets)):
         ids = list(prompt) + list(target)
         if len(ids) > length:
             raise ValueError(f"warm start: example {row} has {len(ids)} tokens, more than the sequence length {length}")
+        if len(trained) != len(target):
+            raise ValueError(f"warm start: example {row} has {len(target)} target tokens but {len(trained)} flags")
         tokens[row, : len(ids)] = ids
         mask[row, : len(ids)] = True
-        loss_mask[row, len(prompt) : len(ids)] = 1.0
+        loss_mask[row, len(prompt) : len(ids)] = np.asarray(trained, np.float32)
     return tokens, mask, loss_mask
+
+
+def worked_targets(task: Any, environment: Any, encode: Callable[[str], list[int]],
+                   eos_id: int) -> tuple[Callable[[Example], SupervisedTarget], str]:
+    """What a warm start trains on, and a phrase saying so: the task's reference solution then EOS; with the
+    calculator environment, the worked episode that calls it (`worked_calculator_episode`: the call and the answer
+    line trained, the calculator's output context), so that a short RL run starts from a policy that uses the tool.
+    Another environment has no worked tool calls: its warm start is the plain solution (said in the phrase)."""
+
+    def plain(example: Example) -> SupervisedTarget:
+        ids = encode(task.reference_solution(example)) + [eos_id]
+        return ids, [True] * len(ids)
+
+    if environment is None:
+        return plain, "on the task's worked solutions"
+    if environment.name != "calculator":
+        return plain, f"on the task's worked solutions, without tool calls (the {environment.name} tool has no worked calls)"
+
+    def episode(example: Example) -> SupervisedTarget:
+        worked = worked_calculator_episode(environment, example, task.reference_solution(example))
+        if worked is None:
+            raise ValueError(f"warm start: the calculator has no worked call for task {example.task!r} "
+                             "(arithmetic, countdown); set --warm-start-steps 0")
+        ids, trained = [], []
+        for text, is_model in worked:
+            piece = encode(text)
+            ids += piece
+            trained += [is_model] * len(piece)
+        return ids + [eos_id], trained + [True]
+
+    return episode, "on worked episodes that call the calculator"
 
 
 def supervised_train(
@@ -73,7 +112,7 @@ def warm_start(
     cfg: ModelConfig,
     examples: Sequence[Example],
     encode_prompt: Callable[[Example], list[int]],
-    encode_target: Callable[[Example], list[int]],
+    encode_target: Callable[[Example], SupervisedTarget],
     *,
     steps: int,
     batch_size: int,
@@ -102,7 +141,7 @@ def warm_start(
         return loaded, {"warm_start/cached": 1.0, "warm_start/steps": float(steps)}
     rng = random.Random(seed)
     encoded = [(encode_prompt(e), encode_target(e)) for e in examples]
-    length = max(len(p) + len(t) for p, t in encoded)  # one shape for every batch: one compilation
+    length = max(len(p) + len(t) for p, (t, _) in encoded)  # one shape for every batch: one compilation
 
     def batches(_: int):
         chosen = [encoded[rng.randrange(len(encoded))] for _ in range(batch_size)]

@@ -27,3 +27,30 @@ def test_environment_runs_the_call_that_ends_the_turn():
     assert env.step([message, {"role": "assistant", "content": "<tool>1+1</tool> A:2"}]).done  # not at the end
     with pytest.raises(ValueError, match="step needs the model's turn as the last message"):
         env.step([message])
+
+
+@pytest.mark.parametrize("task_name", ["arithmetic", "countdown"])
+def test_a_worked_episode_calls_the_calculator_then_answers_and_verifies(task_name):
+    """The warm start's episode: the model's call, the calculator's real answer, then an answer line the task's
+    verifier accepts; played back through the environment, the call gets exactly that answer."""
+    from rpegjax.envs.calculator import worked_calculator_episode
+    from rpegjax.envs.catalog import make_environment
+    from rpegjax.rewards.tasks import make_task
+
+    env = make_environment("calculator", tags=("[", "]", "{", "}"))
+    task = make_task(task_name)
+    for example in task.train_examples(20, seed=0):
+        (call, model_call), (result, model_result), (answer, model_answer) = worked_calculator_episode(
+            env, example, task.reference_solution(example))
+        assert (model_call, model_result, model_answer) == (True, False, True)
+        assert call.startswith("[") and call.endswith("]") and result.startswith("{") and result.endswith("}")
+        [opening] = env.reset(example)
+        observation = env.step([opening, {"role": "assistant", "content": call}])
+        assert observation.text == result and not observation.done
+        assert env.step([opening, {"role": "assistant", "content": answer}]).done
+        assert task.is_correct(answer, example)
+        if task_name == "arithmetic":  # the question's own sum: the calculator gives the answer
+            assert result == "{" + example.answer + "}"
+        else:  # the answer expression: the calculator shows it reaches the target
+            assert result == "{" + example.prompt.strip().split("->")[1] + "}"
+    assert worked_calculator_episode(env, Example(id="x", prompt="p", answer="1", task="math"), "A:1") is None

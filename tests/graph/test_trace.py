@@ -10,6 +10,7 @@ from rpegjax.graph.trace import (
     Trace,
     TraceEvent,
     busy_time,
+    gantt_figure,
     gantt_png,
     max_staleness,
     overlap_fraction,
@@ -158,6 +159,38 @@ def test_gantt_png_is_written(tmp_path):
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 2000
     with pytest.raises(ValueError, match="at least one trace"):
         gantt_png([], tmp_path / "none.png")
+
+
+@pytest.mark.parametrize("title", [
+    "measured stage timeline of the last 3 steps (steps 4-6, numbered as in metrics.jsonl); the whole run is in "
+    "trace.json",
+    "qwen2.5-7b ppo on 256 x gh200 (predicted) " * 6,  # longer than the figure is wide: wrapped
+])
+def test_the_gantt_title_is_neither_covered_by_the_legend_nor_cut(title):
+    """The title is drawn whole inside the figure and no legend entry overlaps it (every stage kind in use)."""
+    kinds = ["generate", "reward", "ref_logprob", "old_logprob", "critic_value", "advantage", "actor_update",
+             "critic_update", "weight_sync"]
+    trace = Trace.from_events([_event(f"stage{i}", i, i + 1.0, kind=kind) for i, kind in enumerate(kinds)])
+    figure = gantt_figure(trace, title=title)
+    figure.canvas.draw()
+    renderer = figure.canvas.get_renderer()
+    whole = figure.bbox
+    heading = figure.get_suptitle() and figure._suptitle.get_window_extent(renderer)
+    (legend,) = figure.legends
+    legend_box = legend.get_window_extent(renderer)
+    assert not heading.overlaps(legend_box)
+    assert whole.x0 <= heading.x0 and heading.x1 <= whole.x1 and whole.y0 <= heading.y0 and heading.y1 <= whole.y1
+    assert whole.x0 <= legend_box.x0 and legend_box.x1 <= whole.x1 and whole.y0 <= legend_box.y0
+    for axis in figure.axes:  # and neither covers the panels
+        panel = axis.get_window_extent(renderer)
+        assert not panel.overlaps(heading) and not panel.overlaps(legend_box)
+
+
+def test_gantt_step_numbers_can_follow_the_runs_numbering():
+    trace = Trace.from_events([_event("generate", 0.0, 1.0, step=4), _event("actor_update", 1.0, 2.0, step=5)])
+    shown = lambda figure: sorted(text.get_text() for axis in figure.axes for text in axis.texts)
+    assert shown(gantt_figure(trace)) == ["4", "5"]
+    assert shown(gantt_figure(trace, first_step_number=1)) == ["5", "6"]
 
 
 def test_summaries_on_the_sample():

@@ -36,7 +36,7 @@ def test_a_cached_warm_start_keeps_the_value_head_of_a_shared_critic(tmp_path):
 
     cfg = ModelConfig.tiny(vocab_size=16, eos_token_id=1).replace(value_head=True)
     examples = [Example(id=str(i), prompt="12", answer="3", task="t") for i in range(4)]
-    kwargs = dict(encode_prompt=lambda e: [2, 3], encode_target=lambda e: [4, 1], steps=2, batch_size=2,
+    kwargs = dict(encode_prompt=lambda e: [2, 3], encode_target=lambda e: ([4, 1], [True, True]), steps=2, batch_size=2,
                   learning_rate=1e-3, pad_id=0, seed=0, cache_dir=str(tmp_path), cache_key={"k": 1})
     trained, first = warm_start(Decoder(cfg, rngs=nnx.Rngs(0)), cfg, examples, **kwargs)
     cached, second = warm_start(Decoder(cfg, rngs=nnx.Rngs(0)), cfg, examples, **kwargs)

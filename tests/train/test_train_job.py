@@ -222,6 +222,24 @@ def test_evaluate_reproduces_the_jobs_final_evaluation_and_generate_samples(tiny
     assert all(row["finish_reason"] in ("eos", "length") for row in lines)
 
 
+def test_generate_gives_one_answer_to_one_prompt_without_a_group(tiny_run, capsys):
+    """One (greedy) answer to one prompt needs no GRPO group: without --samples, with --samples 1 and --greedy,
+    from the run directory and from its Hugging Face export."""
+    run_dir, _ = tiny_run
+    answers = {}
+    calls = [(run_dir, flags) for flags in ([], ["--samples=1"], ["--greedy"], ["--greedy", "--seed=5"])]
+    for source, flags in [*calls, (run_dir / "hf", ["--greedy"])]:
+        code = _script("generate").main([str(source), "--prompt", "Q:12+30\n", "--max-new-tokens=6", *flags])
+        assert code == 0, capsys.readouterr().err
+        (line,) = capsys.readouterr().out.strip().splitlines()
+        row = json.loads(line)
+        assert (row["prompt"], row["sample"]) == ("Q:12+30\n", 0) and row["finish_reason"] in ("eos", "length")
+        answers[str(source), tuple(flags)] = row["response"]
+    # greedy decoding depends on no seed, and the export is the run's policy
+    assert answers[str(run_dir), ("--greedy",)] == answers[str(run_dir), ("--greedy", "--seed=5")]
+    assert answers[str(run_dir), ("--greedy",)] == answers[str(run_dir / "hf"), ("--greedy",)]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("critic", ["shared", "separate"])
 def test_ppo_job_runs_with_either_critic(tmp_path, critic):
