@@ -44,9 +44,12 @@ def test_options_are_the_short_flags_and_a_bad_one_is_named(tmp_path):
         GRPOTrainer(group_size=0)
     with pytest.raises(TypeError, match="unknown option 'critic'"):
         GRPOTrainer(critic="shared")  # PPO's flag, not GRPO's
-    trainer = PPOTrainer(critic="shared", lr=3e-5, overrides={"rollout.temperature": 0.8}, lora_targets=["q", "v"])
+    trainer = PPOTrainer(critic="shared", lr=3e-5, overrides={"rollout.temperature": 0.8}, lora_rank=4,
+                         lora_targets=["q", "v"])
     assert trainer._changes == {"ppo.critic": "shared", "ppo.optimizer.learning_rate": "3e-05",
-                                "rollout.temperature": "0.8", "lora.targets": "q,v"}
+                                "rollout.temperature": "0.8", "lora.rank": "4", "lora.targets": "q,v"}
+    with pytest.raises(ValueError, match="LoRASection.targets=.* needs LoRA adapters"):
+        GRPOTrainer(lora_targets=["q", "v"])  # targets without a rank, as on the command line
     # a dataset turns the warm start off, as on the command line (it has no worked solutions)
     assert GRPOTrainer(train_dataset=[{"prompt": "1+1=", "answer": "2"}])._changes == {"warm_start.steps": "0"}
 
