@@ -26,6 +26,8 @@ import math
 import time
 from collections.abc import Iterator
 
+import numpy as np
+
 from rpegjax.graph import transforms
 from rpegjax.graph.builders import ALL_PLACEMENT, grpo_graph, ppo_graph
 from rpegjax.graph.ir import (
@@ -60,9 +62,13 @@ class PlanSpace:
     attention: tuple[str, ...] = ("cudnn", "blockwise", "dense")
     remat: tuple[str, ...] = ("full", "dots", "none")
     update_microbatches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)  # the fewest that fit are taken
+    # row micro-batches of every inference stage (Execution.inference_rows = rows / this): the fewest that fit
+    inference_microbatches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     param_dtype: str = "float32"  # master weights and optimiser moments
     dtype: str = "bfloat16"  # matmul compute
-    kv_cache: str = "contiguous"
+    # the sampler's KV cache: paged (a pool of what the generation phase leaves of the usable memory, as vLLM's
+    # gpu_memory_utilization sizes its cache) or contiguous (every slot reserves its capacity)
+    kv_cache: str = "paged"
 
     def __post_init__(self) -> None:
         try:
@@ -70,14 +76,17 @@ class PlanSpace:
         except ValueError:
             raise ValueError(f"PlanSpace.critic_modes must hold {[m.value for m in CriticMode]}, got {self.critic_modes!r}") from None
         for name in ("async_bounds", "critic_modes", "fusion", "microbatches", "generation_fractions", "tensor_sizes",
-                     "reshard_inference", "attention", "remat", "update_microbatches"):
+                     "reshard_inference", "attention", "remat", "update_microbatches", "inference_microbatches"):
             if not getattr(self, name):
                 raise ValueError(f"PlanSpace.{name} must list at least one choice")
         if any(k < 0 for k in self.async_bounds) or any(m < 1 for m in self.microbatches) or any(t < 1 for t in self.tensor_sizes):
             raise ValueError(f"PlanSpace: async bounds >= 0, micro-batches and tensor sizes >= 1, got {self}")
         if any(f is not None and not 0 < f < 1 for f in self.generation_fractions):
             raise ValueError(f"PlanSpace.generation_fractions must be None or in (0, 1), got {self.generation_fractions}")
+        if any(m < 1 for m in (*self.update_microbatches, *self.inference_microbatches)):
+            raise ValueError(f"PlanSpace: update and inference micro-batches must be >= 1, got {self}")
         object.__setattr__(self, "update_microbatches", tuple(sorted(self.update_microbatches)))
+        object.__setattr__(self, "inference_microbatches", tuple(sorted(self.inference_microbatches)))
         for execution in self.executions():  # validates the values (GraphError names the field)
             del execution
 
@@ -285,22 +294,51 @@ class Planner:
                             yield self.fit_microbatches(dataclasses.replace(base, inference_layouts=own))
 
     def fit_microbatches(self, skeleton: PlanChoice) -> PlanChoice:
-        """The skeleton with the fewest update micro-batches of the space whose update stages fit in memory (the
-        largest when none does: the plan is then ranked out, with its reason). The update's memory does not depend
-        on the asynchrony bound, fusion or generation pieces, so the count holds for every variant."""
+        """The skeleton with the fewest update and inference micro-batches of the space whose stages fit in memory
+        (the largest when none does: the plan is then ranked out, with its reason), and the sampler's slots and
+        KV pool pinned to what the generation phase leaves. None of these depends on the asynchrony bound, fusion
+        or generation pieces, so they hold for every variant."""
+        choice = self._fewest(skeleton, "update_microbatches", self.space.update_microbatches, UPDATE_KINDS)
+        sequences = self.evaluator.inputs.workload.sequences
+        rows = [sequences // m for m in self.space.inference_microbatches if sequences % m == 0]
+        choice = self._fewest(choice, "inference_rows", [None if r == sequences else r for r in rows], INFERENCE_KINDS)
+        return self._pin_generation(choice)
+
+    def _fewest(self, skeleton: PlanChoice, field: str, values, kinds) -> PlanChoice:
+        """`skeleton` with the first of `values` for execution `field` whose `kinds` stages fit (else the last)."""
         choice = skeleton
-        for count in self.space.update_microbatches:
-            choice = dataclasses.replace(skeleton, execution=dataclasses.replace(skeleton.execution,
-                                                                                 update_microbatches=count))
+        limit = self.evaluator.inputs.hardware.usable_memory_bytes
+        for value in values:
+            choice = dataclasses.replace(skeleton, execution=dataclasses.replace(skeleton.execution, **{field: value}))
             graph = build_graph(choice)
             if self._batch_problems(graph):
                 continue
             costs, persistent, _ = self.evaluator.stage_costs(graph)
-            limit = self.evaluator.inputs.hardware.usable_memory_bytes
             if all(persistent[list(placement_devices(graph, s.placement))].max() + costs[s.name].transient_bytes <= limit
-                   for s in graph.stages if set(s.kinds) & UPDATE_KINDS):
+                   for s in graph.stages if set(s.kinds) & kinds and np.isfinite(costs[s.name].seconds)):
                 return choice
         return choice
+
+    def _pin_generation(self, choice: PlanChoice) -> PlanChoice:
+        """`choice` with the sampler's slots (whole groups on every slot replica, as the runtime rounds them) and,
+        for a paged cache, its pool in tokens per replica, as the generation phase's memory gives them."""
+        graph = build_graph(choice)
+        costs, _, _ = self.evaluator.stage_costs(graph)
+        generate = graph.stages_of_kind(StageKind.GENERATE)[0]
+        cost = costs[generate.name]
+        if not np.isfinite(cost.seconds):
+            return choice  # not even one sequence fits: ranked out with its reason
+        layout = stage_costs.Layout.from_parallel(graph.parallel_of(generate.name), where=generate.name)
+        inputs = self.evaluator.inputs_for(graph)
+        step = math.lcm(inputs.workload.group_size, layout.replicas)
+        slots = int(cost.detail["slots"]) * layout.replicas // step * step
+        if slots < step:
+            return choice
+        execution = dataclasses.replace(choice.execution, decode_slots=slots)
+        if choice.execution.kv_cache == "paged":
+            kv = cost.transient_bytes - stage_costs.decode_transient_bytes(inputs, int(cost.detail["slots"]))
+            execution = dataclasses.replace(execution, kv_pool_tokens=int(kv // stage_costs.kv_bytes_per_token(inputs.actor, layout)))
+        return dataclasses.replace(choice, execution=execution)
 
     def _own_inference_layouts(self, base: PlanChoice, candidates) -> tuple:
         """Each inference stage on the layout that minimises its own pass time (ReaL-style per-stage re-sharding);

@@ -114,6 +114,14 @@ class ExecutionOptions:
     # only (every other axis holds slots), so no weight gathers while decoding; False: FSDP-sharded generation
     # weights gathered every step, shared with training when the layouts agree
     replicated_generation_weights: bool = False
+    # rpegjax's runtime: inference stages in row micro-batches of at most this many rows (None: a piece at once)
+    inference_rows: int | None = None
+    # rpegjax's sampler: its concurrent sequences over all replicas (None: what the KV budget holds) and its paged
+    # pool (`kv_pool`: KV memory is the pool, `kv_pool_tokens` per slot replica or, None, what the budget leaves;
+    # else every slot reserves its capacity)
+    decode_slots: int | None = None
+    kv_pool: bool = False
+    kv_pool_tokens: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "attention", costs.AttentionKernel(self.attention))
@@ -132,22 +140,26 @@ class ExecutionOptions:
         for name in ("optimizer_bytes_per_param", "grad_bytes_per_param", "backward_traffic_ratio"):
             if getattr(self, name) < 0:
                 raise ValueError(f"ExecutionOptions.{name} must be >= 0, got {getattr(self, name)!r}")
-        micro = self.update_microbatches
-        if micro is not None and (isinstance(micro, bool) or not isinstance(micro, int) or micro < 1):
-            raise ValueError(f"ExecutionOptions.update_microbatches must be a positive integer or None, got {micro!r}")
+        for name in ("update_microbatches", "inference_rows", "decode_slots", "kv_pool_tokens"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"ExecutionOptions.{name} must be a positive integer or None, got {value!r}")
 
     def executing(self, execution: Execution) -> ExecutionOptions:
         """These options (efficiencies, overheads) with the kernels and batching of rpegjax's runtime running
         `execution`: blockwise and cuDNN attention skip causal blocks (FLASH), dense scores every pair; the
-        sampler decodes every slot each step over its window (STATIC) with continuous batching, and its KV cache
-        reserves each slot's capacity (the paged pool is sized for every slot at capacity); rows are padded to
-        the longest (no packing); AdamW moments and gradients in the weights' dtype."""
+        sampler decodes every slot each step over its window (STATIC) with continuous batching (whatever its cache
+        layout), `decode_slots` of them; its contiguous KV cache reserves each slot's capacity, its paged cache
+        the pool; inference stages run in `inference_rows` row micro-batches; rows are padded to the longest (no
+        packing); AdamW moments and gradients in the weights' dtype."""
         param_bytes = DTYPE_BYTES[execution.param_dtype]
         attention = costs.AttentionKernel.DENSE if execution.attention == "dense" else costs.AttentionKernel.FLASH
         return dataclasses.replace(
             self, attention=attention, remat=Remat(execution.remat), decode=DecodeKernel.STATIC, continuous_batching=True,
             sequence_packing=False, update_microbatches=execution.update_microbatches, replicated_generation_weights=True,
-            optimizer_bytes_per_param=2.0 * param_bytes, grad_bytes_per_param=float(param_bytes))
+            optimizer_bytes_per_param=2.0 * param_bytes, grad_bytes_per_param=float(param_bytes),
+            inference_rows=execution.inference_rows, decode_slots=execution.decode_slots,
+            kv_pool=execution.kv_cache == "paged", kv_pool_tokens=execution.kv_pool_tokens)
     @classmethod
     def rpegjax_xla(cls, **changes) -> ExecutionOptions:
         """rpegjax's own kernels as they are today: dense masked attention, a fixed-slot sampler, padded batches."""
@@ -260,11 +272,28 @@ def elementwise_bytes(shape: ModelShape, *, tokens: float, pairs: float, tensor:
 
 
 def _passes(tokens_per_replica: float, options: ExecutionOptions, *, optimizer_steps: int, backward: bool,
-            pieces: int) -> int:
-    """Forward(/backward) passes over the batch per epoch: the runtime's micro-batching, or token-sized passes."""
+            pieces: int, rows: int, replicas: int) -> int:
+    """Forward(/backward) passes over the batch per epoch: the runtime's micro-batching (an inference stage's
+    `pieces`, each in row micro-batches), or token-sized passes."""
     if options.update_microbatches is not None:
-        return max(1, optimizer_steps) * options.update_microbatches if backward else pieces
+        if backward:
+            return max(1, optimizer_steps) * options.update_microbatches
+        return pieces * row_micro_batches(max(1, rows // pieces), options.inference_rows, shards=replicas)
     return max(max(1, optimizer_steps), math.ceil(tokens_per_replica / options.microbatch_tokens))
+
+
+def row_micro_batches(rows: int, limit: int | None, *, shards: int) -> int:
+    """The runtime's row micro-batches of an inference stage over `rows` rows with at most `limit` rows each
+    (`rpegjax.learners.inference.InferenceMicroBatching.micro_batches`): the fewest that divide the rows with each
+    micro-batch split evenly over the `shards` row shards (rows that the shards do not divide are replicated)."""
+    if limit is None or limit >= rows:
+        return 1
+    shards = shards if rows % shards == 0 else 1
+    for count in range(1, rows + 1):
+        if rows % count == 0 and rows // count <= limit and (rows // count) % shards == 0:
+            return count
+    raise ValueError(f"no micro-batch of at most {limit} rows splits {rows} rows into equal parts over {shards} row "
+                     f"shards (Execution.inference_rows)")
 
 
 # ------------------------------------------------------------------------------ forward and backward passes
@@ -275,7 +304,8 @@ def model_pass_cost(inputs: CostInputs, shape: ModelShape, layout: Layout, *, lo
     hw, o, device = inputs.hardware, inputs.options, inputs.hardware.device
     tokens, pairs, _ = batch_tokens(inputs)
     per_replica = tokens / layout.replicas
-    passes = _passes(per_replica, o, optimizer_steps=optimizer_steps, backward=backward, pieces=pieces) * epochs
+    passes = _passes(per_replica, o, optimizer_steps=optimizer_steps, backward=backward, pieces=pieces,
+                     rows=inputs.workload.sequences, replicas=layout.replicas) * epochs
     bytes_each = shape.compute_bytes_each
     if backward:
         flops = costs.training_flops(shape, tokens=tokens, pairs=pairs, remat=o.remat)
@@ -390,10 +420,65 @@ def _pass_transient_bytes(inputs: CostInputs, shape: ModelShape, layout: Layout,
 
 # --------------------------------------------------------------------------------------------- generation
 def kv_bytes_per_slot(inputs: CostInputs, layout: Layout) -> float:
-    """KV cache one sequence holds on one device: the whole capacity (STATIC) or its mean length (PAGED)."""
+    """KV cache one sequence holds on one device: the whole capacity (STATIC, or a contiguous cache), its mean
+    length (PAGED serving engines), or in rpegjax's paged pool its time-averaged share (`pool_tokens_per_slot`)."""
     w, o, shape = inputs.workload, inputs.options, inputs.actor
-    mean = w.responses.expected_mean() if o.decode is DecodeKernel.PAGED else w.responses.max
-    return (w.prompt_tokens + mean) * shape.kv_bytes_per_token / min(layout.tensor, shape.kv_heads)
+    if o.kv_pool:
+        tokens = pool_tokens_per_slot(w)
+    else:
+        tokens = w.prompt_tokens + (w.responses.expected_mean() if o.decode is DecodeKernel.PAGED else w.responses.max)
+    return tokens * kv_bytes_per_token(shape, layout)
+
+
+def kv_bytes_per_token(shape: ModelShape, layout: Layout) -> float:
+    """KV bytes of one cached token on one device (KV heads split over the tensor axis, replicated beyond)."""
+    return shape.kv_bytes_per_token / min(layout.tensor, shape.kv_heads)
+
+
+def pool_tokens_per_slot(w: Workload) -> float:
+    """Tokens a busy slot holds in a paged pool on average: its prompt and, under continuous batching, the
+    length-biased half of a response (a slot is found in a sequence of length L with odds ∝ L, halfway through
+    it on average: E[L²] / 2E[L]); a pool of slots x this many tokens rarely runs dry."""
+    lengths = w.responses.sample(4096).astype(float)
+    return w.prompt_tokens + float((lengths**2).mean() / (2 * lengths.mean()))
+
+
+def decode_transient_bytes(inputs: CostInputs, slots: int) -> float:
+    """Per device besides the KV cache while one replica decodes `slots` sequences: float32 logits and their
+    softmax (sampling)."""
+    return slots * inputs.actor.vocab * 4 * 2
+
+
+def generation_memory(inputs: CostInputs, layout: Layout, kv_budget_bytes: float) -> tuple[int, float]:
+    """(concurrent sequences per replica, KV bytes per device) of the sampler in `kv_budget_bytes` per device.
+
+    The options' `decode_slots` (all replicas) when given, else what fits the budget (capped by the replica's
+    share of the batch and `max_decode_slots`). A contiguous cache reserves every slot's capacity; rpegjax's
+    paged pool holds `kv_pool_tokens` per replica (default: the budget, at most every slot at capacity) and
+    admits the slots whose time-averaged footprint fits it. Raises MemoryError when not one sequence fits."""
+    w, o = inputs.workload, inputs.options
+    per_token = kv_bytes_per_token(inputs.actor, layout)
+    capacity = w.prompt_tokens + w.responses.max
+    share = math.ceil(w.sequences / layout.replicas)
+    per_slot = kv_bytes_per_slot(inputs, layout) + decode_transient_bytes(inputs, 1)
+    if o.kv_pool:
+        pool_bytes = (o.kv_pool_tokens * per_token if o.kv_pool_tokens is not None
+                      else max(0.0, kv_budget_bytes - decode_transient_bytes(inputs, min(share, o.max_decode_slots))))
+        fitting = int(pool_bytes // (pool_tokens_per_slot(w) * per_token))
+        if pool_bytes < capacity * per_token:  # the runtime refuses a pool that cannot hold one sequence whole
+            fitting = 0
+    else:
+        fitting = int(max(kv_budget_bytes, 0) // per_slot)
+    slots = min(share, o.max_decode_slots, fitting)
+    if o.decode_slots is not None:
+        slots = math.ceil(o.decode_slots / layout.replicas)
+    if slots < 1 or (o.decode_slots is not None and o.kv_pool and fitting < 1):
+        raise MemoryError(f"the KV cache of one sequence ({capacity * per_token / 1e9:.2f} GB per device at its "
+                          f"{capacity}-token capacity) does not fit the {max(kv_budget_bytes, 0) / 1e9:.2f} GB left for it")
+    if o.kv_pool and o.kv_pool_tokens is None:  # never more than every admitted slot at capacity
+        pool_bytes = min(pool_bytes, slots * capacity * per_token)
+    kv = pool_bytes if o.kv_pool else slots * kv_bytes_per_slot(inputs, layout)
+    return slots, kv + decode_transient_bytes(inputs, slots)
 
 
 def generation_cost(inputs: CostInputs, layout: Layout, *, kv_budget_bytes: float, pieces: int = 1) -> StageCost:
@@ -408,11 +493,7 @@ def generation_cost(inputs: CostInputs, layout: Layout, *, kv_budget_bytes: floa
         raise ValueError(f"generation with pipeline parallelism ({layout.pipeline} stages) is not modelled")
     t = layout.tensor
     replicas = layout.replicas
-    share = math.ceil(w.sequences / replicas)
-    slots = min(share, o.max_decode_slots, int(kv_budget_bytes // kv_bytes_per_slot(inputs, layout)))
-    if slots < 1:
-        raise MemoryError(f"the KV cache of one sequence ({kv_bytes_per_slot(inputs, layout) / 1e9:.2f} GB per device) "
-                          f"does not fit the {max(kv_budget_bytes, 0) / 1e9:.2f} GB left for it")
+    slots, memory = generation_memory(inputs, layout, kv_budget_bytes)
     peak = device.flops(shape.compute_dtype) * device.matmul_efficiency
     attention_peak = device.flops(shape.compute_dtype) * (
         device.matmul_efficiency if device.attention_efficiency is None else device.attention_efficiency)
@@ -448,13 +529,12 @@ def generation_cost(inputs: CostInputs, layout: Layout, *, kv_budget_bytes: floa
     useful = (w.sequences * costs.forward_flops(shape, tokens=w.prompt_tokens, pairs=w.prompt_tokens * (w.prompt_tokens + 1) / 2,
                                                 logit_tokens=1)
               + costs.decode_step_flops(shape, sequences=generated, keys=generated * (w.prompt_tokens + generated / w.sequences / 2)))
-    logits_bytes = slots * shape.vocab * 4 * 2
     return StageCost(
         seconds=seconds, compute_seconds=timeline.seconds * timeline.compute_bound_fraction,
         memory_seconds=timeline.seconds * (1 - timeline.compute_bound_fraction),
         communication_seconds=timeline.steps * (tensor_comm + fsdp_comm),
         overhead_seconds=timeline.steps * shape.layers * o.kernels_per_layer * device.kernel_overhead_s + device.dispatch_overhead_s,
-        flops=useful, model_flops=useful, transient_bytes=slots * kv_bytes_per_slot(inputs, layout) + logits_bytes,
+        flops=useful, model_flops=useful, transient_bytes=memory,
         piece_fractions=fractions,
         detail={"slots": slots, "decode_steps": timeline.steps, "mean_active": timeline.mean_active,
                 "generated_tokens": generated})

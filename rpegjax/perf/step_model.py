@@ -158,8 +158,10 @@ def resident_state(graph: Graph, inputs: CostInputs) -> list[_Resident]:
     generate, actor = _home(graph, StageKind.GENERATE), _home(graph, StageKind.ACTOR_UPDATE)
     if generate is not None and actor is not None:
         gen_layout, gen_devices = stage_layout(graph, generate), placement_devices(graph, generate.placement)
-        if o.replicated_generation_weights:  # rpegjax's sampler: its own copy, split over the tensor axis only
-            out.append(_Resident("generation weights", gen_devices, gen_layout, inputs.actor.weight_bytes / gen_layout.tensor))
+        if o.replicated_generation_weights:  # rpegjax's sampler: its own copy in the compute dtype (weight sync
+            # casts it, `rpegjax.models.precision.generation_cast`), split over the tensor axis only
+            copy_bytes = inputs.actor.params * inputs.actor.compute_bytes_each
+            out.append(_Resident("generation weights", gen_devices, gen_layout, copy_bytes / gen_layout.tensor))
             return out
         same = gen_devices == placement_devices(graph, actor.placement) and (
             (gen_layout.fsdp, gen_layout.tensor) == (stage_layout(graph, actor).fsdp, stage_layout(graph, actor).tensor))
@@ -276,7 +278,8 @@ def _execution_key(stage: Stage, execution: Execution) -> tuple:
     backward passes (the planner varies them per plan; generation, the costliest to predict, reads neither)."""
     if set(stage.kinds) & UPDATE_KINDS:
         return dataclasses.astuple(execution)
-    return (execution.attention, execution.param_dtype, execution.dtype, execution.kv_cache)
+    return (execution.attention, execution.param_dtype, execution.dtype, execution.kv_cache, execution.kv_pool_tokens,
+            execution.page_size, execution.decode_slots, execution.inference_rows)
 
 
 class Evaluator:
