@@ -67,7 +67,8 @@ class PlanSpace:
     param_dtype: str = "float32"  # master weights and optimiser moments
     dtype: str = "bfloat16"  # matmul compute
     # the sampler's KV cache: paged (a pool of what the generation phase leaves of the usable memory, as vLLM's
-    # gpu_memory_utilization sizes its cache) or contiguous (every slot reserves its capacity)
+    # gpu_memory_utilization sizes its cache; contiguous where a replica cannot hold a whole group) or
+    # contiguous (every slot reserves its capacity)
     kv_cache: str = "paged"
 
     def __post_init__(self) -> None:
@@ -305,14 +306,16 @@ class Planner:
         return self._pin_generation(choice)
 
     def _fewest(self, skeleton: PlanChoice, field: str, values, kinds) -> PlanChoice:
-        """`skeleton` with the first of `values` for execution `field` whose `kinds` stages fit (else the last)."""
+        """`skeleton` with the first of `values` for execution `field` whose `kinds` stages fit (else the last that
+        splits the batch evenly)."""
         choice = skeleton
         limit = self.evaluator.inputs.hardware.usable_memory_bytes
         for value in values:
-            choice = dataclasses.replace(skeleton, execution=dataclasses.replace(skeleton.execution, **{field: value}))
-            graph = build_graph(choice)
+            candidate = dataclasses.replace(skeleton, execution=dataclasses.replace(skeleton.execution, **{field: value}))
+            graph = build_graph(candidate)
             if self._batch_problems(graph):
                 continue
+            choice = candidate
             costs, persistent, _ = self.evaluator.stage_costs(graph)
             if all(persistent[list(placement_devices(graph, s.placement))].max() + costs[s.name].transient_bytes <= limit
                    for s in graph.stages if set(s.kinds) & kinds and np.isfinite(costs[s.name].seconds)):
@@ -320,25 +323,44 @@ class Planner:
         return choice
 
     def _pin_generation(self, choice: PlanChoice) -> PlanChoice:
-        """`choice` with the sampler's slots (whole groups on every slot replica, as the runtime rounds them) and,
-        for a paged cache, its pool in tokens per replica, as the generation phase's memory gives them."""
+        """`choice` with the sampler's slots and, for a paged cache, its pool in tokens per replica, as the
+        generation phase's memory gives them, rounded as the runtime rounds slots: whole groups on every slot
+        replica (`usable_slots`), and with a paged cache whole groups in every replica's pool. A paged cache whose
+        replicas cannot hold a group is replaced by the contiguous one (the plan says so)."""
+        execution = choice.execution
+        generated = self._generation(choice)
+        if generated is None:
+            return choice  # not even one sequence fits: ranked out with its reason
+        per_replica, cost, layout, inputs = generated
+        group = inputs.workload.group_size
+        if execution.kv_cache == "paged" and per_replica < group:
+            execution = dataclasses.replace(execution, kv_cache="contiguous", kv_pool_tokens=None)
+            generated = self._generation(dataclasses.replace(choice, execution=execution))
+            if generated is None:
+                return choice
+            per_replica, cost, layout, inputs = generated
+        paged = execution.kv_cache == "paged"
+        step = group * layout.replicas if paged else math.lcm(group, layout.replicas)
+        most = max(step, -(-inputs.workload.sequences // step) * step)
+        slots = min(most, max(step, per_replica * layout.replicas // step * step))
+        execution = dataclasses.replace(execution, decode_slots=slots)
+        if paged:
+            kv = cost.transient_bytes - stage_costs.decode_transient_bytes(inputs, per_replica)
+            execution = dataclasses.replace(
+                execution, kv_pool_tokens=int(kv // stage_costs.kv_bytes_per_token(inputs.actor, layout)))
+        return dataclasses.replace(choice, execution=execution)
+
+    def _generation(self, choice: PlanChoice):
+        """(slots per replica, generate stage cost, its layout, cost inputs) of `choice`, or None when no
+        sequence fits."""
         graph = build_graph(choice)
         costs, _, _ = self.evaluator.stage_costs(graph)
         generate = graph.stages_of_kind(StageKind.GENERATE)[0]
         cost = costs[generate.name]
         if not np.isfinite(cost.seconds):
-            return choice  # not even one sequence fits: ranked out with its reason
+            return None
         layout = stage_costs.Layout.from_parallel(graph.parallel_of(generate.name), where=generate.name)
-        inputs = self.evaluator.inputs_for(graph)
-        step = math.lcm(inputs.workload.group_size, layout.replicas)
-        slots = int(cost.detail["slots"]) * layout.replicas // step * step
-        if slots < step:
-            return choice
-        execution = dataclasses.replace(choice.execution, decode_slots=slots)
-        if choice.execution.kv_cache == "paged":
-            kv = cost.transient_bytes - stage_costs.decode_transient_bytes(inputs, int(cost.detail["slots"]))
-            execution = dataclasses.replace(execution, kv_pool_tokens=int(kv // stage_costs.kv_bytes_per_token(inputs.actor, layout)))
-        return dataclasses.replace(choice, execution=execution)
+        return int(cost.detail["slots"]), cost, layout, self.evaluator.inputs_for(graph)
 
     def _own_inference_layouts(self, base: PlanChoice, candidates) -> tuple:
         """Each inference stage on the layout that minimises its own pass time (ReaL-style per-stage re-sharding);
@@ -395,9 +417,11 @@ class Planner:
             if len(ranked) >= top and bound > ranked[-1][0][0]:
                 break  # sorted by bound: no later candidate can enter the top
             for choice in self.variants(skeleton):
+                if self._batch_problems(build_graph(choice)):
+                    continue
                 plan = self._plan(choice)
                 evaluated += 1
-                if not plan.prediction.fits or self._batch_problems(plan.graph):
+                if not plan.prediction.fits:
                     continue
                 ranked.append((_rank_key(plan), plan))
                 ranked.sort(key=lambda item: item[0])
@@ -416,8 +440,9 @@ class Planner:
 
     def brute_force(self, *, top: int = 5) -> list[Plan]:
         """Predicts every plan of the space (slow; for tests) and ranks those that fit."""
-        plans = [self._plan(choice) for skeleton in self.skeletons() for choice in self.variants(skeleton)]
-        fitting = sorted((p for p in plans if p.prediction.fits and not self._batch_problems(p.graph)), key=_rank_key)
+        plans = [self._plan(choice) for skeleton in self.skeletons() for choice in self.variants(skeleton)
+                 if not self._batch_problems(build_graph(choice))]
+        fitting = sorted((p for p in plans if p.prediction.fits), key=_rank_key)
         return fitting[:top]
 
 
