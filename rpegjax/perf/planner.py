@@ -41,7 +41,7 @@ from rpegjax.graph.ir import (
     Role,
     StageKind,
 )
-from rpegjax.perf import executable, stage_costs
+from rpegjax.perf import executable, refusal, stage_costs
 from rpegjax.perf.step_model import Evaluator, Prediction, placement_devices
 
 ROLLOUT, TRAIN = transforms.ROLLOUT_PLACEMENT, transforms.TRAIN_PLACEMENT
@@ -151,7 +151,7 @@ class PlanResult:
     alternatives: tuple[Plan, ...]  # next best, ranked
     evaluated: int  # plans predicted in full
     candidates: int  # plans in the space
-    rejected: tuple[str, ...]  # why candidates that do not fit were ranked out (the closest few)
+    rejected: tuple[str, ...]  # why candidates that do not fit were ranked out: the closest of each family
     seconds: float
 
 
@@ -404,15 +404,13 @@ class Planner:
             bounded.append((self._bound(skeleton), index, skeleton))
         bounded.sort(key=lambda item: (item[0], item[1]))
         ranked: list[tuple[tuple, Plan]] = []  # the best `top` so far, sorted
-        rejected: list[tuple[float, str]] = []
+        rejected: dict[str, tuple[tuple, str]] = {}  # family -> (closeness, its closest miss's line)
         per_skeleton = len(self.space.async_bounds) * len(self.space.fusion) * len(self.space.microbatches)
         evaluated, candidates = 0, per_skeleton * len(bounded)
         for bound, _, skeleton in bounded:
             if math.isinf(bound):
-                if not ranked:  # nothing fits yet: keep the closest misses, to say how far off they are
-                    missed = self._plan(skeleton)
-                    reason = missed.prediction.fit_reason or "; ".join(self._batch_problems(missed.graph))
-                    rejected.append((missed.prediction.needed_memory_bytes, f"{skeleton.describe()}: {reason}"))
+                if not ranked:  # nothing fits yet: keep each family's closest miss, to say what would fit
+                    self._reject(skeleton, rejected)
                 continue
             if len(ranked) >= top and bound > ranked[-1][0][0]:
                 break  # sorted by bound: no later candidate can enter the top
@@ -426,13 +424,32 @@ class Planner:
                 ranked.append((_rank_key(plan), plan))
                 ranked.sort(key=lambda item: item[0])
                 del ranked[top:]
-        closest = tuple(text for _, text in sorted(rejected)[:5])
+        closest = tuple(text for _, text in sorted(rejected.values()))
         if not ranked:
-            raise ValueError(f"planner: no plan of {candidates} fits in device memory and splits its batch evenly; the "
-                             f"closest: " + "; ".join(closest[:3]))
+            raise ValueError(f"planner: no plan of {candidates} fits in device memory and splits its batch evenly; "
+                             f"the closest of each family:\n  " + "\n  ".join(closest))
         plans = [plan for _, plan in ranked]
         return PlanResult(best=plans[0], alternatives=tuple(plans[1:]), evaluated=evaluated, candidates=candidates,
                           rejected=closest, seconds=time.perf_counter() - start)
+
+    def _reject(self, skeleton: PlanChoice, rejected: dict[str, tuple[tuple, str]]) -> None:
+        """Keeps the closest miss of `skeleton`'s family (placement and critic) as one line (`refusal`)."""
+        family = "colocated" if not skeleton.generation_devices else (
+            f"disaggregated {skeleton.generation_devices}+{self.num_devices - skeleton.generation_devices}")
+        if self.algorithm is Algorithm.PPO:
+            family += f", critic {skeleton.critic_mode.value}"
+        problems = self._batch_problems(build_graph(skeleton))
+        prediction = None if problems else self._plan(skeleton).prediction
+        need = refusal.closeness(prediction)
+        line = refusal.refusal_line(prediction, batch_problems=problems, **self._refusal_limits())
+        layouts = f"gen {_layout_text(skeleton.generation_layout)}, train {_layout_text(skeleton.train_layout)}"
+        if family not in rejected or need < rejected[family][0]:
+            rejected[family] = (need, f"{family} ({layouts}): {line}")
+
+    def _refusal_limits(self) -> dict[str, int]:
+        return dict(most_update_microbatches=self.space.update_microbatches[-1],
+                    most_inference_microbatches=self.space.inference_microbatches[-1],
+                    sequences=self.evaluator.inputs.workload.sequences)
 
     def _plan(self, choice: PlanChoice) -> Plan:
         graph = build_graph(choice)

@@ -89,11 +89,12 @@ def test_table_prints_the_legend_and_explain_says_why():
     assert "inf" not in out.split()
 
 
-def test_nothing_fits_says_how_much_memory_is_needed():
+def test_nothing_fits_says_what_binds_and_what_would_fit():
     done = _run("--model", "qwen2.5-32b", "--hardware", "h100", "--gpus", "8", "--prompts", "16", "--group-size", "4",
                 "--prompt-tokens", "256", "--response-mean", "512", "--response-max", "2048", "--top", "1")
     assert done.returncode != 0
-    assert "no plan of" in done.stderr and "does not fit: needs" in done.stderr and "GB per GPU of 72.0 GB usable" in done.stderr
+    assert "no plan of" in done.stderr and "the closest of each family" in done.stderr
+    assert "colocated (gen " in done.stderr and "exceeds the usable 72.0 GB: fits with more GPUs" in done.stderr
     assert "Traceback" not in done.stderr
 
 
