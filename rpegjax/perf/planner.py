@@ -247,11 +247,14 @@ class Planner:
     """Branch-and-bound search of `space` for one algorithm, model, workload and hardware (see module doc)."""
 
     def __init__(self, evaluator: Evaluator, *, algorithm: Algorithm | str, num_devices: int, use_reference: bool = True,
-                 space: PlanSpace | None = None):
+                 space: PlanSpace | None = None, optimizer_steps: int = 1):
         self.evaluator = evaluator
         self.algorithm = Algorithm(algorithm)
         self.num_devices = num_devices
         self.use_reference = use_reference
+        if isinstance(optimizer_steps, bool) or not isinstance(optimizer_steps, int) or optimizer_steps < 1:
+            raise ValueError(f"planner: optimizer_steps must be a positive integer, got {optimizer_steps!r}")
+        self.optimizer_steps = optimizer_steps  # optimiser steps per RL step (the algorithm's mini-batches)
         self.space = space or PlanSpace()
         self._own_cache: dict[tuple, tuple] = {}
         hardware = evaluator.inputs.hardware
@@ -284,6 +287,7 @@ class Planner:
             training = layouts(train_devices, self.space.tensor_sizes, with_fsdp=True, **kwargs)
             for gen_layout, train_layout, execution in itertools.product(generation, training, self.executions):
                 base = PlanChoice(algorithm=self.algorithm, use_reference=self.use_reference, num_devices=self.num_devices,
+                                  optimizer_steps=self.optimizer_steps,
                                   critic_mode=critic_mode, generation_devices=split, generation_layout=gen_layout,
                                   train_layout=train_layout, execution=execution)
                 for reshard in self.space.reshard_inference:
@@ -472,17 +476,18 @@ def _rank_key(plan: Plan) -> tuple:
 
 # ------------------------------------------------------------------------------------------ reference plans
 def verl_like(evaluator: Evaluator, *, algorithm: Algorithm | str, num_devices: int, use_reference: bool = True,
-              space: PlanSpace | None = None) -> Plan:
+              space: PlanSpace | None = None, optimizer_steps: int = 1) -> Plan:
     """verl's default: synchronous, colocated, separate models; FSDP (ZeRO-3) training over all devices and
     tensor-parallel rollout (TP 2 up to ~14B parameters, else 4, as in verl's example scripts); executed with
     the space's first execution the runtime supports (flash-style attention and full remat, as verl's examples
     enable) and the fewest update micro-batches that fit."""
-    planner = Planner(evaluator, algorithm=algorithm, num_devices=num_devices, use_reference=use_reference, space=space)
+    planner = Planner(evaluator, algorithm=algorithm, num_devices=num_devices, use_reference=use_reference, space=space,
+                      optimizer_steps=optimizer_steps)
     shape = evaluator.inputs.actor
     tensor = 2 if shape.params <= 14e9 else 4
     tensor = min(tensor, evaluator.inputs.hardware.node_size, num_devices)
     choice = planner.fit_microbatches(PlanChoice(
-        algorithm=Algorithm(algorithm), use_reference=use_reference, num_devices=num_devices,
+        algorithm=Algorithm(algorithm), use_reference=use_reference, num_devices=num_devices, optimizer_steps=optimizer_steps,
         generation_layout=(("data", num_devices // tensor), ("fsdp", 1), ("tensor", tensor)),
         train_layout=(("data", 1), ("fsdp", num_devices), ("tensor", 1)), execution=planner.executions[0]))
     graph = build_graph(choice)
@@ -490,7 +495,8 @@ def verl_like(evaluator: Evaluator, *, algorithm: Algorithm | str, num_devices: 
 
 
 def real_like(evaluator: Evaluator, *, algorithm: Algorithm | str, num_devices: int, use_reference: bool = True,
-              tensor_sizes: tuple[int, ...] = (1, 2, 4, 8), space: PlanSpace | None = None) -> Plan:
+              tensor_sizes: tuple[int, ...] = (1, 2, 4, 8), space: PlanSpace | None = None,
+              optimizer_steps: int = 1) -> Plan:
     """ReaL's approach: synchronous, colocated, separate models, every stage on the parallel layout fastest
     for it (weights re-sharded between stages), no fusion, no asynchrony.
 
@@ -501,7 +507,8 @@ def real_like(evaluator: Evaluator, *, algorithm: Algorithm | str, num_devices: 
     planner = Planner(evaluator, algorithm=algorithm, num_devices=num_devices, use_reference=use_reference,
                       space=dataclasses.replace(space or PlanSpace(), async_bounds=(0,), critic_modes=(CriticMode.SEPARATE,),
                                                 fusion=(False,), microbatches=(1,), generation_fractions=(None,),
-                                                tensor_sizes=tensor_sizes, reshard_inference=(False,)))
+                                                tensor_sizes=tensor_sizes, reshard_inference=(False,)),
+                      optimizer_steps=optimizer_steps)
     generation: dict[tuple, float] = {}
     training: dict[tuple, tuple[float, PlanChoice]] = {}
     for skeleton in planner.skeletons():

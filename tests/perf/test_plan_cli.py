@@ -196,3 +196,15 @@ def test_a_profile_of_another_device_or_a_bad_file_is_refused(cpu_profile, tmp_p
         plan.main([*CPU_SMALL, "--hardware-profile", str(broken)])
     done = _run("--hardware", "cpu", "--gpus", "8")
     assert done.returncode != 0 and "--hardware cpu needs --hardware-profile" in done.stderr
+
+
+def test_the_asynchrony_and_optimiser_steps_asked_for_are_the_plans():
+    done = _run("--model", "qwen2.5-0.5b", "--json", "--async-bounds", "1", "--optimizer-steps", "2", *SMALL)
+    assert done.returncode == 0, done.stderr
+    document = json.loads(done.stdout)
+    for plan in [*document["plans"][:1], *document["alternatives"]]:
+        graph = Graph.from_dict(plan["graph"])
+        assert graph.async_bound == 1 and "2 optimiser steps" in plan["description"]
+        assert graph.execution.decode_slots is not None  # the sampler's slots are the plan's, pinned
+    bad = _run("--async-bounds", "x", *SMALL)
+    assert bad.returncode == 2 and "--async-bounds" in bad.stderr
