@@ -389,6 +389,18 @@ def _real_tokens(inputs: CostInputs) -> float:
     return float((w.prompt_tokens + w.responses.sample(w.sequences)).sum())
 
 
+def _forward_weight_copies(shape: ModelShape, layout: Layout) -> float:
+    """Weights a forward pass holds besides its gathered layers, whatever its rows: the output matrix, gathered
+    whole over FSDP for every log-prob chunk, and compute-dtype copies of the layers in use and of that matrix
+    when the weights are stored wider (float32 masters, bfloat16 compute). Fitted on XLA's compiled 7B log-prob
+    programs (fsdp=8, 16k-token rows: 5.6 GiB per device whatever the rows, `docs/benchmarks.md` W-long)."""
+    output = shape.vocab * shape.hidden / layout.tensor
+    layer = shape.matmul_params_per_layer / layout.tensor
+    wide = shape.param_bytes_each != shape.compute_bytes_each
+    copies = (2 * layer + output) * shape.compute_bytes_each if wide else 0.0
+    return (output * shape.param_bytes_each if layout.fsdp > 1 else 0.0) + copies
+
+
 def _pass_transient_bytes(inputs: CostInputs, shape: ModelShape, layout: Layout, backward: bool, passes: float) -> float:
     o, w = inputs.options, inputs.workload
     tokens, pairs, _ = batch_tokens(inputs)
@@ -402,7 +414,7 @@ def _pass_transient_bytes(inputs: CostInputs, shape: ModelShape, layout: Layout,
     if not backward:
         one_layer = tokens_per_pass * costs.layer_activation_bytes_per_token(
             shape, keys_per_query=keys_per_query, kernel=o.attention, tensor=layout.tensor)
-        return one_layer + chunk + gathered
+        return one_layer + chunk + gathered + _forward_weight_copies(shape, layout)
     activations = costs.training_activation_bytes(shape, tokens=tokens_per_pass, keys_per_query=keys_per_query,
                                                   kernel=o.attention, remat=o.remat, tensor=layout.tensor)
     grads = shape.params * o.grad_bytes_per_param / layout.shards

@@ -269,3 +269,21 @@ def test_colocated_weight_sync_costs_a_copy_of_the_weights():
     sync = step_model.Evaluator(QWEN05, SMALL, hw).predict(graph).stage("weight_sync").seconds
     copy = 2 * ModelShape.from_config(QWEN05).weight_bytes / (hw.device.memory_bandwidth * hw.device.memory_efficiency)
     assert sync == pytest.approx(copy + hw.device.dispatch_overhead_s, rel=1e-6)
+
+
+@pytest.mark.parametrize("rows, inference_rows, compiled_gib", [(32, None, 20.15), (32, 8, 11.88)])
+def test_a_log_prob_pass_at_real_shapes_is_within_15_percent_of_the_compiled_program(rows, inference_rows, compiled_gib):
+    """XLA's compiled reference log-prob program (arguments + temporaries per device) of Qwen2.5-7B, fsdp=8, rows of
+    16384 tokens, float32 weights and bfloat16 compute, blockwise attention, scanned layers (docs/benchmarks.md,
+    W-long: `bench_memory.py --models 7b --tokens 16384 --layouts fsdp8 --programs logprobs,logprobs-micro
+    --rows-per-device 4 --inference-rows 8`): whole, and in micro-batches of 8 rows as the runtime runs it. Most
+    of the micro-batched program is weights held whatever the rows (the output matrix gathered whole, bf16 copies)."""
+    execution = Execution(attention="blockwise", remat="full", scan_layers=True, param_dtype="float32", dtype="bfloat16",
+                          inference_rows=inference_rows)
+    parallel = {"data": 1, "fsdp": 8, "tensor": 1}
+    graph = dataclasses.replace(builders.grpo_graph(use_reference=True, num_devices=8, parallel=parallel), execution=execution)
+    workload = Workload(prompts=1, group_size=rows, prompt_tokens=1024, responses=ResponseLengths.fixed(16384 - 1024))
+    evaluator = step_model.Evaluator.for_runtime(ModelConfig.qwen2p5("7b"), workload, hardware.h100_node(8))
+    costs, _, _ = evaluator.stage_costs(graph)
+    program = costs["ref_logprob"].transient_bytes + evaluator.inputs_for(graph).actor.weight_bytes / 8
+    assert abs(program / (compiled_gib * 2**30) - 1) <= 0.15
