@@ -347,12 +347,24 @@ class Planner:
         step = group * layout.replicas if paged else math.lcm(group, layout.replicas)
         most = max(step, -(-inputs.workload.sequences // step) * step)
         slots = min(most, max(step, per_replica * layout.replicas // step * step))
-        execution = dataclasses.replace(execution, decode_slots=slots)
         if paged:
             kv = cost.transient_bytes - stage_costs.decode_transient_bytes(inputs, per_replica)
             execution = dataclasses.replace(
                 execution, kv_pool_tokens=int(kv // stage_costs.kv_bytes_per_token(inputs.actor, layout)))
-        return dataclasses.replace(choice, execution=execution)
+        return dataclasses.replace(choice, execution=self._fastest_slots(choice, execution, slots, step))
+
+    def _fastest_slots(self, choice: PlanChoice, execution: Execution, most: int, step: int) -> Execution:
+        """`execution` with the fastest generation of `most` slots and its halvings (whole steps of `step`): every
+        slot decodes each step over its window, so past the point where the tail leaves slots idle fewer slots
+        decode for more steps but read less cache each (the step model times both)."""
+        counts = sorted({max(step, most // 2**i // step * step) for i in range(4)}, reverse=True)
+        timed = []
+        for count in counts:
+            candidate = dataclasses.replace(execution, decode_slots=count)
+            generated = self._generation(dataclasses.replace(choice, execution=candidate))
+            if generated is not None:
+                timed.append((generated[1].seconds, -count, candidate))
+        return min(timed, key=lambda item: item[:2])[2] if timed else dataclasses.replace(execution, decode_slots=most)
 
     def _generation(self, choice: PlanChoice):
         """(slots per replica, generate stage cost, its layout, cost inputs) of `choice`, or None when no
