@@ -161,3 +161,24 @@ def test_a_planned_graph_survives_json_and_runs_in_the_runtime(tmp_path, fractio
     if fractions != (None,):
         assert generation == {0, 1, 2, 3} and parts.learner.placement.mesh.devices.size == 4
         assert runtime.stage_meshes, "the plan re-shards inference stages; the runtime must run them so"
+
+
+def test_the_pinned_sampler_is_the_fastest_of_the_slot_counts_tried_and_splits_whole_groups():
+    evaluator = step_model.Evaluator.for_runtime(ModelConfig.qwen2p5("0.5b"), WORKLOAD, _two_nodes())
+    search = planner.Planner(evaluator, algorithm=Algorithm.GRPO, num_devices=8, space=SPACE)
+    for skeleton in list(search.skeletons())[:6]:
+        execution = skeleton.execution
+        graph = planner.build_graph(skeleton)
+        generate = graph.stages_of_kind(StageKind.GENERATE)[0]
+        replicas = graph.parallel_of(generate.name).get("data", 1) * graph.parallel_of(generate.name).get("fsdp", 1)
+        assert execution.decode_slots % WORKLOAD.group_size == 0 and execution.decode_slots % replicas == 0
+        if execution.kv_cache == "paged":  # a replica's pool holds whole groups
+            assert (execution.decode_slots // replicas) % WORKLOAD.group_size == 0 and execution.kv_pool_tokens
+        unpinned = dataclasses.replace(skeleton, execution=dataclasses.replace(execution, decode_slots=None))
+        most = search._generation(unpinned)[0] * replicas
+        pinned = search._generation(skeleton)[1].seconds
+        for count in {most, most // 2, most // 4}:
+            count = count // WORKLOAD.group_size // replicas * WORKLOAD.group_size * replicas
+            if count:
+                other = dataclasses.replace(skeleton, execution=dataclasses.replace(execution, decode_slots=count))
+                assert pinned <= search._generation(other)[1].seconds + 1e-9
