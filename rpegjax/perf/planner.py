@@ -309,6 +309,11 @@ class Planner:
         choice = self._fewest(choice, "inference_rows", [None if r == sequences else r for r in rows], INFERENCE_KINDS)
         return self._pin_generation(choice)
 
+    def unfitted(self, execution: Execution) -> Execution:
+        """`execution` before `fit_microbatches`: no inference micro-batches, the sampler's slots and pool unpinned."""
+        return dataclasses.replace(execution, inference_rows=None, decode_slots=None, kv_pool_tokens=None,
+                                   kv_cache=self.space.kv_cache)
+
     def _fewest(self, skeleton: PlanChoice, field: str, values, kinds) -> PlanChoice:
         """`skeleton` with the first of `values` for execution `field` whose `kinds` stages fit (else the last that
         splits the batch evenly)."""
@@ -380,7 +385,9 @@ class Planner:
 
     def _own_inference_layouts(self, base: PlanChoice, candidates) -> tuple:
         """Each inference stage on the layout that minimises its own pass time (ReaL-style per-stage re-sharding);
-        re-sharding and memory are then costed and checked when the whole plan is predicted."""
+        re-sharding and memory are then costed and checked when the whole plan is predicted (timed without
+        inference micro-batches: those are fitted to the layouts chosen)."""
+        base = dataclasses.replace(base, execution=self.unfitted(base.execution))
         key = (base.critic_mode, base.generation_devices, base.execution)
         if key not in self._own_cache:
             graph = build_graph(base)
@@ -543,11 +550,13 @@ def real_like(evaluator: Evaluator, *, algorithm: Algorithm | str, num_devices: 
                          node_size=hardware.node_size, with_fsdp=True)
     fallback = None
     for _, skeleton in sorted(training.values(), key=lambda item: item[0]):
-        choice = dataclasses.replace(skeleton, generation_layout=best_generation)
+        # the fitted micro-batches and sampler were the skeleton's layouts': fitted again to these
+        choice = dataclasses.replace(skeleton, generation_layout=best_generation,
+                                     execution=planner.unfitted(skeleton.execution))
         for own in (planner._own_inference_layouts(choice, candidates), ()):
-            graph = build_graph(dataclasses.replace(choice, inference_layouts=own))
-            plan = Plan(choice=dataclasses.replace(choice, inference_layouts=own), graph=graph,
-                        prediction=evaluator.predict(graph))
+            fitted = planner.fit_microbatches(dataclasses.replace(choice, inference_layouts=own))
+            graph = build_graph(fitted)
+            plan = Plan(choice=fitted, graph=graph, prediction=evaluator.predict(graph))
             if plan.prediction.fits and not planner._batch_problems(plan.graph):
                 return plan
             fallback = fallback or plan
