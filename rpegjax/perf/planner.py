@@ -41,7 +41,7 @@ from rpegjax.graph.ir import (
     Role,
     StageKind,
 )
-from rpegjax.perf import executable, refusal, stage_costs
+from rpegjax.perf import executable, generation_stage, refusal, stage_costs
 from rpegjax.perf.step_model import Evaluator, Prediction, placement_devices
 
 ROLLOUT, TRAIN = transforms.ROLLOUT_PLACEMENT, transforms.TRAIN_PLACEMENT
@@ -353,9 +353,9 @@ class Planner:
         most = max(step, -(-inputs.workload.sequences // step) * step)
         slots = min(most, max(step, per_replica * layout.replicas // step * step))
         if paged:
-            kv = cost.transient_bytes - stage_costs.decode_transient_bytes(inputs, per_replica)
+            kv = cost.transient_bytes - generation_stage.decode_transient_bytes(inputs, per_replica)
             execution = dataclasses.replace(
-                execution, kv_pool_tokens=int(kv // stage_costs.kv_bytes_per_token(inputs.actor, layout)))
+                execution, kv_pool_tokens=int(kv // generation_stage.kv_bytes_per_token(inputs.actor, layout)))
         return dataclasses.replace(choice, execution=self._fastest_slots(choice, execution, slots, step))
 
     def _fastest_slots(self, choice: PlanChoice, execution: Execution, most: int, step: int) -> Execution:

@@ -24,7 +24,7 @@ from rpegjax.graph.ir import UPDATE_KINDS, Execution, Graph, Role, Stage, StageK
 from rpegjax.graph.trace import Trace
 from rpegjax.models.config import ModelConfig
 from rpegjax.perf import schedule as schedule_module
-from rpegjax.perf import stage_costs
+from rpegjax.perf import generation_stage, stage_costs
 from rpegjax.perf.costs import ModelShape
 from rpegjax.perf.hardware import HardwareSpec
 from rpegjax.perf.stage_costs import (
@@ -216,7 +216,7 @@ def stage_cost(graph: Graph, stage: Stage, inputs: CostInputs, persistent: np.nd
                       - inputs.actor.weight_bytes / layout.shards)
         else:
             budget = inputs.hardware.usable_memory_bytes - float(persistent[list(devices)].max())
-        return stage_costs.generation_cost(inputs, layout, kv_budget_bytes=budget, pieces=stage.microbatches)
+        return generation_stage.generation_cost(inputs, layout, kv_budget_bytes=budget, pieces=stage.microbatches)
     if StageKind.WEIGHT_SYNC in kinds:
         readers = [graph.stage(name) for name in graph.consumers(stage.name)]
         generate = next((s for s in readers if StageKind.GENERATE in s.kinds), None)

@@ -84,7 +84,7 @@ def _inputs(hw=None, options=None, workload=SMALL):
 
 
 def test_kv_capacity_caps_concurrency_and_the_long_tail_costs_time():
-    from rpegjax.perf.stage_costs import decode_transient_bytes, generation_cost, kv_bytes_per_slot
+    from rpegjax.perf.generation_stage import decode_transient_bytes, generation_cost, kv_bytes_per_slot
 
     inputs = _inputs()
     layout = Layout.from_parallel({"data": 1, "tensor": 1}, where="test")
@@ -102,7 +102,7 @@ def test_kv_capacity_caps_concurrency_and_the_long_tail_costs_time():
 
 
 def test_a_paged_pool_admits_more_sequences_than_a_contiguous_cache_and_fewer_slots_decode_longer():
-    from rpegjax.perf.stage_costs import generation_cost, generation_memory, kv_bytes_per_token, pool_tokens_per_slot
+    from rpegjax.perf.generation_stage import generation_cost, generation_memory, kv_bytes_per_token, pool_tokens_per_slot
 
     layout = Layout.from_parallel({"data": 1, "tensor": 1}, where="test")
     contiguous = _inputs(options=ExecutionOptions(decode="static"))  # rpegjax's contiguous cache: capacity a slot
