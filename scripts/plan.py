@@ -79,6 +79,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--reference", action="store_true",
                         help="plan a reference model (a KL term: the job's grpo.kl_coef / ppo.kl_coef > 0); without it, "
                              "no reference, as the job runs by default")
+    parser.add_argument("--optimizer-steps", type=int, default=1,
+                        help="optimiser steps per RL step (the batch in this many mini-batches; the run's num_minibatches)")
+    parser.add_argument("--async-bounds", default="0,1,2",
+                        help="asynchrony bounds to search, comma-separated (0 on-policy, 1 one step off, ...)")
     parser.add_argument("--attention", default="cudnn,blockwise,dense",
                         help=f"attention kernels to search, comma-separated, of {', '.join(AttentionKind)} (those "
                              f"the runtime cannot run on --hardware are skipped; asking only for those is refused)")
@@ -110,11 +114,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--hardware cpu needs --hardware-profile: a CPU has no datasheet preset")
     if args.hardware_profile and args.fitted_efficiencies:
         parser.error("--hardware-profile and --fitted-efficiencies both set the efficiencies; give one")
-    for name in ("gpus", "prompts", "group_size", "prompt_tokens", "response_max"):
+    for name in ("gpus", "prompts", "group_size", "prompt_tokens", "response_max", "optimizer_steps"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.top < 0:
         parser.error(f"--top must be >= 0, got {args.top}")
+    try:
+        args.async_bounds = tuple(int(v) for v in args.async_bounds.split(",") if v.strip())
+    except ValueError:
+        parser.error(f"--async-bounds: comma-separated integers, got {args.async_bounds!r}")
+    if not args.async_bounds or min(args.async_bounds) < 0:
+        parser.error(f"--async-bounds: at least one bound, each >= 0, got {args.async_bounds}")
     if not 1 <= args.response_mean < args.response_max:
         parser.error(f"--response-mean must be in [1, --response-max), got {args.response_mean}")
     for name, kind in (("attention", AttentionKind), ("remat", RematPolicy)):
@@ -225,9 +235,11 @@ def main(argv: list[str] | None = None) -> int:
         options = ExecutionOptions(decode_memory_efficiency=fitted.decode_memory)
     # every plan is predicted as rpegjax's runtime executes it (its kernels, padding, micro-batching)
     evaluator = step_model.Evaluator.for_runtime(model, workload, hw, options)
-    space = planner.PlanSpace(attention=args.attention, remat=args.remat, param_dtype=args.param_dtype, dtype=args.dtype)
+    space = planner.PlanSpace(attention=args.attention, remat=args.remat, param_dtype=args.param_dtype, dtype=args.dtype,
+                              async_bounds=args.async_bounds)
     use_reference = args.reference
-    common = {"algorithm": args.algo, "num_devices": args.gpus, "use_reference": use_reference, "space": space}
+    common = {"algorithm": args.algo, "num_devices": args.gpus, "use_reference": use_reference, "space": space,
+              "optimizer_steps": args.optimizer_steps}
     try:
         result = planner.Planner(evaluator, **common).search(top=args.top + 1)
         verl = planner.verl_like(evaluator, **common)

@@ -282,6 +282,9 @@ class Execution:
     replica (None: every slot at capacity, so no sequence is ever preempted but nothing is saved either).
     param_dtype / dtype: stored weights (and optimiser moments) / matmul compute.
     update_microbatches: gradient-accumulation pieces of every update mini-batch (memory against passes).
+    inference_rows: at most this many rows (of the whole batch) per row micro-batch of an inference stage
+    (log-probs, values: `rpegjax.learners.inference`); None: each stage's rows at once.
+    decode_slots: the sampler's concurrent sequences (all replicas; None: the run's `rollout.num_slots`).
     Generation micro-batches are the stages' own `microbatches`. There is no sequence packing: the runtime
     pads every row of a batch to the same length.
     """
@@ -296,6 +299,8 @@ class Execution:
     param_dtype: DType = DType.FLOAT32
     dtype: DType = DType.FLOAT32
     update_microbatches: int = 1
+    inference_rows: int | None = None
+    decode_slots: int | None = None
 
     def __post_init__(self) -> None:
         for name, kind in (("attention", AttentionKind), ("remat", RematPolicy), ("kv_cache", CacheLayout),
@@ -310,6 +315,10 @@ class Execution:
                 raise GraphError(f"Execution.{name} must be a positive integer, got {value!r}")
         if not isinstance(self.scan_layers, bool):
             raise GraphError(f"Execution.scan_layers must be true or false, got {self.scan_layers!r}")
+        for name in ("inference_rows", "decode_slots"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise GraphError(f"Execution.{name} must be a positive integer or null, got {value!r}")
         if self.kv_pool_tokens is not None:
             value = self.kv_pool_tokens
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -342,9 +351,11 @@ class Execution:
 
     def describe(self) -> str:
         micro = f", {self.update_microbatches} update micro-batches" if self.update_microbatches > 1 else ""
+        rows = f", inference rows {self.inference_rows}" if self.inference_rows is not None else ""
         pool = f" ({self.kv_pool_tokens} tokens per replica)" if self.kv_pool_tokens is not None else ""
+        slots = f", {self.decode_slots} slots" if self.decode_slots is not None else ""
         return (f"{self.attention} attention, remat {self.remat}, {self.param_dtype}/{self.dtype}, "
-                f"{self.kv_cache} KV cache{pool}{micro}")
+                f"{self.kv_cache} KV cache{pool}{slots}{micro}{rows}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -10,8 +10,9 @@ printed. The rules mirror the runtime:
 * there is no sequence packing and no token-sized micro-batching: the cost options must be those of
   `ExecutionOptions.executing` (an `Evaluator.for_runtime`), not another system's;
 * every batch a program sees splits evenly over its layout's data x fsdp replicas: an update micro-batch
-  (sequences / (mini-batches x micro-batches)) and an inference piece (sequences / the stage's micro-batches)
-  (`rpegjax.sharding.rules` refuses an activation whose batch does not divide).
+  (sequences / (mini-batches x micro-batches)), an inference piece (sequences / the stage's micro-batches) and
+  its row micro-batches (`Execution.inference_rows`) (`rpegjax.sharding.rules` refuses an activation whose
+  batch does not divide).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 from rpegjax.graph.ir import INFERENCE_KINDS, UPDATE_KINDS, Execution, Graph
 from rpegjax.options import AttentionKind
 from rpegjax.perf.hardware import HardwareSpec
+from rpegjax.perf.stage_costs import row_micro_batches
 
 RUNTIME_AXES = ("data", "fsdp", "tensor")
 
@@ -50,6 +52,12 @@ def batch_problems(graph: Graph, sequences: int) -> list[str]:
             what = f"{parts} update micro-batches"
         elif set(stage.kinds) & INFERENCE_KINDS:
             parts, what = stage.microbatches, f"{stage.microbatches} pieces"
+            rows = graph.execution.inference_rows
+            if rows is not None and sequences % parts == 0:
+                try:
+                    row_micro_batches(sequences // parts, rows, shards=replicas)
+                except ValueError as error:
+                    problems.append(f"stage {stage.name!r}: {error}")
         else:
             continue
         if sequences % parts or (sequences // parts) % replicas:

@@ -26,6 +26,8 @@ import math
 import time
 from collections.abc import Iterator
 
+import numpy as np
+
 from rpegjax.graph import transforms
 from rpegjax.graph.builders import ALL_PLACEMENT, grpo_graph, ppo_graph
 from rpegjax.graph.ir import (
@@ -40,7 +42,7 @@ from rpegjax.graph.ir import (
     StageKind,
 )
 from rpegjax.options import AttentionKind, CacheLayout, DType, RematPolicy
-from rpegjax.perf import executable, stage_costs
+from rpegjax.perf import executable, generation_stage, refusal, stage_costs
 from rpegjax.perf.step_model import Evaluator, Prediction, placement_devices
 
 ROLLOUT, TRAIN = transforms.ROLLOUT_PLACEMENT, transforms.TRAIN_PLACEMENT
@@ -61,9 +63,14 @@ class PlanSpace:
     attention: tuple[AttentionKind, ...] = (AttentionKind.CUDNN, AttentionKind.BLOCKWISE, AttentionKind.DENSE)
     remat: tuple[RematPolicy, ...] = (RematPolicy.FULL, RematPolicy.DOTS, RematPolicy.NONE)
     update_microbatches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)  # the fewest that fit are taken
+    # row micro-batches of every inference stage (Execution.inference_rows = rows / this): the fewest that fit
+    inference_microbatches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     param_dtype: DType = DType.FLOAT32  # master weights and optimiser moments
     dtype: DType = DType.BFLOAT16  # matmul compute
-    kv_cache: CacheLayout = CacheLayout.CONTIGUOUS
+    # the sampler's KV cache: paged (a pool of what the generation phase leaves of the usable memory, as vLLM's
+    # gpu_memory_utilization sizes its cache; contiguous where a replica cannot hold a whole group) or
+    # contiguous (every slot reserves its capacity)
+    kv_cache: CacheLayout = CacheLayout.PAGED
 
     def __post_init__(self) -> None:
         try:
@@ -71,14 +78,17 @@ class PlanSpace:
         except ValueError:
             raise ValueError(f"PlanSpace.critic_modes must hold {[m.value for m in CriticMode]}, got {self.critic_modes!r}") from None
         for name in ("async_bounds", "critic_modes", "fusion", "microbatches", "generation_fractions", "tensor_sizes",
-                     "reshard_inference", "attention", "remat", "update_microbatches"):
+                     "reshard_inference", "attention", "remat", "update_microbatches", "inference_microbatches"):
             if not getattr(self, name):
                 raise ValueError(f"PlanSpace.{name} must list at least one choice")
         if any(k < 0 for k in self.async_bounds) or any(m < 1 for m in self.microbatches) or any(t < 1 for t in self.tensor_sizes):
             raise ValueError(f"PlanSpace: async bounds >= 0, micro-batches and tensor sizes >= 1, got {self}")
         if any(f is not None and not 0 < f < 1 for f in self.generation_fractions):
             raise ValueError(f"PlanSpace.generation_fractions must be None or in (0, 1), got {self.generation_fractions}")
+        if any(m < 1 for m in (*self.update_microbatches, *self.inference_microbatches)):
+            raise ValueError(f"PlanSpace: update and inference micro-batches must be >= 1, got {self}")
         object.__setattr__(self, "update_microbatches", tuple(sorted(self.update_microbatches)))
+        object.__setattr__(self, "inference_microbatches", tuple(sorted(self.inference_microbatches)))
         for execution in self.executions():  # validates the values (GraphError names the field)
             del execution
 
@@ -142,7 +152,7 @@ class PlanResult:
     alternatives: tuple[Plan, ...]  # next best, ranked
     evaluated: int  # plans predicted in full
     candidates: int  # plans in the space
-    rejected: tuple[str, ...]  # why candidates that do not fit were ranked out (the closest few)
+    rejected: tuple[str, ...]  # why candidates that do not fit were ranked out: the closest of each family
     seconds: float
 
 
@@ -238,11 +248,14 @@ class Planner:
     """Branch-and-bound search of `space` for one algorithm, model, workload and hardware (see module doc)."""
 
     def __init__(self, evaluator: Evaluator, *, algorithm: Algorithm | str, num_devices: int, use_reference: bool = True,
-                 space: PlanSpace | None = None):
+                 space: PlanSpace | None = None, optimizer_steps: int = 1):
         self.evaluator = evaluator
         self.algorithm = Algorithm(algorithm)
         self.num_devices = num_devices
         self.use_reference = use_reference
+        if isinstance(optimizer_steps, bool) or not isinstance(optimizer_steps, int) or optimizer_steps < 1:
+            raise ValueError(f"planner: optimizer_steps must be a positive integer, got {optimizer_steps!r}")
+        self.optimizer_steps = optimizer_steps  # optimiser steps per RL step (the algorithm's mini-batches)
         self.space = space or PlanSpace()
         self._own_cache: dict[tuple, tuple] = {}
         hardware = evaluator.inputs.hardware
@@ -275,6 +288,7 @@ class Planner:
             training = layouts(train_devices, self.space.tensor_sizes, with_fsdp=True, **kwargs)
             for gen_layout, train_layout, execution in itertools.product(generation, training, self.executions):
                 base = PlanChoice(algorithm=self.algorithm, use_reference=self.use_reference, num_devices=self.num_devices,
+                                  optimizer_steps=self.optimizer_steps,
                                   critic_mode=critic_mode, generation_devices=split, generation_layout=gen_layout,
                                   train_layout=train_layout, execution=execution)
                 for reshard in self.space.reshard_inference:
@@ -286,26 +300,95 @@ class Planner:
                             yield self.fit_microbatches(dataclasses.replace(base, inference_layouts=own))
 
     def fit_microbatches(self, skeleton: PlanChoice) -> PlanChoice:
-        """The skeleton with the fewest update micro-batches of the space whose update stages fit in memory (the
-        largest when none does: the plan is then ranked out, with its reason). The update's memory does not depend
-        on the asynchrony bound, fusion or generation pieces, so the count holds for every variant."""
+        """The skeleton with the fewest update and inference micro-batches of the space whose stages fit in memory
+        (the largest when none does: the plan is then ranked out, with its reason), and the sampler's slots and
+        KV pool pinned to what the generation phase leaves. None of these depends on the asynchrony bound, fusion
+        or generation pieces, so they hold for every variant."""
+        choice = self._fewest(skeleton, "update_microbatches", self.space.update_microbatches, UPDATE_KINDS)
+        sequences = self.evaluator.inputs.workload.sequences
+        rows = [sequences // m for m in self.space.inference_microbatches if sequences % m == 0]
+        choice = self._fewest(choice, "inference_rows", [None if r == sequences else r for r in rows], INFERENCE_KINDS)
+        return self._pin_generation(choice)
+
+    def unfitted(self, execution: Execution) -> Execution:
+        """`execution` before `fit_microbatches`: no inference micro-batches, the sampler's slots and pool unpinned."""
+        return dataclasses.replace(execution, inference_rows=None, decode_slots=None, kv_pool_tokens=None,
+                                   kv_cache=self.space.kv_cache)
+
+    def _fewest(self, skeleton: PlanChoice, field: str, values, kinds) -> PlanChoice:
+        """`skeleton` with the first of `values` for execution `field` whose `kinds` stages fit (else the last that
+        splits the batch evenly)."""
         choice = skeleton
-        for count in self.space.update_microbatches:
-            choice = dataclasses.replace(skeleton, execution=dataclasses.replace(skeleton.execution,
-                                                                                 update_microbatches=count))
-            graph = build_graph(choice)
+        limit = self.evaluator.inputs.hardware.usable_memory_bytes
+        for value in values:
+            candidate = dataclasses.replace(skeleton, execution=dataclasses.replace(skeleton.execution, **{field: value}))
+            graph = build_graph(candidate)
             if self._batch_problems(graph):
                 continue
+            choice = candidate
             costs, persistent, _ = self.evaluator.stage_costs(graph)
-            limit = self.evaluator.inputs.hardware.usable_memory_bytes
             if all(persistent[list(placement_devices(graph, s.placement))].max() + costs[s.name].transient_bytes <= limit
-                   for s in graph.stages if set(s.kinds) & UPDATE_KINDS):
+                   for s in graph.stages if set(s.kinds) & kinds and np.isfinite(costs[s.name].seconds)):
                 return choice
         return choice
 
+    def _pin_generation(self, choice: PlanChoice) -> PlanChoice:
+        """`choice` with the sampler's slots and, for a paged cache, its pool in tokens per replica, as the
+        generation phase's memory gives them, rounded as the runtime rounds slots: whole groups on every slot
+        replica (`usable_slots`), and with a paged cache whole groups in every replica's pool. A paged cache whose
+        replicas cannot hold a group is replaced by the contiguous one (the plan says so)."""
+        execution = choice.execution
+        generated = self._generation(choice)
+        if generated is None:
+            return choice  # not even one sequence fits: ranked out with its reason
+        per_replica, cost, layout, inputs = generated
+        group = inputs.workload.group_size
+        if execution.kv_cache is CacheLayout.PAGED and per_replica < group:
+            execution = dataclasses.replace(execution, kv_cache=CacheLayout.CONTIGUOUS, kv_pool_tokens=None)
+            generated = self._generation(dataclasses.replace(choice, execution=execution))
+            if generated is None:
+                return choice
+            per_replica, cost, layout, inputs = generated
+        paged = execution.kv_cache is CacheLayout.PAGED
+        step = group * layout.replicas if paged else math.lcm(group, layout.replicas)
+        most = max(step, -(-inputs.workload.sequences // step) * step)
+        slots = min(most, max(step, per_replica * layout.replicas // step * step))
+        if paged:
+            kv = cost.transient_bytes - generation_stage.decode_transient_bytes(inputs, per_replica)
+            execution = dataclasses.replace(
+                execution, kv_pool_tokens=int(kv // generation_stage.kv_bytes_per_token(inputs.actor, layout)))
+        return dataclasses.replace(choice, execution=self._fastest_slots(choice, execution, slots, step))
+
+    def _fastest_slots(self, choice: PlanChoice, execution: Execution, most: int, step: int) -> Execution:
+        """`execution` with the fastest generation of `most` slots and its halvings (whole steps of `step`): every
+        slot decodes each step over its window, so past the point where the tail leaves slots idle fewer slots
+        decode for more steps but read less cache each (the step model times both)."""
+        counts = sorted({max(step, most // 2**i // step * step) for i in range(4)}, reverse=True)
+        timed = []
+        for count in counts:
+            candidate = dataclasses.replace(execution, decode_slots=count)
+            generated = self._generation(dataclasses.replace(choice, execution=candidate))
+            if generated is not None:
+                timed.append((generated[1].seconds, -count, candidate))
+        return min(timed, key=lambda item: item[:2])[2] if timed else dataclasses.replace(execution, decode_slots=most)
+
+    def _generation(self, choice: PlanChoice):
+        """(slots per replica, generate stage cost, its layout, cost inputs) of `choice`, or None when no
+        sequence fits."""
+        graph = build_graph(choice)
+        costs, _, _ = self.evaluator.stage_costs(graph)
+        generate = graph.stages_of_kind(StageKind.GENERATE)[0]
+        cost = costs[generate.name]
+        if not np.isfinite(cost.seconds):
+            return None
+        layout = stage_costs.Layout.from_parallel(graph.parallel_of(generate.name), where=generate.name)
+        return int(cost.detail["slots"]), cost, layout, self.evaluator.inputs_for(graph)
+
     def _own_inference_layouts(self, base: PlanChoice, candidates) -> tuple:
         """Each inference stage on the layout that minimises its own pass time (ReaL-style per-stage re-sharding);
-        re-sharding and memory are then costed and checked when the whole plan is predicted."""
+        re-sharding and memory are then costed and checked when the whole plan is predicted (timed without
+        inference micro-batches: those are fitted to the layouts chosen)."""
+        base = dataclasses.replace(base, execution=self.unfitted(base.execution))
         key = (base.critic_mode, base.generation_devices, base.execution)
         if key not in self._own_cache:
             graph = build_graph(base)
@@ -345,33 +428,52 @@ class Planner:
             bounded.append((self._bound(skeleton), index, skeleton))
         bounded.sort(key=lambda item: (item[0], item[1]))
         ranked: list[tuple[tuple, Plan]] = []  # the best `top` so far, sorted
-        rejected: list[tuple[float, str]] = []
+        rejected: dict[str, tuple[tuple, str]] = {}  # family -> (closeness, its closest miss's line)
         per_skeleton = len(self.space.async_bounds) * len(self.space.fusion) * len(self.space.microbatches)
         evaluated, candidates = 0, per_skeleton * len(bounded)
         for bound, _, skeleton in bounded:
             if math.isinf(bound):
-                if not ranked:  # nothing fits yet: keep the closest misses, to say how far off they are
-                    missed = self._plan(skeleton)
-                    reason = missed.prediction.fit_reason or "; ".join(self._batch_problems(missed.graph))
-                    rejected.append((missed.prediction.needed_memory_bytes, f"{skeleton.describe()}: {reason}"))
+                if not ranked:  # nothing fits yet: keep each family's closest miss, to say what would fit
+                    self._reject(skeleton, rejected)
                 continue
             if len(ranked) >= top and bound > ranked[-1][0][0]:
                 break  # sorted by bound: no later candidate can enter the top
             for choice in self.variants(skeleton):
+                if self._batch_problems(build_graph(choice)):
+                    continue
                 plan = self._plan(choice)
                 evaluated += 1
-                if not plan.prediction.fits or self._batch_problems(plan.graph):
+                if not plan.prediction.fits:
                     continue
                 ranked.append((_rank_key(plan), plan))
                 ranked.sort(key=lambda item: item[0])
                 del ranked[top:]
-        closest = tuple(text for _, text in sorted(rejected)[:5])
+        closest = tuple(text for _, text in sorted(rejected.values()))
         if not ranked:
-            raise ValueError(f"planner: no plan of {candidates} fits in device memory and splits its batch evenly; the "
-                             f"closest: " + "; ".join(closest[:3]))
+            raise ValueError(f"planner: no plan of {candidates} fits in device memory and splits its batch evenly; "
+                             f"the closest of each family:\n  " + "\n  ".join(closest))
         plans = [plan for _, plan in ranked]
         return PlanResult(best=plans[0], alternatives=tuple(plans[1:]), evaluated=evaluated, candidates=candidates,
                           rejected=closest, seconds=time.perf_counter() - start)
+
+    def _reject(self, skeleton: PlanChoice, rejected: dict[str, tuple[tuple, str]]) -> None:
+        """Keeps the closest miss of `skeleton`'s family (placement and critic) as one line (`refusal`)."""
+        family = "colocated" if not skeleton.generation_devices else (
+            f"disaggregated {skeleton.generation_devices}+{self.num_devices - skeleton.generation_devices}")
+        if self.algorithm is Algorithm.PPO:
+            family += f", critic {skeleton.critic_mode.value}"
+        problems = self._batch_problems(build_graph(skeleton))
+        prediction = None if problems else self._plan(skeleton).prediction
+        need = refusal.closeness(prediction)
+        line = refusal.refusal_line(prediction, batch_problems=problems, **self._refusal_limits())
+        layouts = f"gen {_layout_text(skeleton.generation_layout)}, train {_layout_text(skeleton.train_layout)}"
+        if family not in rejected or need < rejected[family][0]:
+            rejected[family] = (need, f"{family} ({layouts}): {line}")
+
+    def _refusal_limits(self) -> dict[str, int]:
+        return dict(most_update_microbatches=self.space.update_microbatches[-1],
+                    most_inference_microbatches=self.space.inference_microbatches[-1],
+                    sequences=self.evaluator.inputs.workload.sequences)
 
     def _plan(self, choice: PlanChoice) -> Plan:
         graph = build_graph(choice)
@@ -379,8 +481,9 @@ class Planner:
 
     def brute_force(self, *, top: int = 5) -> list[Plan]:
         """Predicts every plan of the space (slow; for tests) and ranks those that fit."""
-        plans = [self._plan(choice) for skeleton in self.skeletons() for choice in self.variants(skeleton)]
-        fitting = sorted((p for p in plans if p.prediction.fits and not self._batch_problems(p.graph)), key=_rank_key)
+        plans = [self._plan(choice) for skeleton in self.skeletons() for choice in self.variants(skeleton)
+                 if not self._batch_problems(build_graph(choice))]
+        fitting = sorted((p for p in plans if p.prediction.fits), key=_rank_key)
         return fitting[:top]
 
 
@@ -393,17 +496,18 @@ def _rank_key(plan: Plan) -> tuple:
 
 # ------------------------------------------------------------------------------------------ reference plans
 def verl_like(evaluator: Evaluator, *, algorithm: Algorithm | str, num_devices: int, use_reference: bool = True,
-              space: PlanSpace | None = None) -> Plan:
+              space: PlanSpace | None = None, optimizer_steps: int = 1) -> Plan:
     """verl's default: synchronous, colocated, separate models; FSDP (ZeRO-3) training over all devices and
     tensor-parallel rollout (TP 2 up to ~14B parameters, else 4, as in verl's example scripts); executed with
     the space's first execution the runtime supports (flash-style attention and full remat, as verl's examples
     enable) and the fewest update micro-batches that fit."""
-    planner = Planner(evaluator, algorithm=algorithm, num_devices=num_devices, use_reference=use_reference, space=space)
+    planner = Planner(evaluator, algorithm=algorithm, num_devices=num_devices, use_reference=use_reference, space=space,
+                      optimizer_steps=optimizer_steps)
     shape = evaluator.inputs.actor
     tensor = 2 if shape.params <= 14e9 else 4
     tensor = min(tensor, evaluator.inputs.hardware.node_size, num_devices)
     choice = planner.fit_microbatches(PlanChoice(
-        algorithm=Algorithm(algorithm), use_reference=use_reference, num_devices=num_devices,
+        algorithm=Algorithm(algorithm), use_reference=use_reference, num_devices=num_devices, optimizer_steps=optimizer_steps,
         generation_layout=(("data", num_devices // tensor), ("fsdp", 1), ("tensor", tensor)),
         train_layout=(("data", 1), ("fsdp", num_devices), ("tensor", 1)), execution=planner.executions[0]))
     graph = build_graph(choice)
@@ -411,7 +515,8 @@ def verl_like(evaluator: Evaluator, *, algorithm: Algorithm | str, num_devices: 
 
 
 def real_like(evaluator: Evaluator, *, algorithm: Algorithm | str, num_devices: int, use_reference: bool = True,
-              tensor_sizes: tuple[int, ...] = (1, 2, 4, 8), space: PlanSpace | None = None) -> Plan:
+              tensor_sizes: tuple[int, ...] = (1, 2, 4, 8), space: PlanSpace | None = None,
+              optimizer_steps: int = 1) -> Plan:
     """ReaL's approach: synchronous, colocated, separate models, every stage on the parallel layout fastest
     for it (weights re-sharded between stages), no fusion, no asynchrony.
 
@@ -422,7 +527,8 @@ def real_like(evaluator: Evaluator, *, algorithm: Algorithm | str, num_devices: 
     planner = Planner(evaluator, algorithm=algorithm, num_devices=num_devices, use_reference=use_reference,
                       space=dataclasses.replace(space or PlanSpace(), async_bounds=(0,), critic_modes=(CriticMode.SEPARATE,),
                                                 fusion=(False,), microbatches=(1,), generation_fractions=(None,),
-                                                tensor_sizes=tensor_sizes, reshard_inference=(False,)))
+                                                tensor_sizes=tensor_sizes, reshard_inference=(False,)),
+                      optimizer_steps=optimizer_steps)
     generation: dict[tuple, float] = {}
     training: dict[tuple, tuple[float, PlanChoice]] = {}
     for skeleton in planner.skeletons():
@@ -445,11 +551,13 @@ def real_like(evaluator: Evaluator, *, algorithm: Algorithm | str, num_devices: 
                          node_size=hardware.node_size, with_fsdp=True)
     fallback = None
     for _, skeleton in sorted(training.values(), key=lambda item: item[0]):
-        choice = dataclasses.replace(skeleton, generation_layout=best_generation)
+        # the fitted micro-batches and sampler were the skeleton's layouts': fitted again to these
+        choice = dataclasses.replace(skeleton, generation_layout=best_generation,
+                                     execution=planner.unfitted(skeleton.execution))
         for own in (planner._own_inference_layouts(choice, candidates), ()):
-            graph = build_graph(dataclasses.replace(choice, inference_layouts=own))
-            plan = Plan(choice=dataclasses.replace(choice, inference_layouts=own), graph=graph,
-                        prediction=evaluator.predict(graph))
+            fitted = planner.fit_microbatches(dataclasses.replace(choice, inference_layouts=own))
+            graph = build_graph(fitted)
+            plan = Plan(choice=fitted, graph=graph, prediction=evaluator.predict(graph))
             if plan.prediction.fits and not planner._batch_problems(plan.graph):
                 return plan
             fallback = fallback or plan

@@ -7,7 +7,7 @@ stage's `Layout`, and returns a `StageCost` for one execution of the stage (one 
             + exposed FSDP/data-parallel collectives (hidden behind compute when overlap is on)
             + optimiser + kernel and dispatch overheads
 
-Generation is a simulated decode loop (`rpegjax.perf.generation_cost`). The mesh order is the layout's axis
+Generation (the sampler's memory and its simulated decode loop) is `rpegjax.perf.generation_stage`. The mesh order is the layout's axis
 order with the last axis fastest (`rpegjax.sharding.make_mesh`), which gives each collective group its stride.
 """
 
@@ -21,15 +21,10 @@ from collections.abc import Mapping
 import numpy as np
 
 from rpegjax.graph.ir import Execution
-from rpegjax.options import RematPolicy
+from rpegjax.options import CacheLayout, RematPolicy
 from rpegjax.perf import collectives, costs
 from rpegjax.perf.costs import DecodeKernel, ModelShape
-from rpegjax.perf.generation_cost import (
-    DecodeStepCost,
-    ResponseLengths,
-    replica_lengths,
-    simulate_decode,
-)
+from rpegjax.perf.generation_cost import ResponseLengths
 from rpegjax.perf.hardware import HardwareSpec
 
 KNOWN_AXES = ("data", "fsdp", "tensor", "pipeline")
@@ -115,6 +110,14 @@ class ExecutionOptions:
     # only (every other axis holds slots), so no weight gathers while decoding; False: FSDP-sharded generation
     # weights gathered every step, shared with training when the layouts agree
     replicated_generation_weights: bool = False
+    # rpegjax's runtime: inference stages in row micro-batches of at most this many rows (None: a piece at once)
+    inference_rows: int | None = None
+    # rpegjax's sampler: its concurrent sequences over all replicas (None: what the KV budget holds) and its paged
+    # pool (`kv_pool`: KV memory is the pool, `kv_pool_tokens` per slot replica or, None, what the budget leaves;
+    # else every slot reserves its capacity)
+    decode_slots: int | None = None
+    kv_pool: bool = False
+    kv_pool_tokens: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "attention", costs.AttentionKernel(self.attention))
@@ -133,22 +136,26 @@ class ExecutionOptions:
         for name in ("optimizer_bytes_per_param", "grad_bytes_per_param", "backward_traffic_ratio"):
             if getattr(self, name) < 0:
                 raise ValueError(f"ExecutionOptions.{name} must be >= 0, got {getattr(self, name)!r}")
-        micro = self.update_microbatches
-        if micro is not None and (isinstance(micro, bool) or not isinstance(micro, int) or micro < 1):
-            raise ValueError(f"ExecutionOptions.update_microbatches must be a positive integer or None, got {micro!r}")
+        for name in ("update_microbatches", "inference_rows", "decode_slots", "kv_pool_tokens"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"ExecutionOptions.{name} must be a positive integer or None, got {value!r}")
 
     def executing(self, execution: Execution) -> ExecutionOptions:
         """These options (efficiencies, overheads) with the kernels and batching of rpegjax's runtime running
         `execution`: blockwise and cuDNN attention skip causal blocks (FLASH), dense scores every pair; the
-        sampler decodes every slot each step over its window (STATIC) with continuous batching, and its KV cache
-        reserves each slot's capacity (the paged pool is sized for every slot at capacity); rows are padded to
-        the longest (no packing); AdamW moments and gradients in the weights' dtype."""
+        sampler decodes every slot each step over its window (STATIC) with continuous batching (whatever its cache
+        layout), `decode_slots` of them; its contiguous KV cache reserves each slot's capacity, its paged cache
+        the pool; inference stages run in `inference_rows` row micro-batches; rows are padded to the longest (no
+        packing); AdamW moments and gradients in the weights' dtype."""
         param_bytes = execution.param_dtype.itemsize
         attention = costs.AttentionKernel.FLASH if execution.attention.skips_causal_blocks else costs.AttentionKernel.DENSE
         return dataclasses.replace(
             self, attention=attention, remat=execution.remat, decode=DecodeKernel.STATIC, continuous_batching=True,
             sequence_packing=False, update_microbatches=execution.update_microbatches, replicated_generation_weights=True,
-            optimizer_bytes_per_param=2.0 * param_bytes, grad_bytes_per_param=float(param_bytes))
+            optimizer_bytes_per_param=2.0 * param_bytes, grad_bytes_per_param=float(param_bytes),
+            inference_rows=execution.inference_rows, decode_slots=execution.decode_slots,
+            kv_pool=execution.kv_cache is CacheLayout.PAGED, kv_pool_tokens=execution.kv_pool_tokens)
     @classmethod
     def rpegjax_xla(cls, **changes) -> ExecutionOptions:
         """rpegjax's own kernels as they are today: dense masked attention, a fixed-slot sampler, padded batches."""
@@ -261,11 +268,28 @@ def elementwise_bytes(shape: ModelShape, *, tokens: float, pairs: float, tensor:
 
 
 def _passes(tokens_per_replica: float, options: ExecutionOptions, *, optimizer_steps: int, backward: bool,
-            pieces: int) -> int:
-    """Forward(/backward) passes over the batch per epoch: the runtime's micro-batching, or token-sized passes."""
+            pieces: int, rows: int, replicas: int) -> int:
+    """Forward(/backward) passes over the batch per epoch: the runtime's micro-batching (an inference stage's
+    `pieces`, each in row micro-batches), or token-sized passes."""
     if options.update_microbatches is not None:
-        return max(1, optimizer_steps) * options.update_microbatches if backward else pieces
+        if backward:
+            return max(1, optimizer_steps) * options.update_microbatches
+        return pieces * row_micro_batches(max(1, rows // pieces), options.inference_rows, shards=replicas)
     return max(max(1, optimizer_steps), math.ceil(tokens_per_replica / options.microbatch_tokens))
+
+
+def row_micro_batches(rows: int, limit: int | None, *, shards: int) -> int:
+    """The runtime's row micro-batches of an inference stage over `rows` rows with at most `limit` rows each
+    (`rpegjax.learners.inference.InferenceMicroBatching.micro_batches`): the fewest that divide the rows with each
+    micro-batch split evenly over the `shards` row shards (rows that the shards do not divide are replicated)."""
+    if limit is None or limit >= rows:
+        return 1
+    shards = shards if rows % shards == 0 else 1
+    for count in range(1, rows + 1):
+        if rows % count == 0 and rows // count <= limit and (rows // count) % shards == 0:
+            return count
+    raise ValueError(f"no micro-batch of at most {limit} rows splits {rows} rows into equal parts over {shards} row "
+                     f"shards (Execution.inference_rows)")
 
 
 # ------------------------------------------------------------------------------ forward and backward passes
@@ -276,7 +300,8 @@ def model_pass_cost(inputs: CostInputs, shape: ModelShape, layout: Layout, *, lo
     hw, o, device = inputs.hardware, inputs.options, inputs.hardware.device
     tokens, pairs, _ = batch_tokens(inputs)
     per_replica = tokens / layout.replicas
-    passes = _passes(per_replica, o, optimizer_steps=optimizer_steps, backward=backward, pieces=pieces) * epochs
+    passes = _passes(per_replica, o, optimizer_steps=optimizer_steps, backward=backward, pieces=pieces,
+                     rows=inputs.workload.sequences, replicas=layout.replicas) * epochs
     bytes_each = shape.compute_bytes_each
     if backward:
         flops = costs.training_flops(shape, tokens=tokens, pairs=pairs, remat=o.remat)
@@ -360,6 +385,18 @@ def _real_tokens(inputs: CostInputs) -> float:
     return float((w.prompt_tokens + w.responses.sample(w.sequences)).sum())
 
 
+def _forward_weight_copies(shape: ModelShape, layout: Layout) -> float:
+    """Weights a forward pass holds besides its gathered layers, whatever its rows: the output matrix, gathered
+    whole over FSDP for every log-prob chunk, and compute-dtype copies of the layers in use and of that matrix
+    when the weights are stored wider (float32 masters, bfloat16 compute). Fitted on XLA's compiled 7B log-prob
+    programs (fsdp=8, 16k-token rows: 5.6 GiB per device whatever the rows, `docs/benchmarks.md` W-long)."""
+    output = shape.vocab * shape.hidden / layout.tensor
+    layer = shape.matmul_params_per_layer / layout.tensor
+    wide = shape.param_bytes_each != shape.compute_bytes_each
+    copies = (2 * layer + output) * shape.compute_bytes_each if wide else 0.0
+    return (output * shape.param_bytes_each if layout.fsdp > 1 else 0.0) + copies
+
+
 def _pass_transient_bytes(inputs: CostInputs, shape: ModelShape, layout: Layout, backward: bool, passes: float) -> float:
     o, w = inputs.options, inputs.workload
     tokens, pairs, _ = batch_tokens(inputs)
@@ -373,7 +410,7 @@ def _pass_transient_bytes(inputs: CostInputs, shape: ModelShape, layout: Layout,
     if not backward:
         one_layer = tokens_per_pass * costs.layer_activation_bytes_per_token(
             shape, keys_per_query=keys_per_query, kernel=o.attention, tensor=layout.tensor)
-        return one_layer + chunk + gathered
+        return one_layer + chunk + gathered + _forward_weight_copies(shape, layout)
     activations = costs.training_activation_bytes(shape, tokens=tokens_per_pass, keys_per_query=keys_per_query,
                                                   kernel=o.attention, remat=o.remat, tensor=layout.tensor)
     grads = shape.params * o.grad_bytes_per_param / layout.shards
@@ -387,78 +424,6 @@ def _pass_transient_bytes(inputs: CostInputs, shape: ModelShape, layout: Layout,
         gathered += (shape.embedding_params * shape.param_bytes_each
                      + whole_gradients * shape.vocab * shape.hidden * o.grad_bytes_per_param) / layout.tensor
     return activations + chunk + gathered + grads
-
-
-# --------------------------------------------------------------------------------------------- generation
-def kv_bytes_per_slot(inputs: CostInputs, layout: Layout) -> float:
-    """KV cache one sequence holds on one device: the whole capacity (STATIC) or its mean length (PAGED)."""
-    w, o, shape = inputs.workload, inputs.options, inputs.actor
-    mean = w.responses.expected_mean() if o.decode is DecodeKernel.PAGED else w.responses.max
-    return (w.prompt_tokens + mean) * shape.kv_bytes_per_token / min(layout.tensor, shape.kv_heads)
-
-
-def generation_cost(inputs: CostInputs, layout: Layout, *, kv_budget_bytes: float, pieces: int = 1) -> StageCost:
-    """Prefill + decode of the whole batch on `layout.replicas` replicas of `layout.tensor`-way tensor parallelism.
-
-    The number of concurrent sequences per replica is what the KV budget (bytes per device) holds, capped by
-    the options' `max_decode_slots` and the replica's share of the batch. FSDP in generation all-gathers the
-    weights every step (costed, never hidden: decode has no compute to hide it behind).
-    """
-    hw, o, w, shape, device = inputs.hardware, inputs.options, inputs.workload, inputs.actor, inputs.hardware.device
-    if layout.pipeline > 1:
-        raise ValueError(f"generation with pipeline parallelism ({layout.pipeline} stages) is not modelled")
-    t = layout.tensor
-    replicas = layout.replicas
-    share = math.ceil(w.sequences / replicas)
-    slots = min(share, o.max_decode_slots, int(kv_budget_bytes // kv_bytes_per_slot(inputs, layout)))
-    if slots < 1:
-        raise MemoryError(f"the KV cache of one sequence ({kv_bytes_per_slot(inputs, layout) / 1e9:.2f} GB per device) "
-                          f"does not fit the {max(kv_budget_bytes, 0) / 1e9:.2f} GB left for it")
-    peak = device.flops(shape.compute_dtype) * device.matmul_efficiency
-    attention_peak = device.flops(shape.compute_dtype) * (
-        device.matmul_efficiency if device.attention_efficiency is None else device.attention_efficiency)
-    bandwidth = device.memory_bandwidth * (device.memory_efficiency if o.decode_memory_efficiency is None
-                                           else o.decode_memory_efficiency)
-    row_flops = 2 * (shape.layers * shape.matmul_params_per_layer + shape.hidden * shape.vocab) / t
-    key_flops = 4 * shape.layers * shape.heads * shape.head_dim / t
-    kv_per_token = shape.kv_bytes_per_token / min(t, shape.kv_heads)
-    row_bytes = (shape.layers * (6 * shape.hidden + 3 * shape.mlp / t) * shape.compute_bytes_each
-                 + kv_per_token + SAMPLING_BYTES_PER_VOCAB * shape.vocab)
-    tensor_comm = 2 * shape.layers * collectives.all_reduce_seconds(slots * shape.hidden * shape.compute_bytes_each, hw,
-                                                                   layout.group("tensor"))
-    fsdp_comm = 0.0 if o.replicated_generation_weights else collectives.all_gather_seconds(
-        shape.weight_bytes / t, hw, layout.group("fsdp"))
-    capacity = w.prompt_tokens + w.responses.max
-    prompt_pairs = w.prompt_tokens * (capacity if o.attention is costs.AttentionKernel.DENSE else (w.prompt_tokens + 1) / 2)
-    prefill_seconds = (costs.forward_flops(shape, tokens=w.prompt_tokens, pairs=0, logit_tokens=1) / peak
-                       + costs.forward_flops(shape, tokens=0, pairs=prompt_pairs, logit_tokens=0) / attention_peak)
-    step = DecodeStepCost(
-        seconds_per_row=row_flops / peak, seconds_per_key=key_flops / attention_peak,
-        memory_seconds_fixed=shape.weight_bytes / t / bandwidth, memory_seconds_per_row=row_bytes / bandwidth,
-        memory_seconds_per_key=kv_per_token / bandwidth,
-        fixed_seconds=shape.layers * o.kernels_per_layer * device.kernel_overhead_s + tensor_comm + fsdp_comm,
-        prefill_seconds=prefill_seconds / t)
-    queue = replica_lengths(w.responses, w.sequences, replicas)
-    timeline = simulate_decode(queue, slots=slots, prompt=w.prompt_tokens, capacity=capacity, kernel=o.decode,
-                               continuous=o.continuous_batching, cost=step)
-    seconds = timeline.seconds + device.dispatch_overhead_s
-    finished = np.sort(timeline.finish_seconds)
-    fractions = tuple(float(finished[min(len(finished) - 1, math.ceil((j + 1) * len(finished) / pieces) - 1)]) / seconds
-                      for j in range(pieces - 1)) + (1.0,)
-    generated = float(w.responses.sample(w.sequences).sum())
-    useful = (w.sequences * costs.forward_flops(shape, tokens=w.prompt_tokens, pairs=w.prompt_tokens * (w.prompt_tokens + 1) / 2,
-                                                logit_tokens=1)
-              + costs.decode_step_flops(shape, sequences=generated, keys=generated * (w.prompt_tokens + generated / w.sequences / 2)))
-    logits_bytes = slots * shape.vocab * 4 * 2
-    return StageCost(
-        seconds=seconds, compute_seconds=timeline.seconds * timeline.compute_bound_fraction,
-        memory_seconds=timeline.seconds * (1 - timeline.compute_bound_fraction),
-        communication_seconds=timeline.steps * (tensor_comm + fsdp_comm),
-        overhead_seconds=timeline.steps * shape.layers * o.kernels_per_layer * device.kernel_overhead_s + device.dispatch_overhead_s,
-        flops=useful, model_flops=useful, transient_bytes=slots * kv_bytes_per_slot(inputs, layout) + logits_bytes,
-        piece_fractions=fractions,
-        detail={"slots": slots, "decode_steps": timeline.steps, "mean_active": timeline.mean_active,
-                "generated_tokens": generated})
 
 
 # ------------------------------------------------------------------------------------- host and small stages

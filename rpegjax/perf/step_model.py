@@ -24,7 +24,7 @@ from rpegjax.graph.ir import UPDATE_KINDS, Execution, Graph, Role, Stage, StageK
 from rpegjax.graph.trace import Trace
 from rpegjax.models.config import ModelConfig
 from rpegjax.perf import schedule as schedule_module
-from rpegjax.perf import stage_costs
+from rpegjax.perf import generation_stage, stage_costs
 from rpegjax.perf.costs import ModelShape
 from rpegjax.perf.hardware import HardwareSpec
 from rpegjax.perf.stage_costs import (
@@ -158,8 +158,10 @@ def resident_state(graph: Graph, inputs: CostInputs) -> list[_Resident]:
     generate, actor = _home(graph, StageKind.GENERATE), _home(graph, StageKind.ACTOR_UPDATE)
     if generate is not None and actor is not None:
         gen_layout, gen_devices = stage_layout(graph, generate), placement_devices(graph, generate.placement)
-        if o.replicated_generation_weights:  # rpegjax's sampler: its own copy, split over the tensor axis only
-            out.append(_Resident("generation weights", gen_devices, gen_layout, inputs.actor.weight_bytes / gen_layout.tensor))
+        if o.replicated_generation_weights:  # rpegjax's sampler: its own copy in the compute dtype (weight sync
+            # casts it, `rpegjax.models.precision.generation_cast`), split over the tensor axis only
+            copy_bytes = inputs.actor.params * inputs.actor.compute_bytes_each
+            out.append(_Resident("generation weights", gen_devices, gen_layout, copy_bytes / gen_layout.tensor))
             return out
         same = gen_devices == placement_devices(graph, actor.placement) and (
             (gen_layout.fsdp, gen_layout.tensor) == (stage_layout(graph, actor).fsdp, stage_layout(graph, actor).tensor))
@@ -214,7 +216,7 @@ def stage_cost(graph: Graph, stage: Stage, inputs: CostInputs, persistent: np.nd
                       - inputs.actor.weight_bytes / layout.shards)
         else:
             budget = inputs.hardware.usable_memory_bytes - float(persistent[list(devices)].max())
-        return stage_costs.generation_cost(inputs, layout, kv_budget_bytes=budget, pieces=stage.microbatches)
+        return generation_stage.generation_cost(inputs, layout, kv_budget_bytes=budget, pieces=stage.microbatches)
     if StageKind.WEIGHT_SYNC in kinds:
         readers = [graph.stage(name) for name in graph.consumers(stage.name)]
         generate = next((s for s in readers if StageKind.GENERATE in s.kinds), None)
@@ -276,7 +278,8 @@ def _execution_key(stage: Stage, execution: Execution) -> tuple:
     backward passes (the planner varies them per plan; generation, the costliest to predict, reads neither)."""
     if set(stage.kinds) & UPDATE_KINDS:
         return dataclasses.astuple(execution)
-    return (execution.attention, execution.param_dtype, execution.dtype, execution.kv_cache)
+    return (execution.attention, execution.param_dtype, execution.dtype, execution.kv_cache, execution.kv_pool_tokens,
+            execution.page_size, execution.decode_slots, execution.inference_rows)
 
 
 class Evaluator:

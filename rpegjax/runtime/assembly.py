@@ -1,6 +1,6 @@
 """One set-up path from a graph and a model to what the runtime executes: the learner on the mesh of the graph's
 update stage, the sampler on the mesh of its generate stage, both executing as the graph's `Execution` says
-(attention kernel, remat, layer scan, KV-cache layout, update micro-batches). The job (`rpegjax.train.build`, and so the runtime
+(attention kernel, remat, layer scan, KV-cache layout, update and inference micro-batches). The job (`rpegjax.train.build`, and so the runtime
 tests), the step benchmarks (`bench_grpo_step`, `bench_perfmodel`) build through here; unit tests of a
 learner or the sampler alone build those directly.
 """
@@ -44,6 +44,12 @@ def place_models(graph: Graph, model: Decoder, algorithm: GRPOConfig | PPOConfig
     execution = graph.execution
     model, critic = apply_execution(model, execution), None if critic is None else apply_execution(critic, execution)
     algorithm = dataclasses.replace(algorithm, num_microbatches=execution.update_microbatches)
+    if execution.inference_rows is not None:
+        if algorithm.inference_rows not in (None, execution.inference_rows):
+            raise ValueError(f"the plan runs inference stages in micro-batches of {execution.inference_rows} rows, the "
+                             f"algorithm asks for {algorithm.inference_rows} (inference_rows): plan again, or leave "
+                             f"it unset to run the plan's")
+        algorithm = dataclasses.replace(algorithm, inference_rows=execution.inference_rows)
     train_mesh, rollout_mesh = placed_meshes(graph)
     if isinstance(algorithm, GRPOConfig):
         if critic is not None:

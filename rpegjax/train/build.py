@@ -225,13 +225,18 @@ def run_execution(cfg: RunConfig) -> Execution:
     algo = cfg.algorithm_section()
     precision = run_precision(cfg)
     return Execution(param_dtype=precision.param_dtype, dtype=precision.dtype, update_microbatches=algo.num_microbatches,
-                     **m.execution(),
+                     inference_rows=algo.inference_rows, **m.execution(),
                      **_kv_cache_fields(cfg))
 
 
 def _kv_cache_fields(cfg: RunConfig) -> dict[str, Any]:
+    """The rollout section's sampler fields as `Execution` fields (the sampler's slots are `decode_slots`)."""
     rollout = cfg.rollout
-    return {"kv_cache": rollout.kv_cache.value, "page_size": rollout.page_size, "kv_pool_tokens": rollout.kv_pool_tokens}
+    return {"kv_cache": rollout.kv_cache.value, "page_size": rollout.page_size, "kv_pool_tokens": rollout.kv_pool_tokens,
+            "decode_slots": rollout.num_slots}
+
+
+_ROLLOUT_FIELD = {"decode_slots": "num_slots"}  # Execution field -> its rollout section field, where they differ
 
 
 def build_graph(cfg: RunConfig, num_devices: int) -> Graph:
@@ -292,11 +297,19 @@ def load_plan(cfg: RunConfig, num_devices: int) -> Graph:
     if graph.num_devices > num_devices:
         raise ValueError(f"{where}: planned for {graph.num_devices} devices, {num_devices} are available")
     asked = {name: value for name, value in _kv_cache_fields(cfg).items()
-             if value != getattr(RolloutSection(), name)}
-    planned = {name: graph.execution.to_dict()[name] for name in asked}
-    if asked != planned:  # a KV cache set on the command line that the plan does not have: refused, not overridden
-        raise ValueError(f"{where}: the plan's KV cache is {planned}, this run asks for {asked} (rollout.kv_cache, "
-                         f"page_size, kv_pool_tokens; plan again, or leave them unset to run the plan's)")
+             if value != getattr(RolloutSection(), _ROLLOUT_FIELD.get(name, name))}
+    planned = {name: getattr(graph.execution, name) for name in asked}
+    # a sampler set on the command line that the plan does not have: refused, not overridden (a plan without
+    # slots takes the run's)
+    if planned.get("decode_slots", 0) is None:
+        del asked["decode_slots"], planned["decode_slots"]
+    if asked != planned:
+        raise ValueError(f"{where}: the plan's sampler is {planned}, this run asks for {asked} (rollout.kv_cache, "
+                         f"page_size, kv_pool_tokens, num_slots; plan again, or leave them unset to run the plan's)")
+    rows = cfg.algorithm_section().inference_rows
+    if rows is not None and graph.execution.inference_rows not in (None, rows):
+        raise ValueError(f"{where}: the plan runs inference in micro-batches of {graph.execution.inference_rows} rows, "
+                         f"this run asks for {rows} (inference_rows; plan again, or leave it unset)")
     precision = (graph.execution.param_dtype, graph.execution.dtype)
     run = run_precision(cfg)  # the model section's dtypes as the precision policy resolves them here
     if precision != (run.param_dtype, run.dtype):
@@ -404,7 +417,8 @@ def build(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Components:
             changes["critic_optimizer"] = algorithm.critic_optimizer or algorithm.optimizer
         algorithm = dataclasses.replace(algorithm, **changes)
     rollout = cfg.rollout
-    slots = min(rollout.num_slots, max(rollout.prompts_per_step * rollout.group_size, len(eval_examples)))
+    requested = graph.execution.decode_slots or rollout.num_slots  # a plan's slots, else the run's
+    slots = min(requested, max(rollout.prompts_per_step * rollout.group_size, len(eval_examples)))
     # whole groups that split evenly over the generation mesh's slot replicas
     slots = usable_slots(slots, rollout.group_size, placed_meshes(graph)[1])
     learner, sampler = place_models(

@@ -219,3 +219,29 @@ def test_sharded_paged_equals_unsharded(tiny_cfg, tiny_split, contiguous, make_p
     expected = contiguous.generate(tiny_split[1], prompts, SAMPLED, **kwargs)
     got = paged.generate(reshard_params(tiny_split[1], mesh, paged.rules), prompts, SAMPLED, **kwargs)
     _assert_same(got, expected)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "small_pool"])
+def test_the_kv_cache_lives_only_while_a_generate_call_runs(request, layout, tiny_split, make_prompts):
+    """The planner counts the KV cache as generation's transient (each phase's peak, not generation + training):
+    true only if the sampler allocates it per call and drops it when the call returns, so that a colocated update
+    never runs beside it."""
+    import gc
+
+    sampler = request.getfixturevalue(layout)
+    gc.collect()
+    before = {id(array) for array in jax.live_arrays()}
+    stream = sampler.stream(tiny_split[1], make_prompts(PROMPT_LENGTHS, seed=2), GREEDY, group_size=2,
+                            key=jax.random.key(0), budgets=BUDGETS)
+    next(stream)  # the first completion: the cache is allocated and in use
+    during = [array for array in jax.live_arrays() if id(array) not in before]
+    cache_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(sampler.new_state().cache))
+    largest = sorted(during, key=lambda array: array.nbytes, reverse=True)
+    assert sum(array.nbytes for array in largest) >= cache_bytes  # the cache's buffers are live while it runs
+    cache_shapes = {leaf.shape for leaf in jax.tree.leaves(sampler.new_state().cache) if leaf.ndim >= 3}
+    del during, largest
+    list(stream)  # the call ends
+    del stream
+    gc.collect()
+    after = [array for array in jax.live_arrays() if id(array) not in before]
+    assert not [array.shape for array in after if array.shape in cache_shapes]

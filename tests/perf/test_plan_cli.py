@@ -89,11 +89,12 @@ def test_table_prints_the_legend_and_explain_says_why():
     assert "inf" not in out.split()
 
 
-def test_nothing_fits_says_how_much_memory_is_needed():
+def test_nothing_fits_says_what_binds_and_what_would_fit():
     done = _run("--model", "qwen2.5-32b", "--hardware", "h100", "--gpus", "8", "--prompts", "16", "--group-size", "4",
                 "--prompt-tokens", "256", "--response-mean", "512", "--response-max", "2048", "--top", "1")
     assert done.returncode != 0
-    assert "no plan of" in done.stderr and "does not fit: needs" in done.stderr and "GB per GPU of 72.0 GB usable" in done.stderr
+    assert "no plan of" in done.stderr and "the closest of each family" in done.stderr
+    assert "colocated (gen " in done.stderr and "exceeds the usable 72.0 GB: fits with more GPUs" in done.stderr
     assert "Traceback" not in done.stderr
 
 
@@ -195,3 +196,15 @@ def test_a_profile_of_another_device_or_a_bad_file_is_refused(cpu_profile, tmp_p
         plan.main([*CPU_SMALL, "--hardware-profile", str(broken)])
     done = _run("--hardware", "cpu", "--gpus", "8")
     assert done.returncode != 0 and "--hardware cpu needs --hardware-profile" in done.stderr
+
+
+def test_the_asynchrony_and_optimiser_steps_asked_for_are_the_plans():
+    done = _run("--model", "qwen2.5-0.5b", "--json", "--async-bounds", "1", "--optimizer-steps", "2", *SMALL)
+    assert done.returncode == 0, done.stderr
+    document = json.loads(done.stdout)
+    for plan in [*document["plans"][:1], *document["alternatives"]]:
+        graph = Graph.from_dict(plan["graph"])
+        assert graph.async_bound == 1 and "2 optimiser steps" in plan["description"]
+        assert graph.execution.decode_slots is not None  # the sampler's slots are the plan's, pinned
+    bad = _run("--async-bounds", "x", *SMALL)
+    assert bad.returncode == 2 and "--async-bounds" in bad.stderr

@@ -161,3 +161,43 @@ def test_a_planned_graph_survives_json_and_runs_in_the_runtime(tmp_path, fractio
     if fractions != (None,):
         assert generation == {0, 1, 2, 3} and parts.learner.placement.mesh.devices.size == 4
         assert runtime.stage_meshes, "the plan re-shards inference stages; the runtime must run them so"
+
+
+def test_the_pinned_sampler_is_the_fastest_of_the_slot_counts_tried_and_splits_whole_groups():
+    evaluator = step_model.Evaluator.for_runtime(ModelConfig.qwen2p5("0.5b"), WORKLOAD, _two_nodes())
+    search = planner.Planner(evaluator, algorithm=Algorithm.GRPO, num_devices=8, space=SPACE)
+    for skeleton in list(search.skeletons())[:6]:
+        execution = skeleton.execution
+        graph = planner.build_graph(skeleton)
+        generate = graph.stages_of_kind(StageKind.GENERATE)[0]
+        replicas = graph.parallel_of(generate.name).get("data", 1) * graph.parallel_of(generate.name).get("fsdp", 1)
+        assert execution.decode_slots % WORKLOAD.group_size == 0 and execution.decode_slots % replicas == 0
+        if execution.kv_cache == "paged":  # a replica's pool holds whole groups
+            assert (execution.decode_slots // replicas) % WORKLOAD.group_size == 0 and execution.kv_pool_tokens
+        unpinned = dataclasses.replace(skeleton, execution=dataclasses.replace(execution, decode_slots=None))
+        most = search._generation(unpinned)[0] * replicas
+        pinned = search._generation(skeleton)[1].seconds
+        for count in {most, most // 2, most // 4}:
+            count = count // WORKLOAD.group_size // replicas * WORKLOAD.group_size * replicas
+            if count:
+                other = dataclasses.replace(skeleton, execution=dataclasses.replace(execution, decode_slots=count))
+                assert pinned <= search._generation(other)[1].seconds + 1e-9
+
+
+def test_re_sharded_inference_layouts_are_chosen_before_and_fitted_after_their_row_micro_batches():
+    """Inference rows fitted to a training layout of 4 replicas (4 rows) do not split over an FSDP-8 layout: the
+    per-stage layouts are timed without row micro-batches and the plan refitted on them (this raised before)."""
+    evaluator = step_model.Evaluator.for_runtime(ModelConfig.qwen2p5("0.5b"), WORKLOAD, _two_nodes())
+    search = planner.Planner(evaluator, algorithm=Algorithm.GRPO, num_devices=8, space=SPACE)
+    train = (("data", 1), ("fsdp", 4), ("tensor", 2))
+    choice = planner.PlanChoice(algorithm=Algorithm.GRPO, use_reference=True, num_devices=8,
+                                generation_layout=(("data", 4), ("fsdp", 1), ("tensor", 2)), train_layout=train,
+                                execution=dataclasses.replace(search.executions[0], inference_rows=4))
+    candidates = planner.layouts(8, (1, 2), heads=14, kv_heads=2, node_size=4, with_fsdp=True)
+    own = search._own_inference_layouts(choice, candidates)
+    assert own and all(dict(layout)["fsdp"] * dict(layout)["data"] == 8 for _, layout in own)
+    fitted = search.fit_microbatches(dataclasses.replace(choice, inference_layouts=own,
+                                                         execution=search.unfitted(choice.execution)))
+    assert not search._batch_problems(planner.build_graph(fitted))
+    plan = planner.real_like(evaluator, algorithm=Algorithm.GRPO, num_devices=8, space=SPACE)
+    assert not search._batch_problems(plan.graph)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from rpegjax.graph import builders, transforms
-from rpegjax.graph.ir import Graph
+from rpegjax.graph.ir import Execution, Graph
 from rpegjax.graph.trace import Trace
 from rpegjax.models import ModelConfig
 from rpegjax.perf import hardware, step_model
@@ -84,11 +84,11 @@ def _inputs(hw=None, options=None, workload=SMALL):
 
 
 def test_kv_capacity_caps_concurrency_and_the_long_tail_costs_time():
-    from rpegjax.perf.stage_costs import generation_cost, kv_bytes_per_slot
+    from rpegjax.perf.generation_stage import decode_transient_bytes, generation_cost, kv_bytes_per_slot
 
     inputs = _inputs()
     layout = Layout.from_parallel({"data": 1, "tensor": 1}, where="test")
-    per_slot = kv_bytes_per_slot(inputs, layout)
+    per_slot = kv_bytes_per_slot(inputs, layout) + decode_transient_bytes(inputs, 1)  # its KV and its logits
     small = generation_cost(inputs, layout, kv_budget_bytes=10.5 * per_slot)
     large = generation_cost(inputs, layout, kv_budget_bytes=1e12)
     assert small.detail["slots"] == 10 and large.detail["slots"] == SMALL.sequences
@@ -99,6 +99,56 @@ def test_kv_capacity_caps_concurrency_and_the_long_tail_costs_time():
     tail = generation_cost(inputs, layout, kv_budget_bytes=1e12)
     flat = generation_cost(_inputs(workload=fixed), layout, kv_budget_bytes=1e12)
     assert tail.seconds > 2 * flat.seconds  # same mean length; the tail decodes alone for most of its steps
+
+
+def test_a_paged_pool_admits_more_sequences_than_a_contiguous_cache_and_fewer_slots_decode_longer():
+    from rpegjax.perf.generation_stage import generation_cost, generation_memory, kv_bytes_per_token, pool_tokens_per_slot
+
+    layout = Layout.from_parallel({"data": 1, "tensor": 1}, where="test")
+    contiguous = _inputs(options=ExecutionOptions(decode="static"))  # rpegjax's contiguous cache: capacity a slot
+    paged = _inputs(options=ExecutionOptions(decode="static", kv_pool=True))
+    per_token = kv_bytes_per_token(contiguous.actor, layout)
+    budget = 8 * (SMALL.prompt_tokens + SMALL.responses.max) * per_token  # 8 sequences at capacity
+    slots_contiguous, _ = generation_memory(contiguous, layout, budget)
+    slots_paged, memory = generation_memory(paged, layout, budget)
+    # the pool admits what its time-averaged footprint allows: prompt + E[L²] / 2E[L] tokens a slot
+    lengths = SMALL.responses.sample(4096).astype(float)
+    assert pool_tokens_per_slot(SMALL) == pytest.approx(SMALL.prompt_tokens + (lengths**2).mean() / (2 * lengths.mean()))
+    assert slots_contiguous < 8 and slots_paged > 8 and memory <= budget
+    # pinned slots and pool: the plan's own, whatever the budget (the runtime runs what the plan says)
+    pinned = _inputs(options=ExecutionOptions(kv_pool=True, decode_slots=4, kv_pool_tokens=10_000))
+    slots, memory = generation_memory(pinned, layout, 1e12)
+    assert slots == 4 and memory == pytest.approx(10_000 * per_token + 4 * pinned.actor.vocab * 8)
+    with pytest.raises(MemoryError, match="KV cache of one sequence"):  # a pool that cannot hold one sequence
+        generation_memory(_inputs(options=ExecutionOptions(kv_pool=True, decode_slots=4, kv_pool_tokens=100)), layout, 1e12)
+    # fewer concurrent sequences decode for more steps
+    few = generation_cost(_inputs(options=ExecutionOptions(decode_slots=4)), layout, kv_budget_bytes=1e12)
+    many = generation_cost(_inputs(options=ExecutionOptions(decode_slots=32)), layout, kv_budget_bytes=1e12)
+    assert few.detail["decode_steps"] > many.detail["decode_steps"] and few.seconds > many.seconds
+
+
+def test_inference_row_micro_batches_cut_memory_and_add_passes_as_the_runtime_splits_rows():
+    from rpegjax.learners.inference import InferenceMicroBatching
+    from rpegjax.perf.stage_costs import row_micro_batches
+
+    for rows, limit, shards in [(64, 16, 8), (64, 24, 8), (48, 20, 4), (12, 5, 1), (64, 64, 8), (64, 8, 3)]:
+        expected = InferenceMicroBatching(rows=limit).micro_batches(rows, 10, QWEN05, logprob_chunk=8,
+                                                                    shards=shards if rows % shards == 0 else 1)
+        assert row_micro_batches(rows, limit, shards=shards) == expected
+    layout = Layout.from_parallel({"data": 8}, where="t")
+    runtime = lambda rows: ExecutionOptions(update_microbatches=1, inference_rows=rows)  # noqa: E731
+    whole, split = (model_pass_cost(_inputs(options=runtime(rows)), _inputs().actor, layout, logits=True, backward=False)
+                    for rows in (None, 16))
+    assert split.detail["passes"] == 4 and whole.detail["passes"] == 1
+    assert split.transient_bytes < whole.transient_bytes / 2 and split.seconds > whole.seconds
+
+
+def test_the_generation_copy_is_counted_in_the_compute_dtype_it_is_cast_to():
+    graph = builders.grpo_graph(use_reference=False, num_devices=8, parallel={"data": 8})
+    evaluator = step_model.Evaluator.for_runtime(QWEN05, SMALL, hardware.h100_node(8))
+    graph = dataclasses.replace(graph, execution=Execution(param_dtype="float32", dtype="bfloat16"))
+    copy = next(r for r in step_model.resident_state(graph, evaluator.inputs_for(graph)) if r.what == "generation weights")
+    assert copy.bytes_per_device == ModelShape.from_config(QWEN05).params * 2  # bfloat16, not the float32 masters
 
 
 def test_more_devices_never_slow_a_compute_stage_and_fsdp_cuts_memory():
@@ -219,3 +269,21 @@ def test_colocated_weight_sync_costs_a_copy_of_the_weights():
     sync = step_model.Evaluator(QWEN05, SMALL, hw).predict(graph).stage("weight_sync").seconds
     copy = 2 * ModelShape.from_config(QWEN05).weight_bytes / (hw.device.memory_bandwidth * hw.device.memory_efficiency)
     assert sync == pytest.approx(copy + hw.device.dispatch_overhead_s, rel=1e-6)
+
+
+@pytest.mark.parametrize("rows, inference_rows, compiled_gib", [(32, None, 20.15), (32, 8, 11.88)])
+def test_a_log_prob_pass_at_real_shapes_is_within_15_percent_of_the_compiled_program(rows, inference_rows, compiled_gib):
+    """XLA's compiled reference log-prob program (arguments + temporaries per device) of Qwen2.5-7B, fsdp=8, rows of
+    16384 tokens, float32 weights and bfloat16 compute, blockwise attention, scanned layers (docs/benchmarks.md,
+    W-long: `bench_memory.py --models 7b --tokens 16384 --layouts fsdp8 --programs logprobs,logprobs-micro
+    --rows-per-device 4 --inference-rows 8`): whole, and in micro-batches of 8 rows as the runtime runs it. Most
+    of the micro-batched program is weights held whatever the rows (the output matrix gathered whole, bf16 copies)."""
+    execution = Execution(attention="blockwise", remat="full", scan_layers=True, param_dtype="float32", dtype="bfloat16",
+                          inference_rows=inference_rows)
+    parallel = {"data": 1, "fsdp": 8, "tensor": 1}
+    graph = dataclasses.replace(builders.grpo_graph(use_reference=True, num_devices=8, parallel=parallel), execution=execution)
+    workload = Workload(prompts=1, group_size=rows, prompt_tokens=1024, responses=ResponseLengths.fixed(16384 - 1024))
+    evaluator = step_model.Evaluator.for_runtime(ModelConfig.qwen2p5("7b"), workload, hardware.h100_node(8))
+    costs, _, _ = evaluator.stage_costs(graph)
+    program = costs["ref_logprob"].transient_bytes + evaluator.inputs_for(graph).actor.weight_bytes / 8
+    assert abs(program / (compiled_gib * 2**30) - 1) <= 0.15

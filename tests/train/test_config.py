@@ -154,6 +154,32 @@ def test_the_rollout_kv_cache_options_reach_the_graph_and_the_sampler(tmp_path):
     assert build_graph(default, num_devices=1).execution.kv_cache == "contiguous"
 
 
+def test_a_plans_slots_and_inference_rows_reach_the_sampler_and_the_learner(tmp_path):
+    import dataclasses
+
+    from rpegjax.train.build import build, build_graph
+
+    flags = [flag for flag in KV_TINY if not flag.startswith(("--rollout.num_slots", "--prompts-per-step"))]
+    flags.append("--prompts-per-step=8")  # 16 rows: without the plan, 16 slots
+    planned, _ = parse_args([*flags, f"--run-dir={tmp_path / 'run'}"], Algorithm.GRPO)
+    graph = build_graph(planned, num_devices=8)
+    plan = tmp_path / "plan.json"
+    plan.write_text(dataclasses.replace(graph, execution=dataclasses.replace(
+        graph.execution, decode_slots=8, inference_rows=4)).to_json())
+    ours, _ = parse_args([*flags, f"--plan={plan}", f"--run-dir={tmp_path / 'run'}"], Algorithm.GRPO)
+    parts = build(ours, log=lambda _: None)
+    assert parts.sampler.num_slots == 8  # not the run's 16 (the default 256 capped at the step's rows)
+    assert parts.learner.inference_micro_batches(8, 10, shards=1) == 2  # 8 rows in micro-batches of 4
+    other, _ = parse_args([*flags, f"--plan={plan}", "--rollout.num_slots=16", f"--run-dir={tmp_path / 'run'}"],
+                          Algorithm.GRPO)
+    with pytest.raises(ValueError, match="the plan's sampler is {'decode_slots': 8}, this run asks for"):
+        build_graph(other, num_devices=8)
+    rows, _ = parse_args([*flags, f"--plan={plan}", "--grpo.inference_rows=2", f"--run-dir={tmp_path / 'run'}"],
+                         Algorithm.GRPO)
+    with pytest.raises(ValueError, match="inference in micro-batches of 4 rows, this run asks for 2"):
+        build_graph(rows, num_devices=8)
+
+
 def test_kv_cache_options_are_checked_and_never_override_a_plan_silently(tmp_path):
     from rpegjax.graph.ir import Execution, GraphError
     from rpegjax.train.build import build_graph
@@ -174,7 +200,7 @@ def test_kv_cache_options_are_checked_and_never_override_a_plan_silently(tmp_pat
     assert build_graph(ours, num_devices=1).execution.kv_cache == "contiguous"  # unset: the plan's
     paged, _ = parse_args([*KV_TINY, f"--plan={plan}", "--rollout.kv_cache=paged", f"--run-dir={tmp_path / 'run'}"],
                           Algorithm.GRPO)
-    with pytest.raises(ValueError, match="the plan's KV cache is {'kv_cache': 'contiguous'}, this run asks for"):
+    with pytest.raises(ValueError, match="the plan's sampler is {'kv_cache': 'contiguous'"):
         build_graph(paged, num_devices=1)
 
 

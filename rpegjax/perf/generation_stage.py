@@ -1,0 +1,138 @@
+"""The generation stage: the sampler's memory (slots, contiguous cache or paged pool, logits) and the time of its
+prefill + decode loop (`rpegjax.perf.generation_cost` simulates the loop), for one stage's `Layout`."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from rpegjax.perf import collectives, costs
+from rpegjax.perf.costs import DecodeKernel, ModelShape
+from rpegjax.perf.generation_cost import DecodeStepCost, replica_lengths, simulate_decode
+from rpegjax.perf.stage_costs import SAMPLING_BYTES_PER_VOCAB, CostInputs, Layout, StageCost, Workload
+
+
+def kv_bytes_per_slot(inputs: CostInputs, layout: Layout) -> float:
+    """KV cache one sequence holds on one device: the whole capacity (STATIC, or a contiguous cache), its mean
+    length (PAGED serving engines), or in rpegjax's paged pool its time-averaged share (`pool_tokens_per_slot`)."""
+    w, o, shape = inputs.workload, inputs.options, inputs.actor
+    if o.kv_pool:
+        tokens = pool_tokens_per_slot(w)
+    else:
+        tokens = w.prompt_tokens + (w.responses.expected_mean() if o.decode is DecodeKernel.PAGED else w.responses.max)
+    return tokens * kv_bytes_per_token(shape, layout)
+
+
+def kv_bytes_per_token(shape: ModelShape, layout: Layout) -> float:
+    """KV bytes of one cached token on one device (KV heads split over the tensor axis, replicated beyond)."""
+    return shape.kv_bytes_per_token / min(layout.tensor, shape.kv_heads)
+
+
+def pool_tokens_per_slot(w: Workload) -> float:
+    """Tokens a busy slot holds in a paged pool on average: its prompt and, under continuous batching, the
+    length-biased half of a response (a slot is found in a sequence of length L with odds ∝ L, halfway through
+    it on average: E[L²] / 2E[L]); a pool of slots x this many tokens rarely runs dry."""
+    lengths = w.responses.sample(4096).astype(float)
+    return w.prompt_tokens + float((lengths**2).mean() / (2 * lengths.mean()))
+
+
+def decode_transient_bytes(inputs: CostInputs, slots: int) -> float:
+    """Per device besides the KV cache while one replica decodes `slots` sequences: float32 logits and their
+    softmax (sampling)."""
+    return slots * inputs.actor.vocab * 4 * 2
+
+
+def generation_memory(inputs: CostInputs, layout: Layout, kv_budget_bytes: float) -> tuple[int, float]:
+    """(concurrent sequences per replica, KV bytes per device) of the sampler in `kv_budget_bytes` per device.
+
+    The options' `decode_slots` (all replicas) when given, else what fits the budget (capped by the replica's
+    share of the batch and `max_decode_slots`). A contiguous cache reserves every slot's capacity; rpegjax's
+    paged pool holds `kv_pool_tokens` per replica (default: the budget, at most every slot at capacity) and
+    admits the slots whose time-averaged footprint fits it. Raises MemoryError when not one sequence fits."""
+    w, o = inputs.workload, inputs.options
+    per_token = kv_bytes_per_token(inputs.actor, layout)
+    capacity = w.prompt_tokens + w.responses.max
+    share = math.ceil(w.sequences / layout.replicas)
+    per_slot = kv_bytes_per_slot(inputs, layout) + decode_transient_bytes(inputs, 1)
+    if o.kv_pool:
+        pool_bytes = (o.kv_pool_tokens * per_token if o.kv_pool_tokens is not None
+                      else max(0.0, kv_budget_bytes - decode_transient_bytes(inputs, min(share, o.max_decode_slots))))
+        fitting = int(pool_bytes // (pool_tokens_per_slot(w) * per_token))
+        if pool_bytes < capacity * per_token:  # the runtime refuses a pool that cannot hold one sequence whole
+            fitting = 0
+    else:
+        fitting = int(max(kv_budget_bytes, 0) // per_slot)
+    slots = min(share, o.max_decode_slots, fitting)
+    if o.decode_slots is not None:
+        slots = math.ceil(o.decode_slots / layout.replicas)
+    if slots < 1 or (o.decode_slots is not None and o.kv_pool and fitting < 1):
+        raise MemoryError(f"the KV cache of one sequence ({capacity * per_token / 1e9:.2f} GB per device at its "
+                          f"{capacity}-token capacity) does not fit the {max(kv_budget_bytes, 0) / 1e9:.2f} GB left for it")
+    if o.kv_pool and o.kv_pool_tokens is None:  # never more than every admitted slot at capacity
+        pool_bytes = min(pool_bytes, slots * capacity * per_token)
+    kv = pool_bytes if o.kv_pool else slots * kv_bytes_per_slot(inputs, layout)
+    return slots, kv + decode_transient_bytes(inputs, slots)
+
+
+def generation_cost(inputs: CostInputs, layout: Layout, *, kv_budget_bytes: float, pieces: int = 1) -> StageCost:
+    """Prefill + decode of the whole batch on `layout.replicas` replicas of `layout.tensor`-way tensor parallelism.
+
+    The number of concurrent sequences per replica is what the KV budget (bytes per device) holds, capped by
+    the options' `max_decode_slots` and the replica's share of the batch. FSDP in generation all-gathers the
+    weights every step (costed, never hidden: decode has no compute to hide it behind).
+    """
+    hw, o, w, shape, device = inputs.hardware, inputs.options, inputs.workload, inputs.actor, inputs.hardware.device
+    if layout.pipeline > 1:
+        raise ValueError(f"generation with pipeline parallelism ({layout.pipeline} stages) is not modelled")
+    t = layout.tensor
+    replicas = layout.replicas
+    slots, memory = generation_memory(inputs, layout, kv_budget_bytes)
+    peak = device.flops(shape.compute_dtype) * device.matmul_efficiency
+    attention_peak = device.flops(shape.compute_dtype) * (
+        device.matmul_efficiency if device.attention_efficiency is None else device.attention_efficiency)
+    bandwidth = device.memory_bandwidth * (device.memory_efficiency if o.decode_memory_efficiency is None
+                                           else o.decode_memory_efficiency)
+    row_flops = 2 * (shape.layers * shape.matmul_params_per_layer + shape.hidden * shape.vocab) / t
+    key_flops = 4 * shape.layers * shape.heads * shape.head_dim / t
+    kv_per_token = shape.kv_bytes_per_token / min(t, shape.kv_heads)
+    row_bytes = (shape.layers * (6 * shape.hidden + 3 * shape.mlp / t) * shape.compute_bytes_each
+                 + kv_per_token + SAMPLING_BYTES_PER_VOCAB * shape.vocab)
+    tensor_comm = 2 * shape.layers * collectives.all_reduce_seconds(slots * shape.hidden * shape.compute_bytes_each, hw,
+                                                                   layout.group("tensor"))
+    fsdp_comm = 0.0 if o.replicated_generation_weights else collectives.all_gather_seconds(
+        shape.weight_bytes / t, hw, layout.group("fsdp"))
+    capacity = w.prompt_tokens + w.responses.max
+    prompt_pairs = w.prompt_tokens * (capacity if o.attention is costs.AttentionKernel.DENSE else (w.prompt_tokens + 1) / 2)
+    prefill_seconds = (costs.forward_flops(shape, tokens=w.prompt_tokens, pairs=0, logit_tokens=1) / peak
+                       + costs.forward_flops(shape, tokens=0, pairs=prompt_pairs, logit_tokens=0) / attention_peak)
+    step = DecodeStepCost(
+        seconds_per_row=row_flops / peak, seconds_per_key=key_flops / attention_peak,
+        memory_seconds_fixed=shape.weight_bytes / t / bandwidth, memory_seconds_per_row=row_bytes / bandwidth,
+        memory_seconds_per_key=kv_per_token / bandwidth,
+        fixed_seconds=shape.layers * o.kernels_per_layer * device.kernel_overhead_s + tensor_comm + fsdp_comm,
+        prefill_seconds=prefill_seconds / t)
+    queue = replica_lengths(w.responses, w.sequences, replicas)
+    timeline = simulate_decode(queue, slots=slots, prompt=w.prompt_tokens, capacity=capacity, kernel=o.decode,
+                               continuous=o.continuous_batching, cost=step)
+    seconds = timeline.seconds + device.dispatch_overhead_s
+    finished = np.sort(timeline.finish_seconds)
+    fractions = tuple(float(finished[min(len(finished) - 1, math.ceil((j + 1) * len(finished) / pieces) - 1)]) / seconds
+                      for j in range(pieces - 1)) + (1.0,)
+    generated = float(w.responses.sample(w.sequences).sum())
+    useful = (w.sequences * costs.forward_flops(shape, tokens=w.prompt_tokens, pairs=w.prompt_tokens * (w.prompt_tokens + 1) / 2,
+                                                logit_tokens=1)
+              + costs.decode_step_flops(shape, sequences=generated, keys=generated * (w.prompt_tokens + generated / w.sequences / 2)))
+    return StageCost(
+        seconds=seconds, compute_seconds=timeline.seconds * timeline.compute_bound_fraction,
+        memory_seconds=timeline.seconds * (1 - timeline.compute_bound_fraction),
+        communication_seconds=timeline.steps * (tensor_comm + fsdp_comm),
+        overhead_seconds=timeline.steps * shape.layers * o.kernels_per_layer * device.kernel_overhead_s + device.dispatch_overhead_s,
+        flops=useful, model_flops=useful, transient_bytes=memory,
+        piece_fractions=fractions,
+        detail={"slots": slots, "decode_steps": timeline.steps, "mean_active": timeline.mean_active,
+                "generated_tokens": generated})
+
+
+__all__ = ["decode_transient_bytes", "generation_cost", "generation_memory", "kv_bytes_per_slot", "kv_bytes_per_token",
+           "pool_tokens_per_slot"]
