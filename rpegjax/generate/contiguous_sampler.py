@@ -17,11 +17,17 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rpegjax.generate.completion import FINISH_CODES, Completion
-from rpegjax.generate.decode import DecodeStalledError, DecodeState, admit, decode, decode_state_shardings
+from rpegjax.generate.decode import (
+    DecodeStalledError,
+    DecodeState,
+    abstract_state_of,
+    admit,
+    decode,
+    decode_state_shardings,
+)
 from rpegjax.generate.requests import Request, RequestFeed, RequestQueue
 from rpegjax.models.config import ModelConfig
 from rpegjax.options import CacheLayout
-from rpegjax.sharding.abstract import with_shardings
 from rpegjax.sharding.rules import ActivationSharding
 
 
@@ -88,10 +94,7 @@ class ContiguousController:
     # ---- lowering ahead of time ----------------------------------------------------------------------
     def abstract_state(self) -> DecodeState:
         """The decode state's shapes and dtypes with its shardings (nothing allocated)."""
-        state = jax.eval_shape(self._empty)
-        if self._state_sharding is None:
-            return state
-        return with_shardings(state, self._state_sharding)
+        return abstract_state_of(self._empty, self._state_sharding)
 
     def lower_programs(self, params, state, key, arrays, *, max_prompt_len: int, group_size: int
                        ) -> dict[str, jax.stages.Lowered]:

@@ -22,7 +22,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rpegjax.generate.completion import FINISH_CODES, Completion
-from rpegjax.generate.decode import DecodeStalledError
+from rpegjax.generate.decode import DecodeStalledError, abstract_state_of
 from rpegjax.generate.paged_cache import CacheConfig, pages_for, pow2_at_least
 from rpegjax.generate.paged_decode import (
     decode_paged,
@@ -36,7 +36,6 @@ from rpegjax.generate.requests import Request, RequestFeed, RequestQueue
 from rpegjax.models.config import ModelConfig
 from rpegjax.options import CacheLayout
 from rpegjax.sharding import axes
-from rpegjax.sharding.abstract import with_shardings
 from rpegjax.sharding.rules import ActivationSharding
 
 
@@ -112,10 +111,7 @@ class PagedController:
     # ---- lowering ahead of time ----------------------------------------------------------------------
     def abstract_state(self):
         """The paged decode state's shapes and dtypes with its shardings (nothing allocated)."""
-        state = jax.eval_shape(self._empty)
-        if self._state_sharding is None:
-            return state
-        return with_shardings(state, self._state_sharding)
+        return abstract_state_of(self._empty, self._state_sharding)
 
     def lower_programs(self, params, state, key, arrays, *, max_prompt_len: int, group_size: int
                        ) -> dict[str, jax.stages.Lowered]:

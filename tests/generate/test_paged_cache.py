@@ -59,9 +59,8 @@ def test_paged_equals_contiguous(contiguous, small_pool, tiny_split, make_prompt
 
 
 def _compiled_calls(sampler: Sampler) -> tuple[object, list[str]]:
-    owner = sampler if sampler.paged is None else sampler.paged
     names = ["_admit", "_decode", "_rows"] if sampler.paged is None else ["_prefill", "_start", "_decode", "_rows"]
-    return owner, names
+    return sampler.controller, names
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "small_pool"])
