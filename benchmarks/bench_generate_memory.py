@@ -82,13 +82,14 @@ def main() -> None:
     static = Sampler(cfg, graphdef, **shape)
     replicas = static.replicas
     params = _abstract(abstract_params, static.params_sharding)
-    state_shape = jax.eval_shape(static._empty)
+    state_shape = jax.eval_shape(static.controller._empty)
     from rpegjax.generate.decode import decode_state_shardings
     from rpegjax.sharding.rules import ActivationSharding
 
     state = _abstract(state_shape, decode_state_shardings(state_shape, ActivationSharding(mesh, static.rules)))
     print(f"  static cache: {args.slots} x {static.capacity} tokens reserved")
-    _report("static layout, full window", lambda: static._decode.lower(static.capacity, params, state, key, arrays, steps))
+    _report("static layout, full window",
+            lambda: static.controller._decode.lower(static.capacity, params, state, key, arrays, steps))
 
     pages = pages_for(pool_tokens * (args.slots // replicas), args.page_size)
     paged = Sampler(cfg, graphdef, **shape, cache=CacheConfig.paged(page_size=args.page_size, pages_per_replica=pages))

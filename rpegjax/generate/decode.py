@@ -14,6 +14,7 @@ right-padded in the prefill and its first response token sits at position s.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import flax.struct
 import jax
@@ -28,6 +29,7 @@ from rpegjax.models.config import ModelConfig
 from rpegjax.models.transformer import KVCache
 from rpegjax.options import CacheLayout
 from rpegjax.sharding import axes
+from rpegjax.sharding.abstract import with_shardings
 from rpegjax.sharding.rules import ActivationSharding
 
 
@@ -88,6 +90,12 @@ def decode_state_shardings(state: DecodeState, sharding: ActivationSharding) -> 
         tokens=named((axes.BATCH, None), state.tokens),
         logprobs=named((axes.BATCH, None), state.logprobs),
     )
+
+
+def abstract_state_of(build: Callable[[], Any], shardings: Any | None) -> Any:
+    """Shapes and dtypes of the state `build()` makes (nothing allocated), carrying `shardings` when given."""
+    state = jax.eval_shape(build)
+    return state if shardings is None else with_shardings(state, shardings)
 
 
 def _ends_with_stop_sequence(responses: Int[Array, "b n"], num_generated: Int[Array, " b"],

@@ -6,7 +6,8 @@ running there, (2) gives every running sequence the pages its next chunk writes,
 recently admitted sequence of a replica whose pool ran dry (its pages are freed and it restarts from
 its prompt later: per-row keys make the restart draw the same tokens), (3) runs the chunk over a
 power-of-two number of page-table columns and (4) fetches to the host only the small per-slot arrays
-plus the rows of the sequences that finished.
+plus the rows of the sequences that finished. The slots' owners, pages and preemption choices are host
+bookkeeping of one run (`paged_slots.PagedSlots`); this module holds the compiled programs and the loop.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rpegjax.generate.completion import FINISH_CODES, Completion
-from rpegjax.generate.decode import DecodeStalledError
-from rpegjax.generate.paged_cache import CacheConfig, PagePool, pages_for, pow2_at_least
+from rpegjax.generate.decode import DecodeStalledError, abstract_state_of
+from rpegjax.generate.paged_cache import CacheConfig, pages_for, pow2_at_least
 from rpegjax.generate.paged_decode import (
     decode_paged,
     empty_paged_state,
@@ -30,11 +31,11 @@ from rpegjax.generate.paged_decode import (
     prefill_pages,
     start_rows,
 )
+from rpegjax.generate.paged_slots import PagedSlots
 from rpegjax.generate.requests import Request, RequestFeed, RequestQueue
 from rpegjax.models.config import ModelConfig
 from rpegjax.options import CacheLayout
 from rpegjax.sharding import axes
-from rpegjax.sharding.abstract import with_shardings
 from rpegjax.sharding.rules import ActivationSharding
 
 
@@ -110,10 +111,7 @@ class PagedController:
     # ---- lowering ahead of time ----------------------------------------------------------------------
     def abstract_state(self):
         """The paged decode state's shapes and dtypes with its shardings (nothing allocated)."""
-        state = jax.eval_shape(self._empty)
-        if self._state_sharding is None:
-            return state
-        return with_shardings(state, self._state_sharding)
+        return abstract_state_of(self._empty, self._state_sharding)
 
     def lower_programs(self, params, state, key, arrays, *, max_prompt_len: int, group_size: int
                        ) -> dict[str, jax.stages.Lowered]:
@@ -140,143 +138,95 @@ class PagedController:
     def run(self, params, requests: list[Request], arrays, key: jax.Array, version, *, continuous: bool,
             feed: RequestFeed | None = None) -> Iterator[Completion]:
         """Serves `requests`, and those `feed` adds before each chunk (blocking on `feed.wait()` when idle)."""
-        page = self.page_size
-        pool = PagePool(self.replicas, self.pages_per_replica)
-        table = np.zeros((self.num_slots, self.max_pages), np.int32)
-        held: list[list[int]] = [[] for _ in range(self.num_slots)]  # pages of each slot, in table order
-        owners: list[tuple[int, int] | None] = [None] * self.num_slots
-        admitted_at = np.zeros(self.num_slots, np.int64)  # admission order: preemption takes the newest
-        cache_length = np.zeros(self.num_slots, np.int64)
-        evict = np.zeros(self.num_slots, bool)
         queue = RequestQueue(requests, lambda index, request: (index, tuple(range(request.samples))))
         requests, pending = queue.requests, queue.pending  # grown in place as the feed adds requests
-        counter = 0
+        slots = PagedSlots(requests, num_slots=self.num_slots, replicas=self.replicas,
+                           pages_per_replica=self.pages_per_replica, page_size=self.page_size,
+                           max_pages=self.max_pages, chunk_steps=self.chunk_steps)
         state = self.new_state()
-
-        def replica_of(slot: int) -> int:
-            return slot // self.slots_per_replica
-
-        def most_tokens(slot: int) -> int:  # the last sampled token is never written to the cache
-            request = requests[owners[slot][0]]
-            return request.size + request.budget - 1
-
-        def chunk_need(slot: int) -> int:  # pages the slot's next chunk writes into, beyond what it holds
-            tokens = min(int(cache_length[slot]) + self.chunk_steps, most_tokens(slot))
-            return max(0, pages_for(tokens, page) - len(held[slot]))
-
-        def release(slot: int) -> None:
-            pool.release(replica_of(slot), held[slot])
-            held[slot] = []
-            table[slot] = 0
-            owners[slot] = None
-
         while True:
-            if not queue.refill(feed, idle=all(o is None for o in owners)):
+            if not queue.refill(feed, idle=slots.idle()):
                 return
-            # ---- admission ----
-            if continuous or all(o is None for o in owners):
-                admitted = []  # (prompt index, sample indices, slots)
-                while pending:
-                    prompt, samples = pending[0]
-                    size, g = requests[prompt].size, len(samples)
-                    full = size // page
-                    # prompt pages (full ones shared, a partial one per sample) + each sample's first chunk
-                    first = pages_for(min(size + self.chunk_steps, size + requests[prompt].budget - 1), page) - full
-                    need = full + g * max(first, 1)
-                    choice = None
-                    for replica in range(self.replicas):
-                        slots = [s for s in range(replica * self.slots_per_replica,
-                                                  (replica + 1) * self.slots_per_replica) if owners[s] is None]
-                        running = [s for s in range(replica * self.slots_per_replica,
-                                                    (replica + 1) * self.slots_per_replica) if owners[s] is not None]
-                        reserve = sum(chunk_need(s) for s in running)
-                        if len(slots) >= g and pool.num_free(replica) >= need + reserve:
-                            if choice is None or pool.num_free(replica) > pool.num_free(choice[0]):
-                                choice = (replica, slots[:g])
-                    if choice is None:
-                        break
-                    pending.popleft()
-                    replica, slots = choice
-                    shared = pool.take(replica, full)
-                    pool.share(replica, shared, g - 1)
-                    self.stats.shared_page_references += len(shared) * (g - 1)
-                    for slot, sample in zip(slots, samples, strict=True):
-                        held[slot] = shared + pool.take(replica, 1 if size % page else 0)
-                        table[slot, : len(held[slot])] = held[slot]
-                        owners[slot] = (prompt, sample)
-                        evict[slot] = False  # a slot preempted and refilled before any decode: start_rows resets it
-                        cache_length[slot] = size
-                        admitted_at[slot] = counter
-                        counter += 1
-                    admitted.append((prompt, samples, slots))
-                if admitted:
-                    state = self._admit(params, state, requests, admitted, table, held, key, arrays)
-                elif not any(o is not None for o in owners):
-                    prompt, samples = pending[0]
-                    raise ValueError(
-                        f"paged sampler: request {prompt} ({requests[prompt].size} tokens, {len(samples)} samples) does not "
-                        f"fit an empty replica of {self.pages_per_replica} pages of {page} tokens; raise "
-                        "CacheConfig.pages_per_replica or lower group_size"
-                    )
-
-            # ---- pages for the next chunk; preempt the newest sequences of a replica that ran dry ----
-            for slot in sorted((s for s in range(self.num_slots) if owners[s] is not None), key=lambda s: admitted_at[s]):
-                if owners[slot] is None:  # preempted by an older sequence in this pass
-                    continue
-                replica = replica_of(slot)
-                while chunk_need(slot) > pool.num_free(replica):
-                    victim = max((s for s in range(self.num_slots) if owners[s] is not None and replica_of(s) == replica),
-                                 key=lambda s: admitted_at[s])
-                    pending.appendleft((owners[victim][0], (owners[victim][1],)))
-                    release(victim)
-                    evict[victim] = True
-                    self.stats.preemptions += 1
-                    if victim == slot:
-                        break
-                if owners[slot] is None:
-                    continue
-                extra = pool.take(replica, chunk_need(slot))
-                table[slot, len(held[slot]): len(held[slot]) + len(extra)] = extra
-                held[slot] += extra
-            running = [s for s in range(self.num_slots) if owners[s] is not None]
-            self.stats.peak_pages = max(self.stats.peak_pages, pool.held())
+            if continuous or slots.idle():
+                state = self._admit_pending(params, state, slots, pending, key, arrays)
+            preempted = slots.grow_for_next_chunk()
+            for prompt, sample in preempted:
+                pending.appendleft((prompt, (sample,)))
+            self.stats.preemptions += len(preempted)
+            running = slots.running()
+            self.stats.peak_pages = max(self.stats.peak_pages, slots.pool.held())
             if not running:
                 continue
-            limits = np.array([len(h) * page for h in held], np.int32)
-            window = pow2_at_least(max(len(held[s]) for s in running), self.max_pages)
-            before = int(cache_length[running].sum())
-            # copies: the CPU client may read an aligned numpy argument when the program runs, after this call
-            # returns (clearing `evict` in place below once hid an eviction from the chunk: every chunk stalled)
-            state, steps = self._decode(window, params, state, table.copy(), limits, evict.copy(), key, arrays,
-                                        np.int32(self.chunk_steps))
-            evict[:] = False
-            done, num_generated, finish = jax.device_get((state.done, state.num_generated, state.finish))
-            steps = int(steps)
-            self.stats.decode_calls += 1
-            self.stats.decode_steps += steps
-            self.stats.chunks_per_window[window] = self.stats.chunks_per_window.get(window, 0) + 1
-            for slot in running:
-                cache_length[slot] = requests[owners[slot][0]].size + int(num_generated[slot]) - 1
-            after = int(cache_length[running].sum())
-            self.stats.record_memory(steps, reserved=pool.held() * page, cached=(before + after) / 2)
-            finished = [slot for slot in running if done[slot]]
-            if steps == 0 and not finished:
-                lengths = jax.device_get(state.cache.lengths)
-                raise DecodeStalledError.describe(CacheLayout.PAGED, self.stats.decode_calls, running, done, lengths,
-                                                  limits)
-            if not finished:
-                continue
-            bucket = pow2_at_least(len(finished), self.num_slots)
-            rows = np.full((bucket,), finished[0], np.int32)
-            rows[: len(finished)] = finished
-            tokens, logprobs = jax.device_get(self._rows(state.tokens, state.logprobs, rows))
-            for row, slot in enumerate(finished):
-                prompt, sample = owners[slot]
-                n = int(num_generated[slot])
-                release(slot)
-                yield Completion(prompt_index=prompt, sample_index=sample, prompt_ids=requests[prompt].tokens.copy(),
-                                 response_ids=np.array(tokens[row, :n]), behaviour_logprobs=np.array(logprobs[row, :n]),
-                                 finish_reason=FINISH_CODES[int(finish[slot])], version=version)
+            state, finished, num_generated, finish = self._decode_chunk(params, state, slots, running, key, arrays)
+            if finished:
+                yield from self._hand_out(state, slots, finished, num_generated, finish, version)
+
+    def _admit_pending(self, params, state, slots: PagedSlots, pending, key, arrays):
+        """Admits pending requests, in order, while a replica has room for the next one, then prefills them."""
+        requests = slots.requests
+        admitted = []  # (prompt index, sample indices, slots)
+        while pending:
+            prompt, samples = pending[0]
+            choice = slots.choose(prompt, samples)
+            if choice is None:
+                break
+            pending.popleft()
+            replica, chosen = choice
+            self.stats.shared_page_references += slots.place(prompt, samples, replica, chosen)
+            admitted.append((prompt, samples, chosen))
+        if admitted:
+            return self._admit(params, state, requests, admitted, slots.table, slots.held, key, arrays)
+        if slots.idle():
+            prompt, samples = pending[0]
+            raise ValueError(
+                f"paged sampler: request {prompt} ({requests[prompt].size} tokens, {len(samples)} samples) does not "
+                f"fit an empty replica of {self.pages_per_replica} pages of {self.page_size} tokens; raise "
+                "CacheConfig.pages_per_replica or lower group_size"
+            )
+        return state
+
+    def _decode_chunk(self, params, state, slots: PagedSlots, running: list[int], key, arrays):
+        """One decode chunk over a power-of-two number of page-table columns; returns the state and the finished
+        slots with every slot's response length and finish code. Raises when the chunk ran no step and finished
+        nothing (the host and the device disagree)."""
+        page = self.page_size
+        limits = np.array([len(h) * page for h in slots.held], np.int32)
+        window = pow2_at_least(max(len(slots.held[s]) for s in running), self.max_pages)
+        before = int(slots.cache_length[running].sum())
+        # copies: the CPU client may read an aligned numpy argument when the program runs, after this call
+        # returns (clearing `evict` in place below once hid an eviction from the chunk: every chunk stalled)
+        state, steps = self._decode(window, params, state, slots.table.copy(), limits, slots.evict.copy(), key,
+                                    arrays, np.int32(self.chunk_steps))
+        slots.evict[:] = False
+        done, num_generated, finish = jax.device_get((state.done, state.num_generated, state.finish))
+        steps = int(steps)
+        self.stats.decode_calls += 1
+        self.stats.decode_steps += steps
+        self.stats.chunks_per_window[window] = self.stats.chunks_per_window.get(window, 0) + 1
+        slots.record_generated(running, num_generated)
+        after = int(slots.cache_length[running].sum())
+        self.stats.record_memory(steps, reserved=slots.pool.held() * page, cached=(before + after) / 2)
+        finished = [slot for slot in running if done[slot]]
+        if steps == 0 and not finished:
+            lengths = jax.device_get(state.cache.lengths)
+            raise DecodeStalledError.describe(CacheLayout.PAGED, self.stats.decode_calls, running, done, lengths,
+                                              limits)
+        return state, finished, num_generated, finish
+
+    def _hand_out(self, state, slots: PagedSlots, finished: list[int], num_generated, finish, version
+                  ) -> Iterator[Completion]:
+        """Completions of the `finished` slots, whose pages return to the pool."""
+        bucket = pow2_at_least(len(finished), self.num_slots)
+        rows = np.full((bucket,), finished[0], np.int32)
+        rows[: len(finished)] = finished
+        tokens, logprobs = jax.device_get(self._rows(state.tokens, state.logprobs, rows))
+        for row, slot in enumerate(finished):
+            prompt, sample = slots.owners[slot]
+            n = int(num_generated[slot])
+            slots.release(slot)
+            yield Completion(prompt_index=prompt, sample_index=sample, prompt_ids=slots.requests[prompt].tokens.copy(),
+                             response_ids=np.array(tokens[row, :n]), behaviour_logprobs=np.array(logprobs[row, :n]),
+                             finish_reason=FINISH_CODES[int(finish[slot])], version=version)
 
     def _admit(self, params, state, requests, admitted, table, held, key, arrays):
         """Chunked prefill of the admitted prompts through their first sample's pages, then the start of every sample."""

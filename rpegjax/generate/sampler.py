@@ -10,8 +10,9 @@ first `window` cache positions, the longest running row's length plus the chunk 
 few decode programs compile. After a chunk only the small per-slot arrays and the rows of finished
 sequences come back to the host.
 
-The KV cache is contiguous (`CacheLayout.CONTIGUOUS`, every slot reserves the capacity: the reference)
-or paged (`CacheLayout.PAGED`, `paged_sampler.PagedController`: memory follows the tokens in flight).
+The KV cache is contiguous (`CacheLayout.CONTIGUOUS`, `contiguous_sampler.ContiguousController`: every slot
+reserves the capacity, the reference) or paged (`CacheLayout.PAGED`, `paged_sampler.PagedController`: memory
+follows the tokens in flight). The sampler checks the call and hands it to its layout's controller.
 
 Both paths draw the step-th token of (prompt_index, sample_index) with the same key, so for one key
 they return the same sequences, whatever slot or wave a sequence lands in.
@@ -34,11 +35,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from rpegjax.generate.completion import FINISH_CODES, Completion
-from rpegjax.generate.decode import DecodeStalledError, DecodeState, admit, decode, decode_state_shardings
+from rpegjax.generate.completion import Completion
+from rpegjax.generate.contiguous_sampler import ContiguousController
+from rpegjax.generate.decode import DecodeState
 from rpegjax.generate.paged_cache import CacheConfig
 from rpegjax.generate.paged_sampler import PagedController
-from rpegjax.generate.requests import Request, RequestFeed, RequestQueue, check_request
+from rpegjax.generate.requests import Request, RequestFeed, check_request
 from rpegjax.generate.sampling import SamplingConfig, sampling_arrays
 from rpegjax.generate.weight_sync import generation_batch_axes, generation_rules
 from rpegjax.models.config import ModelConfig
@@ -46,7 +48,6 @@ from rpegjax.models.lora import LoRAConfig
 from rpegjax.models.transformer import Decoder
 from rpegjax.options import CacheLayout
 from rpegjax.sharding import axes
-from rpegjax.sharding.abstract import with_shardings
 from rpegjax.sharding.rules import (
     ActivationSharding,
     ShardingRules,
@@ -124,6 +125,13 @@ class _CheckedFeed:
         return self._checked(self.feed.wait())
 
 
+def _generation_param_shardings(cfg: ModelConfig, lora: LoRAConfig | None, mesh: Mesh,
+                                rules: ShardingRules) -> nnx.State:
+    """Where `rules` place every parameter of the model `cfg` (with `lora`'s adapters) on `mesh`."""
+    abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0), lora=lora))
+    return param_shardings(nnx.split(abstract)[1], mesh, rules)
+
+
 def _positive_int(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
         raise ValueError(f"Sampler: {name} must be a positive integer, got {value!r}")
@@ -137,7 +145,8 @@ class Sampler:
     per slot. With a `mesh`, slots are split over the rules' batch axes and heads over the tensor axis
     (default rules: `generation_rules` with every mesh axis but tensor as a batch axis, so no device
     repeats another's slots; `num_slots` must divide by their product); parameters must already be in that layout
-    (`weight_sync.reshard_params`). The compiled functions are built once here; `admit` compiles once
+    (`weight_sync.reshard_params`). The compiled functions are built once here, by the layout's controller
+    (`contiguous_sampler.ContiguousController` or `paged_sampler.PagedController`); `admit` compiles once
     per (prompt bucket, group size, prefill width: max_prompt_len, or the capacity for a longer fed context),
     `decode` once per attention window (2 + log2(capacity / window_step) at most). `cache` chooses the KV
     layout (default contiguous; `CacheConfig.paged(...)` for pages).
@@ -186,117 +195,35 @@ class Sampler:
         self.cache = CacheConfig() if cache is None else cache
         if not isinstance(self.cache, CacheConfig):
             raise TypeError(f"Sampler: cache must be a CacheConfig, got {type(self.cache).__name__}")
-        self._empty = partial(DecodeState.empty, cfg, self.num_slots, self.capacity, self.max_new_tokens)
+        self.params_sharding = None if mesh is None else _generation_param_shardings(cfg, lora, mesh, self.rules)
         activation = None if mesh is None else ActivationSharding(mesh, self.rules)
-
-        def admit_fn(group_size, *arrays):  # group size positional: jit takes no kwargs with in_shardings
-            return admit(graphdef, *arrays, group_size=group_size, sharding=activation)
-
-        def decode_fn(window, *arrays):  # the attention window is static: one program per window size
-            return decode(graphdef, *arrays, window=window, sharding=activation)
-        if mesh is None:
-            self._admit = jax.jit(admit_fn, static_argnums=(0,), donate_argnums=(2,))
-            self._decode = jax.jit(decode_fn, static_argnums=(0,), donate_argnums=(2,))
-            self._build_state = jax.jit(self._empty)
-            self.params_sharding = self._state_sharding = None
-        else:
-            abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0), lora=lora))
-            self.params_sharding = param_shardings(nnx.split(abstract)[1], mesh, self.rules)
-            self._state_sharding = state_sharding = decode_state_shardings(jax.eval_shape(self._empty), activation)
-            replicated = NamedSharding(mesh, PartitionSpec())
-            self._admit = jax.jit(
-                admit_fn,
-                static_argnums=(0,),
-                # a few small host arrays per admit (their row count varies with the bucket): replicated
-                in_shardings=(self.params_sharding, state_sharding) + (replicated,) * 8,
-                out_shardings=state_sharding,
-                donate_argnums=(2,),
-            )
-            self._decode = jax.jit(
-                decode_fn,
-                static_argnums=(0,),
-                in_shardings=(self.params_sharding, state_sharding, replicated, replicated, replicated),
-                out_shardings=(state_sharding, replicated),
-                donate_argnums=(2,),
-            )
-            self._build_state = jax.jit(self._empty, out_shardings=state_sharding)
-            # a mesh spanning processes splits slots across them: `_fetch` replicates what it reads first
-            self._replicate = jax.jit(lambda values: values, out_shardings=replicated)
-        rows_fn = lambda tokens, logprobs, rows: (tokens[rows], logprobs[rows])  # noqa: E731
-        # the rows of finished sequences only, replicated so that every process can read them
-        self._rows = jax.jit(rows_fn) if mesh is None else jax.jit(rows_fn, out_shardings=(replicated, replicated))
-        self.paged = None
+        common = dict(num_slots=self.num_slots, replicas=self.replicas, max_new_tokens=self.max_new_tokens,
+                      chunk_steps=self.chunk_steps, stats=self.stats, mesh=mesh, activation=activation,
+                      params_sharding=self.params_sharding)
+        # the layout's compiled programs and host loop; `paged` is the paged layout's controller, else None
+        self.controller: ContiguousController | PagedController
+        self.paged: PagedController | None = None
         if self.cache.layout == CacheLayout.PAGED:
-            self.paged = PagedController(
-                cfg, graphdef, self.cache, num_slots=self.num_slots, replicas=self.replicas, capacity=self.capacity,
-                max_new_tokens=self.max_new_tokens, chunk_steps=self.chunk_steps, stats=self.stats, mesh=mesh,
-                activation=activation, params_sharding=self.params_sharding)
+            self.paged = self.controller = PagedController(cfg, graphdef, self.cache, capacity=self.capacity, **common)
+        else:
+            self.controller = ContiguousController(cfg, graphdef, max_prompt_len=self.max_prompt_len,
+                                                   window_step=self.window_step, **common)
 
     def compile_counts(self) -> dict[str, int]:
         """Programs compiled so far: `admit` one per (prompt bucket, group size, prefill width, sampling switches),
         `decode` one per (attention window, sampling switches); anything more is a retrace bug.
         Paged layout: `prefill` per (prompt rows, chunk, page window), `start` per row bucket, `decode` per
         page window (a power of two)."""
-        if self.paged is not None:
-            return self.paged.compile_counts()
-        return {"admit": self._admit._cache_size(), "decode": self._decode._cache_size()}
+        return self.controller.compile_counts()
 
     def new_state(self) -> DecodeState:
         """All slots empty, placed with the sampler's shardings."""
-        return self._build_state() if self.paged is None else self.paged.new_state()
-
-    # ---- the two compiled calls ----------------------------------------------------------------------
-    def _admit_requests(self, params, state, requests, indices, slots, key, arrays):
-        """Prefills requests[indices] (one number of samples G) once each into `slots` (G consecutive slots per
-        request). The prefill is max_prompt_len wide, or the capacity when a context (a later turn) is longer."""
-        group_size = requests[indices[0]].samples
-        n = len(indices)
-        width = self.max_prompt_len if max(requests[i].size for i in indices) <= self.max_prompt_len else self.capacity
-        tokens, lengths, slot_ids, key_index, sample_index, row_budgets = self._admit_arrays(
-            self._admit_bucket(n, group_size), width, group_size)
-        for row, index in enumerate(indices):
-            tokens[row, : requests[index].size] = requests[index].tokens
-            lengths[row] = requests[index].size
-        slot_ids[: n * group_size] = slots
-        key_index[: n * group_size] = np.repeat([requests[i].key_index for i in indices], group_size)
-        sample_index[: n * group_size] = (np.repeat([requests[i].first_sample for i in indices], group_size)
-                                          + np.tile(np.arange(group_size), n))
-        row_budgets[: n * group_size] = np.repeat([requests[i].budget for i in indices], group_size)
-        self.stats.prefill_calls += 1
-        self.stats.prefilled_prompts += n
-        return self._admit(group_size, params, state, tokens, lengths, slot_ids, key_index, sample_index,
-                           row_budgets, key, arrays)
-
-    def _admit_bucket(self, prompts: int, group_size: int) -> int:
-        """Prompt rows of one admit of `prompts` prompts: a power of two up to the groups the slots hold (few
-        shapes), a multiple of the slot replicas (prompt rows split over them too)."""
-        bucket = min(1 << (prompts - 1).bit_length(), self.num_slots // group_size)
-        return -(-bucket // self.replicas) * self.replicas
-
-    def _admit_arrays(self, bucket: int, width: int, group_size: int) -> tuple[np.ndarray, ...]:
-        """The host arrays of one admit, padded: tokens [bucket, width], lengths [bucket], then per sample row
-        slot ids (past the end: dropped), key index, sample index and budget."""
-        rows = bucket * group_size
-        return (np.zeros((bucket, width), np.int32), np.ones((bucket,), np.int32),
-                np.full((rows,), self.num_slots, np.int32), np.zeros((rows,), np.int32), np.zeros((rows,), np.int32),
-                np.ones((rows,), np.int32))
-
-    def _window(self, longest: int) -> int:
-        """Cache positions a chunk attends to: enough for the longest running row to take every step of
-        the chunk, `window_step` times a power of two (at most 2 + log2(capacity / window_step) compiled
-        sizes), at most the capacity."""
-        steps = -(-(longest + self.chunk_steps) // self.window_step)
-        return min(self.capacity, self.window_step * (1 << (steps - 1).bit_length()))
+        return self.controller.new_state()
 
     # ---- lowering ahead of time ----------------------------------------------------------------------
     def abstract_state(self) -> DecodeState:
         """The decode state's shapes and dtypes with the sampler's shardings (nothing allocated)."""
-        if self.paged is not None:
-            return self.paged.abstract_state()
-        state = jax.eval_shape(self._empty)
-        if self._state_sharding is None:
-            return state
-        return with_shardings(state, self._state_sharding)
+        return self.controller.abstract_state()
 
     def _abstract_key(self) -> jax.ShapeDtypeStruct:
         key = jax.eval_shape(lambda: jax.random.key(0))
@@ -314,37 +241,8 @@ class Sampler:
         arrays = sampling_arrays(sampling, vocab_size=self.cfg.vocab_size, default_eos_id=self.cfg.eos_token_id)
         key, state = self._abstract_key(), self.abstract_state()
         longest = self.capacity if long_contexts else self.max_prompt_len
-        if self.paged is not None:
-            return self.paged.lower_programs(params, state, key, arrays, max_prompt_len=longest, group_size=group_size)
-        prefill = self._admit.lower(group_size, params, state, *self._admit_arrays(
-            self._admit_bucket(self.num_slots // group_size, group_size), longest, group_size), key, arrays)
-        decode = self._decode.lower(self.capacity, params, state, key, arrays, np.int32(self.chunk_steps))
-        return {"prefill": prefill, "decode": decode}
-
-    def _decode_chunk(self, params, state, key, arrays, window: int):
-        state, steps = self._decode(window, params, state, key, arrays, np.int32(self.chunk_steps))
-        self.stats.decode_calls += 1
-        self.stats.chunks_per_window[window] = self.stats.chunks_per_window.get(window, 0) + 1
-        return state, steps
-
-    def _fetch(self, state: DecodeState):
-        """The small per-slot arrays: done, num_generated, finish."""
-        values = (state.done, state.num_generated, state.finish)
-        if not all(value.is_fully_addressable for value in values):  # other processes hold some slots
-            values = self._replicate(values)  # one program for the three arrays; then every process reads all
-        return jax.device_get(values)
-
-    def _fetch_lengths(self, state: DecodeState) -> np.ndarray:
-        """Every slot's cache length (only to explain a stalled chunk)."""
-        lengths = state.cache.lengths
-        return jax.device_get(lengths if lengths.is_fully_addressable else self._replicate(lengths))
-
-    def _fetch_rows(self, state: DecodeState, slots: list[int]):
-        """Tokens and log-probs of `slots` only (a power-of-two bucket of rows: few compiled gathers)."""
-        bucket = 1 << (len(slots) - 1).bit_length()
-        rows = np.full((min(bucket, self.num_slots),), slots[0], np.int32)
-        rows[: len(slots)] = slots
-        return jax.device_get(self._rows(state.tokens, state.logprobs, rows))
+        return self.controller.lower_programs(params, state, key, arrays, max_prompt_len=longest,
+                                              group_size=group_size)
 
     def _check_params(self, params: nnx.State) -> None:
         """On a mesh, parameters must already be in the generation layout (moving them is weight sync's job)."""
@@ -402,70 +300,7 @@ class Sampler:
         """
         requests, arrays = self._prepare(params, prompts, sampling, group_size, budgets, key)
         feed = None if feed is None else self._checked_feed(feed, sampling)
-        return self._run(params, requests, arrays, key, version, continuous=True, feed=feed)
-
-    def _run(self, params, requests: list[Request], arrays, key, version, *, continuous: bool,
-             feed: RequestFeed | None = None) -> Iterator[Completion]:
-        """The controller. Continuous: refill free slots before every chunk. Static: refill only once
-        every slot is free (each batch waits for its slowest sequence). Both decode in chunks over an
-        attention window sized to the longest running row. Requests from `feed` join the pending queue
-        before every chunk; when nothing runs or waits, the controller blocks on `feed.wait()`."""
-        if self.paged is not None:
-            yield from self.paged.run(params, requests, arrays, key, version, continuous=continuous, feed=feed)
-            return
-        queue = RequestQueue(requests, lambda index, _: index)
-        requests, pending = queue.requests, queue.pending  # grown in place as the feed adds requests
-        owners: list[tuple[int, int] | None] = [None] * self.num_slots
-        cache_length = np.zeros(self.num_slots, np.int64)  # per running slot: context + response tokens cached
-        state = self.new_state()
-        while True:
-            if not queue.refill(feed, idle=all(o is None for o in owners)):
-                return
-            free = [slot for slot, owner in enumerate(owners) if owner is None]
-            if continuous or len(free) == self.num_slots:
-                # admit runs of requests with the same number of samples (one compiled admit per group size)
-                while pending:
-                    group_size = requests[pending[0]].samples
-                    admitted = []
-                    while pending and requests[pending[0]].samples == group_size and (
-                            len(admitted) + 1) * group_size <= len(free):
-                        admitted.append(pending.popleft())
-                    if not admitted:
-                        break
-                    slots, free = free[: len(admitted) * group_size], free[len(admitted) * group_size:]
-                    state = self._admit_requests(params, state, requests, admitted, slots, key, arrays)
-                    for i, slot in enumerate(slots):
-                        owners[slot] = (admitted[i // group_size], i % group_size)
-                        cache_length[slot] = requests[owners[slot][0]].size  # the first token is not cached yet
-            running = [slot for slot, owner in enumerate(owners) if owner is not None]
-            if not running:
-                raise ValueError(f"sampler: request {pending[0]} ({requests[pending[0]].samples} samples) cannot "
-                                 f"start in {self.num_slots} slots")
-            before = int(cache_length[running].sum())
-            window = self._window(int(cache_length[running].max()))
-            state, steps = self._decode_chunk(params, state, key, arrays, window)
-            done, num_generated, finish = self._fetch(state)
-            steps = int(steps)
-            self.stats.decode_steps += steps
-            for slot in running:
-                cache_length[slot] = requests[owners[slot][0]].size + int(num_generated[slot]) - 1
-            self.stats.record_memory(steps, reserved=self.num_slots * self.capacity,
-                                     cached=(before + int(cache_length[running].sum())) / 2)
-            finished = [slot for slot in running if done[slot]]
-            if steps == 0 and not finished:
-                lengths = self._fetch_lengths(state)
-                raise DecodeStalledError.describe(CacheLayout.CONTIGUOUS, self.stats.decode_calls, running, done, lengths,
-                                                  np.full(self.num_slots, window))
-            if not finished:
-                continue
-            tokens, logprobs = self._fetch_rows(state, finished)
-            for row, slot in enumerate(finished):
-                (index, sample), n = owners[slot], int(num_generated[slot])
-                owners[slot] = None
-                yield Completion(prompt_index=index, sample_index=sample,
-                                 prompt_ids=requests[index].tokens.copy(),  # each completion owns its arrays
-                                 response_ids=np.array(tokens[row, :n]), behaviour_logprobs=np.array(logprobs[row, :n]),
-                                 finish_reason=FINISH_CODES[int(finish[slot])], version=version)
+        return self.controller.run(params, requests, arrays, key, version, continuous=True, feed=feed)
 
     def generate(self, params: nnx.State, prompts, sampling: SamplingConfig, *, group_size: int = 1,
                  key: jax.Array, version: int | None = None, budgets=None) -> list[Completion]:
@@ -478,7 +313,7 @@ class Sampler:
                         key: jax.Array, version: int | None = None, budgets=None) -> list[Completion]:
         """Static batching: fill the slots, decode until all are done, repeat; ordered like `generate`."""
         requests, arrays = self._prepare(params, prompts, sampling, group_size, budgets, key)
-        completions = self._run(params, requests, arrays, key, version, continuous=False)
+        completions = self.controller.run(params, requests, arrays, key, version, continuous=False)
         return sorted(completions, key=lambda c: c.order)
 
 

@@ -59,9 +59,8 @@ def test_paged_equals_contiguous(contiguous, small_pool, tiny_split, make_prompt
 
 
 def _compiled_calls(sampler: Sampler) -> tuple[object, list[str]]:
-    owner = sampler if sampler.paged is None else sampler.paged
     names = ["_admit", "_decode", "_rows"] if sampler.paged is None else ["_prefill", "_start", "_decode", "_rows"]
-    return owner, names
+    return sampler.controller, names
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "small_pool"])
@@ -108,8 +107,8 @@ def test_a_decode_chunk_without_progress_raises(contiguous, small_pool, tiny_spl
                        r".* Device rows that stop the loop: slot \d: cache length \d+, limit 0, free on the host[.;] "):
         small_pool.generate(tiny_split[1], prompts, GREEDY, **kwargs)
 
-    contiguous_decode = contiguous._decode
-    monkeypatch.setattr(contiguous, "_decode", lambda *args: contiguous_decode(*args[:-1], np.int32(0)))
+    contiguous_decode = contiguous.controller._decode
+    monkeypatch.setattr(contiguous.controller, "_decode", lambda *args: contiguous_decode(*args[:-1], np.int32(0)))
     with pytest.raises(DecodeStalledError, match=r"contiguous sampler: decode call \d+ ran 0 steps .* stop the loop: "
                                                  r"none\. Running on the host: slots \[0, 1, 2, 3\]"):
         contiguous.generate(tiny_split[1], prompts, GREEDY, **kwargs)
