@@ -333,6 +333,87 @@ def critic_from_actor(actor: Decoder, cfg: ModelConfig) -> Decoder:
     return nnx.merge(graphdef, nnx.from_flat_state(filled))
 
 
+def run_slots(cfg: RunConfig, graph: Graph, eval_count: int) -> int:
+    """The sampler's concurrent sequences: a plan's `decode_slots`, else `rollout.num_slots`, no more than a step
+    or an evaluation needs, rounded to whole groups that split evenly over the generation mesh's slot replicas."""
+    rollout = cfg.rollout
+    requested = graph.execution.decode_slots or rollout.num_slots
+    slots = min(requested, max(rollout.prompts_per_step * rollout.group_size, eval_count))
+    return usable_slots(slots, rollout.group_size, placed_meshes(graph)[1])
+
+
+def _warm_started(cfg: RunConfig, model: Decoder, model_cfg: ModelConfig, task, train_examples: list[Example],
+                  environment, template: PromptTemplate, tokenizer, log: Callable[[str], None]
+                  ) -> tuple[Decoder, dict[str, float]]:
+    """The built-in model after its supervised warm start (`warmstart`, cached) on the task's worked solutions."""
+    if not hasattr(task, "reference_solution"):
+        raise ValueError("warm_start.steps > 0 needs a task with reference solutions (the built-in tasks); "
+                         "set --warm_start.steps=0 for a dataset")
+    started = time.perf_counter()
+    # the prompts the policy will see (with an environment, its opening messages) and what to answer
+    encode_target, taught = worked_targets(task, environment, tokenizer.encode, tokenizer.eos_id)
+    model, metrics = warm_start(
+        model, model_cfg, train_examples,
+        encode_prompt=lambda e: prompt_ids(e, environment, template, tokenizer),
+        encode_target=encode_target,
+        steps=cfg.warm_start.steps, batch_size=cfg.warm_start.batch_size,
+        learning_rate=cfg.warm_start.learning_rate,
+        pad_id=tokenizer.pad_id,
+        seed=cfg.model.seed, cache_dir=cfg.warm_start.cache_dir,
+        cache_key={"model": _numerics(model_cfg), "task": task.name,
+                   # the reward does not change supervised targets
+                   "data": dataclasses.asdict(dataclasses.replace(cfg.data, reward=())),
+                   "warm_start": dataclasses.asdict(dataclasses.replace(cfg.warm_start, cache_dir="")),
+                   "seed": cfg.model.seed, "template": cfg.data.prompt_template, "format": 1,
+                   # an environment changes prompts and targets (its key is absent without one: the
+                   # plain warm starts cached before keep their entries)
+                   **({"env": [cfg.rollout.env.value, *cfg.rollout.tool_tags]} if environment else {})},
+        agree=None if jax.process_count() == 1 else distributed.holds_in_every_process,
+    )
+    metrics["warm_start/seconds"] = time.perf_counter() - started
+    log(f"warm start: {cfg.warm_start.steps} supervised steps {taught} "
+        f"({'cached' if metrics['warm_start/cached'] else 'trained'}, {metrics['warm_start/seconds']:.1f} s)")
+    return model, metrics
+
+
+def _pretrained(cfg: RunConfig, tokenizer, train_mesh) -> tuple[Decoder, ModelConfig]:
+    """The checkpoint of `model.path`, read straight into the training layout (each process reads only the windows
+    its devices hold), with the run's precision and execution options."""
+    precision = run_precision(cfg)
+    model, model_cfg = load_pretrained(cfg.model.path, param_dtype=precision.param_dtype, dtype=precision.dtype,
+                                       value_head=cfg.shares_actor_critic, mesh=train_mesh)
+    model = model.with_execution(**cfg.model.execution())
+    model_cfg = model.cfg
+    if model_cfg.eos_token_id is None:
+        model_cfg = model_cfg.replace(eos_token_id=tokenizer.eos_id)
+        model.cfg = model_cfg
+    return model, model_cfg
+
+
+def run_algorithm(cfg: RunConfig):
+    """The run's algorithm section; with LoRA, its optimiser is the adapters' (a separate critic trains fully, at
+    the algorithm's rate)."""
+    algorithm = cfg.algorithm_section()
+    if cfg.lora.config() is None:
+        return algorithm
+    changes = dict(optimizer=cfg.lora.optimizer(algorithm.optimizer))
+    if cfg.algorithm is Algorithm.PPO and not cfg.shares_actor_critic:
+        changes["critic_optimizer"] = algorithm.critic_optimizer or algorithm.optimizer
+    return dataclasses.replace(algorithm, **changes)
+
+
+def _with_lora(cfg: RunConfig, model: Decoder, model_cfg: ModelConfig) -> Decoder:
+    """The actor with LoRA adapters when `lora.rank` > 0 (their rank checked against a checkpoint's widths)."""
+    lora = cfg.lora.config()
+    if lora is None:
+        return model
+    if cfg.model.path is not None:
+        cfg.lora.check_rank(hidden_size=model_cfg.hidden_size, num_heads=model_cfg.num_heads,
+                            num_kv_heads=model_cfg.num_kv_heads, head_dim=model_cfg.head_dim,
+                            intermediate_size=model_cfg.intermediate_size, where=f"the model {cfg.model.path}")
+    return model.with_lora(lora, seed=cfg.model.seed + 1)
+
+
 def build(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Components:
     tokenizer = builtin_tokenizer() if cfg.model.path is None else load_tokenizer(cfg.model.path)
     template = run_template(cfg)
@@ -349,78 +430,28 @@ def build(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Components:
         log(f"rollouts: multi-turn with the {environment.name} tool ({cfg.rollout.max_turns} turns, "
             f"{cfg.rollout.episode_token_budget or cfg.rollout.max_new_tokens} tokens per episode)")
     max_prompt_len = check_prompt_lengths(examples, prompts, cfg.rollout.max_prompt_len)
-    ppo = cfg.algorithm is Algorithm.PPO
-    shared_critic = cfg.shares_actor_critic
     warm_metrics: dict[str, float] = {}
     graph = build_graph(cfg, num_devices=len(jax.devices()))
     train_mesh = placed_meshes(graph)[0]
     if cfg.model.path is None:
-        model_cfg = _model_config(cfg, tokenizer, value_head=shared_critic)
+        model_cfg = _model_config(cfg, tokenizer, value_head=cfg.shares_actor_critic)
         model = Decoder(model_cfg, rngs=nnx.Rngs(cfg.model.seed))
         if cfg.warm_start.steps > 0:
-            if not hasattr(task, "reference_solution"):
-                raise ValueError("warm_start.steps > 0 needs a task with reference solutions (the built-in tasks); "
-                                 "set --warm_start.steps=0 for a dataset")
-            started = time.perf_counter()
-            # the prompts the policy will see (with an environment, its opening messages) and what to answer
-            encode_target, taught = worked_targets(task, environment, tokenizer.encode, tokenizer.eos_id)
-            model, warm_metrics = warm_start(
-                model, model_cfg, train_examples,
-                encode_prompt=lambda e: prompt_ids(e, environment, template, tokenizer),
-                encode_target=encode_target,
-                steps=cfg.warm_start.steps, batch_size=cfg.warm_start.batch_size,
-                learning_rate=cfg.warm_start.learning_rate,
-                pad_id=tokenizer.pad_id,
-                seed=cfg.model.seed, cache_dir=cfg.warm_start.cache_dir,
-                cache_key={"model": _numerics(model_cfg), "task": task.name,
-                           # the reward does not change supervised targets
-                           "data": dataclasses.asdict(dataclasses.replace(cfg.data, reward=())),
-                           "warm_start": dataclasses.asdict(dataclasses.replace(cfg.warm_start, cache_dir="")),
-                           "seed": cfg.model.seed, "template": cfg.data.prompt_template, "format": 1,
-                           # an environment changes prompts and targets (its key is absent without one: the
-                           # plain warm starts cached before keep their entries)
-                           **({"env": [cfg.rollout.env.value, *cfg.rollout.tool_tags]} if environment else {})},
-                agree=None if jax.process_count() == 1 else distributed.holds_in_every_process,
-            )
-            warm_metrics["warm_start/seconds"] = time.perf_counter() - started
-            log(f"warm start: {cfg.warm_start.steps} supervised steps {taught} "
-                f"({'cached' if warm_metrics['warm_start/cached'] else 'trained'}, "
-                f"{warm_metrics['warm_start/seconds']:.1f} s)")
+            model, warm_metrics = _warm_started(cfg, model, model_cfg, task, train_examples, environment, template,
+                                                tokenizer, log)
     else:
-        precision = run_precision(cfg)
-        # straight into the training layout: each process reads only the windows its devices hold
-        model, model_cfg = load_pretrained(cfg.model.path, param_dtype=precision.param_dtype,
-                                           dtype=precision.dtype, value_head=shared_critic, mesh=train_mesh)
-        model = model.with_execution(**cfg.model.execution())
-        model_cfg = model.cfg
-        if model_cfg.eos_token_id is None:
-            model_cfg = model_cfg.replace(eos_token_id=tokenizer.eos_id)
-            model.cfg = model_cfg
+        model, model_cfg = _pretrained(cfg, tokenizer, train_mesh)
     model_cfg = model_cfg.replace(**graph.execution.model_fields())  # what place_models runs the model with
     check_plan_shapes(cfg, model_cfg, max_prompt_len)
     # with several processes, generation and training run on the same processes or on disjoint groups of whole
     # processes (`rpegjax.runtime.roles`); a placement that splits a process between the two is refused here
     groups = process_groups(graph)
     critic = None
-    if ppo and not shared_critic:
+    if cfg.algorithm is Algorithm.PPO and not cfg.shares_actor_critic:
         critic = critic_from_actor(model, model_cfg)
-    algorithm = cfg.algorithm_section()
-    lora = cfg.lora.config()
-    if lora is not None and cfg.model.path is not None:
-        cfg.lora.check_rank(hidden_size=model_cfg.hidden_size, num_heads=model_cfg.num_heads,
-                            num_kv_heads=model_cfg.num_kv_heads, head_dim=model_cfg.head_dim,
-                            intermediate_size=model_cfg.intermediate_size, where=f"the model {cfg.model.path}")
-    if lora is not None:  # adapters on the actor only (a separate critic trains fully, at the algorithm's rate)
-        model = model.with_lora(lora, seed=cfg.model.seed + 1)
-        changes = dict(optimizer=cfg.lora.optimizer(algorithm.optimizer))
-        if ppo and not shared_critic:
-            changes["critic_optimizer"] = algorithm.critic_optimizer or algorithm.optimizer
-        algorithm = dataclasses.replace(algorithm, **changes)
+    model, algorithm = _with_lora(cfg, model, model_cfg), run_algorithm(cfg)
     rollout = cfg.rollout
-    requested = graph.execution.decode_slots or rollout.num_slots  # a plan's slots, else the run's
-    slots = min(requested, max(rollout.prompts_per_step * rollout.group_size, len(eval_examples)))
-    # whole groups that split evenly over the generation mesh's slot replicas
-    slots = usable_slots(slots, rollout.group_size, placed_meshes(graph)[1])
+    slots = run_slots(cfg, graph, len(eval_examples))
     learner, sampler = place_models(
         graph, model, algorithm,
         RolloutShape(num_slots=slots, max_prompt_len=max_prompt_len, max_new_tokens=rollout.max_new_tokens,

@@ -139,6 +139,19 @@ def _known_flags(algorithm: Algorithm) -> list[str]:
 
 def parse_command(argv: list[str], algorithm: Algorithm) -> Command:
     """Parses the command line into a `Command`; a bad flag or value exits with a message (status 2)."""
+    parser, short = _command_parser(algorithm)
+    known, rest = parser.parse_known_args(argv)
+    overrides = _collect_overrides(parser, known, rest, short, algorithm)
+    config = _resolve_config(parser, known, overrides, RunConfig(algorithm=algorithm))
+    if config.algorithm != algorithm:
+        source = "--resume: that run" if known.resume else f"--config {known.config}: it"
+        parser.error(f"{source} used {config.algorithm.value}, not {algorithm.value}")
+    return Command(config=config, resume=known.resume, overwrite=known.overwrite, print_config=known.print_config,
+                   verbose=known.verbose, dry_run=known.dry_run, memory_gb=known.memory_gb)
+
+
+def _command_parser(algorithm: Algorithm) -> tuple[argparse.ArgumentParser, dict[str, tuple[str, ...]]]:
+    """The job's argument parser and its short flags (flag -> the dotted fields it sets)."""
     defaults = RunConfig(algorithm=algorithm)
     parser = argparse.ArgumentParser(
         prog=f"train_{algorithm.value}.py", allow_abbrev=False,
@@ -179,7 +192,12 @@ def parse_command(argv: list[str], algorithm: Algorithm) -> Command:
                         "virtual CPU devices when the plan needs more devices than exist")
     parser.add_argument("--memory-gb", type=float, metavar="GB", help="--dry-run: usable memory per device "
                         "(default: what the devices report; required on CPU)")
-    known, rest = parser.parse_known_args(argv)
+    return parser, short
+
+
+def _collect_overrides(parser: argparse.ArgumentParser, known: argparse.Namespace, rest: list[str],
+                       short: dict[str, tuple[str, ...]], algorithm: Algorithm) -> dict[str, str]:
+    """`{"section.field": text}` from the `--section.field=value` arguments and the short flags given."""
     overrides: dict[str, str] = {}
     index = 0
     while index < len(rest):
@@ -212,6 +230,13 @@ def parse_command(argv: list[str], algorithm: Algorithm) -> Command:
                 parser.error(f"set {derived} with {source} (rollout.{derived}); {section.value}.{derived} follows it")
     if "data.dataset" in overrides:
         overrides.setdefault("warm_start.steps", "0")  # a dataset has no reference solutions to warm-start on
+    return overrides
+
+
+def _resolve_config(parser: argparse.ArgumentParser, known: argparse.Namespace, overrides: dict[str, str],
+                    defaults: RunConfig) -> RunConfig:
+    """The run's config: the defaults, a `--config` file or the resumed run's config.json, then the recipe's
+    preset, then the overrides (explicit flags win)."""
     if known.resume and known.config:
         parser.error("--resume takes the run's own config.json; --config cannot be combined with it")
     if known.resume and known.overwrite:
@@ -234,11 +259,7 @@ def parse_command(argv: list[str], algorithm: Algorithm) -> Command:
             config = apply_overrides(base, {**preset, **overrides})
     except ValueError as error:  # ConfigFileError included: it names the file and the field
         parser.error(str(error))
-    if config.algorithm != algorithm:
-        source = "--resume: that run" if known.resume else f"--config {known.config}: it"
-        parser.error(f"{source} used {config.algorithm.value}, not {algorithm.value}")
-    return Command(config=config, resume=known.resume, overwrite=known.overwrite, print_config=known.print_config,
-                   verbose=known.verbose, dry_run=known.dry_run, memory_gb=known.memory_gb)
+    return config
 
 
 def parse_args(argv: list[str], algorithm: Algorithm) -> tuple[RunConfig, str | None]:

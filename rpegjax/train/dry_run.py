@@ -370,9 +370,7 @@ def run_plan(cfg) -> RunPlan:
     renders prompts) and sampler slots of a job's config, as `rpegjax.train.build` makes them, without loading
     weights or allocating. A plan document made for another model or step shapes is refused
     (`rpegjax.train.plan_document`)."""
-    from rpegjax.generate.sampler import usable_slots
     from rpegjax.models.tokenizer import builtin_tokenizer, load_tokenizer
-    from rpegjax.runtime.meshes import placed_meshes
     from rpegjax.train import build as job
     from rpegjax.train.trainer import episode_sampling, run_sampling
 
@@ -387,15 +385,8 @@ def run_plan(cfg) -> RunPlan:
     job.check_plan_shapes(cfg, model_cfg, prompt)
     rollout = cfg.rollout
     rows = rollout.prompts_per_step * rollout.group_size
-    slots = usable_slots(min(rollout.num_slots, max(rows, len(eval_examples))), rollout.group_size,
-                         placed_meshes(graph)[1])
-    algorithm = cfg.algorithm_section()
-    lora = cfg.lora.config()
-    if lora is not None:  # the optimiser of the adapters, as `build` sets it
-        changes = {"optimizer": cfg.lora.optimizer(algorithm.optimizer)}
-        if isinstance(algorithm, PPOConfig) and algorithm.critic == CriticMode.SEPARATE:
-            changes["critic_optimizer"] = algorithm.critic_optimizer or algorithm.optimizer
-        algorithm = dataclasses.replace(algorithm, **changes)
+    slots = job.run_slots(cfg, graph, len(eval_examples))
+    algorithm, lora = job.run_algorithm(cfg), cfg.lora.config()
     prediction = None if cfg.graph.plan is None else read_plan_file(cfg.graph.plan).prediction
     sampling = run_sampling(cfg) if environment is None else episode_sampling(run_sampling(cfg), tokenizer, environment)
     return RunPlan(graph=graph, model_cfg=model_cfg, algorithm=algorithm, lora=lora, sampling=sampling,

@@ -101,6 +101,8 @@ FLAG_HELP: dict[str, FlagHelp] = {
     "clip-high": FlagHelp(metavar="EPS", meaning="the ratio clip above 1 (1 + eps; > --clip-low is DAPO's "
                           "clip-higher)"),
     "aggregation": FlagHelp(metavar="KIND", meaning="how token losses are averaged into the batch loss"),
+    "correction": FlagHelp(metavar="KIND", meaning="the train/rollout mismatch correction of decoupled PPO: token or "
+                           "sequence truncated importance sampling, IcePop token masks, geometric-mean sequence masks"),
     "epochs": FlagHelp(metavar="N", meaning="passes over each step's rollouts"),
     "minibatches": FlagHelp(metavar="N", meaning="optimiser steps per epoch (the batch split in N)"),
 }
