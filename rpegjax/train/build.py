@@ -298,7 +298,7 @@ def load_plan(cfg: RunConfig, num_devices: int) -> Graph:
         raise ValueError(f"{where}: planned for {graph.num_devices} devices, {num_devices} are available")
     asked = {name: value for name, value in _kv_cache_fields(cfg).items()
              if value != getattr(RolloutSection(), _ROLLOUT_FIELD.get(name, name))}
-    planned = {name: getattr(graph.execution, name) for name in asked}
+    planned = {name: graph.execution.to_dict()[name] for name in asked}
     # a sampler set on the command line that the plan does not have: refused, not overridden (a plan without
     # slots takes the run's)
     if planned.get("decode_slots", 0) is None:
