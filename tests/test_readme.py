@@ -139,7 +139,10 @@ BLOCKS: dict[str, Entry] = {
     "rpegjax/graph/      the RPEG": Entry(reason="a directory listing, not a command"),
     # planner
     "--model qwen2.5-7b --hardware gh200 --gpus 256 --algo ppo": Entry(run="test_planner_command"),
-    "--gpus 8 --verify": Entry(run="test_dry_run_commands"),
+    "--gpus 8 --dtype float32 $STEP --verify": Entry(
+        run="test_dry_run_commands",
+        reason="a config.json of Qwen2.5-0.5B's shapes and a small tokenizer written by the test stand for the "
+               "checkpoint (the dry run reads no weights)"),
     # many processes
     "for i in 0 1 2 3; do": Entry(
         run="test_multi_process_commands",
@@ -367,13 +370,19 @@ def test_using_the_trained_model(tiny_run):
     assert [(line["prompt"], line["sample"]) for line in lines[3:]] == [("Q:12+30\n", i) for i in range(4)]
 
 
-# the planner and the dry run are being rebuilt (issues 23 and 22): these fail today because no plan fits
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="planner: issue 23")
 def test_dry_run_commands(tmp_path):
+    from rpegjax.models.config import ModelConfig
+    from rpegjax.train.export import write_char_tokenizer
+
     directory = scratch(tmp_path)
-    result = run_bash(block_text("--gpus 8 --verify"), directory, timeout=1800)
+    checkpoint = directory / "Qwen2.5-0.5B-Instruct"
+    checkpoint.mkdir()
+    write_char_tokenizer(checkpoint)
+    (checkpoint / "config.json").write_text(json.dumps(ModelConfig.qwen2p5("0.5b").to_hf_dict()))
+    result = run_bash(block_text("--gpus 8 --dtype float32 $STEP --verify"), directory, timeout=2400)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert result.stdout.count("fits: yes") + result.stderr.count("fits: yes") == 2  # plan.py --verify, the job's
 
 
 @pytest.mark.slow
