@@ -12,6 +12,16 @@ from typing import Any
 DROPPED_INFIX = "dropped-at-resume"
 
 
+def write_atomically(path: pathlib.Path, text: str) -> None:
+    """Writes `text` to `path` through a temporary file and a rename: a full disk leaves the old file whole."""
+    staging = path.with_name(f".{path.name}.tmp")
+    try:
+        staging.write_text(text)
+        staging.replace(path)
+    finally:
+        staging.unlink(missing_ok=True)
+
+
 def dropped_path(path: pathlib.Path) -> pathlib.Path:
     """The first free `<stem>.dropped-at-resume-<n><suffix>` beside `path` (n from 1: one per resume that
     dropped records)."""
@@ -42,7 +52,5 @@ def set_aside_records(path: pathlib.Path, keep: Callable[[dict[str, Any]], bool]
         return None
     target = dropped_path(path)
     target.write_text("".join(dropped))
-    staging = path.with_name(f".{path.name}.tmp")
-    staging.write_text("".join(kept))
-    staging.replace(path)
+    write_atomically(path, "".join(kept))
     return target

@@ -48,6 +48,7 @@ from rpegjax.train.hooks import (
     run_hooks,
 )
 from rpegjax.train.metrics import MetricsWriter, plot_dashboard, read_metrics, set_aside_later_metrics
+from rpegjax.train.records import write_atomically
 from rpegjax.train.resume import KEEP_WEIGHTS, check_steps, restore_newest, settings_changed
 from rpegjax.train.samples import (
     Sample,
@@ -81,16 +82,6 @@ def _fingerprint(tree: Any, mesh: Mesh | None = None) -> float:
 
 def reward_limits(train: TrainSection) -> ResourceLimits:
     return ResourceLimits(memory_mb=train.reward_memory_mb, cpu_s=train.reward_cpu_s)
-
-
-def _write_atomically(path: pathlib.Path, text: str) -> None:
-    """Writes `text` to `path` through a temporary file and a rename: a full disk leaves the old file whole."""
-    staging = path.with_name(f".{path.name}.tmp")
-    try:
-        staging.write_text(text)
-        staging.replace(path)
-    finally:
-        staging.unlink(missing_ok=True)
 
 
 def episode_sampling(sampling: SamplingConfig, tokenizer, environment) -> SamplingConfig:
@@ -307,8 +298,8 @@ class Trainer:
         checkpoint, so that a refused `--resume` leaves the run as it was."""
         if self.main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            _write_atomically(self.run_dir / "config.json", self.cfg.to_json())
-            _write_atomically(self.run_dir / "graph.json", self.parts.graph.to_json())
+            write_atomically(self.run_dir / "config.json", self.cfg.to_json())
+            write_atomically(self.run_dir / "graph.json", self.parts.graph.to_json())
 
     # ---- resume ----------------------------------------------------------------------------------
     def _resume(self, job: _Job) -> tuple[Any, int, float | None, list[tuple[int, Any]]]:
