@@ -1,4 +1,4 @@
-"""Model configuration: one frozen dataclass for the Qwen2/Qwen2.5, Qwen3 and Llama 3 decoder families."""
+"""Model configuration: one frozen dataclass for the Qwen2/Qwen2.5, Qwen3, Qwen3-MoE and Llama 3 decoder families."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ class Architecture(enum.StrEnum):
     QWEN2 = "qwen2"  # q/k/v bias, no q/k norm
     QWEN3 = "qwen3"  # q/k RMSNorm over head dim, no bias
     LLAMA = "llama"  # no bias, optional llama3 RoPE scaling
+    QWEN3_MOE = "qwen3_moe"  # Qwen3 attention; sparse layers route each token to top-k experts (models/moe.py)
 
 
 # Real-size presets train on 4k-32k-token rows: memory linear in length (blockwise attention, one
@@ -25,6 +26,7 @@ HF_ARCHITECTURE_CLASS = {
     Architecture.QWEN2: "Qwen2ForCausalLM",
     Architecture.QWEN3: "Qwen3ForCausalLM",
     Architecture.LLAMA: "LlamaForCausalLM",
+    Architecture.QWEN3_MOE: "Qwen3MoeForCausalLM",
 }
 
 JAX_DTYPES = {DType.FLOAT32: jnp.float32, DType.BFLOAT16: jnp.bfloat16, DType.FLOAT16: jnp.float16}
@@ -75,6 +77,12 @@ class ModelConfig:
     scan_layers: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    num_experts: int = 0
+    num_experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "architecture", Architecture(self.architecture))
@@ -92,6 +100,38 @@ class ModelConfig:
             )
         if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
             raise ValueError("ModelConfig.rms_norm_eps and rope_theta must be positive")
+        object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        if self.architecture != Architecture.QWEN3_MOE:
+            if self.num_experts:
+                raise ValueError(f"ModelConfig.num_experts={self.num_experts} needs architecture qwen3_moe, "
+                                 f"got {self.architecture.value}")
+            return
+        for name in ("num_experts", "num_experts_per_token", "moe_intermediate_size", "decoder_sparse_step"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ModelConfig.{name} must be a positive integer for qwen3_moe, got {value!r}")
+        if self.num_experts_per_token > self.num_experts:
+            raise ValueError(f"ModelConfig.num_experts_per_token ({self.num_experts_per_token}) exceeds num_experts "
+                             f"({self.num_experts})")
+        bad = [i for i in self.mlp_only_layers if not isinstance(i, int) or not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(f"ModelConfig.mlp_only_layers must be layer indices in [0, {self.num_layers}), got {bad}")
+        if self.scan_layers and len({self.is_sparse_layer(i) for i in range(self.num_layers)}) > 1:
+            raise ValueError("ModelConfig.scan_layers needs layers of one kind, but this model mixes dense and sparse "
+                             f"layers (decoder_sparse_step={self.decoder_sparse_step}, "
+                             f"mlp_only_layers={list(self.mlp_only_layers)}); set scan_layers=False")
+
+    def is_sparse_layer(self, index: int) -> bool:
+        """Whether layer `index` is a mixture-of-experts layer (transformers' Qwen3MoeDecoderLayer rule)."""
+        return (self.num_experts > 0 and index not in self.mlp_only_layers
+                and (index + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def sparse_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if self.is_sparse_layer(i))
 
     @property
     def jnp_param_dtype(self) -> Any:
@@ -104,17 +144,20 @@ class ModelConfig:
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
-    def num_params(self, *, include_embeddings: bool = True) -> int:
-        """Parameter count (the value head excluded)."""
+    def num_params(self, *, include_embeddings: bool = True, active: bool = False) -> int:
+        """Parameter count (the value head excluded); with `active`, a sparse layer counts only the
+        `num_experts_per_token` experts one token uses (plus its router)."""
         d, f, h, k, e, v = (self.hidden_size, self.intermediate_size, self.num_heads, self.num_kv_heads, self.head_dim, self.vocab_size)
         attention = d * h * e + 2 * d * k * e + h * e * d
         if self.attention_bias:
             attention += h * e + 2 * k * e
         if self.qk_norm:
             attention += 2 * e
-        per_layer = attention + 3 * d * f + 2 * d
+        experts = self.num_experts_per_token if active else self.num_experts
+        sparse = d * self.num_experts + experts * 3 * d * self.moe_intermediate_size
+        mlps = sum(sparse if self.is_sparse_layer(i) else 3 * d * f for i in range(self.num_layers))
         embeddings = v * d * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + d + (embeddings if include_embeddings else 0)
+        return self.num_layers * (attention + 2 * d) + mlps + d + (embeddings if include_embeddings else 0)
 
     # ---- presets -------------------------------------------------------------------------------
     @classmethod
@@ -128,7 +171,9 @@ class ModelConfig:
         """2 layers, d=64: the size used by tests."""
         base = dict(architecture=architecture, vocab_size=128, hidden_size=64, num_layers=2, num_heads=4,
                     num_kv_heads=2, head_dim=16, intermediate_size=128,
-                    attention_bias=architecture == Architecture.QWEN2, qk_norm=architecture == Architecture.QWEN3)
+                    attention_bias=architecture == Architecture.QWEN2, qk_norm=architecture in _QK_NORM)
+        if architecture == Architecture.QWEN3_MOE:
+            base.update(num_experts=4, num_experts_per_token=2, moe_intermediate_size=32, norm_topk_prob=True)
         base.update(changes)
         return cls(**base)
 
@@ -162,6 +207,21 @@ class ModelConfig:
                    rope_scaling=Llama3RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                                   original_max_position_embeddings=8192),
                    param_dtype="bfloat16", dtype="bfloat16", **_LONG_SEQUENCE_EXECUTION)
+
+    @classmethod
+    def qwen3_moe(cls, size: str) -> ModelConfig:
+        """Qwen3-MoE shapes: size 30b-a3b or 235b-a22b, from the `config.json` of Hugging Face's Qwen/Qwen3-30B-A3B
+        and Qwen/Qwen3-235B-A22B (also slime's scripts/models/qwen3-30B-A3B.sh and qwen3-235B-A22B.sh): 128 experts,
+        8 per token, every layer sparse, norm_topk_prob, head_dim 128, theta 1e6, vocabulary 151936, untied."""
+        shapes = {"30b-a3b": (2048, 48, 32, 4, 6144, 768), "235b-a22b": (4096, 94, 64, 4, 12288, 1536)}
+        if size not in shapes:
+            raise ValueError(f"unknown Qwen3-MoE size {size!r}; known: {sorted(shapes)}")
+        d, l, h, k, f, moe_f = shapes[size]
+        return cls(architecture=Architecture.QWEN3_MOE, vocab_size=151936, hidden_size=d, num_layers=l, num_heads=h,
+                   num_kv_heads=k, head_dim=128, intermediate_size=f, rope_theta=1e6, max_position_embeddings=40960,
+                   qk_norm=True, num_experts=128, num_experts_per_token=8, moe_intermediate_size=moe_f,
+                   norm_topk_prob=True, param_dtype="bfloat16", dtype="bfloat16", bos_token_id=151643,
+                   eos_token_id=151645, **_LONG_SEQUENCE_EXECUTION)
 
     # ---- Hugging Face config.json ---------------------------------------------------------------
     @classmethod
@@ -230,11 +290,12 @@ class ModelConfig:
             # transformers' Qwen2 always has q/k/v biases and ignores `attention_bias`; Llama/Qwen3 with
             # attention_bias were rejected by _check_hf_features (they would also need an o_proj bias).
             attention_bias=architecture == Architecture.QWEN2,
-            qk_norm=architecture == Architecture.QWEN3,
+            qk_norm=architecture in _QK_NORM,
             param_dtype=torch_dtype if torch_dtype in JAX_DTYPES else "float32",
             dtype=torch_dtype if torch_dtype in JAX_DTYPES else "float32",
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=eos,
+            **(_hf_experts(hf, source) if architecture == Architecture.QWEN3_MOE else {}),
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
@@ -265,8 +326,13 @@ class ModelConfig:
         if self.architecture == Architecture.LLAMA:
             hf["attention_bias"] = self.attention_bias
             hf["mlp_bias"] = False
-        if self.architecture == Architecture.QWEN3:
+        if self.architecture in _QK_NORM:
             hf["attention_bias"] = False
+        if self.architecture == Architecture.QWEN3_MOE:
+            hf.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_token,
+                      moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
+                      decoder_sparse_step=self.decoder_sparse_step, mlp_only_layers=list(self.mlp_only_layers),
+                      output_router_logits=False)
         if self.architecture != Architecture.LLAMA:
             hf["use_sliding_window"] = False
         if self.rope_scaling is not None:
@@ -274,6 +340,27 @@ class ModelConfig:
             hf["rope_scaling"] = scaling
             hf["rope_parameters"] = {**scaling, "rope_theta": self.rope_theta}
         return hf
+
+
+_QK_NORM = (Architecture.QWEN3, Architecture.QWEN3_MOE)
+
+
+def _hf_experts(hf: dict[str, Any], source: str) -> dict[str, Any]:
+    """The mixture-of-experts fields of a Qwen3-MoE `config.json` (transformers 5 writes the expert count as
+    `num_local_experts`, the published checkpoints as `num_experts`)."""
+    key = "num_experts" if "num_experts" in hf else "num_local_experts"
+    for needed in (key, "num_experts_per_tok", "moe_intermediate_size"):
+        if needed not in hf:
+            raise ValueError(f"{source}: missing required field {needed!r} (qwen3_moe)")
+        hf_value(hf, needed, int, source)
+    layers = hf.get("mlp_only_layers") or []
+    if not isinstance(layers, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers):
+        raise ValueError(f"{source}: field 'mlp_only_layers' must be a list of integers, got {layers!r:.60}")
+    return dict(num_experts=hf[key], num_experts_per_token=hf["num_experts_per_tok"],
+                moe_intermediate_size=hf["moe_intermediate_size"],
+                norm_topk_prob=hf_value(hf, "norm_topk_prob", bool, source) if "norm_topk_prob" in hf else False,
+                decoder_sparse_step=hf_value(hf, "decoder_sparse_step", int, source) if "decoder_sparse_step" in hf else 1,
+                mlp_only_layers=tuple(layers))
 
 
 _HF_TYPES: dict[str, type] = {

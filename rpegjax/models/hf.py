@@ -175,11 +175,16 @@ def load_pretrained(
         placed = param_shardings(abstract, mesh, rules or ShardingRules.fsdp_tp())
         shardings = {key: variable.get_value() for key, variable in nnx.to_flat_state(placed)}
     tied_copy = to_read.pop("lm_head.weight") if cfg.tie_word_embeddings and "lm_head.weight" in to_read else None
-    values = {}
+    values, experts = {}, {}
     for name, layout in to_read.items():
+        if layout.expert is not None:  # read below, all experts of one parameter together
+            experts.setdefault(layout.path, []).append((opened[files[name]], layout))
+            continue
         copy = None if tied_copy is None or layout.path != ("embed",) else (opened[files[tied_copy.name]], tied_copy)
         values[layout.path] = _read_placed(opened[files[name]], layout, shapes[layout.path], shardings[layout.path],
                                            copy=copy)
+    for key, sources in experts.items():
+        values[key] = _read_placed_experts(sources, shapes[key], shardings[key])
     filled = []
     for key, variable in nnx.to_flat_state(abstract):
         spec = shapes[key]
@@ -232,6 +237,29 @@ def _read_placed(file: SafetensorsFile, layout: TensorLayout, spec: jax.ShapeDty
         spec.shape, sharding, lambda index: blocks[tuple((s.start, s.stop) for s in _concrete(index, spec.shape))])
 
 
+def _read_placed_experts(sources: list[tuple[SafetensorsFile, TensorLayout]], spec: jax.ShapeDtypeStruct,
+                         sharding) -> jax.Array:
+    """A stacked expert parameter [x, ...] created with `sharding` from its per-expert tensors (`sources`, in
+    expert order), reading for each device's window only its experts' windows."""
+    dtype = np.dtype(spec.dtype)
+    blocks: dict[tuple, np.ndarray] = {}
+    for index in sharding.addressable_devices_indices_map(spec.shape).values():
+        window = _concrete(index, spec.shape)
+        key = tuple((s.start, s.stop) for s in window)
+        if key in blocks:
+            continue
+        parts = []
+        for file, layout in sources[window[0].start:window[0].stop]:
+            hf_window, finish = layout.window(window[1:])
+            try:
+                parts.append(finish(file.read(layout.name, hf_window)).astype(dtype, order="C"))
+            except (SafetensorsError, OSError) as error:
+                raise _corrupt(file.path, error) from None
+        blocks[key] = np.stack(parts)
+    return jax.make_array_from_callback(
+        spec.shape, sharding, lambda index: blocks[tuple((s.start, s.stop) for s in _concrete(index, spec.shape))])
+
+
 def _select_tensors(directory: Path, files: Mapping[str, Path], cfg: ModelConfig) -> dict[str, TensorLayout]:
     """The tensors to read (name -> layout, in config order) after checking for missing and unexpected ones.
 
@@ -259,7 +287,9 @@ def _select_tensors(directory: Path, files: Mapping[str, Path], cfg: ModelConfig
 
 # ---- writing ------------------------------------------------------------------------------------------------
 _SHAPE_FIELDS = ("architecture", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                 "intermediate_size", "tie_word_embeddings", "attention_bias", "qk_norm", "value_head")
+                 "intermediate_size", "tie_word_embeddings", "attention_bias", "qk_norm", "value_head", "num_experts",
+                 "num_experts_per_token", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
+                 "mlp_only_layers")
 
 
 def save_pretrained(model: Decoder, config: ModelConfig, path: PathLike, *, max_shard_bytes: int | None = None,

@@ -14,6 +14,15 @@ HF `nn.Linear` stores `[out, in]`; we store `[in, ...out]` so that a matmul is `
     model.norm.weight [d] -> final_norm.scale;  lm_head.weight [v, d] -> lm_head [d, v] (absent when tied)
     value_head.weight [1, d] -> value_kernel [d];  value_head.bias [1] -> value_bias []
 
+A sparse (mixture-of-experts) layer's MLP instead, expert j of x:
+
+    model.layers.N.mlp.gate.weight                    [x, d] -> layers.N.mlp.router            [d, x]
+    model.layers.N.mlp.experts.j.{gate,up}_proj.weight [f, d] -> layers.N.mlp.{gate,up}_proj[j] [d, f]
+    model.layers.N.mlp.experts.j.down_proj.weight     [d, f] -> layers.N.mlp.down_proj[j]      [f, d]
+
+(the per-expert names of the published Qwen3-MoE checkpoints, which transformers 5 also writes); such a layout
+has `expert=j`: it is slice j of our stacked [x, ...] parameter.
+
 `params_to_hf_tensors` / `hf_tensors_to_state` convert whole models, e.g. to sync weights with another engine.
 """
 
@@ -54,6 +63,7 @@ class TensorLayout:
     to_ours: Callable[[np.ndarray], np.ndarray]
     to_hf: Callable[[np.ndarray], np.ndarray]
     window: Callable[[Window], tuple[Window, Callable[[np.ndarray], np.ndarray]]]
+    expert: int | None = None  # this tensor is [expert] of our parameter (stacked over experts); maps act on it
 
 
 def _identity(x: np.ndarray) -> np.ndarray:
@@ -122,9 +132,9 @@ def tensor_layouts(cfg: ModelConfig) -> list[TensorLayout]:
                         cfg.vocab_size)
     out: list[TensorLayout] = []
 
-    def add(name, path, hf_shape, maps=(_identity, _identity, _same_window)):
+    def add(name, path, hf_shape, maps=(_identity, _identity, _same_window), expert=None):
         out.append(TensorLayout(name=name, path=path, hf_shape=hf_shape, to_ours=maps[0], to_hf=maps[1],
-                                window=maps[2]))
+                                window=maps[2], expert=expert))
 
     add("model.embed_tokens.weight", ("embed",), (v, d))
     for i in range(cfg.num_layers):
@@ -139,9 +149,17 @@ def tensor_layouts(cfg: ModelConfig) -> list[TensorLayout]:
         if cfg.qk_norm:
             add(f"{hf}self_attn.q_norm.weight", (*attention, "q_norm", "scale"), (e,))
             add(f"{hf}self_attn.k_norm.weight", (*attention, "k_norm", "scale"), (e,))
-        add(f"{hf}mlp.gate_proj.weight", ("layers", i, "mlp", "gate_proj"), (f, d), _transposed())
-        add(f"{hf}mlp.up_proj.weight", ("layers", i, "mlp", "up_proj"), (f, d), _transposed())
-        add(f"{hf}mlp.down_proj.weight", ("layers", i, "mlp", "down_proj"), (d, f), _transposed())
+        mlp = ("layers", i, "mlp")
+        if cfg.is_sparse_layer(i):
+            moe_f = cfg.moe_intermediate_size
+            add(f"{hf}mlp.gate.weight", (*mlp, "router"), (cfg.num_experts, d), _transposed())
+            for j in range(cfg.num_experts):
+                for proj, shape in (("gate", (moe_f, d)), ("up", (moe_f, d)), ("down", (d, moe_f))):
+                    add(f"{hf}mlp.experts.{j}.{proj}_proj.weight", (*mlp, f"{proj}_proj"), shape, _transposed(), j)
+        else:
+            add(f"{hf}mlp.gate_proj.weight", (*mlp, "gate_proj"), (f, d), _transposed())
+            add(f"{hf}mlp.up_proj.weight", (*mlp, "up_proj"), (f, d), _transposed())
+            add(f"{hf}mlp.down_proj.weight", (*mlp, "down_proj"), (d, f), _transposed())
         add(f"{hf}input_layernorm.weight", ("layers", i, "input_norm", "scale"), (d,))
         add(f"{hf}post_attention_layernorm.weight", ("layers", i, "post_attention_norm", "scale"), (d,))
     add("model.norm.weight", ("final_norm", "scale"), (d,))
@@ -158,7 +176,7 @@ def hf_incompatibilities(cfg: ModelConfig) -> list[str]:
     problems = []
     if cfg.architecture != Architecture.QWEN2 and cfg.attention_bias:
         problems.append(f"attention_bias=True ({cfg.architecture.value} in transformers would also bias o_proj)")
-    if cfg.qk_norm != (cfg.architecture == Architecture.QWEN3):
+    if cfg.qk_norm != (cfg.architecture in (Architecture.QWEN3, Architecture.QWEN3_MOE)):
         problems.append(f"qk_norm={cfg.qk_norm} (transformers' {cfg.architecture.value} has qk_norm={not cfg.qk_norm})")
     return problems
 
@@ -187,10 +205,15 @@ def iter_hf_tensors(
     for arrays whose shards this process holds)."""
     to_host = to_host or jax.device_get
     flat = {path: variable for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    fetched: tuple[tuple, np.ndarray] | None = None  # the last stacked expert parameter: fetched once, not per expert
     for layout in tensor_layouts(cfg):
         if names is not None and layout.name not in names:
             continue
-        if layout.path in flat:
+        if layout.expert is not None:
+            if fetched is None or fetched[0] != layout.path:
+                fetched = (layout.path, np.asarray(to_host(flat[layout.path].get_value())))
+            ours = fetched[1][layout.expert]
+        elif layout.path in flat:
             ours = np.asarray(to_host(flat[layout.path].get_value()))
         else:  # a bias of a bias-less Qwen2: zero is exactly "no bias"
             ours = np.zeros(layout.to_ours(np.zeros(layout.hf_shape)).shape, np.float32)
@@ -213,7 +236,13 @@ def hf_tensors_to_state(
     unexpected = sorted(set(tensors) - {layout.name for layout in layouts})
     if unexpected:
         raise CheckpointError(f"{source}: unexpected tensor {unexpected[0]!r} ({len(unexpected)} unexpected in all)")
-    values = {layout.path: convert_tensor(tensors[layout.name], layout, cfg, source) for layout in layouts}
+    values = {layout.path: convert_tensor(tensors[layout.name], layout, cfg, source) for layout in layouts
+              if layout.expert is None}
+    experts: dict[tuple, list[jax.Array]] = {}
+    for layout in layouts:
+        if layout.expert is not None:
+            experts.setdefault(layout.path, []).append(convert_tensor(tensors[layout.name], layout, cfg, source))
+    values.update({path: jnp.stack(blocks) for path, blocks in experts.items()})  # layouts list experts in order
     return state_from_values(cfg, values)
 
 

@@ -22,8 +22,10 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
+from rpegjax.models.activations import swiglu
 from rpegjax.models.attention import attend, causal_attention  # noqa: F401  (causal_attention: re-exported)
 from rpegjax.models.config import ModelConfig
+from rpegjax.models.moe import Routing, SparseMoE
 from rpegjax.models.lora import (
     ATTENTION_TARGETS,
     MLP_TARGETS,
@@ -264,27 +266,6 @@ def _cached_attention(
     return jnp.einsum("bkgts,bkse->btkge", probs, values.astype(q.dtype)).reshape(q.shape)
 
 
-@jax.custom_vjp
-def swiglu(gate: Float[Array, "... f"], up: Float[Array, "... f"]) -> Float[Array, "... f"]:
-    """silu(gate) * up, with a hand-written backward: XLA fuses each direction into one elementwise pass
-    (autodiff materialises sigmoid, silu and their products separately, several passes over [b t f])."""
-    return gate * jax.nn.sigmoid(gate) * up
-
-
-def _swiglu_forward(gate, up):
-    return swiglu(gate, up), (gate, up)
-
-
-def _swiglu_backward(residuals, grad):
-    gate, up = residuals
-    sig = jax.nn.sigmoid(gate)  # recomputed: cheaper than storing it
-    # d silu(g) / dg = sig (1 + g (1 - sig))
-    return grad * up * sig * (1 + gate * (1 - sig)), grad * gate * sig
-
-
-swiglu.defvjp(_swiglu_forward, _swiglu_backward)
-
-
 class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, lora: LoRAConfig | None = None):
         d, f, pdt = cfg.hidden_size, cfg.intermediate_size, cfg.jnp_param_dtype
@@ -307,18 +288,23 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, lora: LoRAConfig | None = None):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, lora: LoRAConfig | None = None, sparse: bool = False):
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_param_dtype)
         self.attention = Attention(cfg, rngs=rngs, lora=lora)
         self.post_attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_param_dtype)
-        self.mlp = MLP(cfg, rngs=rngs, lora=lora)
+        self.mlp = SparseMoE(cfg, rngs=rngs) if sparse else MLP(cfg, rngs=rngs, lora=lora)
 
-    def __call__(self, x, rope, key_mask, layer_cache, cache_offsets, sharding, dropout_key=None):
+    def __call__(self, x, rope, key_mask, layer_cache, cache_offsets, sharding, dropout_key=None, expert_ids=None):
+        """(output, written cache layer, `Routing` of a sparse layer or None); `expert_ids` [b t k]: replay."""
         attended, new_cache = self.attention(self.input_norm(x), rope, key_mask, layer_cache, cache_offsets, sharding,
                                              dropout_key)
         x = x + attended
-        x = x + self.mlp(self.post_attention_norm(x), sharding, dropout_key)
-        return constrain(x, sharding, (axes.BATCH, None, axes.EMBED)), new_cache
+        routing = None
+        if isinstance(self.mlp, SparseMoE):
+            mixed, routing = self.mlp(self.post_attention_norm(x), sharding, expert_ids)
+        else:
+            mixed = self.mlp(self.post_attention_norm(x), sharding, dropout_key)
+        return constrain(x + mixed, sharding, (axes.BATCH, None, axes.EMBED)), new_cache, routing
 
 
 class Decoder(nnx.Module):
@@ -333,7 +319,11 @@ class Decoder(nnx.Module):
             (jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size), jnp.float32) * 0.02).astype(pdt),
             logical_axes=(axes.VOCAB, axes.EMBED),
         )
-        self.layers = nnx.List([Block(cfg, rngs=rngs, lora=lora) for _ in range(cfg.num_layers)])
+        if lora is not None and cfg.num_experts and set(lora.targets) & set(MLP_TARGETS):
+            raise ValueError(f"LoRA targets {[t.value for t in lora.targets if t in MLP_TARGETS]} are MLP projections; "
+                             "a mixture-of-experts model takes adapters on attention only (targets q, k, v, o)")
+        self.layers = nnx.List([Block(cfg, rngs=rngs, lora=lora, sparse=cfg.is_sparse_layer(i))
+                                for i in range(cfg.num_layers)])
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pdt)
         if not cfg.tie_word_embeddings:
             self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), (axes.EMBED, axes.VOCAB), pdt, cfg.hidden_size)
@@ -360,34 +350,58 @@ class Decoder(nnx.Module):
         `dropout_key`: the training forward's key for LoRA dropout (`rpegjax.models.lora`); layer l draws its
         masks from fold_in(dropout_key, l), scanned or not. Ignored by a model without adapter dropout.
         """
+        hidden, new_cache, _ = self.routed_hidden_states(tokens, positions, mask=mask, cache=cache, sharding=sharding,
+                                                         dropout_key=dropout_key)
+        return hidden, new_cache
+
+    def routed_hidden_states(
+        self,
+        tokens: Int[Array, "b t"],
+        positions: Int[Array, "b t"],
+        *,
+        mask: Bool[Array, "b t"] | None = None,
+        cache: KVCache | None = None,
+        sharding: ActivationSharding | None = None,
+        dropout_key: Array | None = None,
+        expert_ids: Int[Array, "b t s k"] | None = None,
+    ) -> tuple[Float[Array, "b t d"], KVCache | None, Routing | None]:
+        """`hidden_states` and the routing of the s sparse layers (in layer order) stacked on axis 2: `Routing`
+        with expert_ids [b t s k] and router_logits [b t s x]; None for a dense model. Given `expert_ids`
+        [b t s k] (a recorded routing), every token uses those experts instead of its router's top k (replay)."""
         if dropout_key is not None and cache is not None:
             raise ValueError("Decoder.hidden_states: LoRA dropout (dropout_key) is for the training forward, "
                              "not a cached (generation) forward")
         if self.lora is None or self.lora.dropout == 0:
             dropout_key = None
+        sparse = self.cfg.sparse_layers
+        if expert_ids is not None and expert_ids.shape[2:] != (len(sparse), self.cfg.num_experts_per_token):
+            raise ValueError(f"Decoder.routed_hidden_states: expert_ids {expert_ids.shape} needs [b, t, "
+                             f"{len(sparse)} sparse layers, {self.cfg.num_experts_per_token} experts per token]")
         x = self.embed.get_value()[tokens].astype(self.cfg.jnp_dtype)
         x = constrain(x, sharding, (axes.BATCH, None, axes.EMBED))
         # computed at trace time from the config: a constant, not a parameter
         rope = rope_tables(positions, rope_inverse_frequencies(self.cfg))
-        written = []
         if cache is None and self.cfg.scan_layers:
-            hidden = _scan_layers(self.layers, x, rope, mask, self.cfg.remat, sharding, dropout_key)
-            return self.final_norm(hidden), None
+            hidden, routing = _scan_layers(self.layers, x, rope, mask, self.cfg.remat, sharding, dropout_key,
+                                           expert_ids)
+            return self.final_norm(hidden), None, routing
         full_sequence = _remat_layer(self.cfg.remat, sharding) if cache is None else None
+        written, routings = [], []
         for index, layer in enumerate(self.layers):
+            ids = None if expert_ids is None or index not in sparse else expert_ids[:, :, sparse.index(index)]
             if full_sequence is not None:
                 layer_key = None if dropout_key is None else jax.random.fold_in(dropout_key, index)
-                x = full_sequence(layer, x, rope, mask, layer_key)
-                continue
-            layer_cache = cache.layer(index)
-            offsets = None if cache is None else cache.lengths
-            x, new_layer = layer(x, rope, mask, layer_cache, offsets, sharding)
-            written.append(new_layer)
+                x, routing = full_sequence(layer, x, rope, mask, layer_key, ids)
+            else:
+                x, new_layer, routing = layer(x, rope, mask, cache.layer(index), cache.lengths, sharding, None, ids)
+                written.append(new_layer)
+            routings.append(routing)
         new_cache = None
         if cache is not None:
             added = tokens.shape[1] if mask is None else mask.sum(axis=-1).astype(jnp.int32)
             new_cache = cache.with_layers(written, added)
-        return self.final_norm(x), new_cache
+        stacked = None if not sparse else jax.tree.map(lambda *r: jnp.stack(r, axis=2), *(r for r in routings if r))
+        return self.final_norm(x), new_cache, stacked
 
     def with_execution(self, **changes: Any) -> Decoder:
         """This model's parameters under a config whose execution fields (`MODEL_EXECUTION_FIELDS`: attention kernel,
@@ -456,32 +470,33 @@ _REMAT_POLICIES = {
 
 
 def _remat_layer(policy: RematPolicy, sharding: ActivationSharding | None):
-    """`apply(layer, x, rope, mask, dropout_key) -> x` of one full-sequence layer, rematerialised unless policy is
+    """`apply(layer, x, rope, mask, dropout_key, expert_ids) -> (x, routing)` of one full-sequence layer, rematerialised unless policy is
     NONE (the recomputation redraws the same dropout masks: the key is an input).
 
     `jax.checkpoint` of a pure function of the layer's state, not `nnx.remat`: the latter writes the state back into
     the layer's variables, which fails when they come from different traces (a LoRA model's adapters traced by the
     gradient, its frozen base by the enclosing jit)."""
 
-    def apply(layer: Block, x, rope, mask, dropout_key):
-        return layer(x, rope, mask, None, None, sharding, dropout_key)[0]
+    def apply(layer: Block, x, rope, mask, dropout_key, expert_ids=None):
+        out, _, routing = layer(x, rope, mask, None, None, sharding, dropout_key, expert_ids)
+        return out, routing
 
     if policy is RematPolicy.NONE:
         return apply
 
-    def rematerialised(layer: Block, x, rope, mask, dropout_key):
+    def rematerialised(layer: Block, x, rope, mask, dropout_key, expert_ids=None):
         graphdef, state = nnx.split(layer)
 
-        def pure(state, x, rope, mask, dropout_key):
-            return apply(nnx.merge(graphdef, state), x, rope, mask, dropout_key)
+        def pure(state, x, rope, mask, dropout_key, expert_ids):
+            return apply(nnx.merge(graphdef, state), x, rope, mask, dropout_key, expert_ids)
 
-        return jax.checkpoint(pure, policy=_REMAT_POLICIES[policy])(state, x, rope, mask, dropout_key)
+        return jax.checkpoint(pure, policy=_REMAT_POLICIES[policy])(state, x, rope, mask, dropout_key, expert_ids)
 
     return rematerialised
 
 
 def _scan_layers(layers: nnx.List, x, rope, mask, policy: RematPolicy, sharding: ActivationSharding | None,
-                 dropout_key: Array | None = None):
+                 dropout_key: Array | None = None, expert_ids: Array | None = None) -> tuple[Array, Routing | None]:
     """The full-sequence layer stack as one `lax.scan` over the layers' parameters stacked at trace time.
 
     One compiled layer body, whatever the depth; and under remat the recomputation lives inside the backward
@@ -489,19 +504,24 @@ def _scan_layers(layers: nnx.List, x, rope, mask, policy: RematPolicy, sharding:
     scheduler does, keeping every layer's activations alive). Parameters stay per layer in the model, so
     checkpoints and the Hugging Face layout are unchanged; the stacking costs one copy of the layer weights.
     With `dropout_key`, layer l's LoRA dropout key is fold_in(dropout_key, l), as in the unrolled stack.
+    Returns the output and (for sparse layers) their routing stacked as `Decoder.routed_hidden_states` gives it;
+    `expert_ids` [b t l k] replays one routing per layer.
     """
     graphdef = nnx.graphdef(layers[0])
     stacked = jax.tree.map(lambda *values: jnp.stack(values), *(nnx.state(layer) for layer in layers))
 
     def body(x, layer):
-        state, index = layer
+        state, index, ids = layer
         layer_key = None if dropout_key is None else jax.random.fold_in(dropout_key, index)
-        return nnx.merge(graphdef, state)(x, rope, mask, None, None, sharding, layer_key)[0], None
+        out, _, routing = nnx.merge(graphdef, state)(x, rope, mask, None, None, sharding, layer_key, ids)
+        return out, routing
 
     if policy is not RematPolicy.NONE:
         body = jax.checkpoint(body, policy=_REMAT_POLICIES[policy])
     indices = None if dropout_key is None else jnp.arange(len(layers), dtype=jnp.uint32)
-    return jax.lax.scan(body, x, (stacked, indices))[0]
+    per_layer_ids = None if expert_ids is None else jnp.moveaxis(expert_ids, 2, 0)
+    out, routing = jax.lax.scan(body, x, (stacked, indices, per_layer_ids))
+    return out, jax.tree.map(lambda r: jnp.moveaxis(r, 0, 2), routing)
 
 
 def default_positions(tokens: Int[Array, "b t"], mask: Bool[Array, "b t"] | None) -> Int[Array, "b t"]:

@@ -7,6 +7,7 @@ BATCH = "batch"
 SEQ = "seq"
 EMBED = "embed"
 MLP = "mlp"
+EXPERT = "expert"  # the experts of a mixture-of-experts layer
 HEADS = "heads"
 KV_HEADS = "kv_heads"
 HEAD_DIM = "head_dim"

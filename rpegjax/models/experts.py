@@ -1,0 +1,75 @@
+"""Top-k softmax routing and dropless expert computation (grouped matmuls over tokens sorted by expert).
+
+Routing (transformers' Qwen3MoeTopKRouter): p = softmax(router logits) over the E experts in float32; a token uses
+the k experts of largest p, weighted by their p (divided by the sum of the k chosen when `norm_topk_prob`).
+
+The experts (`apply_experts`) are SwiGLU MLPs. Each of the T*k (token, expert) assignments is computed once,
+none dropped: the assignments are sorted by expert so that each expert's tokens are contiguous, and three grouped
+matmuls (`jax.lax.ragged_dot`, group sizes = tokens per expert) compute every expert's MLP in one pass. On GPU and
+TPU XLA runs ragged_dot as grouped GEMMs (k/E of a dense layer's FLOPs per expert weight); JAX's CPU lowering
+is a masked dense product over all E groups (E times the work), so on CPU it is correct but not fast.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from rpegjax.models.activations import swiglu
+
+
+def route(router_logits: Float[Array, "n x"], top_k: int, norm_topk_prob: bool
+          ) -> tuple[Int[Array, "n k"], Float[Array, "n k"]]:
+    """(expert ids, weights) of each token: the top-k experts by softmax probability and those probabilities
+    (renormalised to sum to one when `norm_topk_prob`), in float32."""
+    probabilities = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
+    weights, expert_ids = jax.lax.top_k(probabilities, top_k)
+    if norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return expert_ids.astype(jnp.int32), weights
+
+
+def replay_weights(router_logits: Float[Array, "n x"], expert_ids: Int[Array, "n k"], norm_topk_prob: bool
+                   ) -> Float[Array, "n k"]:
+    """The weights `route` would give the given (replayed) experts under these router logits: their softmax
+    probabilities, renormalised when `norm_topk_prob`. Differentiable in the logits, as the routed weights are."""
+    probabilities = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
+    weights = jnp.take_along_axis(probabilities, expert_ids, axis=-1)
+    if norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights
+
+
+def apply_experts(
+    x: Float[Array, "n d"],
+    expert_ids: Int[Array, "n k"],
+    expert_weights: Float[Array, "n k"],
+    gate: Float[Array, "x d f"],
+    up: Float[Array, "x d f"],
+    down: Float[Array, "x f d"],
+) -> Float[Array, "n d"]:
+    """y_t = sum_j w_tj * down[e_tj]^T (silu(gate[e_tj]^T x_t) * up[e_tj]^T x_t) for e_tj = expert_ids[t, j].
+
+    Dropless: the n*k assignments are sorted by expert (stable, so ties keep token order), each expert's
+    contiguous run goes through its weights by `jax.lax.ragged_dot`, and the results return to their tokens by
+    the inverse permutation. The weighted sum over the k experts runs in float32; the output has x's dtype.
+    """
+    n, k = expert_ids.shape
+    num_experts = gate.shape[0]
+    flat_ids = expert_ids.reshape(-1)
+    order = jnp.argsort(flat_ids, stable=True)  # assignment slots grouped by expert
+    group_sizes = jnp.bincount(flat_ids, length=num_experts).astype(jnp.int32)
+    sorted_x = x[order // k]
+    hidden = swiglu(jax.lax.ragged_dot(sorted_x, gate.astype(x.dtype), group_sizes),
+                    jax.lax.ragged_dot(sorted_x, up.astype(x.dtype), group_sizes))
+    sorted_y = jax.lax.ragged_dot(hidden, down.astype(x.dtype), group_sizes)
+    y = sorted_y[jnp.argsort(order)].reshape(n, k, -1)  # back to (token, slot) order
+    combined = jnp.einsum("nkd,nk->nd", y.astype(jnp.float32), expert_weights.astype(jnp.float32))
+    return combined.astype(x.dtype)
+
+
+def tokens_per_expert(expert_ids: Int[Array, "n k"], valid: Float[Array, " n"], num_experts: int) -> Float[Array, " x"]:
+    """How many valid tokens chose each expert (a token counts once per expert it uses)."""
+    one_hot = jax.nn.one_hot(expert_ids, num_experts, dtype=jnp.float32)  # n k x
+    return jnp.einsum("nkx,n->x", one_hot, valid.astype(jnp.float32))

@@ -1,0 +1,71 @@
+"""The sparse mixture-of-experts layer of Qwen3-MoE: a bias-free router and `num_experts` SwiGLU experts.
+
+Parameters (ours; Hugging Face's per-expert tensors are in `hf_layout`):
+
+    router     [d, x]     logits = x_t @ router (float32)
+    gate_proj  [x, d, f]  expert e's gate kernel is gate_proj[e]
+    up_proj    [x, d, f]
+    down_proj  [x, f, d]
+
+`x` is the expert count (logical axis EXPERT), f the expert width `moe_intermediate_size`. The layer returns the
+routing it used (`Routing`): the router's logits for the load-balancing loss and the chosen experts, which a later
+pass can replay (`expert_ids=`) so that it routes every token exactly as the recorded pass did; the replayed
+experts are weighted by this pass's router probabilities (`experts.replay_weights`), so the router still learns.
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from rpegjax.models.config import ModelConfig
+from rpegjax.models.experts import apply_experts, replay_weights, route
+from rpegjax.sharding import axes
+from rpegjax.sharding.rules import ActivationSharding, constrain
+
+
+@flax.struct.dataclass
+class Routing:
+    """What one sparse layer routed: each token's experts and the router logits they came from."""
+
+    expert_ids: Int[Array, "b t k"]
+    router_logits: Float[Array, "b t x"]
+
+
+def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], logical: tuple[str | None, ...], dtype, fan_in: int) -> nnx.Param:
+    value = jax.random.normal(rngs.params(), shape, jnp.float32) / math.sqrt(fan_in)
+    return nnx.Param(value.astype(dtype), logical_axes=logical)
+
+
+class SparseMoE(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, f, x, pdt = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.jnp_param_dtype
+        self.router = _normal(rngs, (d, x), (axes.EMBED, None), pdt, d)
+        self.gate_proj = _normal(rngs, (x, d, f), (axes.EXPERT, axes.EMBED, axes.MLP), pdt, d)
+        self.up_proj = _normal(rngs, (x, d, f), (axes.EXPERT, axes.EMBED, axes.MLP), pdt, d)
+        self.down_proj = _normal(rngs, (x, f, d), (axes.EXPERT, axes.MLP, axes.EMBED), pdt, f)
+        self.top_k = cfg.num_experts_per_token
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.dtype = cfg.jnp_dtype
+
+    def __call__(self, x: Float[Array, "b t d"], sharding: ActivationSharding | None,
+                 expert_ids: Int[Array, "b t k"] | None = None) -> tuple[Float[Array, "b t d"], Routing]:
+        """The layer's output and its routing; with `expert_ids` the tokens use those experts (replay)."""
+        b, t, d = x.shape
+        flat = x.reshape(b * t, d).astype(self.dtype)
+        # float32 router (as Megatron's --moe-router-dtype fp32): a bf16 router flips near-tied experts
+        logits = flat.astype(jnp.float32) @ self.router.get_value().astype(jnp.float32)
+        if expert_ids is None:
+            ids, weights = route(logits, self.top_k, self.norm_topk_prob)
+        else:
+            ids = expert_ids.reshape(b * t, self.top_k).astype(jnp.int32)
+            weights = replay_weights(logits, ids, self.norm_topk_prob)
+        out = apply_experts(flat, ids, weights, self.gate_proj.get_value(), self.up_proj.get_value(),
+                            self.down_proj.get_value())
+        out = constrain(out.reshape(b, t, d), sharding, (axes.BATCH, None, axes.EMBED))
+        return out, Routing(expert_ids=ids.reshape(b, t, self.top_k), router_logits=logits.reshape(b, t, -1))

@@ -1,0 +1,192 @@
+"""Qwen3-MoE == transformers' Qwen3MoeForCausalLM (torch CPU, float32) on random checkpoints that transformers writes.
+
+The checkpoints mix dense and sparse layers (mlp_only_layers, decoder_sparse_step); logits are compared on a
+left-padded batch, greedy generation token for token with both KV-cache layouts, and checkpoints round-trip
+through our save_pretrained exactly and back into transformers.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from rpegjax.generate import CacheConfig, Sampler, SamplingConfig  # noqa: E402
+from rpegjax.models import Architecture, Decoder, ModelConfig  # noqa: E402
+from rpegjax.models.hf import CONFIG_FILE, load_pretrained, save_pretrained, tensor_layouts  # noqa: E402
+from rpegjax.models.lora import LoRAConfig  # noqa: E402
+
+TOLERANCE = 1e-4  # float32, composite op (three decoder layers + head)
+SHAPES = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=6, num_experts_per_tok=2,
+              rms_norm_eps=1e-6, max_position_embeddings=128, rope_theta=1e6, tie_word_embeddings=False)
+CASES = {  # sparse layers: 0 and 2 (layer 1 is dense); 1 (every second layer)
+    "mlp_only_normalised": dict(mlp_only_layers=[1], decoder_sparse_step=1, norm_topk_prob=True),
+    "sparse_step_2": dict(mlp_only_layers=[], decoder_sparse_step=2, norm_topk_prob=False),
+}
+
+
+def _hf_checkpoint(case: str, directory) -> str:
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(**SHAPES, **CASES[case])
+    model = transformers.Qwen3MoeForCausalLM(config).eval()
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            noise = torch.randn(parameter.shape, generator=generator)
+            parameter.copy_(1.0 + 0.2 * noise if "norm" in name else (1.0 if "gate.weight" in name else 0.15) * noise)
+    path = str(directory / case)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def checkpoint(request, tmp_path_factory):
+    return _hf_checkpoint(request.param, tmp_path_factory.mktemp("moe"))
+
+
+def _left_padded_batch(seed: int = 0):
+    rng = np.random.default_rng(seed)
+    pads = np.array([0, 3, 6])
+    tokens = rng.integers(1, 128, size=(3, 11))
+    mask = np.arange(11)[None, :] >= pads[:, None]
+    return np.where(mask, tokens, 0), mask, np.maximum(np.cumsum(mask, axis=1) - 1, 0)
+
+
+def _hf_logits(path: str, tokens, mask, positions) -> np.ndarray:
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        out = model.eval()(input_ids=torch.tensor(tokens), attention_mask=torch.tensor(mask.astype(np.int64)),
+                           position_ids=torch.tensor(positions))
+    return out.logits.numpy()
+
+
+def _our_logits(model: Decoder, tokens, mask, positions) -> np.ndarray:
+    return np.asarray(model(jnp.asarray(tokens), jnp.asarray(positions), mask=jnp.asarray(mask)))
+
+
+def test_logits_match_transformers_and_round_trip(checkpoint, tmp_path):
+    tokens, mask, positions = _left_padded_batch()
+    model, cfg = load_pretrained(checkpoint)
+    assert cfg.architecture == Architecture.QWEN3_MOE and 0 < len(cfg.sparse_layers) < cfg.num_layers
+    expected = _hf_logits(checkpoint, tokens, mask, positions)
+    np.testing.assert_allclose(_our_logits(model, tokens, mask, positions)[mask], expected[mask], atol=TOLERANCE)
+
+    saved = save_pretrained(model, cfg, tmp_path / "ours")  # ours -> transformers: the same function
+    np.testing.assert_allclose(_hf_logits(str(saved), tokens, mask, positions)[mask], expected[mask], atol=TOLERANCE)
+    reloaded, reloaded_cfg = load_pretrained(saved)  # and back, bit for bit
+    assert reloaded_cfg == cfg
+    before = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    for path, variable in nnx.to_flat_state(nnx.state(reloaded, nnx.Param)):
+        np.testing.assert_array_equal(variable.get_value(), before[path].get_value(), err_msg=str(path))
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_greedy_generation_equals_transformers(checkpoint, layout):
+    ours, cfg = load_pretrained(checkpoint)
+    graphdef, params = nnx.split(ours)
+    cache = CacheConfig(layout=layout, page_size=4, prefill_chunk=4)
+    sampler = Sampler(cfg, graphdef, num_slots=3, max_prompt_len=7, max_new_tokens=8, chunk_steps=4, cache=cache)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(1, 128, n).tolist() for n in (7, 2, 5)]
+    greedy = SamplingConfig(max_new_tokens=8, greedy=True, ignore_eos=True)
+    completions = sampler.generate(params, prompts, greedy, key=jax.random.key(0))
+
+    torch_model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    for prompt, completion in zip(prompts, completions, strict=True):  # one row at a time: no padding on their side
+        with torch.no_grad():
+            out = torch_model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, pad_token_id=0)
+        assert completion.response_ids.tolist() == out[0, len(prompt):].tolist()
+
+
+def test_replayed_routing_reproduces_the_forward_and_other_routing_changes_it():
+    cfg = ModelConfig.tiny(Architecture.QWEN3_MOE, num_layers=3, mlp_only_layers=(1,))
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 128, (2, 9)))
+    positions = jnp.broadcast_to(jnp.arange(9), tokens.shape)
+    hidden, _, routing = model.routed_hidden_states(tokens, positions)
+    assert routing.expert_ids.shape == (2, 9, 2, 2) and routing.router_logits.shape == (2, 9, 2, 4)
+    replayed, _, again = model.routed_hidden_states(tokens, positions, expert_ids=routing.expert_ids)
+    np.testing.assert_array_equal(replayed, hidden)
+    np.testing.assert_array_equal(again.expert_ids, routing.expert_ids)
+    other = (routing.expert_ids + 1) % cfg.num_experts
+    assert np.abs(np.asarray(model.routed_hidden_states(tokens, positions, expert_ids=other)[0] - hidden)).max() > 1e-3
+    with pytest.raises(ValueError, match="expert_ids"):
+        model.routed_hidden_states(tokens, positions, expert_ids=routing.expert_ids[:, :, :1])
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_scanned_sparse_layers_equal_unrolled(remat):
+    """All-sparse stack: scan (+ remat) == unrolled in loss, gradients and the routing it returns."""
+    cfg = ModelConfig.tiny(Architecture.QWEN3_MOE)
+    model = Decoder(cfg, rngs=nnx.Rngs(1))
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 128, (2, 8)))
+    positions = jnp.broadcast_to(jnp.arange(8), tokens.shape)
+
+    def run(scan: bool):
+        graphdef, state = nnx.split(model.with_execution(scan_layers=scan, remat=remat))
+
+        def loss(state):
+            model = nnx.merge(graphdef, state)
+            hidden, _, routing = model.routed_hidden_states(tokens, positions)
+            z = jnp.mean(jax.nn.logsumexp(routing.router_logits, -1) ** 2)
+            return jnp.mean(jax.nn.log_softmax(model.logits(hidden))[..., 1]) + 1e-2 * z, routing
+
+        (value, routing), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(state)
+        return value, routing, grads
+
+    unrolled, scanned = run(False), run(True)
+    np.testing.assert_allclose(scanned[0], unrolled[0], rtol=1e-6)
+    np.testing.assert_array_equal(scanned[1].expert_ids, unrolled[1].expert_ids)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(scanned[2]), jax.tree.leaves(unrolled[2]), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+
+
+def test_lora_adapts_attention_and_leaves_experts_frozen():
+    cfg = ModelConfig.tiny(Architecture.QWEN3_MOE)
+    with pytest.raises(ValueError, match="attention only"):
+        Decoder(cfg, rngs=nnx.Rngs(0), lora=LoRAConfig(rank=4))
+    base = Decoder(cfg, rngs=nnx.Rngs(0))
+    adapted = base.with_lora(LoRAConfig(rank=4, targets=("q", "k", "v", "o")), seed=1)
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, 128, (2, 6)))
+    np.testing.assert_allclose(adapted(tokens), base(tokens), atol=1e-6)  # B = 0: the same function
+    from rpegjax.models.lora import LoRAParam
+
+    trainable = nnx.state(adapted, LoRAParam)
+    paths = [path for path, _ in nnx.to_flat_state(trainable)]
+    assert paths and all(path[2] == "attention" for path in paths)
+
+
+def test_config_json_round_trip_and_both_expert_count_keys(tmp_path):
+    cfg = ModelConfig.tiny(Architecture.QWEN3_MOE, num_layers=4, decoder_sparse_step=2, mlp_only_layers=(3,))
+    assert cfg.sparse_layers == (1,)
+    hf = cfg.to_hf_dict()
+    assert ModelConfig.from_hf_dict(hf) == cfg
+    renamed = {("num_local_experts" if key == "num_experts" else key): value for key, value in hf.items()}
+    assert ModelConfig.from_hf_dict(renamed) == cfg
+    with pytest.raises(ValueError, match="moe_intermediate_size"):
+        ModelConfig.from_hf_dict({key: value for key, value in hf.items() if key != "moe_intermediate_size"})
+    with pytest.raises(ValueError, match="scan_layers"):
+        cfg.replace(scan_layers=True)
+    with pytest.raises(ValueError, match="num_experts_per_token"):
+        cfg.replace(num_experts_per_token=5)
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    path = save_pretrained(model, cfg, tmp_path / "m")
+    assert json.loads((path / CONFIG_FILE).read_text())["architectures"] == ["Qwen3MoeForCausalLM"]
+    names = {layout.name for layout in tensor_layouts(cfg)}
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in names and "model.layers.3.mlp.up_proj.weight" in names
+
+
+@pytest.mark.parametrize("size, total, active", [("30b-a3b", 30.5e9, 3.3e9), ("235b-a22b", 235e9, 22e9)])
+def test_preset_parameter_counts_match_the_published_figures(size, total, active):
+    """Qwen3 technical report / model cards: 30.5B total, 3.3B activated; 235B total, 22B activated."""
+    cfg = ModelConfig.qwen3_moe(size)
+    assert abs(cfg.num_params() / total - 1) < 0.01
+    assert abs(cfg.num_params(active=True) / active - 1) < 0.03
