@@ -23,6 +23,7 @@ from rpegjax.learners.batch import TrainBatch
 from rpegjax.learners.objective import PolicyConfig, PolicyUpdates, policy_denominators, policy_objective
 from rpegjax.learners.optim import make_optimizer, make_schedule
 from rpegjax.learners.placement import ModelPlacement, Params, has_adapters, has_dropout, jit_with_shardings
+from rpegjax.learners.router import add_router_terms
 from rpegjax.learners.scoring import score_sequences
 from rpegjax.learners.trainable import join_frozen, split_trainable
 from rpegjax.learners.update import (
@@ -136,7 +137,8 @@ class GRPOLearner(PolicyUpdates):
             self.placement.merge(params), batch.tokens, batch.token_mask, chunk_size=cfg.logprob_chunk_size,
             temperature=cfg.temperature, with_entropy=True, sharding=self.placement.activations, dropout_key=dropout_key,
         )
-        return policy_objective(cfg, scores.logprobs, scores.entropy, batch, denominators)
+        loss, metrics = policy_objective(cfg, scores.logprobs, scores.entropy, batch, denominators)
+        return add_router_terms(cfg, loss, metrics, scores.routing, batch, denominators)
 
     def logprobs_fn(self, params: Params, tokens, token_mask, sharding: ActivationSharding | None = None) -> Float[Array, "b t"]:
         """Pure (unjitted) per-token log-probs, TrainBatch-aligned; the runtime fuses it into inference programs.

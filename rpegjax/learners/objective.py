@@ -95,6 +95,10 @@ class PolicyConfig:
     num_minibatches: int = 1
     num_microbatches: int = 1
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    # mixture-of-experts policies (rpegjax.learners.router): weights of the load-balancing loss and the router
+    # z-loss (0: off; RL recipes of Qwen3-MoE such as slime's run --moe-aux-loss-coeff 0)
+    router_aux_loss_coef: float = 0.0
+    router_z_loss_coef: float = 0.0
 
     def __post_init__(self) -> None:
         name = type(self).__name__
@@ -114,7 +118,7 @@ class PolicyConfig:
             raise ValueError(f"{name}.aggregation: GSPO always averages over sequences; leave it at 'token-mean'")
         if self.max_length is not None and self.max_length < 1:
             raise ValueError(f"{name}.max_length must be positive or None, got {self.max_length!r}")
-        for field in ("kl_coef", "entropy_coef"):
+        for field in ("kl_coef", "entropy_coef", "router_aux_loss_coef", "router_z_loss_coef"):
             if getattr(self, field) < 0:
                 raise ValueError(f"{name}.{field} must be >= 0, got {getattr(self, field)!r}")
         self._check_correction(name)
@@ -195,6 +199,7 @@ def policy_denominators(cfg: PolicyConfig, batch: TrainBatch) -> dict[str, Array
     return {
         "policy": aggregation_denominator(batch.response_mask, policy_aggregation),
         "terms": aggregation_denominator(batch.response_mask, cfg.aggregation),
+        "tokens": jnp.sum(batch.token_mask.astype(jnp.float32)),  # what the router terms average over
     }
 
 

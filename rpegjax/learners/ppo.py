@@ -28,6 +28,7 @@ from rpegjax.learners.losses import aggregation_denominator, kl_penalty, value_l
 from rpegjax.learners.objective import PolicyConfig, PolicyUpdates, policy_denominators, policy_objective, update_inputs
 from rpegjax.learners.optim import OptimizerConfig, make_optimizer, make_schedule
 from rpegjax.learners.placement import ModelPlacement, Params, has_adapters, has_dropout, jit_with_shardings
+from rpegjax.learners.router import add_router_terms
 from rpegjax.learners.scoring import score_sequences
 from rpegjax.learners.trainable import join_frozen, split_trainable
 from rpegjax.learners.update import (
@@ -173,6 +174,7 @@ class PPOLearner(PolicyUpdates):
             sharding=self.actor.activations, dropout_key=dropout_key,
         )
         loss, metrics = policy_objective(cfg, scores.logprobs, scores.entropy, batch, denominators)
+        loss, metrics = add_router_terms(cfg, loss, metrics, scores.routing, batch, denominators)
         values = scores.values if shared else self._critic_values(params["critic"], batch.tokens, batch.token_mask)
         vf_loss, vf_metrics = value_loss(
             values, batch.values, batch.returns, batch.response_mask, clip=cfg.value_clip,

@@ -15,6 +15,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from rpegjax.learners.batch import shift_to_tokens
 from rpegjax.models.logprobs import logprobs_from_hidden
+from rpegjax.models.moe import Routing
 from rpegjax.models.transformer import Decoder, default_positions
 from rpegjax.sharding.rules import ActivationSharding
 
@@ -24,6 +25,7 @@ class SequenceScores:
     logprobs: Float[Array, "b t"] | None
     entropy: Float[Array, "b t"] | None
     values: Float[Array, "b t"] | None
+    routing: Routing | None = None  # a mixture-of-experts model's routing of every token (`Decoder.routed_hidden_states`)
 
 
 def score_sequences(
@@ -38,12 +40,14 @@ def score_sequences(
     with_values: bool = False,
     sharding: ActivationSharding | None = None,
     dropout_key: Array | None = None,
+    expert_ids: Int[Array, "b t s k"] | None = None,
 ) -> SequenceScores:
     """Log-probs (and optionally entropies and values) of every token from one forward pass.
 
     The log-softmax is computed `chunk_size` positions at a time so that [b, t, v] float32 logits
     are never materialised (`rpegjax.models.logprobs.logprobs_from_hidden`). `dropout_key`: the training
-    forward's LoRA dropout key (`Decoder.hidden_states`); None everywhere else.
+    forward's LoRA dropout key (`Decoder.hidden_states`); None everywhere else. `expert_ids`: a mixture-of-experts
+    model routes every token to these experts (the rollout's routing, replayed).
     """
     if tokens.shape != token_mask.shape:
         raise ValueError(f"score_sequences: tokens {tokens.shape} and token_mask {token_mask.shape} differ in shape")
@@ -51,7 +55,8 @@ def score_sequences(
         raise ValueError("score_sequences: with_entropy needs with_logprobs")
     token_mask = token_mask.astype(bool)
     positions = default_positions(tokens, token_mask)
-    hidden, _ = model.hidden_states(tokens, positions, mask=token_mask, sharding=sharding, dropout_key=dropout_key)
+    hidden, _, routing = model.routed_hidden_states(tokens, positions, mask=token_mask, sharding=sharding,
+                                                    dropout_key=dropout_key, expert_ids=expert_ids)
     # the first token is never scored (nothing precedes it), so index 0 is masked out too
     scored = token_mask.at[:, 0].set(False)
 
@@ -69,7 +74,7 @@ def score_sequences(
         entropy = None if raw_entropy is None else aligned(raw_entropy)
     if with_values:
         values = aligned(model.values(hidden))
-    return SequenceScores(logprobs=logprobs, entropy=entropy, values=values)
+    return SequenceScores(logprobs=logprobs, entropy=entropy, values=values, routing=routing)
 
 
 def sequence_logprobs(
