@@ -37,6 +37,9 @@ class TrainBatch:
     values: Float[Array, "b t"] | None = None  # critic values at generation (PPO)
     returns: Float[Array, "b t"] | None = None  # value targets (PPO)
     rewards: Float[Array, " b"] | None = None  # one scalar reward per sequence
+    # a mixture-of-experts rollout's routing of every token (s sparse layers, k experts; -1: none recorded),
+    # replayed by the training forward under `router_replay` (`Decoder.routed_hidden_states`)
+    expert_ids: Int[Array, "b t s k"] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -57,6 +60,9 @@ class TrainBatch:
             raise ValueError(f"TrainBatch.advantages has shape {tuple(self.advantages.shape)}, expected {(b,)} or {(b, t)}")
         if self.rewards is not None and tuple(self.rewards.shape) != (b,):
             raise ValueError(f"TrainBatch.rewards has shape {tuple(self.rewards.shape)}, expected {(b,)}")
+        if self.expert_ids is not None and (self.expert_ids.ndim != 4 or tuple(self.expert_ids.shape[:2]) != (b, t)):
+            raise ValueError(f"TrainBatch.expert_ids has shape {tuple(self.expert_ids.shape)}, expected {(b, t)} + "
+                             "(sparse layers, experts per token)")
 
     def require(self, where: str, *names: str) -> None:
         """Raises ValueError if any of `names` is None, saying which component needs it."""

@@ -136,6 +136,7 @@ class GRPOLearner(PolicyUpdates):
         scores = score_sequences(
             self.placement.merge(params), batch.tokens, batch.token_mask, chunk_size=cfg.logprob_chunk_size,
             temperature=cfg.temperature, with_entropy=True, sharding=self.placement.activations, dropout_key=dropout_key,
+            expert_ids=batch.expert_ids if cfg.router_replay else None,
         )
         loss, metrics = policy_objective(cfg, scores.logprobs, scores.entropy, batch, denominators)
         return add_router_terms(cfg, loss, metrics, scores.routing, batch, denominators)

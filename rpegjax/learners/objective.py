@@ -99,6 +99,9 @@ class PolicyConfig:
     # z-loss (0: off; RL recipes of Qwen3-MoE such as slime's run --moe-aux-loss-coeff 0)
     router_aux_loss_coef: float = 0.0
     router_z_loss_coef: float = 0.0
+    # the training forward routes every token to the experts the rollout chose (TrainBatch.expert_ids), so that
+    # the trainer's and the sampler's routing agree exactly
+    router_replay: bool = False
 
     def __post_init__(self) -> None:
         name = type(self).__name__
@@ -184,6 +187,8 @@ class PolicyConfig:
     def required_fields(self) -> tuple[str, ...]:
         """TrainBatch fields the policy part of the update reads (besides tokens and masks)."""
         fields = ["advantages"]
+        if self.router_replay:
+            fields.append("expert_ids")
         if self.kl_coef > 0:
             fields.append("ref_logprobs")
         if self.decoupled:
@@ -258,10 +263,12 @@ def update_inputs(batch: TrainBatch, cfg: PolicyConfig, *extra: str) -> TrainBat
         name: None if getattr(batch, name) is None or name not in keep else _as_dtype(getattr(batch, name), jnp.float32)
         for name in ("behaviour_logprobs", "old_logprobs", "ref_logprobs", "advantages", "values", "returns")
     }
+    expert_ids = None if batch.expert_ids is None or "expert_ids" not in keep else _as_dtype(batch.expert_ids, jnp.int32)
     return TrainBatch(
         tokens=_as_dtype(batch.tokens, jnp.int32),
         token_mask=_as_dtype(batch.token_mask, jnp.bool_),
         response_mask=_as_dtype(batch.response_mask, jnp.bool_),
+        expert_ids=expert_ids,
         **floats,
     )
 

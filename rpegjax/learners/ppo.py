@@ -172,6 +172,7 @@ class PPOLearner(PolicyUpdates):
             self.actor.merge(params["actor"]), batch.tokens, batch.token_mask, chunk_size=cfg.logprob_chunk_size,
             temperature=cfg.temperature, with_entropy=True, with_values=shared,
             sharding=self.actor.activations, dropout_key=dropout_key,
+            expert_ids=batch.expert_ids if cfg.router_replay else None,
         )
         loss, metrics = policy_objective(cfg, scores.logprobs, scores.entropy, batch, denominators)
         loss, metrics = add_router_terms(cfg, loss, metrics, scores.routing, batch, denominators)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float
+from jaxtyping import Array, Bool, Float, Int
 
 from rpegjax.learners.batch import TrainBatch
 from rpegjax.learners.objective import PolicyConfig
@@ -77,4 +77,15 @@ def add_router_terms(cfg: PolicyConfig, loss: Float[Array, ""], metrics: Metrics
     router_loss, router_metrics = router_objective(
         routing, batch.token_mask, denominators["tokens"], aux_loss_coef=cfg.router_aux_loss_coef,
         z_loss_coef=cfg.router_z_loss_coef)
+    if cfg.router_replay and batch.expert_ids is not None:
+        router_metrics["moe/replay_routing_differs"] = replay_disagreement(routing, batch.expert_ids, batch.token_mask)
     return loss + router_loss, metrics | router_metrics
+
+
+def replay_disagreement(routing: Routing, recorded: Int[Array, "b t s k"], mask: Bool[Array, "b t"]) -> Float[Array, ""]:
+    """The fraction of recorded (token, sparse layer) decisions where this pass's router would pick another set of
+    experts than the rollout did: how much routing the replay overrides."""
+    own = jax.lax.top_k(jax.lax.stop_gradient(routing.router_logits), recorded.shape[-1])[1]
+    differs = jnp.any(jnp.sort(own, axis=-1) != jnp.sort(recorded, axis=-1), axis=-1)  # b t s
+    counted = (mask[..., None] & jnp.all(recorded >= 0, axis=-1)).astype(jnp.float32)
+    return jnp.sum(differs * counted) / jnp.maximum(jnp.sum(counted), 1.0)

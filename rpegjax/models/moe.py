@@ -11,6 +11,7 @@ Parameters (ours; Hugging Face's per-expert tensors are in `hf_layout`):
 routing it used (`Routing`): the router's logits for the load-balancing loss and the chosen experts, which a later
 pass can replay (`expert_ids=`) so that it routes every token exactly as the recorded pass did; the replayed
 experts are weighted by this pass's router probabilities (`experts.replay_weights`), so the router still learns.
+A token whose recorded ids are negative (none recorded, e.g. padding) is routed by its router as usual.
 """
 
 from __future__ import annotations
@@ -60,10 +61,10 @@ class SparseMoE(nnx.Module):
         flat = x.reshape(b * t, d).astype(self.dtype)
         # float32 router (as Megatron's --moe-router-dtype fp32): a bf16 router flips near-tied experts
         logits = flat.astype(jnp.float32) @ self.router.get_value().astype(jnp.float32)
-        if expert_ids is None:
-            ids, weights = route(logits, self.top_k, self.norm_topk_prob)
-        else:
-            ids = expert_ids.reshape(b * t, self.top_k).astype(jnp.int32)
+        ids, weights = route(logits, self.top_k, self.norm_topk_prob)
+        if expert_ids is not None:  # a token with any id < 0 has no recorded routing: it keeps its router's choice
+            replayed = expert_ids.reshape(b * t, self.top_k).astype(jnp.int32)
+            ids = jnp.where(jnp.all(replayed >= 0, axis=-1, keepdims=True), replayed, ids)
             weights = replay_weights(logits, ids, self.norm_topk_prob)
         out = apply_experts(flat, ids, weights, self.gate_proj.get_value(), self.up_proj.get_value(),
                             self.down_proj.get_value())

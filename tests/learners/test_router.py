@@ -83,3 +83,32 @@ def test_grpo_loss_adds_the_router_terms_to_a_moe_policy():
     assert metrics["moe/tokens_per_expert_max"] >= metrics["moe/tokens_per_expert_mean"] > 0
     np.testing.assert_allclose(weighted - plain, metrics["moe/router_loss"], rtol=1e-4)
     assert metrics["moe/router_loss"] > 0.3 * 0.9 and losses[0.0][1]["moe/router_loss"] == 0
+
+
+def test_replayed_own_routing_changes_nothing_and_other_routing_is_counted():
+    """Replaying the routing a free forward chose gives its loss exactly; replaying other experts changes the
+    loss and `moe/replay_routing_differs` reports the share overridden. Without expert_ids the update refuses."""
+    model = Decoder(ModelConfig.tiny(Architecture.QWEN3_MOE), rngs=nnx.Rngs(0))
+    cfg = GRPOConfig(group_size=G, router_replay=True)
+    learner = GRPOLearner(cfg, model)
+    batch, _ = learner.compute_advantages(make_batch())
+    batch = batch.replace(old_logprobs=batch.behaviour_logprobs)  # a ratio != 1: the loss value reads the log-probs
+    with pytest.raises(ValueError, match="expert_ids"):
+        learner.update(learner.init_state(), batch)
+    tokens, mask = jnp.asarray(batch.tokens), jnp.asarray(batch.token_mask)
+    positions = jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0)
+    _, _, routing = model.routed_hidden_states(tokens, positions, mask=mask)
+    recorded = jnp.where(mask[..., None, None], routing.expert_ids, -1)
+
+    def loss_and_metrics(expert_ids, replay):
+        config = GRPOConfig(group_size=G, router_replay=replay)
+        inputs = update_inputs(batch.replace(expert_ids=expert_ids), config)
+        learner.cfg = config
+        return learner._loss(learner.params, inputs, policy_denominators(config, inputs))
+
+    free, _ = loss_and_metrics(None, False)
+    same, same_metrics = loss_and_metrics(recorded, True)
+    other, other_metrics = loss_and_metrics(jnp.where(recorded >= 0, (recorded + 1) % 4, -1), True)
+    np.testing.assert_allclose(same, free, rtol=1e-6)
+    assert float(same_metrics["moe/replay_routing_differs"]) == 0
+    assert abs(float(other) - float(free)) > 1e-4 and float(other_metrics["moe/replay_routing_differs"]) > 0.5
