@@ -1,4 +1,4 @@
-"""Decoder-only transformer (Qwen2/Qwen2.5, Qwen3, Llama 3) in Flax NNX.
+"""Decoder-only transformer (Qwen2/Qwen2.5, Qwen3, Qwen3-MoE, Llama 3) in Flax NNX.
 
 Two call paths share every layer:
 * full sequence (`Decoder.__call__` without a cache): training and log-probs;

@@ -21,7 +21,7 @@ from rpegjax.envs.catalog import make_environment
 from rpegjax.generate.sampler import Sampler, usable_slots
 from rpegjax.graph import builders, transforms
 from rpegjax.graph.ir import Algorithm, Execution, Graph, StageKind
-from rpegjax.models.config import ModelConfig
+from rpegjax.models.config import Architecture, ModelConfig
 from rpegjax.models.hf import load_pretrained, read_config
 from rpegjax.models.precision import Precision
 from rpegjax.models.tokenizer import builtin_tokenizer, load_tokenizer
@@ -199,10 +199,15 @@ def _model_config(cfg: RunConfig, tokenizer, *, value_head: bool) -> ModelConfig
     # the vocabulary padded to a multiple of 8, as checkpoints pad theirs: tensor parallelism up to 8 splits
     # the embedding and output layer evenly (the sharding rules refuse an axis that does not divide)
     vocab = -(-tokenizer.vocab_size // 8) * 8
-    return ModelConfig(vocab_size=vocab, hidden_size=m.hidden_size, num_layers=m.num_layers, num_heads=m.num_heads,
-                       num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, intermediate_size=m.intermediate_size,
-                       attention_bias=True, param_dtype=precision.param_dtype, dtype=precision.dtype, value_head=value_head,
-                       eos_token_id=tokenizer.eos_id, max_position_embeddings=4096, **m.execution())
+    experts = {} if not m.num_experts else dict(
+        architecture=Architecture.QWEN3_MOE, attention_bias=False, qk_norm=True, num_experts=m.num_experts,
+        num_experts_per_token=m.num_experts_per_token, moe_intermediate_size=m.moe_intermediate_size,
+        norm_topk_prob=True)
+    return ModelConfig(**{**dict(
+        vocab_size=vocab, hidden_size=m.hidden_size, num_layers=m.num_layers, num_heads=m.num_heads,
+        num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, intermediate_size=m.intermediate_size, attention_bias=True,
+        param_dtype=precision.param_dtype, dtype=precision.dtype, value_head=value_head, eos_token_id=tokenizer.eos_id,
+        max_position_embeddings=4096, **m.execution()), **experts})
 
 
 def run_precision(cfg: RunConfig) -> Precision:

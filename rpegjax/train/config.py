@@ -67,7 +67,9 @@ def _choice(section: object, name: str, kind: type[enum.StrEnum], *, optional: b
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelSection:
     """`path`: a local Hugging Face directory (config.json + safetensors + tokenizer files); without it a
-    small Qwen2-style model of the sizes below is built for the built-in character tokenizer."""
+    small Qwen2-style model of the sizes below is built for the built-in character tokenizer, or with
+    `num_experts` > 0 a Qwen3-MoE-style one whose every layer routes each token to `num_experts_per_token` of
+    `num_experts` experts of width `moe_intermediate_size` (rpegjax.models.moe)."""
 
     path: str | None = None
     hidden_size: int = 128
@@ -76,6 +78,9 @@ class ModelSection:
     num_kv_heads: int = 2
     head_dim: int = 32
     intermediate_size: int = 384
+    num_experts: int = 0
+    num_experts_per_token: int = 2
+    moe_intermediate_size: int = 128
     # None: the mixed-precision policy (rpegjax.models.precision): float32 everywhere on CPU; on a GPU float32
     # master weights computing in a checkpoint's own dtype, generation in the compute dtype
     param_dtype: DType | None = None
@@ -90,7 +95,9 @@ class ModelSection:
 
     def __post_init__(self) -> None:
         _positive(self, "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
-                  "attention_block_size")
+                  "attention_block_size", "num_experts_per_token", "moe_intermediate_size")
+        if not isinstance(self.num_experts, int) or isinstance(self.num_experts, bool) or self.num_experts < 0:
+            raise ValueError(f"ModelSection.num_experts must be 0 (dense) or a positive integer, got {self.num_experts!r}")
         _choice(self, "attention", AttentionKind)
         _choice(self, "remat", RematPolicy)
         for name in ("param_dtype", "dtype", "generation_dtype"):  # unset: the mixed-precision policy

@@ -15,7 +15,7 @@ class FlagHelp:
 FLAG_HELP: dict[str, FlagHelp] = {
     # model and data
     "model": FlagHelp(metavar="DIR", meaning="fine-tune this local Hugging Face checkpoint (Qwen2/Qwen2.5, Qwen3, "
-                      "Llama 3; safetensors and tokenizer files); without it a small model for the built-in "
+                      "Qwen3-MoE, Llama 3; safetensors and tokenizer files); without it a small model for the built-in "
                       "character tokenizer is built"),
     "dataset": FlagHelp(metavar="PATH", meaning="train on this JSONL or Parquet file, directory of Parquet files or "
                         "`save_to_disk` directory (GSM8K, MATH or prompt/answer rows) instead of the built-in task; "

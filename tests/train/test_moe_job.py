@@ -1,0 +1,60 @@
+"""The main job fine-tunes a Qwen3-MoE checkpoint that transformers wrote (`--model DIR`), end to end on the CPU."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+from hf_parity import assert_final_hf_logit_parity
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _write_checkpoint(model_dir: pathlib.Path) -> list[str]:
+    """A random 2-layer Qwen3-MoE (4 experts, top 2; layer 1 dense) with a digit tokenizer; returns the vocabulary."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<pad>": 0, "<eos>": 1, **{c: i + 2 for i, c in enumerate("0123456789+=")}}
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=len(vocab), hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+        norm_topk_prob=True, mlp_only_layers=[1], max_position_embeddings=64, tie_word_embeddings=False,
+        eos_token_id=1, pad_token_id=0)
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(model_dir)
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tokenizer.decoder = decoders.Fuse()
+    tokenizer.save(str(model_dir / "tokenizer.json"))
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>", "pad_token": "<pad>"}))
+    return list(vocab)
+
+
+@pytest.mark.slow  # ~4 minutes of compilation on a loaded 2-core machine
+def test_job_trains_a_transformers_written_qwen3_moe_checkpoint(tmp_path):
+    model_dir = tmp_path / "model"
+    _write_checkpoint(model_dir)
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n"
+                            for a in range(10) for b in range(10)))
+    run_dir = tmp_path / "run"
+    command = [sys.executable, str(ROOT / "scripts" / "train_grpo.py"), f"--model={model_dir}", f"--dataset={data}",
+               "--steps=2", f"--run-dir={run_dir}", "--prompts-per-step=4", "--group-size=2", "--max-new-tokens=4",
+               "--data.eval_size=8", "--mesh=data=1", "--train.reward_workers=1", "--checkpoint-every=2",
+               "--grpo.router_aux_loss_coef=0.01", "--grpo.router_z_loss_coef=0.001"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1500)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for record in steps:  # the router terms and the expert load are logged every step
+        assert record["moe/load_balance"] > 0 and record["moe/router_z"] > 0
+        assert record["moe/tokens_per_expert_max"] >= record["moe/tokens_per_expert_mean"] > 0
+    exported = json.loads((run_dir / "hf" / "config.json").read_text())
+    assert exported["model_type"] == "qwen3_moe" and exported["mlp_only_layers"] == [1]
+    assert_final_hf_logit_parity(run_dir, [[2, 3, 12, 4, 13], [5, 5, 12, 9, 13, 3]], step=2)
