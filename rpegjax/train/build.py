@@ -407,6 +407,20 @@ def run_algorithm(cfg: RunConfig):
     return dataclasses.replace(algorithm, **changes)
 
 
+def check_router_options(cfg: RunConfig, model_cfg: ModelConfig) -> None:
+    """Refuses router options the run cannot honour: router terms on a dense model, and replay (the job's samplers
+    do not record the rollout's routing yet)."""
+    section, algorithm = cfg.algorithm.value, cfg.algorithm_section()
+    if algorithm.router_replay:
+        raise ValueError(f"{section}.router_replay: the job's sampler does not record the rollout's routing yet, so "
+                         "there is nothing to replay; leave it false")
+    if not model_cfg.num_experts:
+        for name in ("router_aux_loss_coef", "router_z_loss_coef"):
+            if getattr(algorithm, name):
+                raise ValueError(f"{section}.{name}={getattr(algorithm, name)}: the model has no experts (a dense "
+                                 f"{model_cfg.architecture.value} model); set it to 0")
+
+
 def _with_lora(cfg: RunConfig, model: Decoder, model_cfg: ModelConfig) -> Decoder:
     """The actor with LoRA adapters when `lora.rank` > 0 (their rank checked against a checkpoint's widths)."""
     lora = cfg.lora.config()
@@ -448,6 +462,7 @@ def build(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Components:
         model, model_cfg = _pretrained(cfg, tokenizer, train_mesh)
     model_cfg = model_cfg.replace(**graph.execution.model_fields())  # what place_models runs the model with
     check_plan_shapes(cfg, model_cfg, max_prompt_len)
+    check_router_options(cfg, model_cfg)
     # with several processes, generation and training run on the same processes or on disjoint groups of whole
     # processes (`rpegjax.runtime.roles`); a placement that splits a process between the two is refused here
     groups = process_groups(graph)

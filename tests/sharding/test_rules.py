@@ -66,7 +66,8 @@ def test_every_parameter_carries_its_rule(architecture):
         assert value.sharding.spec == expected, path
     # the big matrices really are split
     layer = sharded["layers"][0]
-    assert layer["mlp"]["gate_proj"].get_value().sharding.spec == P("fsdp", "tensor")
+    stacked_experts = (None,) if cfg.num_experts else ()  # a sparse layer's kernels [x, d, f]: experts replicated
+    assert layer["mlp"]["gate_proj"].get_value().sharding.spec == P(*stacked_experts, "fsdp", "tensor")
     assert layer["attention"]["q_proj"].get_value().sharding.spec == P("fsdp", "tensor", None)
     assert check_param_shardings(sharded, mesh, rules, min_size=1) == [
         f"{'/'.join(map(str, p))} {tuple(v.get_value().shape)} is replicated"
