@@ -58,3 +58,24 @@ def test_job_trains_a_transformers_written_qwen3_moe_checkpoint(tmp_path):
     exported = json.loads((run_dir / "hf" / "config.json").read_text())
     assert exported["model_type"] == "qwen3_moe" and exported["mlp_only_layers"] == [1]
     assert_final_hf_logit_parity(run_dir, [[2, 3, 12, 4, 13], [5, 5, 12, 9, 13, 3]], step=2)
+
+
+def test_router_options_the_run_cannot_honour_are_refused():
+    import dataclasses
+
+    from rpegjax.models import Architecture, ModelConfig
+    from rpegjax.train.build import check_router_options
+    from rpegjax.train.config import RunConfig
+
+    base = RunConfig()
+    moe, dense = ModelConfig.tiny(Architecture.QWEN3_MOE), ModelConfig.tiny()
+
+    def run(**changes) -> RunConfig:
+        return dataclasses.replace(base, grpo=dataclasses.replace(base.grpo, **changes))
+
+    check_router_options(run(router_aux_loss_coef=0.01, router_z_loss_coef=0.001), moe)
+    check_router_options(run(), dense)
+    with pytest.raises(ValueError, match=r"grpo.router_replay: the job's sampler does not record"):
+        check_router_options(run(router_replay=True), moe)
+    with pytest.raises(ValueError, match=r"grpo.router_aux_loss_coef=0.01: the model has no experts"):
+        check_router_options(run(router_aux_loss_coef=0.01), dense)
