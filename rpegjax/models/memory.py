@@ -42,6 +42,7 @@ def forward_bytes_per_row(cfg: ModelConfig, length: int, *, logprob_chunk: int) 
     `length` tokens (see the module docstring)."""
     if length < 1 or logprob_chunk < 1:
         raise ValueError(f"forward_bytes_per_row: length {length} and logprob_chunk {logprob_chunk} must be positive")
+    _refuse_experts(cfg, "forward_bytes_per_row")
     t, d, f, v = length, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     h, k, e = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     residual = 4 * t * d * _FLOAT32
@@ -61,9 +62,19 @@ def forward_bytes_per_row(cfg: ModelConfig, length: int, *, logprob_chunk: int) 
 def forward_fixed_bytes(cfg: ModelConfig, *, tensor: int = 1) -> int:
     """Estimated bytes, on one device, of the weights a forward pass materialises whatever its rows: two
     gathered layers and the output layer, in the parameter dtype and a compute-dtype copy (module docstring)."""
+    _refuse_experts(cfg, "forward_fixed_bytes")
     d, f, h, k, e, v = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                         cfg.vocab_size)
     layer = d * h * e + 2 * d * k * e + h * e * d + 3 * d * f
     stored, compute = np.dtype(cfg.jnp_param_dtype).itemsize, np.dtype(cfg.jnp_dtype).itemsize
     per_weight = stored + (compute if compute != stored else 0)
     return int((2 * layer + d * v) * per_weight / tensor)
+
+
+def _refuse_experts(cfg: ModelConfig, where: str) -> None:
+    """The terms above describe dense layers; a mixture-of-experts layer's (sorted token copies, grouped matmuls,
+    which XLA's CPU backend lowers densely over every expert) are not measured yet."""
+    if cfg.num_experts:
+        raise ValueError(f"{where}: no memory estimate for mixture-of-experts layers yet ({cfg.architecture.value}, "
+                         f"{cfg.num_experts} experts); bound inference micro-batches with inference_rows instead of "
+                         "inference_memory_gib")

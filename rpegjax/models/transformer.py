@@ -400,7 +400,8 @@ class Decoder(nnx.Module):
         if cache is not None:
             added = tokens.shape[1] if mask is None else mask.sum(axis=-1).astype(jnp.int32)
             new_cache = cache.with_layers(written, added)
-        stacked = None if not sparse else jax.tree.map(lambda *r: jnp.stack(r, axis=2), *(r for r in routings if r is not None))
+        routed = [routing for routing in routings if routing is not None]
+        stacked = jax.tree.map(lambda *r: jnp.stack(r, axis=2), *routed) if routed else None
         return self.final_norm(x), new_cache, stacked
 
     def with_execution(self, **changes: Any) -> Decoder:

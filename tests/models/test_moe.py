@@ -227,3 +227,13 @@ def test_fsdp_and_tensor_sharded_moe_equals_unsharded():
     # composite (three layers' backward): sharded reductions sum in another order, ~1e-6 apart at values ~1
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got_grads), jax.tree.leaves(grads), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5, err_msg=jax.tree_util.keystr(path))
+
+
+def test_memory_estimate_refuses_expert_layers():
+    from rpegjax.models.memory import forward_bytes_per_row, forward_fixed_bytes
+
+    cfg = ModelConfig.tiny(Architecture.QWEN3_MOE)
+    with pytest.raises(ValueError, match="no memory estimate for mixture-of-experts"):
+        forward_bytes_per_row(cfg, 16, logprob_chunk=8)
+    with pytest.raises(ValueError, match="inference_rows"):
+        forward_fixed_bytes(cfg)
