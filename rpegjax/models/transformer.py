@@ -25,7 +25,6 @@ from jaxtyping import Array, Bool, Float, Int
 from rpegjax.models.activations import swiglu
 from rpegjax.models.attention import attend, causal_attention  # noqa: F401  (causal_attention: re-exported)
 from rpegjax.models.config import ModelConfig
-from rpegjax.models.moe import Routing, SparseMoE
 from rpegjax.models.lora import (
     ATTENTION_TARGETS,
     MLP_TARGETS,
@@ -37,6 +36,7 @@ from rpegjax.models.lora import (
     split_adapters,
     target_key,
 )
+from rpegjax.models.moe import Routing, SparseMoE
 from rpegjax.options import MODEL_EXECUTION_FIELDS, RematPolicy
 from rpegjax.sharding import axes
 from rpegjax.sharding.rules import ActivationSharding, constrain
