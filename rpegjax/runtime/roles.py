@@ -36,6 +36,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rpegjax.data.example import Example
+from rpegjax.distributed.hosts import ProcessAddress
 from rpegjax.generate.completion import Completion, FinishReason
 from rpegjax.graph.ir import Graph, GraphError, StageKind
 from rpegjax.learners.batch import TrainBatch
@@ -176,11 +177,13 @@ class RoleLinks:
 
     `weights_like` is the generation copy's tree of shapes, `weights_targets` its shardings on the generation mesh
     and `weights_staging` the same layout over the training devices; `rows` and `length` a rollout piece's shape.
-    `examples` are the data iterator's examples (rows travel as indices into them). Constructing it is a collective
+    `examples` are the data iterator's examples (rows travel as indices into them); `address` is where this
+    process's transfer server listens (`DistributedConfig.address()`). Constructing it is a collective
     of every process (the transfer servers' addresses are exchanged); after that nothing here is a collective."""
 
     def __init__(self, graph: Graph, groups: ProcessGroups, *, weights_like: Any, weights_staging: Any,
-                 weights_targets: Any, rows: int, length: int, examples: Sequence[Example]):
+                 weights_targets: Any, rows: int, length: int, examples: Sequence[Example],
+                 address: ProcessAddress = ProcessAddress()):
         self.groups = groups
         generate = graph.stages_of_kind(StageKind.GENERATE)[0]
         train = graph.stages_of_kind(StageKind.ACTOR_UPDATE)[0]
@@ -197,7 +200,7 @@ class RoleLinks:
                                                _replicated(self.training_heads), _replicated(self.generation_heads))
         self.examples = list(examples)
         self._example_index = {id(example): index for index, example in enumerate(self.examples)}
-        self.links = transfers.ProcessTransfers()
+        self.links = transfers.ProcessTransfers(address)
         self.weight_offers: list[dict[str, float]] = []  # training side: when each version was offered
         self.weight_pulls: list[dict[str, float]] = []  # generation side: when each version's pull started/ended
 

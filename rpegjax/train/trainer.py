@@ -18,6 +18,7 @@ from jax.sharding import Mesh
 
 from rpegjax import distributed
 from rpegjax.data.iterator import DataIterator
+from rpegjax.distributed.hosts import ProcessAddress
 from rpegjax.envs.rollout import EpisodeConfig, EpisodeRunner
 from rpegjax.generate.sampler import Sampler
 from rpegjax.generate.sampling import SamplingConfig
@@ -249,7 +250,8 @@ class Trainer:
         runtime = Runtime(parts.graph, programs, data, prompt_ids=parts.prompt_ids,
                           key=jax.random.key(cfg.train.seed), trace=trace, concurrent_rollout=jax.process_count() == 1,
                           dynamic_sampling=grpo.dynamic_sampling_config() if grpo else None,
-                          reward_shaping=grpo.overlong_shaping(cfg.rollout.max_new_tokens) if grpo else None)
+                          reward_shaping=grpo.overlong_shaping(cfg.rollout.max_new_tokens) if grpo else None,
+                          address=cfg.distributed.address() if groups is not None else ProcessAddress())
         return _Job(role=role, data=data, checkpoints=checkpoints, rewards=rewards, programs=programs, trace=trace,
                     runtime=runtime, state=state, reference_print=reference_print)
 

@@ -1,0 +1,101 @@
+"""Where a process can be reached by the others: its host's address and the ports it may listen on.
+
+A process listens for its peers in two places besides the JAX coordinator: its transfer server
+(`rpegjax.runtime.transfers`: weights and rollouts between process groups) and, in process 0, the peer watch
+(`rpegjax.distributed.watch`). Both bind to `ProcessAddress.host`: the `distributed.host_address` flag when given,
+else the address this host uses to reach the coordinator (the source address of a route to it, read from the
+kernel without sending anything: the interface that faces the other hosts), else 127.0.0.1 for one process.
+`distributed.port_range` ("FIRST-LAST") confines the ports to a range a firewall lets through; unset, the
+system picks free ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+
+import jax
+
+
+@dataclasses.dataclass(frozen=True)
+class PortRange:
+    """Ports `first` to `last` inclusive."""
+
+    first: int
+    last: int
+
+    @classmethod
+    def parse(cls, text: str, where: str) -> PortRange:
+        """"FIRST-LAST" -> PortRange; ValueError naming `where` and the text when it does not parse."""
+        first, dash, last = str(text).partition("-")
+        if not (dash and first.strip().isdigit() and last.strip().isdigit()):
+            raise ValueError(f"{where} must be 'FIRST-LAST' (e.g. 50000-50100), got {text!r}")
+        low, high = int(first), int(last)
+        if not 0 < low <= high < 65536:
+            raise ValueError(f"{where} must be ports 1-65535 with FIRST <= LAST, got {text!r}")
+        return cls(low, high)
+
+    @property
+    def size(self) -> int:
+        return self.last - self.first + 1
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessAddress:
+    """The address other processes reach this one at, and the ports it may listen on (None: any free port)."""
+
+    host: str = "127.0.0.1"
+    ports: PortRange | None = None
+
+    def free_ports(self, count: int, *, start: int = 0) -> list[int]:
+        """`count` ports of the range that nothing listens on now, tried from its `start`-th port on (spread
+        processes of one host over the range to avoid racing for the same ports); zeros (the system picks)
+        without a range. Raises OSError naming the range when it has too few free ports."""
+        if self.ports is None:
+            return [0] * count
+        found: list[int] = []
+        for offset in range(self.ports.size):
+            port = self.ports.first + (start + offset) % self.ports.size
+            with socket.socket(_family(self.host), socket.SOCK_STREAM) as probe:
+                try:  # without SO_REUSEPORT: a listener that set it still refuses this bind
+                    probe.bind((self.host, port))
+                except OSError:
+                    continue
+            found.append(port)
+            if len(found) == count:
+                return found
+        raise OSError(f"distributed.port_range {self.ports.first}-{self.ports.last}: {len(found)} free port(s) on "
+                      f"{self.host}, {count} needed by process {jax.process_index()}; widen the range")
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def route_source(host: str, port: int) -> str:
+    """The local address the kernel would send from to reach `host:port` (a UDP socket's connect sends
+    nothing). Raises OSError naming the host when it does not resolve or has no route."""
+    try:
+        family, _, _, _, target = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(target)
+            return probe.getsockname()[0]
+    except OSError as error:
+        raise OSError(f"cannot find this host's address towards the coordinator {host}:{port}: {error}; give it "
+                      "with --distributed.host_address") from None
+
+
+def process_address(host_address: str | None, coordinator_address: str | None, port_range: str | None
+                    ) -> ProcessAddress:
+    """This process's `ProcessAddress`: `host_address` when given, else the source address of the route to the
+    coordinator ("host:port"), else 127.0.0.1 (one process)."""
+    ports = None if port_range is None else PortRange.parse(port_range, "distributed.port_range")
+    if host_address:
+        return ProcessAddress(host_address, ports)
+    if coordinator_address:
+        host, _, port = coordinator_address.rpartition(":")
+        return ProcessAddress(route_source(host.strip("[]"), int(port)), ports)
+    if jax.process_count() > 1:
+        raise ValueError("several processes but neither distributed.host_address nor a coordinator address: "
+                         "give --distributed.host_address")
+    return ProcessAddress("127.0.0.1", ports)
