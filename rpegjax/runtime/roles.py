@@ -14,6 +14,8 @@ that crosses goes through `rpegjax.runtime.transfers` (`RoleLinks`):
   data (per-row indices and lengths, finish reasons, the example of each row, the data position, each generation
   process's block of rewards and reward statistics, or the failure of the rollout stage) encoded as JSON bytes in
   a small array, one per generation process (each scored its own block of the rows);
+- *the start of the run*, training -> generation: the step and data position the run starts from (a resumed
+  run's, from its checkpoint, which only the training processes read);
 - *the end of the run*, training -> generation: a small control message saying whether training finished or
   failed. A generation process does not exit before it has it, so every rollout it offered has been pulled.
 
@@ -49,6 +51,7 @@ _FINISH = list(FinishReason)
 _CONTROL_BYTES = 4096
 # transfer ids: (serial << 2) | channel, so weights, rollout pieces and control messages never share one
 _WEIGHTS, _PIECE, _CONTROL = 0, 1, 2
+_START = (1 << 2) | _CONTROL  # the start-of-run message; the end-of-run one is serial 0
 
 
 class Role(enum.StrEnum):
@@ -321,6 +324,18 @@ class RoleLinks:
         return ReceivedRollout(piece=piece, version=first["version"],
                                examples=[self.examples[i] for i in first["examples"]],
                                data_state={**base_data_state, **first["data"]})
+
+    # ---- the start of the run -------------------------------------------------------------------------
+    def send_start(self, step: int, data_state: dict[str, Any]) -> None:
+        """Training side: tells the generation processes where the run starts (a resumed run's checkpoint step and
+        data position; step 0 and the fresh position otherwise)."""
+        encoded = _encode({"step": step, "data": data_state}, _CONTROL_BYTES, "the start-of-run message")
+        transfers.send(self.links, self.control, _START, _host_array(encoded, _replicated(self.training_heads)))
+
+    def receive_start(self) -> tuple[int, dict[str, Any]]:
+        """Generation side: the step and data position the training processes start from (waits for them)."""
+        record = _decode(_host_value(jax.block_until_ready(transfers.receive(self.links, self.control, _START))))
+        return record["step"], record["data"]
 
     # ---- the end of the run ---------------------------------------------------------------------------
     def finish(self, error: BaseException | None = None) -> None:
