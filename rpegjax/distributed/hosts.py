@@ -47,25 +47,34 @@ class ProcessAddress:
     host: str = "127.0.0.1"
     ports: PortRange | None = None
 
-    def free_ports(self, count: int, *, start: int = 0) -> list[int]:
-        """`count` ports of the range that nothing listens on now, tried from its `start`-th port on (spread
-        processes of one host over the range to avoid racing for the same ports); zeros (the system picks)
-        without a range. Raises OSError naming the range when it has too few free ports."""
+    def ports_for(self, slot: int, count: int) -> list[int]:
+        """The `count` ports of this host's `slot`-th process (0 for the first process of its host): the range's
+        first port is the peer watch's (process 0), then `count` ports per process of the host, in turn. Fixed
+        rather than probed: the transfer server's transports bind only when a peer first connects, so a port free
+        now may be another process's later. Zeros (the system picks) without a range. Raises OSError naming the
+        range when it is too small, or when something else already listens on one of the ports."""
         if self.ports is None:
             return [0] * count
-        found: list[int] = []
-        for offset in range(self.ports.size):
-            port = self.ports.first + (start + offset) % self.ports.size
+        first = self.ports.first + 1 + slot * count
+        ports = list(range(first, first + count))
+        if ports[-1] > self.ports.last:
+            raise OSError(f"distributed.port_range {self.ports.first}-{self.ports.last} is too small: process "
+                          f"{jax.process_index()} is the {slot + 1}-th on {self.host} and needs {count} ports (its "
+                          f"transfer server and one per local device) after the peer watch's; give at least "
+                          f"{ports[-1] - self.ports.first + 1} ports")
+        for port in ports:
             with socket.socket(_family(self.host), socket.SOCK_STREAM) as probe:
                 try:  # without SO_REUSEPORT: a listener that set it still refuses this bind
                     probe.bind((self.host, port))
-                except OSError:
-                    continue
-            found.append(port)
-            if len(found) == count:
-                return found
-        raise OSError(f"distributed.port_range {self.ports.first}-{self.ports.last}: {len(found)} free port(s) on "
-                      f"{self.host}, {count} needed by process {jax.process_index()}; widen the range")
+                except OSError as error:
+                    raise OSError(f"distributed.port_range: port {port} on {self.host}, of process "
+                                  f"{jax.process_index()}, is taken ({error.strerror}); choose a free range") from None
+        return ports
+
+    @property
+    def watch_port(self) -> int:
+        """The peer watch's port in process 0: the range's first (0 without a range: the system picks)."""
+        return 0 if self.ports is None else self.ports.first
 
 
 def _family(host: str) -> socket.AddressFamily:

@@ -119,7 +119,8 @@ class DistributedConfig:
         """Explicit values (keyword arguments that are not None) first, else the environment.
 
         Environment, in order: `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`,
-        `JAX_LOCAL_DEVICE_IDS` ("0,1"); then torchrun's `MASTER_ADDR`:`MASTER_PORT`, `WORLD_SIZE`, `RANK`; then SLURM: `SLURM_NTASKS` processes, `SLURM_PROCID` this one,
+        `JAX_LOCAL_DEVICE_IDS` ("0,1"); then torchrun's `MASTER_ADDR`:`MASTER_PORT`, `WORLD_SIZE`, `RANK`,
+        `LOCAL_RANK` (with `LOCAL_WORLD_SIZE` > 1); then SLURM: `SLURM_NTASKS` processes, `SLURM_PROCID` this one,
         coordinator = the first host of `SLURM_STEP_NODELIST` (else `SLURM_JOB_NODELIST`) at
         `coordinator_port` (default: derived from `SLURM_JOB_ID` like JAX's own SLURM detection), and
         `SLURM_LOCALID` as the device id when several tasks share a node (one process per GPU).
@@ -179,7 +180,8 @@ def _from_jax_env(env: Mapping[str, str]) -> dict[str, Any]:
 
 
 def _from_torchrun_env(env: Mapping[str, str]) -> dict[str, Any]:
-    """torchrun's (and many SSH launchers') variables: MASTER_ADDR:MASTER_PORT, WORLD_SIZE, RANK."""
+    """torchrun's (and many SSH launchers') variables: MASTER_ADDR:MASTER_PORT, WORLD_SIZE, RANK, and LOCAL_RANK as
+    the device id when LOCAL_WORLD_SIZE > 1 processes share a node."""
     values: dict[str, Any] = {}
     if env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
         values["coordinator_address"] = f"{env['MASTER_ADDR']}:{_env_int(env, 'MASTER_PORT')}"
@@ -187,6 +189,8 @@ def _from_torchrun_env(env: Mapping[str, str]) -> dict[str, Any]:
         values["num_processes"] = _env_int(env, "WORLD_SIZE")
     if env.get("RANK"):
         values["process_id"] = _env_int(env, "RANK")
+    if env.get("LOCAL_RANK") and env.get("LOCAL_WORLD_SIZE") and _env_int(env, "LOCAL_WORLD_SIZE") > 1:
+        values["local_device_ids"] = (_env_int(env, "LOCAL_RANK"),)  # several processes per node: one GPU each
     return values
 
 

@@ -152,7 +152,7 @@ class PeerWatch:
 
 
 def _listen(address: ProcessAddress) -> socket.socket:
-    port = address.free_ports(1)[0]
+    port = address.watch_port
     listener = socket.socket(socket.AF_INET6 if ":" in address.host else socket.AF_INET, socket.SOCK_STREAM)
     listener.bind((address.host, port))
     listener.listen(1024)

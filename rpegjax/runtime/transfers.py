@@ -36,7 +36,6 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from rpegjax import distributed
 from rpegjax.distributed.hosts import ProcessAddress
 
-_BIND_ATTEMPTS = 3
 
 
 class ProcessTransfers:
@@ -48,18 +47,16 @@ class ProcessTransfers:
 
     def __init__(self, address: ProcessAddress = ProcessAddress()):
         client = jax.local_devices()[0].client
-        count = 1 + jax.local_device_count()  # the server and one transport per local device
-        for attempt in range(_BIND_ATTEMPTS):  # another program may take a probed port before the server binds it
-            ports = address.free_ports(count, start=(jax.process_index() + attempt) * count)
-            host = f"[{address.host}]" if ":" in address.host else address.host
-            try:
-                self.server = jax_transfer.start_transfer_server(client, f"{host}:{ports[0]}",
-                                                                 [f"{host}:{port}" for port in ports[1:]])
-                break
-            except jax.errors.JaxRuntimeError as error:
-                if address.ports is None or attempt + 1 == _BIND_ATTEMPTS:
-                    raise OSError(f"process {jax.process_index()}: the transfer server cannot listen on {host} "
-                                  f"ports {ports}: {error}") from None
+        hosts = distributed.gather_text(address.host)
+        me = jax.process_index()
+        slot = hosts[:me].count(hosts[me])  # this process's turn among the processes of its host
+        ports = address.ports_for(slot, 1 + jax.local_device_count())  # the server, one transport per device
+        host = f"[{address.host}]" if ":" in address.host else address.host
+        try:
+            self.server = jax_transfer.start_transfer_server(client, f"{host}:{ports[0]}",
+                                                             [f"{host}:{port}" for port in ports[1:]])
+        except jax.errors.JaxRuntimeError as error:
+            raise OSError(f"process {me}: the transfer server cannot listen on {host} ports {ports}: {error}") from None
         self.addresses = distributed.gather_text(self.server.address())
         self._connections: dict[int, Any] = {}
         self._lock = threading.Lock()  # the rollout and trainer threads may both pull

@@ -91,19 +91,22 @@ def test_a_failing_process_ends_the_others_with_its_message_and_a_clean_finish_e
     assert codes == [0, 0, 0], "\n".join(text(finished, p) for p in range(3))
 
 
-def test_ports_come_from_the_range_and_a_full_range_is_named():
+def test_ports_are_fixed_slots_of_the_range_and_a_small_or_taken_range_is_named():
     import socket
 
-    address = ProcessAddress("127.0.0.1", None)
-    assert address.free_ports(3) == [0, 0, 0]
-    first = free_port()
-    with socket.socket() as busy:
-        busy.bind(("127.0.0.1", first))
-        busy.listen()
-        from rpegjax.distributed import PortRange
+    from rpegjax.distributed import PortRange
 
-        ranged = ProcessAddress("127.0.0.1", PortRange(first, first + 2))
-        found = ranged.free_ports(2)
-        assert first not in found and set(found) <= {first + 1, first + 2}
-        with pytest.raises(OSError, match=rf"port_range {first}-{first + 2}: \d free port\(s\) on 127.0.0.1, 4 needed"):
-            ranged.free_ports(4)
+    assert ProcessAddress("127.0.0.1", None).ports_for(1, 3) == [0, 0, 0]
+    first = free_port()
+    ranged = ProcessAddress("127.0.0.1", PortRange(first, first + 6))
+    assert ranged.watch_port == first
+    assert ranged.ports_for(0, 3) == [first + 1, first + 2, first + 3]
+    assert ranged.ports_for(1, 3) == [first + 4, first + 5, first + 6]
+    with pytest.raises(OSError, match=rf"port_range {first}-{first + 6} is too small: .* the 3-th on 127.0.0.1 and "
+                                      r"needs 3 ports .* give at least 10 ports"):
+        ranged.ports_for(2, 3)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", first + 2))
+        busy.listen()
+        with pytest.raises(OSError, match=rf"port {first + 2} on 127.0.0.1, of process 0, is taken"):
+            ranged.ports_for(0, 3)
