@@ -2,7 +2,7 @@
 
 A process listens for its peers in two places besides the JAX coordinator: its transfer server
 (`rpegjax.runtime.transfers`: weights and rollouts between process groups) and, in process 0, the peer watch
-(`rpegjax.distributed.watch`). Both bind to `ProcessAddress.host`: the `distributed.host_address` flag when given,
+(`rpegjax.distributed.watch`). (The transfer server's bulk transports take ephemeral ports.) Both bind to `ProcessAddress.host`: the `distributed.host_address` flag when given,
 else the address this host uses to reach the coordinator (the source address of a route to it, read from the
 kernel without sending anything: the interface that faces the other hosts), else 127.0.0.1 for one process.
 `distributed.port_range` ("FIRST-LAST") confines the ports to a range a firewall lets through; unset, the
@@ -50,8 +50,7 @@ class ProcessAddress:
     def ports_for(self, slot: int, count: int) -> list[int]:
         """The `count` ports of this host's `slot`-th process (0 for the first process of its host): the range's
         first port is the peer watch's (process 0), then `count` ports per process of the host, in turn. Fixed
-        rather than probed: the transfer server's transports bind only when a peer first connects, so a port free
-        now may be another process's later. Zeros (the system picks) without a range. Raises OSError naming the
+        rather than probed, so that processes starting together on one host never race for a port. Zeros (the system picks) without a range. Raises OSError naming the
         range when it is too small, or when something else already listens on one of the ports."""
         if self.ports is None:
             return [0] * count
@@ -59,8 +58,8 @@ class ProcessAddress:
         ports = list(range(first, first + count))
         if ports[-1] > self.ports.last:
             raise OSError(f"distributed.port_range {self.ports.first}-{self.ports.last} is too small: process "
-                          f"{jax.process_index()} is the {slot + 1}-th on {self.host} and needs {count} ports (its "
-                          f"transfer server and one per local device) after the peer watch's; give at least "
+                          f"{jax.process_index()} is the {slot + 1}-th on {self.host} and needs {count} port(s) after the "
+                          f"peer watch's; give at least "
                           f"{ports[-1] - self.ports.first + 1} ports")
         for port in ports:
             with socket.socket(_family(self.host), socket.SOCK_STREAM) as probe:

@@ -43,20 +43,23 @@ class ProcessTransfers:
 
     Constructing it is a collective of all processes (the addresses are all-gathered once, at set-up). The server
     and its per-device transports listen on `address.host` (the address other hosts reach this one at:
-    `DistributedConfig.address()`; 127.0.0.1 on one host), on ports of `address.ports` when it sets a range."""
+    `DistributedConfig.address()`; 127.0.0.1 on one host); the server on a port of `address.ports` when it sets a
+    range (its fixed slot among the processes of the host), the transports on ephemeral ports."""
 
     def __init__(self, address: ProcessAddress = ProcessAddress()):
         client = jax.local_devices()[0].client
         hosts = distributed.gather_text(address.host)
         me = jax.process_index()
         slot = hosts[:me].count(hosts[me])  # this process's turn among the processes of its host
-        ports = address.ports_for(slot, 1 + jax.local_device_count())  # the server, one transport per device
+        port = address.ports_for(slot, 1)[0]
         host = f"[{address.host}]" if ":" in address.host else address.host
+        # the bulk transports (one per local device) bind every connection they open to their address: a fixed
+        # port there fails at the second connection ("Address already in use"), so they take ephemeral ports
         try:
-            self.server = jax_transfer.start_transfer_server(client, f"{host}:{ports[0]}",
-                                                             [f"{host}:{port}" for port in ports[1:]])
+            self.server = jax_transfer.start_transfer_server(client, f"{host}:{port}",
+                                                             [f"{host}:0"] * jax.local_device_count())
         except jax.errors.JaxRuntimeError as error:
-            raise OSError(f"process {me}: the transfer server cannot listen on {host} ports {ports}: {error}") from None
+            raise OSError(f"process {me}: the transfer server cannot listen on {host} port {port}: {error}") from None
         self.addresses = distributed.gather_text(self.server.address())
         self._connections: dict[int, Any] = {}
         self._lock = threading.Lock()  # the rollout and trainer threads may both pull
