@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from test_distributed_job import SCRIPT, SMALL, assert_same_records, job_env, records, summary
 
@@ -98,11 +99,12 @@ def _failed(codes, outputs) -> str:
 def test_a_run_over_two_hosts_equals_one_process(tmp_path, two_hosts):
     """Host A runs the two generation processes (2 CPU devices each: data=2 x tensor=2), host B the training
     process (2 devices: data=2, fewer training than generation devices). The same plan in one process with 6
-    devices, from the same warm-start weights: every metric of every step within 1e-5."""
+    devices, from the same warm-start weights: every metric of every step, and every parameter of the Hugging Face
+    export written at the end (over two hosts: by the training process alone), within 1e-5."""
     (a, address_a), (b, address_b) = two_hosts
     split, one = tmp_path / "split", tmp_path / "one"
     flags = ["--steps=2", "--async-bound=1", "--rollout-devices=4", "--mesh=data=2", "--rollout-mesh=data=2,tensor=2",
-             "--train.export_hf=false", "--checkpoint-every=1"]
+             "--checkpoint-every=1"]
     reference = subprocess.run([sys.executable, str(SCRIPT), *SMALL, f"--run-dir={one}", *flags,
                                 f"--warm_start.cache_dir={tmp_path}/cache_one"], env=job_env(6),
                                capture_output=True, text=True, timeout=600, cwd=tmp_path)
@@ -120,6 +122,23 @@ def test_a_run_over_two_hosts_equals_one_process(tmp_path, two_hosts):
     split_records, one_records = records(split), records(one)
     assert any(r.get("reward", 0) > 0 for r in split_records)  # not a blind comparison
     assert_same_records(split_records, one_records)
+    ours, theirs = exported(split / "hf"), exported(one / "hf")
+    assert sorted(ours) == sorted(theirs) and len(ours) > 10
+    worst = 0.0
+    for name, value in theirs.items():
+        np.testing.assert_allclose(ours[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+        worst = max(worst, float(np.abs(ours[name] - value).max()))
     print(f"two hosts ({address_a}: generation 2 x 2 devices, {address_b}: training 1 x 2 devices) == one process: "
-          f"{len(split_records)} records, every metric within 1e-5; {servers}")
+          f"{len(split_records)} records, every metric within 1e-5; {len(ours)} exported tensors, largest difference "
+          f"{worst:.2e}; {servers}")
     assert json.loads((split / "config.json").read_text())["distributed"]["port_range"] == "41000-41099"
+
+
+def exported(directory: pathlib.Path) -> dict[str, np.ndarray]:
+    """Every tensor of a Hugging Face directory's safetensors files."""
+    from safetensors.numpy import load_file
+
+    tensors = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        tensors.update(load_file(file))
+    return tensors
