@@ -31,6 +31,7 @@ from rpegjax.distributed.launch import DistributedConfig
 
 DEAD_PEER_EXIT = 75  # EX_TEMPFAIL: the job can be resumed from its last checkpoint
 FAILURE_GRACE_S = 10.0  # a peer that raised: the time this process has to fail with its own message first
+DEATH_GRACE_S = 2.0  # this process raised: the time a dead peer's report (the likely cause) has to arrive
 _GOODBYE, _FAILED, _STOP = b"bye", b"failed", b"stop"
 
 
@@ -49,6 +50,7 @@ class PeerWatch:
         self._said_goodbye: set[int] = set()
         self._lock = threading.Lock()
         self._failed = False  # this process raised: it reports its own error
+        self._stopping = threading.Event()  # a peer died or failed: this process is being ended
         if process == 0:
             self._listener = _listen(address)
             publish("rpegjax/peer_watch", f"{address.host}|{self._listener.getsockname()[1]}")
@@ -67,7 +69,11 @@ class PeerWatch:
         self._selector.register(connection, selectors.EVENT_READ)
 
     def close(self, error: BaseException | None = None) -> None:
-        """Says goodbye (this process finished, or failed with `error`) and stops watching."""
+        """Says goodbye (this process finished, or failed with `error`) and stops watching. A failure first waits
+        `DEATH_GRACE_S` for news of a dead peer, the likely cause (a transfer pull from a killed process fails at
+        once): then the watch ends this process with that report instead."""
+        if error is not None and self._stopping.wait(DEATH_GRACE_S):
+            threading.Event().wait()  # the watch thread is printing the dead peer's report and exiting
         message = _GOODBYE if error is None else _FAILED + b" " + f"{type(error).__name__}: {error}"[:500].encode()
         with self._lock:
             self._failed = error is not None
@@ -140,6 +146,7 @@ class PeerWatch:
         with self._lock:
             if self._failed:
                 return
+            self._stopping.set()
             if self.process == 0:
                 for connection in list(self._peers):
                     try:

@@ -103,7 +103,13 @@ def test_a_killed_training_process_stops_the_run_which_resumes_on_fewer_processe
     assert (run / "hf" / "config.json").is_file() and any((run / "hf").glob("*.safetensors")), logs(resumed)
     ours, theirs = records(run), records(one)
     assert [r["step"] for r in ours][-2:] == [3, 3] and any(r.get("reward", 0) > 0 for r in ours)
-    assert_same_records(ours, theirs)  # the steps before the kill, and those trained again after the resume
+    shown = {"step", "staleness", "reward", "correction/weight_mean", "loss"}
+    table = "\n".join(f"{name}: {[{k: v for k, v in r.items() if k in shown} for r in rows]}"
+                      for name, rows in (("resumed", ours), ("one process", theirs)))
+    try:  # the steps before the kill, and those trained again after the resume
+        assert_same_records(ours, theirs)
+    except AssertionError as error:
+        raise AssertionError(f"{error}\n{table}\n{logs(resumed)}") from None
     print(f"resumed from step {steps[-1]} on 2 + 1 processes (saved by 2 + 2, data=4 -> data=2): every metric of "
           f"{len(ours)} records equals one process; HF export written")
     assert json.loads((run / "config.json").read_text())["distributed"]["num_processes"] == 3
