@@ -95,7 +95,8 @@ def test_a_killed_training_process_stops_the_run_which_resumes_on_fewer_processe
     steps = sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
     assert steps and steps[0] >= 1, steps
     # training on one process of 2 devices (the saved run's mesh data=4 of 2 processes, as data=2)
-    resumed = start(run, [2, 2, 2], "--resume", str(run), "--mesh=data=2", "--train.export_hf=true", cache)
+    # (the run's flags again: SMALL's, which `start` puts first, would otherwise override the saved ones)
+    resumed = start(run, [2, 2, 2], "--resume", str(run), *FLAGS, "--mesh=data=2", "--train.export_hf=true", cache)
     codes, _ = wait(resumed, timeout=900)
     assert codes == [0, 0, 0], logs(resumed)
     err = resumed[2][1].read_text()
