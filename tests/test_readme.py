@@ -150,6 +150,10 @@ BLOCKS: dict[str, Entry] = {
     "JAX_PROCESS_ID=0 python scripts/train_grpo.py --graph.mesh=data=2,tensor=2": Entry(
         run="test_multi_process_commands",
         shrink=Shrink(flags=f"{TINY} {CACHES} {SPLITTABLE}", replace=(("127.0.0.1:12355", "127.0.0.1:PORT"),))),
+    "HOSTS=(10.0.0.1 10.0.0.1 10.0.0.2 10.0.0.2)": Entry(
+        run="test_ssh_recipe_parses",
+        reason="needs two hosts reachable by ssh: checked with bash -n, its variables read as the job reads them, "
+               "its flags parsed (tests/distributed/test_hosts.py runs such a launch over two network namespaces)"),
     "#SBATCH --job-name=rpegjax-grpo": Entry(
         run="test_slurm_script_parses",
         reason="needs a SLURM cluster and a 7B checkpoint: checked with bash -n, and its flags (but the model "
@@ -411,3 +415,25 @@ def test_slurm_script_parses():
 
     config = parse_command([*flags, "--print-config"], Algorithm.GRPO).config
     assert config.graph.mesh == "data=-1,fsdp=8,tensor=4" and config.train.run_dir == "/shared/runs/grpo-7b"
+
+
+def test_ssh_recipe_parses():
+    """The SSH recipe: valid bash; process i's variables name the coordinator, the count, its rank and its GPU; the
+    job's flags parse."""
+    from rpegjax.distributed import DistributedConfig
+    from rpegjax.graph.ir import Algorithm
+    from rpegjax.train.cli import parse_command
+
+    text = entry_blocks()["HOSTS=(10.0.0.1 10.0.0.1 10.0.0.2 10.0.0.2)"].text
+    assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
+    hosts = re.search(r"HOSTS=\(([^)]*)\)", text).group(1).split()
+    remote = text[text.index('"cd '):text.rindex('" &')].replace("\\\n", " ")
+    for rank in range(len(hosts)):
+        words = remote.replace("${HOSTS[0]}", hosts[0]).replace("$((i % 2))", str(rank % 2)).replace("$i", str(rank))
+        env = dict(word.split("=", 1) for word in words.split() if re.fullmatch(r"[A-Z_]+=\S+", word))
+        cfg = DistributedConfig.from_env(env)
+        assert (cfg.coordinator_address, cfg.num_processes, cfg.process_id, cfg.local_device_ids) == (
+            "10.0.0.1:12355", 4, rank, (rank % 2,))
+    flags = remote[remote.index("scripts/train_grpo.py") + len("scripts/train_grpo.py"):].split()
+    config = parse_command(flags, Algorithm.GRPO).config
+    assert config.distributed.port_range == "50000-50100" and config.graph.rollout_devices == 2

@@ -24,16 +24,19 @@ diverges deadlocks the others inside a collective or trains on a different batch
 data position, batch digest): it hashes the value in each process, all-gathers the digests and
 raises naming `what` if any process disagrees.
 
-Dying peers: `jax.distributed`'s coordination service tracks heartbeats; when a process stops
-sending them for `heartbeat_timeout_s`, every surviving process is terminated with "the JAX
-distributed service detected fatal errors ... another task died" instead of waiting forever in a
-collective. Set `heartbeat_timeout_s` and `shutdown_timeout_s` to bound how long that takes (the
-default 10 s heartbeat ends survivors about 11 s after a peer is killed; a dead process 0 ends them at once).
+Dying peers: the job's peer watch (`watch`) ends every survivor within about a second of a process being
+killed, with one line naming the dead process and its host (exit code `DEAD_PEER_EXIT`). Behind it,
+`jax.distributed`'s coordination service tracks heartbeats: when a process stops sending them for
+`heartbeat_timeout_s` (a host that vanished), every surviving process is terminated with "the JAX distributed
+service detected fatal errors ... another task died" instead of waiting forever in a collective.
+
+Hosts: each process is reached by the others at `DistributedConfig.address()` (`hosts`): the
+`host_address` flag, else its host's address towards the coordinator, on ports of `port_range` when set.
 
 Standard output: `initialize` sends native libraries' writes to it (gloo's connection messages) to
 standard error, so that standard output carries only what the program prints (the job's summary line).
 
-Modules: `launch` (configuration, start-up), `data` (mesh, per-process rows, global arrays), `collectives`
+Modules: `launch` (configuration, start-up), `hosts` (addresses, ports), `watch` (dead peers), `data` (mesh, per-process rows, global arrays), `collectives`
 (gathers, sums, agreement, broadcast, barriers, the check: the only users of `jax.experimental.multihost_utils`).
 Nothing here holds module-level state besides what `jax.distributed` itself holds.
 """
@@ -49,6 +52,7 @@ from rpegjax.distributed.collectives import (
     tree_digest,
 )
 from rpegjax.distributed.data import global_mesh, host_local_to_global, process_rows
+from rpegjax.distributed.hosts import PortRange, ProcessAddress
 from rpegjax.distributed.launch import (
     CpuCollectives,
     DistributedConfig,
@@ -57,9 +61,14 @@ from rpegjax.distributed.launch import (
     is_main_process,
     keep_native_output_off_stdout,
 )
+from rpegjax.distributed.watch import DEAD_PEER_EXIT, PeerWatch, watch_peers
 
 __all__ = [
+    "DEAD_PEER_EXIT",
     "CpuCollectives",
+    "PeerWatch",
+    "PortRange",
+    "ProcessAddress",
     "DistributedConfig",
     "assert_same_across_processes",
     "barrier",
@@ -76,4 +85,5 @@ __all__ = [
     "process_rows",
     "sum_over_processes",
     "tree_digest",
+    "watch_peers",
 ]

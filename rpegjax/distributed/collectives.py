@@ -115,9 +115,27 @@ def gather_text(text: str) -> list[str]:
     return [bytes(row[:length]).decode() for row, length in zip(rows, lengths)]
 
 
-def barrier(name: str) -> None:
-    """Waits until every process reaches the barrier `name` (the same name in every process)."""
-    multihost_utils.sync_global_devices(name)
+def barrier(name: str, mesh: Mesh | None = None) -> None:
+    """Waits until every process reaches the barrier `name` (the same name in every process); with `mesh`, every
+    process owning its devices (a collective of those alone: one process group of a run over groups)."""
+    if mesh is None:
+        multihost_utils.sync_global_devices(name)
+    else:
+        _sum_over_mesh_processes(0.0, mesh)
+
+
+def spanning_mesh(tree: Any) -> Mesh | None:
+    """The mesh of the first array of `tree` spread over several processes (None: this process holds every
+    array whole): the processes that must take part in assembling them."""
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable and isinstance(leaf.sharding, NamedSharding):
+            return leaf.sharding.mesh
+    return None
+
+
+def lowest_process(mesh: Mesh) -> int:
+    """The first process owning devices of `mesh`: the one that writes what they assemble together."""
+    return min(device.process_index for device in mesh.devices.flat)
 
 
 # ---- the same-decisions contract --------------------------------------------------------------

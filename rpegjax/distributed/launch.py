@@ -17,6 +17,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from rpegjax.distributed.hosts import PortRange, ProcessAddress, process_address
+
 
 class CpuCollectives(enum.StrEnum):
     """Cross-process collectives of the CPU backend (`jax_cpu_collectives_implementation`)."""
@@ -41,7 +43,9 @@ class DistributedConfig:
     required (`check_complete`, which `from_env` and `initialize` call). `local_device_ids` restricts this process to some of its host's accelerators (one
     process per GPU); None uses all of them. Timeouts are in seconds: how long to wait for every
     process to join, after how long without heartbeats a process counts as dead (the others then
-    fail), and how long a finishing process waits for the others at shutdown.
+    fail), and how long a finishing process waits for the others at shutdown. `host_address` is the address the
+    other hosts reach this process at (default: this host's address towards the coordinator) and `port_range`
+    ("FIRST-LAST") the ports its transfer server and the peer watch may listen on (default: any free port).
     """
 
     coordinator_address: str | None = None
@@ -52,6 +56,8 @@ class DistributedConfig:
     heartbeat_timeout_s: int = 10
     shutdown_timeout_s: int = 300
     cpu_collectives: CpuCollectives = CpuCollectives.GLOO
+    host_address: str | None = None
+    port_range: str | None = None
 
     def __post_init__(self) -> None:
         name = type(self).__name__
@@ -78,6 +84,11 @@ class DistributedConfig:
             raise ValueError(f"{name}.process_id must be < num_processes={self.num_processes}, got {self.process_id}")
         if self.coordinator_address is not None:
             _check_address(self.coordinator_address, f"{name}.coordinator_address")
+        if self.host_address is not None and (not isinstance(self.host_address, str) or not self.host_address
+                                              or any(c in self.host_address for c in " /")):
+            raise ValueError(f"{name}.host_address must be this host's address or name, got {self.host_address!r}")
+        if self.port_range is not None:
+            PortRange.parse(self.port_range, f"{name}.port_range")
 
     def check_complete(self) -> None:
         """Raises ValueError naming what is missing for a multi-process run. Kept out of __post_init__
@@ -96,6 +107,11 @@ class DistributedConfig:
     def is_multi_process(self) -> bool:
         return self.num_processes is not None and self.num_processes > 1
 
+    def address(self) -> ProcessAddress:
+        """Where the other processes reach this one (its transfer server, the peer watch): `host_address`, else
+        this host's address towards the coordinator (`rpegjax.distributed.hosts`), on ports of `port_range`."""
+        return process_address(self.host_address, self.coordinator_address, self.port_range)
+
     @classmethod
     def from_env(
         cls, environ: Mapping[str, str] | None = None, *, coordinator_port: int | None = None, **explicit: Any
@@ -103,7 +119,8 @@ class DistributedConfig:
         """Explicit values (keyword arguments that are not None) first, else the environment.
 
         Environment, in order: `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`,
-        `JAX_LOCAL_DEVICE_IDS` ("0,1"); then SLURM: `SLURM_NTASKS` processes, `SLURM_PROCID` this one,
+        `JAX_LOCAL_DEVICE_IDS` ("0,1"); then torchrun's `MASTER_ADDR`:`MASTER_PORT`, `WORLD_SIZE`, `RANK`,
+        `LOCAL_RANK` (with `LOCAL_WORLD_SIZE` > 1); then SLURM: `SLURM_NTASKS` processes, `SLURM_PROCID` this one,
         coordinator = the first host of `SLURM_STEP_NODELIST` (else `SLURM_JOB_NODELIST`) at
         `coordinator_port` (default: derived from `SLURM_JOB_ID` like JAX's own SLURM detection), and
         `SLURM_LOCALID` as the device id when several tasks share a node (one process per GPU).
@@ -115,6 +132,8 @@ class DistributedConfig:
             raise TypeError(f"DistributedConfig.from_env got unknown fields {sorted(unknown)}")
         values = {key: value for key, value in explicit.items() if value is not None}
         found = _from_jax_env(env)
+        for key, value in _from_torchrun_env(env).items():
+            found.setdefault(key, value)
         if "SLURM_NTASKS" in env and "SLURM_PROCID" in env:
             for key, value in _from_slurm_env(env, coordinator_port).items():
                 found.setdefault(key, value)
@@ -157,6 +176,21 @@ def _from_jax_env(env: Mapping[str, str]) -> dict[str, Any]:
             values["local_device_ids"] = tuple(int(part) for part in text.split(","))
         except ValueError:
             raise ValueError(f"environment variable JAX_LOCAL_DEVICE_IDS={text!r} is not a comma-separated list of integers") from None
+    return values
+
+
+def _from_torchrun_env(env: Mapping[str, str]) -> dict[str, Any]:
+    """torchrun's (and many SSH launchers') variables: MASTER_ADDR:MASTER_PORT, WORLD_SIZE, RANK, and LOCAL_RANK as
+    the device id when LOCAL_WORLD_SIZE > 1 processes share a node."""
+    values: dict[str, Any] = {}
+    if env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
+        values["coordinator_address"] = f"{env['MASTER_ADDR']}:{_env_int(env, 'MASTER_PORT')}"
+    if env.get("WORLD_SIZE"):
+        values["num_processes"] = _env_int(env, "WORLD_SIZE")
+    if env.get("RANK"):
+        values["process_id"] = _env_int(env, "RANK")
+    if env.get("LOCAL_RANK") and env.get("LOCAL_WORLD_SIZE") and _env_int(env, "LOCAL_WORLD_SIZE") > 1:
+        values["local_device_ids"] = (_env_int(env, "LOCAL_RANK"),)  # several processes per node: one GPU each
     return values
 
 

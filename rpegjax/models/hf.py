@@ -33,7 +33,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from rpegjax.distributed.collectives import barrier
+from rpegjax.distributed.collectives import barrier, lowest_process, spanning_mesh
 from rpegjax.models.config import ModelConfig
 from rpegjax.models.hf_layout import (
     CheckpointError,
@@ -329,13 +329,14 @@ def save_pretrained(model: Decoder, config: ModelConfig, path: PathLike, *, max_
     to_host = _host_fetcher()
     # parameters spread over processes: a collective export that process 0 writes; otherwise each process
     # holds a whole model and writes it alone (several writers of one path: the last rename wins, all equal)
-    collective = any(isinstance(leaf, jax.Array) and not leaf.is_fully_addressable
-                     for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    if collective and jax.process_index() != 0:  # take part in every tensor's fetch, then wait for process 0
+    # (over process groups, the processes holding the parameters, the first of them writing)
+    mesh = spanning_mesh(nnx.state(model, nnx.Param))
+    collective = mesh is not None
+    if collective and jax.process_index() != lowest_process(mesh):  # take part in every fetch, then wait
         for names in shards:
             for _ in iter_hf_tensors(model, hf_cfg, dtype, set(names), to_host):
                 pass
-        barrier(f"save_pretrained {target}")
+        barrier(f"save_pretrained {target}", mesh)
         return target
 
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -365,7 +366,7 @@ def save_pretrained(model: Decoder, config: ModelConfig, path: PathLike, *, max_
         shutil.rmtree(staging, ignore_errors=True)
         raise
     if collective:
-        barrier(f"save_pretrained {target}")
+        barrier(f"save_pretrained {target}", mesh)
     return target
 
 

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from rpegjax.distributed.collectives import barrier
+from rpegjax.distributed.collectives import barrier, lowest_process, spanning_mesh
 from rpegjax.models.hf import _host_fetcher, _replace_directory, _write_json
 from rpegjax.models.lora import LoRAConfig, LoRAParam, LoRATarget, adapter_name
 from rpegjax.models.safetensors_file import write_safetensors
@@ -81,12 +81,12 @@ def save_peft_adapter(model: Decoder, path: str | Path, *, base_model: str | Non
             matrix = value.reshape(-1, value.shape[-1]) if which == "a" else value.reshape(value.shape[0], -1)
             yield name, np.ascontiguousarray(matrix.T).astype(dtype)
 
-    collective = any(isinstance(leaf, jax.Array) and not leaf.is_fully_addressable
-                     for leaf in jax.tree.leaves(nnx.state(model, LoRAParam)))
-    if collective and jax.process_index() != 0:
+    mesh = spanning_mesh(nnx.state(model, LoRAParam))  # the processes holding the adapters, the first writing
+    collective = mesh is not None
+    if collective and jax.process_index() != lowest_process(mesh):
         for _ in tensors():
             pass
-        barrier(f"save_peft_adapter {target}")
+        barrier(f"save_peft_adapter {target}", mesh)
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = target.with_name(f".{target.name}.tmp")
@@ -102,5 +102,5 @@ def save_peft_adapter(model: Decoder, path: str | Path, *, base_model: str | Non
                 file.unlink()
             staging.rmdir()
     if collective:
-        barrier(f"save_peft_adapter {target}")
+        barrier(f"save_peft_adapter {target}", mesh)
     return target

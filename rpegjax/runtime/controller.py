@@ -40,6 +40,7 @@ import numpy as np
 
 from rpegjax.data.example import Example
 from rpegjax.data.iterator import DataIterator
+from rpegjax.distributed.hosts import ProcessAddress
 from rpegjax.graph.ir import INFERENCE_KINDS, Graph, GraphError, StageKind
 from rpegjax.graph.trace import Trace
 from rpegjax.learners.group_filter import DynamicSamplingConfig
@@ -66,7 +67,7 @@ class Runtime:
     same results, without overlap; required with several processes, see above). `dynamic_sampling`: keep only
     groups whose rewards differ, sampling more rounds of prompts (`rpegjax.runtime.rollout_stage`).
     `reward_shaping(lengths) -> term`: an additive reward term from the response lengths (int [rows] -> float
-    [rows]).
+    [rows]). `address`: where this process's transfer server listens in a run over process groups.
     """
 
     def __init__(
@@ -81,6 +82,7 @@ class Runtime:
         concurrent_rollout: bool = True,
         dynamic_sampling: DynamicSamplingConfig | None = None,
         reward_shaping: Callable[[np.ndarray], np.ndarray] | None = None,
+        address: ProcessAddress = ProcessAddress(),
     ):
         graph.validate()
         self.concurrent_rollout = concurrent_rollout
@@ -99,7 +101,7 @@ class Runtime:
         self.groups = process_groups(graph)
         self.links: RoleLinks | None = None
         if self.groups is not None:
-            self.links = self._link_groups(data, dynamic_sampling)
+            self.links = self._link_groups(data, dynamic_sampling, address)
             # a piece arrives with every row's rewards (colocated, gathering them is a collective)
             self.scorer.collect = _arrived_rewards
             if self.role == Role.GENERATE:
@@ -123,7 +125,8 @@ class Runtime:
         """The message of the last failure of the reward function (empty: none yet)."""
         return self.scorer.last_reward_error
 
-    def _link_groups(self, data: DataIterator, dynamic_sampling: DynamicSamplingConfig | None) -> RoleLinks:
+    def _link_groups(self, data: DataIterator, dynamic_sampling: DynamicSamplingConfig | None,
+                     address: ProcessAddress) -> RoleLinks:
         """The transfers between the generation and the training processes (a collective of every process)."""
         if dynamic_sampling is not None:
             raise ValueError("dynamic sampling decides on every round's rewards gathered over the generation "
@@ -135,7 +138,7 @@ class Runtime:
                          weights_staging=programs.staging_shardings(),
                          weights_targets=programs.sampler.params_sharding,
                          rows=data.batch_size // self.rollout_stage.pieces * programs.group_size,
-                         length=programs.sequence_length, examples=data.examples)
+                         length=programs.sequence_length, examples=data.examples, address=address)
 
     # ---- the step loop -------------------------------------------------------------------------
     def run(

@@ -14,6 +14,8 @@ that crosses goes through `rpegjax.runtime.transfers` (`RoleLinks`):
   data (per-row indices and lengths, finish reasons, the example of each row, the data position, each generation
   process's block of rewards and reward statistics, or the failure of the rollout stage) encoded as JSON bytes in
   a small array, one per generation process (each scored its own block of the rows);
+- *the start of the run*, training -> generation: the step and data position the run starts from (a resumed
+  run's, from its checkpoint, which only the training processes read);
 - *the end of the run*, training -> generation: a small control message saying whether training finished or
   failed. A generation process does not exit before it has it, so every rollout it offered has been pulled.
 
@@ -36,6 +38,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rpegjax.data.example import Example
+from rpegjax.distributed.hosts import ProcessAddress
 from rpegjax.generate.completion import Completion, FinishReason
 from rpegjax.graph.ir import Graph, GraphError, StageKind
 from rpegjax.learners.batch import TrainBatch
@@ -48,6 +51,7 @@ _FINISH = list(FinishReason)
 _CONTROL_BYTES = 4096
 # transfer ids: (serial << 2) | channel, so weights, rollout pieces and control messages never share one
 _WEIGHTS, _PIECE, _CONTROL = 0, 1, 2
+_START = (1 << 2) | _CONTROL  # the start-of-run message; the end-of-run one is serial 0
 
 
 class Role(enum.StrEnum):
@@ -176,11 +180,13 @@ class RoleLinks:
 
     `weights_like` is the generation copy's tree of shapes, `weights_targets` its shardings on the generation mesh
     and `weights_staging` the same layout over the training devices; `rows` and `length` a rollout piece's shape.
-    `examples` are the data iterator's examples (rows travel as indices into them). Constructing it is a collective
+    `examples` are the data iterator's examples (rows travel as indices into them); `address` is where this
+    process's transfer server listens (`DistributedConfig.address()`). Constructing it is a collective
     of every process (the transfer servers' addresses are exchanged); after that nothing here is a collective."""
 
     def __init__(self, graph: Graph, groups: ProcessGroups, *, weights_like: Any, weights_staging: Any,
-                 weights_targets: Any, rows: int, length: int, examples: Sequence[Example]):
+                 weights_targets: Any, rows: int, length: int, examples: Sequence[Example],
+                 address: ProcessAddress = ProcessAddress()):
         self.groups = groups
         generate = graph.stages_of_kind(StageKind.GENERATE)[0]
         train = graph.stages_of_kind(StageKind.ACTOR_UPDATE)[0]
@@ -197,7 +203,7 @@ class RoleLinks:
                                                _replicated(self.training_heads), _replicated(self.generation_heads))
         self.examples = list(examples)
         self._example_index = {id(example): index for index, example in enumerate(self.examples)}
-        self.links = transfers.ProcessTransfers()
+        self.links = transfers.ProcessTransfers(address)
         self.weight_offers: list[dict[str, float]] = []  # training side: when each version was offered
         self.weight_pulls: list[dict[str, float]] = []  # generation side: when each version's pull started/ended
 
@@ -318,6 +324,18 @@ class RoleLinks:
         return ReceivedRollout(piece=piece, version=first["version"],
                                examples=[self.examples[i] for i in first["examples"]],
                                data_state={**base_data_state, **first["data"]})
+
+    # ---- the start of the run -------------------------------------------------------------------------
+    def send_start(self, step: int, data_state: dict[str, Any]) -> None:
+        """Training side: tells the generation processes where the run starts (a resumed run's checkpoint step and
+        data position; step 0 and the fresh position otherwise)."""
+        encoded = _encode({"step": step, "data": data_state}, _CONTROL_BYTES, "the start-of-run message")
+        transfers.send(self.links, self.control, _START, _host_array(encoded, _replicated(self.training_heads)))
+
+    def receive_start(self) -> tuple[int, dict[str, Any]]:
+        """Generation side: the step and data position the training processes start from (waits for them)."""
+        record = _decode(_host_value(jax.block_until_ready(transfers.receive(self.links, self.control, _START))))
+        return record["step"], record["data"]
 
     # ---- the end of the run ---------------------------------------------------------------------------
     def finish(self, error: BaseException | None = None) -> None:

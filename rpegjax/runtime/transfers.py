@@ -34,17 +34,32 @@ from jax.experimental import transfer as jax_transfer
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
 from rpegjax import distributed
+from rpegjax.distributed.hosts import ProcessAddress
+
 
 
 class ProcessTransfers:
     """This process's transfer server and the addresses of every process's server.
 
-    Constructing it is a collective of all processes (the addresses are all-gathered once, at set-up). `host` is
-    the address other processes reach this one at (the machine's address on a cluster; 127.0.0.1 on one host)."""
+    Constructing it is a collective of all processes (the addresses are all-gathered once, at set-up). The server
+    and its per-device transports listen on `address.host` (the address other hosts reach this one at:
+    `DistributedConfig.address()`; 127.0.0.1 on one host); the server on a port of `address.ports` when it sets a
+    range (its fixed slot among the processes of the host), the transports on ephemeral ports."""
 
-    def __init__(self, host: str = "127.0.0.1"):
+    def __init__(self, address: ProcessAddress = ProcessAddress()):
         client = jax.local_devices()[0].client
-        self.server = jax_transfer.start_transfer_server(client, f"{host}:0", [f"{host}:0"] * jax.local_device_count())
+        hosts = distributed.gather_text(address.host)
+        me = jax.process_index()
+        slot = hosts[:me].count(hosts[me])  # this process's turn among the processes of its host
+        port = address.ports_for(slot, 1)[0]
+        host = f"[{address.host}]" if ":" in address.host else address.host
+        # the bulk transports (one per local device) bind every connection they open to their address: a fixed
+        # port there fails at the second connection ("Address already in use"), so they take ephemeral ports
+        try:
+            self.server = jax_transfer.start_transfer_server(client, f"{host}:{port}",
+                                                             [f"{host}:0"] * jax.local_device_count())
+        except jax.errors.JaxRuntimeError as error:
+            raise OSError(f"process {me}: the transfer server cannot listen on {host} port {port}: {error}") from None
         self.addresses = distributed.gather_text(self.server.address())
         self._connections: dict[int, Any] = {}
         self._lock = threading.Lock()  # the rollout and trainer threads may both pull
@@ -178,16 +193,36 @@ def receive(transfers: ProcessTransfers, plan: TransferPlan, transfer_id: int) -
 
 
 def layout_on(targets: Any, devices: Sequence[jax.Device]) -> Any:
-    """The target shardings (a tree of `NamedSharding`s on one mesh) laid over `devices` instead: the same mesh
-    shape and specs, so every target block has a source device with exactly that block (`plan_transfer`).
-    Raises ValueError when the device counts differ."""
+    """The target shardings (a tree of `NamedSharding`s on one mesh) laid over `devices` instead, so that every
+    target block has a source device holding exactly that block (`plan_transfer`): the mesh axes the specs split
+    keep their sizes, the axes they do not (replicas) are resized so that the mesh has `len(devices)` devices (an
+    axis of replicas is added when there is none). Any device counts work whose ratio the replicas absorb: four
+    generation devices of tensor=2 fed from two, six or eight training devices. Raises ValueError naming the
+    split axes when `len(devices)` is not a multiple of the blocks they make."""
+    leaves = jax.tree.leaves(targets, is_leaf=lambda x: isinstance(x, NamedSharding))
+    if not leaves:
+        return targets
+    mesh = leaves[0].mesh
+    split = {axis for sharding in leaves for entry in sharding.spec if entry is not None
+             for axis in ((entry,) if isinstance(entry, str) else entry)}
+    blocks = int(np.prod([mesh.shape[axis] for axis in split], dtype=np.int64))
+    if len(devices) % blocks:
+        raise ValueError(f"layout_on: the target layout splits weights over axes {sorted(split)} into {blocks} "
+                         f"blocks; {len(devices)} source devices cannot hold them in whole copies (give the source "
+                         f"a multiple of {blocks} devices)")
+    replicas = len(devices) // blocks
+    names, sizes = list(mesh.axis_names), [mesh.shape[axis] if axis in split else 1 for axis in mesh.axis_names]
+    free = [index for index, axis in enumerate(names) if axis not in split]
+    if free:
+        sizes[free[0]] = replicas
+    elif replicas > 1:
+        names.append("staging_replicas")
+        sizes.append(replicas)
+    grid = Mesh(np.array(list(devices), dtype=object).reshape(sizes), tuple(names))
 
     def move(sharding: NamedSharding) -> NamedSharding:
-        mesh = sharding.mesh
-        if mesh.size != len(devices):
-            raise ValueError(f"layout_on: the target mesh {dict(mesh.shape)} has {mesh.size} devices, the source "
-                             f"{len(devices)}; give the source as many devices as the target")
-        grid = np.array(list(devices), dtype=object).reshape(mesh.devices.shape)
-        return NamedSharding(Mesh(grid, mesh.axis_names), sharding.spec)
+        if sharding.mesh.shape != mesh.shape:
+            raise ValueError(f"layout_on: the targets lie on meshes {dict(mesh.shape)} and {dict(sharding.mesh.shape)}")
+        return NamedSharding(grid, sharding.spec)
 
     return jax.tree.map(move, targets, is_leaf=lambda x: isinstance(x, NamedSharding))

@@ -125,11 +125,14 @@ class Checkpointer:
         if step is None:
             raise CheckpointError(f"no complete checkpoint in {self.directory}")
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
+        if self._processes is None:
+            arrays = ocp.args.StandardRestore(abstract)
+        else:  # the handlers `processes` saved with (a run over process groups restoring in its training processes)
+            arrays = ocp.args.PyTreeRestore(item=abstract,
+                                            restore_args=ocp.checkpoint_utils.construct_restore_args(abstract))
         try:
             restored = self._manager.restore(
-                step,
-                args=ocp.args.Composite(arrays=ocp.args.StandardRestore(abstract), metadata=ocp.args.JsonRestore()),
-            )
+                step, args=ocp.args.Composite(arrays=arrays, metadata=ocp.args.JsonRestore()))
         except Exception as error:  # orbax raises many types; name the checkpoint that failed
             raise CheckpointError(f"cannot restore checkpoint {self.directory / str(step)}: {error}") from error
         return restored.arrays, dict(restored.metadata)

@@ -14,6 +14,7 @@ import json
 import pathlib
 import shutil
 import sys
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -318,7 +319,7 @@ def agree_on_run_dir(config: RunConfig, algorithm: Algorithm) -> RunConfig:
 
 def main(argv: list[str], algorithm: Algorithm) -> int:
     command = parse_command(argv, algorithm)
-    config, resume = command.config, command.resume
+    config = command.config
     if command.print_config:
         print(config.to_json(), flush=True)
         return 0
@@ -327,12 +328,29 @@ def main(argv: list[str], algorithm: Algorithm) -> int:
         return _dry_run(config, command.memory_gb, say)
     try:
         resolved = join_processes(config)
+        watch = distributed.watch_peers(resolved)  # a killed peer ends this process within a second, named
     except ValueError as error:  # a flag or variable that does not parse
         say(f"error: {error}")
         return 2
-    except RuntimeError as error:  # could not reach the others
+    except (RuntimeError, OSError) as error:  # could not reach the others
         say(f"error: {error}")
         return 1
+    try:
+        code = _run_joined(command, algorithm, resolved, say)
+    except BaseException as error:
+        if watch is not None:
+            watch.close(error)
+        raise
+    if watch is not None:
+        watch.close(None if code == 0 else RuntimeError(f"it stopped with an error (exit code {code}; see its log)"))
+    return code
+
+
+def _run_joined(command: Command, algorithm: Algorithm, resolved: DistributedConfig, say: Callable[[str], None]
+                ) -> int:
+    """The job of a joined process (`main`): builds the run, trains it, prints the summary line; returns the exit
+    code (2: bad input, 1: the run failed)."""
+    config, resume = command.config, command.resume
     # one process speaks for all (every process computes the same); errors are reported by each, named
     main_process = distributed.is_main_process()
     where = f"process {resolved.process_id}: " if resolved.is_multi_process else ""

@@ -83,7 +83,8 @@ def export_policy(parts: Components, params: Any, path: str | pathlib.Path) -> p
     the model's parameter dtype, config.json, generation_config.json and the tokenizer's files, by
     `rpegjax.models.hf.save_pretrained` (written into a temporary sibling and renamed into place, so `path` never
     holds half a model). `params` may be sharded over several processes: then every process calls this, the
-    tensors are assembled one at a time (never the whole model on one device) and process 0 writes. A policy with
+    tensors are assembled one at a time (never the whole model on one device) and the first process holding them
+    writes (over process groups: the first training process; the generation processes take no part). A policy with
     LoRA adapters is written merged (W + s A B): a plain model; `export_adapter` writes the adapters alone."""
     with tempfile.TemporaryDirectory(prefix="rpegjax-tokenizer-") as scratch:
         return save_pretrained(merged_model(policy_model(parts, params)), parts.model_cfg, path,

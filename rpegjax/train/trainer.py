@@ -18,6 +18,7 @@ from jax.sharding import Mesh
 
 from rpegjax import distributed
 from rpegjax.data.iterator import DataIterator
+from rpegjax.distributed.hosts import ProcessAddress
 from rpegjax.envs.rollout import EpisodeConfig, EpisodeRunner
 from rpegjax.generate.sampler import Sampler
 from rpegjax.generate.sampling import SamplingConfig
@@ -224,8 +225,6 @@ class Trainer:
         learner = parts.learner
         groups = process_groups(parts.graph)
         role = None if groups is None else groups.role
-        if groups is not None:  # refused in every process alike, before anything runs
-            self._refuse_over_process_groups()
         data = DataIterator(parts.train_examples, batch_size=cfg.rollout.prompts_per_step, seed=cfg.data.seed)
         checkpoints = None if role == Role.GENERATE else Checkpointer(
             self.run_dir / "checkpoints", keep=cfg.train.keep_checkpoints,
@@ -249,24 +248,21 @@ class Trainer:
         runtime = Runtime(parts.graph, programs, data, prompt_ids=parts.prompt_ids,
                           key=jax.random.key(cfg.train.seed), trace=trace, concurrent_rollout=jax.process_count() == 1,
                           dynamic_sampling=grpo.dynamic_sampling_config() if grpo else None,
-                          reward_shaping=grpo.overlong_shaping(cfg.rollout.max_new_tokens) if grpo else None)
+                          reward_shaping=grpo.overlong_shaping(cfg.rollout.max_new_tokens) if grpo else None,
+                          address=cfg.distributed.address() if groups is not None else ProcessAddress())
+        if runtime.links is not None:  # where each process's transfer server listens: the hosts of the run
+            self.log("transfer servers: " + ", ".join(f"process {process} at {address}" for process, address
+                                                      in enumerate(runtime.links.links.addresses)))
         return _Job(role=role, data=data, checkpoints=checkpoints, rewards=rewards, programs=programs, trace=trace,
                     runtime=runtime, state=state, reference_print=reference_print)
-
-    def _refuse_over_process_groups(self) -> None:
-        if self.cfg.train.export_hf:
-            raise ValueError("train.export_hf: a run over separate generation and training processes does not "
-                             "write its Hugging Face directory yet; run with --train.export_hf=false and export "
-                             "a checkpoint with scripts/export_hf.py RUN_DIR")
-        if self.resume:
-            raise ValueError("--resume: a run over separate generation and training processes cannot resume yet "
-                             "(its checkpoints restore in a colocated run: --rollout-devices=0)")
 
     def _generate(self, job: _Job, started: float) -> dict[str, Any]:
         """A generation process of a run over process groups: the rollout loop, then its own trace file (the
         run's trace.json holds the training processes' stages)."""
-        try:
-            job.runtime.run(None, start_step=0, num_steps=self.cfg.train.steps)
+        try:  # where the training processes start: step 0, or a resumed run's checkpoint
+            step, data_state = job.runtime.links.receive_start()
+            job.data.restore(data_state)
+            job.runtime.run(None, start_step=step, num_steps=self.cfg.train.steps - step)
         finally:
             job.rewards.close()
         job.trace.to_chrome_json(self.run_dir / f"trace.generation-{jax.process_index()}.json")
@@ -291,6 +287,8 @@ class Trainer:
             self.log(f"held-out accuracy at start: {accuracy:.3f} ({len(self.parts.eval_examples)} examples)")
         if self.adapters is not None:
             self.adapters.keep(step, state.params)
+        if job.runtime.links is not None:  # the generation processes start where this run does
+            job.runtime.links.send_start(step, job.data.state())
         return state, _Start(step=step, accuracy=accuracy, history=history)
 
     def _write_config(self) -> None:
@@ -328,7 +326,10 @@ class Trainer:
     def _restore(self, job: _Job) -> tuple[Any, list[tuple[int, Any]], dict[str, Any]]:
         """The newest checkpoint that restores (a damaged newer one is reported and set aside)."""
         state, programs = job.state, job.programs
-        template = state.params if self.adapters is not None else programs.sync(state)  # LoRA: saved as adapters
+        # the saved versions' layout: generation copies (over process groups staged on the training devices, as
+        # they are kept there), or with LoRA adapters
+        copy = programs.sync if job.runtime.links is None else programs.staged_sync
+        template = state.params if self.adapters is not None else copy(state)
         arrays, meta = restore_newest(
             job.checkpoints, lambda versions: {"state": state, "history": {str(v): template for v in versions}},
             config_json=self.cfg.to_json(), log=self.log,
@@ -336,7 +337,7 @@ class Trainer:
         history = sorted((int(v), p) for v, p in arrays["history"].items())
         if self.adapters is not None:  # back to generation copies, as the weight sync makes them; kept for the next save
             self.adapters.versions.update(dict(history))
-            history = [(v, programs.sync(state.replace(params=p))) for v, p in history]
+            history = [(v, copy(state.replace(params=p))) for v, p in history]
         return arrays["state"], history, meta
 
     # ---- side jobs ---------------------------------------------------------------------------------

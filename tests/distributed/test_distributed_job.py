@@ -265,8 +265,8 @@ def test_a_disaggregated_run_over_four_processes_trains_like_one_process(tmp_pat
     assert sorted(p.name for p in (split / "checkpoints").iterdir()) == ["2", "3"]
     assert {e["name"] for e in json.loads((split / "trace.json").read_text())["traceEvents"] if "name" in e} >= {
         "actor_update", "weight_sync"}
-    # the training processes' checkpoint restores in a colocated run of one process (resume over process groups is
-    # refused), which trains on from it
+    # the training processes' checkpoint restores in a colocated run of one process too (over process groups:
+    # tests/distributed/test_group_failures.py), which trains on from it
     (_, resume_err), = finish(start(split, "--resume", str(split), "--steps=4", "--rollout-devices=0", "--mesh=data=8",
                                     processes=1, devices=8), timeout=420)
     assert "resumed from step 3" in resume_err

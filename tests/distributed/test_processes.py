@@ -409,3 +409,30 @@ def test_library_output_stays_off_stdout(loaded):
     for process in range(2):
         assert (out / f"stdout{process}.txt").read_text() == f"process {process} of 2: joined\n"
     assert "[Gloo] Rank 0 is connected" in (out / "worker0.log").read_text()  # not a blind check
+
+
+def test_from_env_reads_torchrun_variables_after_jax_ones():
+    env = {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "WORLD_SIZE": "8", "RANK": "5", "LOCAL_RANK": "1",
+           "LOCAL_WORLD_SIZE": "4"}
+    cfg = DistributedConfig.from_env(env)
+    assert (cfg.coordinator_address, cfg.num_processes, cfg.process_id, cfg.local_device_ids) == (
+        "10.0.0.1:29500", 8, 5, (1,))
+    assert DistributedConfig.from_env(dict(env, LOCAL_WORLD_SIZE="1")).local_device_ids is None  # one per node
+    assert DistributedConfig.from_env(dict(env, JAX_PROCESS_ID="2")).process_id == 2
+    with pytest.raises(ValueError, match="MASTER_PORT='x' is not an integer"):
+        DistributedConfig.from_env(dict(env, MASTER_PORT="x"))
+
+
+def test_host_address_and_port_range_are_checked_and_found():
+    from rpegjax.distributed import PortRange, ProcessAddress
+
+    with pytest.raises(ValueError, match="DistributedConfig.port_range must be 'FIRST-LAST'"):
+        DistributedConfig(port_range="50000")
+    with pytest.raises(ValueError, match="port_range must be ports 1-65535 with FIRST <= LAST, got '9-3'"):
+        DistributedConfig(port_range="9-3")
+    with pytest.raises(ValueError, match="host_address must be this host's address"):
+        DistributedConfig(host_address="a b")
+    cfg = DistributedConfig(num_processes=2, process_id=1, coordinator_address="127.0.0.1:1234", port_range="50000-50100")
+    assert cfg.address() == ProcessAddress("127.0.0.1", PortRange(50000, 50100))  # the route to the coordinator
+    assert DistributedConfig(host_address="10.1.2.3").address() == ProcessAddress("10.1.2.3", None)
+    assert DistributedConfig().address() == ProcessAddress("127.0.0.1", None)  # one process

@@ -44,8 +44,36 @@ def test_plan_refuses_a_source_without_the_target_blocks_naming_the_leaf():
     like = {"w": jax.ShapeDtypeStruct((8, 8), jnp.float32)}
     with pytest.raises(ValueError, match=r"leaf \['w'\] \(8, 8\): no source device holds the block"):
         transfers.plan_transfer(like, NamedSharding(mesh, PartitionSpec("data")), NamedSharding(mesh, PartitionSpec("tensor")))
-    with pytest.raises(ValueError, match="layout_on: the target mesh .* has 8 devices, the source 4"):
-        transfers.layout_on(NamedSharding(mesh, PartitionSpec()), jax.devices()[:4])
+    with pytest.raises(ValueError, match=r"layout_on: the target layout splits weights over axes \['tensor'\] into 4 "
+                                         r"blocks; 6 source devices cannot hold them"):
+        transfers.layout_on(NamedSharding(mesh, PartitionSpec(None, "tensor")), jax.devices()[:6])
+
+
+@pytest.mark.parametrize("sources", [2, 6, 8, 1])
+def test_uneven_device_counts_lay_whole_blocks_over_the_source(sources):
+    """Generation on 4 devices (data=2 x tensor=2) fed from 1, 2, 6 or 8 training devices: the replicas axis takes
+    up the difference, every target block comes whole from a source device holding it, every source block is a
+    target block, and a tree split over every axis gets an axis of replicas of its own."""
+    devices = jax.devices()
+    mesh = Mesh(np.array(devices[:4]).reshape(2, 2), ("data", "tensor"))
+    target = {"w": NamedSharding(mesh, PartitionSpec(None, "tensor")), "b": NamedSharding(mesh, PartitionSpec())}
+    like = {"w": jax.ShapeDtypeStruct((8, 6), jnp.float32), "b": jax.ShapeDtypeStruct((6,), jnp.float32)}
+    if sources == 1:
+        with pytest.raises(ValueError, match="1 source devices cannot hold them"):
+            transfers.layout_on(target, devices[:1])
+        return
+    pool = devices[8 - sources:] if sources <= 4 else devices[:sources]
+    staged = transfers.layout_on(target, pool)
+    assert dict(staged["w"].mesh.shape) == {"data": sources // 2, "tensor": 2}
+    assert set(staged["w"].mesh.devices.flat) == set(pool)
+    plan = transfers.plan_transfer(like, staged, target)
+    routes = [route for found in plan.routes.values() for route in found]
+    assert sorted(r.target.id for r in routes if r.leaf == 1) == [0, 1, 2, 3]  # "w": one route per target device
+    assert {r.index for r in routes if r.leaf == 1} == {((0, 8), (0, 3)), ((0, 8), (3, 6))}
+    both = {"w": NamedSharding(mesh, PartitionSpec("data", "tensor"))}
+    staged = transfers.layout_on(both, devices[:8])
+    assert dict(staged["w"].mesh.shape) == {"data": 2, "tensor": 2, "staging_replicas": 2}
+    transfers.plan_transfer({"w": like["w"]}, staged, both)
 
 
 @pytest.mark.slow

@@ -22,3 +22,21 @@ def test_a_checkpoint_of_a_process_group_restores_like_any_other(tmp_path):
     assert meta == {"next_step": 3}
     np.testing.assert_array_equal(np.asarray(restored["w"]), np.asarray(arrays["w"]))
     assert restored["w"].sharding.is_equivalent_to(arrays["w"].sharding, 2) and int(restored["step"]) == 3
+
+
+def test_a_process_group_restores_its_own_checkpoint_in_another_layout(tmp_path):
+    """The group's `Checkpointer(processes=...)` restores what it saved (its handlers, not the standard ones) into
+    other shardings: a resume over process groups in another layout."""
+    mesh = make_mesh({"data": 2, "tensor": 4})
+    weights = np.arange(32, dtype=np.float32).reshape(8, 4)
+    arrays = {"w": jax.device_put(weights, NamedSharding(mesh, PartitionSpec("data", "tensor"))), "history": {}}
+    group = Checkpointer(tmp_path / "ckpt", keep=2, processes=[0])
+    group.save(1, arrays, {"next_step": 1})
+    group.close()
+    other = NamedSharding(make_mesh({"data": 8}), PartitionSpec("data"))
+    like = {"w": jax.ShapeDtypeStruct((8, 4), np.float32, sharding=other), "history": {}}
+    group = Checkpointer(tmp_path / "ckpt", keep=2, processes=[0])
+    restored, meta = group.restore(like)
+    group.close()
+    assert meta == {"next_step": 1} and restored["w"].sharding == other
+    np.testing.assert_array_equal(np.asarray(restored["w"]), weights)
