@@ -164,3 +164,24 @@ def pack_batch(batch: TrainBatch, plan: PackingPlan) -> TrainBatch:
 def unpack_tokens(packed: Any, plan: PackingPlan, length: int) -> Any:
     """[r, c] per-token values of packed rows back to [n, length] (0 past each sequence's tokens)."""
     return _gather(packed, *plan.destinations(length))
+
+
+def abstract_packed_batch(batch: TrainBatch, row_tokens: int, *, minibatches: int = 1, shards: int = 1) -> TrainBatch:
+    """What `pack_batch` makes of an abstract batch (`jax.ShapeDtypeStruct`s, lowering ahead of time) whose
+    sequences all fill their rows: as many packed rows as that longest case needs, each of `row_tokens`."""
+    rows, length = batch.tokens.shape
+    if length > row_tokens:
+        raise ValueError(f"packing: rows of {length} tokens do not fit max_tokens_per_micro_batch={row_tokens} (a "
+                         f"sequence is never split over rows; raise the budget to at least {length})")
+    per_minibatch = -(-rows // minibatches)
+    packed_rows = -(-per_minibatch // (row_tokens // length))
+    packed_rows = minibatches * -(-packed_rows // shards) * shards
+
+    def packed(value: Any, dtype: Any = None) -> Any:
+        if value is None:
+            return None
+        return jax.ShapeDtypeStruct((packed_rows, row_tokens), dtype or value.dtype, sharding=value.sharding)
+
+    fields = {name: packed(getattr(batch, name)) for name in _PER_TOKEN}
+    return TrainBatch(**fields, advantages=packed(batch.advantages, jnp.float32), rewards=None,
+                      segment_ids=packed(batch.tokens, jnp.int32))
