@@ -100,7 +100,7 @@ def blockwise_attention(
     validb = valid.reshape(b, n, block).swapaxes(0, 1)
     segments = None
     if segment_ids is not None:
-        segmentb = segment_ids.astype(jnp.int32).reshape(b, n, block).swapaxes(0, 1)
+        segmentb = jnp.asarray(segment_ids, jnp.int32).reshape(b, n, block).swapaxes(0, 1)
         first = (segment_starts(segment_ids).reshape(b, n, block) // block).min(axis=(0, 2))  # [n], nondecreasing
         segments = (segmentb, first.astype(jnp.int32))
     out = _flash(qb, kb, vb, validb, segments)

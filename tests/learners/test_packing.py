@@ -4,15 +4,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from rpegjax.learners.batch import pack_rollouts
 from rpegjax.learners.grpo import GRPOConfig, GRPOLearner
 from rpegjax.learners.objective import policy_denominators
+from rpegjax.learners.optim import OptimizerConfig
 from rpegjax.learners.packing import first_fit_decreasing, pack_batch, plan_packing, unpack_tokens
 from rpegjax.learners.ppo import PPOConfig, PPOLearner
 from rpegjax.learners.scoring import score_sequences
 from rpegjax.learners.trainable import join_frozen
 from rpegjax.learners.update import UpdateLayout, split_rows
+from rpegjax.models import Decoder, ModelConfig
 from rpegjax.models.lora import LoRAConfig
 
 LENGTH, BUDGET, TOLERANCE = 32, 40, 1e-5
@@ -88,28 +91,31 @@ def test_packed_scores_equal_unpacked(tiny_model, attention):
 
 def _loss_and_grads(learner, batch):
     """The update's loss, metrics and gradients of one whole-batch step, from the batch the update would take."""
-    inputs = learner._update_inputs(batch)
+    inputs = jax.tree.map(jnp.asarray, learner._update_inputs(batch))
     denominators = (learner._denominators(inputs) if isinstance(learner, PPOLearner)
                     else policy_denominators(learner.cfg, inputs))
 
-    def loss(params):
+    def loss(params, inputs, denominators):
         return learner._loss(join_frozen(params, learner.frozen), inputs, denominators)
 
-    (value, metrics), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(learner.params)
+    (value, metrics), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(learner.params, inputs, denominators)
     return value, metrics, grads
+
+
+def assert_close(ours, expected, err_msg="", floor=0.1):
+    """Within TOLERANCE of the array's scale (its largest entry, at least `floor`): the losses sum terms of both
+    signs and the embedding's gradient sums every occurrence of a token, in another order once packed."""
+    scale = max(float(np.max(np.abs(expected))), floor)
+    np.testing.assert_allclose(ours, expected, rtol=0, atol=TOLERANCE * scale, err_msg=err_msg)
 
 
 def _assert_same(unpacked, packed, keys):
     (loss_a, metrics_a, grads_a), (loss_b, metrics_b, grads_b) = unpacked, packed
-    np.testing.assert_allclose(loss_b, loss_a, rtol=TOLERANCE, atol=1e-7)
+    assert_close(loss_b, loss_a, "loss")
     for key in keys:
-        np.testing.assert_allclose(metrics_b[key], metrics_a[key], rtol=TOLERANCE, atol=1e-7, err_msg=key)
-    assert float(optax_norm(grads_a)) > 0
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(b, a, rtol=TOLERANCE, atol=1e-6), grads_a, grads_b)
-
-
-def optax_norm(tree):
-    return jnp.sqrt(sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree)))
+        assert_close(metrics_b[key], metrics_a[key], key)
+    assert max(float(np.max(np.abs(g))) for g in jax.tree.leaves(grads_a)) > 0
+    jax.tree.map(assert_close, grads_b, grads_a)
 
 
 GRPO_CASES = {
@@ -155,8 +161,8 @@ def test_ppo_packed_loss_and_gradients_equal_unpacked(tiny_model, tiny_critic, c
     _assert_same(_loss_and_grads(unpacked, batch), _loss_and_grads(packed, batch), ["policy_loss", "value_loss"])
 
 
-def test_lora_packed_loss_and_gradients_equal_unpacked(tiny_model):
-    model = tiny_model.with_lora(LoRAConfig(rank=4, alpha=8.0), seed=1)
+def test_lora_packed_loss_and_gradients_equal_unpacked():
+    model = Decoder(ModelConfig.tiny(), rngs=nnx.Rngs(0)).with_lora(LoRAConfig(rank=4, alpha=8.0), seed=1)
     options = dict(group_size=4, kl_coef=0.1)
     unpacked = GRPOLearner(GRPOConfig(**options), model)
     packed = GRPOLearner(GRPOConfig(**options, packing=True, max_tokens_per_micro_batch=BUDGET), model)
@@ -167,9 +173,10 @@ def test_lora_packed_loss_and_gradients_equal_unpacked(tiny_model):
 
 def test_a_packed_update_equals_the_unpacked_one(tiny_model):
     """Two epochs of two mini-batches: packed rows in token-budget micro-batches step the optimiser as unpacked rows."""
-    options = dict(group_size=4, kl_coef=0.1, aggregation="seq-mean-token-mean", epochs=2, num_minibatches=2)
+    options = dict(group_size=4, kl_coef=0.1, aggregation="seq-mean-token-mean", epochs=2, num_minibatches=2,
+                   optimizer=OptimizerConfig(learning_rate=1e-3))  # steps that change the later steps' losses
     unpacked = GRPOLearner(GRPOConfig(**options), tiny_model)
-    packed = GRPOLearner(GRPOConfig(**options, packing=True, max_tokens_per_micro_batch=24), tiny_model)
+    packed = GRPOLearner(GRPOConfig(**options, packing=True, max_tokens_per_micro_batch=LENGTH), tiny_model)
     batch, _ = unpacked.compute_advantages(make_batch(6))
     logprobs = np.asarray(unpacked.logprobs(unpacked.params, batch))
     batch = batch.replace(ref_logprobs=logprobs * 1.01, old_logprobs=logprobs)
@@ -177,8 +184,10 @@ def test_a_packed_update_equals_the_unpacked_one(tiny_model):
     state_a, metrics_a = unpacked.update(unpacked.init_state(), batch)
     state_b, metrics_b = packed.update(packed.init_state(), batch)
     for key in ("loss", "kl_loss", "grad_norm"):
-        np.testing.assert_allclose(metrics_b[key], metrics_a[key], rtol=TOLERANCE, atol=1e-7, err_msg=key)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(b, a, rtol=TOLERANCE, atol=1e-6), state_a.params, state_b.params)
+        assert_close(metrics_b[key], metrics_a[key], key)
+    # Adam's steps are about lr = 1e-3 each whatever the gradient's size, so a wrong split would show here; entries
+    # with gradients near float noise take noisy steps either way, hence the params' scale, not the steps'
+    jax.tree.map(assert_close, state_b.params, state_a.params)
     assert packed.update_traces == 1
 
 
