@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float
 
 from rpegjax.learners.batch import TrainBatch
@@ -32,7 +33,7 @@ from rpegjax.learners.losses import (
     policy_loss,
 )
 from rpegjax.learners.optim import OptimizerConfig
-from rpegjax.learners.packing import abstract_packed_batch, pack_batch, plan_packing, sequence_lengths
+from rpegjax.learners.packing import PackingPlan, abstract_packed_batch, pack_batch, plan_packing, sequence_lengths
 from rpegjax.learners.update import UpdateLayout, check_rows_divide, row_shards
 from rpegjax.models.config import ModelConfig
 
@@ -331,6 +332,18 @@ class PolicyUpdates:
         if self.cfg.length_bucket is None or isinstance(token_mask, jax.ShapeDtypeStruct):
             return full
         return bucket_length(longest_row(token_mask), full, self.cfg.length_bucket)
+
+    def inference_packing(self, token_mask, *, shards: int = 1) -> PackingPlan | None:
+        """How an inference stage packs rows of this mask (`rpegjax.learners.packing`; None: it does not, packing
+        off): rows of max_tokens_per_micro_batch, one per row shard per micro-batch. An abstract mask (lowering
+        ahead of time) packs as if every row were full."""
+        if not self.cfg.packing:
+            return None
+        where = f"{type(self).__name__} inference"
+        rows, full = token_mask.shape
+        lengths = (np.full(rows, full) if isinstance(token_mask, jax.ShapeDtypeStruct)
+                   else sequence_lengths(token_mask, where))
+        return plan_packing(lengths, self.cfg.max_tokens_per_micro_batch, shards=shards, where=where)
 
     def inference_micro_batches(self, rows: int, length: int, *, shards: int = 1, tensor: int = 1) -> int:
         """How many row micro-batches an inference stage over `rows` rows of `length` tokens runs in."""

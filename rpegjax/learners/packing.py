@@ -137,8 +137,9 @@ def sequence_lengths(token_mask: Bool[Array, "b t"] | np.ndarray, where: str = "
     return lengths.astype(np.int64)
 
 
-def _gather(values: Any, rows: np.ndarray, columns: np.ndarray, real: np.ndarray) -> Any:
-    """values[rows, columns] where `real`, zero (False) elsewhere; numpy stays on the host, jax arrays on devices."""
+def pack_tokens(values: Any, rows: np.ndarray, columns: np.ndarray, real: np.ndarray) -> Any:
+    """values[rows, columns] where `real`, zero (False) elsewhere (a `PackingPlan`'s `sources` or `destinations`);
+    numpy stays on the host, jax arrays on devices."""
     if isinstance(values, np.ndarray):
         return np.where(real, values[rows, columns], np.zeros((), values.dtype))
     return jnp.where(real, values[rows, columns], jnp.zeros((), values.dtype))
@@ -151,19 +152,19 @@ def pack_batch(batch: TrainBatch, plan: PackingPlan) -> TrainBatch:
     changes: dict[str, Any] = {}
     for name in _PER_TOKEN:
         value = getattr(batch, name)
-        changes[name] = None if value is None else _gather(value, sequence, column, real)
+        changes[name] = None if value is None else pack_tokens(value, sequence, column, real)
     advantages = batch.advantages
     if advantages is not None:
         if np.ndim(advantages) == 1:
             advantages = (np.broadcast_to(advantages[:, None], batch.tokens.shape) if isinstance(advantages, np.ndarray)
                           else jnp.broadcast_to(advantages[:, None], batch.tokens.shape))
-        advantages = _gather(advantages, sequence, column, real)
+        advantages = pack_tokens(advantages, sequence, column, real)
     return TrainBatch(**changes, advantages=advantages, rewards=None, segment_ids=plan.segment_ids())
 
 
 def unpack_tokens(packed: Any, plan: PackingPlan, length: int) -> Any:
     """[r, c] per-token values of packed rows back to [n, length] (0 past each sequence's tokens)."""
-    return _gather(packed, *plan.destinations(length))
+    return pack_tokens(packed, *plan.destinations(length))
 
 
 def abstract_packed_batch(batch: TrainBatch, row_tokens: int, *, minibatches: int = 1, shards: int = 1) -> TrainBatch:
