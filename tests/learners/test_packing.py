@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from rpegjax.learners.batch import pack_rollouts
+from rpegjax.learners.batch import TrainBatch, pack_rollouts
 from rpegjax.learners.grpo import GRPOConfig, GRPOLearner
 from rpegjax.learners.objective import policy_denominators
 from rpegjax.learners.optim import OptimizerConfig
@@ -208,3 +208,17 @@ def test_packing_options_are_checked():
         GRPOConfig(group_size=4, packing=True, max_tokens_per_micro_batch=64, num_microbatches=2)
     with pytest.raises(ValueError, match="seq-mean-token-sum-norm' needs max_length"):
         GRPOConfig(group_size=4, packing=True, max_tokens_per_micro_batch=64, aggregation="seq-mean-token-sum-norm")
+
+
+def test_a_packed_update_lowers_for_abstract_rows_as_full_rows(tiny_model):
+    """The dry run's path: an abstract batch packs as if every row were full (8 rows of 32 -> 4 rows of 64)."""
+    learner = GRPOLearner(GRPOConfig(group_size=4, packing=True, max_tokens_per_micro_batch=64), tiny_model)
+    per_token = lambda dtype: jax.ShapeDtypeStruct((8, LENGTH), dtype)  # noqa: E731
+    batch = TrainBatch(tokens=per_token(jnp.int32), token_mask=per_token(jnp.bool_), response_mask=per_token(jnp.bool_),
+                       advantages=jax.ShapeDtypeStruct((8,), jnp.float32))
+    inputs = learner._update_inputs(batch)
+    assert inputs.tokens.shape == inputs.segment_ids.shape == inputs.advantages.shape == (4, 64)
+    assert learner.lower_update(learner.init_state(), batch).compile().memory_analysis() is not None
+    small = GRPOLearner(GRPOConfig(group_size=4, packing=True, max_tokens_per_micro_batch=16), tiny_model)
+    with pytest.raises(ValueError, match="rows of 32 tokens do not fit max_tokens_per_micro_batch=16"):
+        small.lower_update(small.init_state(), batch)
