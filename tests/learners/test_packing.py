@@ -17,6 +17,7 @@ from rpegjax.learners.trainable import join_frozen
 from rpegjax.learners.update import UpdateLayout, split_rows
 from rpegjax.models import Decoder, ModelConfig
 from rpegjax.models.lora import LoRAConfig
+from rpegjax.sharding import ShardingRules, make_mesh
 
 LENGTH, BUDGET, TOLERANCE = 32, 40, 1e-5
 
@@ -222,3 +223,22 @@ def test_a_packed_update_lowers_for_abstract_rows_as_full_rows(tiny_model):
     small = GRPOLearner(GRPOConfig(group_size=4, packing=True, max_tokens_per_micro_batch=16), tiny_model)
     with pytest.raises(ValueError, match="rows of 32 tokens do not fit max_tokens_per_micro_batch=16"):
         small.lower_update(small.init_state(), batch)
+
+
+def test_a_sharded_packed_update_equals_the_unsharded_unpacked_one(tiny_model):
+    """data 2 x fsdp 2 x tensor 2: packed rows a multiple of the 4 row shards, one per shard per micro-batch."""
+    options = dict(group_size=4, kl_coef=0.1, aggregation="seq-mean-token-mean", num_minibatches=2,
+                   optimizer=OptimizerConfig(learning_rate=1e-2, eps=0.1))  # eps: see the test above
+    unpacked = GRPOLearner(GRPOConfig(**options), tiny_model)
+    mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    packed = GRPOLearner(GRPOConfig(**options, packing=True, max_tokens_per_micro_batch=LENGTH), tiny_model, mesh=mesh,
+                         rules=ShardingRules.fsdp_tp())
+    batch, _ = unpacked.compute_advantages(make_batch(7))
+    logprobs = np.asarray(unpacked.logprobs(unpacked.params, batch))
+    batch = batch.replace(ref_logprobs=logprobs * 1.01, old_logprobs=logprobs)
+    assert packed._update_inputs(batch).batch_size % (2 * 4) == 0
+    state_a, metrics_a = unpacked.update(unpacked.init_state(), batch)
+    state_b, metrics_b = packed.update(packed.init_state(), batch)
+    for key in ("loss", "kl_loss", "grad_norm"):
+        assert_close(metrics_b[key], metrics_a[key], key)
+    jax.tree.map(assert_same_steps, state_b.params, state_a.params, unpacked.params)
