@@ -285,8 +285,10 @@ class Execution:
     inference_rows: at most this many rows (of the whole batch) per row micro-batch of an inference stage
     (log-probs, values: `rpegjax.learners.inference`); None: each stage's rows at once.
     decode_slots: the sampler's concurrent sequences (all replicas; None: the run's `rollout.num_slots`).
-    Generation micro-batches are the stages' own `microbatches`. There is no sequence packing: the runtime
-    pads every row of a batch to the same length.
+    packing / max_tokens_per_micro_batch: the update and the inference stages pack the rollout's sequences into
+    rows of this many tokens, one row per row shard per micro-batch (`rpegjax.learners.packing`), in place of
+    update micro-batches and inference rows; off: every row of a batch is padded to the same length.
+    Generation micro-batches are the stages' own `microbatches`.
     """
 
     attention: AttentionKind = AttentionKind.DENSE
@@ -301,6 +303,8 @@ class Execution:
     update_microbatches: int = 1
     inference_rows: int | None = None
     decode_slots: int | None = None
+    packing: bool = False
+    max_tokens_per_micro_batch: int | None = None
 
     def __post_init__(self) -> None:
         for name, kind in (("attention", AttentionKind), ("remat", RematPolicy), ("kv_cache", CacheLayout),
@@ -319,6 +323,7 @@ class Execution:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise GraphError(f"Execution.{name} must be a positive integer or null, got {value!r}")
+        self._check_packing()
         if self.kv_pool_tokens is not None:
             value = self.kv_pool_tokens
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -326,6 +331,20 @@ class Execution:
             if self.kv_cache != CacheLayout.PAGED:
                 raise GraphError(f"Execution.kv_pool_tokens={value} sizes a paged KV cache's pool; the "
                                  f"{self.kv_cache} cache has none (set kv_cache to paged, or drop it)")
+
+    def _check_packing(self) -> None:
+        budget = self.max_tokens_per_micro_batch
+        if not isinstance(self.packing, bool):
+            raise GraphError(f"Execution.packing must be true or false, got {self.packing!r}")
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+            raise GraphError(f"Execution.max_tokens_per_micro_batch must be a positive integer or null, got {budget!r}")
+        if self.packing != (budget is not None):
+            raise GraphError(f"Execution.packing={self.packing} and max_tokens_per_micro_batch={budget}: packing needs "
+                             "the budget, and the budget means packing")
+        if self.packing and (self.update_microbatches != 1 or self.inference_rows is not None):
+            raise GraphError(f"Execution.packing chooses micro-batches by max_tokens_per_micro_batch; "
+                             f"update_microbatches={self.update_microbatches} and inference_rows={self.inference_rows} "
+                             "must stay 1 and null")
 
     def model_fields(self) -> dict[str, Any]:
         """The fields a model config takes (`ModelConfig` execution fields)."""
@@ -354,8 +373,9 @@ class Execution:
         rows = f", inference rows {self.inference_rows}" if self.inference_rows is not None else ""
         pool = f" ({self.kv_pool_tokens} tokens per replica)" if self.kv_pool_tokens is not None else ""
         slots = f", {self.decode_slots} slots" if self.decode_slots is not None else ""
+        packed = f", packed rows of {self.max_tokens_per_micro_batch} tokens" if self.packing else ""
         return (f"{self.attention} attention, remat {self.remat}, {self.param_dtype}/{self.dtype}, "
-                f"{self.kv_cache} KV cache{pool}{slots}{micro}{rows}")
+                f"{self.kv_cache} KV cache{pool}{slots}{micro}{rows}{packed}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

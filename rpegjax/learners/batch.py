@@ -11,6 +11,10 @@ Per-token float arrays are aligned with `tokens`: index i refers to token tokens
 `old_logprobs[:, i] = log pi_old(tokens[:, i] | tokens[:, :i])` and `values[:, i]` is the value of
 the state that emits token i. Position 0 is never a response token (every row has a prompt token).
 Fields not known yet are None; each learner says which fields its `update` needs.
+
+A packed batch (`rpegjax.learners.packing`) holds several sequences per row, each a contiguous run of
+`segment_ids` (1, 2, ... per row; 0 at padding); position 0 of each segment is then a prompt token, and
+advantages are per token. None: one sequence per row.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ class TrainBatch:
     # a mixture-of-experts rollout's routing of every token (s sparse layers, k experts; -1: none recorded),
     # replayed by the training forward under `router_replay` (`Decoder.routed_hidden_states`)
     expert_ids: Int[Array, "b t s k"] | None = None
+    segment_ids: Int[Array, "b t"] | None = None  # packed rows' sequences (None: one per row)
 
     @property
     def batch_size(self) -> int:
@@ -52,7 +57,8 @@ class TrainBatch:
     def validate(self) -> None:
         """Raises ValueError naming the field whose shape breaks the layout above."""
         b, t = self.tokens.shape
-        for name in ("token_mask", "response_mask", "behaviour_logprobs", "old_logprobs", "ref_logprobs", "values", "returns"):
+        for name in ("token_mask", "response_mask", "behaviour_logprobs", "old_logprobs", "ref_logprobs", "values", "returns",
+                     "segment_ids"):
             value = getattr(self, name)
             if value is not None and tuple(value.shape) != (b, t):
                 raise ValueError(f"TrainBatch.{name} has shape {tuple(value.shape)}, expected {(b, t)} like tokens")

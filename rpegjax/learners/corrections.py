@@ -38,7 +38,9 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float
+from jaxtyping import Array, Bool, Float, Int
+
+from rpegjax.learners.sequences import sequence_sums, to_tokens
 
 Metrics = dict[str, Array]
 Weights = Float[Array, "b t"]
@@ -66,9 +68,14 @@ def _log_ratio(old_logprobs: Float[Array, "b t"], behaviour_logprobs: Float[Arra
     return jax.lax.stop_gradient(jnp.where(mask, old_logprobs - behaviour_logprobs, 0.0).astype(jnp.float32))
 
 
-def _sequence_log_ratio(log_ratio: Float[Array, "b t"], mask: Bool[Array, "b t"], *, mean: bool) -> Float[Array, " b"]:
-    total = jnp.sum(log_ratio, axis=-1)
-    return total / jnp.maximum(jnp.sum(mask.astype(jnp.float32), axis=-1), 1.0) if mean else total
+def _sequence_log_ratio(log_ratio: Float[Array, "b t"], mask: Bool[Array, "b t"], segment_ids: Int[Array, "b t"] | None,
+                        *, mean: bool) -> Float[Array, "b t"]:
+    """Each token's sequence's summed (or mean) log-ratio; sequences are rows or packed segments
+    (`rpegjax.learners.sequences`)."""
+    total = sequence_sums(log_ratio, segment_ids)
+    if mean:
+        total = total / jnp.maximum(sequence_sums(mask.astype(jnp.float32), segment_ids), 1.0)
+    return to_tokens(total, segment_ids, mask.shape)
 
 
 def _weighted(weights: Weights, mask: Bool[Array, "b t"], metrics: Metrics) -> tuple[Weights, Metrics]:
@@ -97,15 +104,16 @@ def token_tis_weights(old_logprobs: Float[Array, "b t"], behaviour_logprobs: Flo
 
 
 def sequence_tis_weights(old_logprobs: Float[Array, "b t"], behaviour_logprobs: Float[Array, "b t"],
-                         mask: Bool[Array, "b t"], *, cap: float) -> tuple[Weights, Metrics]:
+                         mask: Bool[Array, "b t"], *, cap: float, segment_ids: Int[Array, "b t"] | None = None
+                         ) -> tuple[Weights, Metrics]:
     """Sequence-level truncated importance sampling: every token of row i weighs min(prod_t rho_t, cap), the
     product taken as exp of the summed log-ratios (no overflow for long rows)."""
     if not cap > 0:
         raise ValueError(f"sequence_tis_weights: cap must be positive, got {cap!r}")
     log_ratio = _log_ratio(old_logprobs, behaviour_logprobs, mask)
-    row = _sequence_log_ratio(log_ratio, mask, mean=False)
-    truncated = jnp.broadcast_to((row > math.log(cap))[:, None], mask.shape)
-    weights = jnp.broadcast_to(jnp.exp(jnp.minimum(row, math.log(cap)))[:, None], mask.shape)
+    row = _sequence_log_ratio(log_ratio, mask, segment_ids, mean=False)
+    truncated = row > math.log(cap)
+    weights = jnp.exp(jnp.minimum(row, math.log(cap)))
     return _weighted(weights, mask, {"correction/truncated_fraction": _fraction(truncated, mask)})
 
 
@@ -120,21 +128,23 @@ def icepop_weights(old_logprobs: Float[Array, "b t"], behaviour_logprobs: Float[
 
 
 def geometric_mask_weights(old_logprobs: Float[Array, "b t"], behaviour_logprobs: Float[Array, "b t"],
-                           mask: Bool[Array, "b t"], *, low: float = 0.999, high: float = 1.001
-                           ) -> tuple[Weights, Metrics]:
+                           mask: Bool[Array, "b t"], *, low: float = 0.999, high: float = 1.001,
+                           segment_ids: Int[Array, "b t"] | None = None) -> tuple[Weights, Metrics]:
     """Geometric-mean sequence mask: row i keeps weight 1 when low <= exp(mean_t log rho_t) <= high, else 0."""
     _check_band("geometric_mask_weights", low, high)
     log_ratio = _log_ratio(old_logprobs, behaviour_logprobs, mask)
-    mean = _sequence_log_ratio(log_ratio, mask, mean=True)
-    accepted = jnp.broadcast_to(((mean >= math.log(low)) & (mean <= math.log(high)))[:, None], mask.shape)
+    mean = _sequence_log_ratio(log_ratio, mask, segment_ids, mean=True)
+    accepted = (mean >= math.log(low)) & (mean <= math.log(high))
     return _weighted(accepted.astype(jnp.float32), mask, {"correction/masked_fraction": _fraction(~accepted, mask)})
 
 
 def correction_weights(kind: CorrectionKind | str, old_logprobs: Float[Array, "b t"],
                        behaviour_logprobs: Float[Array, "b t"], mask: Bool[Array, "b t"], *,
-                       cap: float | None = None, band: tuple[float, float] | None = None) -> tuple[Weights, Metrics]:
+                       cap: float | None = None, band: tuple[float, float] | None = None,
+                       segment_ids: Int[Array, "b t"] | None = None) -> tuple[Weights, Metrics]:
     """The weights of correction `kind` (module docstring): `cap` is C of the TIS kinds, `band` (low, high) the
-    accepted ratios of icepop / geometric-mask (None: the published defaults)."""
+    accepted ratios of icepop / geometric-mask (None: the published defaults); `segment_ids`: packed rows' sequences
+    for the sequence-level kinds."""
     try:
         kind = CorrectionKind(kind)
     except ValueError:
@@ -143,9 +153,11 @@ def correction_weights(kind: CorrectionKind | str, old_logprobs: Float[Array, "b
     corrections = {
         CorrectionKind.NONE: lambda: _weighted(jnp.ones(mask.shape, jnp.float32), mask, {}),
         CorrectionKind.TOKEN_TIS: lambda: token_tis_weights(old_logprobs, behaviour_logprobs, mask, cap=cap),
-        CorrectionKind.SEQUENCE_TIS: lambda: sequence_tis_weights(old_logprobs, behaviour_logprobs, mask, cap=cap),
+        CorrectionKind.SEQUENCE_TIS: lambda: sequence_tis_weights(old_logprobs, behaviour_logprobs, mask, cap=cap,
+                                                                  segment_ids=segment_ids),
         CorrectionKind.ICEPOP: lambda: icepop_weights(old_logprobs, behaviour_logprobs, mask, **bounds),
-        CorrectionKind.GEOMETRIC_MASK: lambda: geometric_mask_weights(old_logprobs, behaviour_logprobs, mask, **bounds),
+        CorrectionKind.GEOMETRIC_MASK: lambda: geometric_mask_weights(old_logprobs, behaviour_logprobs, mask, **bounds,
+                                                                      segment_ids=segment_ids),
     }
     if kind == CorrectionKind.SEQUENCE_TIS and cap is None:
         raise ValueError("correction 'sequence-tis' needs a cap: the untruncated product of ratios over a long row "

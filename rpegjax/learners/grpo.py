@@ -32,6 +32,7 @@ from rpegjax.learners.update import (
     check_rows_divide,
     make_init,
     make_update,
+    row_shards,
     train_state_shardings,
 )
 from rpegjax.models.transformer import Decoder
@@ -112,6 +113,7 @@ class GRPOLearner(PolicyUpdates):
                 lambda batch: policy_denominators(cfg, batch), self.optimizer, cfg.layout,
                 learning_rate_fn=make_schedule(cfg.optimizer), micro_batch_sharding=placement.rows,
                 seed=seed if has_dropout(placement.lora) else None,
+                rows_per_micro_batch=row_shards(placement.rows) if cfg.packing else None,
             )
             return update(state, batch)
 
@@ -137,16 +139,19 @@ class GRPOLearner(PolicyUpdates):
             self.placement.merge(params), batch.tokens, batch.token_mask, chunk_size=cfg.logprob_chunk_size,
             temperature=cfg.temperature, with_entropy=True, sharding=self.placement.activations, dropout_key=dropout_key,
             expert_ids=batch.expert_ids if cfg.router_replay else None,
+            segment_ids=batch.segment_ids,
         )
         loss, metrics = policy_objective(cfg, scores.logprobs, scores.entropy, batch, denominators)
         return add_router_terms(cfg, loss, metrics, scores.routing, batch, denominators)
 
-    def logprobs_fn(self, params: Params, tokens, token_mask, sharding: ActivationSharding | None = None) -> Float[Array, "b t"]:
+    def logprobs_fn(self, params: Params, tokens, token_mask, sharding: ActivationSharding | None = None,
+                    segment_ids=None) -> Float[Array, "b t"]:
         """Pure (unjitted) per-token log-probs, TrainBatch-aligned; the runtime fuses it into inference programs.
-        `sharding`: the activation layout of another mesh the params were moved to (default the learner's)."""
+        `sharding`: the activation layout of another mesh the params were moved to (default the learner's);
+        `segment_ids`: packed rows (`rpegjax.learners.packing`)."""
         return score_sequences(
             self.placement.merge(params), tokens, token_mask, chunk_size=self.cfg.logprob_chunk_size,
-            temperature=self.cfg.temperature, sharding=sharding or self.placement.activations,
+            temperature=self.cfg.temperature, sharding=sharding or self.placement.activations, segment_ids=segment_ids,
         ).logprobs
 
     def _advantages_fn(self, rewards: Float[Array, " b"], response_mask: Bool[Array, "b t"]):

@@ -12,6 +12,9 @@ and S the rows with n_i > 0:
 The outer denominator (sum m, or |S|) may be passed as `denominator`: a learner that splits a
 mini-batch into micro-batches passes the whole mini-batch's count, so that the micro-batch losses
 (and their gradients) sum exactly to the mini-batch loss.
+
+Packed rows (`segment_ids`, `rpegjax.learners.sequences`): "row i" above reads "sequence i", each segment of
+a row being one; the sequence-level terms of every loss here take `segment_ids` and equal the unpacked ones.
 """
 
 from __future__ import annotations
@@ -20,10 +23,13 @@ import enum
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float
+from jaxtyping import Array, Bool, Float, Int
+
+from rpegjax.learners.sequences import sequence_sums, to_tokens
 
 Metrics = dict[str, Array]
 Scalar = Float[Array, ""]
+SegmentIds = Int[Array, "b t"] | None
 
 
 class LossAggregation(enum.StrEnum):
@@ -47,12 +53,14 @@ def _aggregation(aggregation: LossAggregation | str) -> LossAggregation:
         ) from None
 
 
-def aggregation_denominator(mask: Bool[Array, "b t"], aggregation: LossAggregation | str) -> Scalar:
+def aggregation_denominator(mask: Bool[Array, "b t"], aggregation: LossAggregation | str,
+                            segment_ids: SegmentIds = None) -> Scalar:
     """The outer denominator of `aggregation` over `mask`: the token count (token-mean) or the number
-    of rows with at least one token (seq-mean-*)."""
+    of sequences (rows, or segments of packed rows) with at least one token (seq-mean-*)."""
+    m = mask.astype(jnp.float32)
     if _aggregation(aggregation) == LossAggregation.TOKEN_MEAN:
-        return jnp.sum(mask.astype(jnp.float32))
-    return jnp.sum(jnp.any(mask, axis=-1).astype(jnp.float32))
+        return jnp.sum(m)
+    return jnp.sum((sequence_sums(m, segment_ids) > 0).astype(jnp.float32))
 
 
 def aggregate(
@@ -62,6 +70,7 @@ def aggregate(
     *,
     max_length: int | None = None,
     denominator: Scalar | float | None = None,
+    segment_ids: SegmentIds = None,
 ) -> Scalar:
     """Reduces per-token `values` over `mask` as the module docstring says; `max_length` defaults to t."""
     aggregation = _aggregation(aggregation)
@@ -70,13 +79,13 @@ def aggregate(
     m = mask.astype(jnp.float32)
     masked = jnp.where(mask, values, 0.0).astype(jnp.float32)
     if denominator is None:
-        denominator = aggregation_denominator(mask, aggregation)
+        denominator = aggregation_denominator(mask, aggregation, segment_ids)
     denominator = jnp.maximum(jnp.asarray(denominator, jnp.float32), 1.0)
     if aggregation == LossAggregation.TOKEN_MEAN:
         return jnp.sum(masked) / denominator
-    row_sums = jnp.sum(masked, axis=-1)
+    row_sums = sequence_sums(masked, segment_ids)
     if aggregation == LossAggregation.SEQ_MEAN_TOKEN_MEAN:
-        row_losses = row_sums / jnp.maximum(jnp.sum(m, axis=-1), 1.0)
+        row_losses = row_sums / jnp.maximum(sequence_sums(m, segment_ids), 1.0)
     else:
         length = values.shape[1] if max_length is None else max_length
         if length <= 0:
@@ -165,6 +174,7 @@ def policy_loss(
     max_length: int | None = None,
     weights: Float[Array, "b t"] | None = None,
     denominator: Scalar | float | None = None,
+    segment_ids: SegmentIds = None,
 ) -> tuple[Scalar, Metrics]:
     """PPO clipped surrogate with asymmetric (DAPO clip-higher) and dual clipping; decoupled PPO.
 
@@ -191,7 +201,7 @@ def policy_loss(
     ratio = jnp.exp(log_ratio)
     token_loss, clipped, dual = _clipped_surrogate(ratio, adv, clip_low, clip_high, dual_clip)
     loss = aggregate(token_loss * _token_weights(weights, mask), mask, aggregation, max_length=max_length,
-                     denominator=denominator)
+                     denominator=denominator, segment_ids=segment_ids)
     metrics = _ratio_metrics(ratio, log_ratio, mask)
     metrics.update(
         policy_loss=loss,
@@ -213,6 +223,7 @@ def gspo_loss(
     clip_high: float = 4e-4,
     weights: Float[Array, "b t"] | None = None,
     denominator: Scalar | float | None = None,
+    segment_ids: SegmentIds = None,
 ) -> tuple[Scalar, Metrics]:
     """GSPO: a sequence-level importance ratio, clipped per sequence (default clip range from the paper).
 
@@ -229,19 +240,20 @@ def gspo_loss(
     _check_shapes("gspo_loss", mask, logprobs=logprobs, old_logprobs=old_logprobs, weights=weights)
     adv = _token_advantages(advantages, mask, "gspo_loss")
     m = mask.astype(jnp.float32)
-    counts = jnp.maximum(jnp.sum(m, axis=-1), 1.0)
+    token_counts = sequence_sums(m, segment_ids)  # [b, s]: per sequence (module docstring)
     token_log_ratio = jnp.where(mask, logprobs - old_logprobs, 0.0)
-    sequence_log_ratio = jnp.sum(token_log_ratio, axis=-1) / counts
+    sequence_log_ratio = sequence_sums(token_log_ratio, segment_ids) / jnp.maximum(token_counts, 1.0)
     safe_logprobs = jnp.where(mask, logprobs, 0.0)
-    log_ratio = jax.lax.stop_gradient(sequence_log_ratio)[:, None] + safe_logprobs - jax.lax.stop_gradient(safe_logprobs)
+    log_ratio = (jax.lax.stop_gradient(to_tokens(sequence_log_ratio, segment_ids, mask.shape)) + safe_logprobs
+                 - jax.lax.stop_gradient(safe_logprobs))
     ratio = jnp.exp(log_ratio)
     token_loss, clipped, _ = _clipped_surrogate(ratio, adv, clip_low, clip_high, None)
     loss = aggregate(token_loss * _token_weights(weights, mask), mask, LossAggregation.SEQ_MEAN_TOKEN_MEAN,
-                     denominator=denominator)
-    has_tokens = jnp.any(mask, axis=-1)
+                     denominator=denominator, segment_ids=segment_ids)
+    has_tokens = token_counts > 0
     sequence_ratio = jnp.exp(sequence_log_ratio)
     rows = jnp.maximum(jnp.sum(has_tokens.astype(jnp.float32)), 1.0)
-    clipped_rows = jnp.any(clipped * m > 0, axis=-1) & has_tokens
+    clipped_rows = (sequence_sums(clipped * m, segment_ids) > 0) & has_tokens
     metrics = dict(
         policy_loss=loss,
         clip_fraction=jnp.sum(clipped_rows.astype(jnp.float32)) / rows,
@@ -291,6 +303,7 @@ def value_loss(
     aggregation: LossAggregation | str = LossAggregation.TOKEN_MEAN,
     max_length: int | None = None,
     denominator: Scalar | float | None = None,
+    segment_ids: SegmentIds = None,
 ) -> tuple[Scalar, Metrics]:
     """Clipped value loss (PPO): per token
         L = 1/2 max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2)     (c = `clip`; None: 1/2 (V - R)^2)
@@ -310,7 +323,8 @@ def value_loss(
         clipped_error = (clipped_values - returns) ** 2
         token_loss = 0.5 * jnp.maximum(unclipped, clipped_error)
         clipped = (clipped_error > unclipped).astype(jnp.float32)
-    loss = aggregate(token_loss, mask, aggregation, max_length=max_length, denominator=denominator)
+    loss = aggregate(token_loss, mask, aggregation, max_length=max_length, denominator=denominator,
+                     segment_ids=segment_ids)
     return loss, {
         "value_loss": loss,
         "value_clip_fraction": _masked_mean(clipped, mask),
@@ -326,9 +340,11 @@ def entropy_bonus(
     aggregation: LossAggregation | str = LossAggregation.TOKEN_MEAN,
     max_length: int | None = None,
     denominator: Scalar | float | None = None,
+    segment_ids: SegmentIds = None,
 ) -> tuple[Scalar, Metrics]:
     """Entropy bonus: loss = -aggregate(H), H_t = -sum_v p log p per token; add coef * loss to the total
     (minimising it raises entropy). Metrics: entropy (the aggregated H)."""
     _check_shapes("entropy_bonus", mask, entropy=entropy)
-    value = aggregate(entropy, mask, aggregation, max_length=max_length, denominator=denominator)
+    value = aggregate(entropy, mask, aggregation, max_length=max_length, denominator=denominator,
+                      segment_ids=segment_ids)
     return -value, {"entropy": value}

@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float
 
 from rpegjax.learners.batch import TrainBatch
@@ -32,7 +33,8 @@ from rpegjax.learners.losses import (
     policy_loss,
 )
 from rpegjax.learners.optim import OptimizerConfig
-from rpegjax.learners.update import UpdateLayout, check_rows_divide
+from rpegjax.learners.packing import PackingPlan, abstract_packed_batch, pack_batch, plan_packing, sequence_lengths
+from rpegjax.learners.update import UpdateLayout, check_rows_divide, row_shards
 from rpegjax.models.config import ModelConfig
 
 Metrics = dict[str, Array]
@@ -91,6 +93,10 @@ class PolicyConfig:
     # activation budget (see rpegjax.learners.inference); neither: the whole batch at once
     inference_rows: int | None = None
     inference_memory_gib: float | None = None
+    # sequences packed into rows of max_tokens_per_micro_batch tokens, one row per row shard per micro-batch
+    # (update and inference; see rpegjax.learners.packing); replaces num_microbatches, length_bucket, inference_rows
+    packing: bool = False
+    max_tokens_per_micro_batch: int | None = None
     epochs: int = 1
     num_minibatches: int = 1
     num_microbatches: int = 1
@@ -135,6 +141,7 @@ class PolicyConfig:
             if self.aggregation == LossAggregation.SEQ_MEAN_TOKEN_SUM_NORM and self.max_length is None:
                 raise ValueError(f"{name}.length_bucket with aggregation 'seq-mean-token-sum-norm' needs max_length: "
                                  "its constant would otherwise be the trimmed batch length")
+        self._check_packing(name)
         try:
             _ = self.inference_micro_batching
         except ValueError as error:
@@ -142,6 +149,30 @@ class PolicyConfig:
         if not isinstance(self.optimizer, OptimizerConfig):
             raise ValueError(f"{name}.optimizer must be an OptimizerConfig, got {type(self.optimizer).__name__}")
         _ = self.layout  # validates epochs / mini-batches / micro-batches
+
+    def _check_packing(self, name: str) -> None:
+        budget = self.max_tokens_per_micro_batch
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+            raise ValueError(f"{name}.max_tokens_per_micro_batch must be a positive integer or None, got {budget!r}")
+        if not isinstance(self.packing, bool):
+            raise ValueError(f"{name}.packing must be true or false, got {self.packing!r}")
+        if not self.packing:
+            if budget is not None:
+                raise ValueError(f"{name}.max_tokens_per_micro_batch={budget} sizes packed rows; it needs packing=True")
+            return
+        if budget is None:
+            raise ValueError(f"{name}.packing needs max_tokens_per_micro_batch (the tokens of one packed row)")
+        if self.router_replay:  # the packer moves per-token [b t] fields only, not the [b t s k] routing
+            raise ValueError(f"{name}.router_replay does not combine with packing=True yet")
+        # the token budget chooses the micro-batches and the rows' length: these would be ignored
+        for option, default in (("num_microbatches", 1), ("length_bucket", None), ("inference_rows", None),
+                                ("inference_memory_gib", None)):
+            if getattr(self, option) != default:
+                raise ValueError(f"{name}.{option}={getattr(self, option)!r} does not apply with packing=True "
+                                 f"(micro-batches are chosen by max_tokens_per_micro_batch); leave it at {default!r}")
+        if self.aggregation == LossAggregation.SEQ_MEAN_TOKEN_SUM_NORM and self.max_length is None:
+            raise ValueError(f"{name}.packing with aggregation 'seq-mean-token-sum-norm' needs max_length: its constant "
+                             "would otherwise be the packed row's length")
 
     def _check_correction(self, name: str) -> None:
         object.__setattr__(self, "correction", _enum(CorrectionKind, self.correction, f"{name}.correction"))
@@ -202,8 +233,8 @@ def policy_denominators(cfg: PolicyConfig, batch: TrainBatch) -> dict[str, Array
     """The outer denominators of the policy loss and of the KL/entropy terms over a whole mini-batch."""
     policy_aggregation = LossAggregation.SEQ_MEAN_TOKEN_MEAN if cfg.loss == PolicyLossKind.GSPO else cfg.aggregation
     return {
-        "policy": aggregation_denominator(batch.response_mask, policy_aggregation),
-        "terms": aggregation_denominator(batch.response_mask, cfg.aggregation),
+        "policy": aggregation_denominator(batch.response_mask, policy_aggregation, batch.segment_ids),
+        "terms": aggregation_denominator(batch.response_mask, cfg.aggregation, batch.segment_ids),
         "tokens": jnp.sum(batch.token_mask.astype(jnp.float32)),  # what the router terms average over
     }
 
@@ -216,7 +247,7 @@ def policy_objective(
     denominators: dict[str, Array],
 ) -> tuple[Array, Metrics]:
     """Policy loss + KL + entropy terms for one (micro-)batch; `logprobs` from the current parameters."""
-    mask = batch.response_mask
+    mask, segment_ids = batch.response_mask, batch.segment_ids
     # pi_old: the old-log-prob pass, or without one (a single optimiser step) this forward, which it equals
     old = batch.old_logprobs if batch.old_logprobs is not None else jax.lax.stop_gradient(logprobs)
     weights, correction_metrics = None, {}
@@ -224,21 +255,23 @@ def policy_objective(
         correction_metrics = mismatch_metrics(old, batch.behaviour_logprobs, mask)
         if cfg.decoupled:
             weights, applied = correction_weights(cfg.correction, old, batch.behaviour_logprobs, mask,
-                                                  cap=cfg.importance_cap, band=cfg.correction_band)
+                                                  cap=cfg.importance_cap, band=cfg.correction_band,
+                                                  segment_ids=segment_ids)
             correction_metrics.update(applied)
     if cfg.loss == PolicyLossKind.GSPO:
         loss, metrics = gspo_loss(
             logprobs, old, batch.advantages, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high, weights=weights,
-            denominator=denominators["policy"],
+            denominator=denominators["policy"], segment_ids=segment_ids,
         )
     else:
         loss, metrics = policy_loss(
             logprobs, old, batch.advantages, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
             dual_clip=cfg.dual_clip, aggregation=cfg.aggregation, max_length=cfg.max_length, weights=weights,
-            denominator=denominators["policy"],
+            denominator=denominators["policy"], segment_ids=segment_ids,
         )
     metrics.update(correction_metrics)
-    terms = dict(aggregation=cfg.aggregation, max_length=cfg.max_length, denominator=denominators["terms"])
+    terms = dict(aggregation=cfg.aggregation, max_length=cfg.max_length, denominator=denominators["terms"],
+                 segment_ids=segment_ids)
     if cfg.kl_coef > 0:
         kl, _ = kl_penalty(logprobs, batch.ref_logprobs, cfg.kl_kind, mask)
         kl_loss = aggregate(kl, mask, **terms)
@@ -269,6 +302,7 @@ def update_inputs(batch: TrainBatch, cfg: PolicyConfig, *extra: str) -> TrainBat
         token_mask=_as_dtype(batch.token_mask, jnp.bool_),
         response_mask=_as_dtype(batch.response_mask, jnp.bool_),
         expert_ids=expert_ids,
+        segment_ids=None if batch.segment_ids is None else _as_dtype(batch.segment_ids, jnp.int32),
         **floats,
     )
 
@@ -313,6 +347,18 @@ class PolicyUpdates:
             return full
         return bucket_length(longest_row(token_mask), full, self.cfg.length_bucket)
 
+    def inference_packing(self, token_mask, *, shards: int = 1) -> PackingPlan | None:
+        """How an inference stage packs rows of this mask (`rpegjax.learners.packing`; None: it does not, packing
+        off): rows of max_tokens_per_micro_batch, one per row shard per micro-batch. An abstract mask (lowering
+        ahead of time) packs as if every row were full."""
+        if not self.cfg.packing:
+            return None
+        where = f"{type(self).__name__} inference"
+        rows, full = token_mask.shape
+        lengths = (np.full(rows, full) if isinstance(token_mask, jax.ShapeDtypeStruct)
+                   else sequence_lengths(token_mask, where))
+        return plan_packing(lengths, self.cfg.max_tokens_per_micro_batch, shards=shards, where=where)
+
     def inference_micro_batches(self, rows: int, length: int, *, shards: int = 1, tensor: int = 1) -> int:
         """How many row micro-batches an inference stage over `rows` rows of `length` tokens runs in."""
         return self.cfg.inference_micro_batching.micro_batches(
@@ -320,9 +366,21 @@ class PolicyUpdates:
             where=f"{type(self).__name__} inference")
 
     def _update_inputs(self, batch: TrainBatch) -> TrainBatch:
+        """The update's input: checked, cut to the fields it reads, trimmed to the length bucket, or packed."""
         where = f"{type(self).__name__}.update"
+        cfg = self.cfg
         batch.validate()
-        batch.require(where, *self.cfg.required_fields())
-        self.cfg.layout.check_batch(batch.batch_size)
-        check_rows_divide(batch.batch_size, self.rows, where)
-        return update_inputs(trim_batch(batch, self.trimmed_length(batch.token_mask)), self.cfg)
+        batch.require(where, *cfg.required_fields())
+        if batch.segment_ids is not None:
+            raise ValueError(f"{where} takes one sequence per row; it packs them itself (packing=True)")
+        cfg.layout.check_batch(batch.batch_size)
+        if not cfg.packing:
+            check_rows_divide(batch.batch_size, self.rows, where)
+            return update_inputs(trim_batch(batch, self.trimmed_length(batch.token_mask)), cfg)
+        shards = row_shards(self.rows)
+        if isinstance(batch.tokens, jax.ShapeDtypeStruct):  # lowering ahead of time: every row full
+            return abstract_packed_batch(update_inputs(batch, cfg), cfg.max_tokens_per_micro_batch,
+                                         minibatches=cfg.num_minibatches, shards=shards)
+        plan = plan_packing(sequence_lengths(batch.token_mask, where), cfg.max_tokens_per_micro_batch,
+                            minibatches=cfg.num_minibatches, shards=shards, where=where)
+        return pack_batch(update_inputs(batch, cfg), plan)

@@ -37,6 +37,7 @@ from rpegjax.learners.update import (
     check_rows_divide,
     make_init,
     make_update,
+    row_shards,
     train_state_shardings,
 )
 from rpegjax.graph.ir import CriticMode
@@ -141,6 +142,7 @@ class PPOLearner(PolicyUpdates):
                 self._denominators, self.optimizer, cfg.layout,
                 learning_rate_fn=make_schedule(cfg.optimizer), micro_batch_sharding=rows,
                 seed=seed if has_dropout(self.actor.lora) else None,
+                rows_per_micro_batch=row_shards(rows) if cfg.packing else None,
             )
             return update(state, batch)
 
@@ -162,7 +164,8 @@ class PPOLearner(PolicyUpdates):
 
     # ---- pure functions ----------------------------------------------------------------------
     def _denominators(self, batch: TrainBatch):
-        return dict(policy_denominators(self.cfg, batch), value=aggregation_denominator(batch.response_mask, self.cfg.aggregation))
+        value = aggregation_denominator(batch.response_mask, self.cfg.aggregation, batch.segment_ids)
+        return dict(policy_denominators(self.cfg, batch), value=value)
 
     def _loss(self, params: Params, batch: TrainBatch, denominators, dropout_key=None) -> tuple[Array, Metrics]:
         """`dropout_key`: the actor's LoRA dropout (with a shared critic its values come from that same forward)."""
@@ -171,49 +174,57 @@ class PPOLearner(PolicyUpdates):
         scores = score_sequences(
             self.actor.merge(params["actor"]), batch.tokens, batch.token_mask, chunk_size=cfg.logprob_chunk_size,
             temperature=cfg.temperature, with_entropy=True, with_values=shared,
-            sharding=self.actor.activations, dropout_key=dropout_key,
+            sharding=self.actor.activations, dropout_key=dropout_key, segment_ids=batch.segment_ids,
             expert_ids=batch.expert_ids if cfg.router_replay else None,
         )
         loss, metrics = policy_objective(cfg, scores.logprobs, scores.entropy, batch, denominators)
         loss, metrics = add_router_terms(cfg, loss, metrics, scores.routing, batch, denominators)
-        values = scores.values if shared else self._critic_values(params["critic"], batch.tokens, batch.token_mask)
+        values = scores.values if shared else self._critic_values(params["critic"], batch.tokens, batch.token_mask,
+                                                                  segment_ids=batch.segment_ids)
         vf_loss, vf_metrics = value_loss(
             values, batch.values, batch.returns, batch.response_mask, clip=cfg.value_clip,
             aggregation=cfg.aggregation, max_length=cfg.max_length, denominator=denominators["value"],
+            segment_ids=batch.segment_ids,
         )
         metrics.update(vf_metrics)
         return loss + (cfg.vf_coef if shared else 1.0) * vf_loss, metrics
 
-    def _critic_values(self, params: Params, tokens, token_mask, sharding: ActivationSharding | None = None) -> Float[Array, "b t"]:
+    def _critic_values(self, params: Params, tokens, token_mask, sharding: ActivationSharding | None = None,
+                       segment_ids=None) -> Float[Array, "b t"]:
         return score_sequences(
             self.critic.merge(params), tokens, token_mask, with_logprobs=False, with_values=True,
-            sharding=sharding or self.critic.activations,
+            sharding=sharding or self.critic.activations, segment_ids=segment_ids,
         ).values
 
-    def logprobs_fn(self, params: Params, tokens, token_mask, sharding: ActivationSharding | None = None) -> Float[Array, "b t"]:
-        """Pure per-token log-probs of the actor (`params` its weights); `sharding` as in GRPOLearner.logprobs_fn."""
+    def logprobs_fn(self, params: Params, tokens, token_mask, sharding: ActivationSharding | None = None,
+                    segment_ids=None) -> Float[Array, "b t"]:
+        """Pure per-token log-probs of the actor (`params` its weights); `sharding`, `segment_ids` as in
+        GRPOLearner.logprobs_fn."""
         return score_sequences(
             self.actor.merge(params), tokens, token_mask, chunk_size=self.cfg.logprob_chunk_size,
-            temperature=self.cfg.temperature, sharding=sharding or self.actor.activations,
+            temperature=self.cfg.temperature, sharding=sharding or self.actor.activations, segment_ids=segment_ids,
         ).logprobs
 
-    def values_fn(self, params: Params, tokens, token_mask, sharding: ActivationSharding | None = None) -> Float[Array, "b t"]:
+    def values_fn(self, params: Params, tokens, token_mask, sharding: ActivationSharding | None = None,
+                  segment_ids=None) -> Float[Array, "b t"]:
         """Pure per-token values; `params` the learner's whole parameters (`model_params`; the critic's weights are
         picked here)."""
         critic_params = params["actor"] if self.cfg.critic == CriticMode.SHARED else params["critic"]
-        return self._critic_values(critic_params, tokens, token_mask, sharding)
+        return self._critic_values(critic_params, tokens, token_mask, sharding, segment_ids)
 
-    def logprobs_and_values_fn(self, params: Params, tokens, token_mask, sharding: ActivationSharding | None = None):
+    def logprobs_and_values_fn(self, params: Params, tokens, token_mask, sharding: ActivationSharding | None = None,
+                               segment_ids=None):
         """Pure per-token (log-probs, values) from the whole state's params; with a shared critic one pass over
         the trunk gives both (the runtime uses it when a stage computes both)."""
         if self.cfg.critic == CriticMode.SHARED:
             scores = score_sequences(
                 self.actor.merge(params["actor"]), tokens, token_mask, chunk_size=self.cfg.logprob_chunk_size,
                 temperature=self.cfg.temperature, with_values=True, sharding=sharding or self.actor.activations,
+                segment_ids=segment_ids,
             )
             return scores.logprobs, scores.values
-        return (self.logprobs_fn(params["actor"], tokens, token_mask, sharding),
-                self._critic_values(params["critic"], tokens, token_mask, sharding))
+        return (self.logprobs_fn(params["actor"], tokens, token_mask, sharding, segment_ids),
+                self._critic_values(params["critic"], tokens, token_mask, sharding, segment_ids))
 
     def _advantages_fn(self, batch: TrainBatch) -> tuple[TrainBatch, Metrics]:
         cfg = self.cfg

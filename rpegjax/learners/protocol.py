@@ -13,12 +13,14 @@ import jax
 from jaxtyping import Array, Float
 
 from rpegjax.learners.batch import TrainBatch
+from rpegjax.learners.packing import PackingPlan
 from rpegjax.learners.placement import ModelPlacement, Params
 from rpegjax.learners.update import TrainState
 from rpegjax.sharding.rules import ActivationSharding
 
 Metrics = dict[str, Array]
-# (params, tokens [b, t], token mask [b, t], activation sharding or None) -> per-token values [b, t]
+# (params, tokens [b, t], token mask [b, t], activation sharding or None, segment_ids= packed rows' segments or None)
+# -> per-token values [b, t]
 TokenFunction = Callable[[Params, Any, Any, ActivationSharding | None], Float[Array, "b t"]]
 
 
@@ -61,11 +63,15 @@ class Learner(Protocol):
 
     def compute_advantages(self, batch: TrainBatch) -> tuple[TrainBatch, Metrics]: ...
 
-    def logprobs_fn(self, params: Params, tokens, token_mask, sharding: ActivationSharding | None = None
-                    ) -> Float[Array, "b t"]: ...
+    def logprobs_fn(self, params: Params, tokens, token_mask, sharding: ActivationSharding | None = None,
+                    segment_ids=None) -> Float[Array, "b t"]: ...
 
     def trimmed_length(self, token_mask) -> int:
         """The length a batch with this token mask runs at (`rpegjax.learners.lengths`)."""
+        ...
+
+    def inference_packing(self, token_mask, *, shards: int = 1) -> PackingPlan | None:
+        """How an inference stage packs rows of this mask (None: unpacked) (`rpegjax.learners.packing`)."""
         ...
 
     def inference_micro_batches(self, rows: int, length: int, *, shards: int = 1, tensor: int = 1) -> int:

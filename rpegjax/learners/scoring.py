@@ -5,6 +5,8 @@ One forward pass gives the final hidden states h; the token at index i is scored
     entropy[:, i]  = -sum_v p log p of that same distribution
     values[:, i]   = value head(h[:, i-1])   (the value of the state that emits token i)
 Index 0 and padding get 0. This is the alignment of `TrainBatch` (see `rpegjax.learners.batch`).
+Packed rows (`segment_ids`): each segment is scored as its sequence alone (attention within the segment,
+positions from 0 at its start), and each segment's first token gets 0 as index 0 does.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from jaxtyping import Array, Bool, Float, Int
 from rpegjax.learners.batch import shift_to_tokens
 from rpegjax.models.logprobs import logprobs_from_hidden
 from rpegjax.models.moe import Routing
-from rpegjax.models.transformer import Decoder, default_positions
+from rpegjax.models.transformer import Decoder, default_positions, packed_positions
 from rpegjax.sharding.rules import ActivationSharding
 
 
@@ -41,24 +43,31 @@ def score_sequences(
     sharding: ActivationSharding | None = None,
     dropout_key: Array | None = None,
     expert_ids: Int[Array, "b t s k"] | None = None,
+    segment_ids: Int[Array, "b t"] | None = None,
 ) -> SequenceScores:
     """Log-probs (and optionally entropies and values) of every token from one forward pass.
 
     The log-softmax is computed `chunk_size` positions at a time so that [b, t, v] float32 logits
     are never materialised (`rpegjax.models.logprobs.logprobs_from_hidden`). `dropout_key`: the training
     forward's LoRA dropout key (`Decoder.hidden_states`); None everywhere else. `expert_ids`: a mixture-of-experts
-    model routes every token to these experts (the rollout's routing, replayed).
+    model routes every token to these experts (the rollout's routing, replayed). `segment_ids`: packed rows
+    (`rpegjax.learners.packing`); None: one sequence per row.
     """
     if tokens.shape != token_mask.shape:
         raise ValueError(f"score_sequences: tokens {tokens.shape} and token_mask {token_mask.shape} differ in shape")
     if with_entropy and not with_logprobs:
         raise ValueError("score_sequences: with_entropy needs with_logprobs")
     token_mask = token_mask.astype(bool)
-    positions = default_positions(tokens, token_mask)
+    if segment_ids is None:
+        positions = default_positions(tokens, token_mask)
+        # the first token is never scored (nothing precedes it), so index 0 is masked out too
+        scored = token_mask.at[:, 0].set(False)
+    else:
+        positions = packed_positions(segment_ids)
+        scored = token_mask & (positions > 0)  # nor is each segment's first token
     hidden, _, routing = model.routed_hidden_states(tokens, positions, mask=token_mask, sharding=sharding,
-                                                    dropout_key=dropout_key, expert_ids=expert_ids)
-    # the first token is never scored (nothing precedes it), so index 0 is masked out too
-    scored = token_mask.at[:, 0].set(False)
+                                                    dropout_key=dropout_key, expert_ids=expert_ids,
+                                                    segment_ids=segment_ids)
 
     def aligned(next_token_values: Float[Array, "b t"]) -> Float[Array, "b t"]:
         return jnp.where(scored, shift_to_tokens(next_token_values), 0.0)

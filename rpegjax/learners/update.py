@@ -137,11 +137,13 @@ def make_update(
     learning_rate_fn: Callable[[Array], Array] | None = None,
     micro_batch_sharding: NamedSharding | None = None,
     seed: int | None = None,
+    rows_per_micro_batch: int | None = None,
 ) -> Callable[[TrainState, TrainBatch], tuple[TrainState, Metrics]]:
     """The pure `update(state, batch) -> (state, metrics)` to jit; metrics are averaged over optimiser
     steps (max/min for `*_max`/`*_min`) and include loss, grad_norm (before clipping) and learning_rate.
     `seed`: the loss receives random keys drawn from it by step and micro-batch (module docstring); None:
-    the loss receives None."""
+    the loss receives None. `rows_per_micro_batch` (packed batches, `rpegjax.learners.packing`): micro-batches
+    of this many rows, as many as the batch holds, in place of `layout.num_microbatches`."""
 
     def minibatch_step(state: TrainState, minibatch: TrainBatch) -> tuple[TrainState, Metrics]:
         rows = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), minibatch)
@@ -158,13 +160,18 @@ def make_update(
         return TrainState(params=params, opt_state=opt_state, step=state.step + 1), metrics
 
     def update(state: TrainState, batch: TrainBatch) -> tuple[TrainState, Metrics]:
-        layout.check_batch(batch.tokens.shape[0])
-        minibatches = split_rows(batch, layout)
+        rows = batch.tokens.shape[0]
+        this_layout = layout
+        if rows_per_micro_batch is not None:
+            micro = rows // (layout.num_minibatches * rows_per_micro_batch)
+            this_layout = dataclasses.replace(layout, num_microbatches=max(micro, 1))
+        this_layout.check_batch(rows)
+        minibatches = split_rows(batch, this_layout)
 
         def epoch(state, _):
             return jax.lax.scan(minibatch_step, state, minibatches)
 
-        state, metrics = jax.lax.scan(epoch, state, None, length=layout.epochs)
+        state, metrics = jax.lax.scan(epoch, state, None, length=this_layout.epochs)
         return state, _combine(jax.tree.map(lambda x: x.reshape(-1), metrics))
 
     return update

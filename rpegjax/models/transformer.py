@@ -23,7 +23,8 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from rpegjax.models.activations import swiglu
-from rpegjax.models.attention import attend, causal_attention  # noqa: F401  (causal_attention: re-exported)
+from rpegjax.models.attention import attend, segment_starts
+from rpegjax.models.attention import causal_attention  # noqa: F401  (re-exported)
 from rpegjax.models.config import ModelConfig
 from rpegjax.models.lora import (
     ATTENTION_TARGETS,
@@ -205,6 +206,7 @@ class Attention(nnx.Module):
         cache_offsets: Int[Array, " b"] | None,
         sharding: ActivationSharding | None,
         dropout_key: Array | None = None,  # this layer's LoRA dropout key (training forward only)
+        segment_ids: Int[Array, "b t"] | None = None,  # packed rows' sequences (full-sequence forward only)
     ) -> tuple[Float[Array, "b t d"], tuple[Array, Array] | None]:
         cfg = self.cfg
         q = self._project(x, "q_proj", "q_bias", "q_norm", rope, dropout_key)
@@ -212,7 +214,7 @@ class Attention(nnx.Module):
         v = self._project(x, "v_proj", "v_bias", None, None, dropout_key)
         q = constrain(q, sharding, (axes.BATCH, None, axes.HEADS, None))
         if layer_cache is None:
-            out = attend(cfg.attention, cfg.attention_block_size, q, k, v, key_mask)
+            out = attend(cfg.attention, cfg.attention_block_size, q, k, v, key_mask, segment_ids)
             return self._output(out, dropout_key), None
         if not isinstance(layer_cache, tuple):  # a cache with its own layout (paged) writes and attends itself
             out, layer_cache = layer_cache.write_and_attend(q, k, v, cache_offsets, key_mask)
@@ -294,10 +296,12 @@ class Block(nnx.Module):
         self.post_attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_param_dtype)
         self.mlp = SparseMoE(cfg, rngs=rngs) if sparse else MLP(cfg, rngs=rngs, lora=lora)
 
-    def __call__(self, x, rope, key_mask, layer_cache, cache_offsets, sharding, dropout_key=None, expert_ids=None):
-        """(output, written cache layer, `Routing` of a sparse layer or None); `expert_ids` [b t k]: replay."""
+    def __call__(self, x, rope, key_mask, layer_cache, cache_offsets, sharding, dropout_key=None, expert_ids=None,
+                 segment_ids=None):
+        """(output, written cache layer, `Routing` of a sparse layer or None); `expert_ids` [b t k]: replay;
+        `segment_ids` [b t]: packed rows."""
         attended, new_cache = self.attention(self.input_norm(x), rope, key_mask, layer_cache, cache_offsets, sharding,
-                                             dropout_key)
+                                             dropout_key, segment_ids)
         x = x + attended
         routing = None
         if isinstance(self.mlp, SparseMoE):
@@ -340,6 +344,7 @@ class Decoder(nnx.Module):
         cache: KVCache | None = None,
         sharding: ActivationSharding | None = None,
         dropout_key: Array | None = None,
+        segment_ids: Int[Array, "b t"] | None = None,
     ) -> tuple[Float[Array, "b t d"], KVCache | None]:
         """Final-norm hidden states.
 
@@ -349,9 +354,12 @@ class Decoder(nnx.Module):
 
         `dropout_key`: the training forward's key for LoRA dropout (`rpegjax.models.lora`); layer l draws its
         masks from fold_in(dropout_key, l), scanned or not. Ignored by a model without adapter dropout.
+
+        `segment_ids`: packed rows (full sequence only): a token attends only to earlier tokens of its own segment
+        (`rpegjax.models.attention`); the caller gives positions restarting per segment (`packed_positions`).
         """
         hidden, new_cache, _ = self.routed_hidden_states(tokens, positions, mask=mask, cache=cache, sharding=sharding,
-                                                         dropout_key=dropout_key)
+                                                         dropout_key=dropout_key, segment_ids=segment_ids)
         return hidden, new_cache
 
     def routed_hidden_states(
@@ -364,12 +372,16 @@ class Decoder(nnx.Module):
         sharding: ActivationSharding | None = None,
         dropout_key: Array | None = None,
         expert_ids: Int[Array, "b t s k"] | None = None,
+        segment_ids: Int[Array, "b t"] | None = None,
     ) -> tuple[Float[Array, "b t d"], KVCache | None, Routing | None]:
         """`hidden_states` and the routing of the s sparse layers (in layer order) stacked on axis 2: `Routing`
         with expert_ids [b t s k] and router_logits [b t s x]; None for a dense model. Given `expert_ids`
         [b t s k] (a recorded routing), every token uses those experts instead of its router's top k (replay)."""
         if dropout_key is not None and cache is not None:
             raise ValueError("Decoder.hidden_states: LoRA dropout (dropout_key) is for the training forward, "
+                             "not a cached (generation) forward")
+        if segment_ids is not None and cache is not None:
+            raise ValueError("Decoder.hidden_states: packed rows (segment_ids) are for the full-sequence forward, "
                              "not a cached (generation) forward")
         if self.lora is None or self.lora.dropout == 0:
             dropout_key = None
@@ -383,7 +395,7 @@ class Decoder(nnx.Module):
         rope = rope_tables(positions, rope_inverse_frequencies(self.cfg))
         if cache is None and self.cfg.scan_layers:
             hidden, routing = _scan_layers(self.layers, x, rope, mask, self.cfg.remat, sharding, dropout_key,
-                                           expert_ids)
+                                           expert_ids, segment_ids)
             return self.final_norm(hidden), None, routing
         full_sequence = _remat_layer(self.cfg.remat, sharding) if cache is None else None
         written, routings = [], []
@@ -391,7 +403,7 @@ class Decoder(nnx.Module):
             ids = None if expert_ids is None or index not in sparse else expert_ids[:, :, sparse.index(index)]
             if full_sequence is not None:
                 layer_key = None if dropout_key is None else jax.random.fold_in(dropout_key, index)
-                x, routing = full_sequence(layer, x, rope, mask, layer_key, ids)
+                x, routing = full_sequence(layer, x, rope, mask, layer_key, ids, segment_ids)
             else:
                 x, new_layer, routing = layer(x, rope, mask, cache.layer(index), cache.lengths, sharding, None, ids)
                 written.append(new_layer)
@@ -471,33 +483,35 @@ _REMAT_POLICIES = {
 
 
 def _remat_layer(policy: RematPolicy, sharding: ActivationSharding | None):
-    """`apply(layer, x, rope, mask, dropout_key, expert_ids) -> (x, routing)` of one full-sequence layer, rematerialised unless policy is
-    NONE (the recomputation redraws the same dropout masks: the key is an input).
+    """`apply(layer, x, rope, mask, dropout_key, expert_ids, segment_ids) -> (x, routing)` of one full-sequence layer,
+    rematerialised unless policy is NONE (the recomputation redraws the same dropout masks: the key is an input).
 
     `jax.checkpoint` of a pure function of the layer's state, not `nnx.remat`: the latter writes the state back into
     the layer's variables, which fails when they come from different traces (a LoRA model's adapters traced by the
     gradient, its frozen base by the enclosing jit)."""
 
-    def apply(layer: Block, x, rope, mask, dropout_key, expert_ids=None):
-        out, _, routing = layer(x, rope, mask, None, None, sharding, dropout_key, expert_ids)
+    def apply(layer: Block, x, rope, mask, dropout_key, expert_ids=None, segment_ids=None):
+        out, _, routing = layer(x, rope, mask, None, None, sharding, dropout_key, expert_ids, segment_ids)
         return out, routing
 
     if policy is RematPolicy.NONE:
         return apply
 
-    def rematerialised(layer: Block, x, rope, mask, dropout_key, expert_ids=None):
+    def rematerialised(layer: Block, x, rope, mask, dropout_key, expert_ids=None, segment_ids=None):
         graphdef, state = nnx.split(layer)
 
-        def pure(state, x, rope, mask, dropout_key, expert_ids):
-            return apply(nnx.merge(graphdef, state), x, rope, mask, dropout_key, expert_ids)
+        def pure(state, x, rope, mask, dropout_key, expert_ids, segment_ids):
+            return apply(nnx.merge(graphdef, state), x, rope, mask, dropout_key, expert_ids, segment_ids)
 
-        return jax.checkpoint(pure, policy=_REMAT_POLICIES[policy])(state, x, rope, mask, dropout_key, expert_ids)
+        return jax.checkpoint(pure, policy=_REMAT_POLICIES[policy])(state, x, rope, mask, dropout_key, expert_ids,
+                                                                    segment_ids)
 
     return rematerialised
 
 
 def _scan_layers(layers: nnx.List, x, rope, mask, policy: RematPolicy, sharding: ActivationSharding | None,
-                 dropout_key: Array | None = None, expert_ids: Array | None = None) -> tuple[Array, Routing | None]:
+                 dropout_key: Array | None = None, expert_ids: Array | None = None,
+                 segment_ids: Array | None = None) -> tuple[Array, Routing | None]:
     """The full-sequence layer stack as one `lax.scan` over the layers' parameters stacked at trace time.
 
     One compiled layer body, whatever the depth; and under remat the recomputation lives inside the backward
@@ -514,7 +528,7 @@ def _scan_layers(layers: nnx.List, x, rope, mask, policy: RematPolicy, sharding:
     def body(x, layer):
         state, index, ids = layer
         layer_key = None if dropout_key is None else jax.random.fold_in(dropout_key, index)
-        out, _, routing = nnx.merge(graphdef, state)(x, rope, mask, None, None, sharding, layer_key, ids)
+        out, _, routing = nnx.merge(graphdef, state)(x, rope, mask, None, None, sharding, layer_key, ids, segment_ids)
         return out, routing
 
     if policy is not RematPolicy.NONE:
@@ -530,3 +544,8 @@ def default_positions(tokens: Int[Array, "b t"], mask: Bool[Array, "b t"] | None
     if mask is None:
         return jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def packed_positions(segment_ids: Int[Array, "b t"]) -> Int[Array, "b t"]:
+    """RoPE positions of packed rows: 0, 1, ... restarting at each segment (as each sequence alone would have them)."""
+    return jnp.arange(segment_ids.shape[1])[None, :] - segment_starts(segment_ids)

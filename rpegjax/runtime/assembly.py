@@ -32,6 +32,18 @@ class RolloutShape:
     chunk_steps: int
 
 
+def _with_packing(algorithm: GRPOConfig | PPOConfig, execution: Execution) -> GRPOConfig | PPOConfig:
+    """The algorithm packing as the plan says (`Execution.packing`); an algorithm that asks for other packing is
+    refused, not overridden."""
+    planned = (execution.packing, execution.max_tokens_per_micro_batch)
+    asked = (algorithm.packing, algorithm.max_tokens_per_micro_batch)
+    if asked != (False, None) and asked != planned:
+        raise ValueError(f"the plan runs packing={planned[0]} with max_tokens_per_micro_batch={planned[1]}, the "
+                         f"algorithm asks for packing={asked[0]}, max_tokens_per_micro_batch={asked[1]}: plan again, "
+                         "or leave them unset to run the plan's")
+    return dataclasses.replace(algorithm, packing=planned[0], max_tokens_per_micro_batch=planned[1])
+
+
 def place_models(graph: Graph, model: Decoder, algorithm: GRPOConfig | PPOConfig, rollout: RolloutShape, *,
                  critic: Decoder | None = None,
                  lora_generation: LoRAGeneration = LoRAGeneration.MERGED, seed: int = 0) -> tuple[Learner, Sampler]:
@@ -50,6 +62,7 @@ def place_models(graph: Graph, model: Decoder, algorithm: GRPOConfig | PPOConfig
                              f"algorithm asks for {algorithm.inference_rows} (inference_rows): plan again, or leave "
                              f"it unset to run the plan's")
         algorithm = dataclasses.replace(algorithm, inference_rows=execution.inference_rows)
+    algorithm = _with_packing(algorithm, execution)
     train_mesh, rollout_mesh = placed_meshes(graph)
     if isinstance(algorithm, GRPOConfig):
         if critic is not None:

@@ -23,6 +23,7 @@ from rpegjax.graph.ir import StageKind
 from rpegjax.learners.batch import TrainBatch
 from rpegjax.learners.inference import map_micro_batches
 from rpegjax.learners.lengths import pad_columns
+from rpegjax.learners.packing import PackingPlan, pack_tokens
 from rpegjax.learners.protocol import Learner
 from rpegjax.learners.update import batch_sharding, row_shards
 from rpegjax.runtime.meshes import device_ids, same_layout
@@ -115,10 +116,12 @@ class TrainingPrograms:
 
     # ---- inference -----------------------------------------------------------------------------
     def _inference_program(self, kinds: tuple[StageKind, ...], layout: StageLayout | None, micro_batches: int,
-                           length: int) -> Callable:
+                           length: int, packed: bool = False) -> Callable:
         """The jitted program of inference `kinds`: rows in `micro_batches` micro-batches
-        (`rpegjax.learners.inference`), outputs padded with zeros to `length` columns (inputs may come trimmed)."""
-        key = (kinds, None if layout is None else layout.key, micro_batches, length)
+        (`rpegjax.learners.inference`), outputs padded with zeros to `length` columns (inputs may come trimmed).
+        `packed`: the rows are packed (`rpegjax.learners.packing`): the program takes their segment ids and each
+        output's unpacking gather (rows, columns, real) [b, length], and returns the outputs unpacked."""
+        key = (kinds, None if layout is None else layout.key, micro_batches, length, packed)
         if key not in self._inference_programs:
             functions = [self._kind_functions[kind] for kind in kinds]
             for kind, function in zip(kinds, functions):
@@ -129,19 +132,22 @@ class TrainingPrograms:
             # log-probs and values of one stage from one pass when the learner can (a shared trunk)
             joint = self._logprobs_and_values if {StageKind.OLD_LOGPROB, StageKind.CRITIC_VALUE} <= set(kinds) else None
 
-            def program(params_by_kind, tokens, token_mask):
-                def rows_program(tokens, token_mask):
+            def program(params_by_kind, tokens, token_mask, segment_ids=None, unpacking=None):
+                def rows_program(tokens, token_mask, segment_ids=None):
                     outputs = {}
                     if joint is not None:
                         critic = kinds.index(StageKind.CRITIC_VALUE)
                         outputs[StageKind.OLD_LOGPROB], outputs[StageKind.CRITIC_VALUE] = joint(
-                            params_by_kind[critic], tokens, token_mask, sharding)
+                            params_by_kind[critic], tokens, token_mask, sharding, segment_ids=segment_ids)
                     for kind, f, p in zip(kinds, functions, params_by_kind):
                         if kind not in outputs:
-                            outputs[kind] = f(p, tokens, token_mask, sharding)
+                            outputs[kind] = f(p, tokens, token_mask, sharding, segment_ids=segment_ids)
                     return tuple(outputs[kind] for kind in kinds)
 
-                outputs = map_micro_batches(rows_program, micro_batches, tokens, token_mask, sharding=rows)
+                arrays = (tokens, token_mask) if segment_ids is None else (tokens, token_mask, segment_ids)
+                outputs = map_micro_batches(rows_program, micro_batches, *arrays, sharding=rows)
+                if unpacking is not None:
+                    return tuple(jnp.where(unpacking[2], output[unpacking[0], unpacking[1]], 0.0) for output in outputs)
                 return tuple(pad_columns(output, length) for output in outputs)
 
             self._inference_programs[key] = jax.jit(program)
@@ -176,16 +182,36 @@ class TrainingPrograms:
         shards = row_shards(rows_sharding)
         shards = shards if batch.batch_size % shards == 0 else 1  # rows that do not divide are replicated
         tensor = 1 if stage_mesh is None else stage_mesh.shape.get(axes.TENSOR_AXIS, 1)
-        length = self.learner.trimmed_length(batch.token_mask)
-        micro_batches = self.learner.inference_micro_batches(batch.batch_size, length, shards=shards, tensor=tensor)
-        program = self._inference_program(kinds, layout, micro_batches, batch.length)
         params = tuple(self._params_of[kind](state) for kind in kinds)
         if any(p is None for p in params):
             raise ValueError(f"stages {[k.value for k in kinds]}: a reference stage needs reference_params")
-        tokens, token_mask = _columns(batch.tokens, length), _columns(batch.token_mask, length)
         if layout is not None:
             params = tuple(layout.place_params(p, constant=kind == StageKind.REF_LOGPROB) for kind, p in zip(kinds, params))
+        plan = self.learner.inference_packing(batch.token_mask, shards=shards)
+        if plan is not None:
+            return kinds, *self._packed_call(kinds, layout, plan, params, batch, rows_sharding, shards)
+        length = self.learner.trimmed_length(batch.token_mask)
+        micro_batches = self.learner.inference_micro_batches(batch.batch_size, length, shards=shards, tensor=tensor)
+        program = self._inference_program(kinds, layout, micro_batches, batch.length)
+        tokens, token_mask = _columns(batch.tokens, length), _columns(batch.token_mask, length)
         return kinds, program, (params, self.place(tokens, rows_sharding), self.place(token_mask, rows_sharding))
+
+    def _packed_call(self, kinds: tuple[StageKind, ...], layout: StageLayout | None, plan: PackingPlan, params: tuple,
+                     batch: TrainBatch, rows_sharding: NamedSharding | None, shards: int) -> tuple[Callable, tuple]:
+        """`_inference_call` of packed rows: one packed row per row shard per micro-batch, unpacked in the program."""
+        program = self._inference_program(kinds, layout, plan.num_rows // shards, batch.length, packed=True)
+        unpacking = plan.destinations(batch.length)
+        if isinstance(batch.tokens, jax.ShapeDtypeStruct):
+            shape = (plan.num_rows, plan.row_tokens)
+            packed = (jax.ShapeDtypeStruct(shape, jnp.int32), jax.ShapeDtypeStruct(shape, jnp.bool_),
+                      jax.ShapeDtypeStruct(shape, jnp.int32))
+            unpacking = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in unpacking)
+        else:
+            sequence, column, real = plan.sources()
+            packed = (pack_tokens(batch.tokens, sequence, column, real), pack_tokens(batch.token_mask, sequence, column, real),
+                      plan.segment_ids())
+        placed = tuple(self.place(x, rows_sharding) for x in packed)
+        return program, (params, *placed, tuple(self.place(x, rows_sharding) for x in unpacking))
 
     def infer(self, kinds: Sequence[StageKind], state: Any, batch: TrainBatch, mesh: Mesh | None = None
               ) -> dict[str, jax.Array]:

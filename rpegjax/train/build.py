@@ -230,7 +230,8 @@ def run_execution(cfg: RunConfig) -> Execution:
     algo = cfg.algorithm_section()
     precision = run_precision(cfg)
     return Execution(param_dtype=precision.param_dtype, dtype=precision.dtype, update_microbatches=algo.num_microbatches,
-                     inference_rows=algo.inference_rows, **m.execution(),
+                     inference_rows=algo.inference_rows, packing=algo.packing,
+                     max_tokens_per_micro_batch=algo.max_tokens_per_micro_batch, **m.execution(),
                      **_kv_cache_fields(cfg))
 
 
@@ -315,6 +316,12 @@ def load_plan(cfg: RunConfig, num_devices: int) -> Graph:
     if rows is not None and graph.execution.inference_rows not in (None, rows):
         raise ValueError(f"{where}: the plan runs inference in micro-batches of {graph.execution.inference_rows} rows, "
                          f"this run asks for {rows} (inference_rows; plan again, or leave it unset)")
+    algo = cfg.algorithm_section()
+    planned = (graph.execution.packing, graph.execution.max_tokens_per_micro_batch)
+    if algo.packing and (algo.packing, algo.max_tokens_per_micro_batch) != planned:
+        raise ValueError(f"{where}: the plan runs packing={planned[0]} with max_tokens_per_micro_batch={planned[1]}, "
+                         f"this run asks for {algo.max_tokens_per_micro_batch} (packing, max_tokens_per_micro_batch; "
+                         "plan again, or leave them unset)")
     precision = (graph.execution.param_dtype, graph.execution.dtype)
     run = run_precision(cfg)  # the model section's dtypes as the precision policy resolves them here
     if precision != (run.param_dtype, run.dtype):

@@ -169,3 +169,53 @@ def test_sharded_blockwise_scanned_gradient_equals_unsharded_dense():
     for (path, ours), reference in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(expected), strict=True):
         scale = max(1.0, float(np.abs(reference).max()))
         np.testing.assert_allclose(ours, reference, atol=1e-5 * scale, err_msg=jax.tree_util.keystr(path))
+
+
+def _packed_rows(t: int) -> np.ndarray:
+    """Segment ids of two packed rows of t >= 23 columns: segments of 5, 9, 6 then padding; 11, 1, 9 then padding."""
+    segments = np.zeros((2, t), np.int32)
+    segments[0, :5], segments[0, 5:14], segments[0, 14:20] = 1, 2, 3
+    segments[1, :11], segments[1, 11:12], segments[1, 12:21] = 1, 2, 3
+    return segments
+
+
+@pytest.mark.parametrize("block", [4, 5, 8, 32])
+def test_packed_segments_attend_as_each_sequence_alone(block):
+    """Blockwise (skipping other segments' key blocks) and dense, values and gradients, against each segment's
+    sequence computed on its own."""
+    t = 23
+    q, k, v, _, _, _ = _problem(t)
+    q, k, v = q[:2], k[:2], v[:2]
+    segments = jnp.asarray(_packed_rows(t))
+    real = segments > 0
+    weights = jax.random.normal(jax.random.key(5), q.shape) * real[:, :, None, None]
+
+    def alone(q, k, v):  # each segment as its own unpadded sequence, laid back where it sits
+        out = jnp.zeros_like(q)
+        for row, bounds in ((0, [(0, 5), (5, 14), (14, 20)]), (1, [(0, 11), (11, 12), (12, 21)])):
+            for start, end in bounds:
+                piece = causal_attention(*(x[row:row + 1, start:end] for x in (q, k, v)), None)
+                out = out.at[row:row + 1, start:end].set(piece)
+        return out
+
+    kernels = {"dense": lambda q, k, v: causal_attention(q, k, v, real, segments),
+               "blockwise": lambda q, k, v: blockwise_attention(q, k, v, real, segments, block_size=block)}
+    expected = jax.jit(alone)(q, k, v)
+    expected_grads = jax.jit(jax.grad(lambda q, k, v: jnp.sum(alone(q, k, v) * weights), argnums=(0, 1, 2)))(q, k, v)
+    for name, kernel in kernels.items():
+        np.testing.assert_allclose(jax.jit(kernel)(q, k, v) * real[:, :, None, None], expected, atol=TOLERANCE,
+                                   err_msg=name)
+        grads = jax.jit(jax.grad(lambda q, k, v: jnp.sum(kernel(q, k, v) * weights), argnums=(0, 1, 2)))(q, k, v)
+        for axis, ours, theirs in zip("qkv", grads, expected_grads, strict=True):
+            np.testing.assert_allclose(ours, theirs, atol=TOLERANCE, err_msg=f"{name} d{axis}")
+
+
+def test_packed_positions_restart_per_segment_and_cudnn_refuses_segments():
+    from rpegjax.models.transformer import packed_positions
+
+    positions = np.asarray(packed_positions(jnp.asarray(_packed_rows(23))))
+    np.testing.assert_array_equal(positions[0, :16], [0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6, 7, 8, 0, 1])
+    np.testing.assert_array_equal(positions[1, 10:14], [10, 0, 0, 1])
+    q, k, v, mask, _, _ = _problem(8)
+    with pytest.raises(ValueError, match="cannot mask packed sequences"):
+        cudnn_attention(q.astype(jnp.bfloat16), k, v, mask, jnp.ones((3, 8), jnp.int32))

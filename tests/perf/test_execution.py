@@ -13,7 +13,7 @@ from rpegjax.learners import GRPOConfig
 from rpegjax.models import ModelConfig
 from rpegjax.models.transformer import Decoder
 from rpegjax.options import CacheLayout
-from rpegjax.perf import executable, hardware, planner, step_model
+from rpegjax.perf import executable, hardware, planner, stage_costs, step_model
 from rpegjax.perf.generation_cost import ResponseLengths
 from rpegjax.perf.stage_costs import Workload
 from rpegjax.runtime.assembly import RolloutShape, place_models
@@ -41,8 +41,8 @@ def test_bad_execution_options_are_refused_by_name():
     data["execution"] = {**Execution().to_dict(), "attention": "flash"}
     with pytest.raises(GraphError, match="Execution.attention .* got 'flash'"):
         Graph.from_dict(data)
-    data["execution"] = {"packing": True}
-    with pytest.raises(GraphError, match=r"unknown execution options \['packing'\]"):
+    data["execution"] = {"bin_packing": True}
+    with pytest.raises(GraphError, match=r"unknown execution options \['bin_packing'\]"):
         Graph.from_dict(data)
     with pytest.raises(GraphError, match="update_microbatches"):
         Execution(update_microbatches=0)
@@ -151,3 +151,21 @@ def test_batches_must_split_over_every_program_replicas():
                              space=dataclasses.replace(SMALL_SPACE, update_microbatches=(1, 2, 4, 8, 16, 32)))
     for plan in search.brute_force(top=1000):
         assert not executable.batch_problems(plan.graph, WORKLOAD.sequences)
+
+
+def test_a_packing_plan_reaches_the_learner_and_the_cost_model_counts_real_tokens():
+    packed = Execution(packing=True, max_tokens_per_micro_batch=4096)
+    graph = Graph.from_json(dataclasses.replace(builders.grpo_graph(use_reference=True), execution=packed).to_json())
+    model = Decoder(ModelConfig.tiny(), rngs=nnx.Rngs(0))
+    learner, _ = place_models(graph, model, GRPOConfig(group_size=2),
+                              RolloutShape(num_slots=4, max_prompt_len=8, max_new_tokens=8, chunk_steps=4))
+    assert (learner.cfg.packing, learner.cfg.max_tokens_per_micro_batch) == (True, 4096)
+    with pytest.raises(ValueError, match="the algorithm asks for packing=True, max_tokens_per_micro_batch=64"):
+        place_models(graph, model, GRPOConfig(group_size=2, packing=True, max_tokens_per_micro_batch=64),
+                     RolloutShape(num_slots=4, max_prompt_len=8, max_new_tokens=8, chunk_steps=4))
+    options = stage_costs.ExecutionOptions().executing(packed)
+    assert options.sequence_packing and options.microbatch_tokens == 4096 and options.update_microbatches is None
+    padded = stage_costs.ExecutionOptions().executing(Execution())
+    real_tokens = stage_costs._batch_tokens(WORKLOAD, options)[0]
+    padded_tokens = stage_costs._batch_tokens(WORKLOAD, padded)[0]
+    assert padded_tokens == WORKLOAD.sequences * (256 + WORKLOAD.responses.max) and real_tokens < padded_tokens / 2

@@ -69,3 +69,25 @@ def test_weight_sync_casts_the_generation_copy_and_generation_runs_on_it(parts):
     completions = list(parts.sampler.stream(copy_, [[5, 6, 7]] * 2, SamplingConfig(max_new_tokens=4), group_size=2,
                                             key=jax.random.key(0), version=0))
     assert len(completions) == 4 and all(1 <= len(c.response_ids) <= 4 for c in completions)
+
+
+def test_packed_inference_equals_the_padded_batch_and_lowers_for_abstract_rows(parts):
+    """Sequences packed into rows of 32 tokens, one row per device per micro-batch, unpacked in the program."""
+    rng = np.random.default_rng(1)
+    rows = 16
+    prompts = [list(rng.integers(3, 60, size=rng.integers(2, 12))) for _ in range(rows)]
+    responses = [list(rng.integers(3, 60, size=rng.integers(1, 9))) for _ in range(rows)]
+    batch = pack_rollouts(prompts, responses, pad_id=0, length=32)
+    kinds = (StageKind.REF_LOGPROB, StageKind.OLD_LOGPROB)
+    state = parts.learner.init_state()
+    expected = with_settings(parts).infer(kinds, state, batch)
+    programs = with_settings(parts, packing=True, max_tokens_per_micro_batch=32)
+    plan = programs.learner.inference_packing(batch.token_mask, shards=8)
+    assert plan.num_rows % 8 == 0 and plan.num_rows < rows
+    got = programs.infer(kinds, state, batch)
+    for field in expected:
+        assert got[field].shape == (rows, 32)
+        np.testing.assert_allclose(np.asarray(got[field]), np.asarray(expected[field]), rtol=1e-5, atol=1e-5)
+    abstract = programs.training.abstract_rollout(rows, 32)
+    compiled = programs.training.lower_inference(kinds, state, abstract).compile()
+    assert compiled.memory_analysis() is not None

@@ -277,3 +277,29 @@ def test_correction_flags_reach_the_learner_and_round_trip(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--correction", "tis"], Algorithm.GRPO)
     assert "'tis' is not one of" in capsys.readouterr().err
+
+
+def test_packing_flags_reach_the_plan_and_a_plan_is_never_overridden(tmp_path):
+    import dataclasses
+
+    from rpegjax.graph.ir import Execution, GraphError
+    from rpegjax.train.build import build_graph
+
+    packing = ["--grpo.packing=true", "--grpo.max_tokens_per_micro_batch=64"]
+    packed, _ = parse_args([*KV_TINY, *packing, f"--run-dir={tmp_path / 'run'}"], Algorithm.GRPO)
+    graph = build_graph(packed, num_devices=1)
+    assert (graph.execution.packing, graph.execution.max_tokens_per_micro_batch) == (True, 64)
+    assert "packed rows of 64 tokens" in graph.execution.describe()
+    with pytest.raises(GraphError, match="packing needs the budget"):
+        Execution(packing=True)
+    with pytest.raises(GraphError, match="update_microbatches=2 and inference_rows=None must stay 1 and null"):
+        Execution(packing=True, max_tokens_per_micro_batch=64, update_microbatches=2)
+    plan = tmp_path / "plan.json"
+    plan.write_text(dataclasses.replace(graph, execution=dataclasses.replace(
+        graph.execution, max_tokens_per_micro_batch=128)).to_json())
+    other, _ = parse_args([*KV_TINY, *packing, f"--plan={plan}", f"--run-dir={tmp_path / 'run'}"], Algorithm.GRPO)
+    with pytest.raises(ValueError, match="the plan runs packing=True with max_tokens_per_micro_batch=128, this run "
+                                         "asks for 64"):
+        build_graph(other, num_devices=1)
+    unset, _ = parse_args([*KV_TINY, f"--plan={plan}", f"--run-dir={tmp_path / 'run'}"], Algorithm.GRPO)
+    assert build_graph(unset, num_devices=1).execution.max_tokens_per_micro_batch == 128  # unset: the plan's
