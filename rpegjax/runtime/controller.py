@@ -151,15 +151,18 @@ class Runtime:
         num_steps: int,
         history: Sequence[tuple[int, Any]] = (),
         on_step: Callable[[StepResult, Any], None] | None = None,
+        carry: dict[str, Any] | None = None,
     ) -> Any:
         """Runs steps `start_step .. start_step + num_steps - 1` from training `state` (the actor is at version
         `start_step`). `history` holds older generation-layout weights (version, params) that pending
-        rollouts may read after a resume. Calls `on_step(result, state)` after each step; returns the state.
+        rollouts may read after a resume, `carry` the groups partial rollouts had in flight (`StepResult.carry` of
+        step `start_step - 1`). Calls `on_step(result, state)` after each step; returns the state.
 
         Over process groups (`role`) a generation process runs the rollout loop (`state`, `history` and `on_step`
         are unused; it returns None once the training processes have received every rollout) and a training process
         every other stage; there `history` holds the versions in the staging layout (`StagePrograms.staged_sync`)."""
         steps = range(start_step, start_step + num_steps)
+        self.rollout_stage.restore_carry(carry)
         self.publisher.read_versions = {generation_version(step, self.async_bound) for step in steps}
         if self.role == Role.GENERATE:
             return self._serve_generation(steps)

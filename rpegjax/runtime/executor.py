@@ -42,6 +42,7 @@ class StepResult:
     completions: list[Any]
     examples: list[Example] = dataclasses.field(default_factory=list)  # the step's prompts (Completion.prompt_index)
     rewards: np.ndarray | None = None  # float32 [completions], in the order of `completions`
+    carry: dict[str, Any] | None = None  # partial rollouts: the groups in flight after the step (`Rollout.carry`)
 
 
 def unit_kinds(graph: Graph, unit: Sequence[str]) -> tuple[StageKind, ...]:
@@ -195,7 +196,8 @@ class StepExecutor:
         if self.programs.episodes is not None:  # multi-turn: tool-output tokens per sequence (in `tokens`, no loss)
             metrics["tool_tokens"] = float(np.mean([np.count_nonzero(~c.loss_mask) for c in completions]))
         return StepResult(step=rollout.step, version=rollout.version, metrics=metrics, data_state=rollout.data_state,
-                          completions=completions, examples=rollout.examples, rewards=step.rewards)
+                          completions=completions, examples=rollout.examples, rewards=step.rewards,
+                          carry=rollout.carry)
 
 
 def _version_lag(step: int, completions: Sequence[Any]) -> dict[str, float]:

@@ -185,6 +185,26 @@ class PartialRollouts:
         self.pool = [g for g in remaining if (o := g.oldest()) is None or step + 1 - o <= self.config.max_token_lag]
         return ordered[:batch], self._metrics(ordered[:batch], version, dropped=len(remaining) - len(self.pool))
 
+    # ---- resume ------------------------------------------------------------------------------------
+    def snapshot(self, examples: Sequence[Example]) -> dict[str, Any]:
+        """The groups in flight as JSON-able data (a checkpoint's): each group's example as its index in
+        `examples` (the data set), its prompt and its samples' tokens, log-probs, versions and finish."""
+        index = {}
+        for i, example in enumerate(examples):
+            index.setdefault(example, i)
+        return {"groups": [{"example": index[g.example], "prompt": g.prompt.tolist(), "samples": [
+            {"tokens": s.tokens.tolist(), "logprobs": s.logprobs.tolist(), "versions": s.versions.tolist(),
+             "finish": None if s.finish is None else s.finish.value} for s in g.samples]} for g in self.pool]}
+
+    def restore(self, snapshot: dict[str, Any], examples: Sequence[Example]) -> None:
+        """The groups in flight of `snapshot` (from `snapshot`); float32 log-probs round-trip exactly."""
+        self.pool = [Group(example=examples[g["example"]], prompt=np.asarray(g["prompt"], np.int32), samples=[
+            _Sample(tokens=np.asarray(s["tokens"], np.int32).reshape(-1),
+                    logprobs=np.asarray(s["logprobs"], np.float32).reshape(-1),
+                    versions=np.asarray(s["versions"], np.int64).reshape(-1),
+                    finish=None if s["finish"] is None else FinishReason(s["finish"])) for s in g["samples"]])
+            for g in snapshot["groups"]]
+
     def _metrics(self, groups: list[Group], version: int, *, dropped: int) -> dict[str, float]:
         carried = [s for g in groups for s in g.samples if len(s.versions) and s.versions.min() < version]
         return {"partial/carried_groups": float(len(self.pool)),

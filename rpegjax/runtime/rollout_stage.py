@@ -54,6 +54,7 @@ class Rollout:
     data_state: dict[str, Any]  # the data iterator's position after this step's batch (and extra rounds)
     scores: RolloutScores | None = None
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # the rollout stage's own (partial rollouts)
+    carry: dict[str, Any] | None = None  # partial rollouts: the groups in flight after this step (a checkpoint's)
 
 
 class RolloutStage:
@@ -144,6 +145,7 @@ class RolloutStage:
         groups, rollout.metrics = self.partial.run_step(rollout.step, rollout.version, params,
                                                         jax.random.fold_in(self.key, rollout.step))
         rollout.examples[:] = [g.example for g in groups]
+        rollout.carry = self.partial.snapshot(self.data.examples)
         per_piece = len(groups) // self.pieces
         for index in range(self.pieces):
             chosen = range(index * per_piece, (index + 1) * per_piece)
@@ -151,6 +153,14 @@ class RolloutStage:
             piece = self.programs.rollout.pack_piece(index, items, rollout.examples)
             self._trace_reward(piece, rollout.step)
             rollout.pieces[index].set_result(piece)
+
+    def restore_carry(self, carry: dict[str, Any] | None) -> None:
+        """Partial rollouts: the groups in flight that a resumed run's next step continues (a checkpoint's)."""
+        if carry is not None and self.partial is None:
+            raise ValueError("the checkpoint holds sequences carried over by partial rollouts (rollout.partial); "
+                             "resuming without them would lose their prompts: resume with rollout.partial=true")
+        if self.partial is not None:
+            self.partial.restore(carry or {"groups": []}, self.data.examples)
 
     # ---- dynamic sampling ----------------------------------------------------------------------
     def _generate_filled(self, rollout: Rollout, params: Any) -> None:

@@ -44,10 +44,16 @@ def models():
     return cfg, [_randomized(cfg, seed) for seed in range(STEPS)]
 
 
+_SAMPLERS: dict[str, Sampler] = {}
+
+
 def _sampler(cfg, graphdef, layout: str) -> Sampler:
-    cache = CacheConfig.paged(page_size=4) if layout == "paged" else None
-    return Sampler(cfg, graphdef, num_slots=8, max_prompt_len=8, max_new_tokens=MAX_NEW, chunk_steps=2,
-                   window_step=8, cache=cache)
+    """One sampler per cache layout for the module (its programs compile once)."""
+    if layout not in _SAMPLERS:
+        cache = CacheConfig.paged(page_size=4) if layout == "paged" else None
+        _SAMPLERS[layout] = Sampler(cfg, graphdef, num_slots=8, max_prompt_len=8, max_new_tokens=MAX_NEW,
+                                    chunk_steps=2, window_step=8, cache=cache)
+    return _SAMPLERS[layout]
 
 
 def _run(models, policy: StalePolicy, *, layout: str = "contiguous", max_token_lag: int = 2, async_bound: int = 0):
@@ -134,7 +140,7 @@ def test_bound_and_bookkeeping(models, policy):
 def test_config_refuses_a_bound_that_carries_nothing(models):
     cfg, decoders = models
     with pytest.raises(ValueError, match="max_token_lag=1 must exceed the asynchrony bound 1"):
-        PartialRollouts(PartialRolloutConfig(max_token_lag=1), sampler=_sampler(cfg, nnx.split(decoders[0])[0], "x"),
+        PartialRollouts(PartialRolloutConfig(max_token_lag=1), sampler=_sampler(cfg, nnx.split(decoders[0])[0], "contiguous"),
                         sampling=SamplingConfig(max_new_tokens=4), group_size=2, batch_size=2, async_bound=1)
     with pytest.raises(ValueError, match="inflight_batches must be an integer >= 2"):
         PartialRolloutConfig(max_token_lag=2, inflight_batches=1)
