@@ -98,7 +98,7 @@ class Runtime:
         self.scorer = Scorer(programs.collect_rewards, reward_shaping)
         self.rollout_stage = RolloutStage(graph, programs, data, prompt_ids=prompt_ids, key=key, trace=self.trace,
                                      weights=self.store.get, scorer=self.scorer, dynamic_sampling=dynamic_sampling,
-                                     partial=partial)
+                                     partial=partial, newest=self.store.newest)
         self.async_bound = self.rollout_stage.async_bound
         self.stage_meshes = check_placements(graph, programs)
         self.groups = process_groups(graph)

@@ -51,11 +51,15 @@ class PartialRolloutConfig:
     """`max_token_lag`: the most weights versions a trained token may lag the trainer (step t trains tokens of
     versions >= t - max_token_lag; it must exceed the asynchrony bound k, whose new tokens lag by k).
     `inflight_batches`: groups kept in flight, in batches of a step's prompts (>= 2: a step stops when one
-    batch has completed, while the others keep decoding)."""
+    batch has completed, while the others keep decoding). `inflight_weights`: a step's generation takes a newer
+    weights version as soon as it is published (between decode chunks, without dropping a sequence), not only at
+    the next step; when it arrives depends on the trainer's timing, so the batches are no longer reproducible
+    run to run (nor after a resume, which still loses and repeats no prompt)."""
 
     max_token_lag: int
     stale_policy: StalePolicy = StalePolicy.WAIT
     inflight_batches: int = 2
+    inflight_weights: bool = False
 
     def __post_init__(self) -> None:
         for name, least in (("max_token_lag", 1), ("inflight_batches", 2)):
@@ -157,24 +161,46 @@ class PartialRollouts:
                 owners.append((group, [j]))
         return requests, owners
 
-    def run_step(self, step: int, version: int, params: Any, key: jax.Array) -> tuple[list[Group], dict[str, float]]:
+    def run_step(self, step: int, version: int, params: Any, key: jax.Array,
+                 newer: Callable[[int], tuple[int, Any] | None] | None = None) -> tuple[list[Group], dict[str, float]]:
         """Generates over the groups in flight with weights `version` until step `step`'s batch is complete;
-        returns the batch's groups (due ones first, then in order of completion) and the step's metrics."""
+        returns the batch's groups (due ones first, then in order of completion) and the step's metrics.
+
+        `newer(v)`: a newer weights version than v and its weights, or None (asked between decode chunks when
+        `inflight_weights`): the sequences running are then handed back and continue at once with the newer
+        weights (their prefixes recomputed), the call's next segment drawing with `fold_in(key, segment)`."""
         due = self._due(step) if self.config.stale_policy == StalePolicy.WAIT else []
         completed = [g for g in self.pool if g.complete]
+        first_version = version
         batch = self.batch_size
 
         def enough() -> bool:
             return len(completed) >= batch and all(g.complete for g in due)
 
-        requests, owners = self._requests()
-        if requests and not enough():
-            for completion in self.sampler.serve(params, requests, self.sampling, key=key, version=version,
-                                                 interrupt=enough):
+        segments = 0
+        while True:
+            update: list[tuple[int, Any]] = []
+
+            def interrupt() -> bool:
+                if enough():
+                    return True
+                found = newer(version) if newer is not None and self.config.inflight_weights else None
+                update.extend([found] if found is not None else [])
+                return found is not None
+
+            requests, owners = self._requests()
+            if not requests or enough():
+                break
+            draw = jax.random.fold_in(key, segments) if segments else key
+            for completion in self.sampler.serve(params, requests, self.sampling, key=draw, version=version,
+                                                 interrupt=interrupt):
                 group, samples = owners[completion.prompt_index]
                 group.samples[samples[completion.sample_index]].extend(completion, version)
                 if completion.finish_reason != FinishReason.PARTIAL and group.complete:
                     completed.append(group)
+            if not update:
+                break
+            (version, params), segments = update[0], segments + 1
         due_ids = {id(g) for g in due}
         ordered = [g for g in completed if id(g) in due_ids] + [g for g in completed if id(g) not in due_ids]
         if len(ordered) < batch:
@@ -183,7 +209,9 @@ class PartialRollouts:
         chosen = {id(g) for g in ordered[:batch]}
         remaining = [g for g in self.pool if id(g) not in chosen]
         self.pool = [g for g in remaining if (o := g.oldest()) is None or step + 1 - o <= self.config.max_token_lag]
-        return ordered[:batch], self._metrics(ordered[:batch], version, dropped=len(remaining) - len(self.pool))
+        metrics = self._metrics(ordered[:batch], first_version, dropped=len(remaining) - len(self.pool))
+        metrics["partial/weight_updates_in_flight"] = float(segments)
+        return ordered[:batch], metrics
 
     # ---- resume ------------------------------------------------------------------------------------
     def snapshot(self, examples: Sequence[Example]) -> dict[str, Any]:
@@ -206,6 +234,7 @@ class PartialRollouts:
             for g in snapshot["groups"]]
 
     def _metrics(self, groups: list[Group], version: int, *, dropped: int) -> dict[str, float]:
+        """Carried: sampled before this step's generation began (with versions older than its first, `version`)."""
         carried = [s for g in groups for s in g.samples if len(s.versions) and s.versions.min() < version]
         return {"partial/carried_groups": float(len(self.pool)),
                 "partial/dropped_groups": float(dropped),

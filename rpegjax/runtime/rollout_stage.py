@@ -62,13 +62,15 @@ class RolloutStage:
 
     `weights(version)` returns the generation-layout weights of `version` (waiting for them); `prompt_ids(examples)`
     tokenises a batch of examples (host work). Step t samples with `fold_in(key, t)`, so runs are reproducible
-    whatever the thread timing. Programs used: `programs.generate` (the pieces) and, with dynamic sampling,
+    whatever the thread timing. `newest(v, step)`: the newest published weights in (v, step] (partial rollouts'
+    weights in flight). Programs used: `programs.generate` (the pieces) and, with dynamic sampling,
     `scorer.collect` (each round's rewards, gathered over processes)."""
 
     def __init__(self, graph: Graph, programs: StagePrograms, data: DataIterator, *,
                  prompt_ids: Callable[[Sequence[Example]], list[list[int]]], key: jax.Array, trace: Trace,
                  weights: Callable[[int], Any], scorer: Scorer, dynamic_sampling: DynamicSamplingConfig | None,
-                 partial: PartialRolloutConfig | None = None):
+                 partial: PartialRolloutConfig | None = None,
+                 newest: Callable[[int, int], tuple[int, Any] | None] | None = None):
         generates = graph.stages_of_kind(StageKind.GENERATE)
         if len(generates) != 1:
             raise GraphError(f"the runtime needs exactly one generate stage, found {len(generates)}")
@@ -90,6 +92,7 @@ class RolloutStage:
         self.scorer = scorer
         self.dynamic_sampling = dynamic_sampling
         self.partial = None
+        self.newest = newest  # newest(v, step): a published version in (v, step] and its weights, or None
         if partial is not None:
             rollout = programs.rollout
             self.partial = PartialRollouts(partial, sampler=rollout.sampler, sampling=rollout.sampling,
@@ -142,8 +145,10 @@ class RolloutStage:
         generated until the step's batch has completed; its pieces are handed over together."""
         self.partial.fill(self.data.next_batch, self.prompt_ids)
         rollout.data_state = self.data.state()
-        groups, rollout.metrics = self.partial.run_step(rollout.step, rollout.version, params,
-                                                        jax.random.fold_in(self.key, rollout.step))
+        step = rollout.step
+        newer = None if self.newest is None else (lambda version: self.newest(version, step))
+        groups, rollout.metrics = self.partial.run_step(step, rollout.version, params,
+                                                        jax.random.fold_in(self.key, step), newer)
         rollout.examples[:] = [g.example for g in groups]
         rollout.carry = self.partial.snapshot(self.data.examples)
         per_piece = len(groups) // self.pieces

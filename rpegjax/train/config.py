@@ -198,11 +198,13 @@ class RolloutSection:
     # partial rollouts (`rpegjax.runtime.partial_rollouts`): inflight_batches batches of groups in flight, a step
     # trains the first batch to complete and carries the rest into the next step's generation (newer weights);
     # a trained token lags the trainer by at most max_token_lag versions (None: graph.async_bound + 2), the groups
-    # that would lag more are waited for or dropped (stale_policy)
+    # that would lag more are waited for or dropped (stale_policy); inflight_weights: a step's generation takes newer
+    # weights as soon as they are published, between decode chunks (the batches then depend on timing)
     partial: bool = False
     max_token_lag: int | None = None
     stale_policy: StalePolicy = StalePolicy.WAIT
     inflight_batches: int = 2
+    inflight_weights: bool = False
 
     def __post_init__(self) -> None:
         _positive(self, "prompts_per_step", "group_size", "max_new_tokens", "num_slots", "chunk_steps", "max_turns")
@@ -567,6 +569,9 @@ class RunConfig:
 
     def _check_partial(self) -> None:
         rollout = self.rollout
+        if rollout.inflight_weights and not rollout.partial:
+            raise ValueError("rollout.inflight_weights continues partial rollouts with newer weights; set "
+                             "rollout.partial=true too")
         if not rollout.partial:
             return
         if rollout.max_token_lag is not None and rollout.max_token_lag <= self.graph.async_bound:
@@ -585,7 +590,8 @@ class RunConfig:
             return None
         lag = self.graph.async_bound + 2 if rollout.max_token_lag is None else rollout.max_token_lag
         return PartialRolloutConfig(max_token_lag=lag, stale_policy=rollout.stale_policy,
-                                    inflight_batches=rollout.inflight_batches)
+                                    inflight_batches=rollout.inflight_batches,
+                                    inflight_weights=rollout.inflight_weights)
 
     def algorithm_section(self) -> GRPOSection | PPOConfig:
         """The section of this run's algorithm, `grpo` or `ppo` (its KL weight, optimiser, mini-batches)."""

@@ -56,14 +56,17 @@ def _sampler(cfg, graphdef, layout: str) -> Sampler:
     return _SAMPLERS[layout]
 
 
-def _run(models, policy: StalePolicy, *, layout: str = "contiguous", max_token_lag: int = 2, async_bound: int = 0):
+def _run(models, policy: StalePolicy, *, layout: str = "contiguous", max_token_lag: int = 2, async_bound: int = 0,
+         inflight_weights: bool = False):
     """STEPS steps of 2 groups of 2 over prompts 0, 1, 2, ...; every step's weights are model `step - k`. Stop
     tokens (a quarter of the vocabulary) make the response lengths long-tailed. Returns the trained groups per
-    step, the metrics, (the prompts taken, those trained) and the partial rollouts object."""
+    step, the metrics, (the prompts taken, those trained) and the partial rollouts object. `inflight_weights`:
+    step t's weights (version t) are published at its generation's second decode chunk (asked between chunks)."""
     cfg, decoders = models
     sampling = SamplingConfig(max_new_tokens=MAX_NEW, temperature=TEMPERATURE, stop_ids=tuple(range(0, 128, 4)))
     params = [nnx.split(m)[1] for m in decoders]
-    partial = PartialRollouts(PartialRolloutConfig(max_token_lag=max_token_lag, stale_policy=policy),
+    config = PartialRolloutConfig(max_token_lag=max_token_lag, stale_policy=policy, inflight_weights=inflight_weights)
+    partial = PartialRollouts(config,
                               sampler=_sampler(cfg, nnx.split(decoders[0])[0], layout), sampling=sampling,
                               group_size=2, batch_size=2, async_bound=async_bound)
     rng = np.random.default_rng(0)
@@ -81,7 +84,14 @@ def _run(models, policy: StalePolicy, *, layout: str = "contiguous", max_token_l
     for step in range(STEPS):
         partial.fill(take_batch, prompt_ids)
         version = max(0, step - async_bound)
-        groups, step_metrics = partial.run_step(step, version, params[version], jax.random.fold_in(jax.random.key(1), step))
+        asked = []
+
+        def newer(v, step=step):
+            asked.append(v)
+            return (step, params[step]) if len(asked) >= 2 and v < step else None
+
+        groups, step_metrics = partial.run_step(step, version, params[version],
+                                                jax.random.fold_in(jax.random.key(1), step), newer)
         trained.append([g.completions(i, version) for i, g in enumerate(groups)])
         metrics.append(step_metrics)
         examples += [g.example for g in groups]
@@ -92,12 +102,36 @@ def _run(models, policy: StalePolicy, *, layout: str = "contiguous", max_token_l
 def test_carried_logprobs_equal_full_forward_under_token_versions(models, layout):
     """Every trained token's recorded log-prob equals a full forward of its sequence under the weights version
     that sampled it (1e-5), for sequences carried over up to two steps; no token lags more than the bound."""
-    _, decoders = models
     trained, metrics, _, _ = _run(models, StalePolicy.WAIT, layout=layout)
     completions = [c for step in trained for group in step for c in group]
     spans = [c for c in completions if len(set(c.token_versions.tolist())) > 1]
     assert len(spans) >= 3, "the test needs sequences continued over several versions"
     assert sum(m["partial/carried_sequences"] for m in metrics) >= len(spans)
+    _assert_logprobs_are_their_versions(models, completions)
+    for step, groups in enumerate(trained):
+        for group in groups:
+            for c in group:
+                assert step - c.token_versions.min() <= 2
+
+
+def test_weights_taken_in_flight_are_recorded_per_token(models):
+    """With k = 1, step t starts with version t - 1 and takes version t when it is published, between decode
+    chunks: the sequences running continue (none dropped), each token's recorded version is the one that
+    sampled it (its log-prob is that version's full forward) and none lags more than the bound."""
+    trained, metrics, _, _ = _run(models, StalePolicy.WAIT, async_bound=1, inflight_weights=True)
+    assert sum(m["partial/weight_updates_in_flight"] for m in metrics) >= 1  # short steps often end first
+    completions = [c for step in trained for group in step for c in group]
+    _assert_logprobs_are_their_versions(models, completions)
+    # without weights in flight, step t >= 1 of k = 1 trains no token of version t
+    assert any(c.token_versions.max() == step for step, groups in enumerate(trained) if step for g in groups for c in g
+               if c.length)
+    for step, groups in enumerate(trained):
+        assert all(step - 2 <= c.token_versions.min() and c.token_versions.max() <= step for g in groups for c in g)
+
+
+def _assert_logprobs_are_their_versions(models, completions) -> None:
+    """Each recorded log-prob equals a full forward of its sequence under the version that sampled the token."""
+    _, decoders = models
     batch = stack_completions(completions)
     versions = np.full(batch.tokens.shape, -1)
     for row, c in enumerate(completions):
@@ -110,10 +144,6 @@ def test_carried_logprobs_equal_full_forward_under_token_versions(models, layout
         expected[rows] = np.asarray(forward(decoders[version], batch.tokens, batch.attention_mask))[rows]
     mask = batch.response_mask
     np.testing.assert_allclose(batch.behaviour_logprobs[mask], expected[mask], atol=1e-5, rtol=0)
-    for step, groups in enumerate(trained):
-        for group in groups:
-            for c in group:
-                assert step - c.token_versions.min() <= 2
 
 
 @pytest.mark.parametrize("policy", [StalePolicy.WAIT, StalePolicy.DROP])
