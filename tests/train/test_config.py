@@ -295,3 +295,6 @@ def test_partial_rollout_flags_reach_the_runtime_settings_and_bad_ones_are_refus
         RolloutSection(inflight_batches=1)
     with pytest.raises(ValueError, match="stale_policy"):
         RolloutSection(stale_policy="later")
+    with pytest.raises(ValueError, match="rollout.inflight_weights continues partial rollouts"):
+        RunConfig(rollout=RolloutSection(inflight_weights=True))
+    assert RunConfig(rollout=RolloutSection(partial=True, inflight_weights=True)).partial_rollouts().inflight_weights
