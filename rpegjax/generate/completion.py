@@ -13,6 +13,7 @@ class FinishReason(enum.StrEnum):
     EOS = "eos"  # sampled the end-of-sequence token (kept as the last response token)
     STOP = "stop"  # sampled one of SamplingConfig.stop_ids (kept as the last response token)
     LENGTH = "length"  # reached its budget of new tokens
+    PARTIAL = "partial"  # still running when the call was interrupted (`interrupt`): a prefix, continued later
 
 
 # Codes used on device (0 = still running).
@@ -29,6 +30,8 @@ class Completion:
     temperature-scaled, unfiltered distribution of the weights of `version` (see `sample_tokens`).
     A multi-turn episode (`rpegjax.envs.rollout`) interleaves the model's turns with tool output:
     `model_mask[i]` is False at a tool token (its log-prob is 0 and it gets no loss); None: every token was sampled.
+    `token_versions[i]` is the weights version that sampled token i when a sequence was continued over several
+    versions (partial rollouts, `rpegjax.runtime.partial_rollouts`); None: every token was sampled by `version`.
     """
 
     prompt_index: int
@@ -39,6 +42,7 @@ class Completion:
     finish_reason: FinishReason
     version: int | None = None
     model_mask: np.ndarray | None = None  # bool [length]
+    token_versions: np.ndarray | None = None  # int64 [length]
 
     def __post_init__(self) -> None:
         if self.response_ids.shape != self.behaviour_logprobs.shape:
@@ -52,11 +56,22 @@ class Completion:
                 f"Completion(prompt {self.prompt_index}, sample {self.sample_index}): model_mask must be bool of shape "
                 f"{self.response_ids.shape}, got {self.model_mask.dtype} {self.model_mask.shape}"
             )
+        if self.token_versions is not None and self.token_versions.shape != self.response_ids.shape:
+            raise ValueError(
+                f"Completion(prompt {self.prompt_index}, sample {self.sample_index}): token_versions must have shape "
+                f"{self.response_ids.shape}, got {self.token_versions.shape}"
+            )
 
     @property
     def loss_mask(self) -> np.ndarray:
         """bool [length]: the response tokens the losses count (the model's, not a tool's)."""
         return np.ones(self.response_ids.shape, bool) if self.model_mask is None else self.model_mask
+
+    def versions(self) -> np.ndarray:
+        """int64 [length]: the weights version that sampled each response token (-1 where unknown)."""
+        if self.token_versions is not None:
+            return self.token_versions
+        return np.full(self.response_ids.shape, -1 if self.version is None else self.version, np.int64)
 
     @property
     def length(self) -> int:
@@ -66,6 +81,13 @@ class Completion:
     @property
     def order(self) -> tuple[int, int]:
         return (self.prompt_index, self.sample_index)
+
+
+def unstarted(prompt_index: int, sample_index: int, prompt_ids: np.ndarray, version: int | None) -> Completion:
+    """A sequence an interrupted call never started (or preempted back to its prompt): no tokens, `PARTIAL`."""
+    return Completion(prompt_index=prompt_index, sample_index=sample_index, prompt_ids=prompt_ids.copy(),
+                      response_ids=np.zeros((0,), np.int32), behaviour_logprobs=np.zeros((0,), np.float32),
+                      finish_reason=FinishReason.PARTIAL, version=version)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)

@@ -8,7 +8,7 @@ host only the small per-slot arrays plus the rows of the sequences that finished
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import partial
 
 import jax
@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from rpegjax.generate.completion import FINISH_CODES, Completion
+from rpegjax.generate.completion import FINISH_CODES, Completion, FinishReason, unstarted
 from rpegjax.generate.decode import (
     DecodeStalledError,
     DecodeState,
@@ -195,16 +195,20 @@ class ContiguousController:
 
     # ---- the controller ----------------------------------------------------------------------------
     def run(self, params, requests: list[Request], arrays, key: jax.Array, version, *, continuous: bool,
-            feed: RequestFeed | None = None) -> Iterator[Completion]:
+            feed: RequestFeed | None = None, interrupt: Callable[[], bool] | None = None) -> Iterator[Completion]:
         """Serves `requests`, and those `feed` adds before each chunk (blocking on `feed.wait()` when idle).
         Continuous: refill free slots before every chunk. Static: refill only once every slot is free (each batch
-        waits for its slowest sequence)."""
+        waits for its slowest sequence). `interrupt()` is asked before each chunk: once True, every running and
+        pending sequence is handed out as a `PARTIAL` completion (its tokens so far) and the run ends."""
         queue = RequestQueue(requests, lambda index, _: index)
         requests, pending = queue.requests, queue.pending  # grown in place as the feed adds requests
         owners: list[tuple[int, int] | None] = [None] * self.num_slots
         cache_length = np.zeros(self.num_slots, np.int64)  # per running slot: context + response tokens cached
         state = self.new_state()
         while True:
+            if interrupt is not None and interrupt():
+                yield from self._interrupted(state, requests, owners, pending, version)
+                return
             if not queue.refill(feed, idle=all(o is None for o in owners)):
                 return
             if continuous or all(o is None for o in owners):
@@ -231,8 +235,20 @@ class ContiguousController:
             if finished:
                 yield from self._hand_out(state, requests, owners, finished, num_generated, finish, version)
 
-    def _hand_out(self, state, requests, owners, finished, num_generated, finish, version) -> Iterator[Completion]:
-        """Completions of the `finished` slots, which become free."""
+    def _interrupted(self, state, requests, owners, pending, version) -> Iterator[Completion]:
+        """Every running sequence's tokens so far and every pending one (none), as `PARTIAL` completions."""
+        running = [slot for slot, owner in enumerate(owners) if owner is not None]
+        if running:
+            _, num_generated, _ = self._fetch(state)
+            yield from self._hand_out(state, requests, owners, running, num_generated, None, version,
+                                      FinishReason.PARTIAL)
+        for index in pending:
+            for sample in range(requests[index].samples):
+                yield unstarted(index, sample, requests[index].tokens, version)
+
+    def _hand_out(self, state, requests, owners, finished, num_generated, finish, version,
+                  reason: FinishReason | None = None) -> Iterator[Completion]:
+        """Completions of the `finished` slots, which become free (`reason`: instead of the finish codes)."""
         tokens, logprobs = self._fetch_rows(state, finished)
         for row, slot in enumerate(finished):
             (index, sample), n = owners[slot], int(num_generated[slot])
@@ -240,4 +256,4 @@ class ContiguousController:
             yield Completion(prompt_index=index, sample_index=sample,
                              prompt_ids=requests[index].tokens.copy(),  # each completion owns its arrays
                              response_ids=np.array(tokens[row, :n]), behaviour_logprobs=np.array(logprobs[row, :n]),
-                             finish_reason=FINISH_CODES[int(finish[slot])], version=version)
+                             finish_reason=reason or FINISH_CODES[int(finish[slot])], version=version)

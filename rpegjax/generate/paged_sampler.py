@@ -12,7 +12,7 @@ bookkeeping of one run (`paged_slots.PagedSlots`); this module holds the compile
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import partial
 
 import jax
@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from rpegjax.generate.completion import FINISH_CODES, Completion
+from rpegjax.generate.completion import FINISH_CODES, Completion, FinishReason, unstarted
 from rpegjax.generate.decode import DecodeStalledError, abstract_state_of
 from rpegjax.generate.paged_cache import CacheConfig, pages_for, pow2_at_least
 from rpegjax.generate.paged_decode import (
@@ -136,8 +136,10 @@ class PagedController:
 
     # ---- the controller ----------------------------------------------------------------------------
     def run(self, params, requests: list[Request], arrays, key: jax.Array, version, *, continuous: bool,
-            feed: RequestFeed | None = None) -> Iterator[Completion]:
-        """Serves `requests`, and those `feed` adds before each chunk (blocking on `feed.wait()` when idle)."""
+            feed: RequestFeed | None = None, interrupt: Callable[[], bool] | None = None) -> Iterator[Completion]:
+        """Serves `requests`, and those `feed` adds before each chunk (blocking on `feed.wait()` when idle).
+        `interrupt()` is asked before each chunk: once True, every running and pending sequence is handed out
+        as a `PARTIAL` completion (its tokens so far) and the run ends."""
         queue = RequestQueue(requests, lambda index, request: (index, tuple(range(request.samples))))
         requests, pending = queue.requests, queue.pending  # grown in place as the feed adds requests
         slots = PagedSlots(requests, num_slots=self.num_slots, replicas=self.replicas,
@@ -145,6 +147,9 @@ class PagedController:
                            max_pages=self.max_pages, chunk_steps=self.chunk_steps)
         state = self.new_state()
         while True:
+            if interrupt is not None and interrupt():
+                yield from self._interrupted(state, slots, pending, version)
+                return
             if not queue.refill(feed, idle=slots.idle()):
                 return
             if continuous or slots.idle():
@@ -213,9 +218,20 @@ class PagedController:
                                               limits)
         return state, finished, num_generated, finish
 
-    def _hand_out(self, state, slots: PagedSlots, finished: list[int], num_generated, finish, version
-                  ) -> Iterator[Completion]:
-        """Completions of the `finished` slots, whose pages return to the pool."""
+    def _interrupted(self, state, slots: PagedSlots, pending, version) -> Iterator[Completion]:
+        """Every running sequence's tokens so far and every pending one (none), as `PARTIAL` completions."""
+        running = slots.running()
+        if running:
+            num_generated = jax.device_get(state.num_generated)
+            yield from self._hand_out(state, slots, running, num_generated, None, version, FinishReason.PARTIAL)
+        for prompt, samples in pending:
+            for sample in samples:
+                yield unstarted(prompt, sample, slots.requests[prompt].tokens, version)
+
+    def _hand_out(self, state, slots: PagedSlots, finished: list[int], num_generated, finish, version,
+                  reason: FinishReason | None = None) -> Iterator[Completion]:
+        """Completions of the `finished` slots, whose pages return to the pool (`reason`: instead of the
+        finish codes)."""
         bucket = pow2_at_least(len(finished), self.num_slots)
         rows = np.full((bucket,), finished[0], np.int32)
         rows[: len(finished)] = finished
@@ -226,7 +242,7 @@ class PagedController:
             slots.release(slot)
             yield Completion(prompt_index=prompt, sample_index=sample, prompt_ids=slots.requests[prompt].tokens.copy(),
                              response_ids=np.array(tokens[row, :n]), behaviour_logprobs=np.array(logprobs[row, :n]),
-                             finish_reason=FINISH_CODES[int(finish[slot])], version=version)
+                             finish_reason=reason or FINISH_CODES[int(finish[slot])], version=version)
 
     def _admit(self, params, state, requests, admitted, table, held, key, arrays):
         """Chunked prefill of the admitted prompts through their first sample's pages, then the start of every sample."""

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 
 import jax
@@ -302,6 +302,24 @@ class Sampler:
         feed = None if feed is None else self._checked_feed(feed, sampling)
         return self.controller.run(params, requests, arrays, key, version, continuous=True, feed=feed)
 
+    def serve(self, params: nnx.State, requests: Sequence[Request], sampling: SamplingConfig, *, key: jax.Array,
+              version: int | None = None, interrupt: Callable[[], bool] | None = None) -> Iterator[Completion]:
+        """Continuous batching of prepared `requests` (a context may be longer than max_prompt_len when context +
+        budget fit the capacity: a continued sequence). Completion i's `prompt_index` is its request's position.
+        `interrupt()` is asked before each decode chunk: once True, every sequence still running or waiting is
+        handed out as a `FinishReason.PARTIAL` completion holding its tokens so far, and the stream ends."""
+        self._check_params(params)
+        _check_sampling(self, sampling)
+        if not isinstance(key, jax.Array):
+            raise TypeError(f"key must be a JAX PRNG key (jax.random.key(seed)), got {type(key).__name__}")
+        check = partial(check_request, vocab_size=self.cfg.vocab_size, capacity=self.capacity,
+                        max_new_tokens=sampling.max_new_tokens, max_samples=self._max_samples())
+        checked = [check(request, where=f"request {index}") for index, request in enumerate(requests)]
+        if not checked:
+            raise ValueError("Sampler.serve needs at least one request, got none")
+        arrays = sampling_arrays(sampling, vocab_size=self.cfg.vocab_size, default_eos_id=self.cfg.eos_token_id)
+        return self.controller.run(params, checked, arrays, key, version, continuous=True, interrupt=interrupt)
+
     def generate(self, params: nnx.State, prompts, sampling: SamplingConfig, *, group_size: int = 1,
                  key: jax.Array, version: int | None = None, budgets=None) -> list[Completion]:
         """All completions of `stream`, ordered by (prompt_index, sample_index)."""
@@ -317,8 +335,7 @@ class Sampler:
         return sorted(completions, key=lambda c: c.order)
 
 
-def _checked_prompts(sampler: Sampler, prompts, sampling: SamplingConfig, group_size: int, budgets) -> list[np.ndarray]:
-    """`prompts` as int32 arrays, checked against the sampler's limits, the sampling config and `budgets`."""
+def _check_sampling(sampler: Sampler, sampling: SamplingConfig) -> None:
     if not isinstance(sampling, SamplingConfig):
         raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
     if sampling.max_new_tokens > sampler.max_new_tokens:
@@ -326,6 +343,11 @@ def _checked_prompts(sampler: Sampler, prompts, sampling: SamplingConfig, group_
             f"SamplingConfig.max_new_tokens={sampling.max_new_tokens} exceeds the sampler's "
             f"max_new_tokens={sampler.max_new_tokens} (its cache capacity)"
         )
+
+
+def _checked_prompts(sampler: Sampler, prompts, sampling: SamplingConfig, group_size: int, budgets) -> list[np.ndarray]:
+    """`prompts` as int32 arrays, checked against the sampler's limits, the sampling config and `budgets`."""
+    _check_sampling(sampler, sampling)
     group_size = _positive_int("group_size", group_size)
     if group_size > sampler.num_slots:
         raise ValueError(f"group_size={group_size} exceeds num_slots={sampler.num_slots}: a group must fit at once")

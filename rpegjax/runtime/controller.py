@@ -46,6 +46,7 @@ from rpegjax.graph.trace import Trace
 from rpegjax.learners.group_filter import DynamicSamplingConfig
 from rpegjax.runtime.executor import StepExecutor, StepResult
 from rpegjax.runtime.meshes import device_ids, same_layout, stage_mesh
+from rpegjax.runtime.partial_rollouts import PartialRolloutConfig
 from rpegjax.runtime.programs import StagePrograms
 from rpegjax.runtime.publishing import WeightPublisher
 from rpegjax.runtime.roles import Role, RoleLinks, process_groups
@@ -67,7 +68,8 @@ class Runtime:
     same results, without overlap; required with several processes, see above). `dynamic_sampling`: keep only
     groups whose rewards differ, sampling more rounds of prompts (`rpegjax.runtime.rollout_stage`).
     `reward_shaping(lengths) -> term`: an additive reward term from the response lengths (int [rows] -> float
-    [rows]). `address`: where this process's transfer server listens in a run over process groups.
+    [rows]). `address`: where this process's transfer server listens in a run over process groups. `partial`:
+    partial rollouts (`rpegjax.runtime.partial_rollouts`), colocated runs only.
     """
 
     def __init__(
@@ -83,8 +85,11 @@ class Runtime:
         dynamic_sampling: DynamicSamplingConfig | None = None,
         reward_shaping: Callable[[np.ndarray], np.ndarray] | None = None,
         address: ProcessAddress = ProcessAddress(),
+        partial: PartialRolloutConfig | None = None,
     ):
         graph.validate()
+        if partial is not None:
+            _check_partial(graph, programs, dynamic_sampling)
         self.concurrent_rollout = concurrent_rollout
         if dynamic_sampling is not None and programs.group_size < 2:  # a group of one never has differing rewards
             raise ValueError(f"dynamic sampling needs groups of at least 2 samples, got group_size={programs.group_size}")
@@ -95,7 +100,8 @@ class Runtime:
         self.store = ParameterStore()
         self.scorer = Scorer(programs.collect_rewards, reward_shaping)
         self.rollout_stage = RolloutStage(graph, programs, data, prompt_ids=prompt_ids, key=key, trace=self.trace,
-                                     weights=self.store.get, scorer=self.scorer, dynamic_sampling=dynamic_sampling)
+                                     weights=self.store.get, scorer=self.scorer, dynamic_sampling=dynamic_sampling,
+                                     partial=partial, newest=self.store.newest)
         self.async_bound = self.rollout_stage.async_bound
         self.stage_meshes = check_placements(graph, programs)
         self.groups = process_groups(graph)
@@ -149,15 +155,18 @@ class Runtime:
         num_steps: int,
         history: Sequence[tuple[int, Any]] = (),
         on_step: Callable[[StepResult, Any], None] | None = None,
+        carry: dict[str, Any] | None = None,
     ) -> Any:
         """Runs steps `start_step .. start_step + num_steps - 1` from training `state` (the actor is at version
         `start_step`). `history` holds older generation-layout weights (version, params) that pending
-        rollouts may read after a resume. Calls `on_step(result, state)` after each step; returns the state.
+        rollouts may read after a resume, `carry` the groups partial rollouts had in flight (`StepResult.carry` of
+        step `start_step - 1`). Calls `on_step(result, state)` after each step; returns the state.
 
         Over process groups (`role`) a generation process runs the rollout loop (`state`, `history` and `on_step`
         are unused; it returns None once the training processes have received every rollout) and a training process
         every other stage; there `history` holds the versions in the staging layout (`StagePrograms.staged_sync`)."""
         steps = range(start_step, start_step + num_steps)
+        self.rollout_stage.restore_carry(carry)
         self.publisher.read_versions = {generation_version(step, self.async_bound) for step in steps}
         if self.role == Role.GENERATE:
             return self._serve_generation(steps)
@@ -241,6 +250,19 @@ class _Training:
 
     def close(self, error: BaseException | None) -> None:
         pass
+
+
+def _check_partial(graph: Graph, programs: StagePrograms, dynamic_sampling: DynamicSamplingConfig | None) -> None:
+    """Refuses partial rollouts where they are not built yet, naming what is in the way."""
+    if dynamic_sampling is not None:
+        raise ValueError("partial rollouts with dynamic sampling: not supported yet (a step's batch is the first "
+                         "groups to complete; dynamic sampling filters rounds of one version); use one of them")
+    if programs.episodes is not None:
+        raise ValueError("partial rollouts with multi-turn episodes (rollout.env): not supported yet (an episode's "
+                         "turns are not continued across steps)")
+    if process_groups(graph) is not None:
+        raise ValueError("partial rollouts over separate generation and training processes: not supported yet "
+                         "(a rollout piece crossing the groups carries no per-token versions); colocate generation")
 
 
 def _arrived_rewards(piece):

@@ -42,6 +42,7 @@ class StepResult:
     completions: list[Any]
     examples: list[Example] = dataclasses.field(default_factory=list)  # the step's prompts (Completion.prompt_index)
     rewards: np.ndarray | None = None  # float32 [completions], in the order of `completions`
+    carry: dict[str, Any] | None = None  # partial rollouts: the groups in flight after the step (`Rollout.carry`)
 
 
 def unit_kinds(graph: Graph, unit: Sequence[str]) -> tuple[StageKind, ...]:
@@ -183,6 +184,8 @@ class StepExecutor:
         completions = [c for future in rollout.pieces for c in future.result().completions]
         lengths = np.array([c.length for c in completions])
         metrics = step.metrics
+        metrics.update(rollout.metrics)
+        metrics.update(_version_lag(rollout.step, completions))
         metrics.update({
             "staleness": float(rollout.step - rollout.version),
             "weights_version": float(rollout.version),
@@ -193,7 +196,17 @@ class StepExecutor:
         if self.programs.episodes is not None:  # multi-turn: tool-output tokens per sequence (in `tokens`, no loss)
             metrics["tool_tokens"] = float(np.mean([np.count_nonzero(~c.loss_mask) for c in completions]))
         return StepResult(step=rollout.step, version=rollout.version, metrics=metrics, data_state=rollout.data_state,
-                          completions=completions, examples=rollout.examples, rewards=step.rewards)
+                          completions=completions, examples=rollout.examples, rewards=step.rewards,
+                          carry=rollout.carry)
+
+
+def _version_lag(step: int, completions: Sequence[Any]) -> dict[str, float]:
+    """The spread of the trained tokens' weights versions: how many versions each lags the trainer at `step`."""
+    versions = np.concatenate([c.versions() for c in completions])
+    if not len(versions) or (versions < 0).any():  # no token, or a version unknown
+        return {}
+    lag = step - versions
+    return {"version_lag/min": float(lag.min()), "version_lag/max": float(lag.max()), "version_lag/mean": float(lag.mean())}
 
 
 def _merge_metrics(target: dict[str, float], metrics: dict[str, Any], prefix: str = "") -> None:

@@ -99,10 +99,12 @@ class RolloutPrograms:
             index = completion.prompt_index // prompts_per_piece
             waiting[index].append((completion, episode))
             if len(waiting[index]) == needed:
-                yield self._finish_piece(index, sorted(waiting.pop(index), key=lambda item: item[0].order), examples)
+                yield self.pack_piece(index, sorted(waiting.pop(index), key=lambda item: item[0].order), examples)
 
-    def _finish_piece(self, index: int, items: list[tuple[Completion, Episode | None]],
-                      examples: Sequence[Example]) -> Piece:
+    def pack_piece(self, index: int, items: list[tuple[Completion, Episode | None]],
+                   examples: Sequence[Example]) -> Piece:
+        """Piece `index` of finished `items` (completions, each with its episode or None), rows in their order;
+        `examples[c.prompt_index]` is each completion's example. Its reward scoring is submitted at once."""
         completions = [c for c, _ in items]
         rows = [examples[c.prompt_index] for c in completions]
         if self.reward_processes is None:

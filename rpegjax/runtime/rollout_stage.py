@@ -12,6 +12,11 @@ reached). The trainer receives a batch of the usual shape, every row generated w
 asynchrony bound and the version bookkeeping are those of a plain rollout. Pieces of the batch are handed over as
 soon as their groups are kept, the last one when the stage ends. Extra round r of step t samples with
 `fold_in(fold_in(key, t), r)`.
+
+Partial rollouts (`rpegjax.runtime.partial_rollouts`) are part of the stage too: generation keeps two batches of
+groups in flight, step t takes the first batch that completes and the rest carries into step t + 1's generation,
+continued with its weights; every token records the version that sampled it, and the staleness bound holds for
+the oldest token of each trained group.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from rpegjax.data.iterator import DataIterator
 from rpegjax.graph.ir import Graph, GraphError, Payload, StageKind
 from rpegjax.graph.trace import Trace
 from rpegjax.learners.group_filter import DynamicSamplingConfig, GroupBatchFiller
+from rpegjax.runtime.partial_rollouts import PartialRolloutConfig, PartialRollouts
 from rpegjax.runtime.programs import Piece, StagePrograms
 from rpegjax.runtime.sampled_groups import SampledGroup, group_piece, split_groups
 from rpegjax.runtime.scoring import RolloutScores, Scorer
@@ -39,7 +45,7 @@ from rpegjax.runtime.versions import generation_version
 class Rollout:
     """One step's rollout as the trainer receives it; pieces are filled in by the rollout stage as they finish.
     With dynamic sampling the rollout stage also sets `scores` and the final `data_state` before it hands
-    over the last piece."""
+    over the last piece; with partial rollouts `examples` (filled in place), `data_state` and `metrics`."""
 
     step: int
     version: int
@@ -47,6 +53,8 @@ class Rollout:
     pieces: list[concurrent.futures.Future]
     data_state: dict[str, Any]  # the data iterator's position after this step's batch (and extra rounds)
     scores: RolloutScores | None = None
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # the rollout stage's own (partial rollouts)
+    carry: dict[str, Any] | None = None  # partial rollouts: the groups in flight after this step (a checkpoint's)
 
 
 class RolloutStage:
@@ -54,12 +62,15 @@ class RolloutStage:
 
     `weights(version)` returns the generation-layout weights of `version` (waiting for them); `prompt_ids(examples)`
     tokenises a batch of examples (host work). Step t samples with `fold_in(key, t)`, so runs are reproducible
-    whatever the thread timing. Programs used: `programs.generate` (the pieces) and, with dynamic sampling,
+    whatever the thread timing. `newest(v, step)`: the newest published weights in (v, step] (partial rollouts'
+    weights in flight). Programs used: `programs.generate` (the pieces) and, with dynamic sampling,
     `scorer.collect` (each round's rewards, gathered over processes)."""
 
     def __init__(self, graph: Graph, programs: StagePrograms, data: DataIterator, *,
                  prompt_ids: Callable[[Sequence[Example]], list[list[int]]], key: jax.Array, trace: Trace,
-                 weights: Callable[[int], Any], scorer: Scorer, dynamic_sampling: DynamicSamplingConfig | None):
+                 weights: Callable[[int], Any], scorer: Scorer, dynamic_sampling: DynamicSamplingConfig | None,
+                 partial: PartialRolloutConfig | None = None,
+                 newest: Callable[[int, int], tuple[int, Any] | None] | None = None):
         generates = graph.stages_of_kind(StageKind.GENERATE)
         if len(generates) != 1:
             raise GraphError(f"the runtime needs exactly one generate stage, found {len(generates)}")
@@ -80,6 +91,13 @@ class RolloutStage:
         self.weights = weights
         self.scorer = scorer
         self.dynamic_sampling = dynamic_sampling
+        self.partial = None
+        self.newest = newest  # newest(v, step): a published version in (v, step] and its weights, or None
+        if partial is not None:
+            rollout = programs.rollout
+            self.partial = PartialRollouts(partial, sampler=rollout.sampler, sampling=rollout.sampling,
+                                           group_size=programs.group_size, batch_size=data.batch_size,
+                                           async_bound=self.async_bound)
 
     def check_batch(self, prompts: int) -> None:
         """Refuses a step of `prompts` prompts that do not split into the stage's micro-batches."""
@@ -92,8 +110,8 @@ class RolloutStage:
         version = self.weight_edge.read_version(step)
         assert version == generation_version(step, self.async_bound)
         params = self.weights(version)
-        examples = self.data.next_batch()
-        self.check_batch(len(examples))
+        examples = [] if self.partial is not None else self.data.next_batch()  # partial: taken by `generate`
+        self.check_batch(len(examples) if self.partial is None else self.data.batch_size)
         rollout = Rollout(step=step, version=version, examples=examples,
                           pieces=[concurrent.futures.Future() for _ in range(self.pieces)],
                           data_state=self.data.state())
@@ -108,6 +126,9 @@ class RolloutStage:
                 if self.dynamic_sampling is not None:
                     self._generate_filled(rollout, params)
                     return
+                if self.partial is not None:
+                    self._generate_partial(rollout, params)
+                    return
                 prompts, key = self.prompt_ids(rollout.examples), jax.random.fold_in(self.key, step)
                 for piece in self.programs.generate(params, rollout.examples, prompts, key=key, version=version,
                                                     pieces=self.pieces):
@@ -118,6 +139,33 @@ class RolloutStage:
                 if not future.done():
                     future.set_exception(error)
             raise
+
+    def _generate_partial(self, rollout: Rollout, params: Any) -> None:
+        """Partial rollouts (`rpegjax.runtime.partial_rollouts`): the groups in flight topped up with new prompts,
+        generated until the step's batch has completed; its pieces are handed over together."""
+        self.partial.fill(self.data.next_batch, self.prompt_ids)
+        rollout.data_state = self.data.state()
+        step = rollout.step
+        newer = None if self.newest is None else (lambda version: self.newest(version, step))
+        groups, rollout.metrics = self.partial.run_step(step, rollout.version, params,
+                                                        jax.random.fold_in(self.key, step), newer)
+        rollout.examples[:] = [g.example for g in groups]
+        rollout.carry = self.partial.snapshot(self.data.examples)
+        per_piece = len(groups) // self.pieces
+        for index in range(self.pieces):
+            chosen = range(index * per_piece, (index + 1) * per_piece)
+            items = [(c, None) for i in chosen for c in groups[i].completions(i, rollout.version)]
+            piece = self.programs.rollout.pack_piece(index, items, rollout.examples)
+            self._trace_reward(piece, rollout.step)
+            rollout.pieces[index].set_result(piece)
+
+    def restore_carry(self, carry: dict[str, Any] | None) -> None:
+        """Partial rollouts: the groups in flight that a resumed run's next step continues (a checkpoint's)."""
+        if carry is not None and self.partial is None:
+            raise ValueError("the checkpoint holds sequences carried over by partial rollouts (rollout.partial); "
+                             "resuming without them would lose their prompts: resume with rollout.partial=true")
+        if self.partial is not None:
+            self.partial.restore(carry or {"groups": []}, self.data.examples)
 
     # ---- dynamic sampling ----------------------------------------------------------------------
     def _generate_filled(self, rollout: Rollout, params: Any) -> None:

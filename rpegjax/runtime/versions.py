@@ -37,6 +37,12 @@ class ParameterStore:
                 raise TimeoutError(f"weights version {version} were not published within {timeout} s")
             return self._versions[version]
 
+    def newest(self, newer_than: int, at_most: int) -> tuple[int, Any] | None:
+        """The newest published version in (`newer_than`, `at_most`] and its weights, or None (never waits)."""
+        with self._condition:
+            candidates = [v for v in self._versions if newer_than < v <= at_most]
+            return None if not candidates else (max(candidates), self._versions[max(candidates)])
+
     def prune(self, keep_from: int) -> None:
         with self._condition:
             for version in [v for v in self._versions if v < keep_from]:

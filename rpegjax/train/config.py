@@ -30,6 +30,7 @@ from rpegjax.models.lora import LoRAConfig, LoRAGeneration, LoRATarget
 from rpegjax.models.precision import Precision, resolve_precision
 from rpegjax.options import MODEL_EXECUTION_FIELDS, AttentionKind, CacheLayout, DType, RematPolicy, parse_choice
 from rpegjax.rewards.custom import RewardSpec
+from rpegjax.runtime.partial_rollouts import PartialRolloutConfig, StalePolicy
 from rpegjax.rewards.format import overlong_penalty
 from rpegjax.rewards.task import Difficulty
 from rpegjax.rewards.tasks import TaskName
@@ -201,9 +202,25 @@ class RolloutSection:
     episode_token_budget: int | None = None
     tool_tags: tuple[str, ...] = ()
     sandbox_isolation: SandboxIsolation = SandboxIsolation.BUBBLEWRAP
+    # partial rollouts (`rpegjax.runtime.partial_rollouts`): inflight_batches batches of groups in flight, a step
+    # trains the first batch to complete and carries the rest into the next step's generation (newer weights);
+    # a trained token lags the trainer by at most max_token_lag versions (None: graph.async_bound + 2), the groups
+    # that would lag more are waited for or dropped (stale_policy); inflight_weights: a step's generation takes newer
+    # weights as soon as they are published, between decode chunks (the batches then depend on timing)
+    partial: bool = False
+    max_token_lag: int | None = None
+    stale_policy: StalePolicy = StalePolicy.WAIT
+    inflight_batches: int = 2
+    inflight_weights: bool = False
 
     def __post_init__(self) -> None:
         _positive(self, "prompts_per_step", "group_size", "max_new_tokens", "num_slots", "chunk_steps", "max_turns")
+        _choice(self, "stale_policy", StalePolicy)
+        if self.max_token_lag is not None:
+            _positive(self, "max_token_lag")
+        if self.inflight_batches < 2:
+            raise ValueError(f"RolloutSection.inflight_batches must be >= 2 (one batch completes while the others "
+                             f"decode), got {self.inflight_batches}")
         _choice(self, "env", EnvironmentName)
         _choice(self, "sandbox_isolation", SandboxIsolation)
         _choice(self, "kv_cache", CacheLayout)
@@ -552,9 +569,36 @@ class RunConfig:
         if self.model.path is None:  # a model from config.json is checked when it is read (build)
             self.lora.check_rank(**{name: getattr(self.model, name) for name in _WIDTHS}, where="the built model "
                                  f"(model.hidden_size={self.model.hidden_size})")
+        self._check_partial()
         if self.rollout.prompts_per_step % self.graph.generate_microbatches:
             raise ValueError(f"graph.generate_microbatches ({self.graph.generate_microbatches}) must divide "
                              f"rollout.prompts_per_step ({self.rollout.prompts_per_step})")
+
+    def _check_partial(self) -> None:
+        rollout = self.rollout
+        if rollout.inflight_weights and not rollout.partial:
+            raise ValueError("rollout.inflight_weights continues partial rollouts with newer weights; set "
+                             "rollout.partial=true too")
+        if not rollout.partial:
+            return
+        if rollout.max_token_lag is not None and rollout.max_token_lag <= self.graph.async_bound:
+            raise ValueError(f"rollout.max_token_lag ({rollout.max_token_lag}) must exceed graph.async_bound "
+                             f"({self.graph.async_bound}): new tokens already lag by it, no sequence could be carried")
+        if self.algorithm == Algorithm.GRPO and self.grpo.dynamic_sampling:
+            raise ValueError("rollout.partial with grpo.dynamic_sampling: not supported yet; use one of them")
+        if rollout.env != EnvironmentName.NONE:
+            raise ValueError(f"rollout.partial with rollout.env={rollout.env.value}: multi-turn episodes are not "
+                             "continued across steps yet")
+
+    def partial_rollouts(self) -> PartialRolloutConfig | None:
+        """The partial rollouts' settings (None: off)."""
+        rollout = self.rollout
+        if not rollout.partial:
+            return None
+        lag = self.graph.async_bound + 2 if rollout.max_token_lag is None else rollout.max_token_lag
+        return PartialRolloutConfig(max_token_lag=lag, stale_policy=rollout.stale_policy,
+                                    inflight_batches=rollout.inflight_batches,
+                                    inflight_weights=rollout.inflight_weights)
 
     def algorithm_section(self) -> GRPOSection | PPOConfig:
         """The section of this run's algorithm, `grpo` or `ppo` (its KL weight, optimiser, mini-batches)."""

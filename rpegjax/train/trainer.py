@@ -159,6 +159,7 @@ class _Start:
     step: int
     accuracy: float
     history: list[tuple[int, Any]]
+    carry: dict[str, Any] | None = None  # partial rollouts: the groups in flight at the checkpoint
 
 
 class Trainer:
@@ -191,7 +192,8 @@ class Trainer:
             hooks = self._hooks(job, start, console)
             try:
                 state = job.runtime.run(state, start_step=start.step, num_steps=self.cfg.train.steps - start.step,
-                                        history=start.history, on_step=lambda result, s: run_hooks(hooks, result, s))
+                                        history=start.history, carry=start.carry,
+                                        on_step=lambda result, s: run_hooks(hooks, result, s))
             finally:
                 console.progress.close()
         finally:
@@ -249,7 +251,8 @@ class Trainer:
                           key=jax.random.key(cfg.train.seed), trace=trace, concurrent_rollout=jax.process_count() == 1,
                           dynamic_sampling=grpo.dynamic_sampling_config() if grpo else None,
                           reward_shaping=grpo.overlong_shaping(cfg.rollout.max_new_tokens) if grpo else None,
-                          address=cfg.distributed.address() if groups is not None else ProcessAddress())
+                          address=cfg.distributed.address() if groups is not None else ProcessAddress(),
+                          partial=cfg.partial_rollouts())
         if runtime.links is not None:  # where each process's transfer server listens: the hosts of the run
             self.log("transfer servers: " + ", ".join(f"process {process} at {address}" for process, address
                                                       in enumerate(runtime.links.links.addresses)))
@@ -272,9 +275,9 @@ class Trainer:
     def _start(self, job: _Job) -> tuple[Any, _Start]:
         """The state to train from (restored with `resume`), the run's files opened, the held-out accuracy at
         step 0 (measured now unless a checkpoint holds it)."""
-        state, step, accuracy, history = job.state, 0, None, []
+        state, step, accuracy, history, carry = job.state, 0, None, [], None
         if self.resume:
-            state, step, accuracy, history = self._resume(job)
+            state, step, accuracy, history, carry = self._resume(job)
         self._write_config()
         wandb = ({"project": self.cfg.train.wandb_project, "mode": self.cfg.train.wandb_mode.value,
                   "config": json.loads(self.cfg.to_json())} if self.cfg.train.wandb else None)
@@ -289,7 +292,7 @@ class Trainer:
             self.adapters.keep(step, state.params)
         if job.runtime.links is not None:  # the generation processes start where this run does
             job.runtime.links.send_start(step, job.data.state())
-        return state, _Start(step=step, accuracy=accuracy, history=history)
+        return state, _Start(step=step, accuracy=accuracy, history=history, carry=carry)
 
     def _write_config(self) -> None:
         """config.json and graph.json: written only once a resumed run has been checked against its
@@ -300,11 +303,12 @@ class Trainer:
             write_atomically(self.run_dir / "graph.json", self.parts.graph.to_json())
 
     # ---- resume ----------------------------------------------------------------------------------
-    def _resume(self, job: _Job) -> tuple[Any, int, float | None, list[tuple[int, Any]]]:
-        """The state, next step, start accuracy and older weights versions of the last complete checkpoint
+    def _resume(self, job: _Job) -> tuple[Any, int, float | None, list[tuple[int, Any]], dict[str, Any] | None]:
+        """The state, next step, start accuracy, older weights versions and the groups partial rollouts had in
+        flight of the last complete checkpoint
         (`rpegjax.train.resume`); from scratch when there is none. Either way the records of the steps trained
         again are set aside."""
-        checkpoints, state, step, accuracy, history = job.checkpoints, job.state, 0, None, []
+        checkpoints, state, step, accuracy, history, carry = job.checkpoints, job.state, 0, None, [], None
         if checkpoints.latest_step() is None:
             self.log(f"no complete checkpoint in {checkpoints.directory}: starting from scratch")
         else:
@@ -316,12 +320,13 @@ class Trainer:
             step, accuracy = meta["next_step"], meta["start_accuracy"]
             check_steps(self.run_dir, self.cfg.train.steps, step)
             job.data.restore(meta["data_state"])
+            carry = meta.get("partial_rollouts")  # absent in checkpoints older than partial rollouts
             self.log(f"resumed from step {step} ({checkpoints.directory / str(step)})")
         if self.main:
             for kept in (set_aside_later_metrics(self.run_dir, step), SampleLog(self.run_dir).truncate(step)):
                 if kept is not None:
                     self.log(f"records of steps after {step} from the earlier attempt, trained again now: moved to {kept}")
-        return state, step, accuracy, history
+        return state, step, accuracy, history, carry
 
     def _restore(self, job: _Job) -> tuple[Any, list[tuple[int, Any]], dict[str, Any]]:
         """The newest checkpoint that restores (a damaged newer one is reported and set aside)."""
@@ -392,6 +397,7 @@ class Trainer:
         if self.adapters is not None:
             history = {v: self.adapters.versions[int(v)] for v in history}
         meta = {"next_step": step, "data_state": info.result.data_state, "start_accuracy": start_accuracy,
+                "partial_rollouts": info.result.carry,
                 "history_versions": sorted(int(v) for v in history), "reference_fingerprint": job.reference_print,
                 "graph": json.loads(self.parts.graph.to_json()), "config": json.loads(self.cfg.to_json())}
         job.checkpoints.save(step, {"state": state, "history": history}, meta)

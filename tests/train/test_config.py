@@ -303,3 +303,24 @@ def test_packing_flags_reach_the_plan_and_a_plan_is_never_overridden(tmp_path):
         build_graph(other, num_devices=1)
     unset, _ = parse_args([*KV_TINY, f"--plan={plan}", f"--run-dir={tmp_path / 'run'}"], Algorithm.GRPO)
     assert build_graph(unset, num_devices=1).execution.max_tokens_per_micro_batch == 128  # unset: the plan's
+
+
+def test_partial_rollout_flags_reach_the_runtime_settings_and_bad_ones_are_refused():
+    from rpegjax.runtime.partial_rollouts import PartialRolloutConfig, StalePolicy
+    from rpegjax.train.config import GraphSection, GRPOSection
+
+    assert RunConfig().partial_rollouts() is None
+    config = RunConfig(rollout=RolloutSection(partial=True, stale_policy="drop"), graph=GraphSection(async_bound=1))
+    assert config.partial_rollouts() == PartialRolloutConfig(max_token_lag=3, stale_policy=StalePolicy.DROP)
+    assert RunConfig.from_json(config.to_json()) == config
+    with pytest.raises(ValueError, match=r"rollout.max_token_lag \(1\) must exceed graph.async_bound \(1\)"):
+        RunConfig(rollout=RolloutSection(partial=True, max_token_lag=1), graph=GraphSection(async_bound=1))
+    with pytest.raises(ValueError, match="rollout.partial with grpo.dynamic_sampling"):
+        RunConfig(rollout=RolloutSection(partial=True), grpo=GRPOSection(dynamic_sampling=True, group_size=8))
+    with pytest.raises(ValueError, match="inflight_batches must be >= 2"):
+        RolloutSection(inflight_batches=1)
+    with pytest.raises(ValueError, match="stale_policy"):
+        RolloutSection(stale_policy="later")
+    with pytest.raises(ValueError, match="rollout.inflight_weights continues partial rollouts"):
+        RunConfig(rollout=RolloutSection(inflight_weights=True))
+    assert RunConfig(rollout=RolloutSection(partial=True, inflight_weights=True)).partial_rollouts().inflight_weights

@@ -1,0 +1,242 @@
+"""Partial rollouts: generation keeps more groups in flight than a step trains, a step takes the first groups that
+complete, and the sequences still decoding carry over into the next step's generation, with its newer weights.
+
+Each step's generation serves every group in flight (`PartialRolloutConfig.inflight_batches` batches of prompts:
+the groups carried over, topped up with new prompts) and is interrupted between decode chunks
+(`Sampler.serve(interrupt=...)`) as soon as the step's batch of complete groups is there; the sequences still
+running come back as prefixes (`FinishReason.PARTIAL`). A carried sequence continues at the next step by
+*recomputing* its prefix: it is a request of context prompt + prefix, prefilled with the new weights. Recompute
+rather than keeping its pages: a kept KV cache holds keys and values of older weights, so the new tokens'
+log-probs would match no single model's forward; after a recompute, the log-prob recorded for every token is
+exactly that of a full forward under the weights version that sampled it, which the corrections of the learners
+assume (`Completion.token_versions`). The price is one prefill of the prefix per carry, small next to the decode
+steps it saves.
+
+Staleness is bounded per token: a group trained at step t has all its tokens of versions >= t - `max_token_lag`.
+New tokens of step t are of version t - k (asynchrony bound k), so a group may be carried until its oldest token
+would lag more. A group that cannot be carried once more is *due*: with `StalePolicy.WAIT` the step's generation
+is not interrupted before every due group has completed, and due groups come first in the batch; with
+`StalePolicy.DROP` the step takes its batch as soon as it can and the due groups that did not make it are
+dropped. Either way no group is ever trained beyond the bound (with WAIT only when more groups are due than a
+batch holds, which a bound of one carry and two batches in flight never reaches, are the extra ones dropped).
+
+Every request's PRNG stream is its position in the step's call under `fold_in(key, step)`, and the order of the
+groups is deterministic, so a run's batches do not depend on thread timing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from rpegjax.data.example import Example
+from rpegjax.generate.completion import Completion, FinishReason
+from rpegjax.generate.requests import Request
+from rpegjax.generate.sampler import Sampler
+from rpegjax.generate.sampling import SamplingConfig
+
+
+class StalePolicy(enum.StrEnum):
+    WAIT = "wait"  # a step's generation waits for the groups that cannot be carried further
+    DROP = "drop"  # those groups are dropped when the step's batch is full without them
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PartialRolloutConfig:
+    """`max_token_lag`: the most weights versions a trained token may lag the trainer (step t trains tokens of
+    versions >= t - max_token_lag; it must exceed the asynchrony bound k, whose new tokens lag by k).
+    `inflight_batches`: groups kept in flight, in batches of a step's prompts (>= 2: a step stops when one
+    batch has completed, while the others keep decoding). `inflight_weights`: a step's generation takes a newer
+    weights version as soon as it is published (between decode chunks, without dropping a sequence), not only at
+    the next step; when it arrives depends on the trainer's timing, so the batches are no longer reproducible
+    run to run (nor after a resume, which still loses and repeats no prompt)."""
+
+    max_token_lag: int
+    stale_policy: StalePolicy = StalePolicy.WAIT
+    inflight_batches: int = 2
+    inflight_weights: bool = False
+
+    def __post_init__(self) -> None:
+        for name, least in (("max_token_lag", 1), ("inflight_batches", 2)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"PartialRolloutConfig.{name} must be an integer >= {least}, got {value!r}")
+        object.__setattr__(self, "stale_policy", StalePolicy(self.stale_policy))
+
+
+@dataclasses.dataclass
+class _Sample:
+    """One sequence of a group: its response so far, with the log-prob and weights version of every token."""
+
+    tokens: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0,), np.int32))
+    logprobs: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0,), np.float32))
+    versions: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0,), np.int64))
+    finish: FinishReason | None = None
+
+    def extend(self, completion: Completion, version: int) -> None:
+        self.tokens = np.concatenate([self.tokens, completion.response_ids.astype(np.int32)])
+        self.logprobs = np.concatenate([self.logprobs, completion.behaviour_logprobs.astype(np.float32)])
+        self.versions = np.concatenate([self.versions, np.full((completion.length,), version, np.int64)])
+        self.finish = None if completion.finish_reason == FinishReason.PARTIAL else completion.finish_reason
+
+
+@dataclasses.dataclass(eq=False)
+class Group:
+    """One prompt's group of samples in flight."""
+
+    example: Example
+    prompt: np.ndarray  # int32 [s]
+    samples: list[_Sample]
+
+    @property
+    def complete(self) -> bool:
+        return all(s.finish is not None for s in self.samples)
+
+    def oldest(self) -> int | None:
+        """The oldest weights version of its tokens (None: none sampled yet)."""
+        versions = [int(s.versions.min()) for s in self.samples if len(s.versions)]
+        return min(versions) if versions else None
+
+    def completions(self, prompt_index: int, version: int) -> list[Completion]:
+        """Its finished samples as completions (`prompt_index`: its row block in the batch)."""
+        return [Completion(prompt_index=prompt_index, sample_index=j, prompt_ids=self.prompt.copy(),
+                           response_ids=s.tokens.copy(), behaviour_logprobs=s.logprobs.copy(), finish_reason=s.finish,
+                           version=version, token_versions=s.versions.copy()) for j, s in enumerate(self.samples)]
+
+
+class PartialRollouts:
+    """The groups in flight across steps (host state of the rollout thread) and one step's generation over them.
+
+    `sampler` generates with `sampling`, `group_size` samples per prompt; a step trains `batch_size` groups; new
+    tokens of step t are of version t - `async_bound`."""
+
+    def __init__(self, config: PartialRolloutConfig, *, sampler: Sampler, sampling: SamplingConfig, group_size: int,
+                 batch_size: int, async_bound: int):
+        if config.max_token_lag <= async_bound:
+            raise ValueError(f"partial rollouts: max_token_lag={config.max_token_lag} must exceed the asynchrony "
+                             f"bound {async_bound} (new tokens already lag by it), or no sequence could be carried")
+        self.config = config
+        self.sampler = sampler
+        self.sampling = sampling
+        self.group_size = group_size
+        self.batch_size = batch_size
+        self.pool: list[Group] = []
+
+    def fill(self, take_batch: Callable[[], list[Example]],
+             prompt_ids: Callable[[Sequence[Example]], list[list[int]]]) -> None:
+        """Tops the groups in flight up to `inflight_batches` batches with new prompts, a batch at a time."""
+        while len(self.pool) < self.config.inflight_batches * self.batch_size:
+            examples = take_batch()
+            for example, ids in zip(examples, prompt_ids(examples), strict=True):
+                self.pool.append(Group(example=example, prompt=np.asarray(ids, np.int32),
+                                       samples=[_Sample() for _ in range(self.group_size)]))
+
+    def _due(self, step: int) -> list[Group]:
+        """The groups that cannot be carried past step `step`: trained later, a token would lag too much."""
+        return [g for g in self.pool if (o := g.oldest()) is not None and step + 1 - o > self.config.max_token_lag]
+
+    def _requests(self) -> tuple[list[Request], list[tuple[Group, list[int]]]]:
+        """The requests continuing every unfinished sample, and whose samples each one serves. An untouched group
+        is one request (its samples share a prefill); a started sample continues from prompt + its tokens."""
+        requests, owners = [], []
+        budget = self.sampling.max_new_tokens
+        for group in self.pool:
+            unfinished = [j for j, s in enumerate(group.samples) if s.finish is None]
+            if not unfinished:
+                continue
+            if group.oldest() is None and len(unfinished) == len(group.samples):
+                requests.append(Request(tokens=group.prompt, budget=budget, samples=len(unfinished),
+                                        key_index=len(requests)))
+                owners.append((group, unfinished))
+                continue
+            for j in unfinished:
+                sample = group.samples[j]
+                requests.append(Request(tokens=np.concatenate([group.prompt, sample.tokens]),
+                                        budget=budget - len(sample.tokens), key_index=len(requests)))
+                owners.append((group, [j]))
+        return requests, owners
+
+    def run_step(self, step: int, version: int, params: Any, key: jax.Array,
+                 newer: Callable[[int], tuple[int, Any] | None] | None = None) -> tuple[list[Group], dict[str, float]]:
+        """Generates over the groups in flight with weights `version` until step `step`'s batch is complete;
+        returns the batch's groups (due ones first, then in order of completion) and the step's metrics.
+
+        `newer(v)`: a newer weights version than v and its weights, or None (asked between decode chunks when
+        `inflight_weights`): the sequences running are then handed back and continue at once with the newer
+        weights (their prefixes recomputed), the call's next segment drawing with `fold_in(key, segment)`."""
+        due = self._due(step) if self.config.stale_policy == StalePolicy.WAIT else []
+        completed = [g for g in self.pool if g.complete]
+        first_version = version
+        batch = self.batch_size
+
+        def enough() -> bool:
+            return len(completed) >= batch and all(g.complete for g in due)
+
+        segments = 0
+        while True:
+            update: list[tuple[int, Any]] = []
+
+            def interrupt() -> bool:
+                if enough():
+                    return True
+                found = newer(version) if newer is not None and self.config.inflight_weights else None
+                update.extend([found] if found is not None else [])
+                return found is not None
+
+            requests, owners = self._requests()
+            if not requests or enough():
+                break
+            draw = jax.random.fold_in(key, segments) if segments else key
+            for completion in self.sampler.serve(params, requests, self.sampling, key=draw, version=version,
+                                                 interrupt=interrupt):
+                group, samples = owners[completion.prompt_index]
+                group.samples[samples[completion.sample_index]].extend(completion, version)
+                if completion.finish_reason != FinishReason.PARTIAL and group.complete:
+                    completed.append(group)
+            if not update:
+                break
+            (version, params), segments = update[0], segments + 1
+        due_ids = {id(g) for g in due}
+        ordered = [g for g in completed if id(g) in due_ids] + [g for g in completed if id(g) not in due_ids]
+        if len(ordered) < batch:
+            raise RuntimeError(f"step {step}: {len(ordered)} complete groups for a batch of {batch} after every "
+                               "sequence in flight was served (a bug in the partial rollouts' bookkeeping)")
+        chosen = {id(g) for g in ordered[:batch]}
+        remaining = [g for g in self.pool if id(g) not in chosen]
+        self.pool = [g for g in remaining if (o := g.oldest()) is None or step + 1 - o <= self.config.max_token_lag]
+        metrics = self._metrics(ordered[:batch], first_version, dropped=len(remaining) - len(self.pool))
+        metrics["partial/weight_updates_in_flight"] = float(segments)
+        return ordered[:batch], metrics
+
+    # ---- resume ------------------------------------------------------------------------------------
+    def snapshot(self, examples: Sequence[Example]) -> dict[str, Any]:
+        """The groups in flight as JSON-able data (a checkpoint's): each group's example as its index in
+        `examples` (the data set), its prompt and its samples' tokens, log-probs, versions and finish."""
+        index = {}
+        for i, example in enumerate(examples):
+            index.setdefault(example, i)
+        return {"groups": [{"example": index[g.example], "prompt": g.prompt.tolist(), "samples": [
+            {"tokens": s.tokens.tolist(), "logprobs": s.logprobs.tolist(), "versions": s.versions.tolist(),
+             "finish": None if s.finish is None else s.finish.value} for s in g.samples]} for g in self.pool]}
+
+    def restore(self, snapshot: dict[str, Any], examples: Sequence[Example]) -> None:
+        """The groups in flight of `snapshot` (from `snapshot`); float32 log-probs round-trip exactly."""
+        self.pool = [Group(example=examples[g["example"]], prompt=np.asarray(g["prompt"], np.int32), samples=[
+            _Sample(tokens=np.asarray(s["tokens"], np.int32).reshape(-1),
+                    logprobs=np.asarray(s["logprobs"], np.float32).reshape(-1),
+                    versions=np.asarray(s["versions"], np.int64).reshape(-1),
+                    finish=None if s["finish"] is None else FinishReason(s["finish"])) for s in g["samples"]])
+            for g in snapshot["groups"]]
+
+    def _metrics(self, groups: list[Group], version: int, *, dropped: int) -> dict[str, float]:
+        """Carried: sampled before this step's generation began (with versions older than its first, `version`)."""
+        carried = [s for g in groups for s in g.samples if len(s.versions) and s.versions.min() < version]
+        return {"partial/carried_groups": float(len(self.pool)),
+                "partial/dropped_groups": float(dropped),
+                "partial/carried_sequences": float(len(carried)),
+                "partial/carried_tokens": float(sum(int((s.versions < version).sum()) for s in carried))}
