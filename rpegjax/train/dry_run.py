@@ -47,10 +47,12 @@ from rpegjax.runtime.meshes import device_ids, stage_mesh
 from rpegjax.runtime.training_programs import TrainingPrograms
 from rpegjax.runtime.weight_sync import WeightSyncPrograms
 from rpegjax.sharding.abstract import with_shardings
-from rpegjax.train.compile_target import DryRunTarget, compile_devices, describe
+from rpegjax.perf.hardware import HardwareSpec
+from rpegjax.train.compile_target import GPU_SPECS, DryRunTarget, compile_devices, describe
 from rpegjax.train.plan_document import read_plan_file
 
 GB = 1e9
+USABLE_FRACTION = HardwareSpec.usable_memory_fraction  # what the planner's presets leave to the runtime
 _REEXEC_FLAG = "RPEGJAX_DRY_RUN_DEVICES"
 
 
@@ -263,7 +265,7 @@ def lower_step(graph: Graph, learner: Learner, sampler: Sampler, training: Train
         label = (f"{program} ({sampler.num_slots} slots x {sampler.capacity} tokens)" if program == "decode"
                  else program)
         lowered.append(LoweredProgram(stage=generate.name, program=label, lowered=generation, mesh=sampler.mesh,
-                                      resident=beside, predicted=program == "decode"))
+                                      resident=beside, predicted=True))  # the stage's peak covers each
     return lowered
 
 
@@ -364,16 +366,18 @@ class RunPlan:
     lora: LoRAConfig | None
     generation_dtype: str | None
     prediction: dict[str, Any] | None
+    devices: tuple[jax.Device, ...]  # to compile for
 
     def lower(self, log: Callable[[str], None] = lambda line: None) -> list[LoweredProgram]:
         return lower_plan(self.graph, self.model_cfg, self.algorithm, self.batch, lora=self.lora,
-                          sampling=self.sampling, generation_dtype=self.generation_dtype, log=log)
+                          sampling=self.sampling, generation_dtype=self.generation_dtype, devices=self.devices, log=log)
 
 
-def run_plan(cfg) -> RunPlan:
+def run_plan(cfg, target: DryRunTarget = DryRunTarget.CPU) -> RunPlan:
     """The graph (its plan, if any), model shape and precision, step batch, prompt width (rendered as the run
     renders prompts) and sampler slots of a job's config, as `rpegjax.train.build` makes them, without loading
-    weights or allocating. A plan document made for another model or step shapes is refused
+    weights or allocating, on the devices of `target` (`compile_target`; a CUDA target needs a plan: it gives the
+    device count). A plan document made for another model or step shapes is refused
     (`rpegjax.train.plan_document`)."""
     from rpegjax.models.tokenizer import builtin_tokenizer, load_tokenizer
     from rpegjax.train import build as job
@@ -385,12 +389,16 @@ def run_plan(cfg) -> RunPlan:
     environment = job.run_environment(cfg)
     prompt_ids = job.encode_prompts(examples, job.run_template(cfg), tokenizer, environment)
     prompt = job.check_prompt_lengths(examples, prompt_ids, cfg.rollout.max_prompt_len)
-    graph = job.build_graph(cfg, num_devices=jax.device_count())
+    if target is not DryRunTarget.CPU and cfg.graph.plan is None:
+        raise ValueError(f"dry run target {target.value!r}: give the run's plan (--plan plan.json), which says on how "
+                         f"many GPUs it runs")
+    devices = tuple(compile_devices(target, plan_devices(cfg) if cfg.graph.plan else jax.device_count()))
+    graph = job.build_graph(cfg, num_devices=len(devices))
     model_cfg = job.run_model_config(cfg, tokenizer, value_head=False).replace(**graph.execution.model_fields())
     job.check_plan_shapes(cfg, model_cfg, prompt)
     rollout = cfg.rollout
     rows = rollout.prompts_per_step * rollout.group_size
-    slots = job.run_slots(cfg, graph, len(eval_examples))
+    slots = job.run_slots(cfg, graph, len(eval_examples), devices)
     algorithm, lora = job.run_algorithm(cfg), cfg.lora.config()
     prediction = None if cfg.graph.plan is None else read_plan_file(cfg.graph.plan).prediction
     sampling = run_sampling(cfg) if environment is None else episode_sampling(run_sampling(cfg), tokenizer, environment)
@@ -398,13 +406,17 @@ def run_plan(cfg) -> RunPlan:
                    batch=Batch(rows=rows, prompt=prompt, new=rollout.max_new_tokens, slots=slots,
                                group_size=rollout.group_size, chunk_steps=rollout.chunk_steps,
                                multi_turn=environment is not None),
-                   generation_dtype=cfg.model.generation_dtype, prediction=prediction)
+                   generation_dtype=cfg.model.generation_dtype, prediction=prediction, devices=devices)
 
 
-def dry_run_config(cfg, *, capacity_bytes: float | None, log: Callable[[str], None]) -> DryRunReport:
-    """The dry run of a training job's config (`train_grpo.py ... --dry-run`, `run_plan`). `capacity_bytes`: per
-    device; None reads the devices' own limit."""
-    plan = run_plan(cfg)
+def dry_run_config(cfg, *, capacity_bytes: float | None, log: Callable[[str], None],
+                   target: DryRunTarget = DryRunTarget.CPU) -> DryRunReport:
+    """The dry run of a training job's config (`train_grpo.py ... --dry-run`, `run_plan`) on `target`'s devices.
+    `capacity_bytes`: per device; None reads the devices' own limit (a CUDA target: 90% of its GPU's memory, as
+    the planner's hardware presets leave 10% to the runtime)."""
+    plan = run_plan(cfg, target)
+    if capacity_bytes is None and target is not DryRunTarget.CPU:
+        capacity_bytes = USABLE_FRACTION * GPU_SPECS[target].memory_bytes
     if capacity_bytes is None:
         stats = jax.devices()[0].memory_stats() or {}
         if "bytes_limit" not in stats:
