@@ -27,7 +27,7 @@ from rpegjax.perf import executable, explain, hardware, planner, step_model, val
 from rpegjax.perf import profile as hardware_profile
 from rpegjax.perf.generation_cost import ResponseLengths
 from rpegjax.perf.stage_costs import ExecutionOptions, Workload
-from rpegjax.train.compile_target import DryRunTarget, compile_devices, cuda_plugin_installed
+from rpegjax.train.compile_target import DryRunTarget, compile_devices, cuda_plugin_installed, prepare_host
 from rpegjax.train.plan_document import model_shape
 
 MODEL_PRESETS = {
@@ -238,6 +238,8 @@ def load_hardware(args: argparse.Namespace) -> hardware.HardwareSpec:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.verify:
+        prepare_host(args.verify_target)  # a CUDA target: this process itself on the CPU
     if args.verify and args.verify_target is DryRunTarget.CPU:
         from rpegjax.train.dry_run import ensure_devices
 

@@ -506,9 +506,10 @@ def describe_lora(parts) -> str:
 def _dry_run(config: RunConfig, memory_gb: float | None, target: str, say) -> int:
     """`--dry-run`: the table on stdout; 0 when every program fits, 3 when one does not, 2 for bad input."""
     from rpegjax.train import dry_run
-    from rpegjax.train.compile_target import DryRunTarget
+    from rpegjax.train.compile_target import DryRunTarget, prepare_host
 
     try:
+        prepare_host(DryRunTarget(target))
         if DryRunTarget(target) is DryRunTarget.CPU:
             dry_run.ensure_devices(dry_run.plan_devices(config))  # may re-run this process on virtual devices
         report = dry_run.dry_run_config(config, capacity_bytes=None if memory_gb is None else memory_gb * 1e9, log=say,

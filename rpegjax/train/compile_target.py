@@ -86,6 +86,13 @@ def cuda_plugin_installed() -> bool:
             and importlib.util.find_spec("jax_plugins.xla_cuda12") is not None)
 
 
+def prepare_host(target: DryRunTarget) -> None:
+    """For a CUDA target, runs this process's own work on the CPU unless JAX_PLATFORMS says otherwise: the plugin
+    then loads without a CUDA runtime or driver. Call before anything starts JAX's backends (no effect after)."""
+    if DryRunTarget(target) is not DryRunTarget.CPU and not jax.config.jax_platforms:
+        jax.config.update("jax_platforms", "cpu")
+
+
 def compile_devices(target: DryRunTarget, count: int) -> list[jax.Device]:
     """`count` devices to compile a plan's programs for. CPU: this process's first `count` (call
     `rpegjax.train.dry_run.ensure_devices` first); CUDA: compile-only devices of the target GPU, one host."""
@@ -101,10 +108,7 @@ def compile_devices(target: DryRunTarget, count: int) -> list[jax.Device]:
         raise ValueError(f"dry run target {target.value!r}: JAX's CUDA plugin is not installed, so nothing here "
                          f"compiles for a GPU; install it (pip install 'rpegjax[gpu-aot]', i.e. "
                          f"jax-cuda12-plugin=={jax.__version__}) or compile for this machine's devices (target cpu)")
-    if not jax.config.jax_platforms:
-        # the host side runs on the CPU: the plugin then loads without a CUDA runtime or driver (no effect once
-        # JAX's backends are up)
-        jax.config.update("jax_platforms", "cpu")
+    prepare_host(target)
     try:
         topology = topologies.get_topology_desc(platform="cuda", topology=f"1x1x{count}",
                                                 target_config=GPU_SPECS[target].target_config())
@@ -123,4 +127,4 @@ def describe(devices: Sequence[jax.Device]) -> str:
             + (", compile-only: XLA's GPU compiler, no device" if compile_only else "") + ")")
 
 
-__all__ = ["DryRunTarget", "GPU_SPECS", "GpuSpec", "compile_devices", "cuda_plugin_installed", "describe"]
+__all__ = ["DryRunTarget", "GPU_SPECS", "GpuSpec", "compile_devices", "cuda_plugin_installed", "describe", "prepare_host"]

@@ -5,6 +5,7 @@ CI installs the plugin (`.ci/run`: `pip install -e '.[test,gpu-aot]'`); elsewher
 saying so."""
 
 import dataclasses
+import json
 import importlib.util
 import pathlib
 import sys
@@ -81,3 +82,39 @@ def test_the_gpu_compiler_holds_bfloat16_activations_where_xla_cpu_holds_float32
     decode = compile_programs(lowered["bfloat16"][-1:], capacity_bytes=1e9).programs[0]
     page_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2  # k and v, bfloat16, per token
     assert decode.arguments > page_bytes * batch.slots // 4  # at least a slot replica's pool (kv heads over tensor)
+
+
+def test_the_jobs_dry_run_on_a_cuda_target_needs_the_plan(tmp_path, capsys):
+    from rpegjax.train.cli import main
+    from rpegjax.train.config import RunConfig
+
+    code = main(["--dry-run", "--dry-run-target", "cuda-h100", "--run-dir", str(tmp_path / "run")], RunConfig().algorithm)
+    assert code == 2 and "give the run's plan (--plan plan.json)" in capsys.readouterr().err
+
+
+@needs_plugin
+def test_the_jobs_dry_run_lowers_its_plan_for_compile_only_gpus(tmp_path):
+    """`train_grpo.py --plan plan.json --dry-run --dry-run-target cuda-gh200`: the run's model at its shapes, on
+    the plan's 4 devices, as GH200s (lowered; one program compiled)."""
+    from rpegjax.models.tokenizer import builtin_tokenizer
+    from rpegjax.train.build import run_model_config
+    from rpegjax.train.config import RunConfig, WarmStartSection
+    from rpegjax.train.dry_run import run_plan
+    from rpegjax.train.plan_document import model_shape
+
+    graph = builders.grpo_graph(use_reference=False, num_devices=4, parallel={"fsdp": 4})
+    cfg = RunConfig(warm_start=WarmStartSection(steps=0))
+    model = run_model_config(cfg, builtin_tokenizer(), value_head=False)
+    probe = run_plan(cfg)  # the run's own prompt width, on this machine's devices
+    rollout = cfg.rollout
+    document = {"model": "builtin", "model_config": model_shape(model),
+                "workload": {"prompts": rollout.prompts_per_step, "group_size": rollout.group_size,
+                             "prompt_tokens": probe.batch.prompt, "response_max": rollout.max_new_tokens},
+                "plans": [{"name": "best", "graph": graph.to_dict(), "prediction": {"step_seconds": 1.0, "stages": []}}]}
+    (tmp_path / "plan.json").write_text(json.dumps(document))
+    cfg = cfg.replace(graph=dataclasses.replace(cfg.graph, plan=str(tmp_path / "plan.json")))
+    planned = run_plan(cfg, DryRunTarget.CUDA_GH200)
+    assert len(planned.devices) == 4 and {d.device_kind for d in planned.devices} == {"NVIDIA GH200 96GB HBM3"}
+    programs = planned.lower()
+    report = compile_programs(programs[:1], capacity_bytes=86.4e9)
+    assert report.programs[0].stage == "old_logprob" and "4 x NVIDIA GH200 96GB HBM3" in report.devices
