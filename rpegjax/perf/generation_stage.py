@@ -3,6 +3,7 @@ prefill + decode loop (`rpegjax.perf.generation_cost` simulates the loop), for o
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -68,7 +69,7 @@ def generation_memory(inputs: CostInputs, layout: Layout, kv_budget_bytes: float
     per_token = kv_bytes_per_token(inputs.actor, layout)
     capacity = w.prompt_tokens + w.responses.max
     share = math.ceil(w.sequences / layout.replicas)
-    transient = lambda slots: decode_working_bytes(inputs, layout, slots)  # noqa: E731
+    transient = functools.partial(decode_working_bytes, inputs, layout)  # bytes beside the cache, by slots
     per_slot = kv_bytes_per_slot(inputs, layout) + transient(1)
     if o.kv_pool:
         pool_bytes = (o.kv_pool_tokens * per_token if o.kv_pool_tokens is not None
@@ -149,5 +150,5 @@ def generation_cost(inputs: CostInputs, layout: Layout, *, kv_budget_bytes: floa
                 "generated_tokens": generated})
 
 
-__all__ = ["decode_transient_bytes", "decode_working_bytes", "generation_cost", "generation_memory", "kv_bytes_per_slot", "kv_bytes_per_token",
-           "pool_tokens_per_slot"]
+__all__ = ["decode_transient_bytes", "decode_working_bytes", "generation_cost", "generation_memory", "kv_bytes_per_slot",
+           "kv_bytes_per_token", "pool_tokens_per_slot"]
