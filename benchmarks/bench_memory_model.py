@@ -10,7 +10,9 @@ graph, execution options and batch. Per stage:
     predicted = the model's persistent state on the stage's devices + the stage's transient bytes
 
 and the relative error (predicted / compiled − 1). Target: within 15%. XLA's CPU backend computes bfloat16
-matmuls through float32 copies, so bfloat16 rows are compiled in float32 here (`--dtype`).
+matmuls through float32 copies, so on the CPU target bfloat16 rows are compiled in float32 (`--dtype`);
+`--target cuda-h100` compiles with XLA's GPU compiler for 8 compile-only H100s instead (JAX's CUDA plugin:
+`pip install -e ".[gpu-aot]"`; `rpegjax.train.compile_target`), where bfloat16 is what a GPU holds.
 
     python benchmarks/bench_memory_model.py --models 0.5b --tokens 2048,4096 --layouts fsdp8,fsdp4xtp2
 """
@@ -33,6 +35,7 @@ from rpegjax.models import ModelConfig
 from rpegjax.perf import hardware, step_model
 from rpegjax.perf.generation_cost import ResponseLengths
 from rpegjax.perf.stage_costs import Workload
+from rpegjax.train.compile_target import DryRunTarget, compile_devices
 from rpegjax.train.dry_run import Batch, dry_run
 
 GIB = 1 << 30
@@ -41,8 +44,9 @@ LAYOUTS = {"fsdp8": {"data": 1, "fsdp": 8, "tensor": 1}, "fsdp4xtp2": {"data": 1
 
 
 def compare(model: ModelConfig, parallel: dict[str, int], tokens: int, prompt: int, execution: Execution,
-            *, logprob_chunk: int = 256) -> list[dict]:
-    """Rows of (stage, compiled peak, predicted peak) for one shape; one row per data replica and device."""
+            *, logprob_chunk: int = 256, target: DryRunTarget = DryRunTarget.CPU) -> list[dict]:
+    """Rows of (stage, compiled peak, predicted peak) for one shape; one row per data replica and device,
+    compiled for `target`'s devices."""
     graph = dataclasses.replace(builders.grpo_graph(use_reference=True, num_devices=8, parallel=parallel),
                                 execution=execution)
     replicas = parallel["data"] * parallel["fsdp"]
@@ -54,7 +58,7 @@ def compare(model: ModelConfig, parallel: dict[str, int], tokens: int, prompt: i
     predicted = {s.name: s.peak_memory_bytes for s in prediction.stages}
     report = dry_run(graph, cfg, GRPOConfig(group_size=replicas, kl_coef=0.04, logprob_chunk_size=logprob_chunk),
                      Batch(rows=replicas, prompt=prompt, new=tokens - prompt, slots=replicas, group_size=replicas),
-                     capacity_bytes=hw.usable_memory_bytes, predicted=predicted)
+                     capacity_bytes=hw.usable_memory_bytes, predicted=predicted, devices=compile_devices(target, 8))
     rows = []
     for program in report.programs:
         if program.predicted is None:  # a program the model does not predict alone (prefill, weight sync)
@@ -75,6 +79,7 @@ def main() -> None:
     parser.add_argument("--remat", default="full,none", help="comma-separated policies")
     parser.add_argument("--dtype", default="float32", help="compute dtype (master weights float32)")
     parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--target", default="cpu", choices=list(DryRunTarget), help="what to compile for")
     args = parser.parse_args()
     print("| model | layout | tokens/row | attention | remat | stage | program | XLA program GiB | resident GiB "
           "| compiled peak GiB | predicted GiB | error | compile s |")
@@ -87,7 +92,7 @@ def main() -> None:
         if args.layers:
             model = model.replace(num_layers=args.layers)
         execution = Execution(attention=attention, remat=remat, scan_layers=True, param_dtype="float32", dtype=args.dtype)
-        for row in compare(model, LAYOUTS[layout], tokens, args.prompt, execution):
+        for row in compare(model, LAYOUTS[layout], tokens, args.prompt, execution, target=DryRunTarget(args.target)):
             error = row["predicted"] / row["compiled"] - 1
             errors.append(abs(error))
             print(f"| {size}{'' if not args.layers else f' ({args.layers} layers)'} | {layout} | {tokens} | {attention} "

@@ -27,6 +27,7 @@ from rpegjax.perf import executable, explain, hardware, planner, step_model, val
 from rpegjax.perf import profile as hardware_profile
 from rpegjax.perf.generation_cost import ResponseLengths
 from rpegjax.perf.stage_costs import ExecutionOptions, Workload
+from rpegjax.train.compile_target import DryRunTarget, compile_devices, cuda_plugin_installed, prepare_host
 from rpegjax.train.plan_document import model_shape
 
 MODEL_PRESETS = {
@@ -103,6 +104,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "(virtual CPU devices when --gpus exceeds the devices here), print per-device memory "
                              "against the usable memory, compiled FLOPs and the predicted step; exit 3 when it does "
                              "not fit. Slow: compiling real models on many virtual devices takes minutes")
+    parser.add_argument("--verify-target", default="auto", choices=["auto", *DryRunTarget],
+                        help="what --verify compiles for: cuda-h100 / cuda-gh200 compile with XLA's GPU compiler for "
+                             "compile-only devices of that GPU (needs JAX's CUDA plugin, pip install 'rpegjax[gpu-aot]'; "
+                             "no GPU needed); cpu: this machine's devices (virtual CPU devices, whose bfloat16 programs "
+                             "hold float32 copies: up to 2x a GPU's memory); auto: the --hardware GPU when the plugin "
+                             "is installed, else cpu")
     parser.add_argument("--gantt", metavar="PNG", help="write a Gantt chart of the predicted schedules to this PNG")
     parser.add_argument("--fitted-efficiencies", action="store_true",
                         help="use the efficiencies fitted to NeMo RL's published H100 step times (matmul "
@@ -110,6 +117,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              f"{validation.FITTED_EFFICIENCIES.decode_memory} of HBM bandwidth; see "
                              "rpegjax/perf/validation.py) instead of the presets' assumptions (0.7 and 0.8)")
     args = parser.parse_args(argv)
+    args.verify_target = verify_target(args.verify_target, args.hardware)
     if args.hardware == "cpu" and not args.hardware_profile:
         parser.error("--hardware cpu needs --hardware-profile: a CPU has no datasheet preset")
     if args.hardware_profile and args.fitted_efficiencies:
@@ -134,6 +142,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{name}: {unknown or 'nothing'} given; choose from {', '.join(kind)}")
         setattr(args, name, tuple(kind(v) for v in values))
     return args
+
+
+def verify_target(name: str, hardware_name: str) -> DryRunTarget:
+    """`--verify-target`: auto is the --hardware GPU's CUDA target when JAX's CUDA plugin is installed (and the
+    preset's GPU has one), else the CPU."""
+    if name != "auto":
+        return DryRunTarget(name)
+    gpu = {"h100": DryRunTarget.CUDA_H100, "gh200": DryRunTarget.CUDA_GH200}.get(hardware_name)
+    return gpu if gpu is not None and cuda_plugin_installed() else DryRunTarget.CPU
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -196,9 +213,10 @@ def verify(args: argparse.Namespace, model: ModelConfig, best: planner.Plan, hw:
     model = model.replace(param_dtype=execution.param_dtype, dtype=execution.dtype,
                           max_position_embeddings=max(model.max_position_embeddings, batch.prompt + batch.new))
     log = lambda line: print(line, file=sys.stderr, flush=True)
+    devices = compile_devices(args.verify_target, best.graph.num_devices)
     return dry_run.dry_run(best.graph, model, algorithm, batch, capacity_bytes=hw.usable_memory_bytes,
                            predicted={s.name: s.peak_memory_bytes for s in prediction.stages},
-                           predicted_step_seconds=prediction.step_seconds, log=log)
+                           predicted_step_seconds=prediction.step_seconds, devices=devices, log=log)
 
 
 def load_hardware(args: argparse.Namespace) -> hardware.HardwareSpec:
@@ -221,6 +239,8 @@ def load_hardware(args: argparse.Namespace) -> hardware.HardwareSpec:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.verify:
+        prepare_host(args.verify_target)  # a CUDA target: this process itself on the CPU
+    if args.verify and args.verify_target is DryRunTarget.CPU:
         from rpegjax.train.dry_run import ensure_devices
 
         ensure_devices(args.gpus)  # re-runs this script on virtual CPU devices when there are fewer devices

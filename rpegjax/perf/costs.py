@@ -160,12 +160,14 @@ def layer_activation_bytes_per_token(shape: ModelShape, *, keys_per_query: float
 
 def layer_matmul_output_bytes_per_token(shape: ModelShape, *, keys_per_query: float, kernel: AttentionKernel | str,
                                         tensor: int = 1) -> float:
-    """Bytes of one layer's matmul outputs per token on one tensor rank (what DOTS remat keeps): q, k, v, the
-    attention output and its projection, gate and up (one for a GELU MLP) and down; DENSE attention adds its
-    float32 scores, FLASH the float32 softmax statistics the backward kernel needs."""
-    d, h, k, e, f = shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, shape.mlp
+    """Bytes of one layer's matmul outputs per token on one tensor rank that DOTS remat keeps for the backward
+    pass: q, k, v, the attention output, gate and up (one for a GELU MLP). The output and down projections feed
+    only residual additions, whose backward needs neither, so they are not kept (XLA's GPU compiler keeps three
+    d-wide tensors per 7B layer: the input, q and the attention output; `docs/benchmarks.md`, issue 23).
+    DENSE attention adds its float32 scores, FLASH the float32 softmax statistics the backward kernel needs."""
+    h, k, e, f = shape.heads, shape.kv_heads, shape.head_dim, shape.mlp
     kv_split = min(tensor, k)
-    elements = 2 * h * e / tensor + 2 * k * e / kv_split + 2 * d + (2 if shape.gated_mlp else 1) * f / tensor
+    elements = 2 * h * e / tensor + 2 * k * e / kv_split + (2 if shape.gated_mlp else 1) * f / tensor
     attention = (h / tensor) * keys_per_query * 4 if AttentionKernel(kernel) is AttentionKernel.DENSE else 4 * h / tensor
     return elements * shape.compute_bytes_each + attention
 
@@ -185,6 +187,25 @@ def training_activation_bytes(shape: ModelShape, *, tokens: float, keys_per_quer
     if remat is RematPolicy.DOTS:
         kept += layer_matmul_output_bytes_per_token(shape, keys_per_query=keys_per_query, kernel=kernel, tensor=tensor)
     return tokens * (shape.layers * kept + per_layer)
+
+
+def forward_layer_bytes_per_token(shape: ModelShape, *, keys_per_query: float, kernel: AttentionKernel | str,
+                                  tensor: int = 1) -> float:
+    """Peak working set of one layer of a forward pass that keeps nothing for a backward pass (an inference
+    stage), per token on one tensor rank, besides the residual stream: the larger of the MLP phase (the
+    normalised input, gate and up; their product is written in place; one intermediate for a GELU MLP) and the
+    attention phase (the normalised input, q, k, v and the output in the compute dtype, with a float32 output
+    accumulator for FLASH kernels, float32 scores and compute-dtype probabilities per (query, key) for DENSE).
+    Checked against XLA's GPU compiler (`docs/benchmarks.md`, issue 23)."""
+    d, h, k, e, f = shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, shape.mlp
+    b = shape.compute_bytes_each
+    mlp = (d + (2 if shape.gated_mlp else 1) * f / tensor) * b
+    attention = (d + 2 * h * e / tensor + 2 * k * e / min(tensor, k)) * b
+    if AttentionKernel(kernel) is AttentionKernel.DENSE:
+        attention += (h / tensor) * keys_per_query * (4 + b)
+    else:
+        attention += 4 * h * e / tensor
+    return max(mlp, attention)
 
 
 def logprob_chunk_bytes(shape: ModelShape, *, rows: float, chunk: int, tensor: int = 1) -> float:

@@ -3,6 +3,7 @@ prefill + decode loop (`rpegjax.perf.generation_cost` simulates the loop), for o
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -43,6 +44,20 @@ def decode_transient_bytes(inputs: CostInputs, slots: int) -> float:
     return slots * inputs.actor.vocab * 4 * 2
 
 
+def decode_working_bytes(inputs: CostInputs, layout: Layout, slots: int) -> float:
+    """Per device besides the KV cache while one replica decodes `slots` sequences: the logits
+    (`decode_transient_bytes`) and, in rpegjax's sampler (STATIC decode: every slot attends over its window),
+    one layer's cached values over the whole window (prompt + longest response), gathered from the cache and
+    widened to float32 for the attention sum (XLA's GPU compiler materialises it: 1.3 GB per device for 512
+    slots of 7B at a 5k window, `docs/benchmarks.md`, issue 23)."""
+    w, shape = inputs.workload, inputs.actor
+    window = 0.0
+    if inputs.options.decode is DecodeKernel.STATIC:
+        heads = shape.kv_heads / min(layout.tensor, shape.kv_heads)
+        window = slots * (w.prompt_tokens + w.responses.max) * heads * shape.head_dim * 4
+    return decode_transient_bytes(inputs, slots) + window
+
+
 def generation_memory(inputs: CostInputs, layout: Layout, kv_budget_bytes: float) -> tuple[int, float]:
     """(concurrent sequences per replica, KV bytes per device) of the sampler in `kv_budget_bytes` per device.
 
@@ -54,10 +69,11 @@ def generation_memory(inputs: CostInputs, layout: Layout, kv_budget_bytes: float
     per_token = kv_bytes_per_token(inputs.actor, layout)
     capacity = w.prompt_tokens + w.responses.max
     share = math.ceil(w.sequences / layout.replicas)
-    per_slot = kv_bytes_per_slot(inputs, layout) + decode_transient_bytes(inputs, 1)
+    transient = functools.partial(decode_working_bytes, inputs, layout)  # bytes beside the cache, by slots
+    per_slot = kv_bytes_per_slot(inputs, layout) + transient(1)
     if o.kv_pool:
         pool_bytes = (o.kv_pool_tokens * per_token if o.kv_pool_tokens is not None
-                      else max(0.0, kv_budget_bytes - decode_transient_bytes(inputs, min(share, o.max_decode_slots))))
+                      else max(0.0, kv_budget_bytes - transient(min(share, o.max_decode_slots))))
         fitting = int(pool_bytes // (pool_tokens_per_slot(w) * per_token))
         if pool_bytes < capacity * per_token:  # the runtime refuses a pool that cannot hold one sequence whole
             fitting = 0
@@ -72,7 +88,7 @@ def generation_memory(inputs: CostInputs, layout: Layout, kv_budget_bytes: float
     if o.kv_pool and o.kv_pool_tokens is None:  # never more than every admitted slot at capacity
         pool_bytes = min(pool_bytes, slots * capacity * per_token)
     kv = pool_bytes if o.kv_pool else slots * kv_bytes_per_slot(inputs, layout)
-    return slots, kv + decode_transient_bytes(inputs, slots)
+    return slots, kv + transient(slots)
 
 
 def generation_cost(inputs: CostInputs, layout: Layout, *, kv_budget_bytes: float, pieces: int = 1) -> StageCost:
@@ -134,5 +150,5 @@ def generation_cost(inputs: CostInputs, layout: Layout, *, kv_budget_bytes: floa
                 "generated_tokens": generated})
 
 
-__all__ = ["decode_transient_bytes", "generation_cost", "generation_memory", "kv_bytes_per_slot", "kv_bytes_per_token",
-           "pool_tokens_per_slot"]
+__all__ = ["decode_transient_bytes", "decode_working_bytes", "generation_cost", "generation_memory", "kv_bytes_per_slot",
+           "kv_bytes_per_token", "pool_tokens_per_slot"]

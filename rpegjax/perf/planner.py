@@ -354,7 +354,7 @@ class Planner:
         most = max(step, -(-inputs.workload.sequences // step) * step)
         slots = min(most, max(step, per_replica * layout.replicas // step * step))
         if paged:
-            kv = cost.transient_bytes - generation_stage.decode_transient_bytes(inputs, per_replica)
+            kv = cost.transient_bytes - generation_stage.decode_working_bytes(inputs, layout, per_replica)
             execution = dataclasses.replace(
                 execution, kv_pool_tokens=int(kv // generation_stage.kv_bytes_per_token(inputs.actor, layout)))
         return dataclasses.replace(choice, execution=self._fastest_slots(choice, execution, slots, step))

@@ -390,15 +390,17 @@ def _real_tokens(inputs: CostInputs) -> float:
 
 
 def _forward_weight_copies(shape: ModelShape, layout: Layout) -> float:
-    """Weights a forward pass holds besides its gathered layers, whatever its rows: the output matrix, gathered
-    whole over FSDP for every log-prob chunk, and compute-dtype copies of the layers in use and of that matrix
-    when the weights are stored wider (float32 masters, bfloat16 compute). Fitted on XLA's compiled 7B log-prob
-    programs (fsdp=8, 16k-token rows: 5.6 GiB per device whatever the rows, `docs/benchmarks.md` W-long)."""
-    output = shape.vocab * shape.hidden / layout.tensor
-    layer = shape.matmul_params_per_layer / layout.tensor
+    """Weights a forward pass holds besides the stored ones, whatever its rows: the output matrix gathered whole
+    over FSDP (every log-prob chunk reads it) and, when the weights are stored wider than the compute dtype
+    (float32 masters, bfloat16 compute), its compute-dtype copy; the layer in use and the next one (prefetched)
+    gathered over FSDP, or cast, in the compute dtype. Checked against XLA's GPU compiler on the planner's 7B
+    and 32B plans (`docs/benchmarks.md`, issue 23): the gathers are of the compute-dtype casts."""
     wide = shape.param_bytes_each != shape.compute_bytes_each
-    copies = (2 * layer + output) * shape.compute_bytes_each if wide else 0.0
-    return (output * shape.param_bytes_each if layout.fsdp > 1 else 0.0) + copies
+    output = shape.vocab * shape.hidden / layout.tensor
+    whole = output * shape.param_bytes_each if layout.fsdp > 1 else 0.0
+    copies = output * shape.compute_bytes_each if wide else 0.0
+    layers = 2 * shape.matmul_params_per_layer / layout.tensor * shape.compute_bytes_each if layout.fsdp > 1 or wide else 0.0
+    return whole + copies + layers
 
 
 def _pass_transient_bytes(inputs: CostInputs, shape: ModelShape, layout: Layout, backward: bool, passes: float) -> float:
@@ -407,14 +409,19 @@ def _pass_transient_bytes(inputs: CostInputs, shape: ModelShape, layout: Layout,
     tokens_per_pass = tokens / layout.replicas / passes
     rows = max(1.0, w.sequences / layout.replicas / passes)
     keys_per_query = pairs / tokens
-    chunk = costs.logprob_chunk_bytes(shape, rows=rows, chunk=min(o.logprob_chunk, w.prompt_tokens + w.responses.max),
-                                      tensor=layout.tensor)
-    layer_params = shape.matmul_params_per_layer * shape.param_bytes_each / layout.tensor
-    gathered = 2 * layer_params if layout.fsdp > 1 else 0.0  # the layer in use and the one being prefetched
+    chunk_tokens = min(o.logprob_chunk, w.prompt_tokens + w.responses.max)
     if not backward:
-        one_layer = tokens_per_pass * costs.layer_activation_bytes_per_token(
+        # the residual stream of every token, and the larger of one layer's working set and one log-prob chunk's
+        # logits (the layers are done when the chunks run)
+        residual = tokens_per_pass * shape.hidden * shape.compute_bytes_each
+        layer = tokens_per_pass * costs.forward_layer_bytes_per_token(
             shape, keys_per_query=keys_per_query, kernel=o.attention, tensor=layout.tensor)
-        return one_layer + chunk + gathered + _forward_weight_copies(shape, layout)
+        logits = rows * chunk_tokens * shape.vocab / layout.tensor * shape.compute_bytes_each
+        return residual + max(layer, logits) + _forward_weight_copies(shape, layout)
+    chunk = costs.logprob_chunk_bytes(shape, rows=rows, chunk=chunk_tokens, tensor=layout.tensor)
+    # the layer in use and the one being prefetched, gathered as their compute-dtype casts
+    layer_params = shape.matmul_params_per_layer * shape.compute_bytes_each / layout.tensor
+    gathered = 2 * layer_params if layout.fsdp > 1 else 0.0
     activations = costs.training_activation_bytes(shape, tokens=tokens_per_pass, keys_per_query=keys_per_query,
                                                   kernel=o.attention, remat=o.remat, tensor=layout.tensor)
     grads = shape.params * o.grad_bytes_per_param / layout.shards

@@ -8,7 +8,9 @@ learner or the sampler alone build those directly.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
+import jax
 from flax import nnx
 
 from rpegjax.generate.paged_cache import CacheConfig
@@ -46,13 +48,15 @@ def _with_packing(algorithm: GRPOConfig | PPOConfig, execution: Execution) -> GR
 
 def place_models(graph: Graph, model: Decoder, algorithm: GRPOConfig | PPOConfig, rollout: RolloutShape, *,
                  critic: Decoder | None = None,
-                 lora_generation: LoRAGeneration = LoRAGeneration.MERGED, seed: int = 0) -> tuple[Learner, Sampler]:
+                 lora_generation: LoRAGeneration = LoRAGeneration.MERGED, seed: int = 0,
+                 devices: Sequence[jax.Device] | None = None) -> tuple[Learner, Sampler]:
     """The learner of `algorithm` (PPO: with `critic`, or the actor's value head when shared) and the sampler of
     `model`'s architecture, each on the mesh the graph places its stage on, executing as `graph.execution` says.
     The models' precision must be the plan's: it changes the parameters, so it is refused, never converted.
     A model with LoRA adapters trains only them; its sampler decodes the base model with the adapters merged into
     the weight-sync copy, or the adapted model (`lora_generation`). `seed`: the learner's update draws its LoRA
-    dropout masks from it."""
+    dropout masks from it. `devices`: those the graph's placements index (default `jax.devices()`; the dry run's
+    compile-only devices of another platform)."""
     execution = graph.execution
     model, critic = apply_execution(model, execution), None if critic is None else apply_execution(critic, execution)
     algorithm = dataclasses.replace(algorithm, num_microbatches=execution.update_microbatches)
@@ -63,7 +67,7 @@ def place_models(graph: Graph, model: Decoder, algorithm: GRPOConfig | PPOConfig
                              f"it unset to run the plan's")
         algorithm = dataclasses.replace(algorithm, inference_rows=execution.inference_rows)
     algorithm = _with_packing(algorithm, execution)
-    train_mesh, rollout_mesh = placed_meshes(graph)
+    train_mesh, rollout_mesh = placed_meshes(graph, devices)
     if isinstance(algorithm, GRPOConfig):
         if critic is not None:
             raise ValueError("place_models: GRPO trains no critic; do not pass one")

@@ -10,7 +10,7 @@ it is handed run each stage on exactly these devices; `rpegjax.runtime.assembly`
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np
@@ -20,9 +20,10 @@ from rpegjax.graph.ir import Graph, GraphError, StageKind
 from rpegjax.sharding.mesh import hybrid_device_grid
 
 
-def placement_devices(graph: Graph, placement: str) -> list[jax.Device]:
-    """The devices of `placement`: `jax.devices()` at its `device_indices`."""
-    devices = jax.devices()
+def placement_devices(graph: Graph, placement: str, devices: Sequence[jax.Device] | None = None) -> list[jax.Device]:
+    """The devices of `placement`: `devices` (default `jax.devices()`; a dry run passes compile-only devices of
+    another platform) at its `device_indices`."""
+    devices = jax.devices() if devices is None else list(devices)
     indices = graph.placements[placement].device_indices
     if max(indices) >= len(devices):
         raise GraphError(f"placement {placement!r} uses device {max(indices)}, but only {len(devices)} devices exist "
@@ -30,13 +31,14 @@ def placement_devices(graph: Graph, placement: str) -> list[jax.Device]:
     return [devices[i] for i in indices]
 
 
-def stage_mesh(graph: Graph, stage: str) -> Mesh:
-    """The mesh `stage` runs on: its placement's devices shaped by its effective parallel sizes."""
+def stage_mesh(graph: Graph, stage: str, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """The mesh `stage` runs on: its placement's devices (of `devices`, default `jax.devices()`) shaped by its
+    effective parallel sizes."""
     spec = graph.stage(stage)
     if spec.host:
         raise GraphError(f"stage {stage!r} runs on the host and has no mesh", stage=stage)
     sizes = dict(graph.parallel_of(stage))
-    devices = placement_devices(graph, spec.placement)
+    devices = placement_devices(graph, spec.placement, devices)
     if len({device.process_index for device in devices}) == 1:
         grid = np.array(devices, dtype=object).reshape(tuple(sizes.values()))
     else:
@@ -64,13 +66,14 @@ def same_layout(mesh: Mesh | None, sizes: Mapping[str, int]) -> bool:
     return have == layout(sizes)
 
 
-def placed_meshes(graph: Graph) -> tuple[Mesh | None, Mesh | None]:
+def placed_meshes(graph: Graph, devices: Sequence[jax.Device] | None = None) -> tuple[Mesh | None, Mesh | None]:
     """(training mesh, generation mesh) the graph places its update and generate stages on; None for the
     default device alone in a one-process run (no mesh needed). With several processes a one-device placement
-    keeps its mesh: other processes must know where its arrays live (e.g. to transfer weights there)."""
+    keeps its mesh: other processes must know where its arrays live (e.g. to transfer weights there). `devices`:
+    as `stage_mesh`'s."""
 
     def mesh_or_none(stage) -> Mesh | None:
-        mesh = stage_mesh(graph, stage.name)
+        mesh = stage_mesh(graph, stage.name, devices)
         alone = jax.process_count() == 1 and mesh.size == 1 and mesh.devices.flat[0] == jax.devices()[0]
         return None if alone else mesh
 

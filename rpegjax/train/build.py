@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -345,13 +345,14 @@ def critic_from_actor(actor: Decoder, cfg: ModelConfig) -> Decoder:
     return nnx.merge(graphdef, nnx.from_flat_state(filled))
 
 
-def run_slots(cfg: RunConfig, graph: Graph, eval_count: int) -> int:
+def run_slots(cfg: RunConfig, graph: Graph, eval_count: int, devices: Sequence[jax.Device] | None = None) -> int:
     """The sampler's concurrent sequences: a plan's `decode_slots`, else `rollout.num_slots`, no more than a step
-    or an evaluation needs, rounded to whole groups that split evenly over the generation mesh's slot replicas."""
+    or an evaluation needs, rounded to whole groups that split evenly over the generation mesh's slot replicas.
+    `devices`: those the graph's placements index (default `jax.devices()`; a dry run's compile-only ones)."""
     rollout = cfg.rollout
     requested = graph.execution.decode_slots or rollout.num_slots
     slots = min(requested, max(rollout.prompts_per_step * rollout.group_size, eval_count))
-    return usable_slots(slots, rollout.group_size, placed_meshes(graph)[1])
+    return usable_slots(slots, rollout.group_size, placed_meshes(graph, devices)[1])
 
 
 def _warm_started(cfg: RunConfig, model: Decoder, model_cfg: ModelConfig, task, train_examples: list[Example],

@@ -89,7 +89,8 @@ ALGORITHM_ALIASES = {
     "epochs": "epochs",
     "minibatches": "num_minibatches",
 }
-_ACTION_FLAGS = ("recipe", "resume", "overwrite", "config", "print-config", "verbose", "dry-run", "memory-gb", "help")
+_ACTION_FLAGS = ("recipe", "resume", "overwrite", "config", "print-config", "verbose", "dry-run", "memory-gb",
+                 "dry-run-target", "help")
 REWARD_FLAG = "reward"  # repeatable: each one a term of data.reward
 
 
@@ -105,6 +106,7 @@ class Command:
     verbose: bool = False
     dry_run: bool = False
     memory_gb: float | None = None
+    dry_run_target: str = "cpu"
 
 
 def _field(config: object, dotted: str) -> tuple[object, object]:
@@ -148,7 +150,8 @@ def parse_command(argv: list[str], algorithm: Algorithm) -> Command:
         source = "--resume: that run" if known.resume else f"--config {known.config}: it"
         parser.error(f"{source} used {config.algorithm.value}, not {algorithm.value}")
     return Command(config=config, resume=known.resume, overwrite=known.overwrite, print_config=known.print_config,
-                   verbose=known.verbose, dry_run=known.dry_run, memory_gb=known.memory_gb)
+                   verbose=known.verbose, dry_run=known.dry_run, memory_gb=known.memory_gb,
+                   dry_run_target=known.dry_run_target)
 
 
 def _command_parser(algorithm: Algorithm) -> tuple[argparse.ArgumentParser, dict[str, tuple[str, ...]]]:
@@ -192,7 +195,12 @@ def _command_parser(algorithm: Algorithm) -> tuple[argparse.ArgumentParser, dict
                         "compiled FLOPs and the planned step time, and exit (non-zero when it does not fit); on "
                         "virtual CPU devices when the plan needs more devices than exist")
     parser.add_argument("--memory-gb", type=float, metavar="GB", help="--dry-run: usable memory per device "
-                        "(default: what the devices report; required on CPU)")
+                        "(default: what the devices report, 90%% of the GPU's for a CUDA target; required on CPU)")
+    parser.add_argument("--dry-run-target", default="cpu", choices=["cpu", "cuda-h100", "cuda-gh200"],
+                        help="--dry-run: cpu compiles for this machine's devices (virtual CPU devices when the plan "
+                             "needs more; their bfloat16 programs hold float32 copies); cuda-h100 / cuda-gh200 for "
+                             "compile-only GPUs of the plan's count with XLA's GPU compiler (needs JAX's CUDA plugin: "
+                             "pip install 'rpegjax[gpu-aot]'; no GPU needed)")
     return parser, short
 
 
@@ -325,7 +333,7 @@ def main(argv: list[str], algorithm: Algorithm) -> int:
         return 0
     say = lambda message: print(message, file=sys.stderr, flush=True)  # stdout carries only the summary line
     if command.dry_run:
-        return _dry_run(config, command.memory_gb, say)
+        return _dry_run(config, command.memory_gb, command.dry_run_target, say)
     try:
         resolved = join_processes(config)
         watch = distributed.watch_peers(resolved)  # a killed peer ends this process within a second, named
@@ -513,13 +521,17 @@ def describe_lora(parts) -> str:
             f"lr {lora.optimizer(algorithm.optimizer).learning_rate:g}; generation: {lora.generation.value} weights")
 
 
-def _dry_run(config: RunConfig, memory_gb: float | None, say) -> int:
+def _dry_run(config: RunConfig, memory_gb: float | None, target: str, say) -> int:
     """`--dry-run`: the table on stdout; 0 when every program fits, 3 when one does not, 2 for bad input."""
     from rpegjax.train import dry_run
+    from rpegjax.train.compile_target import DryRunTarget, prepare_host
 
     try:
-        dry_run.ensure_devices(dry_run.plan_devices(config))  # may re-run this process on virtual devices
-        report = dry_run.dry_run_config(config, capacity_bytes=None if memory_gb is None else memory_gb * 1e9, log=say)
+        prepare_host(DryRunTarget(target))
+        if DryRunTarget(target) is DryRunTarget.CPU:
+            dry_run.ensure_devices(dry_run.plan_devices(config))  # may re-run this process on virtual devices
+        report = dry_run.dry_run_config(config, capacity_bytes=None if memory_gb is None else memory_gb * 1e9, log=say,
+                                        target=DryRunTarget(target))
     except ValueError as error:
         say(f"error: {error}")
         return 2

@@ -47,9 +47,12 @@ from rpegjax.runtime.meshes import device_ids, stage_mesh
 from rpegjax.runtime.training_programs import TrainingPrograms
 from rpegjax.runtime.weight_sync import WeightSyncPrograms
 from rpegjax.sharding.abstract import with_shardings
+from rpegjax.perf.hardware import HardwareSpec
+from rpegjax.train.compile_target import GPU_SPECS, DryRunTarget, compile_devices, describe
 from rpegjax.train.plan_document import read_plan_file
 
 GB = 1e9
+USABLE_FRACTION = HardwareSpec.usable_memory_fraction  # what the planner's presets leave to the runtime
 _REEXEC_FLAG = "RPEGJAX_DRY_RUN_DEVICES"
 
 
@@ -204,10 +207,12 @@ class _Residents:
 
 
 def lower_step(graph: Graph, learner: Learner, sampler: Sampler, training: TrainingPrograms,
-               weights: WeightSyncPrograms, batch: Batch, sampling: SamplingConfig) -> list[LoweredProgram]:
+               weights: WeightSyncPrograms, batch: Batch, sampling: SamplingConfig,
+               devices: Sequence[jax.Device] | None = None) -> list[LoweredProgram]:
     """Every program one step of `graph` launches, lowered by its owner for abstract inputs at `batch`'s shapes, in
     the order the runtime runs them: each training execution unit (inference, update), weight sync, then generation
-    (`Sampler.lower_programs`). Advantages (a few element-wise ops on [rows] arrays) are left out."""
+    (`Sampler.lower_programs`). Advantages (a few element-wise ops on [rows] arrays) are left out. `devices`: those
+    the graph's placements index (default `jax.devices()`)."""
     state = jax.eval_shape(learner.init_state)
     if learner.state_shardings is not None:
         state = with_shardings(state, learner.state_shardings)
@@ -222,7 +227,7 @@ def lower_step(graph: Graph, learner: Learner, sampler: Sampler, training: Train
     inference_kinds = [kind for stage in graph.stages for kind in stage.kinds if kind in INFERENCE_KINDS]
     for stage in graph.stages_of_kind(StageKind.REF_LOGPROB)[:1]:
         if frozen is None:  # with LoRA the reference is the frozen base, counted in the training state
-            mesh = stage_mesh(graph, stage.name)
+            mesh = stage_mesh(graph, stage.name, devices)
             reference = training.placed_reference(mesh)
             residents.add("reference", device_ids(mesh), shard_bytes(reference))
     lowered: list[LoweredProgram] = []
@@ -233,7 +238,7 @@ def lower_step(graph: Graph, learner: Learner, sampler: Sampler, training: Train
         if first.host or StageKind.GENERATE in kinds:
             continue
         if set(kinds) <= INFERENCE_KINDS:
-            mesh = stage_mesh(graph, first.name)
+            mesh = stage_mesh(graph, first.name, devices)
             rows = batch.rows // first.microbatches  # a piece of the rollout, or a micro-batch of the step's rows
             program = training.lower_inference(kinds, state, training.abstract_rollout(rows, tokens), mesh)
             own_layout = training.has_own_layout(mesh)
@@ -260,28 +265,29 @@ def lower_step(graph: Graph, learner: Learner, sampler: Sampler, training: Train
         label = (f"{program} ({sampler.num_slots} slots x {sampler.capacity} tokens)" if program == "decode"
                  else program)
         lowered.append(LoweredProgram(stage=generate.name, program=label, lowered=generation, mesh=sampler.mesh,
-                                      resident=beside, predicted=program == "decode"))
+                                      resident=beside, predicted=True))  # the stage's peak covers each
     return lowered
 
 
 def lower_plan(graph: Graph, model_cfg: ModelConfig, algorithm: GRPOConfig | PPOConfig, batch: Batch, *,
                lora: LoRAConfig | None = None, sampling: SamplingConfig | None = None,
-               generation_dtype: str | None = None, log: Callable[[str], None] = lambda line: None
-               ) -> list[LoweredProgram]:
+               generation_dtype: str | None = None, devices: Sequence[jax.Device] | None = None,
+               log: Callable[[str], None] = lambda line: None) -> list[LoweredProgram]:
     """Every program a step of `graph` launches (`lower_step`), for a model of `model_cfg` built abstractly and
     placed as a run places it. `model_cfg` carries the model's shape and precision (the graph's execution options
     are applied to it as a run applies them). With `lora` the policy carries adapters: the training state holds
     only them, the frozen base stays beside it (and is the reference), generation reads the merged weights.
     `sampling`: the run's (default: plain sampling of `batch.new` tokens); `generation_dtype`: the run's
-    `model.generation_dtype` (None: the precision policy's)."""
-    if jax.device_count() < graph.num_devices:
-        raise ValueError(f"dry run: the plan needs {graph.num_devices} devices, {jax.device_count()} exist "
-                         f"(call ensure_devices first)")
+    `model.generation_dtype` (None: the precision policy's). `devices`: to compile for (default: this process's,
+    `compile_target.compile_devices`)."""
+    devices = compile_devices(DryRunTarget.CPU, graph.num_devices) if devices is None else list(devices)
+    if len(devices) < graph.num_devices:
+        raise ValueError(f"dry run: the plan needs {graph.num_devices} devices, {len(devices)} given")
     if graph.execution.attention is AttentionKind.CUDNN and jax.default_backend() != "gpu":
-        # cuDNN's kernel compiles only for CUDA; the blockwise kernel has the same O(T x block) memory class
+        # cuDNN's kernel compiles only on a CUDA GPU with cuDNN; the blockwise kernel has the same O(T x block) memory
         graph = dataclasses.replace(graph, execution=dataclasses.replace(graph.execution, attention=AttentionKind.BLOCKWISE))
-        log(f"dry run: attention 'cudnn' compiles only on a CUDA GPU; compiling with 'blockwise' on "
-            f"{jax.default_backend()} (same memory class, O(tokens x block))")
+        log(f"dry run: attention 'cudnn' compiles only on a CUDA GPU with cuDNN; compiling with 'blockwise' for "
+            f"{devices[0].device_kind} (same memory class, O(tokens x block))")
     ppo = isinstance(algorithm, PPOConfig)
     shared = ppo and algorithm.critic == CriticMode.SHARED
     abstract_model = nnx.eval_shape(lambda: Decoder(model_cfg.replace(value_head=shared), rngs=nnx.Rngs(0), lora=lora))
@@ -290,10 +296,10 @@ def lower_plan(graph: Graph, model_cfg: ModelConfig, algorithm: GRPOConfig | PPO
         critic = nnx.eval_shape(lambda: Decoder(model_cfg.replace(value_head=True), rngs=nnx.Rngs(1)))
     rollout = RolloutShape(num_slots=batch.slots, max_prompt_len=batch.prompt, max_new_tokens=batch.new,
                            chunk_steps=batch.chunk_steps)
-    learner, sampler = place_models(graph, abstract_model, algorithm, rollout, critic=critic)
+    learner, sampler = place_models(graph, abstract_model, algorithm, rollout, critic=critic, devices=devices)
     cast = generation_cast(model_cfg.param_dtype, model_cfg.dtype, generation_dtype)
     return lower_step(graph, learner, sampler, TrainingPrograms(learner), WeightSyncPrograms(learner, sampler, cast),
-                      batch, SamplingConfig(max_new_tokens=batch.new) if sampling is None else sampling)
+                      batch, SamplingConfig(max_new_tokens=batch.new) if sampling is None else sampling, devices)
 
 
 def compile_programs(programs: Sequence[LoweredProgram], *, capacity_bytes: float,
@@ -313,7 +319,8 @@ def compile_programs(programs: Sequence[LoweredProgram], *, capacity_bytes: floa
                                **_memory(compiled))
         measured.append(memory)
         log(f"compiled {item.stage} ({item.program}) in {seconds:.1f} s: {memory.peak / GB:.2f} GB per device")
-    devices = f"{jax.device_count()} x {jax.devices()[0].device_kind} ({jax.default_backend()})"
+    used = {device.id: device for item in programs if item.mesh is not None for device in item.mesh.devices.flat}
+    devices = describe([used[i] for i in sorted(used)] or jax.devices()[:1])
     return DryRunReport(programs=tuple(measured), capacity_bytes=capacity_bytes, devices=devices,
                         predicted_step_seconds=predicted_step_seconds)
 
@@ -329,11 +336,11 @@ def dry_run(graph: Graph, model_cfg: ModelConfig, algorithm: GRPOConfig | PPOCon
             capacity_bytes: float, predicted: dict[str, float] | None = None,
             predicted_step_seconds: float | None = None, lora: LoRAConfig | None = None,
             sampling: SamplingConfig | None = None, generation_dtype: str | None = None,
-            log: Callable[[str], None] = lambda line: None) -> DryRunReport:
-    """Lowers (`lower_plan`) and compiles (`compile_programs`) every program a step of the plan launches; nothing
-    is allocated."""
+            devices: Sequence[jax.Device] | None = None, log: Callable[[str], None] = lambda line: None) -> DryRunReport:
+    """Lowers (`lower_plan`) and compiles (`compile_programs`) every program a step of the plan launches, for
+    `devices` (`compile_target.compile_devices`; default this process's); nothing is allocated."""
     programs = lower_plan(graph, model_cfg, algorithm, batch, lora=lora, sampling=sampling,
-                          generation_dtype=generation_dtype, log=log)
+                          generation_dtype=generation_dtype, devices=devices, log=log)
     return compile_programs(programs, capacity_bytes=capacity_bytes, predicted=predicted,
                             predicted_step_seconds=predicted_step_seconds, log=log)
 
@@ -359,16 +366,18 @@ class RunPlan:
     lora: LoRAConfig | None
     generation_dtype: str | None
     prediction: dict[str, Any] | None
+    devices: tuple[jax.Device, ...]  # to compile for
 
     def lower(self, log: Callable[[str], None] = lambda line: None) -> list[LoweredProgram]:
         return lower_plan(self.graph, self.model_cfg, self.algorithm, self.batch, lora=self.lora,
-                          sampling=self.sampling, generation_dtype=self.generation_dtype, log=log)
+                          sampling=self.sampling, generation_dtype=self.generation_dtype, devices=self.devices, log=log)
 
 
-def run_plan(cfg) -> RunPlan:
+def run_plan(cfg, target: DryRunTarget = DryRunTarget.CPU) -> RunPlan:
     """The graph (its plan, if any), model shape and precision, step batch, prompt width (rendered as the run
     renders prompts) and sampler slots of a job's config, as `rpegjax.train.build` makes them, without loading
-    weights or allocating. A plan document made for another model or step shapes is refused
+    weights or allocating, on the devices of `target` (`compile_target`; a CUDA target needs a plan: it gives the
+    device count). A plan document made for another model or step shapes is refused
     (`rpegjax.train.plan_document`)."""
     from rpegjax.models.tokenizer import builtin_tokenizer, load_tokenizer
     from rpegjax.train import build as job
@@ -380,12 +389,16 @@ def run_plan(cfg) -> RunPlan:
     environment = job.run_environment(cfg)
     prompt_ids = job.encode_prompts(examples, job.run_template(cfg), tokenizer, environment)
     prompt = job.check_prompt_lengths(examples, prompt_ids, cfg.rollout.max_prompt_len)
-    graph = job.build_graph(cfg, num_devices=jax.device_count())
+    if target is not DryRunTarget.CPU and cfg.graph.plan is None:
+        raise ValueError(f"dry run target {target.value!r}: give the run's plan (--plan plan.json), which says on how "
+                         f"many GPUs it runs")
+    devices = tuple(compile_devices(target, plan_devices(cfg) if cfg.graph.plan else jax.device_count()))
+    graph = job.build_graph(cfg, num_devices=len(devices))
     model_cfg = job.run_model_config(cfg, tokenizer, value_head=False).replace(**graph.execution.model_fields())
     job.check_plan_shapes(cfg, model_cfg, prompt)
     rollout = cfg.rollout
     rows = rollout.prompts_per_step * rollout.group_size
-    slots = job.run_slots(cfg, graph, len(eval_examples))
+    slots = job.run_slots(cfg, graph, len(eval_examples), devices)
     algorithm, lora = job.run_algorithm(cfg), cfg.lora.config()
     prediction = None if cfg.graph.plan is None else read_plan_file(cfg.graph.plan).prediction
     sampling = run_sampling(cfg) if environment is None else episode_sampling(run_sampling(cfg), tokenizer, environment)
@@ -393,13 +406,17 @@ def run_plan(cfg) -> RunPlan:
                    batch=Batch(rows=rows, prompt=prompt, new=rollout.max_new_tokens, slots=slots,
                                group_size=rollout.group_size, chunk_steps=rollout.chunk_steps,
                                multi_turn=environment is not None),
-                   generation_dtype=cfg.model.generation_dtype, prediction=prediction)
+                   generation_dtype=cfg.model.generation_dtype, prediction=prediction, devices=devices)
 
 
-def dry_run_config(cfg, *, capacity_bytes: float | None, log: Callable[[str], None]) -> DryRunReport:
-    """The dry run of a training job's config (`train_grpo.py ... --dry-run`, `run_plan`). `capacity_bytes`: per
-    device; None reads the devices' own limit."""
-    plan = run_plan(cfg)
+def dry_run_config(cfg, *, capacity_bytes: float | None, log: Callable[[str], None],
+                   target: DryRunTarget = DryRunTarget.CPU) -> DryRunReport:
+    """The dry run of a training job's config (`train_grpo.py ... --dry-run`, `run_plan`) on `target`'s devices.
+    `capacity_bytes`: per device; None reads the devices' own limit (a CUDA target: 90% of its GPU's memory, as
+    the planner's hardware presets leave 10% to the runtime)."""
+    plan = run_plan(cfg, target)
+    if capacity_bytes is None and target is not DryRunTarget.CPU:
+        capacity_bytes = USABLE_FRACTION * GPU_SPECS[target].memory_bytes
     if capacity_bytes is None:
         stats = jax.devices()[0].memory_stats() or {}
         if "bytes_limit" not in stats:

@@ -1,0 +1,120 @@
+"""The dry run's compile targets (`rpegjax.train.compile_target`): compile-only CUDA devices with XLA's GPU compiler
+on a machine without a GPU, and the clear error when JAX's CUDA plugin is absent.
+
+CI installs the plugin (`.ci/run`: `pip install -e '.[test,gpu-aot]'`); elsewhere the GPU-compiling tests skip,
+saying so."""
+
+import dataclasses
+import json
+import importlib.util
+import pathlib
+import sys
+
+import pytest
+
+from rpegjax.graph import builders
+from rpegjax.graph.ir import Execution
+from rpegjax.learners import GRPOConfig
+from rpegjax.models import ModelConfig
+from rpegjax.runtime.meshes import stage_mesh
+from rpegjax.train import compile_target
+from rpegjax.train.compile_target import DryRunTarget, compile_devices
+from rpegjax.train.dry_run import Batch, compile_programs, lower_plan
+
+ROOT = pathlib.Path(__file__).parents[2]
+needs_plugin = pytest.mark.skipif(not compile_target.cuda_plugin_installed(),
+                                  reason="JAX's CUDA plugin is not installed (pip install -e '.[gpu-aot]'; CI installs it)")
+
+
+def _graph(dtype: str):
+    graph = builders.grpo_graph(use_reference=True, num_devices=4, parallel={"fsdp": 2, "tensor": 2})
+    return dataclasses.replace(graph, execution=Execution(attention="blockwise", attention_block_size=64, remat="full",
+                                                          scan_layers=True, dtype=dtype, kv_cache="paged"))
+
+
+def test_a_cuda_target_without_the_plugin_is_an_error_not_a_cpu_compile(monkeypatch):
+    monkeypatch.setattr(compile_target, "cuda_plugin_installed", lambda: False)
+    with pytest.raises(ValueError, match="cuda-h100.*CUDA plugin is not installed.*gpu-aot"):
+        compile_devices(DryRunTarget.CUDA_H100, 4)
+
+
+def test_plan_verify_target_auto_is_the_hardware_gpu_only_with_the_plugin(monkeypatch):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        plan = importlib.import_module("plan")
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    for installed, h100, gh200, a100 in ((True, "cuda-h100", "cuda-gh200", "cpu"), (False, "cpu", "cpu", "cpu")):
+        monkeypatch.setattr(plan, "cuda_plugin_installed", lambda: installed)
+        assert [plan.verify_target("auto", hw).value for hw in ("h100", "gh200", "a100")] == [h100, gh200, a100]
+    assert plan.verify_target("cuda-gh200", "h100") is DryRunTarget.CUDA_GH200  # asked for: never replaced
+
+
+@needs_plugin
+def test_compile_only_gpus_carry_the_target_and_meshes_place_on_them():
+    devices = compile_devices(DryRunTarget.CUDA_GH200, 8)
+    assert len(devices) == 8 and {d.device_kind for d in devices} == {"NVIDIA GH200 96GB HBM3"}
+    graph = builders.grpo_graph(use_reference=False, num_devices=8, parallel={"fsdp": 4, "tensor": 2})
+    mesh = stage_mesh(graph, "actor_update", devices)
+    assert dict(mesh.shape) == {"fsdp": 4, "tensor": 2} and set(mesh.devices.flat) == set(devices)
+    assert "compile-only" in compile_target.describe(devices)
+
+
+@needs_plugin
+def test_the_gpu_compiler_holds_bfloat16_activations_where_xla_cpu_holds_float32_copies():
+    """~20 s idle. The same plan lowered for 4 compile-only H100s in bfloat16 and in float32 compute: every program
+    the runtime launches lowers there; compiled, the bfloat16 inference program's temporaries are well under the
+    float32 one's (XLA:CPU compiles both to the same float32 temporaries, docs/benchmarks.md W-long check), and
+    the paged decode chunk compiles with its pool as an argument."""
+    cfg = ModelConfig.tiny(vocab_size=256).replace(hidden_size=128, intermediate_size=512, max_position_embeddings=1024)
+    batch = Batch(rows=16, prompt=64, new=448, slots=16, group_size=4)
+    devices = compile_devices(DryRunTarget.CUDA_H100, 4)
+    lowered = {dtype: lower_plan(_graph(dtype), cfg.replace(dtype=dtype), GRPOConfig(group_size=4, kl_coef=0.04), batch,
+                                 devices=devices)
+               for dtype in ("bfloat16", "float32")}
+    assert [(p.stage, p.program.split(" ")[0]) for p in lowered["bfloat16"]] == [
+        ("ref_logprob", "inference"), ("old_logprob", "inference"), ("actor_update", "update"),
+        ("weight_sync", "weight"), ("generate", "prefill"), ("generate", "start"), ("generate", "decode")]
+    inference = {dtype: compile_programs(programs[:1], capacity_bytes=1e9) for dtype, programs in lowered.items()}
+    assert "4 x NVIDIA H100 80GB HBM3" in inference["bfloat16"].devices
+    temporaries = {dtype: report.programs[0].temporaries for dtype, report in inference.items()}
+    assert temporaries["bfloat16"] < 0.75 * temporaries["float32"], temporaries
+    decode = compile_programs(lowered["bfloat16"][-1:], capacity_bytes=1e9).programs[0]
+    page_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2  # k and v, bfloat16, per token
+    assert decode.arguments > page_bytes * batch.slots // 4  # at least a slot replica's pool (kv heads over tensor)
+
+
+def test_the_jobs_dry_run_on_a_cuda_target_needs_the_plan(tmp_path, capsys):
+    from rpegjax.train.cli import main
+    from rpegjax.train.config import RunConfig
+
+    code = main(["--dry-run", "--dry-run-target", "cuda-h100", "--run-dir", str(tmp_path / "run")], RunConfig().algorithm)
+    assert code == 2 and "give the run's plan (--plan plan.json)" in capsys.readouterr().err
+
+
+@needs_plugin
+def test_the_jobs_dry_run_lowers_its_plan_for_compile_only_gpus(tmp_path):
+    """`train_grpo.py --plan plan.json --dry-run --dry-run-target cuda-gh200`: the run's model at its shapes, on
+    the plan's 4 devices, as GH200s (lowered; one program compiled)."""
+    from rpegjax.models.tokenizer import builtin_tokenizer
+    from rpegjax.train.build import run_model_config
+    from rpegjax.train.config import RunConfig, WarmStartSection
+    from rpegjax.train.dry_run import run_plan
+    from rpegjax.train.plan_document import model_shape
+
+    graph = builders.grpo_graph(use_reference=False, num_devices=4, parallel={"fsdp": 4})
+    cfg = RunConfig(warm_start=WarmStartSection(steps=0))
+    model = run_model_config(cfg, builtin_tokenizer(), value_head=False)
+    probe = run_plan(cfg)  # the run's own prompt width, on this machine's devices
+    rollout = cfg.rollout
+    document = {"model": "builtin", "model_config": model_shape(model),
+                "workload": {"prompts": rollout.prompts_per_step, "group_size": rollout.group_size,
+                             "prompt_tokens": probe.batch.prompt, "response_max": rollout.max_new_tokens},
+                "plans": [{"name": "best", "graph": graph.to_dict(), "prediction": {"step_seconds": 1.0, "stages": []}}]}
+    (tmp_path / "plan.json").write_text(json.dumps(document))
+    cfg = cfg.replace(graph=dataclasses.replace(cfg.graph, plan=str(tmp_path / "plan.json")))
+    planned = run_plan(cfg, DryRunTarget.CUDA_GH200)
+    assert len(planned.devices) == 4 and {d.device_kind for d in planned.devices} == {"NVIDIA GH200 96GB HBM3"}
+    programs = planned.lower()
+    report = compile_programs(programs[:1], capacity_bytes=86.4e9)
+    assert report.programs[0].stage == "old_logprob" and "4 x NVIDIA GH200 96GB HBM3" in report.devices
