@@ -103,6 +103,8 @@ def test_a_decode_chunk_without_progress_raises(contiguous, small_pool, tiny_spl
         return decode(window, params, state, table, limits, np.zeros_like(evict), *rest)
 
     monkeypatch.setattr(small_pool.paged, "_decode", without_evictions)
+    # every slot decoded: a live bucket would leave the stale row out (unless it pads a bucket) and hide the stall
+    monkeypatch.setattr(small_pool.paged, "live_buckets", False)
     with pytest.raises(DecodeStalledError, match=r"paged sampler: decode call \d+ ran 0 steps and finished no sequence "
                        r".* Device rows that stop the loop: slot \d: cache length \d+, limit 0, free on the host[.;] "):
         small_pool.generate(tiny_split[1], prompts, GREEDY, **kwargs)
