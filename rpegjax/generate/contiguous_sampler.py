@@ -2,8 +2,9 @@
 
 Per decode chunk the controller (1) admits pending requests into free slots (continuous batching: before every
 chunk; static batching: once every slot is free), runs of requests with one number of samples G sharing one
-prefill, (2) runs the chunk over an attention window sized to the longest running row and (3) fetches to the
-host only the small per-slot arrays plus the rows of the sequences that finished.
+prefill, (2) runs the chunk on the live bucket of the running slots (`live_rows`) over an attention window sized
+to the longest running row and (3) fetches to the host only the small per-slot arrays plus the rows of the
+sequences that finished.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from rpegjax.generate.decode import (
     decode,
     decode_state_shardings,
 )
+from rpegjax.generate.live_rows import live_rows
 from rpegjax.generate.requests import Request, RequestFeed, RequestQueue
 from rpegjax.models.config import ModelConfig
 from rpegjax.options import CacheLayout
@@ -36,8 +38,9 @@ class ContiguousController:
 
     def __init__(self, cfg: ModelConfig, graphdef: nnx.GraphDef, *, num_slots: int, replicas: int,
                  max_prompt_len: int, max_new_tokens: int, chunk_steps: int, window_step: int, stats,
-                 mesh: Mesh | None, activation: ActivationSharding | None, params_sharding):
+                 mesh: Mesh | None, activation: ActivationSharding | None, params_sharding, live_buckets: bool):
         self.num_slots = num_slots
+        self.live_buckets = live_buckets
         self.replicas = replicas
         self.max_prompt_len = max_prompt_len
         self.capacity = max_prompt_len + max_new_tokens
@@ -75,7 +78,7 @@ class ContiguousController:
         self._decode = jax.jit(
             decode_fn,
             static_argnums=(0,),
-            in_shardings=(params_sharding, state_sharding, replicated, replicated, replicated),
+            in_shardings=(params_sharding, state_sharding) + (replicated,) * 4,
             out_shardings=(state_sharding, replicated),
             donate_argnums=(2,),
         )
@@ -102,7 +105,8 @@ class ContiguousController:
         group's prompts at once, `max_prompt_len` wide, and a decode chunk attending to the whole capacity."""
         prefill = self._admit.lower(group_size, params, state, *self._admit_arrays(
             self._admit_bucket(self.num_slots // group_size, group_size), max_prompt_len, group_size), key, arrays)
-        decode = self._decode.lower(self.capacity, params, state, key, arrays, np.int32(self.chunk_steps))
+        every = live_rows([], num_slots=self.num_slots, replicas=self.replicas, compact=False)
+        decode = self._decode.lower(self.capacity, params, state, every, key, arrays, np.int32(self.chunk_steps))
         return {"prefill": prefill, "decode": decode}
 
     # ---- admission -----------------------------------------------------------------------------------
@@ -168,11 +172,11 @@ class ContiguousController:
         steps = -(-(longest + self.chunk_steps) // self.window_step)
         return min(self.capacity, self.window_step * (1 << (steps - 1).bit_length()))
 
-    def _decode_chunk(self, params, state, key, arrays, window: int):
-        state, steps = self._decode(window, params, state, key, arrays, np.int32(self.chunk_steps))
-        self.stats.decode_calls += 1
-        self.stats.chunks_per_window[window] = self.stats.chunks_per_window.get(window, 0) + 1
-        return state, steps
+    def _decode_chunk(self, params, state, key, arrays, window: int, running: list[int]):
+        """One chunk over the running slots' live bucket (every slot without live buckets)."""
+        live = live_rows(running, num_slots=self.num_slots, replicas=self.replicas, compact=self.live_buckets)
+        state, steps = self._decode(window, params, state, live, key, arrays, np.int32(self.chunk_steps))
+        return state, steps, live
 
     def _fetch(self, state: DecodeState):
         """The small per-slot arrays: done, num_generated, finish."""
@@ -219,12 +223,13 @@ class ContiguousController:
                                  f"start in {self.num_slots} slots")
             before = int(cache_length[running].sum())
             window = self._window(int(cache_length[running].max()))
-            state, steps = self._decode_chunk(params, state, key, arrays, window)
+            state, steps, live = self._decode_chunk(params, state, key, arrays, window, running)
             done, num_generated, finish = self._fetch(state)
             steps = int(steps)
-            self.stats.decode_steps += steps
             for slot in running:
                 cache_length[slot] = requests[owners[slot][0]].size + int(num_generated[slot]) - 1
+            self.stats.record_chunk(steps, window=window, bucket=live.shape[1], rows=live.size, slots=self.num_slots,
+                                    live_tokens=int(cache_length[running].sum()) - before)
             self.stats.record_memory(steps, reserved=self.num_slots * self.capacity,
                                      cached=(before + int(cache_length[running].sum())) / 2)
             finished = [slot for slot in running if done[slot]]

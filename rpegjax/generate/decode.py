@@ -24,6 +24,7 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from rpegjax.generate.completion import EOS_CODE, LENGTH_CODE, RUNNING_CODE, STOP_CODE
+from rpegjax.generate.live_rows import decode_live, put_rows, take_rows
 from rpegjax.generate.sampling import SamplingArrays, row_step_keys, sample_tokens
 from rpegjax.models.config import ModelConfig
 from rpegjax.models.transformer import KVCache
@@ -290,6 +291,7 @@ def decode(
     graphdef: nnx.GraphDef,
     params: nnx.State,
     state: DecodeState,
+    live: Int[Array, "r q"],
     key: Array,
     sampling: SamplingArrays,
     max_steps: Int[Array, ""],
@@ -297,27 +299,27 @@ def decode(
     window: int | None = None,
     sharding: ActivationSharding | None = None,
 ) -> tuple[DecodeState, Int[Array, ""]]:
-    """Up to `max_steps` decode steps (a `lax.while_loop`, no host round trip), stopping early once
-    every row is done. Returns the new state and the number of steps run.
+    """Up to `max_steps` decode steps (a `lax.while_loop`, no host round trip) on the rows `live` of each slot
+    replica (`live_rows`: the running slots, padded with free ones), stopping early once every row is done.
+    Returns the new state and the number of steps run.
 
-    With a static `window` < capacity, the steps run on the first `window` cache positions only (copied
-    out once, written back once), so attention costs O(window) instead of O(capacity) per step; the
-    loop also stops before any running row would write past the window, so a window chosen too small
+    The bucket's rows are gathered once, with only the first `window` cache positions when a static `window` <
+    capacity, and written back once, so a step costs O(bucket rows x window) instead of O(slots x capacity);
+    the loop also stops before any running row would write past the window, so a window chosen too small
     costs an early return, never a wrong token. Logits are the same: keys past a row's length are masked.
     """
-    full = state.cache
-    windowed = window is not None and window < full.capacity
-    if windowed:
-        state = state.replace(cache=KVCache(k=tuple(x[:, :, :window] for x in full.k),
-                                            v=tuple(x[:, :, :window] for x in full.v), lengths=full.lengths))
+    window = None if window is None or window >= state.cache.capacity else window
 
-    state, steps = decode_loop(graphdef, params, state, key, sampling, max_steps, sharding,
-                               lambda s: s.cache.capacity)
-    if windowed:
-        cache = state.cache
-        def write_back(whole, part):  # one layer's [b k T e] array
-            return whole.at[:, :, :window].set(part)
+    def take_cache(cache: KVCache) -> KVCache:
+        return KVCache(k=tuple(take_rows(x, live, window) for x in cache.k),
+                       v=tuple(take_rows(x, live, window) for x in cache.v), lengths=take_rows(cache.lengths, live))
 
-        state = state.replace(cache=KVCache(k=tuple(map(write_back, full.k, cache.k)),
-                                            v=tuple(map(write_back, full.v, cache.v)), lengths=cache.lengths))
-    return state, steps
+    def put_cache(cache: KVCache, part: KVCache) -> KVCache:
+        return KVCache(k=tuple(put_rows(x, live, new, window) for x, new in zip(cache.k, part.k, strict=True)),
+                       v=tuple(put_rows(x, live, new, window) for x, new in zip(cache.v, part.v, strict=True)),
+                       lengths=put_rows(cache.lengths, live, part.lengths))
+
+    def run(compact: DecodeState) -> tuple[DecodeState, Int[Array, ""]]:
+        return decode_loop(graphdef, params, compact, key, sampling, max_steps, sharding, lambda s: s.cache.capacity)
+
+    return decode_live(run, state, live, take_cache, put_cache)

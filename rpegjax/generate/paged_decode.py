@@ -13,6 +13,7 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from rpegjax.generate.decode import DecodeState, decode_loop, record_tokens
+from rpegjax.generate.live_rows import decode_live, put_rows, take_rows
 from rpegjax.generate.paged_cache import PagedKVCache
 from rpegjax.generate.sampling import SamplingArrays
 from rpegjax.models.config import ModelConfig
@@ -128,6 +129,7 @@ def decode_paged(
     page_table: Int[Array, "b m"],
     limits: Int[Array, " b"],
     evict: Bool[Array, " b"],
+    live: Int[Array, "r q"],
     key: Array,
     sampling: SamplingArrays,
     max_steps: Int[Array, ""],
@@ -135,11 +137,22 @@ def decode_paged(
     window_pages: int,
     sharding: ActivationSharding | None = None,
 ) -> tuple[DecodeState, Int[Array, ""]]:
-    """Up to `max_steps` decode steps over the paged cache (a `lax.while_loop`), stopping early once every
-    row is done or before a running row would write past its pages (`limits`). Rows in `evict` (preempted
-    by the host, their pages already reused) are marked done first. Returns the new state and the steps run."""
-    cache = state.cache.replace(page_table=page_table, limits=limits, window_pages=window_pages)
+    """Up to `max_steps` decode steps over the paged cache (a `lax.while_loop`) on the rows `live` of each slot
+    replica (`live_rows`), stopping early once every row is done or before a running row would write past its
+    pages (`limits`). Rows in `evict` (preempted by the host, their pages already reused) are marked done first.
+    The bucket shares the whole pools: only its page tables, lengths and limits are gathered. Returns the new
+    state and the steps run."""
+    cache = state.cache.replace(page_table=page_table, limits=limits)
     state = state.replace(cache=cache, done=state.done | evict)
 
-    state, steps = decode_loop(graphdef, params, state, key, sampling, max_steps, sharding, lambda s: s.cache.limits)
-    return state.replace(cache=state.cache.replace(window_pages=0)), steps
+    def take_cache(cache: PagedKVCache) -> PagedKVCache:
+        return cache.replace(page_table=take_rows(cache.page_table, live), lengths=take_rows(cache.lengths, live),
+                             limits=take_rows(cache.limits, live), window_pages=window_pages)
+
+    def put_cache(cache: PagedKVCache, part: PagedKVCache) -> PagedKVCache:
+        return cache.replace(k=part.k, v=part.v, lengths=put_rows(cache.lengths, live, part.lengths))
+
+    def run(compact: DecodeState) -> tuple[DecodeState, Int[Array, ""]]:
+        return decode_loop(graphdef, params, compact, key, sampling, max_steps, sharding, lambda s: s.cache.limits)
+
+    return decode_live(run, state, live, take_cache, put_cache)

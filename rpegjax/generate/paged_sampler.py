@@ -4,8 +4,8 @@ Per decode chunk the controller (1) admits pending groups while a replica has en
 free pages for the group's prompt and first chunk plus the next chunk of every sequence already
 running there, (2) gives every running sequence the pages its next chunk writes, preempting the most
 recently admitted sequence of a replica whose pool ran dry (its pages are freed and it restarts from
-its prompt later: per-row keys make the restart draw the same tokens), (3) runs the chunk over a
-power-of-two number of page-table columns and (4) fetches to the host only the small per-slot arrays
+its prompt later: per-row keys make the restart draw the same tokens), (3) runs the chunk on the live
+bucket of the running slots (`live_rows`) over a power-of-two number of page-table columns and (4) fetches to the host only the small per-slot arrays
 plus the rows of the sequences that finished. The slots' owners, pages and preemption choices are host
 bookkeeping of one run (`paged_slots.PagedSlots`); this module holds the compiled programs and the loop.
 """
@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rpegjax.generate.completion import FINISH_CODES, Completion, FinishReason, unstarted
 from rpegjax.generate.decode import DecodeStalledError, abstract_state_of
+from rpegjax.generate.live_rows import live_rows
 from rpegjax.generate.paged_cache import CacheConfig, pages_for, pow2_at_least
 from rpegjax.generate.paged_decode import (
     decode_paged,
@@ -44,8 +45,9 @@ class PagedController:
 
     def __init__(self, cfg: ModelConfig, graphdef: nnx.GraphDef, cache: CacheConfig, *, num_slots: int,
                  replicas: int, capacity: int, max_new_tokens: int, chunk_steps: int, stats,
-                 mesh: Mesh | None, activation: ActivationSharding | None, params_sharding):
+                 mesh: Mesh | None, activation: ActivationSharding | None, params_sharding, live_buckets: bool):
         self.cfg = cfg
+        self.live_buckets = live_buckets
         self.page_size = cache.page_size
         self.prefill_chunk = cache.prefill_chunk
         self.num_slots = num_slots
@@ -95,7 +97,7 @@ class PagedController:
             self._decode = jax.jit(
                 decode_fn, static_argnums=(0,),
                 in_shardings=(params_sharding, state_sharding, state_sharding.cache.page_table, rows, rows,
-                              replicated, replicated, replicated),
+                              replicated, replicated, replicated, replicated),
                 out_shardings=(state_sharding, replicated), donate_argnums=(2,))
             self._build_state = jax.jit(self._empty, out_shardings=state_sharding)
             # only finished rows come back, replicated, so every process can read them
@@ -129,8 +131,9 @@ class PagedController:
         # every slot started; a copy of the prompt's partial last page for each sample but a group's first
         r, c = self.num_slots, pow2_at_least(max((group_size - 1) * (self.num_slots // group_size), 1), self.num_slots)
         start = self._start.lower(state, logits, *(ints(r) for _ in range(6)), *(ints(c) for _ in range(3)), key, arrays)
+        every = live_rows([], num_slots=self.num_slots, replicas=self.replicas, compact=False)
         decode = self._decode.lower(self.max_pages, params, state, ints(self.num_slots, self.max_pages),
-                                    ints(self.num_slots), np.zeros((self.num_slots,), bool), key, arrays,
+                                    ints(self.num_slots), np.zeros((self.num_slots,), bool), every, key, arrays,
                                     np.int32(self.chunk_steps))
         return {"prefill": prefill, "start": start, "decode": decode}
 
@@ -191,7 +194,8 @@ class PagedController:
         return state
 
     def _decode_chunk(self, params, state, slots: PagedSlots, running: list[int], key, arrays):
-        """One decode chunk over a power-of-two number of page-table columns; returns the state and the finished
+        """One decode chunk on the running slots' live bucket (`live_rows`) over a power-of-two number of
+        page-table columns; returns the state and the finished
         slots with every slot's response length and finish code. Raises when the chunk ran no step and finished
         nothing (the host and the device disagree)."""
         page = self.page_size
@@ -200,16 +204,16 @@ class PagedController:
         before = int(slots.cache_length[running].sum())
         # copies: the CPU client may read an aligned numpy argument when the program runs, after this call
         # returns (clearing `evict` in place below once hid an eviction from the chunk: every chunk stalled)
-        state, steps = self._decode(window, params, state, slots.table.copy(), limits, slots.evict.copy(), key,
+        live = live_rows(running, num_slots=self.num_slots, replicas=self.replicas, compact=self.live_buckets)
+        state, steps = self._decode(window, params, state, slots.table.copy(), limits, slots.evict.copy(), live, key,
                                     arrays, np.int32(self.chunk_steps))
         slots.evict[:] = False
         done, num_generated, finish = jax.device_get((state.done, state.num_generated, state.finish))
         steps = int(steps)
-        self.stats.decode_calls += 1
-        self.stats.decode_steps += steps
-        self.stats.chunks_per_window[window] = self.stats.chunks_per_window.get(window, 0) + 1
         slots.record_generated(running, num_generated)
         after = int(slots.cache_length[running].sum())
+        self.stats.record_chunk(steps, window=window, bucket=live.shape[1], rows=live.size, slots=self.num_slots,
+                                live_tokens=after - before)
         self.stats.record_memory(steps, reserved=slots.pool.held() * page, cached=(before + after) / 2)
         finished = [slot for slot in running if done[slot]]
         if steps == 0 and not finished:

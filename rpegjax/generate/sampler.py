@@ -72,6 +72,31 @@ class SamplerStats:
     # (static: slots x capacity; paged: pages held x page size) and x tokens actually cached
     reserved_token_steps: float = 0.0
     cached_token_steps: float = 0.0
+    # live buckets: (attention window, bucket rows per slot replica) -> decode calls (one program each), and
+    # over decode steps: slots x steps, rows decoded (the buckets) x steps, and the steps of running sequences
+    chunks_per_shape: dict[tuple[int, int], int] = dataclasses.field(default_factory=dict)
+    slot_steps: int = 0
+    decoded_row_steps: int = 0
+    live_row_steps: int = 0
+
+    def record_chunk(self, steps: int, *, window: int, bucket: int, rows: int, slots: int, live_tokens: int) -> None:
+        """One decode chunk of `steps` steps over `rows` rows (`bucket` per replica) of `slots`, in which the
+        running sequences generated `live_tokens` tokens (one per step each while it runs)."""
+        self.decode_calls += 1
+        self.decode_steps += steps
+        self.chunks_per_window[window] = self.chunks_per_window.get(window, 0) + 1
+        self.chunks_per_shape[(window, bucket)] = self.chunks_per_shape.get((window, bucket), 0) + 1
+        self.slot_steps += steps * slots
+        self.decoded_row_steps += steps * rows
+        self.live_row_steps += live_tokens
+
+    def slot_occupancy(self) -> float:
+        """Share of slot-steps a running sequence used (slot busy %)."""
+        return self.live_row_steps / self.slot_steps
+
+    def bucket_occupancy(self) -> float:
+        """Share of the decoded rows' steps a running sequence used (1 = no row decoded for nothing)."""
+        return self.live_row_steps / self.decoded_row_steps
 
     def record_memory(self, steps: int, *, reserved: float, cached: float) -> None:
         self.reserved_token_steps += steps * reserved
@@ -148,8 +173,10 @@ class Sampler:
     (`weight_sync.reshard_params`). The compiled functions are built once here, by the layout's controller
     (`contiguous_sampler.ContiguousController` or `paged_sampler.PagedController`); `admit` compiles once
     per (prompt bucket, group size, prefill width: max_prompt_len, or the capacity for a longer fed context),
-    `decode` once per attention window (2 + log2(capacity / window_step) at most). `cache` chooses the KV
-    layout (default contiguous; `CacheConfig.paged(...)` for pages).
+    `decode` once per (attention window: 2 + log2(capacity / window_step) at most, live bucket). `cache` chooses
+    the KV layout (default contiguous; `CacheConfig.paged(...)` for pages). `live_buckets` (default True): each
+    decode chunk runs only the running slots of each replica, padded to a power of two (`live_rows`: at most
+    1 + log2(slots per replica) buckets); False decodes every slot every step (the baseline of benchmarks).
     """
 
     def __init__(
@@ -166,6 +193,7 @@ class Sampler:
         rules: ShardingRules | None = None,
         cache: CacheConfig | None = None,
         lora: LoRAConfig | None = None,
+        live_buckets: bool = True,
     ):
         self.cfg = cfg
         self.graphdef = graphdef
@@ -199,7 +227,7 @@ class Sampler:
         activation = None if mesh is None else ActivationSharding(mesh, self.rules)
         common = dict(num_slots=self.num_slots, replicas=self.replicas, max_new_tokens=self.max_new_tokens,
                       chunk_steps=self.chunk_steps, stats=self.stats, mesh=mesh, activation=activation,
-                      params_sharding=self.params_sharding)
+                      params_sharding=self.params_sharding, live_buckets=bool(live_buckets))
         # the layout's compiled programs and host loop; `paged` is the paged layout's controller, else None
         self.controller: ContiguousController | PagedController
         self.paged: PagedController | None = None
@@ -211,9 +239,9 @@ class Sampler:
 
     def compile_counts(self) -> dict[str, int]:
         """Programs compiled so far: `admit` one per (prompt bucket, group size, prefill width, sampling switches),
-        `decode` one per (attention window, sampling switches); anything more is a retrace bug.
+        `decode` one per (attention window, live bucket, sampling switches); anything more is a retrace bug.
         Paged layout: `prefill` per (prompt rows, chunk, page window), `start` per row bucket, `decode` per
-        page window (a power of two)."""
+        (page window, live bucket), both powers of two."""
         return self.controller.compile_counts()
 
     def new_state(self) -> DecodeState:

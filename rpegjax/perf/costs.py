@@ -27,6 +27,9 @@ class AttentionKernel(enum.StrEnum):
 class DecodeKernel(enum.StrEnum):
     STATIC = "static"  # fixed slots x fixed capacity every step (rpegjax's jitted sampler): all slots, whole cache
     PAGED = "paged"  # serving-engine style: only active sequences, only their written keys
+    # rpegjax's sampler with live buckets: the active sequences padded to a power of two, each over a window of
+    # the longest active sequence rounded up to a power of two
+    LIVE = "live"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -8,7 +8,9 @@ parallel latency), with
     memory(a, K)  = bytes_fixed + bytes_per_row · a + bytes_per_key · K
 
 where a and K depend on the decode kernel: STATIC processes every slot over the whole capacity each step,
-PAGED only the active sequences and their written keys. Sequences enter free slots in queue order
+PAGED only the active sequences and their written keys, LIVE (rpegjax's sampler with live buckets) the active
+sequences padded to a power of two, each over a window of the longest active sequence's length rounded up to a
+power of two (at most the capacity). Sequences enter free slots in queue order
 (continuous batching) or in fixed batches of `slots` that end with their longest member (static batching).
 """
 
@@ -107,6 +109,8 @@ class DecodeTimeline:
     finish_seconds: np.ndarray  # per sequence, in queue order
     steps: int
     mean_active: float  # average active sequences per step
+    mean_rows: float  # average rows the kernel processes per step (active or not)
+    slots: int  # the replica's slots (`mean_active / slots`: how busy they are)
     compute_bound_fraction: float  # share of steps whose compute time exceeds memory time
 
 
@@ -143,10 +147,14 @@ def simulate_decode(lengths: np.ndarray, *, slots: int, prompt: int, capacity: i
     np.add.at(start_sum, ends, -starts.astype(np.float64))
     active, start_sum = np.cumsum(active)[:steps], np.cumsum(start_sum)[:steps]
     t = np.arange(steps, dtype=np.float64)
-    if DecodeKernel(kernel) is DecodeKernel.STATIC:
+    kernel = DecodeKernel(kernel)
+    if kernel is DecodeKernel.STATIC:
         busy_slots = min(slots, len(lengths))
         rows = np.full(steps, float(busy_slots))
         keys = rows * capacity
+    elif kernel is DecodeKernel.LIVE:
+        rows = np.minimum(float(min(slots, len(lengths))), _pow2_at_least(active))
+        keys = rows * np.minimum(float(capacity), _pow2_at_least(prompt + t + 1 - _oldest_active_start(starts, ends)))
     else:
         rows = active
         keys = active * (prompt + t + 1) - start_sum  # each active row attends to its prompt and tokens so far
@@ -157,7 +165,21 @@ def simulate_decode(lengths: np.ndarray, *, slots: int, prompt: int, capacity: i
     np.add.at(prefill, starts, cost.prefill_seconds)
     elapsed = np.cumsum(step_seconds + prefill)
     return DecodeTimeline(seconds=float(elapsed[-1]), finish_seconds=elapsed[ends - 1], steps=steps,
-                          mean_active=float(active.mean()), compute_bound_fraction=float(np.mean(compute > memory)))
+                          mean_active=float(active.mean()), mean_rows=float(rows.mean()), slots=min(slots, len(lengths)),
+                          compute_bound_fraction=float(np.mean(compute > memory)))
+
+
+def _pow2_at_least(x: np.ndarray) -> np.ndarray:
+    return np.exp2(np.ceil(np.log2(np.maximum(x, 1.0))))
+
+
+def _oldest_active_start(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """Per step t, the earliest start of a sequence active at t. Starts are non-decreasing in queue order (both
+    schedules), so it is the start of the first sequence not yet ended: the first whose running maximum of ends
+    exceeds t (no gaps: some sequence is active at every step before the last end)."""
+    steps = int(ends.max())
+    first = np.searchsorted(np.maximum.accumulate(ends), np.arange(steps), side="right")
+    return starts[first].astype(np.float64)
 
 
 def replica_lengths(lengths: ResponseLengths, total: int, replicas: int, *, seed: int = 0) -> np.ndarray:

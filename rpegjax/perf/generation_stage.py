@@ -147,6 +147,7 @@ def generation_cost(inputs: CostInputs, layout: Layout, *, kv_budget_bytes: floa
         flops=useful, model_flops=useful, transient_bytes=memory,
         piece_fractions=fractions,
         detail={"slots": slots, "decode_steps": timeline.steps, "mean_active": timeline.mean_active,
+                "mean_decoded_rows": timeline.mean_rows, "slot_busy": timeline.mean_active / timeline.slots,
                 "generated_tokens": generated})
 
 

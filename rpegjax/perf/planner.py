@@ -360,9 +360,9 @@ class Planner:
         return dataclasses.replace(choice, execution=self._fastest_slots(choice, execution, slots, step))
 
     def _fastest_slots(self, choice: PlanChoice, execution: Execution, most: int, step: int) -> Execution:
-        """`execution` with the fastest generation of `most` slots and its halvings (whole steps of `step`): every
-        slot decodes each step over its window, so past the point where the tail leaves slots idle fewer slots
-        decode for more steps but read less cache each (the step model times both)."""
+        """`execution` with the fastest generation of `most` slots and its halvings (whole steps of `step`): the
+        running slots decode each step (padded to a power of two) over the longest one's window, so fewer slots
+        decode for more steps over fewer rows each (the step model times both)."""
         counts = sorted({max(step, most // 2**i // step * step) for i in range(4)}, reverse=True)
         timed = []
         for count in counts:

@@ -144,18 +144,18 @@ class ExecutionOptions:
     def executing(self, execution: Execution) -> ExecutionOptions:
         """These options (efficiencies, overheads) with the kernels and batching of rpegjax's runtime running
         `execution`: blockwise and cuDNN attention skip causal blocks (FLASH), dense scores every pair; the
-        sampler decodes every slot each step over its window (STATIC) with continuous batching (whatever its cache
-        layout), `decode_slots` of them; its contiguous KV cache reserves each slot's capacity, its paged cache
-        the pool; inference stages run in `inference_rows` row micro-batches; rows are padded to the longest, or
-        packed (`Execution.packing`: real tokens only, in passes of `max_tokens_per_micro_batch` tokens per device);
-        AdamW moments and gradients in the weights' dtype."""
+        sampler decodes its running slots padded to a power of two each step, over a window of the longest (LIVE),
+        with continuous batching (whatever its cache layout), `decode_slots` slots; its contiguous KV cache reserves
+        each slot's capacity, its paged cache the pool; inference stages run in `inference_rows` row micro-batches;
+        rows are padded to the longest, or packed (`Execution.packing`: real tokens only, in passes of
+        `max_tokens_per_micro_batch` tokens per device); AdamW moments and gradients in the weights' dtype."""
         param_bytes = execution.param_dtype.itemsize
         attention = costs.AttentionKernel.FLASH if execution.attention.skips_causal_blocks else costs.AttentionKernel.DENSE
         packed = dict(sequence_packing=True, update_microbatches=None,
                       microbatch_tokens=execution.max_tokens_per_micro_batch) if execution.packing else dict(
             sequence_packing=False, update_microbatches=execution.update_microbatches)
         return dataclasses.replace(
-            self, attention=attention, remat=execution.remat, decode=DecodeKernel.STATIC, continuous_batching=True,
+            self, attention=attention, remat=execution.remat, decode=DecodeKernel.LIVE, continuous_batching=True,
             **packed, replicated_generation_weights=True,
             optimizer_bytes_per_param=2.0 * param_bytes, grad_bytes_per_param=float(param_bytes),
             inference_rows=execution.inference_rows, decode_slots=execution.decode_slots,

@@ -103,6 +103,8 @@ def test_a_decode_chunk_without_progress_raises(contiguous, small_pool, tiny_spl
         return decode(window, params, state, table, limits, np.zeros_like(evict), *rest)
 
     monkeypatch.setattr(small_pool.paged, "_decode", without_evictions)
+    # every slot decoded: a live bucket would leave the stale row out (unless it pads a bucket) and hide the stall
+    monkeypatch.setattr(small_pool.paged, "live_buckets", False)
     with pytest.raises(DecodeStalledError, match=r"paged sampler: decode call \d+ ran 0 steps and finished no sequence "
                        r".* Device rows that stop the loop: slot \d: cache length \d+, limit 0, free on the host[.;] "):
         small_pool.generate(tiny_split[1], prompts, GREEDY, **kwargs)
@@ -167,7 +169,7 @@ def test_page_pool_counts_shared_pages_once():
 def test_decode_programs_stay_within_the_bound(tiny_cfg, tiny_split, make_prompts):
     """A sweep of sequence lengths up to capacity 64: power-of-two attention windows keep the decode programs
     at most 1 + log2(64 / 8) = 4 (contiguous, window_step 8) and 1 + log2(16) = 5 page windows (paged, pages
-    of 4), however many distinct lengths run."""
+    of 4), each with at most 3 live buckets, however many distinct lengths run."""
     shape = dict(num_slots=4, max_prompt_len=16, max_new_tokens=48, chunk_steps=4, window_step=8)
     contiguous = Sampler(tiny_cfg, tiny_split[0], **shape)
     paged = Sampler(tiny_cfg, tiny_split[0], **shape, cache=CacheConfig.paged(page_size=4, prefill_chunk=16))
@@ -180,9 +182,12 @@ def test_decode_programs_stay_within_the_bound(tiny_cfg, tiny_split, make_prompt
             completions = run.generate(tiny_split[1], prompts, sampling, key=jax.random.key(5), budgets=budgets)
             assert [c.length for c in completions] == budgets
     assert len(contiguous.stats.chunks_per_window) >= 4 and len(paged.stats.chunks_per_window) >= 4
-    assert contiguous.compile_counts()["decode"] == len(contiguous.stats.chunks_per_window) <= 4
-    assert paged.compile_counts()["decode"] == len(paged.stats.chunks_per_window) <= 5
+    assert contiguous.compile_counts()["decode"] == len(contiguous.stats.chunks_per_shape)
+    assert paged.compile_counts()["decode"] == len(paged.stats.chunks_per_shape)
+    assert len(contiguous.stats.chunks_per_window) <= 4 and len(paged.stats.chunks_per_window) <= 5
     assert set(paged.stats.chunks_per_window) <= {1, 2, 4, 8, 16}
+    for run in (contiguous, paged):  # live buckets of the 4 slots: 1, 2 or 4 rows
+        assert {bucket for _, bucket in run.stats.chunks_per_shape} <= {1, 2, 4}
 
 
 def test_cache_config_validates_its_fields():

@@ -227,7 +227,9 @@ def test_programs_compile_once_per_shape(sampler, tiny_split, reference):
     list(sampler.stream(tiny_split[1], prompts, FILTERED.replace(temperature=0.5), group_size=2, key=jax.random.key(8),
                         budgets=BUDGETS))  # other temperature and key: traced values, no new program
     counts = sampler.compile_counts()
-    assert counts["decode"] == len(sampler.stats.chunks_per_window) <= 3  # windows 8, 16, 20
+    assert counts["decode"] == len(sampler.stats.chunks_per_shape)  # one per (window, live bucket)
+    assert len(sampler.stats.chunks_per_window) <= 3  # windows 8, 16, 20
+    assert {bucket for _, bucket in sampler.stats.chunks_per_shape} <= {1, 2, 4}
     assert counts["admit"] <= 2  # buckets of 1 and 2 prompts, group 2
 
 

@@ -30,7 +30,7 @@ SMALL = Workload(prompts=16, group_size=4, prompt_tokens=256, responses=Response
 QWEN05 = ModelConfig.qwen2p5("0.5b")
 
 
-def _naive_decode(lengths, slots, prompt, cost: DecodeStepCost, paged: bool, capacity: int):
+def _naive_decode(lengths, slots, prompt, cost: DecodeStepCost, kernel: str, capacity: int):
     """A step-by-step reference with explicit slots (continuous batching)."""
     queue, active, elapsed, finish = list(enumerate(lengths)), [], 0.0, {}
     heap_free = slots
@@ -41,8 +41,14 @@ def _naive_decode(lengths, slots, prompt, cost: DecodeStepCost, paged: bool, cap
             active.append([index, length, 0])
             heap_free -= 1
             step_prefill += cost.prefill_seconds
-        rows = len(active) if paged else min(slots, len(lengths))
-        keys = sum(prompt + done + 1 for _, _, done in active) if paged else rows * capacity
+        if kernel == "paged":
+            rows, keys = len(active), sum(prompt + done + 1 for _, _, done in active)
+        elif kernel == "live":  # the running rows padded to a power of two, each over the longest's window
+            rows = min(min(slots, len(lengths)), 2 ** math.ceil(math.log2(len(active))))
+            keys = rows * min(capacity, 2 ** math.ceil(math.log2(max(prompt + done + 1 for _, _, done in active))))
+        else:
+            rows = min(slots, len(lengths))
+            keys = rows * capacity
         compute = cost.seconds_per_row * rows + cost.seconds_per_key * keys
         memory = cost.memory_seconds_fixed + cost.memory_seconds_per_row * rows + cost.memory_seconds_per_key * keys
         elapsed += max(compute, memory) + cost.fixed_seconds + step_prefill
@@ -55,14 +61,13 @@ def _naive_decode(lengths, slots, prompt, cost: DecodeStepCost, paged: bool, cap
     return elapsed, [finish[i] for i in range(len(lengths))]
 
 
-@pytest.mark.parametrize("paged", [True, False])
-def test_decode_simulation_matches_a_step_by_step_reference(paged):
+@pytest.mark.parametrize("kernel", ["paged", "static", "live"])
+def test_decode_simulation_matches_a_step_by_step_reference(kernel):
     cost = DecodeStepCost(seconds_per_row=1e-4, seconds_per_key=2e-7, memory_seconds_fixed=3e-3,
                           memory_seconds_per_row=1e-5, memory_seconds_per_key=1e-6, fixed_seconds=1e-4, prefill_seconds=5e-3)
     lengths = np.array([5, 17, 3, 9, 12, 1, 30, 8, 8, 2])
-    seconds, finish = _naive_decode(list(lengths), 3, 7, cost, paged, capacity=37)
-    timeline = simulate_decode(lengths, slots=3, prompt=7, capacity=37, kernel="paged" if paged else "static",
-                               continuous=True, cost=cost)
+    seconds, finish = _naive_decode(list(lengths), 3, 7, cost, kernel, capacity=37)
+    timeline = simulate_decode(lengths, slots=3, prompt=7, capacity=37, kernel=kernel, continuous=True, cost=cost)
     assert timeline.seconds == pytest.approx(seconds, rel=1e-9)
     assert np.allclose(timeline.finish_seconds, finish, rtol=1e-9)
 
@@ -293,3 +298,16 @@ def test_programs_at_real_shapes_are_within_15_percent_of_xlas_gpu_compiler(stag
     arguments = 3 * weights if stage == "actor_update" else weights  # float32 weights (+ two AdamW moments)
     program = costs[stage].transient_bytes + arguments
     assert abs(program / (compiled_gb * 1e9) - 1) <= 0.15, program / 1e9
+
+
+def test_live_buckets_follow_the_running_sequences_on_a_long_tail():
+    """Static batching of a long tail: after the short rows end, LIVE decodes the few running rows (padded to a power
+    of two, never fewer than run), STATIC every slot; both take the same steps."""
+    cost = DecodeStepCost(seconds_per_row=1e-4, seconds_per_key=2e-7, memory_seconds_fixed=3e-3,
+                          memory_seconds_per_row=1e-5, memory_seconds_per_key=1e-6, fixed_seconds=1e-4, prefill_seconds=0.0)
+    lengths = ResponseLengths.lognormal(64, 512).sample(32)
+    kwargs = dict(slots=16, prompt=16, capacity=528, continuous=False, cost=cost)
+    static, live = (simulate_decode(lengths, kernel=kernel, **kwargs) for kernel in ("static", "live"))
+    assert static.steps == live.steps and static.mean_active == live.mean_active
+    assert static.mean_rows == 16 and live.mean_active <= live.mean_rows < 2 * live.mean_active
+    assert live.seconds < 0.5 * static.seconds

@@ -1,0 +1,79 @@
+"""Decode only the live rows: a chunk runs on a compact bucket of the running slots, not on every slot.
+
+Once most sequences of a replica have finished, decoding every slot still pays every slot's matmul rows, logits
+and attention each step. Before each chunk the host lists the running slots of each slot replica and pads them,
+with free slots, to a power of two per replica (`live_rows`: at most 1 + log2(slots per replica) bucket sizes,
+so few decode programs compile); the compiled chunk gathers those rows of the decode state (`take_live`), runs
+its steps on them, and scatters them back (`put_live`). Free slots in a bucket are done rows: they write nothing.
+
+Rows keep their replica: bucket row i of replica r is one of r's own slots, so the gathers and scatters stay on
+that replica's devices (the paged cache's page ids are replica-local) and the bucket splits over the batch axes
+like the slots do. A row's tokens do not depend on which rows share its bucket: its key is a function of its
+(prompt, sample, step), and no op mixes rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import jax
+import numpy as np
+from jaxtyping import Array, Int
+
+from rpegjax.generate.paged_cache import pow2_at_least
+
+# DecodeState fields with one row per slot (the cache is gathered by the layout's own `take_cache`)
+ROW_FIELDS = ("last_token", "num_generated", "budget", "done", "finish", "prompt_index", "sample_index", "tokens",
+              "logprobs")
+
+
+def live_rows(running: Sequence[int], *, num_slots: int, replicas: int, compact: bool = True) -> np.ndarray:
+    """[r q] replica-local slot indices a chunk decodes: each replica's running slots, in slot order, then its free
+    slots up to q = the power of two at least the most running slots of one replica (every slot when not
+    `compact`, in slot order: decoding every slot, the sampler without live buckets)."""
+    per = num_slots // replicas
+    if not compact:
+        return np.tile(np.arange(per, dtype=np.int32), (replicas, 1))
+    blocks = [[slot - replica * per for slot in running if slot // per == replica] for replica in range(replicas)]
+    q = pow2_at_least(max(map(len, blocks)), per)
+    rows = np.empty((replicas, q), np.int32)
+    for replica, block in enumerate(blocks):
+        taken = set(block)
+        rows[replica] = (block + [slot for slot in range(per) if slot not in taken])[:q]
+    return rows
+
+
+def take_rows(x: Array, live: Int[Array, "r q"], window: int | None = None) -> Array:
+    """Rows `live` of x [b ...] (b split into r replica blocks; live holds indices within a block) -> [r*q ...];
+    with `window`, only the first `window` entries of axis 2 (a contiguous cache's positions)."""
+    r, q = live.shape
+    blocks = x.reshape(r, x.shape[0] // r, *x.shape[1:])
+    if window is not None:
+        blocks = blocks[:, :, :, :window]
+    taken = jax.vmap(lambda block, rows: block[rows])(blocks, live)
+    return taken.reshape(r * q, *taken.shape[2:])
+
+
+def put_rows(x: Array, live: Int[Array, "r q"], new: Array, window: int | None = None) -> Array:
+    """x with rows `live` replaced by `new` [r*q ...] (the inverse of `take_rows`; with `window`, the first
+    `window` entries of axis 2 only)."""
+    r, q = live.shape
+    blocks = x.reshape(r, x.shape[0] // r, *x.shape[1:])
+    parts = new.reshape(r, q, *new.shape[1:])
+
+    def put(block, rows, part):
+        return block.at[rows].set(part) if window is None else block.at[rows, :, :window].set(part)
+
+    return jax.vmap(put)(blocks, live, parts).reshape(x.shape)
+
+
+def decode_live(run: Callable, state, live: Int[Array, "r q"], take_cache: Callable, put_cache: Callable):
+    """`run(compact state) -> (compact state, steps)` on the rows `live` of `state`; returns the whole state with
+    those rows written back, and the steps. `take_cache(cache)` gives the bucket's cache, `put_cache(cache,
+    compact cache)` writes it back."""
+    compact = state.replace(cache=take_cache(state.cache),
+                            **{field: take_rows(getattr(state, field), live) for field in ROW_FIELDS})
+    compact, steps = run(compact)
+    return state.replace(cache=put_cache(state.cache, compact.cache),
+                         **{field: put_rows(getattr(state, field), live, getattr(compact, field))
+                            for field in ROW_FIELDS}), steps
