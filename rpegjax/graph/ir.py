@@ -35,7 +35,15 @@ from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 from typing import Any
 
-from rpegjax.options import MODEL_EXECUTION_FIELDS, AttentionKind, CacheLayout, DType, RematPolicy, parse_choice
+from rpegjax.options import (
+    MODEL_EXECUTION_FIELDS,
+    AttentionKind,
+    CacheLayout,
+    DType,
+    OptimizerSharding,
+    RematPolicy,
+    parse_choice,
+)
 
 PARAMS_PREFIX = "params:"
 HOST_PLACEMENT = "host"  # host stages run in the controller process, not on a sub-mesh
@@ -285,6 +293,9 @@ class Execution:
     inference_rows: at most this many rows (of the whole batch) per row micro-batch of an inference stage
     (log-probs, values: `rpegjax.learners.inference`); None: each stage's rows at once.
     decode_slots: the sampler's concurrent sequences (all replicas; None: the run's `rollout.num_slots`).
+    optimizer_sharding: AdamW's moments laid out as their parameters, or also split over the data axes (ZeRO-1).
+    optimizer_offload: the optimiser state waits in pinned host memory between updates (generation then has its
+    device memory; `rpegjax.runtime.offload`), moved to the devices for each update and back after it.
     Generation micro-batches are the stages' own `microbatches`. There is no sequence packing: the runtime
     pads every row of a batch to the same length.
     """
@@ -301,10 +312,12 @@ class Execution:
     update_microbatches: int = 1
     inference_rows: int | None = None
     decode_slots: int | None = None
+    optimizer_sharding: OptimizerSharding = OptimizerSharding.PARAMS
+    optimizer_offload: bool = False
 
     def __post_init__(self) -> None:
         for name, kind in (("attention", AttentionKind), ("remat", RematPolicy), ("kv_cache", CacheLayout),
-                           ("param_dtype", DType), ("dtype", DType)):
+                           ("param_dtype", DType), ("dtype", DType), ("optimizer_sharding", OptimizerSharding)):
             try:
                 object.__setattr__(self, name, parse_choice(kind, getattr(self, name), f"Execution.{name}"))
             except ValueError as error:
@@ -313,8 +326,9 @@ class Execution:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise GraphError(f"Execution.{name} must be a positive integer, got {value!r}")
-        if not isinstance(self.scan_layers, bool):
-            raise GraphError(f"Execution.scan_layers must be true or false, got {self.scan_layers!r}")
+        for name in ("scan_layers", "optimizer_offload"):
+            if not isinstance(getattr(self, name), bool):
+                raise GraphError(f"Execution.{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("inference_rows", "decode_slots"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -354,8 +368,10 @@ class Execution:
         rows = f", inference rows {self.inference_rows}" if self.inference_rows is not None else ""
         pool = f" ({self.kv_pool_tokens} tokens per replica)" if self.kv_pool_tokens is not None else ""
         slots = f", {self.decode_slots} slots" if self.decode_slots is not None else ""
+        optimizer = "" if self.optimizer_sharding is OptimizerSharding.PARAMS else ", optimiser state over data"
+        optimizer += ", optimiser state offloaded" if self.optimizer_offload else ""
         return (f"{self.attention} attention, remat {self.remat}, {self.param_dtype}/{self.dtype}, "
-                f"{self.kv_cache} KV cache{pool}{slots}{micro}{rows}")
+                f"{self.kv_cache} KV cache{pool}{slots}{micro}{rows}{optimizer}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
