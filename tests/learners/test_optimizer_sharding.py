@@ -92,7 +92,8 @@ def test_grpo_zero1_update_equals_the_parameter_layout_and_unsharded(tiny_model)
     np.testing.assert_allclose(metrics["loss"], reference_metrics["loss"], rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("critic", ["shared", "separate"])
+# the separate critic is the harder case (an optax.multi_transform state of two models); the shared one is slow only
+@pytest.mark.parametrize("critic", [pytest.param("shared", marks=pytest.mark.slow), "separate"])
 def test_ppo_zero1_update_equals_the_parameter_layout(tiny_model, tiny_critic, critic):
     cfg = PPOConfig(critic=critic, num_minibatches=2, gamma=0.99, lam=0.9, kl_coef=0.02, optimizer=OPTIMIZER)
     mesh, rules = make_mesh(MESH), ShardingRules.fsdp_tp()
