@@ -85,7 +85,8 @@ class PPOConfig(PolicyConfig):
 class PPOLearner(PolicyUpdates):
     """Jitted PPO functions for an actor and a critic (separate model or the actor's own value head).
     Implements `rpegjax.learners.protocol.Learner`: its parameters are `{"actor": ..., "critic": ...?}`. `seed`: of the
-    update's random draws, the LoRA dropout masks of an actor with adapter dropout (`rpegjax.learners.update`)."""
+    update's random draws, the LoRA dropout masks of an actor with adapter dropout (`rpegjax.learners.update`).
+    `optimizer_sharding`: the AdamW moments' layout on the mesh (`rpegjax.options.OptimizerSharding`)."""
 
     def __init__(
         self,

@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from rpegjax.graph import builders, transforms
+from rpegjax.graph import builders
 from rpegjax.graph.ir import Execution
 from rpegjax.models import ModelConfig
 from rpegjax.perf import hardware, planner, step_model
