@@ -201,11 +201,6 @@ def batch_sharding(mesh: Mesh, rules: ShardingRules) -> NamedSharding:
     return NamedSharding(mesh, logical_to_spec((axes.BATCH,), rules.activations, mesh))
 
 
-def row_axes(sharding: NamedSharding | None) -> tuple[str, ...]:
-    """The mesh axes that split a batch's rows under `sharding` (none without a mesh)."""
-    return () if sharding is None else _row_axes(sharding)[0]
-
-
 def row_shards(sharding: NamedSharding | None) -> int:
     """How many shards the rows of a batch with `sharding` are split into (1 without a mesh)."""
     return 1 if sharding is None else _row_axes(sharding)[1]

@@ -47,7 +47,7 @@ class CacheLayout(enum.StrEnum):
 
 
 class OptimizerSharding(enum.StrEnum):
-    """How AdamW's moments are laid out on the training mesh (`rpegjax.learners.optim.optimizer_state_shardings`)."""
+    """How AdamW's moments are laid out on the training mesh (`rpegjax.learners.optim.split_over_data`)."""
 
     PARAMS = "params"  # each moment as its parameter: sharded over fsdp x tensor, replicated over the data axes
     # ZeRO-1: also split over the data axes the parameter is replicated on (the batch's axes), on a dimension they

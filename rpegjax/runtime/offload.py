@@ -9,7 +9,7 @@ the same bytes, moved.
 
 Each move waits for its copy and then deletes the old buffers (JAX cannot donate across memory kinds), so the
 memory is free when the move returns. The transfer time is costed by the performance model over the device's host
-link (`HardwareSpec.host_bandwidth`), in the update stage.
+link (`DeviceSpec.host_bandwidth`), in the update stage.
 """
 
 from __future__ import annotations
