@@ -23,7 +23,7 @@ ALLOWED = {
     "distributed": {"sharding"},  # below models: process collectives, no model
     "generate": {"options", "models", "sharding"},
     "envs": {"generate", "rewards", "data"},  # multi-turn episodes: tools, their environments, the sampler's feed
-    "learners": {"models", "sharding", "graph"},  # graph: the RPEG's vocabulary (CriticMode), pure Python
+    "learners": {"options", "models", "sharding", "graph"},  # graph: the RPEG's vocabulary (CriticMode), pure Python
     "graph": {"options"},
     "perf": {"options", "graph", "models"},
     "runtime": {"options", "graph", "learners", "generate", "rewards", "data", "models", "sharding", "distributed",

@@ -35,7 +35,15 @@ from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 from typing import Any
 
-from rpegjax.options import MODEL_EXECUTION_FIELDS, AttentionKind, CacheLayout, DType, RematPolicy, parse_choice
+from rpegjax.options import (
+    MODEL_EXECUTION_FIELDS,
+    AttentionKind,
+    CacheLayout,
+    DType,
+    OptimizerSharding,
+    RematPolicy,
+    parse_choice,
+)
 
 PARAMS_PREFIX = "params:"
 HOST_PLACEMENT = "host"  # host stages run in the controller process, not on a sub-mesh
@@ -288,6 +296,9 @@ class Execution:
     packing / max_tokens_per_micro_batch: the update and the inference stages pack the rollout's sequences into
     rows of this many tokens, one row per row shard per micro-batch (`rpegjax.learners.packing`), in place of
     update micro-batches and inference rows; off: every row of a batch is padded to the same length.
+    optimizer_sharding: AdamW's moments laid out as their parameters, or also split over the data axes (ZeRO-1).
+    optimizer_offload: the optimiser state waits in pinned host memory between updates (generation then has its
+    device memory; `rpegjax.runtime.offload`), moved to the devices for each update and back after it.
     Generation micro-batches are the stages' own `microbatches`.
     """
 
@@ -305,10 +316,12 @@ class Execution:
     decode_slots: int | None = None
     packing: bool = False
     max_tokens_per_micro_batch: int | None = None
+    optimizer_sharding: OptimizerSharding = OptimizerSharding.PARAMS
+    optimizer_offload: bool = False
 
     def __post_init__(self) -> None:
         for name, kind in (("attention", AttentionKind), ("remat", RematPolicy), ("kv_cache", CacheLayout),
-                           ("param_dtype", DType), ("dtype", DType)):
+                           ("param_dtype", DType), ("dtype", DType), ("optimizer_sharding", OptimizerSharding)):
             try:
                 object.__setattr__(self, name, parse_choice(kind, getattr(self, name), f"Execution.{name}"))
             except ValueError as error:
@@ -317,8 +330,9 @@ class Execution:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise GraphError(f"Execution.{name} must be a positive integer, got {value!r}")
-        if not isinstance(self.scan_layers, bool):
-            raise GraphError(f"Execution.scan_layers must be true or false, got {self.scan_layers!r}")
+        for name in ("scan_layers", "optimizer_offload"):
+            if not isinstance(getattr(self, name), bool):
+                raise GraphError(f"Execution.{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("inference_rows", "decode_slots"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -374,8 +388,10 @@ class Execution:
         pool = f" ({self.kv_pool_tokens} tokens per replica)" if self.kv_pool_tokens is not None else ""
         slots = f", {self.decode_slots} slots" if self.decode_slots is not None else ""
         packed = f", packed rows of {self.max_tokens_per_micro_batch} tokens" if self.packing else ""
+        optimizer = "" if self.optimizer_sharding is OptimizerSharding.PARAMS else ", optimiser state over data"
+        optimizer += ", optimiser state offloaded" if self.optimizer_offload else ""
         return (f"{self.attention} attention, remat {self.remat}, {self.param_dtype}/{self.dtype}, "
-                f"{self.kv_cache} KV cache{pool}{slots}{micro}{rows}{packed}")
+                f"{self.kv_cache} KV cache{pool}{slots}{micro}{rows}{packed}{optimizer}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

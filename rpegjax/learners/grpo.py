@@ -21,7 +21,7 @@ from jaxtyping import Array, Bool, Float
 from rpegjax.learners.advantages import AdvantageKind, compute_advantages
 from rpegjax.learners.batch import TrainBatch
 from rpegjax.learners.objective import PolicyConfig, PolicyUpdates, policy_denominators, policy_objective
-from rpegjax.learners.optim import make_optimizer, make_schedule
+from rpegjax.learners.optim import make_optimizer, make_schedule, optimizer_data_axes
 from rpegjax.learners.placement import ModelPlacement, Params, has_adapters, has_dropout, jit_with_shardings
 from rpegjax.learners.router import add_router_terms
 from rpegjax.learners.scoring import score_sequences
@@ -36,6 +36,7 @@ from rpegjax.learners.update import (
     train_state_shardings,
 )
 from rpegjax.models.transformer import Decoder
+from rpegjax.options import OptimizerSharding
 from rpegjax.sharding.rules import ActivationSharding, ShardingRules
 
 _OUTCOME_KINDS = (
@@ -84,13 +85,14 @@ class GRPOConfig(PolicyConfig):
 class GRPOLearner(PolicyUpdates):
     """Holds the jitted functions of one policy model; the state they transform lives outside.
     Implements `rpegjax.learners.protocol.Learner` (no critic: `values_fn` is None). `seed`: of the update's random
-    draws, the LoRA dropout masks of a model with adapter dropout (`rpegjax.learners.update`)."""
+    draws, the LoRA dropout masks of a model with adapter dropout (`rpegjax.learners.update`). `optimizer_sharding`:
+    the AdamW moments' layout on the mesh (`rpegjax.options.OptimizerSharding`)."""
 
     values_fn = None
     logprobs_and_values_fn = None
 
     def __init__(self, cfg: GRPOConfig, model: Decoder, *, mesh: Mesh | None = None, rules: ShardingRules | None = None,
-                 seed: int = 0):
+                 seed: int = 0, optimizer_sharding: OptimizerSharding = OptimizerSharding.PARAMS):
         self.cfg = cfg
         self.model_cfg = model.cfg
         self.placement, params = ModelPlacement.split(model, mesh, rules)
@@ -100,7 +102,8 @@ class GRPOLearner(PolicyUpdates):
         placement = self.placement
         trainable_shardings, frozen_shardings = (None, None) if mesh is None else split_trainable(placement.param_shardings)
         self.state_shardings = (
-            None if mesh is None else train_state_shardings(self.optimizer, self._params, trainable_shardings, mesh)
+            None if mesh is None else train_state_shardings(self.optimizer, self._params, trainable_shardings, mesh,
+                                                            data_axes=optimizer_data_axes(optimizer_sharding, placement.rows))
         )
         self._init = make_init(self.optimizer, self.state_shardings)
         self.update_traces = 0  # how many times `update` was traced (compiled); tests assert it stays 1

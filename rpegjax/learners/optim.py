@@ -5,9 +5,13 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+from collections.abc import Sequence
 
 import jax
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from rpegjax.options import OptimizerSharding, parse_choice
 
 
 class Schedule(enum.StrEnum):
@@ -99,3 +103,36 @@ def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
     if cfg.max_grad_norm is None:
         return adamw
     return optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm), adamw)
+
+
+def split_over_data(sharding: NamedSharding, shape: Sequence[int], data_axes: Sequence[str]) -> NamedSharding:
+    """An optimiser buffer's sharding under ZeRO-1 (`OptimizerSharding.DATA`): its parameter's `sharding`, also
+    split over the mesh axes of `data_axes` (the batch's) that it is replicated on. They go on the first dimension
+    whose size they divide together with the axes already there (after those, so that each device's slice lies
+    inside its parameter shard); a buffer with no such dimension (a short bias or norm) keeps `sharding`."""
+    mesh = sharding.mesh
+    spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
+    used = {name for entry in spec for name in _names(entry)}
+    extra = tuple(name for name in data_axes if mesh.shape.get(name, 1) > 1 and name not in used)
+    if not extra:
+        return sharding
+    for dim, entry in enumerate(spec):
+        names = _names(entry) + extra
+        if shape[dim] % math.prod(mesh.shape[name] for name in names) == 0:
+            spec[dim] = names
+            return NamedSharding(mesh, PartitionSpec(*spec), memory_kind=sharding.memory_kind)
+    return sharding
+
+
+def _names(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def optimizer_data_axes(sharding: OptimizerSharding, rows: NamedSharding | None) -> tuple[str, ...]:
+    """The mesh axes a learner splits its optimiser buffers over besides their parameters' (`train_state_shardings`):
+    the axes of its batch rows `rows` under ZeRO-1, none otherwise."""
+    sharding = parse_choice(OptimizerSharding, sharding, "optimizer_sharding")
+    if sharding is OptimizerSharding.PARAMS or rows is None:
+        return ()
+    spec = rows.spec[0] if rows.spec else None
+    return _names(spec)

@@ -26,7 +26,7 @@ from rpegjax.learners.advantages import gae, outcome_token_rewards, whiten
 from rpegjax.learners.batch import TrainBatch
 from rpegjax.learners.losses import aggregation_denominator, kl_penalty, value_loss
 from rpegjax.learners.objective import PolicyConfig, PolicyUpdates, policy_denominators, policy_objective, update_inputs
-from rpegjax.learners.optim import OptimizerConfig, make_optimizer, make_schedule
+from rpegjax.learners.optim import OptimizerConfig, make_optimizer, make_schedule, optimizer_data_axes
 from rpegjax.learners.placement import ModelPlacement, Params, has_adapters, has_dropout, jit_with_shardings
 from rpegjax.learners.router import add_router_terms
 from rpegjax.learners.scoring import score_sequences
@@ -42,6 +42,7 @@ from rpegjax.learners.update import (
 )
 from rpegjax.graph.ir import CriticMode
 from rpegjax.models.transformer import Decoder
+from rpegjax.options import OptimizerSharding
 from rpegjax.sharding.rules import ActivationSharding, ShardingRules
 
 
@@ -86,7 +87,8 @@ class PPOConfig(PolicyConfig):
 class PPOLearner(PolicyUpdates):
     """Jitted PPO functions for an actor and a critic (separate model or the actor's own value head).
     Implements `rpegjax.learners.protocol.Learner`: its parameters are `{"actor": ..., "critic": ...?}`. `seed`: of the
-    update's random draws, the LoRA dropout masks of an actor with adapter dropout (`rpegjax.learners.update`)."""
+    update's random draws, the LoRA dropout masks of an actor with adapter dropout (`rpegjax.learners.update`).
+    `optimizer_sharding`: the AdamW moments' layout on the mesh (`rpegjax.options.OptimizerSharding`)."""
 
     def __init__(
         self,
@@ -97,6 +99,7 @@ class PPOLearner(PolicyUpdates):
         mesh: Mesh | None = None,
         rules: ShardingRules | None = None,
         seed: int = 0,
+        optimizer_sharding: OptimizerSharding = OptimizerSharding.PARAMS,
     ):
         if cfg.critic == CriticMode.SHARED:
             if critic is not None:
@@ -130,7 +133,8 @@ class PPOLearner(PolicyUpdates):
                 {"actor": "actor", "critic": "critic"},
             )
         rows, replicated = self.actor.rows, self.actor.replicated
-        self.state_shardings = None if mesh is None else train_state_shardings(self.optimizer, self._params, shardings, mesh)
+        self.state_shardings = None if mesh is None else train_state_shardings(
+            self.optimizer, self._params, shardings, mesh, data_axes=optimizer_data_axes(optimizer_sharding, rows))
         self._init = make_init(self.optimizer, self.state_shardings)
         self.update_traces = 0
 

@@ -36,6 +36,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Int
 
 from rpegjax.learners.batch import TrainBatch
+from rpegjax.learners.optim import split_over_data
 from rpegjax.sharding import axes
 from rpegjax.sharding.rules import ShardingRules, logical_to_spec
 
@@ -226,10 +227,12 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def train_state_shardings(
-    optimizer: optax.GradientTransformation, params: Params, params_shardings: Params, mesh: Mesh
+    optimizer: optax.GradientTransformation, params: Params, params_shardings: Params, mesh: Mesh, *,
+    data_axes: tuple[str, ...] = (),
 ) -> TrainState:
     """Shardings of a TrainState: every optimiser buffer that mirrors a parameter (Adam's mu and nu, also
-    inside `optax.multi_transform` or masked states) takes that parameter's sharding; the rest (step
+    inside `optax.multi_transform` or masked states) takes that parameter's sharding, also split over the mesh
+    axes `data_axes` (ZeRO-1, `rpegjax.learners.optim.split_over_data`; empty: not); the rest (step
     counts) is replicated. A buffer mirrors a parameter when the parameter's key path ends its own key
     path and the shapes agree."""
     by_path = {
@@ -244,7 +247,7 @@ def train_state_shardings(
         for start in range(len(path)):
             match = by_path.get(path[start:])
             if match is not None and tuple(match[0]) == tuple(leaf.shape):
-                return match[1]
+                return split_over_data(match[1], leaf.shape, data_axes)
         return replicated(mesh)
 
     shapes = jax.eval_shape(optimizer.init, params)

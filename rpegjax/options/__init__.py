@@ -9,8 +9,9 @@ from rpegjax.options.execution import (
     AttentionKind,
     CacheLayout,
     DType,
+    OptimizerSharding,
     RematPolicy,
     parse_choice,
 )
 
-__all__ = ["MODEL_EXECUTION_FIELDS", "AttentionKind", "CacheLayout", "DType", "RematPolicy", "parse_choice"]
+__all__ = ["MODEL_EXECUTION_FIELDS", "AttentionKind", "CacheLayout", "DType", "OptimizerSharding", "RematPolicy", "parse_choice"]

@@ -46,6 +46,15 @@ class CacheLayout(enum.StrEnum):
     PAGED = "paged"  # pages from a shared pool, a page table per slot
 
 
+class OptimizerSharding(enum.StrEnum):
+    """How AdamW's moments are laid out on the training mesh (`rpegjax.learners.optim.split_over_data`)."""
+
+    PARAMS = "params"  # each moment as its parameter: sharded over fsdp x tensor, replicated over the data axes
+    # ZeRO-1: also split over the data axes the parameter is replicated on (the batch's axes), on a dimension they
+    # divide; each data replica updates its slice and the new parameters are all-gathered over the data axes
+    DATA = "data"
+
+
 class DType(enum.StrEnum):
     """Floating-point storage or compute dtype of weights and matmuls."""
 

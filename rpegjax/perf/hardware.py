@@ -194,7 +194,8 @@ class HardwareSpec:
 # [H200] NVIDIA H200 Tensor Core GPU datasheet (SXM): same compute as H100 SXM, 141 GB HBM3e at 4.8 TB/s,
 #        NVLink 900 GB/s bidirectional.
 # [DGX-H100] NVIDIA DGX H100 user guide: 8 GPUs on four NVSwitch chips; 8 ConnectX-7 at 400 Gb/s, one per GPU
-#        (= 50 GB/s per direction per GPU to the network).
+#        (= 50 GB/s per direction per GPU to the network); 2 TB of system memory (256 GB per GPU), each GPU on a
+#        PCIe Gen5 x16 link to the host (64 GB/s per direction); DGX H200 the same.
 # [GH200] NVIDIA GH200 Grace Hopper Superchip datasheet / whitepaper: H100 with 96 GB HBM3 at 4 TB/s,
 #        989 TFLOP/s dense BF16, NVLink-C2C 900 GB/s bidirectional (450 GB/s per direction) to Grace memory.
 # [GH200-quad] HPE Cray EX254n blade as deployed at CSCS Alps (CSCS user documentation, "GH200 nodes"):
@@ -242,8 +243,9 @@ def gh200_nvl32(num_devices: int = 32) -> HardwareSpec:
 
 
 def h100_node(num_devices: int = 8) -> HardwareSpec:
-    """DGX H100-style nodes: 8 H100 SXM on NVSwitch, 50 GB/s per GPU to the network [H100], [DGX-H100]."""
-    device = DeviceSpec(name="H100-SXM-80GB", peak_flops=_HOPPER_FLOPS, memory_bytes=80 * GB, memory_bandwidth=3350 * GB)
+    """DGX H100-style nodes: 8 H100 SXM on NVSwitch, 50 GB/s per GPU to the network, PCIe to the host [H100], [DGX-H100]."""
+    device = DeviceSpec(name="H100-SXM-80GB", peak_flops=_HOPPER_FLOPS, memory_bytes=80 * GB, memory_bandwidth=3350 * GB,
+                        host_memory_bytes=256 * GB, host_bandwidth=64 * GB)
     node = Level(name="node", size=8, bandwidth=450 * GB, latency=2e-6)
     return HardwareSpec(name="h100", device=device, num_devices=num_devices,
                         levels=_network_levels(node, per_gpu_bandwidth=50 * GB, rack_size=32, num_devices=num_devices))
@@ -251,7 +253,8 @@ def h100_node(num_devices: int = 8) -> HardwareSpec:
 
 def h200_node(num_devices: int = 8) -> HardwareSpec:
     """HGX H200-style nodes: 8 H200 SXM on NVSwitch, 50 GB/s per GPU to the network [H200], [DGX-H100]."""
-    device = DeviceSpec(name="H200-SXM-141GB", peak_flops=_HOPPER_FLOPS, memory_bytes=141 * GB, memory_bandwidth=4800 * GB)
+    device = DeviceSpec(name="H200-SXM-141GB", peak_flops=_HOPPER_FLOPS, memory_bytes=141 * GB, memory_bandwidth=4800 * GB,
+                        host_memory_bytes=256 * GB, host_bandwidth=64 * GB)
     node = Level(name="node", size=8, bandwidth=450 * GB, latency=2e-6)
     return HardwareSpec(name="h200", device=device, num_devices=num_devices,
                         levels=_network_levels(node, per_gpu_bandwidth=50 * GB, rack_size=32, num_devices=num_devices))

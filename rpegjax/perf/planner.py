@@ -41,7 +41,7 @@ from rpegjax.graph.ir import (
     Role,
     StageKind,
 )
-from rpegjax.options import AttentionKind, CacheLayout, DType, RematPolicy
+from rpegjax.options import AttentionKind, CacheLayout, DType, OptimizerSharding, RematPolicy
 from rpegjax.perf import executable, generation_stage, refusal, stage_costs
 from rpegjax.perf.step_model import Evaluator, Prediction, placement_devices
 
@@ -71,6 +71,10 @@ class PlanSpace:
     # gpu_memory_utilization sizes its cache; contiguous where a replica cannot hold a whole group) or
     # contiguous (every slot reserves its capacity)
     kv_cache: CacheLayout = CacheLayout.PAGED
+    # AdamW's state split over the data replicas too (ZeRO-1: less memory, the same traffic, so always taken), and
+    # offloaded to host memory while generation runs (colocated plans on devices with a host link)
+    optimizer_sharding: OptimizerSharding = OptimizerSharding.DATA
+    optimizer_offload: tuple[bool, ...] = (False, True)
 
     def __post_init__(self) -> None:
         try:
@@ -78,7 +82,8 @@ class PlanSpace:
         except ValueError:
             raise ValueError(f"PlanSpace.critic_modes must hold {[m.value for m in CriticMode]}, got {self.critic_modes!r}") from None
         for name in ("async_bounds", "critic_modes", "fusion", "microbatches", "generation_fractions", "tensor_sizes",
-                     "reshard_inference", "attention", "remat", "update_microbatches", "inference_microbatches"):
+                     "reshard_inference", "attention", "remat", "update_microbatches", "inference_microbatches",
+                     "optimizer_offload"):
             if not getattr(self, name):
                 raise ValueError(f"PlanSpace.{name} must list at least one choice")
         if any(k < 0 for k in self.async_bounds) or any(m < 1 for m in self.microbatches) or any(t < 1 for t in self.tensor_sizes):
@@ -93,10 +98,12 @@ class PlanSpace:
             del execution
 
     def executions(self) -> list[Execution]:
-        """Every (attention, remat) execution of the space, with its precision and KV cache (micro-batches 1)."""
+        """Every (attention, remat, offload) execution of the space, with its precision, KV cache and optimiser
+        sharding (micro-batches 1)."""
         return [Execution(attention=attention, remat=remat, scan_layers=True, kv_cache=self.kv_cache,
-                          param_dtype=self.param_dtype, dtype=self.dtype)
-                for attention, remat in itertools.product(self.attention, self.remat)]
+                          param_dtype=self.param_dtype, dtype=self.dtype, optimizer_sharding=self.optimizer_sharding,
+                          optimizer_offload=offload)
+                for attention, remat, offload in itertools.product(self.attention, self.remat, self.optimizer_offload)]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -287,6 +294,9 @@ class Planner:
             generation = layouts(split or self.num_devices, self.space.tensor_sizes, with_fsdp=False, **kwargs)
             training = layouts(train_devices, self.space.tensor_sizes, with_fsdp=True, **kwargs)
             for gen_layout, train_layout, execution in itertools.product(generation, training, self.executions):
+                # offload frees memory only where generation shares the devices, and needs a host link
+                if execution.optimizer_offload and (split or hardware.device.host_bandwidth <= 0):
+                    continue
                 base = PlanChoice(algorithm=self.algorithm, use_reference=self.use_reference, num_devices=self.num_devices,
                                   optimizer_steps=self.optimizer_steps,
                                   critic_mode=critic_mode, generation_devices=split, generation_layout=gen_layout,

@@ -69,8 +69,11 @@ def remedy(phase: str, graph: Graph, *, most_update_microbatches: int, most_infe
             return f"more inference micro-batches (rows {rows} each)"
         return f"more GPUs or shorter responses (already {rows} rows per inference micro-batch)"
     if phase == "generation":
-        return ("a smaller KV pool or fewer slots, more tensor parallelism in generation (its weights and KV heads "
-                "split further), or shorter responses (--response-max)")
+        generate, update = graph.stages_of_kind(StageKind.GENERATE), graph.stages_of_kind(StageKind.ACTOR_UPDATE)
+        colocated = bool(generate and update) and generate[0].placement == update[0].placement
+        offload = "the optimiser state offloaded while generating, " if colocated and not execution.optimizer_offload else ""
+        return (f"{offload}a smaller KV pool or fewer slots, more tensor parallelism in generation (its weights and KV "
+                "heads split further), or shorter responses (--response-max)")
     return "more GPUs"
 
 

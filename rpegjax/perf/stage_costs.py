@@ -21,7 +21,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from rpegjax.graph.ir import Execution
-from rpegjax.options import CacheLayout, RematPolicy
+from rpegjax.options import CacheLayout, OptimizerSharding, RematPolicy
 from rpegjax.perf import collectives, costs
 from rpegjax.perf.costs import DecodeKernel, ModelShape
 from rpegjax.perf.generation_cost import ResponseLengths
@@ -118,6 +118,11 @@ class ExecutionOptions:
     decode_slots: int | None = None
     kv_pool: bool = False
     kv_pool_tokens: int | None = None
+    # the optimiser state split over the data replicas too (ZeRO-1: each updates its slice; the reduce-scatter of
+    # the gradients and all-gather of the new weights move what the all-reduce did), and kept in host memory while
+    # the sampler generates (moved over the host link before each update and back after it)
+    optimizer_data_sharding: bool = False
+    optimizer_offload: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "attention", costs.AttentionKernel(self.attention))
@@ -148,7 +153,8 @@ class ExecutionOptions:
         with continuous batching (whatever its cache layout), `decode_slots` slots; its contiguous KV cache reserves
         each slot's capacity, its paged cache the pool; inference stages run in `inference_rows` row micro-batches;
         rows are padded to the longest, or packed (`Execution.packing`: real tokens only, in passes of
-        `max_tokens_per_micro_batch` tokens per device); AdamW moments and gradients in the weights' dtype."""
+        `max_tokens_per_micro_batch` tokens per device); AdamW moments and gradients in the weights' dtype,
+        split and offloaded as the execution says."""
         param_bytes = execution.param_dtype.itemsize
         attention = costs.AttentionKernel.FLASH if execution.attention.skips_causal_blocks else costs.AttentionKernel.DENSE
         packed = dict(sequence_packing=True, update_microbatches=None,
@@ -159,7 +165,9 @@ class ExecutionOptions:
             **packed, replicated_generation_weights=True,
             optimizer_bytes_per_param=2.0 * param_bytes, grad_bytes_per_param=float(param_bytes),
             inference_rows=execution.inference_rows, decode_slots=execution.decode_slots,
-            kv_pool=execution.kv_cache is CacheLayout.PAGED, kv_pool_tokens=execution.kv_pool_tokens)
+            kv_pool=execution.kv_cache is CacheLayout.PAGED, kv_pool_tokens=execution.kv_pool_tokens,
+            optimizer_data_sharding=execution.optimizer_sharding is OptimizerSharding.DATA,
+            optimizer_offload=execution.optimizer_offload)
     @classmethod
     def rpegjax_xla(cls, **changes) -> ExecutionOptions:
         """rpegjax's own kernels as they are today: dense masked attention, a fixed-slot sampler, padded batches."""
@@ -340,7 +348,7 @@ def model_pass_cost(inputs: CostInputs, shape: ModelShape, layout: Layout, *, lo
         background += epochs * optimizer_steps * collectives.all_reduce_seconds(grad_bytes / layout.fsdp, hw, layout.group("data"))
         step_bytes = costs.optimizer_step_bytes(shape, state_bytes_per_param=o.optimizer_bytes_per_param,
                                                 grad_bytes_per_param=o.grad_bytes_per_param)
-        optimizer = epochs * optimizer_steps * device.memory_seconds(step_bytes / layout.shards)
+        optimizer = epochs * optimizer_steps * device.memory_seconds(step_bytes / optimizer_shards(layout, o))
     busy = matmul + memory
     pipeline_comm = 0.0
     if layout.pipeline > 1:
@@ -365,6 +373,25 @@ def model_pass_cost(inputs: CostInputs, shape: ModelShape, layout: Layout, *, lo
                      model_flops=useful, transient_bytes=_pass_transient_bytes(inputs, shape, layout, backward, passes / epochs),
                      detail={"tensor_comm": tensor_comm, "background_comm": background, "optimizer": optimizer,
                              "passes": passes, "matmul": matmul, "elementwise": device.memory_seconds(elementwise)})
+
+
+def optimizer_shards(layout: Layout, options: ExecutionOptions) -> int:
+    """Ways the optimiser state is split: the parameters' shards, and under ZeRO-1 the data replicas too."""
+    return layout.shards * (layout.data if options.optimizer_data_sharding else 1)
+
+
+def optimizer_state_bytes(shape: ModelShape, layout: Layout, options: ExecutionOptions) -> float:
+    """Per device: the optimiser state of `shape`'s parameters (`optimizer_bytes_per_param`)."""
+    return shape.params * options.optimizer_bytes_per_param / optimizer_shards(layout, options)
+
+
+def offload_seconds(shape: ModelShape, layout: Layout, inputs: CostInputs) -> float:
+    """An update's host transfers of an offloaded optimiser state: in before it and out after it, each over every
+    device's own host link at once. MemoryError (a plan that cannot run) on a device without a host link."""
+    device = inputs.hardware.device
+    if device.host_bandwidth <= 0:
+        raise MemoryError(f"optimiser offload: {device.name} has no host link in the hardware description")
+    return 2 * optimizer_state_bytes(shape, layout, inputs.options) / device.host_bandwidth
 
 
 def _compute_seconds(inputs: CostInputs, shape: ModelShape, *, tokens: float, pairs: float, logits: bool,

@@ -5,7 +5,8 @@ placements and their devices, per-stage parallel sizes, fused groups, micro-batc
 a shared actor-critic trunk — and returns a `Prediction`:
 
 * per stage: time (roofline + α–β collectives, `rpegjax.perf.stage_costs`), FLOPs, peak memory per device;
-* per device: persistent state (weights, optimiser state of every model living there, the generation copy)
+* per device: persistent state (weights, optimiser state of every model living there, the generation copy;
+  an offloaded optimiser state is in host memory while generation runs, so generation sits beside less)
   plus the largest transient of the stages it runs (activations, gradients, KV cache, log-prob chunks);
   the KV cache takes what is left, which caps decode concurrency; a plan that does not fit says why;
 * the predicted timeline (a `Trace` of predicted events, `rpegjax.perf.schedule`), steady-state step time,
@@ -137,19 +138,20 @@ class _Resident:
     devices: tuple[int, ...]
     layout: Layout
     bytes_per_device: float
+    offloaded: bool = False  # in host memory while the sampler generates (`Execution.optimizer_offload`)
 
 
 def resident_state(graph: Graph, inputs: CostInputs) -> list[_Resident]:
     """Weights and optimiser states that stay on devices across stages, and the generation copy of the actor."""
     o, out = inputs.options, []
-    state_bytes = lambda shape: shape.param_bytes_each + o.optimizer_bytes_per_param
-    for kind, shape, what in ((StageKind.ACTOR_UPDATE, inputs.actor, "actor weights + optimiser"),
-                              (StageKind.CRITIC_UPDATE, inputs.critic, "critic weights + optimiser")):
+    for kind, shape, what in ((StageKind.ACTOR_UPDATE, inputs.actor, "actor"),
+                              (StageKind.CRITIC_UPDATE, inputs.critic, "critic")):
         home = _home(graph, kind, own_kind=True)
         if home is not None:
-            layout = stage_layout(graph, home)
-            out.append(_Resident(what, placement_devices(graph, home.placement), layout,
-                                 shape.params * state_bytes(shape) / layout.shards))
+            layout, devices = stage_layout(graph, home), placement_devices(graph, home.placement)
+            out.append(_Resident(f"{what} weights", devices, layout, shape.weight_bytes / layout.shards))
+            out.append(_Resident(f"{what} optimiser", devices, layout,
+                                 stage_costs.optimizer_state_bytes(shape, layout, o), offloaded=o.optimizer_offload))
     reference = _home(graph, StageKind.REF_LOGPROB)
     if reference is not None:
         layout = stage_layout(graph, reference)
@@ -170,11 +172,31 @@ def resident_state(graph: Graph, inputs: CostInputs) -> list[_Resident]:
     return out
 
 
-def _persistent(residents: list[_Resident], num_devices: int) -> np.ndarray:
+def _host_problems(residents: list[_Resident], hardware: HardwareSpec) -> list[str]:
+    """An offloaded optimiser state that the host memory of a device does not hold."""
+    host = np.zeros(hardware.num_devices)
+    for resident in residents:
+        if resident.offloaded:
+            host[list(resident.devices)] += resident.bytes_per_device
+    if host.max() <= hardware.device.host_memory_bytes:
+        return []
+    return [f"offloaded optimiser state needs {host.max() / 1e9:.1f} GB of host memory per device, "
+            f"{hardware.device.name} has {hardware.device.host_memory_bytes / 1e9:.1f} GB"]
+
+
+def _persistent(residents: list[_Resident], num_devices: int, *, generating: bool = False) -> np.ndarray:
+    """Bytes per device of the state that stays there: while training, or (`generating`) while the sampler
+    decodes, when an offloaded optimiser state is in host memory."""
     memory = np.zeros(num_devices)
     for resident in residents:
-        memory[list(resident.devices)] += resident.bytes_per_device
+        if not (generating and resident.offloaded):
+            memory[list(resident.devices)] += resident.bytes_per_device
     return memory
+
+
+def _phase(stage: Stage, persistent: np.ndarray, generating: np.ndarray) -> np.ndarray:
+    """The persistent bytes per device that `stage` runs beside."""
+    return generating if StageKind.GENERATE in stage.kinds else persistent
 
 
 # ---------------------------------------------------------------------------------------------- stage costs
@@ -231,6 +253,8 @@ def stage_cost(graph: Graph, stage: Stage, inputs: CostInputs, persistent: np.nd
     if StageKind.ACTOR_UPDATE in kinds or StageKind.CRITIC_UPDATE in kinds:
         epochs, steps = int(stage.options.get("epochs", 1)), int(stage.options.get("minibatches", 1))
         cost = stage_costs.model_pass_cost(inputs, shape, layout, logits=True, backward=True, epochs=epochs, optimizer_steps=steps)
+        if inputs.options.optimizer_offload:
+            reshard += stage_costs.offload_seconds(shape, layout, inputs)
     else:
         logits = bool({StageKind.REF_LOGPROB, StageKind.OLD_LOGPROB} & set(kinds))
         cost = stage_costs.model_pass_cost(inputs, shape, layout, logits=logits, backward=False, pieces=stage.microbatches)
@@ -330,18 +354,20 @@ class Evaluator:
         inputs = self.inputs_for(graph)
         residents = resident_state(graph, inputs)
         persistent = _persistent(residents, graph.num_devices)
+        generating = _persistent(residents, graph.num_devices, generating=True)
         limit = inputs.hardware.usable_memory_bytes
-        problems: list[str] = []
+        problems = _host_problems(residents, inputs.hardware)
         for device_index in np.flatnonzero(persistent > limit)[:1]:
             held = [r.what for r in residents if device_index in r.devices]
             problems.append(f"device {device_index}: persistent state {persistent[device_index] / 1e9:.1f} GB "
                             f"({', '.join(held)}) exceeds the usable {limit / 1e9:.1f} GB")
         costs: dict[str, StageCost] = {}
         for stage in graph.stages:
-            key = _cost_key(graph, stage, persistent)
+            beside = _phase(stage, persistent, generating)
+            key = _cost_key(graph, stage, beside)
             if key not in self._costs:
                 try:
-                    self._costs[key] = stage_cost(graph, stage, inputs, persistent)
+                    self._costs[key] = stage_cost(graph, stage, inputs, beside)
                 except MemoryError as error:
                     self._costs[key] = str(error)
             cost = self._costs[key]
@@ -362,18 +388,24 @@ class Evaluator:
     def _memory_problems(self, graph: Graph, costs: Mapping[str, StageCost],
                          persistent: np.ndarray) -> tuple[np.ndarray, list[str]]:
         limit = self.inputs.hardware.usable_memory_bytes
+        generating = self.generating_persistent(graph)
         peak, problems = persistent.copy(), []
         for stage in graph.stages:
             cost = costs[stage.name]
             if stage.host or not np.isfinite(cost.seconds):
                 continue
             devices = list(placement_devices(graph, stage.placement))
-            peak[devices] = np.maximum(peak[devices], persistent[devices] + cost.transient_bytes)
-            need = float(persistent[devices].max() + cost.transient_bytes)
+            beside = _phase(stage, persistent, generating)
+            peak[devices] = np.maximum(peak[devices], beside[devices] + cost.transient_bytes)
+            need = float(beside[devices].max() + cost.transient_bytes)
             if need > limit:
                 problems.append(f"stage {stage.name!r}: needs {need / 1e9:.1f} GB per device on placement "
                                 f"{stage.placement!r}, the usable memory is {limit / 1e9:.1f} GB")
         return peak, problems
+
+    def generating_persistent(self, graph: Graph) -> np.ndarray:
+        """Persistent bytes per device while the sampler generates (an offloaded optimiser state is not there)."""
+        return _persistent(resident_state(graph, self.inputs_for(graph)), graph.num_devices, generating=True)
 
     def predict(self, graph: Graph, *, steps: int | None = None, with_trace: bool = True,
                 enforce_memory: bool = True) -> Prediction:
@@ -387,6 +419,7 @@ class Evaluator:
         costs, persistent, problems = self.stage_costs(graph)
         peak, memory_problems = self._memory_problems(graph, costs, persistent)
         problems += memory_problems
+        generating = self.generating_persistent(graph)
         stage_predictions = []
         for stage in graph.stages:
             cost = costs[stage.name]
@@ -395,7 +428,8 @@ class Evaluator:
                 name=stage.name, kind=stage.kind.value, seconds=cost.seconds, compute_seconds=cost.compute_seconds,
                 memory_seconds=cost.memory_seconds, communication_seconds=cost.communication_seconds,
                 overhead_seconds=cost.overhead_seconds, flops=cost.flops, model_flops=cost.model_flops,
-                peak_memory_bytes=float(persistent[devices].max() + cost.transient_bytes) if devices else 0.0,
+                peak_memory_bytes=float(_phase(stage, persistent, generating)[devices].max() + cost.transient_bytes)
+                if devices else 0.0,
                 detail=dict(cost.detail)))
         fits = not problems
         timeline = None

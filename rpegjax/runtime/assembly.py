@@ -1,6 +1,7 @@
 """One set-up path from a graph and a model to what the runtime executes: the learner on the mesh of the graph's
 update stage, the sampler on the mesh of its generate stage, both executing as the graph's `Execution` says
-(attention kernel, remat, layer scan, KV-cache layout, update and inference micro-batches). The job (`rpegjax.train.build`, and so the runtime
+(attention kernel, remat, layer scan, KV-cache layout, update and inference micro-batches, optimiser
+sharding). The job (`rpegjax.train.build`, and so the runtime
 tests), the step benchmarks (`bench_grpo_step`, `bench_perfmodel`) build through here; unit tests of a
 learner or the sampler alone build those directly.
 """
@@ -71,9 +72,11 @@ def place_models(graph: Graph, model: Decoder, algorithm: GRPOConfig | PPOConfig
     if isinstance(algorithm, GRPOConfig):
         if critic is not None:
             raise ValueError("place_models: GRPO trains no critic; do not pass one")
-        learner: Learner = GRPOLearner(algorithm, model, mesh=train_mesh, seed=seed)
+        learner: Learner = GRPOLearner(algorithm, model, mesh=train_mesh, seed=seed,
+                                       optimizer_sharding=execution.optimizer_sharding)
     elif isinstance(algorithm, PPOConfig):
-        learner = PPOLearner(algorithm, model, critic, mesh=train_mesh, seed=seed)
+        learner = PPOLearner(algorithm, model, critic, mesh=train_mesh, seed=seed,
+                             optimizer_sharding=execution.optimizer_sharding)
     else:
         raise TypeError(f"place_models: algorithm must be a GRPOConfig or PPOConfig, got {type(algorithm).__name__}")
     merged = model.lora is not None and LoRAGeneration(lora_generation) == LoRAGeneration.MERGED

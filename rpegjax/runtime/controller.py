@@ -171,7 +171,7 @@ class Runtime:
         if self.role == Role.GENERATE:
             return self._serve_generation(steps)
         self.executor.publish_initial(state, start_step, history)
-        training = _Training(self, state, on_step)
+        training = _Training(self, self.programs.at_rest(state), on_step)
         self._loop(self._source(), training, steps)
         return training.state
 

@@ -36,7 +36,7 @@ class StagePrograms:
     `rollout` (`RolloutPrograms`), `training` (`TrainingPrograms`) and `weights` (`WeightSyncPrograms`), with
     the methods the controller calls on them. Generation runs on the sampler's mesh, every other device stage on
     the learner's (`learner.placement.mesh`; None: the default device); the two may be disjoint device sets.
-    See the parts for `rewards`, `episodes`, `reference_params` and `generation_dtype`."""
+    See the parts for `rewards`, `episodes`, `reference_params`, `generation_dtype` and `offload_optimizer`."""
 
     def __init__(
         self,
@@ -51,10 +51,11 @@ class StagePrograms:
         reference_params: Any = None,
         generation_dtype: str | None = None,
         episodes: EpisodeRunner | None = None,
+        offload_optimizer: bool = False,
     ):
         self.rollout = RolloutPrograms(sampler=sampler, sampling=sampling, group_size=group_size, rewards=rewards,
                                        decode=decode, pad_id=pad_id, episodes=episodes)
-        self.training = TrainingPrograms(learner, reference_params)
+        self.training = TrainingPrograms(learner, reference_params, offload_optimizer=offload_optimizer)
         self.weights = WeightSyncPrograms(learner, sampler, generation_dtype)
         self.learner = learner
         self.sampler = sampler
@@ -102,6 +103,9 @@ class StagePrograms:
 
     def update(self, kinds: Sequence[StageKind], state: Any, batch: TrainBatch) -> tuple[Any, dict[str, Any]]:
         return self.training.update(kinds, state, batch)
+
+    def at_rest(self, state: Any) -> Any:
+        return self.training.at_rest(state)
 
     # ---- weight sync -------------------------------------------------------------------------------
     def sync(self, state: Any) -> Any:

@@ -27,6 +27,7 @@ from rpegjax.learners.packing import PackingPlan, pack_tokens
 from rpegjax.learners.protocol import Learner
 from rpegjax.learners.update import batch_sharding, row_shards
 from rpegjax.runtime.meshes import device_ids, same_layout
+from rpegjax.runtime.offload import OptimizerOffload
 from rpegjax.sharding import axes
 from rpegjax.sharding.abstract import is_abstract, with_shardings
 from rpegjax.sharding.rules import ActivationSharding, ShardingRules, param_shardings
@@ -83,10 +84,12 @@ class TrainingPrograms:
     with a critic `values_fn` and `logprobs_and_values_fn`, one pass over a shared trunk). The reference stage
     reads `reference_params` (default: `learner.reference_params()`, the initial policy; with LoRA its frozen
     base). Everything runs on the learner's mesh (`learner.placement.mesh`; None: the default device), an
-    inference stage with a layout of its own on the same devices when the plan gives one."""
+    inference stage with a layout of its own on the same devices when the plan gives one. `offload_optimizer`: the
+    optimiser state waits in host memory between updates (`rpegjax.runtime.offload`; `at_rest` puts a state there)."""
 
-    def __init__(self, learner: Learner, reference_params: Any = None):
+    def __init__(self, learner: Learner, reference_params: Any = None, *, offload_optimizer: bool = False):
         self.learner = learner
+        self.offload = OptimizerOffload(learner.state_shardings) if offload_optimizer else None
         self._kind_functions = {
             StageKind.REF_LOGPROB: learner.logprobs_fn,
             StageKind.OLD_LOGPROB: learner.logprobs_fn,
@@ -253,7 +256,14 @@ class TrainingPrograms:
         """One learner update of the batch, placed with the learner's row layout."""
         self._check_update_kinds(kinds)
         self.dispatches += 1
-        return self.learner.update(state, self.place(batch))
+        if self.offload is None:
+            return self.learner.update(state, self.place(batch))
+        state, metrics = self.learner.update(self.offload.to_device(state), self.place(batch))
+        return self.offload.to_host(state), metrics
+
+    def at_rest(self, state: Any) -> Any:
+        """`state` as it waits between updates: its optimiser state in host memory when offloaded, else unchanged."""
+        return state if self.offload is None else self.offload.to_host(state)
 
     def lower_update(self, kinds: Sequence[StageKind], state: Any, batch: TrainBatch) -> jax.stages.Lowered:
         """The program `update(kinds, state, batch)` runs, lowered (`state`, `batch` may be abstract)."""

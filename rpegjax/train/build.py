@@ -35,7 +35,7 @@ from rpegjax.runtime.assembly import RolloutShape, place_models, sampler_on
 from rpegjax.runtime.meshes import placed_meshes
 from rpegjax.runtime.roles import process_groups
 from rpegjax.sharding.mesh import resolve_axis_sizes
-from rpegjax.train.config import RolloutSection, RunConfig
+from rpegjax.train.config import GraphSection, RolloutSection, RunConfig
 from rpegjax.train.plan_document import PlanWorkload, read_plan_file
 from rpegjax.train.warmstart import warm_start, worked_targets
 
@@ -232,7 +232,12 @@ def run_execution(cfg: RunConfig) -> Execution:
     return Execution(param_dtype=precision.param_dtype, dtype=precision.dtype, update_microbatches=algo.num_microbatches,
                      inference_rows=algo.inference_rows, packing=algo.packing,
                      max_tokens_per_micro_batch=algo.max_tokens_per_micro_batch, **m.execution(),
-                     **_kv_cache_fields(cfg))
+                     **_kv_cache_fields(cfg), **_optimizer_fields(cfg))
+
+
+def _optimizer_fields(cfg: RunConfig) -> dict[str, Any]:
+    """The graph section's optimiser-state fields, as `Execution` fields of the same names."""
+    return {"optimizer_sharding": cfg.graph.optimizer_sharding.value, "optimizer_offload": cfg.graph.optimizer_offload}
 
 
 def _kv_cache_fields(cfg: RunConfig) -> dict[str, Any]:
@@ -312,6 +317,12 @@ def load_plan(cfg: RunConfig, num_devices: int) -> Graph:
     if asked != planned:
         raise ValueError(f"{where}: the plan's sampler is {planned}, this run asks for {asked} (rollout.kv_cache, "
                          f"page_size, kv_pool_tokens, num_slots; plan again, or leave them unset to run the plan's)")
+    asked = {name: value for name, value in _optimizer_fields(cfg).items()
+             if value != getattr(GraphSection(), name)}  # a run that leaves them at the defaults takes the plan's
+    planned = {name: graph.execution.to_dict()[name] for name in asked}
+    if asked != planned:
+        raise ValueError(f"{where}: the plan's optimiser state is {planned}, this run asks for {asked} "
+                         f"(graph.optimizer_sharding, graph.optimizer_offload; plan again, or leave them unset)")
     rows = cfg.algorithm_section().inference_rows
     if rows is not None and graph.execution.inference_rows not in (None, rows):
         raise ValueError(f"{where}: the plan runs inference in micro-batches of {graph.execution.inference_rows} rows, "

@@ -28,7 +28,15 @@ from rpegjax.learners.optim import OptimizerConfig
 from rpegjax.learners.ppo import PPOConfig
 from rpegjax.models.lora import LoRAConfig, LoRAGeneration, LoRATarget
 from rpegjax.models.precision import Precision, resolve_precision
-from rpegjax.options import MODEL_EXECUTION_FIELDS, AttentionKind, CacheLayout, DType, RematPolicy, parse_choice
+from rpegjax.options import (
+    MODEL_EXECUTION_FIELDS,
+    AttentionKind,
+    CacheLayout,
+    DType,
+    OptimizerSharding,
+    RematPolicy,
+    parse_choice,
+)
 from rpegjax.rewards.custom import RewardSpec
 from rpegjax.runtime.partial_rollouts import PartialRolloutConfig, StalePolicy
 from rpegjax.rewards.format import overlong_penalty
@@ -338,7 +346,8 @@ class GraphSection:
     `mesh` lays out the training devices. `rollout_devices` = 0 colocates generation with training on all
     devices; n > 0 gives generation the first n devices (laid out by `rollout_mesh`) and training the rest,
     so that with k >= 1 the two run at the same time. `plan` names a graph JSON (a run's graph.json,
-    or `scripts/plan.py --json` output: its best plan) to execute instead of the graph these fields describe."""
+    or `scripts/plan.py --json` output: its best plan) to execute instead of the graph these fields describe.
+    `optimizer_sharding` / `optimizer_offload`: `rpegjax.graph.ir.Execution`'s fields of those names."""
 
     async_bound: int = 1
     fuse: bool = True
@@ -347,8 +356,15 @@ class GraphSection:
     rollout_devices: int = 0
     rollout_mesh: str = "data=-1"
     plan: str | None = None
+    # AdamW's moments as their parameters ("params") or also split over the data axes ("data": ZeRO-1); and the
+    # optimiser state in host memory between updates (colocated plans: generation gets its device memory)
+    optimizer_sharding: OptimizerSharding = OptimizerSharding.PARAMS
+    optimizer_offload: bool = False
 
     def __post_init__(self) -> None:
+        _choice(self, "optimizer_sharding", OptimizerSharding)
+        if not isinstance(self.optimizer_offload, bool):
+            raise ValueError(f"GraphSection.optimizer_offload must be true or false, got {self.optimizer_offload!r}")
         if isinstance(self.async_bound, bool) or not isinstance(self.async_bound, int) or self.async_bound < 0:
             raise ValueError(f"GraphSection.async_bound must be an integer >= 0, got {self.async_bound!r}")
         if isinstance(self.rollout_devices, bool) or not isinstance(self.rollout_devices, int) or self.rollout_devices < 0:

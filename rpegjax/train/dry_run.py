@@ -219,7 +219,8 @@ def lower_step(graph: Graph, learner: Learner, sampler: Sampler, training: Train
     frozen = learner.frozen  # with LoRA the base weights, an argument of every training program
     train_devices = device_ids(learner.placement.mesh)
     residents = _Residents()
-    residents.add("train", train_devices, shard_bytes(state) + (0.0 if frozen is None else shard_bytes(frozen)))
+    residents.add("train", train_devices, shard_bytes(state.replace(opt_state=())) + (0.0 if frozen is None else shard_bytes(frozen)))
+    residents.add("optimizer", train_devices, shard_bytes(state.opt_state))
     copy = weights.abstract_copy()
     residents.add("generation", device_ids(sampler.mesh), shard_bytes(copy))
     params_bytes = shard_bytes(learner.model_params(learner.params))  # the whole weights the state's programs read
@@ -250,15 +251,18 @@ def lower_step(graph: Graph, learner: Learner, sampler: Sampler, training: Train
         elif set(kinds) & UPDATE_KINDS:
             program = training.lower_update(kinds, state, training.abstract_batch(batch.rows, tokens, inference_kinds))
             lowered.append(LoweredProgram(stage=name, program="update", lowered=program, mesh=learner.placement.mesh,
-                                          resident=residents.beside(train_devices, "train"), predicted=True))
+                                          resident=residents.beside(train_devices, "train", "optimizer"), predicted=True))
         elif StageKind.WEIGHT_SYNC in kinds:
             program = weights.lower_sync(state)
             if program is not None:  # none when the copy is a plain transfer to other devices
                 lowered.append(LoweredProgram(stage=name, program="weight sync", lowered=program,
-                                              mesh=learner.placement.mesh, resident=residents.beside(train_devices, "train"),
+                                              mesh=learner.placement.mesh,
+                                              resident=residents.beside(train_devices, "train", "optimizer"),
                                               predicted=False))
     generate = graph.stages_of_kind(StageKind.GENERATE)[0]
-    beside = residents.beside(device_ids(sampler.mesh), "generation")
+    # an offloaded optimiser state is in host memory while the sampler runs (`rpegjax.runtime.offload`)
+    offloaded = ("optimizer",) if training.offload is not None else ()
+    beside = residents.beside(device_ids(sampler.mesh), "generation", *offloaded)
     generation_programs = sampler.lower_programs(copy, sampling, group_size=batch.group_size,
                                                  long_contexts=batch.multi_turn)
     for program, generation in generation_programs.items():
@@ -298,7 +302,8 @@ def lower_plan(graph: Graph, model_cfg: ModelConfig, algorithm: GRPOConfig | PPO
                            chunk_steps=batch.chunk_steps)
     learner, sampler = place_models(graph, abstract_model, algorithm, rollout, critic=critic, devices=devices)
     cast = generation_cast(model_cfg.param_dtype, model_cfg.dtype, generation_dtype)
-    return lower_step(graph, learner, sampler, TrainingPrograms(learner), WeightSyncPrograms(learner, sampler, cast),
+    training = TrainingPrograms(learner, offload_optimizer=graph.execution.optimizer_offload)
+    return lower_step(graph, learner, sampler, training, WeightSyncPrograms(learner, sampler, cast),
                       batch, SamplingConfig(max_new_tokens=batch.new) if sampling is None else sampling, devices)
 
 

@@ -134,6 +134,7 @@ def make_programs(parts: Components, rewards: RewardRunner) -> StagePrograms:
         decode=parts.decode,
         pad_id=parts.tokenizer.pad_id,
         generation_dtype=generation_cast(parts.model_cfg.param_dtype, parts.model_cfg.dtype, cfg.model.generation_dtype),
+        offload_optimizer=parts.graph.execution.optimizer_offload,
     )
 
 

@@ -141,7 +141,7 @@ class TinyRun:
         """The stage programs of this run with `rewards` (a RewardRunner, a reward function, or None)."""
         return StagePrograms(learner=self.learner, sampler=self.sampler, sampling=self.setup.sampling(),
                              group_size=self.setup.group_size, rewards=rewards, decode=self.decode, pad_id=self.pad_id,
-                             generation_dtype=generation_dtype)
+                             generation_dtype=generation_dtype, offload_optimizer=self.graph.execution.optimizer_offload)
 
 
 _BUILT: dict[TinySetup, TinyRun] = {}

@@ -44,3 +44,25 @@ def test_single_step_graphs_without_decoupled_correction_skip_the_old_logprob_pa
     assert not build_graph(stale, num_devices=1).has_stage("old_logprob")
     two_steps = on_policy.replace(grpo=dataclasses.replace(on_policy.grpo, num_minibatches=2))
     assert build_graph(two_steps, num_devices=1).has_stage("old_logprob")
+
+
+def test_optimizer_flags_reach_the_graph_the_learner_and_the_programs(tmp_path):
+    import jax
+
+    from rpegjax.train.trainer import make_programs
+
+    config = tiny_config(mesh="data=8", optimizer_sharding="data", optimizer_offload=True)
+    graph = build_graph(config, num_devices=8)
+    assert (graph.execution.optimizer_sharding, graph.execution.optimizer_offload) == ("data", True)
+    parts = build(config, log=lambda _: None)
+    specs = [sharding.spec for sharding in jax.tree.leaves(parts.learner.state_shardings.opt_state) if sharding.spec]
+    assert specs and all("data" in str(spec) for spec in specs)  # the moments of every matrix over the 8 replicas
+    assert make_programs(parts, None).training.offload is not None
+    plan = tmp_path / "plan.json"
+    plan.write_text(build_graph(tiny_config(mesh="data=8"), num_devices=8).to_json())
+    asked = tiny_config(mesh="data=8", plan=str(plan), optimizer_offload=True)
+    with pytest.raises(ValueError, match="the plan's optimiser state is {'optimizer_offload': False}, this run asks "
+                                         "for {'optimizer_offload': True}"):
+        build_graph(asked, num_devices=8)
+    with pytest.raises(ValueError, match="GraphSection.optimizer_sharding must be one of \\['params', 'data'\\]"):
+        GraphSection(optimizer_sharding="zero3")
