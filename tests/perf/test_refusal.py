@@ -15,10 +15,10 @@ LAYOUT = (("data", 1), ("fsdp", 8), ("tensor", 1))
 LIMITS = dict(most_update_microbatches=8, most_inference_microbatches=8, sequences=WORKLOAD.sequences)
 
 
-def _line(execution: Execution, memory_gb: float) -> tuple[str, step_model.Prediction]:
+def _line(execution: Execution, memory_gb: float, workload: Workload = WORKLOAD) -> tuple[str, step_model.Prediction]:
     hw = hardware.h100_node(8)
     hw = dataclasses.replace(hw, device=dataclasses.replace(hw.device, memory_bytes=memory_gb * 1e9))
-    evaluator = step_model.Evaluator.for_runtime(ModelConfig.qwen2p5("1.5b"), WORKLOAD, hw)
+    evaluator = step_model.Evaluator.for_runtime(ModelConfig.qwen2p5("1.5b"), workload, hw)
     choice = planner.PlanChoice(algorithm=Algorithm.GRPO, use_reference=True, num_devices=8,
                                 generation_layout=(("data", 8), ("fsdp", 1), ("tensor", 1)), train_layout=LAYOUT,
                                 execution=execution)
@@ -36,8 +36,10 @@ def test_an_update_that_does_not_fit_names_the_training_phase_and_more_micro_bat
 
 
 def test_a_log_prob_pass_that_does_not_fit_names_the_inference_phase():
+    # responses long enough that the whole batch's log-prob pass outgrows the update in 8 micro-batches
+    longer = dataclasses.replace(WORKLOAD, responses=ResponseLengths.lognormal(4096, 32768))
     line, _ = _line(Execution(attention="blockwise", remat="full", update_microbatches=8, param_dtype="float32",
-                              dtype="bfloat16"), 15)
+                              dtype="bfloat16"), 15, longer)
     assert line.startswith("inference (ref_logprob): needs ") and "of 13.5 GB per GPU" in line
     assert line.endswith(f"fits with more inference micro-batches (rows {WORKLOAD.sequences} each)")
     split = planner.build_graph(planner.PlanChoice(algorithm=Algorithm.GRPO, use_reference=True, num_devices=8,
