@@ -285,6 +285,9 @@ class Execution:
     inference_rows: at most this many rows (of the whole batch) per row micro-batch of an inference stage
     (log-probs, values: `rpegjax.learners.inference`); None: each stage's rows at once.
     decode_slots: the sampler's concurrent sequences (all replicas; None: the run's `rollout.num_slots`).
+    sequence_parallel: training and inference stages split the residual stream between the tensor-parallel blocks on
+    its sequence over `tensor` too (`rpegjax.sharding.rules.ShardingRules.fsdp_tp`). Context parallelism is a
+    `context` axis of a stage's parallel sizes, not an option.
     Generation micro-batches are the stages' own `microbatches`. There is no sequence packing: the runtime
     pads every row of a batch to the same length.
     """
@@ -301,6 +304,7 @@ class Execution:
     update_microbatches: int = 1
     inference_rows: int | None = None
     decode_slots: int | None = None
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         for name, kind in (("attention", AttentionKind), ("remat", RematPolicy), ("kv_cache", CacheLayout),
@@ -313,8 +317,9 @@ class Execution:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise GraphError(f"Execution.{name} must be a positive integer, got {value!r}")
-        if not isinstance(self.scan_layers, bool):
-            raise GraphError(f"Execution.scan_layers must be true or false, got {self.scan_layers!r}")
+        for name in ("scan_layers", "sequence_parallel"):
+            if not isinstance(getattr(self, name), bool):
+                raise GraphError(f"Execution.{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("inference_rows", "decode_slots"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -354,8 +359,9 @@ class Execution:
         rows = f", inference rows {self.inference_rows}" if self.inference_rows is not None else ""
         pool = f" ({self.kv_pool_tokens} tokens per replica)" if self.kv_pool_tokens is not None else ""
         slots = f", {self.decode_slots} slots" if self.decode_slots is not None else ""
+        sequence = ", sequence parallel" if self.sequence_parallel else ""
         return (f"{self.attention} attention, remat {self.remat}, {self.param_dtype}/{self.dtype}, "
-                f"{self.kv_cache} KV cache{pool}{slots}{micro}{rows}")
+                f"{self.kv_cache} KV cache{pool}{slots}{micro}{rows}{sequence}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

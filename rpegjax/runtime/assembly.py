@@ -20,6 +20,7 @@ from rpegjax.learners.protocol import Learner
 from rpegjax.models.lora import LoRAGeneration
 from rpegjax.models.transformer import Decoder
 from rpegjax.runtime.meshes import placed_meshes
+from rpegjax.sharding.rules import ShardingRules
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -51,12 +52,13 @@ def place_models(graph: Graph, model: Decoder, algorithm: GRPOConfig | PPOConfig
                              f"it unset to run the plan's")
         algorithm = dataclasses.replace(algorithm, inference_rows=execution.inference_rows)
     train_mesh, rollout_mesh = placed_meshes(graph)
+    rules = None if train_mesh is None else ShardingRules.fsdp_tp(sequence_parallel=execution.sequence_parallel)
     if isinstance(algorithm, GRPOConfig):
         if critic is not None:
             raise ValueError("place_models: GRPO trains no critic; do not pass one")
-        learner: Learner = GRPOLearner(algorithm, model, mesh=train_mesh, seed=seed)
+        learner: Learner = GRPOLearner(algorithm, model, mesh=train_mesh, rules=rules, seed=seed)
     elif isinstance(algorithm, PPOConfig):
-        learner = PPOLearner(algorithm, model, critic, mesh=train_mesh, seed=seed)
+        learner = PPOLearner(algorithm, model, critic, mesh=train_mesh, rules=rules, seed=seed)
     else:
         raise TypeError(f"place_models: algorithm must be a GRPOConfig or PPOConfig, got {type(algorithm).__name__}")
     merged = model.lora is not None and LoRAGeneration(lora_generation) == LoRAGeneration.MERGED

@@ -225,7 +225,7 @@ def run_execution(cfg: RunConfig) -> Execution:
     algo = cfg.algorithm_section()
     precision = run_precision(cfg)
     return Execution(param_dtype=precision.param_dtype, dtype=precision.dtype, update_microbatches=algo.num_microbatches,
-                     inference_rows=algo.inference_rows, **m.execution(),
+                     inference_rows=algo.inference_rows, sequence_parallel=cfg.graph.sequence_parallel, **m.execution(),
                      **_kv_cache_fields(cfg))
 
 
@@ -306,6 +306,9 @@ def load_plan(cfg: RunConfig, num_devices: int) -> Graph:
     if asked != planned:
         raise ValueError(f"{where}: the plan's sampler is {planned}, this run asks for {asked} (rollout.kv_cache, "
                          f"page_size, kv_pool_tokens, num_slots; plan again, or leave them unset to run the plan's)")
+    if cfg.graph.sequence_parallel and not graph.execution.sequence_parallel:
+        raise ValueError(f"{where}: the plan runs without sequence parallelism, this run asks for it "
+                         f"(graph.sequence_parallel; plan again, or leave it unset to run the plan's)")
     rows = cfg.algorithm_section().inference_rows
     if rows is not None and graph.execution.inference_rows not in (None, rows):
         raise ValueError(f"{where}: the plan runs inference in micro-batches of {graph.execution.inference_rows} rows, "
