@@ -139,7 +139,9 @@ def measure(size: str, layout_name: str, tokens: int, programs: list[str], args)
     correction = {} if not args.correction else dict(
         decoupled=True, correction=args.correction,
         importance_cap=2.0 if args.correction in ("token-tis", "sequence-tis") else None)
-    grpo = GRPOConfig(group_size=rows, clip_low=0.2, clip_high=0.2, kl_coef=0.04, kl_kind="k3", **correction,
+    # one row (context parallelism over every device): a group of one, whose baseline REINFORCE++ takes from the batch
+    advantage = "reinforce++" if rows == 1 else "grpo"
+    grpo = GRPOConfig(group_size=rows, advantage=advantage, clip_low=0.2, clip_high=0.2, kl_coef=0.04, kl_kind="k3", **correction,
                       logprob_chunk_size=args.logprob_chunk, length_bucket=args.bucket or None,
                       inference_rows=args.inference_rows or None, inference_memory_gib=args.inference_memory_gib or None,
                       optimizer=OptimizerConfig(learning_rate=1e-6, weight_decay=0.0, max_grad_norm=1.0))
