@@ -372,6 +372,10 @@ class Decoder(nnx.Module):
 
         `dropout_key`: the training forward's key for LoRA dropout (`rpegjax.models.lora`); layer l draws its
         masks from fold_in(dropout_key, l), scanned or not. Ignored by a model without adapter dropout.
+
+        With `sharding` that splits `axes.SEQ` (a context axis), the layers run on the rows permuted into the
+        load-balanced order (`rpegjax.models.context_attention`); the hidden states come back in row order, split
+        on the sequence.
         """
         if dropout_key is not None and cache is not None:
             raise ValueError("Decoder.hidden_states: LoRA dropout (dropout_key) is for the training forward, "
