@@ -66,10 +66,13 @@ from rpegjax.models import Decoder, ModelConfig  # noqa: E402
 from rpegjax.models.lora import LoRAConfig  # noqa: E402
 from rpegjax.models.memory import forward_bytes_per_row, forward_fixed_bytes  # noqa: E402
 from rpegjax.options import RematPolicy  # noqa: E402
-from rpegjax.sharding import make_mesh  # noqa: E402
+from rpegjax.sharding import ShardingRules, make_mesh  # noqa: E402
 
 GIB = 1 << 30
-LAYOUTS = {"fsdp8": {"fsdp": 8}, "fsdp4xtp2": {"fsdp": 4, "tensor": 2}}
+# name: (mesh axis sizes, sequence parallelism)
+LAYOUTS = {"fsdp8": ({"fsdp": 8}, False), "fsdp4xtp2": ({"fsdp": 4, "tensor": 2}, False),
+           "fsdp4xtp2sp": ({"fsdp": 4, "tensor": 2}, True), "cp8": ({"context": 8}, False),
+           "fsdp2xcp4": ({"fsdp": 2, "context": 4}, False), "cp4xtp2sp": ({"context": 4, "tensor": 2}, True)}
 
 
 def model_config(size: str, args: argparse.Namespace) -> ModelConfig:
@@ -111,10 +114,11 @@ def analysis(compiled) -> dict[str, float]:
             "temporaries": memory.temp_size_in_bytes, "aliased": memory.alias_size_in_bytes}
 
 
-def predicted_peak(cfg: ModelConfig, parallel: dict[str, int], tokens: int, prompt: int, *, backward: bool) -> float:
+def predicted_peak(cfg: ModelConfig, parallel: dict[str, int], sequence_parallel: bool, tokens: int, prompt: int, *,
+                   backward: bool) -> float:
     """The planner's per-device peak: persistent state (weights, + optimiser moments for the update) + transient bytes."""
     shape = costs.ModelShape.from_config(cfg)
-    layout = Layout.from_parallel(parallel, where="bench_memory")
+    layout = Layout.from_parallel(parallel, where="bench_memory", sequence_parallel=sequence_parallel)
     options = ExecutionOptions(attention=costs.AttentionKernel.FLASH, remat=RematPolicy.FULL, microbatch_tokens=tokens,
                                optimizer_bytes_per_param=8.0, grad_bytes_per_param=4.0)
     workload = Workload(prompts=layout.replicas, group_size=1, prompt_tokens=prompt,
@@ -127,19 +131,21 @@ def predicted_peak(cfg: ModelConfig, parallel: dict[str, int], tokens: int, prom
 
 def measure(size: str, layout_name: str, tokens: int, programs: list[str], args) -> list[dict]:
     cfg = model_config(size, args)
-    parallel = LAYOUTS[layout_name]
+    parallel, sequence_parallel = LAYOUTS[layout_name]
     mesh = make_mesh(parallel)
-    rows = mesh.devices.size // parallel.get("tensor", 1) * args.rows_per_device
+    rows = mesh.devices.size // parallel.get("tensor", 1) // parallel.get("context", 1) * args.rows_per_device
     lora = LoRAConfig(rank=args.lora_rank, dropout=args.lora_dropout) if args.lora_rank else None
     model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0), lora=lora))
     correction = {} if not args.correction else dict(
         decoupled=True, correction=args.correction,
         importance_cap=2.0 if args.correction in ("token-tis", "sequence-tis") else None)
-    grpo = GRPOConfig(group_size=rows, clip_low=0.2, clip_high=0.2, kl_coef=0.04, kl_kind="k3", **correction,
+    # one row (context parallelism over every device): a group of one, whose baseline REINFORCE++ takes from the batch
+    advantage = "reinforce++" if rows == 1 else "grpo"
+    grpo = GRPOConfig(group_size=rows, advantage=advantage, clip_low=0.2, clip_high=0.2, kl_coef=0.04, kl_kind="k3", **correction,
                       logprob_chunk_size=args.logprob_chunk, length_bucket=args.bucket or None,
                       inference_rows=args.inference_rows or None, inference_memory_gib=args.inference_memory_gib or None,
                       optimizer=OptimizerConfig(learning_rate=1e-6, weight_decay=0.0, max_grad_norm=1.0))
-    learner = GRPOLearner(grpo, model, mesh=mesh)
+    learner = GRPOLearner(grpo, model, mesh=mesh, rules=ShardingRules.fsdp_tp(sequence_parallel=sequence_parallel))
     batch = batch_of(rows, tokens, args.prompt, args.longest or tokens, old_logprobs=bool(args.correction))
     length = learner.trimmed_length(batch.token_mask)
     out = []
@@ -188,7 +194,8 @@ def measure(size: str, layout_name: str, tokens: int, programs: list[str], args)
         # the planner's figure is for one full-length row per data shard, the whole model
         if (not args.lora_rank and cfg.num_layers == ModelConfig.qwen2p5(size).num_layers and program != "grad" and args.rows_per_device == 1
                 and length == tokens):
-            row["predicted"] = predicted_peak(cfg, parallel, tokens, args.prompt, backward=program == "update")
+            row["predicted"] = predicted_peak(cfg, parallel, sequence_parallel, tokens, args.prompt,
+                                              backward=program == "update")
         out.append(row)
         print_row(row, flush=True)
     return out

@@ -89,6 +89,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              f"the runtime cannot run on --hardware are skipped; asking only for those is refused)")
     parser.add_argument("--remat", default="full,dots,none",
                         help=f"remat policies to search, comma-separated, of {', '.join(RematPolicy)}")
+    parser.add_argument("--context-sizes", default="1",
+                        help="training context-parallel sizes to search, comma-separated (one row's sequence split over "
+                             "that many devices; 1: none)")
+    parser.add_argument("--sequence-parallel", default="false", choices=["false", "true", "both"],
+                        help="search sequence parallelism within tensor (the residual stream split over tensor)")
     parser.add_argument("--param-dtype", default="float32", choices=list(DType),
                         help="weights and optimiser moments (the run's model.param_dtype)")
     parser.add_argument("--dtype", default="bfloat16", choices=list(DType), help="matmul compute (the run's model.dtype)")
@@ -133,6 +138,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--async-bounds: comma-separated integers, got {args.async_bounds!r}")
     if not args.async_bounds or min(args.async_bounds) < 0:
         parser.error(f"--async-bounds: at least one bound, each >= 0, got {args.async_bounds}")
+    try:
+        args.context_sizes = tuple(int(v) for v in args.context_sizes.split(",") if v.strip())
+    except ValueError:
+        parser.error(f"--context-sizes: comma-separated integers, got {args.context_sizes!r}")
+    if not args.context_sizes or min(args.context_sizes) < 1:
+        parser.error(f"--context-sizes: at least one size, each >= 1, got {args.context_sizes}")
     if not 1 <= args.response_mean < args.response_max:
         parser.error(f"--response-mean must be in [1, --response-max), got {args.response_mean}")
     for name, kind in (("attention", AttentionKind), ("remat", RematPolicy)):
@@ -255,8 +266,10 @@ def main(argv: list[str] | None = None) -> int:
         options = ExecutionOptions(decode_memory_efficiency=fitted.decode_memory)
     # every plan is predicted as rpegjax's runtime executes it (its kernels, padding, micro-batching)
     evaluator = step_model.Evaluator.for_runtime(model, workload, hw, options)
+    sequence_parallel = {"false": (False,), "true": (True,), "both": (False, True)}[args.sequence_parallel]
     space = planner.PlanSpace(attention=args.attention, remat=args.remat, param_dtype=args.param_dtype, dtype=args.dtype,
-                              async_bounds=args.async_bounds)
+                              async_bounds=args.async_bounds, context_sizes=args.context_sizes,
+                              sequence_parallel=sequence_parallel)
     use_reference = args.reference
     common = {"algorithm": args.algo, "num_devices": args.gpus, "use_reference": use_reference, "space": space,
               "optimizer_steps": args.optimizer_steps}

@@ -299,6 +299,9 @@ class Execution:
     optimizer_sharding: AdamW's moments laid out as their parameters, or also split over the data axes (ZeRO-1).
     optimizer_offload: the optimiser state waits in pinned host memory between updates (generation then has its
     device memory; `rpegjax.runtime.offload`), moved to the devices for each update and back after it.
+    sequence_parallel: training and inference stages split the residual stream between the tensor-parallel blocks on
+    its sequence over `tensor` too (`rpegjax.sharding.rules.ShardingRules.fsdp_tp`). Context parallelism is a
+    `context` axis of a stage's parallel sizes, not an option.
     Generation micro-batches are the stages' own `microbatches`.
     """
 
@@ -318,6 +321,7 @@ class Execution:
     max_tokens_per_micro_batch: int | None = None
     optimizer_sharding: OptimizerSharding = OptimizerSharding.PARAMS
     optimizer_offload: bool = False
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         for name, kind in (("attention", AttentionKind), ("remat", RematPolicy), ("kv_cache", CacheLayout),
@@ -330,7 +334,7 @@ class Execution:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise GraphError(f"Execution.{name} must be a positive integer, got {value!r}")
-        for name in ("scan_layers", "optimizer_offload"):
+        for name in ("scan_layers", "optimizer_offload", "sequence_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise GraphError(f"Execution.{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("inference_rows", "decode_slots"):
@@ -390,8 +394,9 @@ class Execution:
         packed = f", packed rows of {self.max_tokens_per_micro_batch} tokens" if self.packing else ""
         optimizer = "" if self.optimizer_sharding is OptimizerSharding.PARAMS else ", optimiser state over data"
         optimizer += ", optimiser state offloaded" if self.optimizer_offload else ""
+        sequence = ", sequence parallel" if self.sequence_parallel else ""
         return (f"{self.attention} attention, remat {self.remat}, {self.param_dtype}/{self.dtype}, "
-                f"{self.kv_cache} KV cache{pool}{slots}{micro}{rows}{packed}{optimizer}")
+                f"{self.kv_cache} KV cache{pool}{slots}{micro}{rows}{packed}{optimizer}{sequence}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -79,45 +78,59 @@ def logprobs_from_hidden(
     chunk's inputs), so the peak is one chunk of `[b, chunk, v]` float32 logits, forward and backward.
     Optionally also the entropy -sum p log p of each position's distribution.
 
-    With `sharding` whose batch axes split the rows s ways, W is broadcast to one copy per batch shard
-    [s, d, v] before the chunk loop: each shard accumulates its own partial dW over the chunks, and the
-    broadcast's transpose sums the s partials once after the loop (one all-reduce per backward instead of
-    one per chunk; costs one [d, v] accumulator per device).
+    With `sharding` whose batch axes split the rows r ways and whose sequence axes (context parallelism) split
+    each row into c parts, every device runs the chunk loop over its own part: the rows are viewed as
+    [b, c, t / c] and W is broadcast to one copy per shard [r, c, d, v] before the loop, so each shard accumulates
+    its own partial dW over the chunks and the broadcast's transpose sums the r c partials once after the loop
+    (one all-reduce per backward instead of one per chunk; costs one [d, v] accumulator per device).
     """
     b, t, d = hidden.shape
-    chunk = max(1, min(chunk_size, t))
-    hidden_chunks = _pad_to_multiple(hidden, chunk).reshape(b, -1, chunk, d).swapaxes(0, 1)
-    target_chunks = _pad_to_multiple(targets, chunk).reshape(b, -1, chunk).swapaxes(0, 1)
-    shards = _batch_shards(sharding, b)
+    rows, parts = _shards(sharding, axes.BATCH, b), _shards(sharding, axes.SEQ, t)
+    part = t // parts
+    chunk = max(1, min(chunk_size, part))
+    row_axis = axes.BATCH if rows > 1 else None  # rows that do not divide the batch axes stay replicated
+    hidden = hidden.reshape(b, parts, part, d)
+    if parts > 1:
+        hidden = constrain(hidden, sharding, (row_axis, axes.SEQ, None, None))
 
-    def one_chunk(h, y):
-        if shards == 1:
-            return _chunk_logprobs(h, output_kernel, y, temperature, with_entropy, dtype)
-        # rows are sharded in contiguous blocks: [b, ...] -> [s, b / s, ...] keeps each block on its shard
-        per_shard = jax.vmap(lambda h, w, y: _chunk_logprobs(h, w, y, temperature, with_entropy, dtype))
-        outs = per_shard(h.reshape(shards, -1, *h.shape[1:]), kernels, y.reshape(shards, -1, *y.shape[1:]))
-        return jax.tree.map(lambda x: x.reshape(b, *x.shape[2:]), outs)
+    def chunks(x: Array) -> Array:  # [b, c, t / c, ...] -> [n, b, c, chunk, ...]
+        x = _pad_to_multiple(x, chunk, axis=2)
+        return jnp.moveaxis(x.reshape(b, parts, -1, chunk, *x.shape[3:]), 2, 0)
 
-    if shards > 1:
-        kernels = jnp.broadcast_to(output_kernel, (shards, *output_kernel.shape))
-        kernels = constrain(kernels, sharding, (axes.BATCH, None, axes.VOCAB))
+    def one_chunk(h, y):  # h [b, c, chunk, d], y [b, c, chunk]
+        if rows * parts == 1:
+            return jax.tree.map(lambda x: x[:, None], _chunk_logprobs(h[:, 0], output_kernel, y[:, 0], temperature,
+                                                                      with_entropy, dtype))
+        # rows are sharded in contiguous blocks: [b, c, ...] -> [r, c, b / r, ...] keeps each block on its shard
+        per_shard = jax.vmap(jax.vmap(lambda h, w, y: _chunk_logprobs(h, w, y, temperature, with_entropy, dtype)))
+        split = lambda x: x.reshape(rows, -1, *x.shape[1:]).swapaxes(1, 2)  # noqa: E731
+        outs = per_shard(split(h), kernels, split(y))
+        return jax.tree.map(lambda x: x.swapaxes(1, 2).reshape(b, parts, *x.shape[3:]), outs)
 
+    if rows * parts > 1:
+        kernels = jnp.broadcast_to(output_kernel, (rows, parts, *output_kernel.shape))
+        kernels = constrain(kernels, sharding, (row_axis, axes.SEQ if parts > 1 else None, None, axes.VOCAB))
+
+    hidden_chunks, target_chunks = chunks(hidden), chunks(targets.reshape(b, parts, part))
     if hidden_chunks.shape[0] == 1:  # one chunk: no loop (its carries and copies cost more than the chunk saves)
         picked, entropy = jax.tree.map(lambda x: x[None], one_chunk(hidden_chunks[0], target_chunks[0]))
     else:
         picked, entropy = jax.lax.map(lambda args: one_chunk(*args), (hidden_chunks, target_chunks))
-    picked = picked.swapaxes(0, 1).reshape(b, -1)[:, :t]
-    entropy = entropy.swapaxes(0, 1).reshape(b, -1)[:, :t] if with_entropy else None
-    return picked, entropy
+
+    def unchunked(x: Array) -> Array:  # [n, b, c, chunk] -> [b, t]
+        x = jnp.moveaxis(x, 0, 2).reshape(b, parts, -1)[:, :, :part].reshape(b, t)
+        return x if parts == 1 else constrain(x, sharding, (row_axis, axes.SEQ))
+
+    return unchunked(picked), unchunked(entropy) if with_entropy else None
 
 
-def _batch_shards(sharding: ActivationSharding | None, rows: int) -> int:
-    """How many ways `sharding` splits `rows` rows (1 without sharding or when they do not divide)."""
+def _shards(sharding: ActivationSharding | None, logical: str, size: int) -> int:
+    """How many ways `sharding` splits a dimension of logical axis `logical` and `size` (1 without sharding or when
+    they do not divide it)."""
     if sharding is None:
         return 1
-    names = sharding.spec((axes.BATCH,), (rows,))[0]
-    names = (names,) if isinstance(names, str) else tuple(names or ())
-    return math.prod(sharding.mesh.shape[name] for name in names)
+    shards = sharding.shards(logical)
+    return shards if size % shards == 0 else 1
 
 
 def token_logprobs(

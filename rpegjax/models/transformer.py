@@ -26,6 +26,7 @@ from rpegjax.models.activations import swiglu
 from rpegjax.models.attention import attend, segment_starts
 from rpegjax.models.attention import causal_attention  # noqa: F401  (re-exported)
 from rpegjax.models.config import ModelConfig
+from rpegjax.models.context_attention import context_attention, from_balanced, to_balanced
 from rpegjax.models.lora import (
     ATTENTION_TARGETS,
     MLP_TARGETS,
@@ -43,6 +44,11 @@ from rpegjax.sharding import axes
 from rpegjax.sharding.rules import ActivationSharding, constrain
 
 _NEG_INF = -1e30
+
+# Logical layouts of [b, t, d] activations: the residual stream between blocks (split on its sequence over `tensor`
+# too under sequence parallelism), and a block's normed input to its column-parallel projections (gathered there).
+RESIDUAL = (axes.BATCH, axes.RESIDUAL_SEQ, axes.EMBED)
+GATHERED = (axes.BATCH, axes.SEQ, axes.EMBED)
 
 
 @flax.struct.dataclass
@@ -212,9 +218,15 @@ class Attention(nnx.Module):
         q = self._project(x, "q_proj", "q_bias", "q_norm", rope, dropout_key)
         k = self._project(x, "k_proj", "k_bias", "k_norm", rope, dropout_key)
         v = self._project(x, "v_proj", "v_bias", None, None, dropout_key)
-        q = constrain(q, sharding, (axes.BATCH, None, axes.HEADS, None))
+        q = constrain(q, sharding, (axes.BATCH, axes.SEQ, axes.HEADS, None))
         if layer_cache is None:
-            out = attend(cfg.attention, cfg.attention_block_size, q, k, v, key_mask, segment_ids)
+            k = constrain(k, sharding, (axes.BATCH, axes.SEQ, axes.KV_HEADS, None))
+            v = constrain(v, sharding, (axes.BATCH, axes.SEQ, axes.KV_HEADS, None))
+            if sharding is not None and sharding.shards(axes.SEQ) > 1:  # context parallelism: rows in balanced order
+                out = context_attention(q, k, v, key_mask, sharding, block_size=cfg.attention_block_size,
+                                        segment_ids=segment_ids)
+            else:
+                out = attend(cfg.attention, cfg.attention_block_size, q, k, v, key_mask, segment_ids)
             return self._output(out, dropout_key), None
         if not isinstance(layer_cache, tuple):  # a cache with its own layout (paged) writes and attends itself
             out, layer_cache = layer_cache.write_and_attend(q, k, v, cache_offsets, key_mask)
@@ -284,7 +296,7 @@ class MLP(nnx.Module):
         flat = x.reshape(b * t, d)  # 2-D matmuls are much faster than batched ones on XLA's CPU backend
         gate = _adapted_matmul(self, "gate_proj", flat, self.gate_proj.get_value().astype(dt), dt, key)
         up = _adapted_matmul(self, "up_proj", flat, self.up_proj.get_value().astype(dt), dt, key)
-        hidden = constrain(swiglu(gate, up).reshape(b, t, -1), sharding, (axes.BATCH, None, axes.MLP))
+        hidden = constrain(swiglu(gate, up).reshape(b, t, -1), sharding, (axes.BATCH, axes.SEQ, axes.MLP))
         down = self.down_proj.get_value().astype(dt)
         return _adapted_matmul(self, "down_proj", hidden.reshape(b * t, -1), down, dt, key).reshape(b, t, d)
 
@@ -300,15 +312,19 @@ class Block(nnx.Module):
                  segment_ids=None):
         """(output, written cache layer, `Routing` of a sparse layer or None); `expert_ids` [b t k]: replay;
         `segment_ids` [b t]: packed rows."""
-        attended, new_cache = self.attention(self.input_norm(x), rope, key_mask, layer_cache, cache_offsets, sharding,
+        # under sequence parallelism: all-gather before the projections, reduce-scatter after them (GSPMD inserts both)
+        normed = constrain(self.input_norm(x), sharding, GATHERED)
+        attended, new_cache = self.attention(normed, rope, key_mask, layer_cache, cache_offsets, sharding,
                                              dropout_key, segment_ids)
-        x = x + attended
+        x = x + constrain(attended, sharding, RESIDUAL)
+        normed = constrain(self.post_attention_norm(x), sharding, GATHERED)
         routing = None
         if isinstance(self.mlp, SparseMoE):
-            mixed, routing = self.mlp(self.post_attention_norm(x), sharding, expert_ids)
+            mixed, routing = self.mlp(normed, sharding, expert_ids)
         else:
-            mixed = self.mlp(self.post_attention_norm(x), sharding, dropout_key)
-        return constrain(x + mixed, sharding, (axes.BATCH, None, axes.EMBED)), new_cache, routing
+            mixed = self.mlp(normed, sharding, dropout_key)
+        x = x + constrain(mixed, sharding, RESIDUAL)
+        return constrain(x, sharding, RESIDUAL), new_cache, routing
 
 
 class Decoder(nnx.Module):
@@ -357,6 +373,10 @@ class Decoder(nnx.Module):
 
         `segment_ids`: packed rows (full sequence only): a token attends only to earlier tokens of its own segment
         (`rpegjax.models.attention`); the caller gives positions restarting per segment (`packed_positions`).
+
+        With `sharding` that splits `axes.SEQ` (a context axis), the layers run on the rows permuted into the
+        load-balanced order (`rpegjax.models.context_attention`); the hidden states come back in row order, split
+        on the sequence.
         """
         hidden, new_cache, _ = self.routed_hidden_states(tokens, positions, mask=mask, cache=cache, sharding=sharding,
                                                          dropout_key=dropout_key, segment_ids=segment_ids)
@@ -389,14 +409,25 @@ class Decoder(nnx.Module):
         if expert_ids is not None and expert_ids.shape[2:] != (len(sparse), self.cfg.num_experts_per_token):
             raise ValueError(f"Decoder.routed_hidden_states: expert_ids {expert_ids.shape} needs [b, t, "
                              f"{len(sparse)} sparse layers, {self.cfg.num_experts_per_token} experts per token]")
+        context = 1 if sharding is None or cache is not None else sharding.shards(axes.SEQ)
+        if context > 1:  # context parallelism: the layers run on the rows in the load-balanced order
+            if dropout_key is not None:
+                raise ValueError("Decoder.hidden_states: LoRA dropout draws its masks in row order, which context "
+                                 "parallelism does not keep; train with lora dropout 0 or without a context axis")
+            if sparse:
+                raise ValueError("Decoder.hidden_states: a mixture-of-experts model does not run with a context axis yet "
+                                 "(its routing would come back in the load-balanced order)")
+            tokens, positions = to_balanced(tokens, context), to_balanced(positions, context)
+            mask = None if mask is None else to_balanced(mask, context)
+            segment_ids = None if segment_ids is None else to_balanced(segment_ids, context)
         x = self.embed.get_value()[tokens].astype(self.cfg.jnp_dtype)
-        x = constrain(x, sharding, (axes.BATCH, None, axes.EMBED))
+        x = constrain(x, sharding, RESIDUAL)
         # computed at trace time from the config: a constant, not a parameter
         rope = rope_tables(positions, rope_inverse_frequencies(self.cfg))
         if cache is None and self.cfg.scan_layers:
             hidden, routing = _scan_layers(self.layers, x, rope, mask, self.cfg.remat, sharding, dropout_key,
                                            expert_ids, segment_ids)
-            return self.final_norm(hidden), None, routing
+            return _row_order(self.final_norm(hidden), context, sharding), None, routing
         full_sequence = _remat_layer(self.cfg.remat, sharding) if cache is None else None
         written, routings = [], []
         for index, layer in enumerate(self.layers):
@@ -414,7 +445,7 @@ class Decoder(nnx.Module):
             new_cache = cache.with_layers(written, added)
         routed = [routing for routing in routings if routing is not None]
         stacked = jax.tree.map(lambda *r: jnp.stack(r, axis=2), *routed) if routed else None
-        return self.final_norm(x), new_cache, stacked
+        return _row_order(self.final_norm(x), context, sharding), new_cache, stacked
 
     def with_execution(self, **changes: Any) -> Decoder:
         """This model's parameters under a config whose execution fields (`MODEL_EXECUTION_FIELDS`: attention kernel,
@@ -472,6 +503,14 @@ class Decoder(nnx.Module):
             positions = default_positions(tokens, mask)
         hidden, _ = self.hidden_states(tokens, positions, mask=mask, sharding=sharding)
         return self.logits(hidden)
+
+
+def _row_order(hidden: Float[Array, "b t d"], context: int, sharding: ActivationSharding | None) -> Float[Array, "b t d"]:
+    """The final hidden states back in row order after context parallelism (`context` > 1), still split on the
+    sequence; unchanged otherwise."""
+    if context == 1:
+        return hidden
+    return constrain(from_balanced(hidden, context), sharding, GATHERED)
 
 
 # What a rematerialised layer saves: DOTS keeps the 2-D projection and MLP matmuls' outputs (not attention's

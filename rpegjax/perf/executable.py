@@ -17,12 +17,12 @@ printed. The rules mirror the runtime:
 
 from __future__ import annotations
 
-from rpegjax.graph.ir import INFERENCE_KINDS, UPDATE_KINDS, Execution, Graph
+from rpegjax.graph.ir import INFERENCE_KINDS, UPDATE_KINDS, Execution, Graph, StageKind
 from rpegjax.options import AttentionKind
 from rpegjax.perf.hardware import HardwareSpec
 from rpegjax.perf.stage_costs import row_micro_batches
 
-RUNTIME_AXES = ("data", "fsdp", "tensor")
+RUNTIME_AXES = ("data", "fsdp", "context", "tensor")
 
 
 def execution_problems(execution: Execution, hardware: HardwareSpec) -> list[str]:
@@ -83,6 +83,10 @@ def plan_problems(graph: Graph, hardware: HardwareSpec, *, follows_runtime: bool
         unknown = {axis: size for axis, size in parallel.items() if axis not in RUNTIME_AXES and size > 1}
         if unknown:
             problems.append(f"{where} splits over {unknown}; the runtime's meshes have axes {RUNTIME_AXES} only")
+    for stage in graph.stages_of_kind(StageKind.GENERATE):
+        if graph.parallel_of(stage.name).get("context", 1) > 1:
+            problems.append(f"stage {stage.name!r} splits rows over 'context'; the sampler does not (context "
+                            f"parallelism is for training and inference stages)")
     if graph.num_devices > hardware.num_devices:
         problems.append(f"the plan needs {graph.num_devices} devices, {hardware.name!r} has {hardware.num_devices}")
     if sequences is not None:

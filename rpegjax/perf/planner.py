@@ -58,6 +58,8 @@ class PlanSpace:
     microbatches: tuple[int, ...] = (1, 4)
     generation_fractions: tuple[float | None, ...] = (None, 0.25, 0.375, 0.5, 0.625, 0.75)
     tensor_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    context_sizes: tuple[int, ...] = (1,)  # training layouts' context axis (one row's sequence over its devices)
+    sequence_parallel: tuple[bool, ...] = (False,)  # the residual stream split over tensor too (Execution field)
     reshard_inference: tuple[bool, ...] = (False, True)
     # those the hardware cannot run are skipped; cuDNN first, so that GPUs with bfloat16 get the fused kernel
     attention: tuple[AttentionKind, ...] = (AttentionKind.CUDNN, AttentionKind.BLOCKWISE, AttentionKind.DENSE)
@@ -82,11 +84,12 @@ class PlanSpace:
         except ValueError:
             raise ValueError(f"PlanSpace.critic_modes must hold {[m.value for m in CriticMode]}, got {self.critic_modes!r}") from None
         for name in ("async_bounds", "critic_modes", "fusion", "microbatches", "generation_fractions", "tensor_sizes",
-                     "reshard_inference", "attention", "remat", "update_microbatches", "inference_microbatches",
-                     "optimizer_offload"):
+                     "context_sizes", "sequence_parallel", "reshard_inference", "attention", "remat",
+                     "update_microbatches", "inference_microbatches", "optimizer_offload"):
             if not getattr(self, name):
                 raise ValueError(f"PlanSpace.{name} must list at least one choice")
-        if any(k < 0 for k in self.async_bounds) or any(m < 1 for m in self.microbatches) or any(t < 1 for t in self.tensor_sizes):
+        if any(k < 0 for k in self.async_bounds) or any(m < 1 for m in self.microbatches) or any(
+                t < 1 for t in (*self.tensor_sizes, *self.context_sizes)):
             raise ValueError(f"PlanSpace: async bounds >= 0, micro-batches and tensor sizes >= 1, got {self}")
         if any(f is not None and not 0 < f < 1 for f in self.generation_fractions):
             raise ValueError(f"PlanSpace.generation_fractions must be None or in (0, 1), got {self.generation_fractions}")
@@ -98,12 +101,13 @@ class PlanSpace:
             del execution
 
     def executions(self) -> list[Execution]:
-        """Every (attention, remat, offload) execution of the space, with its precision, KV cache and optimiser
-        sharding (micro-batches 1)."""
+        """Every (attention, remat, offload, sequence parallelism) execution of the space, with its precision, KV
+        cache and optimiser sharding (micro-batches 1)."""
         return [Execution(attention=attention, remat=remat, scan_layers=True, kv_cache=self.kv_cache,
                           param_dtype=self.param_dtype, dtype=self.dtype, optimizer_sharding=self.optimizer_sharding,
-                          optimizer_offload=offload)
-                for attention, remat, offload in itertools.product(self.attention, self.remat, self.optimizer_offload)]
+                          optimizer_offload=offload, sequence_parallel=sequence_parallel)
+                for attention, remat, offload, sequence_parallel in itertools.product(
+                    self.attention, self.remat, self.optimizer_offload, self.sequence_parallel)]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -225,16 +229,18 @@ def build_graph(choice: PlanChoice) -> Graph:
 
 # ---------------------------------------------------------------------------------------------- candidates
 def layouts(num_devices: int, tensor_sizes: tuple[int, ...], *, heads: int, kv_heads: int, node_size: int,
-            with_fsdp: bool) -> list[tuple[tuple[str, int], ...]]:
-    """(data, fsdp, tensor) layouts of `num_devices`: tensor inside a node dividing the head count; fsdp powers of 2."""
+            with_fsdp: bool, context_sizes: tuple[int, ...] = (1,)) -> list[tuple[tuple[str, int], ...]]:
+    """(data, fsdp, tensor) layouts of `num_devices`: tensor inside a node dividing the head count; fsdp powers of 2;
+    with `context_sizes` other than 1, (data, fsdp, context, tensor) layouts too."""
     out = []
-    for tensor in tensor_sizes:
-        if tensor > node_size or heads % tensor or num_devices % tensor:
+    for tensor, context in itertools.product(tensor_sizes, context_sizes):
+        if tensor > node_size or heads % tensor or num_devices % (tensor * context):
             continue
-        rest = num_devices // tensor
+        rest = num_devices // (tensor * context)
         fsdp_sizes = [f for f in (2**i for i in range(rest.bit_length())) if rest % f == 0] if with_fsdp else [1]
         for fsdp in fsdp_sizes:
-            out.append((("data", rest // fsdp), ("fsdp", fsdp), ("tensor", tensor)))
+            middle = (("context", context),) if context > 1 else ()
+            out.append((("data", rest // fsdp), ("fsdp", fsdp), *middle, ("tensor", tensor)))
     return out
 
 
@@ -292,7 +298,8 @@ class Planner:
             train_devices = self.num_devices - split
             kwargs = dict(heads=shape.heads, kv_heads=shape.kv_heads, node_size=hardware.node_size)
             generation = layouts(split or self.num_devices, self.space.tensor_sizes, with_fsdp=False, **kwargs)
-            training = layouts(train_devices, self.space.tensor_sizes, with_fsdp=True, **kwargs)
+            training = layouts(train_devices, self.space.tensor_sizes, with_fsdp=True,
+                               context_sizes=self.space.context_sizes, **kwargs)
             for gen_layout, train_layout, execution in itertools.product(generation, training, self.executions):
                 # offload frees memory only where generation shares the devices, and needs a host link
                 if execution.optimizer_offload and (split or hardware.device.host_bandwidth <= 0):

@@ -27,7 +27,7 @@ from rpegjax.perf.costs import DecodeKernel, ModelShape
 from rpegjax.perf.generation_cost import ResponseLengths
 from rpegjax.perf.hardware import HardwareSpec
 
-KNOWN_AXES = ("data", "fsdp", "tensor", "pipeline")
+KNOWN_AXES = ("data", "fsdp", "context", "tensor", "pipeline")
 # Elementwise traffic per token and layer in a forward pass (norms, RoPE, residuals, SwiGLU), in units of the
 # compute dtype's bytes: 12·d + 4·(q, k heads)·e + 3·f, counted from the decoder's operations. Dense attention
 # adds float32 score traffic (write, mask, max/exp/sum, normalise: ~5 passes of 4 bytes) per (query, key, head).
@@ -38,7 +38,8 @@ SAMPLING_BYTES_PER_VOCAB = 16  # float32 logits: written, softmax read/written, 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Layout:
-    """Parallel sizes of one stage: batch over data x fsdp, parameters sharded over fsdp x tensor x pipeline.
+    """Parallel sizes of one stage: batch over data x fsdp, each row's sequence over context, parameters sharded
+    over fsdp x context x tensor x pipeline; `sequence_parallel`: the residual stream split over tensor as well.
 
     `pipeline` (Megatron-style layer stages, 1F1B) is never searched by the planner (rpegjax does not run it);
     it exists to predict published runs of systems that do (`rpegjax.perf.validation`).
@@ -48,10 +49,12 @@ class Layout:
     fsdp: int = 1
     tensor: int = 1
     pipeline: int = 1
+    context: int = 1
+    sequence_parallel: bool = False
     strides: tuple[tuple[str, int], ...] = ()
 
     @classmethod
-    def from_parallel(cls, parallel: Mapping[str, int], *, where: str) -> Layout:
+    def from_parallel(cls, parallel: Mapping[str, int], *, where: str, sequence_parallel: bool = False) -> Layout:
         unknown = [axis for axis, size in parallel.items() if axis not in KNOWN_AXES and size > 1]
         if unknown:
             raise ValueError(f"{where}: the performance model knows parallel axes {KNOWN_AXES}, got {dict(parallel)}")
@@ -60,11 +63,12 @@ class Layout:
             strides[axis] = stride
             stride *= parallel[axis]
         return cls(data=parallel.get("data", 1), fsdp=parallel.get("fsdp", 1), tensor=parallel.get("tensor", 1),
-                   pipeline=parallel.get("pipeline", 1), strides=tuple(sorted(strides.items())))
+                   pipeline=parallel.get("pipeline", 1), context=parallel.get("context", 1),
+                   sequence_parallel=sequence_parallel, strides=tuple(sorted(strides.items())))
 
     @property
     def size(self) -> int:
-        return self.data * self.fsdp * self.tensor * self.pipeline
+        return self.data * self.fsdp * self.context * self.tensor * self.pipeline
 
     @property
     def replicas(self) -> int:
@@ -74,11 +78,24 @@ class Layout:
     @property
     def shards(self) -> int:
         """Ways the parameters are split."""
-        return self.fsdp * self.tensor * self.pipeline
+        return self.fsdp * self.context * self.tensor * self.pipeline
+
+    @property
+    def residual_split(self) -> int:
+        """Ways the residual stream (what full remat keeps) is split on one row: context, and tensor under
+        sequence parallelism."""
+        return self.context * (self.tensor if self.sequence_parallel else 1)
 
     def group(self, axis: str) -> collectives.Group:
         size = getattr(self, axis)
         return collectives.Group(size=size, stride=dict(self.strides).get(axis, 1))
+
+    def weight_group(self) -> collectives.Group:
+        """The devices that gather (and reduce-scatter) each weight shard: fsdp x context (context inside fsdp in
+        the mesh order data, fsdp, context, tensor)."""
+        strides = dict(self.strides)
+        stride = strides.get("context", 1) if self.context > 1 else strides.get("fsdp", 1)
+        return collectives.Group(size=self.fsdp * self.context, stride=stride)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -312,6 +329,7 @@ def model_pass_cost(inputs: CostInputs, shape: ModelShape, layout: Layout, *, lo
     hw, o, device = inputs.hardware, inputs.options, inputs.hardware.device
     tokens, pairs, _ = batch_tokens(inputs)
     per_replica = tokens / layout.replicas
+    per_device = per_replica / layout.context  # a row's tokens are split over context
     passes = _passes(per_replica, o, optimizer_steps=optimizer_steps, backward=backward, pieces=pieces,
                      rows=inputs.workload.sequences, replicas=layout.replicas) * epochs
     bytes_each = shape.compute_bytes_each
@@ -334,17 +352,20 @@ def model_pass_cost(inputs: CostInputs, shape: ModelShape, layout: Layout, *, lo
     stage_layers = math.ceil(shape.layers / layout.pipeline)
     stage_shape = dataclasses.replace(shape, layers=stage_layers)
     elementwise = traffic_equivalents * epochs * elementwise_bytes(
-        stage_shape, tokens=tokens / layout.replicas, pairs=pairs / layout.replicas, tensor=layout.tensor, options=o)
+        stage_shape, tokens=per_device, pairs=pairs / layout.replicas / layout.context, tensor=layout.tensor, options=o)
     memory = device.memory_seconds(elementwise + passes * shape.weight_bytes / layout.shards)
-    tensor_bytes = per_replica / (passes / epochs) * shape.hidden * bytes_each
+    tensor_bytes = per_device / (passes / epochs) * shape.hidden * bytes_each
+    # sequence parallelism turns each all-reduce into a reduce-scatter + all-gather pair: the same ring bytes
     tensor_comm = passes * stage_layers * tensor_reductions * collectives.all_reduce_seconds(
         tensor_bytes, hw, layout.group("tensor"))
+    tensor_comm += passes * stage_layers * _context_exchange_seconds(inputs, shape, layout, per_device / (passes / epochs),
+                                                                     backward=backward)
     shard_bytes = shape.weight_bytes / (layout.tensor * layout.pipeline)
-    background = passes * fsdp_gathers * collectives.all_gather_seconds(shard_bytes, hw, layout.group("fsdp"))
+    background = passes * fsdp_gathers * collectives.all_gather_seconds(shard_bytes, hw, layout.weight_group())
     optimizer = 0.0
     if backward:
         grad_bytes = shape.params * o.grad_bytes_per_param / (layout.tensor * layout.pipeline)
-        background += passes * collectives.reduce_scatter_seconds(grad_bytes, hw, layout.group("fsdp"))
+        background += passes * collectives.reduce_scatter_seconds(grad_bytes, hw, layout.weight_group())
         background += epochs * optimizer_steps * collectives.all_reduce_seconds(grad_bytes / layout.fsdp, hw, layout.group("data"))
         step_bytes = costs.optimizer_step_bytes(shape, state_bytes_per_param=o.optimizer_bytes_per_param,
                                                 grad_bytes_per_param=o.grad_bytes_per_param)
@@ -394,6 +415,22 @@ def offload_seconds(shape: ModelShape, layout: Layout, inputs: CostInputs) -> fl
     return 2 * optimizer_state_bytes(shape, layout, inputs.options) / device.host_bandwidth
 
 
+def _context_exchange_seconds(inputs: CostInputs, shape: ModelShape, layout: Layout, tokens: float, *,
+                              backward: bool) -> float:
+    """One layer's key/value exchange under context parallelism, on the critical path: keys and values all-gathered
+    over the context devices in the forward (again when full remat recomputes it), their gradients reduce-scattered
+    in the backward. `tokens`: this device's tokens of the pass."""
+    if layout.context == 1:
+        return 0.0
+    o, hw = inputs.options, inputs.hardware
+    kv_bytes = 2 * tokens * layout.context * shape.kv_heads * shape.head_dim * shape.compute_bytes_each / min(
+        layout.tensor, shape.kv_heads)
+    group = layout.group("context")
+    gathers = 1 + (1 if backward and o.remat is RematPolicy.FULL else 0)
+    seconds = gathers * collectives.all_gather_seconds(kv_bytes, hw, group)
+    return seconds + (collectives.reduce_scatter_seconds(kv_bytes, hw, group) if backward else 0.0)
+
+
 def _compute_seconds(inputs: CostInputs, shape: ModelShape, *, tokens: float, pairs: float, logits: bool,
                      backward: bool) -> float:
     """Matmul seconds of one pass over the batch on one device's worth of peak (divide by the devices): layer and
@@ -424,19 +461,23 @@ def _forward_weight_copies(shape: ModelShape, layout: Layout) -> float:
     and 32B plans (`docs/benchmarks.md`, issue 23): the gathers are of the compute-dtype casts."""
     wide = shape.param_bytes_each != shape.compute_bytes_each
     output = shape.vocab * shape.hidden / layout.tensor
-    whole = output * shape.param_bytes_each if layout.fsdp > 1 else 0.0
+    gathered = layout.fsdp * layout.context > 1  # weights are sharded over fsdp x context
+    whole = output * shape.param_bytes_each if gathered else 0.0
     copies = output * shape.compute_bytes_each if wide else 0.0
-    layers = 2 * shape.matmul_params_per_layer / layout.tensor * shape.compute_bytes_each if layout.fsdp > 1 or wide else 0.0
+    layers = 2 * shape.matmul_params_per_layer / layout.tensor * shape.compute_bytes_each if gathered or wide else 0.0
     return whole + copies + layers
 
 
 def _pass_transient_bytes(inputs: CostInputs, shape: ModelShape, layout: Layout, backward: bool, passes: float) -> float:
     o, w = inputs.options, inputs.workload
     tokens, pairs, _ = batch_tokens(inputs)
-    tokens_per_pass = tokens / layout.replicas / passes
+    tokens_per_pass = tokens / layout.replicas / passes / layout.context
     rows = max(1.0, w.sequences / layout.replicas / passes)
     keys_per_query = pairs / tokens
     chunk_tokens = min(o.logprob_chunk, w.prompt_tokens + w.responses.max)
+    # context parallelism: every layer all-gathers its keys and values, a whole row's [t, k, e] each
+    kv_gathered = (0.0 if layout.context == 1 else 2 * tokens_per_pass * layout.context * shape.kv_heads
+                   * shape.head_dim * shape.compute_bytes_each / min(layout.tensor, shape.kv_heads))
     if not backward:
         # the residual stream of every token, and the larger of one layer's working set and one log-prob chunk's
         # logits (the layers are done when the chunks run)
@@ -444,15 +485,17 @@ def _pass_transient_bytes(inputs: CostInputs, shape: ModelShape, layout: Layout,
         layer = tokens_per_pass * costs.forward_layer_bytes_per_token(
             shape, keys_per_query=keys_per_query, kernel=o.attention, tensor=layout.tensor)
         logits = rows * chunk_tokens * shape.vocab / layout.tensor * shape.compute_bytes_each
-        return residual + max(layer, logits) + _forward_weight_copies(shape, layout)
+        return residual + max(layer, logits) + kv_gathered + _forward_weight_copies(shape, layout)
     chunk = costs.logprob_chunk_bytes(shape, rows=rows, chunk=chunk_tokens, tensor=layout.tensor)
     # the layer in use and the one being prefetched, gathered as their compute-dtype casts
     layer_params = shape.matmul_params_per_layer * shape.compute_bytes_each / layout.tensor
-    gathered = 2 * layer_params if layout.fsdp > 1 else 0.0
+    gathered = 2 * layer_params if layout.fsdp * layout.context > 1 else 0.0
     activations = costs.training_activation_bytes(shape, tokens=tokens_per_pass, keys_per_query=keys_per_query,
                                                   kernel=o.attention, remat=o.remat, tensor=layout.tensor)
+    if layout.sequence_parallel and o.remat is not RematPolicy.NONE:  # each layer's kept input split over tensor too
+        activations -= tokens_per_pass * shape.layers * shape.hidden * shape.compute_bytes_each * (1 - 1 / layout.tensor)
     grads = shape.params * o.grad_bytes_per_param / layout.shards
-    if layout.fsdp > 1:
+    if layout.fsdp * layout.context > 1:
         # FSDP gathers the embedding table and the output matrix whole for the update (the token lookup and every
         # log-prob chunk use them); the output projection's gradient accumulates whole over the log-prob chunks
         # before it is reduce-scattered, and with tied embeddings the lookup's gradient of that same matrix is built
@@ -461,7 +504,7 @@ def _pass_transient_bytes(inputs: CostInputs, shape: ModelShape, layout: Layout,
         whole_gradients = 2 if shape.tied_embeddings else 1
         gathered += (shape.embedding_params * shape.param_bytes_each
                      + whole_gradients * shape.vocab * shape.hidden * o.grad_bytes_per_param) / layout.tensor
-    return activations + chunk + gathered + grads
+    return activations + chunk + gathered + kv_gathered + grads
 
 
 # ------------------------------------------------------------------------------------- host and small stages

@@ -116,7 +116,8 @@ def placement_devices(graph: Graph, name: str) -> tuple[int, ...]:
 
 
 def stage_layout(graph: Graph, stage: Stage) -> Layout:
-    return Layout.from_parallel(graph.parallel_of(stage.name), where=f"stage {stage.name!r}")
+    return Layout.from_parallel(graph.parallel_of(stage.name), where=f"stage {stage.name!r}",
+                                sequence_parallel=graph.execution.sequence_parallel)
 
 
 def _home(graph: Graph, kind: StageKind, *, own_kind: bool = False) -> Stage | None:

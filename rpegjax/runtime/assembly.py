@@ -23,6 +23,7 @@ from rpegjax.learners.protocol import Learner
 from rpegjax.models.lora import LoRAGeneration
 from rpegjax.models.transformer import Decoder
 from rpegjax.runtime.meshes import placed_meshes
+from rpegjax.sharding.rules import ShardingRules
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -69,13 +70,14 @@ def place_models(graph: Graph, model: Decoder, algorithm: GRPOConfig | PPOConfig
         algorithm = dataclasses.replace(algorithm, inference_rows=execution.inference_rows)
     algorithm = _with_packing(algorithm, execution)
     train_mesh, rollout_mesh = placed_meshes(graph, devices)
+    rules = None if train_mesh is None else ShardingRules.fsdp_tp(sequence_parallel=execution.sequence_parallel)
     if isinstance(algorithm, GRPOConfig):
         if critic is not None:
             raise ValueError("place_models: GRPO trains no critic; do not pass one")
-        learner: Learner = GRPOLearner(algorithm, model, mesh=train_mesh, seed=seed,
+        learner: Learner = GRPOLearner(algorithm, model, mesh=train_mesh, rules=rules, seed=seed,
                                        optimizer_sharding=execution.optimizer_sharding)
     elif isinstance(algorithm, PPOConfig):
-        learner = PPOLearner(algorithm, model, critic, mesh=train_mesh, seed=seed,
+        learner = PPOLearner(algorithm, model, critic, mesh=train_mesh, rules=rules, seed=seed,
                              optimizer_sharding=execution.optimizer_sharding)
     else:
         raise TypeError(f"place_models: algorithm must be a GRPOConfig or PPOConfig, got {type(algorithm).__name__}")

@@ -173,7 +173,12 @@ class TrainingPrograms:
         if device_ids(mesh) != device_ids(self.mesh):
             raise ValueError(f"stages {[k.value for k in kinds]}: mesh on devices {sorted(device_ids(mesh))} is not "
                              f"on the training devices {sorted(device_ids(self.mesh))}")
-        return self._layouts.setdefault(tuple(mesh.shape.items()), StageLayout(mesh))
+        if tuple(mesh.shape.items()) not in self._layouts:  # the learner's sequence parallelism on the stage's mesh
+            learner_activations = self.learner.placement.activations
+            sequence_parallel = learner_activations is not None and learner_activations.rules.sequence_parallel
+            self._layouts[tuple(mesh.shape.items())] = StageLayout(
+                mesh, ShardingRules.fsdp_tp(sequence_parallel=sequence_parallel))
+        return self._layouts[tuple(mesh.shape.items())]
 
     def _inference_call(self, kinds: Sequence[StageKind], state: Any, batch: TrainBatch, mesh: Mesh | None
                         ) -> tuple[tuple[StageKind, ...], Callable, tuple]:

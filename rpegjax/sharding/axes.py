@@ -4,7 +4,8 @@ A rules table (`rpegjax.sharding.rules`) maps them to mesh axes; models never se
 """
 
 BATCH = "batch"
-SEQ = "seq"
+SEQ = "seq"  # the sequence of every per-token activation (context parallelism shards it)
+RESIDUAL_SEQ = "residual_seq"  # the residual stream's sequence between blocks (sequence parallelism shards it too)
 EMBED = "embed"
 MLP = "mlp"
 EXPERT = "expert"  # the experts of a mixture-of-experts layer
@@ -19,3 +20,4 @@ CACHE_SEQ = "cache_seq"
 DATA_AXIS = "data"
 FSDP_AXIS = "fsdp"
 TENSOR_AXIS = "tensor"
+CONTEXT_AXIS = "context"  # one row's sequence split over devices (context parallelism)

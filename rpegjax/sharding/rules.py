@@ -34,12 +34,19 @@ class ShardingRules:
         return hash((tuple(sorted(self.params.items())), tuple(sorted(self.activations.items()))))
 
     @classmethod
-    def fsdp_tp(cls) -> ShardingRules:
-        """FSDP over `fsdp` (parameters' embedding dim), tensor parallelism over `tensor`, batch over data x fsdp."""
-        tensor = axes.TENSOR_AXIS
+    def fsdp_tp(cls, *, sequence_parallel: bool = False) -> ShardingRules:
+        """FSDP over `fsdp` (parameters' embedding dim), tensor parallelism over `tensor`, batch over data x fsdp.
+
+        A `context` axis (context parallelism) splits each row's sequence; weights are sharded over it as over
+        `fsdp` (its devices hold different tokens of the same rows, like data-parallel ones). With
+        `sequence_parallel` the residual stream between the tensor-parallel blocks is also split on its sequence
+        over `tensor` (Megatron-style: all-gathered before the column-parallel projections, reduce-scattered after
+        the row-parallel ones), so the layer inputs remat keeps are not repeated on every tensor device.
+        """
+        tensor, context = axes.TENSOR_AXIS, axes.CONTEXT_AXIS
         return cls(
             params={
-                axes.EMBED: axes.FSDP_AXIS,
+                axes.EMBED: (axes.FSDP_AXIS, context),
                 axes.MLP: tensor,
                 axes.HEADS: tensor,
                 axes.KV_HEADS: tensor,
@@ -47,12 +54,20 @@ class ShardingRules:
             },
             activations={
                 axes.BATCH: (axes.DATA_AXIS, axes.FSDP_AXIS),
+                axes.SEQ: context,
+                axes.RESIDUAL_SEQ: (context, tensor) if sequence_parallel else context,
                 axes.HEADS: tensor,
                 axes.KV_HEADS: tensor,
                 axes.MLP: tensor,
                 axes.VOCAB: tensor,
             },
         )
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Whether the residual stream's sequence is split over more mesh axes than the other activations'."""
+        return _mesh_axes_tuple(self.activations.get(axes.RESIDUAL_SEQ)) != _mesh_axes_tuple(
+            self.activations.get(axes.SEQ))
 
 
 def _mesh_axes_tuple(value: MeshAxes) -> tuple[str, ...]:
@@ -162,6 +177,15 @@ class ActivationSharding:
     def sharding(self, logical: Sequence[str | None], shape: Sequence[int] | None = None, *,
                  name: str = "activation") -> NamedSharding:
         return NamedSharding(self.mesh, self.spec(logical, shape, name=name))
+
+    def mesh_axes(self, logical: str) -> tuple[str, ...]:
+        """The mesh axes (present, of size > 1) the activation rules split logical axis `logical` over."""
+        return tuple(a for a in _mesh_axes_tuple(self.rules.activations.get(logical))
+                     if a in self.mesh.shape and self.mesh.shape[a] > 1)
+
+    def shards(self, logical: str) -> int:
+        """How many ways the activation rules split logical axis `logical` on this mesh."""
+        return math.prod(self.mesh.shape[a] for a in self.mesh_axes(logical))
 
     def constrain(self, x: jax.Array, logical: Sequence[str | None], *, name: str = "activation") -> jax.Array:
         return jax.lax.with_sharding_constraint(x, self.sharding(logical, x.shape, name=name))

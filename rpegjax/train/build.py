@@ -232,7 +232,8 @@ def run_execution(cfg: RunConfig) -> Execution:
     return Execution(param_dtype=precision.param_dtype, dtype=precision.dtype, update_microbatches=algo.num_microbatches,
                      inference_rows=algo.inference_rows, packing=algo.packing,
                      max_tokens_per_micro_batch=algo.max_tokens_per_micro_batch, **m.execution(),
-                     **_kv_cache_fields(cfg), **_optimizer_fields(cfg))
+                     sequence_parallel=cfg.graph.sequence_parallel, **_kv_cache_fields(cfg),
+                     **_optimizer_fields(cfg))
 
 
 def _optimizer_fields(cfg: RunConfig) -> dict[str, Any]:
@@ -323,6 +324,9 @@ def load_plan(cfg: RunConfig, num_devices: int) -> Graph:
     if asked != planned:
         raise ValueError(f"{where}: the plan's optimiser state is {planned}, this run asks for {asked} "
                          f"(graph.optimizer_sharding, graph.optimizer_offload; plan again, or leave them unset)")
+    if cfg.graph.sequence_parallel and not graph.execution.sequence_parallel:
+        raise ValueError(f"{where}: the plan runs without sequence parallelism, this run asks for it "
+                         f"(graph.sequence_parallel; plan again, or leave it unset to run the plan's)")
     rows = cfg.algorithm_section().inference_rows
     if rows is not None and graph.execution.inference_rows not in (None, rows):
         raise ValueError(f"{where}: the plan runs inference in micro-batches of {graph.execution.inference_rows} rows, "

@@ -42,7 +42,7 @@ from rpegjax.runtime.partial_rollouts import PartialRolloutConfig, StalePolicy
 from rpegjax.rewards.format import overlong_penalty
 from rpegjax.rewards.task import Difficulty
 from rpegjax.rewards.tasks import TaskName
-from rpegjax.sharding.axes import DATA_AXIS, FSDP_AXIS, TENSOR_AXIS
+from rpegjax.sharding.axes import CONTEXT_AXIS, DATA_AXIS, FSDP_AXIS, TENSOR_AXIS
 from rpegjax.sharding.mesh import parse_mesh
 from rpegjax.train.overrides import (
     ConfigFileError,
@@ -54,8 +54,8 @@ from rpegjax.train.overrides import (
 
 _WIDTHS = ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size")
 """The model widths a LoRA rank is checked against (`LoRASection.check_rank`)."""
-MESH_AXES = (DATA_AXIS, FSDP_AXIS, TENSOR_AXIS)
-"""The mesh axis names the sharding rules know."""
+MESH_AXES = (DATA_AXIS, FSDP_AXIS, CONTEXT_AXIS, TENSOR_AXIS)
+"""The mesh axis names the sharding rules know (`context`: training only, the sampler splits no row)."""
 
 
 def _positive(section: object, *names: str) -> None:
@@ -347,7 +347,9 @@ class GraphSection:
     devices; n > 0 gives generation the first n devices (laid out by `rollout_mesh`) and training the rest,
     so that with k >= 1 the two run at the same time. `plan` names a graph JSON (a run's graph.json,
     or `scripts/plan.py --json` output: its best plan) to execute instead of the graph these fields describe.
-    `optimizer_sharding` / `optimizer_offload`: `rpegjax.graph.ir.Execution`'s fields of those names."""
+    `optimizer_sharding` / `optimizer_offload`: `rpegjax.graph.ir.Execution`'s fields of those names.
+    A `context` axis of `mesh` splits each training row's sequence over its devices (context parallelism);
+    `sequence_parallel` splits the residual stream over `tensor` too (`Execution.sequence_parallel`)."""
 
     async_bound: int = 1
     fuse: bool = True
@@ -360,11 +362,17 @@ class GraphSection:
     # optimiser state in host memory between updates (colocated plans: generation gets its device memory)
     optimizer_sharding: OptimizerSharding = OptimizerSharding.PARAMS
     optimizer_offload: bool = False
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         _choice(self, "optimizer_sharding", OptimizerSharding)
         if not isinstance(self.optimizer_offload, bool):
             raise ValueError(f"GraphSection.optimizer_offload must be true or false, got {self.optimizer_offload!r}")
+        if not isinstance(self.sequence_parallel, bool):
+            raise ValueError(f"GraphSection.sequence_parallel must be true or false, got {self.sequence_parallel!r}")
+        if CONTEXT_AXIS in parse_mesh(self.rollout_mesh):
+            raise ValueError(f"GraphSection.rollout_mesh {self.rollout_mesh!r}: the sampler does not split rows over a "
+                             f"{CONTEXT_AXIS!r} axis (context parallelism is for training: put it in graph.mesh)")
         if isinstance(self.async_bound, bool) or not isinstance(self.async_bound, int) or self.async_bound < 0:
             raise ValueError(f"GraphSection.async_bound must be an integer >= 0, got {self.async_bound!r}")
         if isinstance(self.rollout_devices, bool) or not isinstance(self.rollout_devices, int) or self.rollout_devices < 0:
