@@ -46,13 +46,14 @@ def decode_transient_bytes(inputs: CostInputs, slots: int) -> float:
 
 def decode_working_bytes(inputs: CostInputs, layout: Layout, slots: int) -> float:
     """Per device besides the KV cache while one replica decodes `slots` sequences: the logits
-    (`decode_transient_bytes`) and, in rpegjax's sampler (STATIC decode: every slot attends over its window),
-    one layer's cached values over the whole window (prompt + longest response), gathered from the cache and
-    widened to float32 for the attention sum (XLA's GPU compiler materialises it: 1.3 GB per device for 512
-    slots of 7B at a 5k window, `docs/benchmarks.md`, issue 23)."""
+    (`decode_transient_bytes`) and, in rpegjax's sampler (STATIC: every slot attends over its window; LIVE: the
+    running slots, and its largest bucket is every slot, when a step starts), one layer's cached values over the
+    whole window (prompt + longest response), gathered from the cache and widened to float32 for the attention sum
+    (XLA's GPU compiler materialises it: 1.3 GB per device for 512 slots of 7B at a 5k window, `docs/benchmarks.md`,
+    issue 23)."""
     w, shape = inputs.workload, inputs.actor
     window = 0.0
-    if inputs.options.decode is DecodeKernel.STATIC:
+    if inputs.options.decode in (DecodeKernel.STATIC, DecodeKernel.LIVE):
         heads = shape.kv_heads / min(layout.tensor, shape.kv_heads)
         window = slots * (w.prompt_tokens + w.responses.max) * heads * shape.head_dim * 4
     return decode_transient_bytes(inputs, slots) + window
