@@ -61,7 +61,8 @@ def test_the_planner_searches_context_and_sequence_parallel_layouts():
     candidates = planner.layouts(8, (1, 2), heads=28, kv_heads=4, node_size=8, with_fsdp=True, context_sizes=(1, 4))
     assert (("data", 1), ("fsdp", 1), ("context", 4), ("tensor", 2)) in candidates
     assert (("data", 1), ("fsdp", 2), ("context", 4), ("tensor", 1)) in candidates
-    space = planner.PlanSpace(sequence_parallel=(False, True), attention=("blockwise",), remat=("full",))
+    space = planner.PlanSpace(sequence_parallel=(False, True), attention=("blockwise",), remat=("full",),
+                              optimizer_offload=(False,))
     assert [e.sequence_parallel for e in space.executions()] == [False, True]
 
 
