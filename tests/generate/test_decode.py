@@ -5,6 +5,7 @@ import numpy as np
 from rpegjax.generate.completion import EOS_CODE, LENGTH_CODE, RUNNING_CODE, STOP_CODE
 from rpegjax.generate.decode import DecodeState, admit, decode, prefill, record_tokens, step_logits
 from rpegjax.generate.sampling import SamplingConfig, sampling_arrays
+from rpegjax.generate.live_rows import live_rows
 
 
 def test_cache_decode_logits_equal_full_forward_at_every_position(tiny_cfg, tiny_model):
@@ -73,11 +74,12 @@ def test_admit_prefills_once_and_decode_stops_when_all_done(tiny_cfg, tiny_split
     for layer in state.cache.k:
         np.testing.assert_array_equal(layer[3, :, :3], layer[0, :, :3])
     run = jax.jit(decode, static_argnums=0, static_argnames="window")
+    every = jnp.asarray(live_rows(range(4), num_slots=4, replicas=1, compact=False))  # one replica, every slot
     # a window of 6 cache positions: the loop stops before row 0 (3 cached tokens + 3 more) would overflow it
-    windowed, steps = run(graphdef, params, state, jax.random.key(0), arrays, jnp.int32(100), window=6)
+    windowed, steps = run(graphdef, params, state, every, jax.random.key(0), arrays, jnp.int32(100), window=6)
     assert int(steps) == 3 and int(windowed.cache.lengths.max()) == 6 and not bool(windowed.done.all())
-    windowed, _ = run(graphdef, params, windowed, jax.random.key(0), arrays, jnp.int32(100))
-    state, steps = run(graphdef, params, state, jax.random.key(0), arrays, jnp.int32(100))
+    windowed, _ = run(graphdef, params, windowed, every, jax.random.key(0), arrays, jnp.int32(100))
+    state, steps = run(graphdef, params, state, every, jax.random.key(0), arrays, jnp.int32(100))
     for name in ("tokens", "logprobs", "num_generated", "finish"):  # a window changes the cost, not the result
         np.testing.assert_allclose(getattr(windowed, name), getattr(state, name), atol=1e-6, err_msg=name)
     assert int(steps) == 5  # the longest budget is 6 tokens, the first came from the prefill
