@@ -151,8 +151,8 @@ def start(run_dir: pathlib.Path, *flags: str, processes: int, devices: int) -> l
     return started
 
 
-def finish(started, timeout: float) -> list[tuple[str, str]]:
-    """(stdout, stderr) of each process; fails with their logs unless every one exits 0 within `timeout`."""
+def finish_all(started, timeout: float) -> tuple[list[int], list[tuple[str, str]]]:
+    """Each process's exit code and (stdout, stderr), waiting at most `timeout` and killing what still runs."""
     try:
         for child, _ in started:
             child.wait(timeout=timeout)
@@ -165,7 +165,12 @@ def finish(started, timeout: float) -> list[tuple[str, str]]:
                 child.wait()
     outputs = [(pathlib.Path(f"{logs}.out").read_text(), pathlib.Path(f"{logs}.err").read_text())
                for _, logs in started]
-    codes = [child.returncode for child, _ in started]
+    return [child.returncode for child, _ in started], outputs
+
+
+def finish(started, timeout: float) -> list[tuple[str, str]]:
+    """(stdout, stderr) of each process; fails with their logs unless every one exits 0 within `timeout`."""
+    codes, outputs = finish_all(started, timeout)
     assert codes == [0] * len(started), "\n".join(f"--- process {i} (exit {code})\n{err[-3000:]}"
                                                   for i, (code, (_, err)) in enumerate(zip(codes, outputs)))
     return outputs

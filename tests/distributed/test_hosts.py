@@ -17,7 +17,7 @@ import sys
 
 import numpy as np
 import pytest
-from test_distributed_job import SCRIPT, SMALL, assert_same_records, job_env, records, summary
+from test_distributed_job import SCRIPT, SMALL, assert_same_records, finish_all, job_env, records, summary
 
 
 def _ip(*args: str) -> subprocess.CompletedProcess:
@@ -72,22 +72,6 @@ def start_on_hosts(run_dir: pathlib.Path, placement: list[tuple[str, str, int]],
             started.append((subprocess.Popen(command, env=job_env(devices), stdout=out, stderr=err,
                                              cwd=run_dir.parent), logs))
     return started
-
-
-def finish_all(started, timeout: float) -> tuple[list[int], list[tuple[str, str]]]:
-    try:
-        for child, _ in started:
-            child.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for child, _ in started:
-            if child.poll() is None:
-                child.kill()
-                child.wait()
-    outputs = [(pathlib.Path(f"{logs}.out").read_text(), pathlib.Path(f"{logs}.err").read_text())
-               for _, logs in started]
-    return [child.returncode for child, _ in started], outputs
 
 
 def _failed(codes, outputs) -> str:
