@@ -23,12 +23,16 @@ def with_settings(parts, **changes):
     return dataclasses.replace(parts, learner=learner).programs(None)
 
 
-def test_micro_batched_bucketed_inference_equals_the_whole_padded_batch(parts):
-    rng = np.random.default_rng(0)
-    rows = 16
+def _mixed_lengths_batch(rows: int, *, seed: int):
+    """`rows` rows of random prompts (2-11 tokens) and responses (1-8 tokens), padded to 32."""
+    rng = np.random.default_rng(seed)
     prompts = [list(rng.integers(3, 60, size=rng.integers(2, 12))) for _ in range(rows)]
     responses = [list(rng.integers(3, 60, size=rng.integers(1, 9))) for _ in range(rows)]
-    batch = pack_rollouts(prompts, responses, pad_id=0, length=32)
+    return pack_rollouts(prompts, responses, pad_id=0, length=32)
+
+def test_micro_batched_bucketed_inference_equals_the_whole_padded_batch(parts):
+    rows = 16
+    batch = _mixed_lengths_batch(rows, seed=0)
     kinds = (StageKind.REF_LOGPROB, StageKind.OLD_LOGPROB)
     state = parts.learner.init_state()
     expected = with_settings(parts).infer(kinds, state, batch)
@@ -73,11 +77,8 @@ def test_weight_sync_casts_the_generation_copy_and_generation_runs_on_it(parts):
 
 def test_packed_inference_equals_the_padded_batch_and_lowers_for_abstract_rows(parts):
     """Sequences packed into rows of 32 tokens, one row per device per micro-batch, unpacked in the program."""
-    rng = np.random.default_rng(1)
     rows = 16
-    prompts = [list(rng.integers(3, 60, size=rng.integers(2, 12))) for _ in range(rows)]
-    responses = [list(rng.integers(3, 60, size=rng.integers(1, 9))) for _ in range(rows)]
-    batch = pack_rollouts(prompts, responses, pad_id=0, length=32)
+    batch = _mixed_lengths_batch(rows, seed=1)
     kinds = (StageKind.REF_LOGPROB, StageKind.OLD_LOGPROB)
     state = parts.learner.init_state()
     expected = with_settings(parts).infer(kinds, state, batch)
