@@ -30,7 +30,7 @@ from rpegjax.learners.optim import OptimizerConfig, make_optimizer, make_schedul
 from rpegjax.learners.placement import ModelPlacement, Params, has_adapters, has_dropout, jit_with_shardings
 from rpegjax.learners.router import add_router_terms
 from rpegjax.learners.scoring import score_sequences
-from rpegjax.learners.trainable import join_frozen, split_trainable
+from rpegjax.learners.trainable import join_frozen, split_trainable, with_value_head
 from rpegjax.learners.update import (
     Metrics,
     TrainState,
@@ -261,8 +261,13 @@ class PPOLearner(PolicyUpdates):
         return join_frozen(params, self.frozen)
 
     def reference_params(self) -> Params:
-        """What the reference log-probs read: the initial actor; with LoRA its frozen base (adapters off, no copy)."""
-        return self.actor_params(self._params) if self.frozen is None else self.frozen["actor"]
+        """What the reference log-probs read: the initial actor; with LoRA its frozen base (adapters off, no copy;
+        a shared critic's value head beside it, trained but unread by log-probs)."""
+        if self.frozen is None:
+            return self.actor_params(self._params)
+        if self.cfg.critic == CriticMode.SHARED:
+            return with_value_head(self.frozen["actor"], self._params["actor"])
+        return self.frozen["actor"]
 
     @property
     def placement(self) -> ModelPlacement:

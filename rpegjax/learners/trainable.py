@@ -17,8 +17,9 @@ from rpegjax.models.lora import LoRAParam
 
 Params = Any
 
+VALUE_HEAD = nnx.Any(nnx.PathContains("value_kernel"), nnx.PathContains("value_bias"))
 # with adapters: the adapters, and a value head (trained from scratch, nothing to adapt)
-TRAINABLE_WITH_ADAPTERS = nnx.Any(LoRAParam, nnx.PathContains("value_kernel"), nnx.PathContains("value_bias"))
+TRAINABLE_WITH_ADAPTERS = nnx.Any(LoRAParam, VALUE_HEAD)
 
 
 def split_trainable(state: nnx.State) -> tuple[nnx.State, nnx.State | None]:
@@ -38,3 +39,10 @@ def join_frozen(trainable: Params, frozen: Params) -> Params:
     if isinstance(trainable, nnx.State):
         return nnx.merge_state(trainable, frozen)
     return {name: join_frozen(value, frozen.get(name)) for name, value in trainable.items()}
+
+
+def with_value_head(frozen: nnx.State, trainable: nnx.State) -> nnx.State:
+    """A model's frozen base completed with the value head of its trainable part: the base model (adapters
+    off) of a model with a value head is only whole with one, though its log-probs never read it."""
+    head = nnx.split_state(trainable, VALUE_HEAD, ...)[0]
+    return nnx.merge_state(frozen, head)

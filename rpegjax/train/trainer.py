@@ -320,6 +320,9 @@ class Trainer:
                                       "(model path, warm start or seed changed" + (f": {changed})" if changed else ")"))
             step, accuracy = meta["next_step"], meta["start_accuracy"]
             check_steps(self.run_dir, self.cfg.train.steps, step)
+            changed = settings_changed(meta.get("config"), self.cfg.to_json(), ignore=("train.run_dir",))
+            if changed:  # allowed (a longer run, another asynchrony bound, ...), but never unannounced
+                self.log(f"resuming with settings that differ from the checkpoint's: {changed}")
             job.data.restore(meta["data_state"])
             carry = meta.get("partial_rollouts")  # absent in checkpoints older than partial rollouts
             self.log(f"resumed from step {step} ({checkpoints.directory / str(step)})")

@@ -151,6 +151,18 @@ def test_ppo_shared_critic_trains_adapters_and_value_head():
 
 
 
+def test_ppo_shared_critic_with_adapters_has_the_base_as_reference():
+    """The reference of a shared critic's actor with adapters: the base (adapters off), whole with its value head."""
+    base = Decoder(ModelConfig.tiny(value_head=True), rngs=nnx.Rngs(0))
+    cfg = PPOConfig(critic="shared", kl_coef=0.01, optimizer=CFG["optimizer"])
+    learner, plain = PPOLearner(cfg, base.with_lora(LORA, seed=1)), PPOLearner(cfg, base)
+    batch = make_batch()
+    reference = np.asarray(learner.logprobs(learner.reference_params(), batch))
+    np.testing.assert_allclose(reference, np.asarray(plain.logprobs(plain.reference_params(), batch)), atol=1e-6)
+    # the frozen base's buffers themselves, not a copy
+    assert learner.reference_params()["lm_head"].get_value() is learner.frozen["actor"]["lm_head"].get_value()
+
+
 def test_lora_dropout_only_in_the_update_and_drawn_per_step(adapted):
     """Log-probs (old, reference) never drop; the update's masks are the same for the same step and seed, new for
     another step."""

@@ -57,9 +57,13 @@ def test_resume_keeps_each_step_once_and_refuses_what_it_cannot_do(tmp_path):
 
     # resumed from step 1 (the newer checkpoint gone): the earlier attempt's step 2 and final evaluation set aside
     shutil.rmtree(run_dir / "checkpoints" / "2")
-    resumed = run_job(run_dir, "--resume", str(run_dir), "--steps=3")
+    resumed = run_job(run_dir, "--resume", str(run_dir), "--steps=3", "--graph.async_bound=0")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from step 1" in resumed.stderr
+    # what changed is named, with both values
+    changed_line = next(line for line in resumed.stderr.splitlines() if "resuming with settings that differ" in line)
+    assert "graph.async_bound 1 (saved) -> 0 (this run)" in changed_line, changed_line
+    assert "train.steps 2 (saved) -> 3 (this run)" in changed_line, changed_line
     assert _steps(metrics(run_dir)) == [(0, False), (1, True), (2, True), (3, True), (3, False)]
     assert _steps(_records(run_dir / "metrics.dropped-at-resume-1.jsonl")) == [(2, True), (2, False)]
     assert f"moved to {run_dir / 'metrics.dropped-at-resume-1.jsonl'}" in resumed.stderr
