@@ -203,35 +203,6 @@ class Attention(nnx.Module):
             y = getattr(self, norm_name)(y)
         return y if rope is None else apply_rope(y, rope)
 
-    def _project_qkv(self, x: Float[Array, "b t d"], rope, sharding: ActivationSharding | None,
-                     dropout_key: Array | None) -> tuple[Array, Array, Array]:
-        """q [b t h e], k and v [b t k e]: one matmul against the three kernels side by side, laid out [d, k, g+2, e]
-        (each KV head's g query heads, its key, its value): XLA:CPU runs one matmul of the rows markedly faster than
-        three (docs/benchmarks.md, "Where W-small's time goes"). Three matmuls when an adapter sits on one of the
-        kernels (it takes the kernel's input) or the activations split heads over devices (the side-by-side
-        kernel would be regathered)."""
-        adapted = any(getattr(self, f"{name}_lora", None) is not None for name in ("q_proj", "k_proj", "v_proj"))
-        split_heads = sharding is not None and (sharding.shards(axes.HEADS) > 1 or sharding.shards(axes.KV_HEADS) > 1)
-        if adapted or split_heads:
-            return (self._project(x, "q_proj", "q_bias", "q_norm", rope, dropout_key),
-                    self._project(x, "k_proj", "k_bias", "k_norm", rope, dropout_key),
-                    self._project(x, "v_proj", "v_bias", None, None, dropout_key))
-        cfg, dt = self.cfg, self.cfg.jnp_dtype
-        b, t, d = x.shape
-        kv, e = cfg.num_kv_heads, cfg.head_dim
-        g = cfg.num_heads // kv
-        kernel = jnp.concatenate([self.q_proj.get_value().astype(dt).reshape(d, kv, g, e),
-                                  self.k_proj.get_value().astype(dt)[:, :, None],
-                                  self.v_proj.get_value().astype(dt)[:, :, None]], axis=2)
-        y = (x.reshape(b * t, d) @ kernel.reshape(d, -1)).reshape(b, t, kv, g + 2, e)
-        q, k, v = y[:, :, :, :g].reshape(b, t, kv * g, e), y[:, :, :, g], y[:, :, :, g + 1]
-        if cfg.attention_bias:
-            q, k, v = (q + self.q_bias.get_value().astype(dt), k + self.k_bias.get_value().astype(dt),
-                       v + self.v_bias.get_value().astype(dt))
-        if cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        return apply_rope(q, rope), apply_rope(k, rope), v
-
     def __call__(
         self,
         x: Float[Array, "b t d"],
@@ -244,7 +215,9 @@ class Attention(nnx.Module):
         segment_ids: Int[Array, "b t"] | None = None,  # packed rows' sequences (full-sequence forward only)
     ) -> tuple[Float[Array, "b t d"], tuple[Array, Array] | None]:
         cfg = self.cfg
-        q, k, v = self._project_qkv(x, rope, sharding, dropout_key)
+        q = self._project(x, "q_proj", "q_bias", "q_norm", rope, dropout_key)
+        k = self._project(x, "k_proj", "k_bias", "k_norm", rope, dropout_key)
+        v = self._project(x, "v_proj", "v_bias", None, None, dropout_key)
         q = constrain(q, sharding, (axes.BATCH, axes.SEQ, axes.HEADS, None))
         if layer_cache is None:
             k = constrain(k, sharding, (axes.BATCH, axes.SEQ, axes.KV_HEADS, None))
@@ -321,14 +294,8 @@ class MLP(nnx.Module):
         b, t, d = x.shape
         dt, key = self.dtype, dropout_key
         flat = x.reshape(b * t, d)  # 2-D matmuls are much faster than batched ones on XLA's CPU backend
-        adapted = any(getattr(self, f"{name}_lora", None) is not None for name in ("gate_proj", "up_proj"))
-        if adapted or (sharding is not None and sharding.shards(axes.MLP) > 1):
-            gate = _adapted_matmul(self, "gate_proj", flat, self.gate_proj.get_value().astype(dt), dt, key)
-            up = _adapted_matmul(self, "up_proj", flat, self.up_proj.get_value().astype(dt), dt, key)
-        else:  # one matmul against both kernels side by side, as `Attention._project_qkv` does
-            kernel = jnp.stack([self.gate_proj.get_value().astype(dt), self.up_proj.get_value().astype(dt)], axis=1)
-            both = (flat @ kernel.reshape(d, -1)).reshape(b * t, 2, -1)
-            gate, up = both[:, 0], both[:, 1]
+        gate = _adapted_matmul(self, "gate_proj", flat, self.gate_proj.get_value().astype(dt), dt, key)
+        up = _adapted_matmul(self, "up_proj", flat, self.up_proj.get_value().astype(dt), dt, key)
         hidden = constrain(swiglu(gate, up).reshape(b, t, -1), sharding, (axes.BATCH, axes.SEQ, axes.MLP))
         down = self.down_proj.get_value().astype(dt)
         return _adapted_matmul(self, "down_proj", hidden.reshape(b * t, -1), down, dt, key).reshape(b, t, d)
