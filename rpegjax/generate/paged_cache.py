@@ -11,9 +11,10 @@ head dim), split over replicas like the slots are, and a page table holds replic
 gather and scatter below is vmapped over the replica axis: it stays on the devices of that replica,
 with no collective. Without a mesh R = 1.
 
-Reading a slot gathers the first `window_pages` entries of its page table ([b k w*n e] per layer, the
-cache index of a key = its table column * n + offset), then attends exactly like the contiguous cache
-(`_cached_attention`), so both layouts give the same logits. Table entries past a slot's pages hold
+Reading a slot gathers the first `window_pages` entries of its page table (the cache index of a key = its table
+column * n + offset), then attends like the contiguous cache (`_cached_attention`: a prefill on the pages
+transposed to [b k w*n e]; a decode step, one token per row, in the gathered layout [b w k n e], `_attend_pages`),
+so both layouts give the same logits up to float rounding. Table entries past a slot's pages hold
 page 0: what they read is masked out by position like any key past the row's length.
 """
 
@@ -29,7 +30,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from rpegjax.models.config import ModelConfig
-from rpegjax.models.transformer import _cached_attention
+from rpegjax.models.transformer import _NEG_INF, _cached_attention
 from rpegjax.options import CacheLayout, parse_choice
 from rpegjax.sharding import axes
 
@@ -111,6 +112,12 @@ class PagedLayer:
         new_k = jax.vmap(write)(self.k, split(page), split(within), split(k))
         new_v = jax.vmap(write)(self.v, split(page), split(within), split(v))
         table = split(self.page_table[:, : self.window_pages])
+        if t == 1:  # decode: attend over the pages as gathered, in the pool's layout (no transposed copy of them)
+            def pages(pool):
+                gathered = jax.vmap(lambda pool, table: pool[table])(pool, table)  # r b/r w k n e
+                return gathered.reshape(b, *gathered.shape[2:])
+
+            return _attend_pages(q, pages(new_k), pages(new_v), positions), self.replace(k=new_k, v=new_v)
 
         def gather(pool, table):  # [b/r w] pages -> [b/r k w*n e]
             pages = pool[table]  # b/r w k n e
@@ -122,6 +129,24 @@ class PagedLayer:
         keys, values = (x.reshape(b, *x.shape[2:]) for x in (keys, values))
         out = _cached_attention(q, keys, values, positions)
         return out, self.replace(k=new_k, v=new_v)
+
+
+def _attend_pages(q: Float[Array, "b 1 h e"], keys: Float[Array, "b w k n e"], values: Float[Array, "b w k n e"],
+                  query_index: Int[Array, "b 1"]) -> Float[Array, "b 1 h e"]:
+    """`_cached_attention` of one new token per row over its w gathered pages of n tokens, key w' n + n' at page
+    w', offset n': the same multiply-and-sum in float32, reduced over (w, n) in the pages' own layout, so XLA
+    reads them straight from the gather instead of a [b k w*n e] transposed copy per layer and step."""
+    b, _, h, e = q.shape
+    w, kv, n = keys.shape[1:4]
+    g = h // kv
+    qg = q.reshape(b, 1, kv, g, 1, e).astype(jnp.float32)
+    scores = jnp.sum(qg * keys[:, :, :, None].astype(jnp.float32), axis=-1) / math.sqrt(e)  # b w k g n
+    index = jnp.arange(w)[:, None] * n + jnp.arange(n)[None, :]  # w n: cache index of each key
+    valid = index[None] <= query_index[:, 0, None, None]  # b w n
+    scores = jnp.where(valid[:, :, None, None, :], scores, _NEG_INF)
+    probs = jax.nn.softmax(scores, axis=(1, 4))
+    out = jnp.sum(probs[..., None] * values[:, :, :, None].astype(jnp.float32), axis=(1, 4))  # b k g e
+    return out.reshape(b, 1, h, e).astype(q.dtype)
 
 
 @flax.struct.dataclass

@@ -249,3 +249,19 @@ def test_the_kv_cache_lives_only_while_a_generate_call_runs(request, layout, tin
     gc.collect()
     after = [array for array in jax.live_arrays() if id(array) not in before]
     assert not [array.shape for array in after if array.shape in cache_shapes]
+
+
+def test_decode_attention_over_gathered_pages_equals_the_contiguous_attention():
+    """`_attend_pages` (one token per row over [b w k n e] pages) == `_cached_attention` over the same keys laid out
+    [b k w*n e], with each row's query at a different cache index (later keys masked)."""
+    from rpegjax.generate.paged_cache import _attend_pages
+    from rpegjax.models.transformer import _cached_attention
+
+    b, w, kv, n, e, g = 3, 4, 2, 5, 8, 2
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (b, 1, kv * g, e))
+    pages_k, pages_v = (jax.random.normal(k, (b, w, kv, n, e)) for k in keys[1:])
+    positions = np.array([[0], [7], [w * n - 1]], np.int32)
+    flat = [x.transpose(0, 2, 1, 3, 4).reshape(b, kv, w * n, e) for x in (pages_k, pages_v)]
+    np.testing.assert_allclose(_attend_pages(q, pages_k, pages_v, positions),
+                               _cached_attention(q, *flat, positions), atol=1e-5, rtol=0)
