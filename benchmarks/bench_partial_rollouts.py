@@ -7,7 +7,8 @@ response ends when it samples one of 1 / `--mean` of the vocabulary (so lengths 
 asynchrony bound 1, the job's default graph (fused inference), the paged KV cache (`--layout`) with live decode
 buckets. Both modes share one learner and one sampler, so a program compiled for one is compiled for both.
 
-Order of work: `--warmup-rounds` untimed runs of both modes (they compile the programs the shapes of a run reach),
+Order of work: `--warmup-rounds` untimed runs of both modes, `--skip` + `--warmup-steps` steps each (they compile
+the programs the shapes of a run reach),
 then `--rounds` rounds, each running both modes (the order alternating between rounds) for `--skip` untimed steps
 (the pipeline fills: the partial pool is empty at step 0) and `--steps` timed steps. Reported per mode: the median,
 min and max of the timed step times over every round and their ratio; the seconds a step spends generating
@@ -118,7 +119,9 @@ class Bench:
         lengths = np.array([c.length for r in timed for c in r.completions])
         return {"step_seconds": np.diff(ends)[skip:].tolist(), "generate_seconds": generating,
                 "lengths": lengths.tolist(), "compiles": last[0] - first[0], "compile_seconds": last[1] - first[1],
-                "slot_occupancy": [r.metrics["generate/slot_occupancy"] for r in timed],
+                # a partial step whose batch completed before it decoded (carried groups) has no occupancy
+                "slot_occupancy": [r.metrics["generate/slot_occupancy"] for r in timed
+                                   if "generate/slot_occupancy" in r.metrics],
                 "lag_max": max(r.metrics["version_lag/max"] for r in timed),
                 "lag_mean": float(np.mean([r.metrics["version_lag/mean"] for r in timed])),
                 "carried_sequences": sum(r.metrics.get("partial/carried_sequences", 0.0) for r in timed),
@@ -147,6 +150,7 @@ def main() -> None:
     parser.add_argument("--skip", type=int, default=2, help="untimed steps that start each run")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--warmup-rounds", type=int, default=1, help="untimed runs of both modes (compiles)")
+    parser.add_argument("--warmup-steps", type=int, default=10, help="steps of each warm-up run (after --skip)")
     parser.add_argument("--mean", type=int, default=32, help="mean response length; the budget is 8x")
     parser.add_argument("--layout", choices=[x.value for x in CacheLayout], default=CacheLayout.PAGED.value)
     parser.add_argument("--chunk-steps", type=int, default=8)
@@ -159,7 +163,7 @@ def main() -> None:
     for index in range(args.warmup_rounds):
         for partial in (False, True):
             start = time.perf_counter()
-            bench.run(partial, args.steps, args.skip)
+            bench.run(partial, args.warmup_steps, args.skip)
             print(f"warm-up {index} partial={partial}: {time.perf_counter() - start:.1f} s, "
                   f"{bench.compiles.count} programs compiled so far", flush=True)
     runs: dict[bool, list[dict]] = {False: [], True: []}

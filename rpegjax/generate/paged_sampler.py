@@ -175,12 +175,21 @@ class PagedController:
 
     def _admit_pending(self, params, state, slots: PagedSlots, pending, key, arrays):
         """Admits pending requests, in order, while a replica has room for the next one (`PagedSlots.admit`: a group
-        that no single replica holds is split over several), then prefills them."""
+        that no single replica holds is split over several), then prefills them, contexts of one length class at
+        a time."""
         shared = slots.shared_references
         admitted = slots.admit(pending)
         self.stats.shared_page_references += slots.shared_references - shared
         if admitted:
-            return self._admit(params, state, slots.requests, admitted, slots.table, slots.held, key, arrays)
+            # one prefill per length class (a power of two of pages): a prefill call computes every row as long as
+            # its longest, and carried partial rollouts mix contexts of every length with short prompts
+            classes: dict[int, list] = {}
+            for item in admitted:
+                pages = pow2_at_least(pages_for(slots.requests[item[0]].size, self.page_size), self.max_pages)
+                classes.setdefault(pages, []).append(item)
+            for pages in sorted(classes):
+                state = self._admit(params, state, slots.requests, classes[pages], slots.table, slots.held, key, arrays)
+            return state
         if slots.idle():
             prompt = pending[0][0]
             raise ValueError(
