@@ -1,19 +1,28 @@
 """Partial rollouts on a long tail (W-tail's lengths through W-small's GRPO step): seconds per step with and
-without `--rollout.partial`, in one run, interleaved.
+without `--rollout.partial`, in one run, interleaved, with every program compiled before the timed steps.
 
 The W-small model (shared/WORKLOADS.md), 8 prompts x 4 samples of 32-token prompts per step, temperature 1; a
-response ends when it samples one of `--stop-fraction` of the vocabulary (so lengths are geometric-like with a
-mean near 1 / fraction) or at the budget of 8x that mean: W-tail's long tail (max 8x mean). GRPO with a reference
-model, asynchrony bound 1, the job's default graph (fused inference). Each round runs both modes from the same
-initial weights (the order alternates between rounds): `--warmup` steps, then `--steps` timed steps; the figures
-are the medians of the timed step times over every round, their ratio, and the response lengths trained.
+response ends when it samples one of 1 / `--mean` of the vocabulary (so lengths are geometric with a mean near
+`--mean`) or at the budget of 8x that mean: W-tail's long tail (max 8x mean). GRPO with a reference model,
+asynchrony bound 1, the job's default graph (fused inference), the paged KV cache (`--layout`) with live decode
+buckets. Both modes share one learner and one sampler, so a program compiled for one is compiled for both.
 
-    python benchmarks/bench_partial_rollouts.py [--steps 10] [--rounds 2]
+Order of work: `--warmup-rounds` untimed runs of both modes, `--skip` + `--warmup-steps` steps each (they compile
+the programs the shapes of a run reach),
+then `--rounds` rounds, each running both modes (the order alternating between rounds) for `--skip` untimed steps
+(the pipeline fills: the partial pool is empty at step 0) and `--steps` timed steps. Reported per mode: the median,
+min and max of the timed step times over every round and their ratio; the seconds a step spends generating
+(the rollout stage's spans); programs compiled during timed steps (every XLA backend compile, counted through
+`jax.monitoring`: in the first run of a shape, not after); the response lengths trained; the steps' mean
+`generate/slot_occupancy`; the version lag.
+
+    python benchmarks/bench_partial_rollouts.py [--steps 10] [--rounds 2] [--layout paged]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -21,6 +30,7 @@ import time
 import jax
 import numpy as np
 from flax import nnx
+from jax._src import dispatch
 
 from rpegjax.data.example import Example
 from rpegjax.data.iterator import DataIterator
@@ -30,6 +40,7 @@ from rpegjax.graph.trace import Trace
 from rpegjax.learners.grpo import GRPOConfig
 from rpegjax.learners.optim import OptimizerConfig
 from rpegjax.models import Decoder, ModelConfig
+from rpegjax.options import CacheLayout
 from rpegjax.rewards.runner import Isolation, RewardRunner, RewardRunnerConfig
 from rpegjax.runtime.assembly import RolloutShape, place_models
 from rpegjax.runtime.controller import Runtime
@@ -37,6 +48,19 @@ from rpegjax.runtime.partial_rollouts import PartialRolloutConfig
 from rpegjax.runtime.programs import StagePrograms
 
 PROMPTS, GROUP, PROMPT_LEN = 8, 4, 32
+
+
+class CompileCounter:
+    """XLA backend compiles of this process (every jitted program's first call per shape), with their seconds."""
+
+    def __init__(self):
+        self.count, self.seconds = 0, 0.0
+        jax.monitoring.register_event_duration_secs_listener(self._on_event)
+
+    def _on_event(self, event: str, seconds: float, **_) -> None:
+        if event == dispatch.BACKEND_COMPILE_EVENT:
+            self.count += 1
+            self.seconds += seconds
 
 
 def even_token_reward(text: str, example: Example) -> float:
@@ -48,74 +72,114 @@ def even_token_reward(text: str, example: Example) -> float:
 class Bench:
     """One learner and sampler (compiled once) shared by every run of both modes."""
 
-    def __init__(self, mean: int):
+    def __init__(self, mean: int, layout: CacheLayout, chunk_steps: int, length_bucket: int | None,
+                 pack_tokens: int | None = None):
         self.cfg = ModelConfig.w_small()
-        self.graph = transforms.default_fusion(builders.grpo_graph(use_reference=True, async_bound=1))
+        graph = transforms.default_fusion(builders.grpo_graph(use_reference=True, async_bound=1))
+        execution = dataclasses.replace(graph.execution, kv_cache=layout, packing=pack_tokens is not None,
+                                        max_tokens_per_micro_batch=pack_tokens)
+        self.graph = dataclasses.replace(graph, execution=execution)
         self.learner, self.sampler = place_models(
             self.graph, Decoder(self.cfg, rngs=nnx.Rngs(0)),
             GRPOConfig(group_size=GROUP, kl_coef=0.04, clip_low=0.2, clip_high=0.2, decoupled=True, importance_cap=5.0,
-                       optimizer=OptimizerConfig(learning_rate=1e-5)),
-            RolloutShape(num_slots=PROMPTS * GROUP, max_prompt_len=PROMPT_LEN, max_new_tokens=8 * mean, chunk_steps=8))
-        stride = mean  # one id in `mean` ends a response
+                       length_bucket=length_bucket, optimizer=OptimizerConfig(learning_rate=1e-5)),
+            RolloutShape(num_slots=PROMPTS * GROUP, max_prompt_len=PROMPT_LEN, max_new_tokens=8 * mean,
+                         chunk_steps=chunk_steps))
         self.sampling = SamplingConfig(max_new_tokens=8 * mean, temperature=1.0, ignore_eos=True,
-                                       stop_ids=tuple(range(1, self.cfg.vocab_size, stride)))
+                                       stop_ids=tuple(range(1, self.cfg.vocab_size, mean)))  # 1 id in `mean` stops
         rng = np.random.default_rng(0)
-        self.prompts = {f"p{i}": rng.integers(0, self.cfg.vocab_size, PROMPT_LEN).tolist() for i in range(256)}
+        self.prompts = {f"p{i}": rng.integers(0, self.cfg.vocab_size, PROMPT_LEN).tolist() for i in range(512)}
         self.examples = [Example(id=key, prompt=key, answer="0", task="w-tail") for key in self.prompts]
+        self.compiles = CompileCounter()
 
-    def run(self, partial: bool, steps: int) -> dict:
+    def run(self, partial: bool, steps: int, skip: int) -> dict:
+        """`skip` + `steps` steps of one mode from the initial weights; the figures of the last `steps`."""
         rewards = RewardRunner(even_token_reward, RewardRunnerConfig(timeout_s=10.0, workers=1,
                                                                       isolation=Isolation.THREAD))
         programs = StagePrograms(learner=self.learner, sampler=self.sampler, sampling=self.sampling, group_size=GROUP,
                                  rewards=rewards, decode=lambda ids: " ".join(str(int(i)) for i in ids), pad_id=0)
+        trace = Trace("partial" if partial else "plain")
         runtime = Runtime(self.graph, programs, DataIterator(self.examples, batch_size=PROMPTS, seed=0),
                           prompt_ids=lambda batch: [self.prompts[e.id] for e in batch], key=jax.random.key(0),
-                          trace=Trace("partial" if partial else "plain"),
-                          partial=PartialRolloutConfig(max_token_lag=3) if partial else None)
-        ends, results = [time.perf_counter()], []
+                          trace=trace, partial=PartialRolloutConfig(max_token_lag=3) if partial else None)
+        ends, results, compiles = [time.perf_counter()], [], []
 
         def on_step(result, state) -> None:
             ends.append(time.perf_counter())
             results.append(result)
+            compiles.append((self.compiles.count, self.compiles.seconds))
 
         try:
-            runtime.run(self.learner.init_state(), start_step=0, num_steps=steps, on_step=on_step)
+            runtime.run(self.learner.init_state(), start_step=0, num_steps=skip + steps, on_step=on_step)
         finally:
             rewards.close()
-        lengths = np.array([c.length for r in results for c in r.completions])
-        return {"step_seconds": np.diff(ends).tolist(), "lengths": lengths.tolist(),
-                "lag_max": max(r.metrics["version_lag/max"] for r in results),
-                "carried": sum(r.metrics.get("partial/carried_sequences", 0.0) for r in results)}
+        timed = results[skip:]
+        first, last = compiles[skip - 1] if skip else (0, 0.0), compiles[-1]
+        generating = [e.duration for e in trace.events if e.kind == "generate" and e.step >= skip]
+        lengths = np.array([c.length for r in timed for c in r.completions])
+        return {"step_seconds": np.diff(ends)[skip:].tolist(), "generate_seconds": generating,
+                "lengths": lengths.tolist(), "compiles": last[0] - first[0], "compile_seconds": last[1] - first[1],
+                # a partial step whose batch completed before it decoded (carried groups) has no occupancy
+                "slot_occupancy": [r.metrics["generate/slot_occupancy"] for r in timed
+                                   if "generate/slot_occupancy" in r.metrics],
+                "lag_max": max(r.metrics["version_lag/max"] for r in timed),
+                "lag_mean": float(np.mean([r.metrics["version_lag/mean"] for r in timed])),
+                "carried_sequences": sum(r.metrics.get("partial/carried_sequences", 0.0) for r in timed),
+                "dropped_groups": sum(r.metrics.get("partial/dropped_groups", 0.0) for r in timed)}
+
+
+def summarise(runs: list[dict]) -> dict:
+    times = [t for run in runs for t in run["step_seconds"]]
+    generating = [t for run in runs for t in run["generate_seconds"]]
+    lengths = np.array([n for run in runs for n in run["lengths"]])
+    return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times), "timed_steps": len(times),
+            "generate_median_s": statistics.median(generating),
+            "compiles_in_timed_steps": sum(run["compiles"] for run in runs),
+            "compile_seconds_in_timed_steps": round(sum(run["compile_seconds"] for run in runs), 2),
+            "slot_occupancy_mean": float(np.mean([x for run in runs for x in run["slot_occupancy"]])),
+            "trained_length_mean": float(lengths.mean()), "trained_length_max": int(lengths.max()),
+            "version_lag_mean": float(np.mean([run["lag_mean"] for run in runs])),
+            "version_lag_max": max(run["lag_max"] for run in runs),
+            "carried_sequences": sum(run["carried_sequences"] for run in runs),
+            "dropped_groups": sum(run["dropped_groups"] for run in runs)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per mode and round")
+    parser.add_argument("--skip", type=int, default=2, help="untimed steps that start each run")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--warmup-rounds", type=int, default=1, help="untimed runs of both modes (compiles)")
+    parser.add_argument("--warmup-steps", type=int, default=10, help="steps of each warm-up run (after --skip)")
     parser.add_argument("--mean", type=int, default=32, help="mean response length; the budget is 8x")
+    parser.add_argument("--layout", choices=[x.value for x in CacheLayout], default=CacheLayout.PAGED.value)
+    parser.add_argument("--chunk-steps", type=int, default=8)
+    parser.add_argument("--length-bucket", type=int, default=None, help="the learner's length bucket (None: full)")
+    parser.add_argument("--pack-tokens", type=int, default=None,
+                        help="sequence packing into rows of this many tokens (None: rows padded)")
     args = parser.parse_args()
-    bench = Bench(args.mean)
-    times = {False: [], True: []}
-    lengths = {False: [], True: []}
-    extra = {}
-    for round_index in range(args.rounds):
-        for partial in ((False, True) if round_index % 2 == 0 else (True, False)):
-            out = bench.run(partial, args.warmup + args.steps)
-            times[partial] += out["step_seconds"][args.warmup:]
-            lengths[partial] += out["lengths"]
-            extra[partial] = {"lag_max": out["lag_max"], "carried_sequences": out["carried"]}
-            print(f"round {round_index} partial={partial}: median {statistics.median(out['step_seconds'][args.warmup:]):.2f} s/step",
+    bench = Bench(args.mean, CacheLayout(args.layout), args.chunk_steps, args.length_bucket, args.pack_tokens)
+    print(f"load average at start: {open('/proc/loadavg').read().split()[:3]}", flush=True)
+    for index in range(args.warmup_rounds):
+        for partial in (False, True):
+            start = time.perf_counter()
+            bench.run(partial, args.warmup_steps, args.skip)
+            print(f"warm-up {index} partial={partial}: {time.perf_counter() - start:.1f} s, "
+                  f"{bench.compiles.count} programs compiled so far", flush=True)
+    runs: dict[bool, list[dict]] = {False: [], True: []}
+    for index in range(args.rounds):
+        for partial in ((False, True) if index % 2 == 0 else (True, False)):
+            out = bench.run(partial, args.steps, args.skip)
+            runs[partial].append(out)
+            print(f"round {index} partial={partial}: median {statistics.median(out['step_seconds']):.2f} s/step, "
+                  f"generating {statistics.median(out['generate_seconds']):.2f} s, {out['compiles']} compiles",
                   flush=True)
-    summary = {}
-    for partial, name in ((False, "without"), (True, "partial")):
-        trained = np.array(lengths[partial])
-        summary[name] = {"median_s": statistics.median(times[partial]), "min_s": min(times[partial]),
-                         "max_s": max(times[partial]), "timed_steps": len(times[partial]),
-                         "trained_length_mean": float(trained.mean()), "trained_length_max": int(trained.max()),
-                         **extra[partial]}
+    summary = {"without": summarise(runs[False]), "partial": summarise(runs[True])}
     summary["speedup"] = summary["without"]["median_s"] / summary["partial"]["median_s"]
     summary["budget"] = 8 * args.mean
+    summary["layout"] = args.layout
+    summary["load_average_end"] = open("/proc/loadavg").read().split()[:3]
+    summary["sampler_compiles"] = bench.sampler.compile_counts()
     print(json.dumps(summary, indent=2))
 
 

@@ -149,13 +149,13 @@ class EpisodeRunner:
                              decode=self.decode, trace=self.trace)
 
     def run(self, params, examples: Sequence[Example], *, group_size: int, key: jax.Array,
-            version: int | None = None) -> Iterator[Episode]:
+            version: int | None = None, stats=None) -> Iterator[Episode]:
         """Yields every episode (group_size per example) as it finishes; `Episode.completion.prompt_index` is the
-        example's index."""
+        example's index. `stats`: a `SamplerStats` that also counts this run's decode chunks."""
         run = _Rollout(self, examples, group_size, version)
         prompts = [episodes[0].prompt_ids.tolist() for episodes in run.groups]
         stream = self.sampler.stream(params, prompts, self.sampling, group_size=group_size, key=key, version=version,
-                                     budgets=[self.config.token_budget] * len(prompts), feed=run)
+                                     budgets=[self.config.token_budget] * len(prompts), feed=run, stats=stats)
         try:
             for completion in stream:
                 run.turn_finished(completion)

@@ -26,7 +26,7 @@ from rpegjax.generate.decode import (
     decode,
     decode_state_shardings,
 )
-from rpegjax.generate.live_rows import live_rows
+from rpegjax.generate.live_rows import least_busy_first, live_rows
 from rpegjax.generate.requests import Request, RequestFeed, RequestQueue
 from rpegjax.models.config import ModelConfig
 from rpegjax.options import CacheLayout
@@ -147,8 +147,11 @@ class ContiguousController:
 
     def _admit_pending(self, params, state, requests: list[Request], pending, owners, cache_length, key, arrays):
         """Admits pending requests into the free slots, in order, runs of one number of samples at a time (one
-        compiled admit per group size), until the next request's group does not fit."""
-        free = [slot for slot, owner in enumerate(owners) if owner is None]
+        compiled admit per group size), until the next request's group does not fit. Free slots are taken from the
+        least busy slot replica first (`least_busy_first`: a group's samples may land on several)."""
+        free = least_busy_first([slot for slot, owner in enumerate(owners) if owner is None],
+                                [slot for slot, owner in enumerate(owners) if owner is not None],
+                                num_slots=self.num_slots, replicas=self.replicas)
         while pending:
             group_size = requests[pending[0]].samples
             admitted = []
@@ -199,11 +202,13 @@ class ContiguousController:
 
     # ---- the controller ----------------------------------------------------------------------------
     def run(self, params, requests: list[Request], arrays, key: jax.Array, version, *, continuous: bool,
-            feed: RequestFeed | None = None, interrupt: Callable[[], bool] | None = None) -> Iterator[Completion]:
+            feed: RequestFeed | None = None, interrupt: Callable[[], bool] | None = None,
+            tally=None) -> Iterator[Completion]:
         """Serves `requests`, and those `feed` adds before each chunk (blocking on `feed.wait()` when idle).
         Continuous: refill free slots before every chunk. Static: refill only once every slot is free (each batch
         waits for its slowest sequence). `interrupt()` is asked before each chunk: once True, every running and
-        pending sequence is handed out as a `PARTIAL` completion (its tokens so far) and the run ends."""
+        pending sequence is handed out as a `PARTIAL` completion (its tokens so far) and the run ends. `tally`: a
+        `SamplerStats` that also counts this call's decode chunks."""
         queue = RequestQueue(requests, lambda index, _: index)
         requests, pending = queue.requests, queue.pending  # grown in place as the feed adds requests
         owners: list[tuple[int, int] | None] = [None] * self.num_slots
@@ -228,8 +233,9 @@ class ContiguousController:
             steps = int(steps)
             for slot in running:
                 cache_length[slot] = requests[owners[slot][0]].size + int(num_generated[slot]) - 1
-            self.stats.record_chunk(steps, window=window, bucket=live.shape[1], rows=live.size, slots=self.num_slots,
-                                    live_tokens=int(cache_length[running].sum()) - before)
+            for stats in (self.stats, tally)[: 1 + (tally is not None)]:
+                stats.record_chunk(steps, window=window, bucket=live.shape[1], rows=live.size, slots=self.num_slots,
+                                   live_tokens=int(cache_length[running].sum()) - before)
             self.stats.record_memory(steps, reserved=self.num_slots * self.capacity,
                                      cached=(before + int(cache_length[running].sum())) / 2)
             finished = [slot for slot in running if done[slot]]

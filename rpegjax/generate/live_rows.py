@@ -43,6 +43,23 @@ def live_rows(running: Sequence[int], *, num_slots: int, replicas: int, compact:
     return rows
 
 
+def least_busy_first(free: Sequence[int], running: Sequence[int], *, num_slots: int, replicas: int) -> list[int]:
+    """`free` slots in the order admission should fill them: each next one on the replica with the fewest running
+    slots so far (then the lower replica, then slot order), so the replicas' running counts, and with them the
+    live bucket every replica decodes (the busiest one's), stay even."""
+    per = num_slots // replicas
+    load = [0] * replicas
+    for slot in running:
+        load[slot // per] += 1
+    queues = [[slot for slot in free if slot // per == replica] for replica in range(replicas)]
+    order = []
+    while any(queues):
+        replica = min((r for r in range(replicas) if queues[r]), key=lambda r: (load[r], r))
+        order.append(queues[replica].pop(0))
+        load[replica] += 1
+    return order
+
+
 def take_rows(x: Array, live: Int[Array, "r q"], window: int | None = None) -> Array:
     """Rows `live` of x [b ...] (b split into r replica blocks; live holds indices within a block) -> [r*q ...];
     with `window`, only the first `window` entries of axis 2 (a contiguous cache's positions)."""

@@ -2,7 +2,8 @@
 
 Per decode chunk the controller (1) admits pending groups while a replica has enough free slots and
 free pages for the group's prompt and first chunk plus the next chunk of every sequence already
-running there, (2) gives every running sequence the pages its next chunk writes, preempting the most
+running there (a group that no single replica holds, but the replicas together do, is split over
+them: no replica idles while a request it could take waits), (2) gives every running sequence the pages its next chunk writes, preempting the most
 recently admitted sequence of a replica whose pool ran dry (its pages are freed and it restarts from
 its prompt later: per-row keys make the restart draw the same tokens), (3) runs the chunk on the live
 bucket of the running slots (`live_rows`) over a power-of-two number of page-table columns and (4) fetches to the host only the small per-slot arrays
@@ -139,10 +140,12 @@ class PagedController:
 
     # ---- the controller ----------------------------------------------------------------------------
     def run(self, params, requests: list[Request], arrays, key: jax.Array, version, *, continuous: bool,
-            feed: RequestFeed | None = None, interrupt: Callable[[], bool] | None = None) -> Iterator[Completion]:
+            feed: RequestFeed | None = None, interrupt: Callable[[], bool] | None = None,
+            tally=None) -> Iterator[Completion]:
         """Serves `requests`, and those `feed` adds before each chunk (blocking on `feed.wait()` when idle).
         `interrupt()` is asked before each chunk: once True, every running and pending sequence is handed out
-        as a `PARTIAL` completion (its tokens so far) and the run ends."""
+        as a `PARTIAL` completion (its tokens so far) and the run ends. `tally`: a `SamplerStats` that also
+        counts this call's decode chunks."""
         queue = RequestQueue(requests, lambda index, request: (index, tuple(range(request.samples))))
         requests, pending = queue.requests, queue.pending  # grown in place as the feed adds requests
         slots = PagedSlots(requests, num_slots=self.num_slots, replicas=self.replicas,
@@ -165,35 +168,38 @@ class PagedController:
             self.stats.peak_pages = max(self.stats.peak_pages, slots.pool.held())
             if not running:
                 continue
-            state, finished, num_generated, finish = self._decode_chunk(params, state, slots, running, key, arrays)
+            state, finished, num_generated, finish = self._decode_chunk(params, state, slots, running, key, arrays,
+                                                                        tally)
             if finished:
                 yield from self._hand_out(state, slots, finished, num_generated, finish, version)
 
     def _admit_pending(self, params, state, slots: PagedSlots, pending, key, arrays):
-        """Admits pending requests, in order, while a replica has room for the next one, then prefills them."""
-        requests = slots.requests
-        admitted = []  # (prompt index, sample indices, slots)
-        while pending:
-            prompt, samples = pending[0]
-            choice = slots.choose(prompt, samples)
-            if choice is None:
-                break
-            pending.popleft()
-            replica, chosen = choice
-            self.stats.shared_page_references += slots.place(prompt, samples, replica, chosen)
-            admitted.append((prompt, samples, chosen))
+        """Admits pending requests, in order, while a replica has room for the next one (`PagedSlots.admit`: a group
+        that no single replica holds is split over several), then prefills them, contexts of one length class at
+        a time."""
+        shared = slots.shared_references
+        admitted = slots.admit(pending)
+        self.stats.shared_page_references += slots.shared_references - shared
         if admitted:
-            return self._admit(params, state, requests, admitted, slots.table, slots.held, key, arrays)
+            # one prefill per length class (a power of two of pages): a prefill call computes every row as long as
+            # its longest, and carried partial rollouts mix contexts of every length with short prompts
+            classes: dict[int, list] = {}
+            for item in admitted:
+                pages = pow2_at_least(pages_for(slots.requests[item[0]].size, self.page_size), self.max_pages)
+                classes.setdefault(pages, []).append(item)
+            for pages in sorted(classes):
+                state = self._admit(params, state, slots.requests, classes[pages], slots.table, slots.held, key, arrays)
+            return state
         if slots.idle():
-            prompt, samples = pending[0]
+            prompt = pending[0][0]
             raise ValueError(
-                f"paged sampler: request {prompt} ({requests[prompt].size} tokens, {len(samples)} samples) does not "
-                f"fit an empty replica of {self.pages_per_replica} pages of {self.page_size} tokens; raise "
-                "CacheConfig.pages_per_replica or lower group_size"
+                f"paged sampler: not one sample of request {prompt} ({slots.requests[prompt].size} tokens) fits an "
+                f"empty replica of {self.pages_per_replica} pages of {self.page_size} tokens; raise "
+                "CacheConfig.pages_per_replica"
             )
         return state
 
-    def _decode_chunk(self, params, state, slots: PagedSlots, running: list[int], key, arrays):
+    def _decode_chunk(self, params, state, slots: PagedSlots, running: list[int], key, arrays, tally=None):
         """One decode chunk on the running slots' live bucket (`live_rows`) over a power-of-two number of
         page-table columns; returns the state and the finished
         slots with every slot's response length and finish code. Raises when the chunk ran no step and finished
@@ -212,8 +218,9 @@ class PagedController:
         steps = int(steps)
         slots.record_generated(running, num_generated)
         after = int(slots.cache_length[running].sum())
-        self.stats.record_chunk(steps, window=window, bucket=live.shape[1], rows=live.size, slots=self.num_slots,
-                                live_tokens=after - before)
+        for stats in (self.stats, tally)[: 1 + (tally is not None)]:
+            stats.record_chunk(steps, window=window, bucket=live.shape[1], rows=live.size, slots=self.num_slots,
+                               live_tokens=after - before)
         self.stats.record_memory(steps, reserved=slots.pool.held() * page, cached=(before + after) / 2)
         finished = [slot for slot in running if done[slot]]
         if steps == 0 and not finished:

@@ -37,6 +37,7 @@ class PagedSlots:
         self.cache_length = np.zeros(num_slots, np.int64)
         self.evict = np.zeros(num_slots, bool)
         self.admissions = 0  # sequences admitted so far: the next one's `admitted_at`
+        self.shared_references = 0  # prompt pages a sample uses without a copy of its own, over admissions
 
     def replica_of(self, slot: int) -> int:
         return slot // self.slots_per_replica
@@ -63,25 +64,54 @@ class PagedSlots:
         self.owners[slot] = None
 
     # ---- admission -----------------------------------------------------------------------------------
-    def choose(self, prompt: int, samples: tuple[int, ...]) -> tuple[int, list[int]] | None:
-        """The replica and slots for `samples` of request `prompt`: of the replicas with enough free slots and
-        free pages for the prompt (full pages shared, a partial one per sample) and each sample's first chunk,
-        plus the next chunk of every sequence already running there, the one with the most free pages. None
-        when no replica has room."""
+    def _room(self, replica: int, prompt: int, samples: int) -> tuple[list[int], int]:
+        """`replica`'s free slots and how many of `samples` samples of request `prompt` its free pages hold: the
+        prompt's full pages (shared) plus each sample's partial page and first chunk, beyond the next chunk of every
+        sequence already running there."""
         request, page = self.requests[prompt], self.page_size
-        size, g = request.size, len(samples)
+        size = request.size
         full = size // page
-        first = pages_for(min(size + self.chunk_steps, size + request.budget - 1), page) - full
-        need = full + g * max(first, 1)
-        choice = None
+        per_sample = max(pages_for(min(size + self.chunk_steps, size + request.budget - 1), page) - full, 1)
+        block = range(replica * self.slots_per_replica, (replica + 1) * self.slots_per_replica)
+        free = [s for s in block if self.owners[s] is None]
+        reserve = sum(self.chunk_need(s) for s in block if self.owners[s] is not None)
+        spare = self.pool.num_free(replica) - reserve - full
+        return free, max(0, min(len(free), samples, spare // per_sample))
+
+    def choose(self, prompt: int, samples: tuple[int, ...]) -> tuple[int, list[int]] | None:
+        """The replica and slots for the first samples of `samples` of request `prompt` (one slot each, in order).
+        Every sample on one replica when one has room for them all (they share the prompt's pages): the one with
+        the most free slots, then the most free pages (a chunk's live bucket is as wide as the busiest replica's
+        running rows, so they are spread). Otherwise, when the replicas together have room for them all, as many
+        as the roomiest replica holds (the rest go to the next: a prefill of the prompt on each), so no replica
+        idles while a request they could take waits. None when the request must wait."""
+        best, room = None, 0
         for replica in range(self.replicas):
-            block = range(replica * self.slots_per_replica, (replica + 1) * self.slots_per_replica)
-            free = [s for s in block if self.owners[s] is None]
-            reserve = sum(self.chunk_need(s) for s in block if self.owners[s] is not None)
-            if len(free) >= g and self.pool.num_free(replica) >= need + reserve:
-                if choice is None or self.pool.num_free(replica) > self.pool.num_free(choice[0]):
-                    choice = (replica, free[:g])
-        return choice
+            free, fits = self._room(replica, prompt, len(samples))
+            room += fits
+            rank = (fits == len(samples), fits, len(free), self.pool.num_free(replica))
+            if fits and (best is None or rank > best[0]):
+                best = (rank, replica, free[:fits])
+        return None if best is None or room < len(samples) else (best[1], best[2])
+
+    def admit(self, pending) -> list[tuple[int, tuple[int, ...], list[int]]]:
+        """Places pending entries (request index, samples), in order, while the replicas have room for the next one
+        (`choose`), popping them from the deque `pending`; returns what was placed: (request index, samples, slots),
+        one entry per replica a request's samples went to."""
+        admitted = []
+        while pending:
+            prompt, samples = pending[0]
+            choice = self.choose(prompt, samples)
+            if choice is None:
+                break
+            pending.popleft()
+            replica, chosen = choice
+            placed, rest = samples[: len(chosen)], samples[len(chosen):]
+            if rest:
+                pending.appendleft((prompt, rest))
+            self.shared_references += self.place(prompt, placed, replica, chosen)
+            admitted.append((prompt, placed, chosen))
+        return admitted
 
     def place(self, prompt: int, samples: tuple[int, ...], replica: int, slots: list[int]) -> int:
         """Gives `slots` (one per sample, on `replica`) the prompt's pages: the full ones shared by every sample, a

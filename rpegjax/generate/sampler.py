@@ -317,6 +317,7 @@ class Sampler:
         version: int | None = None,
         budgets: Sequence[int] | None = None,
         feed: RequestFeed | None = None,
+        stats: SamplerStats | None = None,
     ) -> Iterator[Completion]:
         """Continuous batching: yields each Completion as soon as the chunk it finished in ends.
 
@@ -325,17 +326,21 @@ class Sampler:
         the call, not at the first `next`. `feed` (`generate.requests`) adds requests while the stream runs
         (e.g. multi-turn episodes); their completions carry `prompt_index` = len(prompts) + their order of
         arrival, `sample_index` = the sample within the request, and the request's context as `prompt_ids`.
+        `stats`: a `SamplerStats` that also counts this call's decode chunks (the sampler's own count every call:
+        one caller's occupancy, while another thread uses the sampler, needs its own).
         """
         requests, arrays = self._prepare(params, prompts, sampling, group_size, budgets, key)
         feed = None if feed is None else self._checked_feed(feed, sampling)
-        return self.controller.run(params, requests, arrays, key, version, continuous=True, feed=feed)
+        return self.controller.run(params, requests, arrays, key, version, continuous=True, feed=feed, tally=stats)
 
     def serve(self, params: nnx.State, requests: Sequence[Request], sampling: SamplingConfig, *, key: jax.Array,
-              version: int | None = None, interrupt: Callable[[], bool] | None = None) -> Iterator[Completion]:
+              version: int | None = None, interrupt: Callable[[], bool] | None = None,
+              stats: SamplerStats | None = None) -> Iterator[Completion]:
         """Continuous batching of prepared `requests` (a context may be longer than max_prompt_len when context +
         budget fit the capacity: a continued sequence). Completion i's `prompt_index` is its request's position.
         `interrupt()` is asked before each decode chunk: once True, every sequence still running or waiting is
-        handed out as a `FinishReason.PARTIAL` completion holding its tokens so far, and the stream ends."""
+        handed out as a `FinishReason.PARTIAL` completion holding its tokens so far, and the stream ends. `stats`:
+        as `stream`'s."""
         self._check_params(params)
         _check_sampling(self, sampling)
         if not isinstance(key, jax.Array):
@@ -346,7 +351,8 @@ class Sampler:
         if not checked:
             raise ValueError("Sampler.serve needs at least one request, got none")
         arrays = sampling_arrays(sampling, vocab_size=self.cfg.vocab_size, default_eos_id=self.cfg.eos_token_id)
-        return self.controller.run(params, checked, arrays, key, version, continuous=True, interrupt=interrupt)
+        return self.controller.run(params, checked, arrays, key, version, continuous=True, interrupt=interrupt,
+                                   tally=stats)
 
     def generate(self, params: nnx.State, prompts, sampling: SamplingConfig, *, group_size: int = 1,
                  key: jax.Array, version: int | None = None, budgets=None) -> list[Completion]:

@@ -37,7 +37,7 @@ import numpy as np
 from rpegjax.data.example import Example
 from rpegjax.generate.completion import Completion, FinishReason
 from rpegjax.generate.requests import Request
-from rpegjax.generate.sampler import Sampler
+from rpegjax.generate.sampler import Sampler, SamplerStats
 from rpegjax.generate.sampling import SamplingConfig
 
 
@@ -162,13 +162,15 @@ class PartialRollouts:
         return requests, owners
 
     def run_step(self, step: int, version: int, params: Any, key: jax.Array,
-                 newer: Callable[[int], tuple[int, Any] | None] | None = None) -> tuple[list[Group], dict[str, float]]:
+                 newer: Callable[[int], tuple[int, Any] | None] | None = None,
+                 stats: SamplerStats | None = None) -> tuple[list[Group], dict[str, float]]:
         """Generates over the groups in flight with weights `version` until step `step`'s batch is complete;
         returns the batch's groups (due ones first, then in order of completion) and the step's metrics.
 
         `newer(v)`: a newer weights version than v and its weights, or None (asked between decode chunks when
         `inflight_weights`): the sequences running are then handed back and continue at once with the newer
-        weights (their prefixes recomputed), the call's next segment drawing with `fold_in(key, segment)`."""
+        weights (their prefixes recomputed), the call's next segment drawing with `fold_in(key, segment)`.
+        `stats` counts its decode chunks."""
         due = self._due(step) if self.config.stale_policy == StalePolicy.WAIT else []
         completed = [g for g in self.pool if g.complete]
         first_version = version
@@ -193,7 +195,7 @@ class PartialRollouts:
                 break
             draw = jax.random.fold_in(key, segments) if segments else key
             for completion in self.sampler.serve(params, requests, self.sampling, key=draw, version=version,
-                                                 interrupt=interrupt):
+                                                 interrupt=interrupt, stats=stats):
                 group, samples = owners[completion.prompt_index]
                 group.samples[samples[completion.sample_index]].extend(completion, version)
                 if completion.finish_reason != FinishReason.PARTIAL and group.complete:

@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 
 from rpegjax.data.example import Example
 from rpegjax.envs.rollout import EpisodeRunner
-from rpegjax.generate.sampler import Sampler
+from rpegjax.generate.sampler import Sampler, SamplerStats
 from rpegjax.generate.sampling import SamplingConfig
 from rpegjax.graph.ir import StageKind
 from rpegjax.learners.batch import TrainBatch
@@ -87,8 +87,9 @@ class StagePrograms:
 
     # ---- rollout ---------------------------------------------------------------------------------
     def generate(self, params: Any, examples: Sequence[Example], prompt_ids: Sequence[Sequence[int]], *,
-                 key: jax.Array, version: int, pieces: int) -> Iterator[Piece]:
-        return self.rollout.generate(params, examples, prompt_ids, key=key, version=version, pieces=pieces)
+                 key: jax.Array, version: int, pieces: int, stats: SamplerStats | None = None) -> Iterator[Piece]:
+        return self.rollout.generate(params, examples, prompt_ids, key=key, version=version, pieces=pieces,
+                                     stats=stats)
 
     def collect_rewards(self, piece: Piece) -> tuple[np.ndarray, RewardStats]:
         return self.rollout.collect_rewards(piece)

@@ -19,7 +19,7 @@ from rpegjax import distributed
 from rpegjax.data.example import Example
 from rpegjax.envs.rollout import Episode, EpisodeRunner
 from rpegjax.generate.completion import Completion
-from rpegjax.generate.sampler import Sampler
+from rpegjax.generate.sampler import Sampler, SamplerStats
 from rpegjax.generate.sampling import SamplingConfig
 from rpegjax.learners.batch import TrainBatch, pack_rollouts
 from rpegjax.rewards.runner import RewardFn, RewardRunner, RewardStats, TermStats
@@ -83,18 +83,21 @@ class RolloutPrograms:
         key: jax.Array,
         version: int,
         pieces: int,
+        stats: SamplerStats | None = None,
     ) -> Iterator[Piece]:
         """Streams the step's rollout in `pieces` parts of whole prompt groups, each yielded (with its reward
-        scoring already submitted to the host pool) as soon as all its sequences have finished."""
+        scoring already submitted to the host pool) as soon as all its sequences have finished. `stats`: a
+        `SamplerStats` that also counts this rollout's decode chunks."""
         prompts_per_piece = len(examples) // pieces
         waiting: dict[int, list[tuple[Completion, Episode | None]]] = {index: [] for index in range(pieces)}
         needed = prompts_per_piece * self.group_size
         if self.episodes is None:
             stream = ((c, None) for c in self.sampler.stream(params, prompt_ids, self.sampling,
-                                                             group_size=self.group_size, key=key, version=version))
+                                                             group_size=self.group_size, key=key, version=version,
+                                                             stats=stats))
         else:
             stream = ((e.completion, e) for e in self.episodes.run(params, examples, group_size=self.group_size,
-                                                                   key=key, version=version))
+                                                                   key=key, version=version, stats=stats))
         for completion, episode in stream:
             index = completion.prompt_index // prompts_per_piece
             waiting[index].append((completion, episode))

@@ -31,6 +31,7 @@ import numpy as np
 
 from rpegjax.data.example import Example
 from rpegjax.data.iterator import DataIterator
+from rpegjax.generate.sampler import SamplerStats
 from rpegjax.graph.ir import Graph, GraphError, Payload, StageKind
 from rpegjax.graph.trace import Trace
 from rpegjax.learners.group_filter import DynamicSamplingConfig, GroupBatchFiller
@@ -130,9 +131,13 @@ class RolloutStage:
                     self._generate_partial(rollout, params)
                     return
                 prompts, key = self.prompt_ids(rollout.examples), jax.random.fold_in(self.key, step)
+                stats, handed = SamplerStats(), 0
                 for piece in self.programs.generate(params, rollout.examples, prompts, key=key, version=version,
-                                                    pieces=self.pieces):
+                                                    pieces=self.pieces, stats=stats):
                     self._trace_reward(piece, step)
+                    handed += 1
+                    if handed == self.pieces:  # the trainer reads the metrics once the last piece is there
+                        rollout.metrics.update(occupancy_metrics(stats))
                     rollout.pieces[piece.index].set_result(piece)
         except BaseException as error:
             for future in rollout.pieces:
@@ -147,8 +152,10 @@ class RolloutStage:
         rollout.data_state = self.data.state()
         step = rollout.step
         newer = None if self.newest is None else (lambda version: self.newest(version, step))
+        stats = SamplerStats()
         groups, rollout.metrics = self.partial.run_step(step, rollout.version, params,
-                                                        jax.random.fold_in(self.key, step), newer)
+                                                        jax.random.fold_in(self.key, step), newer, stats=stats)
+        rollout.metrics.update(occupancy_metrics(stats))
         rollout.examples[:] = [g.example for g in groups]
         rollout.carry = self.partial.snapshot(self.data.examples)
         per_piece = len(groups) // self.pieces
@@ -176,9 +183,9 @@ class RolloutStage:
         filler: GroupBatchFiller[SampledGroup] = GroupBatchFiller(len(rollout.examples), group_size,
                                                                    self.dynamic_sampling, where=f"step {step}: ")
         examples, handed = rollout.examples, 0
-        sampled = _SampledRounds()
+        sampled, decode_stats = _SampledRounds(), SamplerStats()
         while True:
-            pieces = self._generate_round(rollout, params, examples, filler.rounds, sampled)
+            pieces = self._generate_round(rollout, params, examples, filler.rounds, sampled, decode_stats)
             rewards, groups = [], []
             for piece in sorted(pieces, key=lambda p: p.index):  # collecting rewards is a collective: one order
                 task, stats = self.scorer.collect(piece)
@@ -198,18 +205,20 @@ class RolloutStage:
         filled = filler.finish()
         rollout.scores = self._filled_scores(filled, sampled)
         rollout.data_state = self.data.state()
+        rollout.metrics.update(occupancy_metrics(decode_stats))
         for index in range(handed, self.pieces):
             chunk = slice(index * per_piece, (index + 1) * per_piece)
             rollout.pieces[index].set_result(group_piece(index, filled.groups[chunk], filled.trained[chunk]))
 
     def _generate_round(self, rollout: Rollout, params: Any, examples: list[Example], round_index: int,
-                        sampled: _SampledRounds) -> list[Piece]:
-        """The pieces of one round of dynamic sampling (round 0 samples with the step's key)."""
+                        sampled: _SampledRounds, stats: SamplerStats) -> list[Piece]:
+        """The pieces of one round of dynamic sampling (round 0 samples with the step's key; `stats` counts its
+        decode chunks)."""
         key = jax.random.fold_in(self.key, rollout.step)
         key = jax.random.fold_in(key, round_index) if round_index else key
         pieces = []
         for piece in self.programs.generate(params, examples, self.prompt_ids(examples), key=key,
-                                            version=rollout.version, pieces=self.pieces):
+                                            version=rollout.version, pieces=self.pieces, stats=stats):
             self._trace_reward(piece, rollout.step)
             pieces.append(piece)
             sampled.tokens += sum(c.length for c in piece.completions)
@@ -240,6 +249,16 @@ class RolloutStage:
                               end=self.trace.now(), microbatch=piece.index if self.pieces > 1 else None)
 
         piece.rewards.add_done_callback(done)
+
+
+def occupancy_metrics(stats: SamplerStats) -> dict[str, float]:
+    """How busy a step's generation kept the sampler (`stats` of its calls): `generate/slot_occupancy`, running
+    sequence-steps / (slots x decode steps); `generate/bucket_occupancy`, / the rows the live buckets decoded;
+    `generate/decode_steps`. None of them without a decode step."""
+    if not stats.decode_steps:
+        return {}
+    return {"generate/slot_occupancy": stats.slot_occupancy(), "generate/bucket_occupancy": stats.bucket_occupancy(),
+            "generate/decode_steps": float(stats.decode_steps)}
 
 
 @dataclasses.dataclass

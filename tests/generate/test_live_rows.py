@@ -7,7 +7,7 @@ import pytest
 
 from rpegjax.generate import CacheConfig, Sampler, SamplingConfig
 from rpegjax.generate import contiguous_sampler, paged_sampler
-from rpegjax.generate.live_rows import live_rows, put_rows, take_rows
+from rpegjax.generate.live_rows import least_busy_first, live_rows, put_rows, take_rows
 
 GREEDY = SamplingConfig(max_new_tokens=24, greedy=True, ignore_eos=True)
 SAMPLED = SamplingConfig(max_new_tokens=24, temperature=0.9, top_k=20, top_p=0.9)
@@ -16,6 +16,14 @@ BUDGETS = [24, 2, 3, 1, 2, 20, 1, 2, 3, 1, 2, 2]
 PROMPT_LENGTHS = [3, 8, 1, 4, 6, 2, 5, 7, 3, 2, 8, 4]
 SHAPE = dict(num_slots=8, max_prompt_len=8, max_new_tokens=24, chunk_steps=2, window_step=8)
 LAYOUTS = {"contiguous": None, "paged": CacheConfig.paged(page_size=4, pages_per_replica=24, prefill_chunk=4)}
+
+
+def test_admission_fills_the_least_busy_replica_first():
+    """Replica 0 (slots 0-3) runs 3, replica 1 (4-7) runs 1: its free slots come first until both run 3, then they
+    alternate; so four new sequences leave both replicas at 4 running (a bucket of 4, not 8 on one)."""
+    order = least_busy_first([3, 5, 6, 7], [0, 1, 2, 4], num_slots=8, replicas=2)
+    assert order == [5, 6, 3, 7]
+    assert least_busy_first([2, 0, 1], [], num_slots=4, replicas=1) == [2, 0, 1]  # one replica: as given
 
 
 def test_live_rows_pads_each_replica_to_a_power_of_two_with_its_own_free_slots():

@@ -24,13 +24,18 @@ def run(setup: TinySetup, steps: int, **options):
 
 @pytest.mark.parametrize("k", [0, 1, 2])
 def test_staleness_is_exactly_the_bound_and_never_more(k):
-    _, runtime, _, results, trace = run(TINY.replace(async_bound=k), 5)
+    built_run, runtime, _, results, trace = run(TINY.replace(async_bound=k), 5)
     for result in results:
         versions = {c.version for c in result.completions}
         assert versions == {result.version}  # every sequence of a rollout was generated with one version
         assert result.version == max(0, result.step - k)  # generation of step t reads weights t - k
         assert result.step - result.version <= k
         assert result.metrics["staleness"] == result.step - result.version
+        # occupancy x slots x decode steps = the tokens decoded: every response token but the first (from prefill)
+        decoded = sum(c.length - 1 for c in result.completions)
+        slot_steps = built_run.sampler.num_slots * result.metrics["generate/decode_steps"]
+        assert result.metrics["generate/slot_occupancy"] * slot_steps == pytest.approx(decoded, rel=1e-9)
+        assert 0 < result.metrics["generate/slot_occupancy"] <= result.metrics["generate/bucket_occupancy"] <= 1
     assert max_staleness(trace) == min(k, 4)
 
 

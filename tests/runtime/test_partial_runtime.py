@@ -44,6 +44,7 @@ def test_every_trained_token_is_within_the_bound_and_the_lag_is_reported(uninter
         assert result.metrics["version_lag/min"] == lags.min() == result.step - result.version  # new tokens
         assert result.metrics["version_lag/mean"] == pytest.approx(lags.mean())
         carried += result.metrics["partial/carried_sequences"]
+        assert 0 < result.metrics["generate/slot_occupancy"] <= result.metrics["generate/bucket_occupancy"] <= 1
         # the examples are the batch's, one per group, in row order
         assert len(result.examples) == SETUP.prompts_per_step
     assert carried > 0
