@@ -183,6 +183,9 @@ def measure(size: str, layout_name: str, tokens: int, programs: list[str], args)
             mask_in = jax.ShapeDtypeStruct((1, tokens), jnp.bool_)
             summed = lambda state, t, m: jnp.sum(sequence_logprobs(nnx.merge(graphdef, state), t, m))  # noqa: E731
             lowered = jax.jit(jax.grad(summed)).lower(state, tokens_in, mask_in)
+        elif program == "update" and args.target != "cpu":  # compile-only devices take abstract rows, placed as a run places them
+            abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), batch)
+            lowered = TrainingPrograms(learner).lower_update((StageKind.ACTOR_UPDATE,), abstract_state(learner), abstract)
         elif program == "update":
             lowered = learner.lower_update(abstract_state(learner), batch)
         elif args.packing:  # the runtime's packed reference stage: packed rows in, unpacked log-probs out
