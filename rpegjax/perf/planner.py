@@ -453,6 +453,9 @@ class Planner:
         re-sharding and memory are then costed and checked when the whole plan is predicted (timed without
         inference micro-batches: those are fitted to the layouts chosen)."""
         base = dataclasses.replace(base, execution=self.unfitted(base.execution))
+        if base.execution.packing:  # timed on rows of one longest sequence: the least padding on any layout
+            base = dataclasses.replace(base, execution=dataclasses.replace(
+                base.execution, max_tokens_per_micro_batch=self.packed_budgets(base)[-1]))
         key = (base.critic_mode, base.generation_devices, base.execution)
         if key not in self._own_cache:
             graph = build_graph(base)
