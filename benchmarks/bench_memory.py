@@ -27,6 +27,12 @@ overstate a GPU's temporaries.
 
     python benchmarks/bench_memory.py --models 7b --tokens 4096,16384 --layouts fsdp8 [--layers 2] [--lora-rank 8]
 
+`--packing`: the learner packs sequences (`rpegjax.learners.packing`, `max_tokens_per_micro_batch` = `--tokens`):
+the batch holds `--sequence-tokens` sequences (default a quarter of `--tokens`), as many per device as fill one
+packed row of `--tokens`, and the update and the log-prob stage run the runtime's packed programs (the learner's
+update, `TrainingPrograms.lower_inference` for the reference stage, which unpacks its outputs), beside the
+planner's prediction for packed rows of that budget (`rpegjax.perf.packed_batches`).
+
 `--lora-rank r`: the model carries LoRA adapters of rank r on every projection and only they train (the
 planner's figure, for full fine-tuning, is then not shown); `--lora-dropout p` adds LoRA dropout to the update's
 forward (the log-prob stages never drop). `--correction KIND`: the update runs decoupled PPO with that train/rollout
@@ -35,12 +41,17 @@ correction (`rpegjax.learners.corrections`; the batch then carries old log-probs
 
 from __future__ import annotations
 
+import argparse
 import os
+import sys
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+# `--devices` before JAX starts: the virtual CPU devices (or compile-only GPUs with `--target`) the layouts cover
+DEVICES = argparse.ArgumentParser(add_help=False)
+DEVICES.add_argument("--devices", type=int, default=8)
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count="
+                           f"{DEVICES.parse_known_args(sys.argv[1:])[0].devices}").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import argparse  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -65,14 +76,22 @@ from rpegjax.learners.update import TrainState, row_shards  # noqa: E402
 from rpegjax.models import Decoder, ModelConfig  # noqa: E402
 from rpegjax.models.lora import LoRAConfig  # noqa: E402
 from rpegjax.models.memory import forward_bytes_per_row, forward_fixed_bytes  # noqa: E402
+from rpegjax.graph.ir import StageKind  # noqa: E402
+from rpegjax.runtime.training_programs import TrainingPrograms  # noqa: E402
 from rpegjax.options import RematPolicy  # noqa: E402
 from rpegjax.sharding import ShardingRules, make_mesh  # noqa: E402
+from rpegjax.train.compile_target import DryRunTarget, compile_devices, describe  # noqa: E402
 
 GIB = 1 << 30
 # name: (mesh axis sizes, sequence parallelism)
 LAYOUTS = {"fsdp8": ({"fsdp": 8}, False), "fsdp4xtp2": ({"fsdp": 4, "tensor": 2}, False),
            "fsdp4xtp2sp": ({"fsdp": 4, "tensor": 2}, True), "cp8": ({"context": 8}, False),
-           "fsdp2xcp4": ({"fsdp": 2, "context": 4}, False), "cp4xtp2sp": ({"context": 4, "tensor": 2}, True)}
+           "fsdp2xcp4": ({"fsdp": 2, "context": 4}, False), "cp4xtp2sp": ({"context": 4, "tensor": 2}, True),
+           # 16 and 32 devices (--devices)
+           "fsdp8xtp2": ({"fsdp": 8, "tensor": 2}, False), "fsdp8xtp2sp": ({"fsdp": 8, "tensor": 2}, True),
+           "fsdp16xtp2": ({"fsdp": 16, "tensor": 2}, False), "fsdp16xtp2sp": ({"fsdp": 16, "tensor": 2}, True),
+           "fsdp8xcp2xtp2sp": ({"fsdp": 8, "context": 2, "tensor": 2}, True),
+           "fsdp16xcp2": ({"fsdp": 16, "context": 2}, False), "fsdp32": ({"fsdp": 32}, False)}
 
 
 def model_config(size: str, args: argparse.Namespace) -> ModelConfig:
@@ -115,14 +134,17 @@ def analysis(compiled) -> dict[str, float]:
 
 
 def predicted_peak(cfg: ModelConfig, parallel: dict[str, int], sequence_parallel: bool, tokens: int, prompt: int, *,
-                   backward: bool) -> float:
-    """The planner's per-device peak: persistent state (weights, + optimiser moments for the update) + transient bytes."""
+                   backward: bool, packed_sequence: int | None = None) -> float:
+    """The planner's per-device peak: persistent state (weights, + optimiser moments for the update) + transient bytes;
+    `packed_sequence`: sequences of this many tokens packed into rows of `tokens` (one per data shard)."""
     shape = costs.ModelShape.from_config(cfg)
     layout = Layout.from_parallel(parallel, where="bench_memory", sequence_parallel=sequence_parallel)
     options = ExecutionOptions(attention=costs.AttentionKernel.FLASH, remat=RematPolicy.FULL, microbatch_tokens=tokens,
-                               optimizer_bytes_per_param=8.0, grad_bytes_per_param=4.0)
-    workload = Workload(prompts=layout.replicas, group_size=1, prompt_tokens=prompt,
-                        responses=ResponseLengths.fixed(tokens - prompt))
+                               optimizer_bytes_per_param=8.0, grad_bytes_per_param=4.0,
+                               packed_row_tokens=tokens if packed_sequence else None)
+    per_row = tokens // packed_sequence if packed_sequence else 1
+    workload = Workload(prompts=layout.replicas * per_row, group_size=1, prompt_tokens=prompt,
+                        responses=ResponseLengths.fixed((packed_sequence or tokens) - prompt))
     inputs = CostInputs(hardware=hardware.h100_node(8), actor=shape, critic=shape, workload=workload, options=options)
     cost = model_pass_cost(inputs, shape, layout, logits=True, backward=backward, optimizer_steps=1 if backward else 0)
     state_bytes = shape.param_bytes_each + (options.optimizer_bytes_per_param if backward else 0.0)
@@ -132,21 +154,25 @@ def predicted_peak(cfg: ModelConfig, parallel: dict[str, int], sequence_parallel
 def measure(size: str, layout_name: str, tokens: int, programs: list[str], args) -> list[dict]:
     cfg = model_config(size, args)
     parallel, sequence_parallel = LAYOUTS[layout_name]
-    mesh = make_mesh(parallel)
+    mesh = make_mesh(parallel, compile_devices(DryRunTarget(args.target), args.devices))
     rows = mesh.devices.size // parallel.get("tensor", 1) // parallel.get("context", 1) * args.rows_per_device
+    # packed: sequences of `sequence` tokens, enough to fill one packed row of `tokens` per data shard
+    sequence = (args.sequence_tokens or tokens // 4) if args.packing else tokens
+    sequences = rows * (tokens // sequence)
     lora = LoRAConfig(rank=args.lora_rank, dropout=args.lora_dropout) if args.lora_rank else None
     model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0), lora=lora))
     correction = {} if not args.correction else dict(
         decoupled=True, correction=args.correction,
         importance_cap=2.0 if args.correction in ("token-tis", "sequence-tis") else None)
     # one row (context parallelism over every device): a group of one, whose baseline REINFORCE++ takes from the batch
-    advantage = "reinforce++" if rows == 1 else "grpo"
-    grpo = GRPOConfig(group_size=rows, advantage=advantage, clip_low=0.2, clip_high=0.2, kl_coef=0.04, kl_kind="k3", **correction,
+    advantage = "reinforce++" if sequences == 1 else "grpo"
+    packing = dict(packing=True, max_tokens_per_micro_batch=tokens) if args.packing else {}
+    grpo = GRPOConfig(group_size=sequences, advantage=advantage, **packing, clip_low=0.2, clip_high=0.2, kl_coef=0.04, kl_kind="k3", **correction,
                       logprob_chunk_size=args.logprob_chunk, length_bucket=args.bucket or None,
                       inference_rows=args.inference_rows or None, inference_memory_gib=args.inference_memory_gib or None,
                       optimizer=OptimizerConfig(learning_rate=1e-6, weight_decay=0.0, max_grad_norm=1.0))
     learner = GRPOLearner(grpo, model, mesh=mesh, rules=ShardingRules.fsdp_tp(sequence_parallel=sequence_parallel))
-    batch = batch_of(rows, tokens, args.prompt, args.longest or tokens, old_logprobs=bool(args.correction))
+    batch = batch_of(sequences, sequence, args.prompt, args.longest or sequence, old_logprobs=bool(args.correction))
     length = learner.trimmed_length(batch.token_mask)
     out = []
     for program in programs:
@@ -157,8 +183,13 @@ def measure(size: str, layout_name: str, tokens: int, programs: list[str], args)
             mask_in = jax.ShapeDtypeStruct((1, tokens), jnp.bool_)
             summed = lambda state, t, m: jnp.sum(sequence_logprobs(nnx.merge(graphdef, state), t, m))  # noqa: E731
             lowered = jax.jit(jax.grad(summed)).lower(state, tokens_in, mask_in)
+        elif program == "update" and args.target != "cpu":  # compile-only devices take abstract rows, placed as a run places them
+            abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), batch)
+            lowered = TrainingPrograms(learner).lower_update((StageKind.ACTOR_UPDATE,), abstract_state(learner), abstract)
         elif program == "update":
             lowered = learner.lower_update(abstract_state(learner), batch)
+        elif args.packing:  # the runtime's packed reference stage: packed rows in, unpacked log-probs out
+            lowered = TrainingPrograms(learner).lower_inference((StageKind.REF_LOGPROB,), abstract_state(learner), batch)
         else:
             placement = learner.placement
             micro_batches = 1
@@ -177,11 +208,13 @@ def measure(size: str, layout_name: str, tokens: int, programs: list[str], args)
         compiled = lowered.compile()
         seconds = time.perf_counter() - started
         ran = f"{length}" if program != "grad" else f"{tokens}"
-        if program == "logprobs-micro":
+        if args.packing and program != "grad":
+            ran = f"{rows} packed rows of {tokens} ({tokens // sequence} x {sequence}-token sequences each)"
+        elif program == "logprobs-micro":
             ran += f", {micro_batches} x {rows // micro_batches} rows"
         elif program != "grad":
             ran += f", {rows} rows"
-        if program.startswith("logprobs"):  # the budget's estimate (rpegjax.models.memory) of the temporaries
+        if program.startswith("logprobs") and not args.packing:  # the budget's estimate (rpegjax.models.memory) of the temporaries
             per_device = rows // micro_batches // row_shards(learner.placement.rows)
             tensor = parallel.get("tensor", 1)
             estimate = (forward_fixed_bytes(cfg, tensor=tensor)
@@ -193,9 +226,10 @@ def measure(size: str, layout_name: str, tokens: int, programs: list[str], args)
                    ran=ran, program=program, compile_s=seconds, **analysis(compiled))
         # the planner's figure is for one full-length row per data shard, the whole model
         if (not args.lora_rank and cfg.num_layers == ModelConfig.qwen2p5(size).num_layers and program != "grad" and args.rows_per_device == 1
-                and length == tokens):
+                and length == sequence):
             row["predicted"] = predicted_peak(cfg, parallel, sequence_parallel, tokens, args.prompt,
-                                              backward=program == "update")
+                                              backward=program == "update",
+                                              packed_sequence=sequence if args.packing else None)
         out.append(row)
         print_row(row, flush=True)
     return out
@@ -205,7 +239,8 @@ def print_header(args) -> None:
     kind = ("today: dense attention, no remat, float32" if args.today else
             f"attention {args.attention} (block {args.block}), remat {args.remat}, "
             f"{'unrolled' if args.unrolled else 'scanned'} layers, float32 master / {args.dtype} compute")
-    print(f"W-long memory per device (GiB), {jax.device_count()} virtual CPU devices, jax {jax.__version__}; {kind}; "
+    devices = describe(compile_devices(DryRunTarget(args.target), args.devices))
+    print(f"W-long memory per device (GiB), {devices}, jax {jax.__version__}; {kind}; "
           f"log-prob chunk {args.logprob_chunk}; update: {args.correction or 'on-policy'}")
     print("| model | layers | layout | tokens/row | program | ran at (length, rows) | arguments | outputs | temporaries "
           "| args+temps | planner peak | compile s |")
@@ -240,6 +275,14 @@ def main() -> None:
                         help="logprobs-micro: per-device activation budget (0: unset)")
     parser.add_argument("--longest", type=int, default=0, help="real tokens of each row (0: all of --tokens)")
     parser.add_argument("--bucket", type=int, default=0, help="length bucket: rows trimmed to --longest rounded up (0: off)")
+    parser.add_argument("--devices", type=int, default=8, help="devices the layouts cover (8, 16 or 32)")
+    parser.add_argument("--target", default="cpu", choices=list(DryRunTarget),
+                        help="compile for virtual CPU devices, or XLA's GPU compiler for compile-only GPUs "
+                             "(PYTHONPATH with JAX's CUDA plugin; bfloat16 held as a GPU holds it)")
+    parser.add_argument("--packing", action="store_true", help="pack sequences into rows of --tokens (the learner's "
+                        "packing, max_tokens_per_micro_batch); programs update, logprobs")
+    parser.add_argument("--sequence-tokens", type=int, default=0,
+                        help="--packing: tokens of each packed sequence (0: a quarter of --tokens)")
     parser.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank on every projection, only "
                         "they trained (0: full fine-tuning)")
     parser.add_argument("--lora-dropout", type=float, default=0.0, help="LoRA dropout in the update's forward")
@@ -249,6 +292,10 @@ def main() -> None:
     if args.lora_dropout and not args.lora_rank:
         parser.error("--lora-dropout needs --lora-rank")
     programs = args.programs.split(",")
+    if args.packing and (set(programs) - {"update", "logprobs"} or args.inference_rows or args.inference_memory_gib
+                         or args.bucket or args.rows_per_device != 1 or args.longest):
+        parser.error("--packing runs the programs update and logprobs on full packed rows: it chooses the micro-batches "
+                     "and rows itself (no --inference-rows, --inference-memory-gib, --bucket, --rows-per-device, --longest)")
     for name in args.layouts.split(","):
         if name not in LAYOUTS:
             parser.error(f"--layouts: unknown layout {name!r}; known: {sorted(LAYOUTS)}")

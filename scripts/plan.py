@@ -94,6 +94,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "that many devices; 1: none)")
     parser.add_argument("--sequence-parallel", default="false", choices=["false", "true", "both"],
                         help="search sequence parallelism within tensor (the residual stream split over tensor)")
+    parser.add_argument("--packing", default="both", choices=["false", "true", "both"],
+                        help="search sequence packing (rows of a token budget the planner fits, the job's "
+                             "grpo.packing / max_tokens_per_micro_batch) against rows padded to the longest")
     parser.add_argument("--param-dtype", default="float32", choices=list(DType),
                         help="weights and optimiser moments (the run's model.param_dtype)")
     parser.add_argument("--dtype", default="bfloat16", choices=list(DType), help="matmul compute (the run's model.dtype)")
@@ -266,10 +269,10 @@ def main(argv: list[str] | None = None) -> int:
         options = ExecutionOptions(decode_memory_efficiency=fitted.decode_memory)
     # every plan is predicted as rpegjax's runtime executes it (its kernels, padding, micro-batching)
     evaluator = step_model.Evaluator.for_runtime(model, workload, hw, options)
-    sequence_parallel = {"false": (False,), "true": (True,), "both": (False, True)}[args.sequence_parallel]
+    choices = {"false": (False,), "true": (True,), "both": (False, True)}
     space = planner.PlanSpace(attention=args.attention, remat=args.remat, param_dtype=args.param_dtype, dtype=args.dtype,
                               async_bounds=args.async_bounds, context_sizes=args.context_sizes,
-                              sequence_parallel=sequence_parallel)
+                              sequence_parallel=choices[args.sequence_parallel], packing=choices[args.packing])
     use_reference = args.reference
     common = {"algorithm": args.algo, "num_devices": args.gpus, "use_reference": use_reference, "space": space,
               "optimizer_steps": args.optimizer_steps}

@@ -7,8 +7,11 @@ printed. The rules mirror the runtime:
 * attention "cudnn" is cuDNN's fused kernel: a CUDA GPU and bfloat16/float16 compute
   (`rpegjax.models.attention.cudnn_attention`); "dense" and "blockwise" run on any backend and dtype;
 * the runtime's meshes shard over `data`, `fsdp` and `tensor` only (no pipeline stages);
-* there is no sequence packing and no token-sized micro-batching: the cost options must be those of
-  `ExecutionOptions.executing` (an `Evaluator.for_runtime`), not another system's;
+* batches are padded rows, or packed as `Execution.packing` says (first-fit-decreasing rows of the token budget,
+  one per row shard per pass), never another system's token-sized passes over real tokens: the cost options must
+  be those of `ExecutionOptions.executing` (an `Evaluator.for_runtime`);
+* packed rows mask attention per segment, which cuDNN's kernel cannot (jax's `dot_product_attention` takes no
+  segment ids): packing runs with "blockwise" or "dense" attention;
 * every batch a program sees splits evenly over its layout's data x fsdp replicas: an update micro-batch
   (sequences / (mini-batches x micro-batches)), an inference piece (sequences / the stage's micro-batches) and
   its row micro-batches (`Execution.inference_rows`) (`rpegjax.sharding.rules` refuses an activation whose
@@ -33,10 +36,25 @@ def execution_problems(execution: Execution, hardware: HardwareSpec) -> list[str
         if platform != "gpu":
             problems.append(f"attention 'cudnn' needs a CUDA GPU; {hardware.device.name} is a {platform} device "
                             f"(use 'blockwise')")
+    if execution.packing and execution.attention is AttentionKind.CUDNN:
+        problems.append("attention 'cudnn' cannot mask packed rows (no segment ids in jax's dot_product_attention); "
+                        "packing runs with 'blockwise' or 'dense'")
     if execution.dtype not in execution.attention.compute_dtypes:
         problems.append(f"attention '{execution.attention}' computes in {' or '.join(execution.attention.compute_dtypes)}, "
                         f"the plan in {execution.dtype} (use 'blockwise', or bfloat16 compute)")
     return problems
+
+
+def packed_row_problem(budget: int, context: int, block: int) -> str | None:
+    """Why packed rows of `budget` tokens cannot run over `context` devices (None when they can): context
+    parallelism cuts a row into 2·context equal chunks of whole attention blocks (`rpegjax.models.context_attention`)."""
+    if context == 1:
+        return None
+    chunk, rest = divmod(budget, 2 * context)
+    if rest or chunk % min(block, chunk):
+        return (f"packed rows of {budget} tokens do not cut into {2 * context} chunks of whole attention blocks of "
+                f"{block} tokens (context {context}; max_tokens_per_micro_batch a multiple of {2 * context * block})")
+    return None
 
 
 def batch_problems(graph: Graph, sequences: int) -> list[str]:
@@ -83,6 +101,12 @@ def plan_problems(graph: Graph, hardware: HardwareSpec, *, follows_runtime: bool
         unknown = {axis: size for axis, size in parallel.items() if axis not in RUNTIME_AXES and size > 1}
         if unknown:
             problems.append(f"{where} splits over {unknown}; the runtime's meshes have axes {RUNTIME_AXES} only")
+    if graph.execution.packing:
+        for where, parallel in layouts:
+            problem = packed_row_problem(graph.execution.max_tokens_per_micro_batch, parallel.get("context", 1),
+                                         graph.execution.attention_block_size)
+            if problem:
+                problems.append(f"{where}: {problem}")
     for stage in graph.stages_of_kind(StageKind.GENERATE):
         if graph.parallel_of(stage.name).get("context", 1) > 1:
             problems.append(f"stage {stage.name!r} splits rows over 'context'; the sampler does not (context "
@@ -102,4 +126,5 @@ def require_executable(graph: Graph, hardware: HardwareSpec, *, follows_runtime:
         raise ValueError(f"{where} cannot be executed by rpegjax's runtime: " + "; ".join(problems))
 
 
-__all__ = ["RUNTIME_AXES", "batch_problems", "execution_problems", "plan_problems", "require_executable"]
+__all__ = ["RUNTIME_AXES", "batch_problems", "execution_problems", "packed_row_problem", "plan_problems",
+           "require_executable"]

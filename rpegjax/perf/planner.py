@@ -6,7 +6,8 @@ split of the devices between a rollout sub-mesh and a training sub-mesh; the gen
 the training layout (data x fsdp x tensor); inference stages on the training layout or each re-sharded to the
 layout that is fastest for it; the execution options the runtime supports on the hardware (attention kernel
 and remat policy, `rpegjax.perf.executable`), with the fewest update micro-batches that fit in memory (more
-only add passes). Plans are predicted as the runtime executes them (`Evaluator.for_runtime`). Every candidate is a `Graph` built with the builders and transforms, predicted
+only add passes), or sequence packing with the token budget whose update and inference stages fit and are
+fastest (passes of packed rows, `rpegjax.perf.packed_batches`). Plans are predicted as the runtime executes them (`Evaluator.for_runtime`). Every candidate is a `Graph` built with the builders and transforms, predicted
 by `step_model.Evaluator`; plans that exceed device memory are ranked out.
 
 Exactness: the search is branch and bound over that whole space. The per-step work of the busiest resource
@@ -77,6 +78,11 @@ class PlanSpace:
     # offloaded to host memory while generation runs (colocated plans on devices with a host link)
     optimizer_sharding: OptimizerSharding = OptimizerSharding.DATA
     optimizer_offload: tuple[bool, ...] = (False, True)
+    # sequence packing (Execution.packing): rows padded to the longest, or sequences packed into rows of a token
+    # budget; the budget is fitted per plan: of these multiples of the longest sequence (rounded up to whole
+    # attention blocks, and for context parallelism to 2 x context blocks), the fastest whose stages fit
+    packing: tuple[bool, ...] = (False, True)
+    packed_rows: tuple[int, ...] = (64, 32, 16, 8, 4, 2, 1)
 
     def __post_init__(self) -> None:
         try:
@@ -85,7 +91,7 @@ class PlanSpace:
             raise ValueError(f"PlanSpace.critic_modes must hold {[m.value for m in CriticMode]}, got {self.critic_modes!r}") from None
         for name in ("async_bounds", "critic_modes", "fusion", "microbatches", "generation_fractions", "tensor_sizes",
                      "context_sizes", "sequence_parallel", "reshard_inference", "attention", "remat",
-                     "update_microbatches", "inference_microbatches", "optimizer_offload"):
+                     "update_microbatches", "inference_microbatches", "optimizer_offload", "packing", "packed_rows"):
             if not getattr(self, name):
                 raise ValueError(f"PlanSpace.{name} must list at least one choice")
         if any(k < 0 for k in self.async_bounds) or any(m < 1 for m in self.microbatches) or any(
@@ -93,21 +99,24 @@ class PlanSpace:
             raise ValueError(f"PlanSpace: async bounds >= 0, micro-batches and tensor sizes >= 1, got {self}")
         if any(f is not None and not 0 < f < 1 for f in self.generation_fractions):
             raise ValueError(f"PlanSpace.generation_fractions must be None or in (0, 1), got {self.generation_fractions}")
-        if any(m < 1 for m in (*self.update_microbatches, *self.inference_microbatches)):
-            raise ValueError(f"PlanSpace: update and inference micro-batches must be >= 1, got {self}")
+        if any(m < 1 for m in (*self.update_microbatches, *self.inference_microbatches, *self.packed_rows)):
+            raise ValueError(f"PlanSpace: update and inference micro-batches and packed rows must be >= 1, got {self}")
         object.__setattr__(self, "update_microbatches", tuple(sorted(self.update_microbatches)))
         object.__setattr__(self, "inference_microbatches", tuple(sorted(self.inference_microbatches)))
+        object.__setattr__(self, "packed_rows", tuple(sorted(set(self.packed_rows), reverse=True)))
         for execution in self.executions():  # validates the values (GraphError names the field)
             del execution
 
-    def executions(self) -> list[Execution]:
-        """Every (attention, remat, offload, sequence parallelism) execution of the space, with its precision, KV
-        cache and optimiser sharding (micro-batches 1)."""
+    def executions(self, longest: int = 1) -> list[Execution]:
+        """Every (attention, remat, offload, sequence parallelism, packing) execution of the space, with its
+        precision, KV cache and optimiser sharding (micro-batches 1; packed rows of the largest multiple of the
+        `longest` sequence, until `Planner.fit_microbatches` fits the budget)."""
         return [Execution(attention=attention, remat=remat, scan_layers=True, kv_cache=self.kv_cache,
                           param_dtype=self.param_dtype, dtype=self.dtype, optimizer_sharding=self.optimizer_sharding,
-                          optimizer_offload=offload, sequence_parallel=sequence_parallel)
-                for attention, remat, offload, sequence_parallel in itertools.product(
-                    self.attention, self.remat, self.optimizer_offload, self.sequence_parallel)]
+                          optimizer_offload=offload, sequence_parallel=sequence_parallel, packing=packing,
+                          max_tokens_per_micro_batch=self.packed_rows[0] * longest if packing else None)
+                for attention, remat, offload, sequence_parallel, packing in itertools.product(
+                    self.attention, self.remat, self.optimizer_offload, self.sequence_parallel, self.packing)]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -280,7 +289,8 @@ class Planner:
         # the executable options; of those the cost model cannot tell apart (blockwise and cuDNN attention are
         # both flash-style to it) the first in the space's order stays
         distinct: dict[stage_costs.ExecutionOptions, Execution] = {}
-        for execution in self.space.executions():
+        workload = evaluator.inputs.workload
+        for execution in self.space.executions(longest=workload.prompt_tokens + workload.responses.max):
             if not executable.execution_problems(execution, hardware):
                 distinct.setdefault(evaluator.inputs.options.executing(execution), execution)
         self.executions = list(distinct.values())
@@ -321,16 +331,53 @@ class Planner:
         (the largest when none does: the plan is then ranked out, with its reason), and the sampler's slots and
         KV pool pinned to what the generation phase leaves. None of these depends on the asynchrony bound, fusion
         or generation pieces, so they hold for every variant."""
+        if skeleton.execution.packing:  # one budget sizes the update's and the inference stages' passes
+            return self._pin_generation(self._fastest_budget(skeleton))
         choice = self._fewest(skeleton, "update_microbatches", self.space.update_microbatches, UPDATE_KINDS)
         sequences = self.evaluator.inputs.workload.sequences
         rows = [sequences // m for m in self.space.inference_microbatches if sequences % m == 0]
         choice = self._fewest(choice, "inference_rows", [None if r == sequences else r for r in rows], INFERENCE_KINDS)
         return self._pin_generation(choice)
 
+    def packed_budgets(self, choice: PlanChoice) -> list[int]:
+        """Packed-row budgets to try for `choice`, largest first: the space's multiples of the longest sequence,
+        which is rounded up to whole attention blocks, and for a context axis of c to 2·c blocks (every layout of
+        the plan cuts its rows so, `executable.packed_row_problem`)."""
+        workload, block = self.evaluator.inputs.workload, choice.execution.attention_block_size
+        contexts = [_sizes(choice.train_layout).get("context", 1)]
+        contexts += [_sizes(layout).get("context", 1) for _, layout in choice.inference_layouts]
+        quantum = math.lcm(*(block * (2 * c if c > 1 else 1) for c in contexts))
+        longest = -(-(workload.prompt_tokens + workload.responses.max) // quantum) * quantum
+        return [longest * multiple for multiple in self.space.packed_rows]
+
     def unfitted(self, execution: Execution) -> Execution:
         """`execution` before `fit_microbatches`: no inference micro-batches, the sampler's slots and pool unpinned."""
         return dataclasses.replace(execution, inference_rows=None, decode_slots=None, kv_pool_tokens=None,
                                    kv_cache=self.space.kv_cache)
+
+    def _fastest_budget(self, skeleton: PlanChoice) -> PlanChoice:
+        """`skeleton` with the packed-row budget (`packed_budgets`) whose update and inference stages fit and take
+        the least time together (else the smallest budget). Not simply the largest that fits: every pass computes
+        whole rows, so a budget past what the batch fills computes padding (the packed rows are rounded up to the
+        row shards), and a small one pays per-pass weight gathers and overheads."""
+        limit = self.evaluator.inputs.hardware.usable_memory_bytes
+        kinds = UPDATE_KINDS | INFERENCE_KINDS
+        best, fallback = None, skeleton
+        for budget in self.packed_budgets(skeleton):
+            candidate = dataclasses.replace(skeleton, execution=dataclasses.replace(
+                skeleton.execution, max_tokens_per_micro_batch=budget))
+            graph = build_graph(candidate)
+            if self._batch_problems(graph):
+                continue
+            fallback = candidate
+            costs, persistent, _ = self.evaluator.stage_costs(graph)
+            stages = [s for s in graph.stages if set(s.kinds) & kinds]
+            if all(np.isfinite(costs[s.name].seconds) and persistent[list(placement_devices(graph, s.placement))].max()
+                   + costs[s.name].transient_bytes <= limit for s in stages):
+                seconds = sum(costs[s.name].seconds for s in stages)
+                if best is None or seconds < best[0]:
+                    best = (seconds, candidate)
+        return fallback if best is None else best[1]
 
     def _fewest(self, skeleton: PlanChoice, field: str, values, kinds) -> PlanChoice:
         """`skeleton` with the first of `values` for execution `field` whose `kinds` stages fit (else the last that
@@ -406,6 +453,9 @@ class Planner:
         re-sharding and memory are then costed and checked when the whole plan is predicted (timed without
         inference micro-batches: those are fitted to the layouts chosen)."""
         base = dataclasses.replace(base, execution=self.unfitted(base.execution))
+        if base.execution.packing:  # timed on rows of one longest sequence: the least padding on any layout
+            base = dataclasses.replace(base, execution=dataclasses.replace(
+                base.execution, max_tokens_per_micro_batch=self.packed_budgets(base)[-1]))
         key = (base.critic_mode, base.generation_devices, base.execution)
         if key not in self._own_cache:
             graph = build_graph(base)

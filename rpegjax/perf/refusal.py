@@ -56,6 +56,9 @@ def remedy(phase: str, graph: Graph, *, most_update_microbatches: int, most_infe
     """What would make a plan bound by `phase` fit: the plan's own knob while the space has more, else the
     workload or the cluster."""
     execution = graph.execution
+    if execution.packing and phase in ("training", "inference"):  # the planner tried its budgets down to the smallest
+        return (f"more GPUs, context parallelism or shorter responses (already packed rows of "
+                f"{execution.max_tokens_per_micro_batch} tokens, the space's smallest budget)")
     if phase == "training":
         if execution.update_microbatches < most_update_microbatches:
             return f"more update micro-batches (it has {execution.update_microbatches})"

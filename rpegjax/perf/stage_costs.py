@@ -22,7 +22,7 @@ import numpy as np
 
 from rpegjax.graph.ir import Execution
 from rpegjax.options import CacheLayout, OptimizerSharding, RematPolicy
-from rpegjax.perf import collectives, costs
+from rpegjax.perf import collectives, costs, packed_batches
 from rpegjax.perf.costs import DecodeKernel, ModelShape
 from rpegjax.perf.generation_cost import ResponseLengths
 from rpegjax.perf.hardware import HardwareSpec
@@ -140,6 +140,9 @@ class ExecutionOptions:
     # the sampler generates (moved over the host link before each update and back after it)
     optimizer_data_sharding: bool = False
     optimizer_offload: bool = False
+    # rpegjax's runtime packing (`Execution.packing`): sequences laid first-fit-decreasing into rows of this many
+    # tokens, one row per row shard per pass, whole rows computed (`rpegjax.perf.packed_batches`); None: not so
+    packed_row_tokens: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "attention", costs.AttentionKernel(self.attention))
@@ -158,7 +161,7 @@ class ExecutionOptions:
         for name in ("optimizer_bytes_per_param", "grad_bytes_per_param", "backward_traffic_ratio"):
             if getattr(self, name) < 0:
                 raise ValueError(f"ExecutionOptions.{name} must be >= 0, got {getattr(self, name)!r}")
-        for name in ("update_microbatches", "inference_rows", "decode_slots", "kv_pool_tokens"):
+        for name in ("update_microbatches", "inference_rows", "decode_slots", "kv_pool_tokens", "packed_row_tokens"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"ExecutionOptions.{name} must be a positive integer or None, got {value!r}")
@@ -169,17 +172,15 @@ class ExecutionOptions:
         sampler decodes its running slots padded to a power of two each step, over a window of the longest (LIVE),
         with continuous batching (whatever its cache layout), `decode_slots` slots; its contiguous KV cache reserves
         each slot's capacity, its paged cache the pool; inference stages run in `inference_rows` row micro-batches;
-        rows are padded to the longest, or packed (`Execution.packing`: real tokens only, in passes of
-        `max_tokens_per_micro_batch` tokens per device); AdamW moments and gradients in the weights' dtype,
-        split and offloaded as the execution says."""
+        rows are padded to the longest, or packed (`Execution.packing`: rows of `max_tokens_per_micro_batch` tokens
+        filled first-fit-decreasing, one per row shard per pass, `rpegjax.perf.packed_batches`); AdamW moments and
+        gradients in the weights' dtype, split and offloaded as the execution says."""
         param_bytes = execution.param_dtype.itemsize
         attention = costs.AttentionKernel.FLASH if execution.attention.skips_causal_blocks else costs.AttentionKernel.DENSE
-        packed = dict(sequence_packing=True, update_microbatches=None,
-                      microbatch_tokens=execution.max_tokens_per_micro_batch) if execution.packing else dict(
-            sequence_packing=False, update_microbatches=execution.update_microbatches)
         return dataclasses.replace(
             self, attention=attention, remat=execution.remat, decode=DecodeKernel.LIVE, continuous_batching=True,
-            **packed, replicated_generation_weights=True,
+            sequence_packing=False, update_microbatches=execution.update_microbatches,
+            packed_row_tokens=execution.max_tokens_per_micro_batch, replicated_generation_weights=True,
             optimizer_bytes_per_param=2.0 * param_bytes, grad_bytes_per_param=float(param_bytes),
             inference_rows=execution.inference_rows, decode_slots=execution.decode_slots,
             kv_pool=execution.kv_cache is CacheLayout.PAGED, kv_pool_tokens=execution.kv_pool_tokens,
@@ -307,6 +308,25 @@ def _passes(tokens_per_replica: float, options: ExecutionOptions, *, optimizer_s
     return max(max(1, optimizer_steps), math.ceil(tokens_per_replica / options.microbatch_tokens))
 
 
+def _pass_batch(inputs: CostInputs, layout: Layout, *, backward: bool, optimizer_steps: int,
+                pieces: int) -> tuple[float, float, int]:
+    """(tokens, attention pairs, passes) of one epoch of a stage over the whole batch: packed rows as the runtime
+    packs them (`packed_batches`), else the options' padded or real-token batch in its micro-batches."""
+    o = inputs.options
+    if o.packed_row_tokens is not None:
+        if backward:
+            packed = packed_batches.update_passes(inputs.workload, o.packed_row_tokens, minibatches=max(1, optimizer_steps),
+                                                  shards=layout.replicas, kernel=o.attention)
+        else:
+            packed = packed_batches.inference_passes(inputs.workload, o.packed_row_tokens, pieces=pieces,
+                                                     shards=layout.replicas, kernel=o.attention)
+        return packed.tokens, packed.pairs, packed.passes
+    tokens, pairs, _ = batch_tokens(inputs)
+    passes = _passes(tokens / layout.replicas, o, optimizer_steps=optimizer_steps, backward=backward, pieces=pieces,
+                     rows=inputs.workload.sequences, replicas=layout.replicas)
+    return tokens, pairs, passes
+
+
 def row_micro_batches(rows: int, limit: int | None, *, shards: int) -> int:
     """The runtime's row micro-batches of an inference stage over `rows` rows with at most `limit` rows each
     (`rpegjax.learners.inference.InferenceMicroBatching.micro_batches`): the fewest that divide the rows with each
@@ -327,11 +347,10 @@ def model_pass_cost(inputs: CostInputs, shape: ModelShape, layout: Layout, *, lo
     """Forward (log-probs / values) or forward + backward + optimiser (an update) over the whole batch; an
     inference stage of `pieces` micro-batches runs one pass per piece under the runtime's micro-batching."""
     hw, o, device = inputs.hardware, inputs.options, inputs.hardware.device
-    tokens, pairs, _ = batch_tokens(inputs)
+    tokens, pairs, passes = _pass_batch(inputs, layout, backward=backward, optimizer_steps=optimizer_steps, pieces=pieces)
+    passes *= epochs
     per_replica = tokens / layout.replicas
     per_device = per_replica / layout.context  # a row's tokens are split over context
-    passes = _passes(per_replica, o, optimizer_steps=optimizer_steps, backward=backward, pieces=pieces,
-                     rows=inputs.workload.sequences, replicas=layout.replicas) * epochs
     bytes_each = shape.compute_bytes_each
     if backward:
         flops = costs.training_flops(shape, tokens=tokens, pairs=pairs, remat=o.remat)
@@ -391,7 +410,8 @@ def model_pass_cost(inputs: CostInputs, shape: ModelShape, layout: Layout, *, lo
         useful -= 2 * shape.hidden * shape.vocab * _real_tokens(inputs) * epochs
     return StageCost(seconds=seconds, compute_seconds=matmul, memory_seconds=memory + optimizer,
                      communication_seconds=tensor_comm + pipeline_comm + exposed, overhead_seconds=overhead, flops=flops,
-                     model_flops=useful, transient_bytes=_pass_transient_bytes(inputs, shape, layout, backward, passes / epochs),
+                     model_flops=useful, transient_bytes=_pass_transient_bytes(inputs, shape, layout, backward, passes / epochs,
+                                                                               tokens=tokens, pairs=pairs),
                      detail={"tensor_comm": tensor_comm, "background_comm": background, "optimizer": optimizer,
                              "passes": passes, "matmul": matmul, "elementwise": device.memory_seconds(elementwise)})
 
@@ -468,13 +488,16 @@ def _forward_weight_copies(shape: ModelShape, layout: Layout) -> float:
     return whole + copies + layers
 
 
-def _pass_transient_bytes(inputs: CostInputs, shape: ModelShape, layout: Layout, backward: bool, passes: float) -> float:
+def _pass_transient_bytes(inputs: CostInputs, shape: ModelShape, layout: Layout, backward: bool, passes: float, *,
+                          tokens: float, pairs: float) -> float:
     o, w = inputs.options, inputs.workload
-    tokens, pairs, _ = batch_tokens(inputs)
     tokens_per_pass = tokens / layout.replicas / passes / layout.context
-    rows = max(1.0, w.sequences / layout.replicas / passes)
     keys_per_query = pairs / tokens
-    chunk_tokens = min(o.logprob_chunk, w.prompt_tokens + w.responses.max)
+    if o.packed_row_tokens is not None:  # one packed row per row shard and pass
+        rows, chunk_tokens = 1.0, min(o.logprob_chunk, o.packed_row_tokens)
+    else:
+        rows = max(1.0, w.sequences / layout.replicas / passes)
+        chunk_tokens = min(o.logprob_chunk, w.prompt_tokens + w.responses.max)
     # context parallelism: every layer all-gathers its keys and values, a whole row's [t, k, e] each
     kv_gathered = (0.0 if layout.context == 1 else 2 * tokens_per_pass * layout.context * shape.kv_heads
                    * shape.head_dim * shape.compute_bytes_each / min(layout.tensor, shape.kv_heads))

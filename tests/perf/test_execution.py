@@ -94,7 +94,10 @@ def test_the_planner_emits_only_what_the_runtime_runs(platform, dtype, kernels):
     space = dataclasses.replace(SMALL_SPACE, attention=("cudnn", "blockwise"), dtype=dtype)
     search = planner.Planner(evaluator, algorithm="grpo", num_devices=8, space=space)
     plans = search.brute_force(top=1000)
-    assert plans and {p.graph.execution.attention for p in plans} == kernels
+    unpacked = [p for p in plans if not p.graph.execution.packing]
+    assert unpacked and {p.graph.execution.attention for p in unpacked} == kernels
+    # cuDNN's kernel takes no segment ids: packed plans run blockwise
+    assert {p.graph.execution.attention for p in plans if p.graph.execution.packing} <= {"blockwise"}
     for plan in plans:
         assert not executable.plan_problems(plan.graph, hw)
         assert plan.graph.execution.dtype == dtype and not evaluator.inputs_for(plan.graph).options.sequence_packing
@@ -164,8 +167,13 @@ def test_a_packing_plan_reaches_the_learner_and_the_cost_model_counts_real_token
         place_models(graph, model, GRPOConfig(group_size=2, packing=True, max_tokens_per_micro_batch=64),
                      RolloutShape(num_slots=4, max_prompt_len=8, max_new_tokens=8, chunk_steps=4))
     options = stage_costs.ExecutionOptions().executing(packed)
-    assert options.sequence_packing and options.microbatch_tokens == 4096 and options.update_microbatches is None
-    padded = stage_costs.ExecutionOptions().executing(Execution())
-    real_tokens = stage_costs._batch_tokens(WORKLOAD, options)[0]
-    padded_tokens = stage_costs._batch_tokens(WORKLOAD, padded)[0]
-    assert padded_tokens == WORKLOAD.sequences * (256 + WORKLOAD.responses.max) and real_tokens < padded_tokens / 2
+    assert options.packed_row_tokens == 4096 and not options.sequence_packing  # not another system's token passes
+    assert stage_costs.ExecutionOptions().executing(Execution()).packed_row_tokens is None
+    evaluator = step_model.Evaluator.for_runtime(ModelConfig.qwen2p5("0.5b"), WORKLOAD, hardware.h100_node(8))
+    passes = {}
+    for name, execution in (("padded", Execution(attention="blockwise")),
+                            ("packed", Execution(attention="blockwise", packing=True, max_tokens_per_micro_batch=4096))):
+        graph = dataclasses.replace(builders.grpo_graph(use_reference=True, num_devices=8, parallel={"fsdp": 8}),
+                                    execution=execution)
+        passes[name] = evaluator.stage_costs(graph)[0]["actor_update"]
+    assert passes["packed"].flops < passes["padded"].flops / 2  # a long tail: packed rows compute far fewer tokens

@@ -67,7 +67,8 @@ def test_help_names_every_option_with_its_default_and_the_models():
     assert done.returncode == 0, done.stderr
     text = " ".join(done.stdout.split())
     for option in ("--model", "--hardware", "--gpus", "--algo", "--prompts", "--group-size", "--prompt-tokens",
-                   "--response-mean", "--response-max", "--reference", "--top", "--json", "--explain", "--gantt"):
+                   "--response-mean", "--response-max", "--reference", "--top", "--json", "--explain", "--gantt",
+                   "--packing"):
         assert option in text
     for default in ("(default: qwen2.5-7b)", "(default: gh200)", "(default: 256)", "(default: 512)", "(default: 8)",
                     "(default: 1024)", "(default: 4096)", "(default: 16384)", "(default: 3)"):

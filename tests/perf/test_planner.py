@@ -13,7 +13,7 @@ from rpegjax.perf.stage_costs import Workload
 
 WORKLOAD = Workload(prompts=16, group_size=4, prompt_tokens=256, responses=ResponseLengths.lognormal(512, 2048))
 SPACE = planner.PlanSpace(async_bounds=(0, 1), fusion=(False, True), microbatches=(1, 2), tensor_sizes=(1, 2),
-                          generation_fractions=(None, 0.5), reshard_inference=(False, True))
+                          generation_fractions=(None, 0.5), reshard_inference=(False, True), packed_rows=(8, 1))
 
 
 def _two_nodes(memory_bytes=None):

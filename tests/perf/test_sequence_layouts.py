@@ -62,7 +62,7 @@ def test_the_planner_searches_context_and_sequence_parallel_layouts():
     assert (("data", 1), ("fsdp", 1), ("context", 4), ("tensor", 2)) in candidates
     assert (("data", 1), ("fsdp", 2), ("context", 4), ("tensor", 1)) in candidates
     space = planner.PlanSpace(sequence_parallel=(False, True), attention=("blockwise",), remat=("full",),
-                              optimizer_offload=(False,))
+                              optimizer_offload=(False,), packing=(False,))
     assert [e.sequence_parallel for e in space.executions()] == [False, True]
 
 
