@@ -60,23 +60,32 @@ def sum_over_processes(value: float, mesh: Mesh | None = None) -> float:
 
 
 def _sum_over_mesh_processes(value: float, mesh: Mesh) -> float:
-    """One program over `mesh`'s devices: each process writes its value on its first device, zeros elsewhere,
-    and every device receives the replicated rows."""
+    return float(gather_over_mesh(np.array([value], np.float64), mesh).sum())
+
+
+def gather_over_mesh(value: np.ndarray, mesh: Mesh) -> np.ndarray:
+    """Each process's `value` (the same shape and dtype in each), stacked on a new axis 0 in process order, in
+    every process owning devices of `mesh`: a collective of those processes alone (one process group of a run
+    over groups). One program over `mesh`'s devices: each process writes its value as bytes on its first device,
+    zeros elsewhere, and every device receives the replicated rows."""
+    value = np.ascontiguousarray(value)
     devices = list(mesh.devices.flat)
     first: dict[int, jax.Device] = {}
     for device in devices:
         first.setdefault(device.process_index, device)
-    mine = np.frombuffer(np.float64(value).tobytes(), np.uint8)
+    mine = value.reshape(-1).view(np.uint8)
     flat = Mesh(np.array(devices, dtype=object), ("devices",))
 
     def block(index) -> np.ndarray:  # row i lives on devices[i]: the value once per process, zeros elsewhere
         device = devices[index[0].start or 0]  # a one-device mesh asks for the whole array: slice(None)
         return (mine if first[device.process_index] is device else np.zeros_like(mine))[None]
 
-    rows = jax.make_array_from_callback((len(devices), 8), NamedSharding(flat, PartitionSpec("devices")), block,
-                                        dtype=np.uint8)
+    rows = jax.make_array_from_callback((len(devices), mine.size), NamedSharding(flat, PartitionSpec("devices")),
+                                        block, dtype=np.uint8)
     gathered = jax.jit(_identity, out_shardings=NamedSharding(flat, PartitionSpec()))(rows)
-    return float(np.ascontiguousarray(np.asarray(gathered.addressable_shards[0].data)).view(np.float64).sum())
+    whole = np.asarray(gathered.addressable_shards[0].data)
+    chosen = whole[[devices.index(first[process]) for process in sorted(first)]]
+    return np.ascontiguousarray(chosen).view(value.dtype).reshape(len(first), *value.shape)
 
 
 def holds_in_every_process(flag: bool) -> bool:
