@@ -38,7 +38,8 @@ Standard output: `initialize` sends native libraries' writes to it (gloo's conne
 standard error, so that standard output carries only what the program prints (the job's summary line).
 
 Modules: `launch` (configuration, start-up), `hosts` (addresses, ports), `watch` (dead peers), `data` (mesh, per-process rows, global arrays), `collectives`
-(gathers, sums, agreement, broadcast, barriers, the check: the only users of `jax.experimental.multihost_utils`).
+(gathers, sums, agreement, broadcast, barriers, the check: programs over one device per process, so processes may
+hold different numbers of devices).
 Nothing here holds module-level state besides what `jax.distributed` itself holds.
 """
 
