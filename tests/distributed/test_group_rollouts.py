@@ -1,8 +1,8 @@
 """What a single-host run has, over process groups: rollouts handed over piece by piece (the training process
 starts on the first pieces while the rest still decode, measured in the processes' traces), held-out evaluation
-during the run, and dynamic sampling. Each test runs `scripts/train_grpo.py` disaggregated over processes on
-localhost and the same plan in one process with the same devices, from the same warm-start weights: every metric
-of every step agrees within 1e-5.
+during the run, dynamic sampling, and processes of different device counts. Each test runs
+`scripts/train_grpo.py` disaggregated over processes on localhost and the same plan in one process with the same
+devices, from the same warm-start weights: every metric of every step agrees within 1e-5.
 """
 
 from __future__ import annotations
@@ -17,13 +17,14 @@ from test_distributed_job import assert_same_records, finish, records, start, su
 from rpegjax.graph.trace import Trace
 
 
-def _run_split_and_one(tmp_path: pathlib.Path, flags: list[str], *, processes: int, devices: int
+def _run_split_and_one(tmp_path: pathlib.Path, flags: list[str], *, processes: int, devices: int | list[int]
                        ) -> tuple[pathlib.Path, list[dict], list[dict]]:
-    """The job over `processes` processes of `devices` CPU devices each and in one process with all of them; the
-    split run's directory and both runs' records (already checked equal)."""
+    """The job over `processes` processes of `devices` CPU devices each (or process i `devices[i]`) and in one
+    process with all of them; the split run's directory and both runs' records (already checked equal)."""
     split, one = tmp_path / "split", tmp_path / "one"
-    finish(start(one, *flags, f"--warm_start.cache_dir={tmp_path}/cache_one", processes=1,
-                 devices=processes * devices), timeout=600)
+    total = sum(devices) if isinstance(devices, list) else processes * devices
+    finish(start(one, *flags, f"--warm_start.cache_dir={tmp_path}/cache_one", processes=1, devices=total),
+           timeout=600)
     shutil.copytree(tmp_path / "cache_one", tmp_path / "cache_split")  # the same warm-start weights, bit for bit
     outputs = finish(start(split, *flags, f"--warm_start.cache_dir={tmp_path}/cache_split", processes=processes,
                            devices=devices), timeout=600)
@@ -91,3 +92,14 @@ def test_dynamic_sampling_over_process_groups_decides_like_one_process(tmp_path)
     _, split_records, _ = _run_split_and_one(tmp_path, flags, processes=3, devices=1)
     assert sum(r.get("dynamic_sampling/extra_rounds", 0) for r in split_records) > 0  # not a blind comparison
     assert all("dynamic_sampling/generated_sequences" in r for r in split_records if "loss" in r)
+
+
+@pytest.mark.slow
+def test_processes_with_different_device_counts_in_one_launch(tmp_path):
+    """Process 0 generates on its 2 CPU devices (data=2), process 1 trains on its 1: the set-up collectives run
+    over one device per process, so the launch holds processes of different device counts. Every metric of every
+    step, and the held-out accuracy, equal one process with the same 3 devices."""
+    flags = ["--steps=2", "--async-bound=1", "--rollout-devices=2", "--mesh=data=1", "--rollout-mesh=data=2",
+             "--train.export_hf=false"]
+    _, split_records, _ = _run_split_and_one(tmp_path, flags, processes=2, devices=[2, 1])
+    assert [r["step"] for r in split_records if "eval/accuracy" in r] == [0, 2]
