@@ -5,7 +5,8 @@ the processes into one JAX runtime (a coordinator on process 0; XLA collectives 
 gloo on CPU), after which `jax.devices()` lists every process's devices and one jitted function runs
 over a mesh that spans them all (`global_mesh`). Each process feeds only its own rows of a batch
 (`process_rows`, `host_local_to_global`) and combines host values where the graph needs them
-(`gather_to_all`, `sum_over_processes`, `holds_in_every_process`, `broadcast_text`, `barrier`).
+(`gather_to_all`, `gather_over_mesh` (one process group's), `sum_over_processes`, `holds_in_every_process`,
+`broadcast_text`, `barrier`).
 
 The contract: every process takes identical decisions. Multi-controller JAX requires all processes
 to launch the same jitted computations in the same order with the same shapes; a process that
@@ -37,7 +38,8 @@ Standard output: `initialize` sends native libraries' writes to it (gloo's conne
 standard error, so that standard output carries only what the program prints (the job's summary line).
 
 Modules: `launch` (configuration, start-up), `hosts` (addresses, ports), `watch` (dead peers), `data` (mesh, per-process rows, global arrays), `collectives`
-(gathers, sums, agreement, broadcast, barriers, the check: the only users of `jax.experimental.multihost_utils`).
+(gathers, sums, agreement, broadcast, barriers, the check: programs over one device per process, so processes may
+hold different numbers of devices).
 Nothing here holds module-level state besides what `jax.distributed` itself holds.
 """
 
@@ -45,6 +47,7 @@ from rpegjax.distributed.collectives import (
     assert_same_across_processes,
     barrier,
     broadcast_text,
+    gather_over_mesh,
     gather_text,
     gather_to_all,
     holds_in_every_process,
@@ -73,6 +76,7 @@ __all__ = [
     "assert_same_across_processes",
     "barrier",
     "broadcast_text",
+    "gather_over_mesh",
     "gather_text",
     "expand_nodelist",
     "gather_to_all",

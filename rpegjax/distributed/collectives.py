@@ -2,7 +2,8 @@
 
 Every function here is a collective: every process taking part must call it, in the same order (the contract
 of `rpegjax.distributed`). With one process each returns its input (or does nothing) without communicating.
-The only module of rpegjax that talks to `jax.experimental.multihost_utils`.
+Host values travel as bytes in one program over one device per process (`gather_over_mesh`), not through
+`jax.experimental.multihost_utils`, whose helpers assume that every process holds as many devices.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 
@@ -38,13 +38,39 @@ def gather_to_all(tree: Any, *, tiled: bool = True) -> Any:
         for index, value in zip(indices, replicate([leaves[i] for i in indices])):
             gathered[index] = np.asarray(value)  # fully replicated: readable in every process
     rest = [index for index, value in enumerate(gathered) if value is None]
-    for index, value in zip(rest, multihost_utils.process_allgather([leaves[i] for i in rest], tiled=tiled)):
+    for index, value in zip(rest, _gather_host_values([leaves[i] for i in rest], tiled=tiled)):
         gathered[index] = value
     return jax.tree_util.tree_unflatten(treedef, gathered)
 
 
 def _identity(values: Any) -> Any:
     return values
+
+
+def _process_heads() -> Mesh:
+    """A mesh of the first device of every process, in process order."""
+    first: dict[int, jax.Device] = {}
+    for device in jax.devices():
+        first.setdefault(device.process_index, device)
+    return Mesh(np.array([first[process] for process in sorted(first)], dtype=object), ("processes",))
+
+
+def _gather_host_values(values: list[Any], *, tiled: bool) -> list[np.ndarray]:
+    """Each process's host arrays (the same shapes and dtypes in each) in every process, as bytes in one program
+    over one device per process: stacked on a new axis 0 in process order, or (`tiled`) concatenated along axis 0.
+    Unlike `jax.experimental.multihost_utils` it does not assume that every process holds as many devices."""
+    arrays = [np.ascontiguousarray(np.asarray(value)) for value in values]
+    if not arrays:
+        return []
+    flat = np.concatenate([array.reshape(-1).view(np.uint8) for array in arrays])
+    stacked = flat[None] if jax.process_count() == 1 else gather_over_mesh(flat, _process_heads())
+    gathered, offset = [], 0
+    for array in arrays:
+        part = np.ascontiguousarray(stacked[:, offset:offset + array.nbytes]).view(array.dtype)
+        part = part.reshape(len(stacked), *array.shape)
+        gathered.append(part.reshape(-1, *array.shape[1:]) if tiled and array.ndim else part)
+        offset += array.nbytes
+    return gathered
 
 
 def sum_over_processes(value: float, mesh: Mesh | None = None) -> float:
@@ -60,23 +86,32 @@ def sum_over_processes(value: float, mesh: Mesh | None = None) -> float:
 
 
 def _sum_over_mesh_processes(value: float, mesh: Mesh) -> float:
-    """One program over `mesh`'s devices: each process writes its value on its first device, zeros elsewhere,
-    and every device receives the replicated rows."""
+    return float(gather_over_mesh(np.array([value], np.float64), mesh).sum())
+
+
+def gather_over_mesh(value: np.ndarray, mesh: Mesh) -> np.ndarray:
+    """Each process's `value` (the same shape and dtype in each), stacked on a new axis 0 in process order, in
+    every process owning devices of `mesh`: a collective of those processes alone (one process group of a run
+    over groups). One program over `mesh`'s devices: each process writes its value as bytes on its first device,
+    zeros elsewhere, and every device receives the replicated rows."""
+    value = np.ascontiguousarray(value)
     devices = list(mesh.devices.flat)
     first: dict[int, jax.Device] = {}
     for device in devices:
         first.setdefault(device.process_index, device)
-    mine = np.frombuffer(np.float64(value).tobytes(), np.uint8)
+    mine = value.reshape(-1).view(np.uint8)
     flat = Mesh(np.array(devices, dtype=object), ("devices",))
 
     def block(index) -> np.ndarray:  # row i lives on devices[i]: the value once per process, zeros elsewhere
         device = devices[index[0].start or 0]  # a one-device mesh asks for the whole array: slice(None)
         return (mine if first[device.process_index] is device else np.zeros_like(mine))[None]
 
-    rows = jax.make_array_from_callback((len(devices), 8), NamedSharding(flat, PartitionSpec("devices")), block,
-                                        dtype=np.uint8)
+    rows = jax.make_array_from_callback((len(devices), mine.size), NamedSharding(flat, PartitionSpec("devices")),
+                                        block, dtype=np.uint8)
     gathered = jax.jit(_identity, out_shardings=NamedSharding(flat, PartitionSpec()))(rows)
-    return float(np.ascontiguousarray(np.asarray(gathered.addressable_shards[0].data)).view(np.float64).sum())
+    whole = np.asarray(gathered.addressable_shards[0].data)
+    chosen = whole[[devices.index(first[process]) for process in sorted(first)]]
+    return np.ascontiguousarray(chosen).view(value.dtype).reshape(len(first), *value.shape)
 
 
 def holds_in_every_process(flag: bool) -> bool:
@@ -88,19 +123,11 @@ def holds_in_every_process(flag: bool) -> bool:
 
 def broadcast_text(text: str | None) -> str:
     """Process 0's `text` (UTF-8), in every process; the others' argument is ignored (None will do)."""
+    if jax.process_index() == 0 and text is None:
+        raise ValueError("broadcast_text: process 0 must give the text, got None")
     if jax.process_count() == 1:
-        if text is None:
-            raise ValueError("broadcast_text: process 0 must give the text, got None")
         return text
-    mine = b""
-    if jax.process_index() == 0:
-        if text is None:
-            raise ValueError("broadcast_text: process 0 must give the text, got None")
-        mine = text.encode()
-    length = int(multihost_utils.broadcast_one_to_all(np.array([len(mine)], np.int32))[0])
-    encoded = np.zeros(length, np.uint8)
-    encoded[: len(mine)] = np.frombuffer(mine, np.uint8)
-    return bytes(np.asarray(multihost_utils.broadcast_one_to_all(encoded))).decode()
+    return gather_text(text if jax.process_index() == 0 else "")[0]
 
 
 def gather_text(text: str) -> list[str]:
@@ -118,10 +145,13 @@ def gather_text(text: str) -> list[str]:
 def barrier(name: str, mesh: Mesh | None = None) -> None:
     """Waits until every process reaches the barrier `name` (the same name in every process); with `mesh`, every
     process owning its devices (a collective of those alone: one process group of a run over groups)."""
-    if mesh is None:
-        multihost_utils.sync_global_devices(name)
-    else:
+    if mesh is not None:
         _sum_over_mesh_processes(0.0, mesh)
+    elif jax.process_count() > 1:
+        names = gather_to_all(np.frombuffer(hashlib.sha256(name.encode()).digest(), np.uint8), tiled=False)
+        if not (names == names[0]).all():
+            raise RuntimeError(f"barrier {name!r}: the processes reached different barriers (process "
+                               f"{jax.process_index()} of {jax.process_count()})")
 
 
 def spanning_mesh(tree: Any) -> Mesh | None:

@@ -16,11 +16,13 @@ The source decides the mode:
   step t trains. The weights each rollout reads, and so every result, are the same; only the overlap is lost;
 - received: when generation and training are placed on disjoint groups of processes (`rpegjax.runtime.roles`),
   each process takes the role of the devices it owns. A training process receives each rollout from the
-  generation processes; a generation process runs the same loop over an inline source with weights pulled from
-  the training processes, its consumer sending each piece to them (`rpegjax.runtime.sending`; `run` returns once
-  the training processes say the run ended). Weights and rollout pieces cross between the groups through
-  `jax.experimental.transfer` (`RoleLinks`), never through a collective spanning both groups; the staleness bound
-  and every number are those of the one-process run.
+  generation processes, piece by piece as they arrive, so its inference starts on the first pieces; a generation
+  process runs the same loop over a threaded source with weights pulled from the training processes, its
+  consumer sending each piece as it finishes (`rpegjax.runtime.sending`; `run` returns once the training
+  processes say the run ended). Only its worker thread launches device programs: the sender moves host data.
+  Weights and rollout pieces cross between the groups through `jax.experimental.transfer` (`RoleLinks`), never
+  through a collective spanning both groups; the staleness bound and every number are those of the one-process
+  run.
 
 Placement: generation runs where the graph places it (the sampler's mesh), every other device stage on the
 training devices (the learner's mesh); `check_placements` refuses programs built elsewhere. When the two are
@@ -107,11 +109,11 @@ class Runtime:
         self.groups = process_groups(graph)
         self.links: RoleLinks | None = None
         if self.groups is not None:
-            self.links = self._link_groups(data, dynamic_sampling, address)
-            # a piece arrives with every row's rewards (colocated, gathering them is a collective)
-            self.scorer.collect = _arrived_rewards
+            self.links = self._link_groups(data, address)
             if self.role == Role.GENERATE:
                 self.rollout_stage.weights = PulledWeights(self.links, self.store, self.trace)
+            else:  # a piece arrives with every row's rewards (colocated, gathering them is a collective)
+                self.scorer.collect = _arrived_rewards
         self.publisher = WeightPublisher(programs, self.store, self.trace, self.links)
         self.executor = StepExecutor(graph, programs, scorer=self.scorer, publisher=self.publisher, trace=self.trace,
                                      stage_meshes=self.stage_meshes, pieces=self.rollout_stage.pieces)
@@ -131,12 +133,9 @@ class Runtime:
         """The message of the last failure of the reward function (empty: none yet)."""
         return self.scorer.last_reward_error
 
-    def _link_groups(self, data: DataIterator, dynamic_sampling: DynamicSamplingConfig | None,
-                     address: ProcessAddress) -> RoleLinks:
-        """The transfers between the generation and the training processes (a collective of every process)."""
-        if dynamic_sampling is not None:
-            raise ValueError("dynamic sampling decides on every round's rewards gathered over the generation "
-                             "processes; over separate process groups it is not supported yet")
+    def _link_groups(self, data: DataIterator, address: ProcessAddress) -> RoleLinks:
+        """The transfers between the generation and the training processes (a collective of every process).
+        Rewards are scored, and with dynamic sampling each round's gathered, by the generation processes alone."""
         self.rollout_stage.check_batch(data.batch_size)
         programs = self.programs
         programs.reward_processes = self.groups.generation
@@ -178,8 +177,10 @@ class Runtime:
     def _source(self) -> RolloutSource:
         """Where a training process gets its rollouts (see the module docstring)."""
         if self.role == Role.TRAIN:
+            update = self.graph.stages_of_kind(StageKind.ACTOR_UPDATE)[0]
             return ReceivedSource(self.links, pieces=self.rollout_stage.pieces, async_bound=self.async_bound,
-                                  data_state=self.data.state)
+                                  data_state=self.data.state, trace=self.trace, placement=update.placement,
+                                  shaping=self.scorer.shaping)
         return ThreadedSource(self.rollout_stage) if self.concurrent_rollout else InlineSource(self.rollout_stage)
 
     def _loop(self, source: RolloutSource, consume: _Consumer, steps: range) -> None:
@@ -202,24 +203,25 @@ class Runtime:
     def _serve_generation(self, steps: range) -> None:
         """A generation process: the step loop in a thread of its own, sending each rollout to the training
         processes, until they say the run ended (or the loop failed without being able to tell them)."""
-        sender = RolloutSender(self.links, pieces=self.rollout_stage.pieces, first_step=steps.start)
+        sender = RolloutSender(self.links, self.trace, self.rollout_stage.stage.placement,
+                               pieces=self.rollout_stage.pieces, first_step=steps.start)
         failures: list[BaseException] = []
 
         def loop() -> None:
-            try:
-                self._loop(InlineSource(self.rollout_stage), sender, steps)
+            try:  # generation in the source's worker thread; this one sends each piece as it finishes
+                self._loop(ThreadedSource(self.rollout_stage), sender, steps)
             except BaseException as error:  # re-raised below, once the training processes have stopped
                 failures.append(error)
 
-        worker = threading.Thread(target=loop, name="rpegjax-rollout", daemon=True)
+        worker = threading.Thread(target=loop, name="rpegjax-send", daemon=True)
         worker.start()
         message = self.links.await_finish(give_up=sender.unsent.is_set)  # every rollout offered has been pulled
-        if message is not None and message["status"] == "ok":
+        if message is None or message["status"] == "ok":  # None: the loop failed and could not tell them
             worker.join()
         self.store.stop(RuntimeStopped("run finished"))
         if failures:
             raise failures[0]
-        if message["status"] != "ok":
+        if message["status"] != "ok":  # not None here: the loop ends only by finishing or failing
             raise RuntimeStopped(f"the training processes failed: {message['message']}")
 
 

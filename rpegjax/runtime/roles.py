@@ -12,8 +12,10 @@ that crosses goes through `rpegjax.runtime.transfers` (`RoleLinks`):
   (`StagePrograms.staged_sync`), is offered under version v and pulled by the generation processes;
 - *rollouts*, generation -> training: each piece's packed rows (tokens, masks, behaviour log-probs) and its host
   data (per-row indices and lengths, finish reasons, the example of each row, the data position, each generation
-  process's block of rewards and reward statistics, or the failure of the rollout stage) encoded as JSON bytes in
-  a small array, one per generation process (each scored its own block of the rows);
+  process's block of rewards and reward statistics, with dynamic sampling on the last piece the step's reward
+  metrics, or the failure of the rollout stage) encoded as JSON bytes in a small array, one per generation process
+  (each scored its own block of the rows); each piece is offered as it finishes, and pulled by the training
+  processes as soon as they start the step (`request_piece`), so it arrives while later pieces still decode;
 - *the start of the run*, training -> generation: the step and data position the run starts from (a resumed
   run's, from its checkpoint, which only the training processes read);
 - *the end of the run*, training -> generation: a small control message saying whether training finished or
@@ -173,6 +175,7 @@ class ReceivedRollout:
     version: int
     examples: list[Example]  # the step's prompts
     data_state: dict[str, Any]
+    metrics: dict[str, float] | None = None  # dynamic sampling, last piece: the step's reward metrics (every round's)
 
 
 class RoleLinks:
@@ -249,8 +252,10 @@ class RoleLinks:
         return (step * pieces + index) * 4 + _PIECE
 
     def send_piece(self, step: int, pieces: int, piece: Piece, *, version: int, examples: Sequence[Example],
-                   data_state: dict[str, Any], rewards: np.ndarray, stats: RewardStats) -> None:
-        """Generation side: offers `piece` of `step` with this process's block of its rewards."""
+                   data_state: dict[str, Any], rewards: np.ndarray, stats: RewardStats,
+                   metrics: dict[str, float] | None = None) -> None:
+        """Generation side: offers `piece` of `step` with this process's block of its rewards (and, with dynamic
+        sampling, on the last piece the step's reward metrics, which cover every round's sequences)."""
         completions = piece.completions
         rows = [[c.prompt_index, c.sample_index, int(c.prompt_ids.shape[0]), c.length, _FINISH.index(c.finish_reason),
                  -1 if c.version is None else c.version, self._example_index[id(e)], c.model_mask is not None]
@@ -261,7 +266,7 @@ class RoleLinks:
                   "rewards": [float(r) for r in np.asarray(rewards, np.float32)],
                   "stats": [stats.errors, stats.timeouts, stats.nonfinite, stats.seconds],
                   "first_error": stats.first_error,
-                  "terms": [[t.name, t.total, t.scored, t.errors] for t in stats.terms]}
+                  "terms": [[t.name, t.total, t.scored, t.errors] for t in stats.terms], "metrics": metrics}
         batch = piece.batch
         host = {"tokens": np.asarray(batch.tokens, np.int32), "token_mask": np.asarray(batch.token_mask, np.int8),
                 "response_mask": np.asarray(batch.response_mask, np.int8),
@@ -284,10 +289,20 @@ class RoleLinks:
         tree["meta"] = [_host_array(meta, sharding) for sharding in sources["meta"]]
         transfers.send(self.links, self.pieces, self._piece_id(step, index, pieces), tree)
 
-    def receive_piece(self, step: int, index: int, pieces: int, *, base_data_state: dict[str, Any]) -> ReceivedRollout:
-        """Training side: piece `index` of `step` (waits for it). Raises RuntimeError with the generation
-        processes' message when the rollout stage failed."""
-        tree = jax.block_until_ready(transfers.receive(self.links, self.pieces, self._piece_id(step, index, pieces)))
+    def request_piece(self, step: int, index: int, pieces: int) -> Any:
+        """Training side: starts pulling piece `index` of `step`; returns its arrays, ready once it has arrived
+        (`piece_arrived`), to be read with `open_piece`."""
+        return transfers.receive(self.links, self.pieces, self._piece_id(step, index, pieces))
+
+    @staticmethod
+    def piece_arrived(tree: Any) -> bool:
+        """Whether every array of a requested piece has arrived (does not wait)."""
+        return all(leaf.is_ready() for leaf in jax.tree.leaves(tree))
+
+    def open_piece(self, step: int, index: int, tree: Any, *, base_data_state: dict[str, Any]) -> ReceivedRollout:
+        """Training side: piece `index` of `step` from its arrays (`request_piece`; waits for them). Raises
+        RuntimeError with the generation processes' message when the rollout stage failed."""
+        tree = jax.block_until_ready(tree)
         records = [_decode(_host_value(meta)) for meta in tree["meta"]]
         failed = [r["message"] for r in records if r["status"] != "ok"]
         if failed:
@@ -323,7 +338,7 @@ class RoleLinks:
         piece = Piece(index=index, examples=row_examples, completions=completions, batch=batch, rewards=scored)
         return ReceivedRollout(piece=piece, version=first["version"],
                                examples=[self.examples[i] for i in first["examples"]],
-                               data_state={**base_data_state, **first["data"]})
+                               data_state={**base_data_state, **first["data"]}, metrics=first["metrics"])
 
     # ---- the start of the run -------------------------------------------------------------------------
     def send_start(self, step: int, data_state: dict[str, Any]) -> None:

@@ -110,10 +110,7 @@ class RolloutPrograms:
         `examples[c.prompt_index]` is each completion's example. Its reward scoring is submitted at once."""
         completions = [c for c, _ in items]
         rows = [examples[c.prompt_index] for c in completions]
-        if self.reward_processes is None:
-            mine = distributed.process_rows(len(rows))
-        else:  # only the generation processes score (a disaggregated run over process groups)
-            mine = distributed.process_rows(len(rows), self.reward_processes.index(jax.process_index()), len(self.reward_processes))
+        mine = self.own_rows(len(rows))
         texts = [self.decode(c.response_ids) if e is None else e.final_text for c, e in items[mine]]
         batch = pack_rollouts(
             [c.prompt_ids for c in completions], [c.response_ids for c in completions],
@@ -126,12 +123,21 @@ class RolloutPrograms:
             rewards = _with_environment_rewards(rewards, environment)
         return Piece(index=index, examples=rows, completions=completions, batch=batch, rewards=rewards)
 
+    def own_rows(self, rows: int) -> slice:
+        """This process's block of a piece's `rows` rows, which it scores: split over every process, or over
+        the generation processes alone in a disaggregated run over process groups (`reward_processes`)."""
+        if self.reward_processes is None:
+            return distributed.process_rows(rows)
+        return distributed.process_rows(rows, self.reward_processes.index(jax.process_index()),
+                                        len(self.reward_processes))
+
     def collect_rewards(self, piece: Piece) -> tuple[np.ndarray, RewardStats]:
         """Rewards float32 [rows] of every row of `piece`, and their stats (errors and timeouts summed over
         processes, seconds the slowest process's, `first_error` this process's). With several processes this
-        is a collective: every process calls it for the same pieces in the same order."""
+        is a collective: every process that scores (`reward_processes`) calls it for the same pieces in the same
+        order."""
         local, stats = piece.rewards.result()
-        count = jax.process_count()
+        count = jax.process_count() if self.reward_processes is None else len(self.reward_processes)
         if count == 1:
             return local, stats
         rows = len(piece.examples)
@@ -141,7 +147,11 @@ class RolloutPrograms:
         # every process's reward has the same terms (the same function): their sums travel as numbers too
         numbers = np.array([stats.errors, stats.timeouts, stats.seconds, stats.nonfinite,
                             *(x for t in stats.terms for x in (t.total, t.scored, t.errors))], np.float32)
-        gathered = distributed.gather_to_all({"rewards": padded, "numbers": numbers}, tiled=False)
+        if self.reward_processes is None:
+            gathered = distributed.gather_to_all({"rewards": padded, "numbers": numbers}, tiled=False)
+        else:  # the generation group alone: a program over its mesh (no collective spans the two groups)
+            stacked = distributed.gather_over_mesh(np.concatenate([padded, numbers]), self.sampler.mesh)
+            gathered = {"rewards": stacked[:, :width], "numbers": stacked[:, width:]}
         blocks = [distributed.process_rows(rows, process, count) for process in range(count)]
         rewards = np.concatenate([gathered["rewards"][p][: b.stop - b.start] for p, b in enumerate(blocks)])
         numbers = np.asarray(gathered["numbers"]).sum(0)  # [4 + 3 x terms] summed over processes

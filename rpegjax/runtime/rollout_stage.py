@@ -184,6 +184,7 @@ class RolloutStage:
                                                                    self.dynamic_sampling, where=f"step {step}: ")
         examples, handed = rollout.examples, 0
         sampled, decode_stats = _SampledRounds(), SamplerStats()
+        own_rows = self.programs.rollout.own_rows
         while True:
             pieces = self._generate_round(rollout, params, examples, filler.rounds, sampled, decode_stats)
             rewards, groups = [], []
@@ -197,7 +198,7 @@ class RolloutStage:
             # every piece but the last goes downstream as soon as its groups are kept: its inference can start
             while handed < self.pieces - 1 and len(filler.kept) >= (handed + 1) * per_piece:
                 chunk = filler.kept[handed * per_piece:(handed + 1) * per_piece]
-                rollout.pieces[handed].set_result(group_piece(handed, chunk, np.ones(per_piece, bool)))
+                rollout.pieces[handed].set_result(group_piece(handed, chunk, np.ones(per_piece, bool), own_rows))
                 handed += 1
             if not filler.needs_more:
                 break
@@ -208,7 +209,7 @@ class RolloutStage:
         rollout.metrics.update(occupancy_metrics(decode_stats))
         for index in range(handed, self.pieces):
             chunk = slice(index * per_piece, (index + 1) * per_piece)
-            rollout.pieces[index].set_result(group_piece(index, filled.groups[chunk], filled.trained[chunk]))
+            rollout.pieces[index].set_result(group_piece(index, filled.groups[chunk], filled.trained[chunk], own_rows))
 
     def _generate_round(self, rollout: Rollout, params: Any, examples: list[Example], round_index: int,
                         sampled: _SampledRounds, stats: SamplerStats) -> list[Piece]:

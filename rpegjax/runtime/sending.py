@@ -29,12 +29,17 @@ class PulledWeights:
 
 
 class RolloutSender:
-    """Sends each step's rollout, piece by piece, with this process's block of its rewards, to the training
-    processes. `close(error)` sends the failure in place of every piece of the current step not sent yet;
-    `unsent` is set when even that fails (the training processes will then never hear of it)."""
+    """Sends each step's rollout, piece by piece as each finishes and its rewards are scored, with this process's
+    block of its rewards, to the training processes; the rollout is handed over with its pieces pending
+    (`ThreadedSource`), so the first pieces leave while the rest still decode. Each send is a trace event
+    (`rollout_send` on `placement`, the generate stage's). `close(error)` sends the failure in place of every
+    piece of the current step not sent yet; `unsent` is set when even that fails (the training processes will
+    then never hear of it)."""
 
-    def __init__(self, links: RoleLinks, *, pieces: int, first_step: int):
+    def __init__(self, links: RoleLinks, trace: Trace, placement: str, *, pieces: int, first_step: int):
         self.links = links
+        self.trace = trace
+        self.placement = placement
         self.pieces = pieces
         self.step = first_step  # the step whose pieces are being sent
         self.sent: set[int] = set()
@@ -45,8 +50,14 @@ class RolloutSender:
         for future in rollout.pieces:
             piece = future.result()
             rewards, stats = piece.rewards.result()
-            self.links.send_piece(rollout.step, self.pieces, piece, version=rollout.version, examples=rollout.examples,
-                                  data_state=rollout.data_state, rewards=rewards, stats=stats)
+            last = piece.index == self.pieces - 1
+            # dynamic sampling: the step's reward metrics cover every round; set before the last piece is handed over
+            metrics = rollout.scores.metrics if last and rollout.scores is not None else None
+            with self.trace.span("rollout_send", rollout.step, rollout.version, self.placement, kind="transfer",
+                                 microbatch=piece.index):
+                self.links.send_piece(rollout.step, self.pieces, piece, version=rollout.version,
+                                      examples=rollout.examples, data_state=rollout.data_state, rewards=rewards,
+                                      stats=stats, metrics=metrics)
             self.sent.add(piece.index)
         self.step, self.sent = rollout.step + 1, set()
 

@@ -44,7 +44,8 @@ class ProcessTransfers:
     Constructing it is a collective of all processes (the addresses are all-gathered once, at set-up). The server
     and its per-device transports listen on `address.host` (the address other hosts reach this one at:
     `DistributedConfig.address()`; 127.0.0.1 on one host); the server on a port of `address.ports` when it sets a
-    range (its fixed slot among the processes of the host), the transports on ephemeral ports."""
+    range (its fixed slot among the processes of the host), the transports (as many in every process) on ephemeral
+    ports."""
 
     def __init__(self, address: ProcessAddress = ProcessAddress()):
         client = jax.local_devices()[0].client
@@ -53,11 +54,13 @@ class ProcessTransfers:
         slot = hosts[:me].count(hosts[me])  # this process's turn among the processes of its host
         port = address.ports_for(slot, 1)[0]
         host = f"[{address.host}]" if ":" in address.host else address.host
-        # the bulk transports (one per local device) bind every connection they open to their address: a fixed
-        # port there fails at the second connection ("Address already in use"), so they take ephemeral ports
+        # the bulk transports bind every connection they open to their address: a fixed port there fails at the
+        # second connection ("Address already in use"), so they take ephemeral ports. Both ends of a connection
+        # must have as many (processes with fewer transports than a peer crash binding the missing ones): one per
+        # device of the process with the most
+        transports = max(int(count) for count in distributed.gather_text(str(jax.local_device_count())))
         try:
-            self.server = jax_transfer.start_transfer_server(client, f"{host}:{port}",
-                                                             [f"{host}:0"] * jax.local_device_count())
+            self.server = jax_transfer.start_transfer_server(client, f"{host}:{port}", [f"{host}:0"] * transports)
         except jax.errors.JaxRuntimeError as error:
             raise OSError(f"process {me}: the transfer server cannot listen on {host} port {port}: {error}") from None
         self.addresses = distributed.gather_text(self.server.address())

@@ -132,11 +132,13 @@ def test_fingerprint_is_the_float64_sum_of_magnitudes_whatever_the_layout():
 # ---- several processes ------------------------------------------------------------------------
 
 
-def start(run_dir: pathlib.Path, *flags: str, processes: int, devices: int) -> list[tuple[subprocess.Popen, str]]:
-    """Starts the job as `processes` processes with `devices` CPU devices each (`--distributed.*` flags);
-    process i's stdout and stderr go to run_dir/../<name>.<i>.out / .err."""
+def start(run_dir: pathlib.Path, *flags: str, processes: int, devices: int | list[int]
+          ) -> list[tuple[subprocess.Popen, str]]:
+    """Starts the job as `processes` processes with `devices` CPU devices each (or process i `devices[i]`;
+    `--distributed.*` flags); process i's stdout and stderr go to run_dir/../<name>.<i>.out / .err."""
     port = free_port()
     started = []
+    counts = devices if isinstance(devices, list) else [devices] * processes
     for process_id in range(processes):
         launch = [] if processes == 1 else [
             f"--distributed.coordinator_address=127.0.0.1:{port}", f"--distributed.num_processes={processes}",
@@ -146,7 +148,8 @@ def start(run_dir: pathlib.Path, *flags: str, processes: int, devices: int) -> l
         logs = str(run_dir.parent / f"{run_dir.name}.{process_id}")
         with open(f"{logs}.out", "w") as out, open(f"{logs}.err", "w") as err:
             command = [sys.executable, str(SCRIPT), *SMALL, f"--run-dir={run_dir}", *launch, *flags]
-            started.append((subprocess.Popen(command, env=job_env(devices), stdout=out, stderr=err, cwd=run_dir.parent),
+            started.append((subprocess.Popen(command, env=job_env(counts[process_id]), stdout=out, stderr=err,
+                                             cwd=run_dir.parent),
                             logs))
     return started
 

@@ -157,6 +157,9 @@ def test_collectives_in_one_process_return_this_process_values():
     mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     assert distributed.sum_over_processes(1.0 + 2.0**-40) == 1.0 + 2.0**-40
     assert distributed.sum_over_processes(1.0 + 2.0**-40, mesh) == 1.0 + 2.0**-40  # counted once, not per device
+    value = np.array([[1.5, -2.0], [0.25, 2.0**-20]], np.float32)
+    gathered = distributed.gather_over_mesh(value, mesh)  # once per process, not per device
+    assert gathered.dtype == np.float32 and gathered.shape == (1, 2, 2) and np.array_equal(gathered[0], value)
     assert distributed.holds_in_every_process(True) and not distributed.holds_in_every_process(False)
     assert distributed.broadcast_text("run") == "run"
     with pytest.raises(ValueError, match="process 0 must give the text"):
@@ -293,6 +296,7 @@ def test_two_processes_equal_one_process(runs):
     for result, count in ((two, 2), (one, 1)):
         assert result["collectives"] == {
             "sum": sum(1.0 + p + 2.0**-40 for p in range(count)), "mesh_sum": sum(0.5 + p + 2.0**-40 for p in range(count)),
+            "mesh_gather": [[[p, -p], [7, 2**20 + p]] for p in range(count)],
             "all_true": True, "only_process_0": count == 1, "text": "runs/2026-12-01 grpo é"}
     # the contract check caught the one value that legitimately differs between processes
     assert one["disagreement"] is None

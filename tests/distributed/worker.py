@@ -72,6 +72,7 @@ def combine_over_processes(mesh) -> dict:
         # 2^-40 survives only in float64: the sums must not travel as float32
         "sum": distributed.sum_over_processes(1.0 + me + 2.0**-40),
         "mesh_sum": distributed.sum_over_processes(0.5 + me + 2.0**-40, mesh),
+        "mesh_gather": distributed.gather_over_mesh(np.array([[me, -me], [7, 2**20 + me]], np.int32), mesh).tolist(),
         "all_true": distributed.holds_in_every_process(True),
         "only_process_0": distributed.holds_in_every_process(me == 0),
         "text": distributed.broadcast_text("runs/2026-12-01 grpo é" if me == 0 else None),

@@ -115,7 +115,9 @@ def main() -> None:
     parser.add_argument("--plan", default=None, help="a graph JSON to execute")
     parser.add_argument("--width", type=int, default=32, help="the model's hidden size (measurements)")
     args = parser.parse_args()
-    faulthandler.dump_traceback_later(150, exit=True)  # a hang shows where each thread waits, then ends the process
+    # a hang shows where each thread waits, then ends the process: before the test gives up (300 s), not while a
+    # loaded machine still compiles
+    faulthandler.dump_traceback_later(280, exit=True)
     distributed.initialize(distributed.DistributedConfig.from_env())
     run(args.out, args.algorithm, args.plan, args.width)
 
