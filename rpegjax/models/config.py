@@ -83,6 +83,10 @@ class ModelConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # None: dropless experts; c > 0: each expert takes at most ceil(c t k / x) of a row's assignments, the rest are
+    # dropped (rpegjax.models.expert_parallel). Not a checkpoint field: a training choice (Hugging Face's Qwen3-MoE
+    # is dropless)
+    moe_capacity_factor: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "architecture", Architecture(self.architecture))
@@ -105,14 +109,18 @@ class ModelConfig:
 
     def _check_experts(self) -> None:
         if self.architecture != Architecture.QWEN3_MOE:
-            if self.num_experts:
-                raise ValueError(f"ModelConfig.num_experts={self.num_experts} needs architecture qwen3_moe, "
-                                 f"got {self.architecture.value}")
+            for name in ("num_experts", "moe_capacity_factor"):
+                if getattr(self, name):
+                    raise ValueError(f"ModelConfig.{name}={getattr(self, name)} needs architecture qwen3_moe, "
+                                     f"got {self.architecture.value}")
             return
         for name in ("num_experts", "num_experts_per_token", "moe_intermediate_size", "decoder_sparse_step"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ModelConfig.{name} must be a positive integer for qwen3_moe, got {value!r}")
+        capacity = self.moe_capacity_factor
+        if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int | float) or capacity <= 0):
+            raise ValueError(f"ModelConfig.moe_capacity_factor must be null (dropless) or a positive number, got {capacity!r}")
         if self.num_experts_per_token > self.num_experts:
             raise ValueError(f"ModelConfig.num_experts_per_token ({self.num_experts_per_token}) exceeds num_experts "
                              f"({self.num_experts})")
