@@ -9,7 +9,8 @@ dropless (`dispatch_dropless`): the n*k assignments sorted by expert go out by `
     device's run to the shard of its experts (sizes all-gathered first, a vector of x counts per device); the
     receiver regroups them by local expert and runs three `jax.lax.ragged_dot`; the inverse exchange brings the
     results home. Static shapes need the worst case: the receive buffer holds E*n*k rows (every assignment of
-    every peer could pick this device's experts). Nothing is dropped.
+    every peer could pick this device's experts). Nothing is dropped. XLA:CPU has no ragged all-to-all: on CPU
+    devices the same exchange is built from all-gathers (`gathered_all_to_all`, same result, E times the traffic).
 capacity (`dispatch_capacity`): each expert takes at most C = min(t, ceil(c * t * k / x)) assignments of each row
     (t tokens, c the capacity factor), first come (token order, then the token's k slots) first served; the rest
     are dropped (the token keeps its residual only) and counted. Buffers [x, rows*C, d] cross with a plain
@@ -25,6 +26,7 @@ boundary (their gradients reduce-scattered back by its transpose).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -82,8 +84,10 @@ def compute_experts(x: Float[Array, "b t d"], expert_ids: Int[Array, "b t k"], w
     kernel_specs = (PartitionSpec(split, None, tensor or None), PartitionSpec(split, None, tensor or None),
                     PartitionSpec(split, tensor or None, None))
     if capacity_factor is None:
+        exchange = ragged_exchange(sharding.mesh)
+
         def local(x, ids, w, valid, gate, up, down):
-            return dispatch_dropless(x, ids, w, (gate, up, down), split, shards, tensor)
+            return dispatch_dropless(x, ids, w, (gate, up, down), split, shards, tensor, exchange)
     else:
         def local(x, ids, w, valid, gate, up, down):
             return dispatch_capacity(x, ids, w, valid, (gate, up, down), capacity_factor, split, shards, tensor)
@@ -102,11 +106,35 @@ def _exclusive_cumsum(x: Int[Array, "..."], axis: int) -> Int[Array, "..."]:
     return jnp.cumsum(x, axis=axis) - x
 
 
+def gathered_all_to_all(operand: Array, output: Array, input_offsets: Int[Array, " e"], send_sizes: Int[Array, " e"],
+                        output_offsets: Int[Array, " e"], recv_sizes: Int[Array, " e"], *, axis_name) -> Array:
+    """`jax.lax.ragged_all_to_all`'s result (one slice per peer) built from all-gathers: each device gathers every
+    peer's operand and offsets and copies out the slices sent to it. For XLA:CPU, which has no ragged all-to-all;
+    it moves E times the operand (what the receive buffer holds anyway)."""
+    me = jax.lax.axis_index(axis_name)
+    operands = jax.lax.all_gather(operand, axis_name)  # [source, n, ...]
+    starts = jax.lax.all_gather(input_offsets, axis_name)[:, me]  # where each source's slice for me starts
+    lands = jax.lax.all_gather(output_offsets, axis_name)[:, me]  # where it lands in my output
+    rows = jnp.arange(output.shape[0])[:, None]
+    inside = (rows >= lands[None, :]) & (rows < (lands + recv_sizes)[None, :])  # [row, source]
+    source = jnp.argmax(inside, axis=1)
+    taken = operands[source, jnp.clip(starts[source] + rows[:, 0] - lands[source], 0, operand.shape[0] - 1)]
+    written = jnp.any(inside, axis=1).reshape(-1, *([1] * (output.ndim - 1)))
+    return jnp.where(written, taken, output)
+
+
+def ragged_exchange(mesh) -> Callable[..., Array]:
+    """The ragged all-to-all for `mesh`'s devices: XLA's collective (GPU, TPU), or `gathered_all_to_all` on CPU."""
+    return gathered_all_to_all if mesh.devices.flat[0].platform == "cpu" else jax.lax.ragged_all_to_all
+
+
 def dispatch_dropless(x: Float[Array, "b t d"], expert_ids: Int[Array, "b t k"], weights: Float[Array, "b t k"],
-                      kernels: Kernels, split: tuple[str, ...], shards: int, tensor: tuple[str, ...]
+                      kernels: Kernels, split: tuple[str, ...], shards: int, tensor: tuple[str, ...],
+                      exchange: Callable[..., Array] = jax.lax.ragged_all_to_all
                       ) -> tuple[Float[Array, "b t d"], Int[Array, "b t"]]:
     """One device's part of the dropless exchange (inside `shard_map` over the `shards` devices of `split`):
-    kernels hold its x/E local experts, `tensor` its slice of their width."""
+    kernels hold its x/E local experts, `tensor` its slice of their width; `exchange` has
+    `jax.lax.ragged_all_to_all`'s signature and semantics (`ragged_exchange`)."""
     b, t, d = x.shape
     k = expert_ids.shape[-1]
     local_experts = kernels[0].shape[0]
@@ -122,8 +150,8 @@ def dispatch_dropless(x: Float[Array, "b t d"], expert_ids: Int[Array, "b t k"],
     send_sizes, recv_sizes = sends[me], sends[:, me]
     input_offsets = _exclusive_cumsum(send_sizes, 0)
     output_offsets = _exclusive_cumsum(sends, 0)[me]  # where my run lands on each receiver: after lower sources'
-    received = jax.lax.ragged_all_to_all(sorted_x, jnp.zeros((shards * n, d), x.dtype), input_offsets, send_sizes,
-                                         output_offsets, recv_sizes, axis_name=split)
+    received = exchange(sorted_x, jnp.zeros((shards * n, d), x.dtype), input_offsets, send_sizes, output_offsets,
+                        recv_sizes, axis_name=split)
     # the buffer holds source 0's rows by local expert, then source 1's, ...; regroup by local expert
     mine = jax.lax.dynamic_slice_in_dim(all_counts, me * local_experts, local_experts, axis=1)  # [source, local]
     segment_sizes = jnp.concatenate([mine.reshape(-1), (shards * n - jnp.sum(mine))[None]])
@@ -136,8 +164,8 @@ def dispatch_dropless(x: Float[Array, "b t d"], expert_ids: Int[Array, "b t k"],
     hidden = swiglu(jax.lax.ragged_dot(grouped, gate, group_sizes), jax.lax.ragged_dot(grouped, up, group_sizes))
     out = jnp.zeros_like(received).at[regroup].set(jax.lax.ragged_dot(hidden, down, group_sizes))
     back_offsets = _exclusive_cumsum(sends, 1)[:, me]  # where each source's run started in its own sorted array
-    returned = jax.lax.ragged_all_to_all(out, jnp.zeros((n, d), x.dtype), _exclusive_cumsum(recv_sizes, 0),
-                                         recv_sizes, back_offsets, send_sizes, axis_name=split)
+    returned = exchange(out, jnp.zeros((n, d), x.dtype), _exclusive_cumsum(recv_sizes, 0), recv_sizes, back_offsets,
+                        send_sizes, axis_name=split)
     y = returned[jnp.argsort(order)].reshape(b * t, k, d)
     combined = _combine(y, weights.reshape(b * t, k), tensor, x.dtype)
     return combined.reshape(b, t, d), jnp.zeros((b, t), jnp.int32)
