@@ -64,7 +64,8 @@ def compute_experts(x: Float[Array, "b t d"], expert_ids: Int[Array, "b t k"], w
     split = expert_axes(sharding)
     if not split:
         if capacity_factor is None:
-            out = apply_experts(x.reshape(b * t, d), expert_ids.reshape(b * t, -1), weights.reshape(b * t, -1), *kernels)
+            out = apply_experts(x.reshape(b * t, d), expert_ids.reshape(b * t, -1), weights.reshape(b * t, -1),
+                                *kernels)
             return out.reshape(b, t, d), jnp.zeros((b, t), jnp.int32)
         return dispatch_capacity(x, expert_ids, weights, valid, kernels, capacity_factor, (), 1, ())
     num_experts = kernels[0].shape[0]
@@ -172,8 +173,8 @@ def dispatch_dropless(x: Float[Array, "b t d"], expert_ids: Int[Array, "b t k"],
 
 
 def dispatch_capacity(x: Float[Array, "b t d"], expert_ids: Int[Array, "b t k"], weights: Float[Array, "b t k"],
-                      valid: Bool[Array, "b t"], kernels: Kernels, capacity_factor: float, split: tuple[str, ...], shards: int,
-                      tensor: tuple[str, ...]) -> tuple[Float[Array, "b t d"], Int[Array, "b t"]]:
+                      valid: Bool[Array, "b t"], kernels: Kernels, capacity_factor: float, split: tuple[str, ...],
+                      shards: int, tensor: tuple[str, ...]) -> tuple[Float[Array, "b t d"], Int[Array, "b t"]]:
     """The capacity mode on one device's rows (inside `shard_map` over the `shards` devices of `split`, or plain
     when `split` is empty)."""
     b, t, d = x.shape

@@ -136,7 +136,8 @@ def test_layouts_expert_parallelism_cannot_honour_are_refused():
         compute_experts(x, ids, weights, kernels, ActivationSharding(mesh, no_batch), None)
     cfg = ModelConfig.tiny(Architecture.QWEN3_MOE, num_experts=6)
     state = nnx.state(Decoder(cfg, rngs=nnx.Rngs(0)))
-    with pytest.raises(ValueError, match="mlp'\\]\\['(gate|up|down)_proj'\\] of shape.*dimension 0 \\('expert', size 6\\) is not divisible"):
+    with pytest.raises(ValueError, match="mlp'\\]\\['(gate|up|down)_proj'\\] of shape.*dimension 0 "
+                                         "\\('expert', size 6\\) is not divisible"):
         shard_state(state, mesh, rules)
 
 

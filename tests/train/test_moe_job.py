@@ -103,8 +103,9 @@ def test_job_with_expert_parallelism_matches_the_data_parallel_run(tmp_path, cap
     data, expert = runs["data=4"], runs["data=2,expert=2"]
     assert [r["step"] for r in expert] == [1, 2]
     first, other = data[0], expert[0]
-    assert first["reward/mean"] == other["reward/mean"]  # the same rollout (the sampler's layout is the same)
-    for name in ("loss", "moe/load_balance", "moe/router_z", "moe/tokens_per_expert_max", "moe/dropped_tokens"):
+    assert first["reward"] == other["reward"]  # the same rollout (the sampler's layout is the same)
+    for name in ("loss", "advantage/reward_std", "moe/load_balance", "moe/router_z", "moe/tokens_per_expert_max",
+                 "moe/dropped_tokens"):
         assert other[name] == pytest.approx(first[name], rel=1e-4, abs=1e-6), name
     if capacity is not None:
         assert "moe/dropped_fraction" in other
