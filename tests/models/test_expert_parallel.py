@@ -134,6 +134,10 @@ def test_layouts_expert_parallelism_cannot_honour_are_refused():
     no_batch = ShardingRules(params=rules.params, activations={**rules.activations, axes.BATCH: (axes.DATA_AXIS,)})
     with pytest.raises(ValueError, match="needs the batch split over them too"):
         compute_experts(x, ids, weights, kernels, ActivationSharding(mesh, no_batch), None)
+    with pytest.raises(ValueError, match="moe_capacity_factor=1.0 needs architecture qwen3_moe"):
+        ModelConfig.tiny(moe_capacity_factor=1.0)
+    with pytest.raises(ValueError, match="moe_capacity_factor must be null \\(dropless\\) or a positive number"):
+        ModelConfig.tiny(Architecture.QWEN3_MOE, moe_capacity_factor=0)
     cfg = ModelConfig.tiny(Architecture.QWEN3_MOE, num_experts=6)
     state = nnx.state(Decoder(cfg, rngs=nnx.Rngs(0)))
     with pytest.raises(ValueError, match="mlp'\\]\\['(gate|up|down)_proj'\\] of shape.*dimension 0 "
