@@ -49,13 +49,17 @@ def router_z_loss(routing: Routing, mask: Bool[Array, "b t"]) -> Float[Array, ""
 
 
 def expert_load_metrics(routing: Routing, mask: Bool[Array, "b t"]) -> Metrics:
-    """Tokens per expert in each sparse layer: the largest count (`*_max`, any layer) and the mean (N k / x)."""
+    """Tokens per expert in each sparse layer: the largest count (`*_max`, any layer) and the mean (N k / x); the
+    (token, expert) assignments the capacity mode dropped per sparse layer (`moe/dropped_tokens`, 0 dropless) and
+    their fraction of the N k assignments."""
     b, t, s, k = routing.expert_ids.shape
     num_experts = routing.router_logits.shape[-1]
     valid = mask.reshape(-1).astype(jnp.float32)
     per_layer = routing.expert_ids.reshape(b * t, s, k)
     counts = jax.vmap(lambda ids: tokens_per_expert(ids, valid, num_experts), in_axes=1)(per_layer)  # s x
-    return {"moe/tokens_per_expert_max": jnp.max(counts), "moe/tokens_per_expert_mean": jnp.mean(counts)}
+    dropped = jnp.einsum("bts,bt->", routing.dropped.astype(jnp.float32), mask.astype(jnp.float32)) / s
+    return {"moe/tokens_per_expert_max": jnp.max(counts), "moe/tokens_per_expert_mean": jnp.mean(counts),
+            "moe/dropped_tokens": dropped, "moe/dropped_fraction": dropped / jnp.maximum(jnp.sum(valid) * k, 1.0)}
 
 
 def router_objective(routing: Routing, mask: Bool[Array, "b t"], total_tokens: Float[Array, ""], *,

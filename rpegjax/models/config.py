@@ -83,6 +83,10 @@ class ModelConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # None: dropless experts; c > 0: each expert takes at most ceil(c t k / x) of a row's assignments, the rest are
+    # dropped (rpegjax.models.expert_parallel). Not a checkpoint field: a training choice (Hugging Face's Qwen3-MoE
+    # is dropless)
+    moe_capacity_factor: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "architecture", Architecture(self.architecture))
@@ -101,28 +105,7 @@ class ModelConfig:
         if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
             raise ValueError("ModelConfig.rms_norm_eps and rope_theta must be positive")
         object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
-        self._check_experts()
-
-    def _check_experts(self) -> None:
-        if self.architecture != Architecture.QWEN3_MOE:
-            if self.num_experts:
-                raise ValueError(f"ModelConfig.num_experts={self.num_experts} needs architecture qwen3_moe, "
-                                 f"got {self.architecture.value}")
-            return
-        for name in ("num_experts", "num_experts_per_token", "moe_intermediate_size", "decoder_sparse_step"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"ModelConfig.{name} must be a positive integer for qwen3_moe, got {value!r}")
-        if self.num_experts_per_token > self.num_experts:
-            raise ValueError(f"ModelConfig.num_experts_per_token ({self.num_experts_per_token}) exceeds num_experts "
-                             f"({self.num_experts})")
-        bad = [i for i in self.mlp_only_layers if not isinstance(i, int) or not 0 <= i < self.num_layers]
-        if bad:
-            raise ValueError(f"ModelConfig.mlp_only_layers must be layer indices in [0, {self.num_layers}), got {bad}")
-        if self.scan_layers and len({self.is_sparse_layer(i) for i in range(self.num_layers)}) > 1:
-            raise ValueError("ModelConfig.scan_layers needs layers of one kind, but this model mixes dense and sparse "
-                             f"layers (decoder_sparse_step={self.decoder_sparse_step}, "
-                             f"mlp_only_layers={list(self.mlp_only_layers)}); set scan_layers=False")
+        _check_experts(self)
 
     def is_sparse_layer(self, index: int) -> bool:
         """Whether layer `index` is a mixture-of-experts layer (transformers' Qwen3MoeDecoderLayer rule)."""
@@ -340,6 +323,33 @@ class ModelConfig:
             hf["rope_scaling"] = scaling
             hf["rope_parameters"] = {**scaling, "rope_theta": self.rope_theta}
         return hf
+
+
+def _check_experts(cfg: ModelConfig) -> None:
+    """Raises ValueError naming the field when the mixture-of-experts fields do not fit the architecture."""
+    if cfg.architecture != Architecture.QWEN3_MOE:
+        for name in ("num_experts", "moe_capacity_factor"):
+            if getattr(cfg, name):
+                raise ValueError(f"ModelConfig.{name}={getattr(cfg, name)} needs architecture qwen3_moe, "
+                                 f"got {cfg.architecture.value}")
+        return
+    for name in ("num_experts", "num_experts_per_token", "moe_intermediate_size", "decoder_sparse_step"):
+        value = getattr(cfg, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"ModelConfig.{name} must be a positive integer for qwen3_moe, got {value!r}")
+    capacity = cfg.moe_capacity_factor
+    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int | float) or capacity <= 0):
+        raise ValueError(f"ModelConfig.moe_capacity_factor must be null (dropless) or a positive number, got {capacity!r}")
+    if cfg.num_experts_per_token > cfg.num_experts:
+        raise ValueError(f"ModelConfig.num_experts_per_token ({cfg.num_experts_per_token}) exceeds num_experts "
+                         f"({cfg.num_experts})")
+    bad = [i for i in cfg.mlp_only_layers if not isinstance(i, int) or not 0 <= i < cfg.num_layers]
+    if bad:
+        raise ValueError(f"ModelConfig.mlp_only_layers must be layer indices in [0, {cfg.num_layers}), got {bad}")
+    if cfg.scan_layers and len({cfg.is_sparse_layer(i) for i in range(cfg.num_layers)}) > 1:
+        raise ValueError("ModelConfig.scan_layers needs layers of one kind, but this model mixes dense and sparse "
+                         f"layers (decoder_sparse_step={cfg.decoder_sparse_step}, "
+                         f"mlp_only_layers={list(cfg.mlp_only_layers)}); set scan_layers=False")
 
 
 _QK_NORM = (Architecture.QWEN3, Architecture.QWEN3_MOE)

@@ -5,9 +5,12 @@ the k experts of largest p, weighted by their p (divided by the sum of the k cho
 
 The experts (`apply_experts`) are SwiGLU MLPs. Each of the T*k (token, expert) assignments is computed once,
 none dropped: the assignments are sorted by expert so that each expert's tokens are contiguous, and three grouped
-matmuls (`jax.lax.ragged_dot`, group sizes = tokens per expert) compute every expert's MLP in one pass. On GPU and
-TPU XLA runs ragged_dot as grouped GEMMs (k/E of a dense layer's FLOPs per expert weight); JAX's CPU lowering
-is a masked dense product over all E groups (E times the work), so on CPU it is correct but not fast.
+matmuls (`jax.lax.ragged_dot`, group sizes = tokens per expert) compute every expert's MLP in one pass. XLA does
+not run them as grouped GEMMs in jax 0.10.2: the CPU lowering is a masked dense product over all E groups, and
+the GPU compiler rewrites them the same way (a batched [E, rows, d] GEMM: E times the FLOPs and the temporaries;
+`benchmarks/bench_moe_memory.py` reads it from the compiled HLO; TPU not checked). So the
+dropless path is exact everywhere but costs E times a grouped kernel's work; the capacity mode
+(`expert_parallel.dispatch_capacity`) is the one whose matmuls do only (capacity) work on GPU.
 """
 
 from __future__ import annotations

@@ -7,7 +7,9 @@ Parameters (ours; Hugging Face's per-expert tensors are in `hf_layout`):
     up_proj    [x, d, f]
     down_proj  [x, f, d]
 
-`x` is the expert count (logical axis EXPERT), f the expert width `moe_intermediate_size`. The layer returns the
+`x` is the expert count (logical axis EXPERT: split over the `expert` mesh axis under expert parallelism), f the
+expert width `moe_intermediate_size`. The experts run dropless, or with `moe_capacity_factor` capped per row
+(`rpegjax.models.expert_parallel`). The layer returns the
 routing it used (`Routing`): the router's logits for the load-balancing loss and the chosen experts, which a later
 pass can replay (`expert_ids=`) so that it routes every token exactly as the recorded pass did; the replayed
 experts are weighted by this pass's router probabilities (`experts.replay_weights`), so the router still learns.
@@ -22,20 +24,23 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from rpegjax.models.config import ModelConfig
-from rpegjax.models.experts import apply_experts, replay_weights, route
+from rpegjax.models.expert_parallel import compute_experts
+from rpegjax.models.experts import replay_weights, route
 from rpegjax.sharding import axes
 from rpegjax.sharding.rules import ActivationSharding, constrain
 
 
 @flax.struct.dataclass
 class Routing:
-    """What one sparse layer routed: each token's experts and the router logits they came from."""
+    """What one sparse layer routed: each token's experts, the router logits they came from, and how many of the
+    token's assignments the capacity mode dropped (0 when dropless)."""
 
     expert_ids: Int[Array, "b t k"]
     router_logits: Float[Array, "b t x"]
+    dropped: Int[Array, "b t"]
 
 
 def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], logical: tuple[str | None, ...], dtype, fan_in: int) -> nnx.Param:
@@ -53,10 +58,13 @@ class SparseMoE(nnx.Module):
         self.top_k = cfg.num_experts_per_token
         self.norm_topk_prob = cfg.norm_topk_prob
         self.dtype = cfg.jnp_dtype
+        self.capacity_factor = cfg.moe_capacity_factor
 
     def __call__(self, x: Float[Array, "b t d"], sharding: ActivationSharding | None,
-                 expert_ids: Int[Array, "b t k"] | None = None) -> tuple[Float[Array, "b t d"], Routing]:
-        """The layer's output and its routing; with `expert_ids` the tokens use those experts (replay)."""
+                 expert_ids: Int[Array, "b t k"] | None = None, valid: Bool[Array, "b t"] | None = None
+                 ) -> tuple[Float[Array, "b t d"], Routing]:
+        """The layer's output and its routing; with `expert_ids` the tokens use those experts (replay). `valid`: the
+        real tokens (None: all), the only ones that take an expert's capacity in the capacity mode."""
         b, t, d = x.shape
         flat = x.reshape(b * t, d).astype(self.dtype)
         # float32 router (as Megatron's --moe-router-dtype fp32): a bf16 router flips near-tied experts
@@ -66,7 +74,9 @@ class SparseMoE(nnx.Module):
             replayed = expert_ids.reshape(b * t, self.top_k).astype(jnp.int32)
             ids = jnp.where(jnp.all(replayed >= 0, axis=-1, keepdims=True), replayed, ids)
             weights = replay_weights(logits, ids, self.norm_topk_prob)
-        out = apply_experts(flat, ids, weights, self.gate_proj.get_value(), self.up_proj.get_value(),
-                            self.down_proj.get_value())
-        out = constrain(out.reshape(b, t, d), sharding, (axes.BATCH, None, axes.EMBED))
-        return out, Routing(expert_ids=ids.reshape(b, t, self.top_k), router_logits=logits.reshape(b, t, -1))
+        kernels = (self.gate_proj.get_value(), self.up_proj.get_value(), self.down_proj.get_value())
+        ids, weights = ids.reshape(b, t, self.top_k), weights.reshape(b, t, self.top_k)
+        out, dropped = compute_experts(flat.reshape(b, t, d), ids, weights, kernels, sharding, self.capacity_factor,
+                                       valid=valid)
+        out = constrain(out, sharding, (axes.BATCH, None, axes.EMBED))
+        return out, Routing(expert_ids=ids, router_logits=logits.reshape(b, t, -1), dropped=dropped)

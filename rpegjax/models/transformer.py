@@ -320,7 +320,7 @@ class Block(nnx.Module):
         normed = constrain(self.post_attention_norm(x), sharding, GATHERED)
         routing = None
         if isinstance(self.mlp, SparseMoE):
-            mixed, routing = self.mlp(normed, sharding, expert_ids)
+            mixed, routing = self.mlp(normed, sharding, expert_ids, key_mask)
         else:
             mixed = self.mlp(normed, sharding, dropout_key)
         x = x + constrain(mixed, sharding, RESIDUAL)
@@ -449,10 +449,12 @@ class Decoder(nnx.Module):
 
     def with_execution(self, **changes: Any) -> Decoder:
         """This model's parameters under a config whose execution fields (`MODEL_EXECUTION_FIELDS`: attention kernel,
-        remat, layer scan) are changed; e.g. for a checkpoint loaded with the defaults."""
-        unknown = sorted(set(changes) - set(MODEL_EXECUTION_FIELDS))
+        remat, layer scan) or MoE capacity factor are changed (none changes the parameters); e.g. for a checkpoint
+        loaded with the defaults."""
+        allowed = (*MODEL_EXECUTION_FIELDS, "moe_capacity_factor")
+        unknown = sorted(set(changes) - set(allowed))
         if unknown:
-            raise ValueError(f"Decoder.with_execution changes only {list(MODEL_EXECUTION_FIELDS)}, got {unknown}")
+            raise ValueError(f"Decoder.with_execution changes only {list(allowed)}, got {unknown}")
         cfg = self.cfg.replace(**changes)
         graphdef = nnx.graphdef(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0), lora=self.lora)))
         return nnx.merge(graphdef, nnx.state(self))

@@ -21,3 +21,4 @@ DATA_AXIS = "data"
 FSDP_AXIS = "fsdp"
 TENSOR_AXIS = "tensor"
 CONTEXT_AXIS = "context"  # one row's sequence split over devices (context parallelism)
+EXPERT_AXIS = "expert"  # a mixture-of-experts model's experts split over devices (expert parallelism); data-like else

@@ -42,18 +42,24 @@ class ShardingRules:
         `sequence_parallel` the residual stream between the tensor-parallel blocks is also split on its sequence
         over `tensor` (Megatron-style: all-gathered before the column-parallel projections, reduce-scattered after
         the row-parallel ones), so the layer inputs remat keeps are not repeated on every tensor device.
+
+        An `expert` axis (expert parallelism) splits a mixture-of-experts layer's experts (logical EXPERT, of
+        parameters and of the dispatched tokens: `rpegjax.models.expert_parallel`); for everything else it is
+        data-like: rows split over it, and weights' embedding dim too (as over `fsdp`).
         """
-        tensor, context = axes.TENSOR_AXIS, axes.CONTEXT_AXIS
+        tensor, context, expert = axes.TENSOR_AXIS, axes.CONTEXT_AXIS, axes.EXPERT_AXIS
         return cls(
             params={
-                axes.EMBED: (axes.FSDP_AXIS, context),
+                axes.EXPERT: expert,
+                axes.EMBED: (axes.FSDP_AXIS, context, expert),
                 axes.MLP: tensor,
                 axes.HEADS: tensor,
                 axes.KV_HEADS: tensor,
                 axes.VOCAB: tensor,
             },
             activations={
-                axes.BATCH: (axes.DATA_AXIS, axes.FSDP_AXIS),
+                axes.BATCH: (axes.DATA_AXIS, axes.FSDP_AXIS, expert),
+                axes.EXPERT: expert,
                 axes.SEQ: context,
                 axes.RESIDUAL_SEQ: (context, tensor) if sequence_parallel else context,
                 axes.HEADS: tensor,

@@ -207,7 +207,7 @@ def _model_config(cfg: RunConfig, tokenizer, *, value_head: bool) -> ModelConfig
         vocab_size=vocab, hidden_size=m.hidden_size, num_layers=m.num_layers, num_heads=m.num_heads,
         num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, intermediate_size=m.intermediate_size, attention_bias=True,
         param_dtype=precision.param_dtype, dtype=precision.dtype, value_head=value_head, eos_token_id=tokenizer.eos_id,
-        max_position_embeddings=4096, **m.execution()), **experts})
+        max_position_embeddings=4096, moe_capacity_factor=m.moe_capacity_factor, **m.execution()), **experts})
 
 
 def run_precision(cfg: RunConfig) -> Precision:
@@ -410,7 +410,8 @@ def _pretrained(cfg: RunConfig, tokenizer, train_mesh) -> tuple[Decoder, ModelCo
     precision = run_precision(cfg)
     model, model_cfg = load_pretrained(cfg.model.path, param_dtype=precision.param_dtype, dtype=precision.dtype,
                                        value_head=cfg.shares_actor_critic, mesh=train_mesh)
-    model = model.with_execution(**cfg.model.execution())
+    capacity = {} if cfg.model.moe_capacity_factor is None else dict(moe_capacity_factor=cfg.model.moe_capacity_factor)
+    model = model.with_execution(**cfg.model.execution(), **capacity)
     model_cfg = model.cfg
     if model_cfg.eos_token_id is None:
         model_cfg = model_cfg.replace(eos_token_id=tokenizer.eos_id)

@@ -42,7 +42,7 @@ from rpegjax.runtime.partial_rollouts import PartialRolloutConfig, StalePolicy
 from rpegjax.rewards.format import overlong_penalty
 from rpegjax.rewards.task import Difficulty
 from rpegjax.rewards.tasks import TaskName
-from rpegjax.sharding.axes import CONTEXT_AXIS, DATA_AXIS, FSDP_AXIS, TENSOR_AXIS
+from rpegjax.sharding.axes import CONTEXT_AXIS, DATA_AXIS, EXPERT_AXIS, FSDP_AXIS, TENSOR_AXIS
 from rpegjax.sharding.mesh import parse_mesh
 from rpegjax.train.overrides import (
     ConfigFileError,
@@ -54,8 +54,9 @@ from rpegjax.train.overrides import (
 
 _WIDTHS = ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size")
 """The model widths a LoRA rank is checked against (`LoRASection.check_rank`)."""
-MESH_AXES = (DATA_AXIS, FSDP_AXIS, CONTEXT_AXIS, TENSOR_AXIS)
-"""The mesh axis names the sharding rules know (`context`: training only, the sampler splits no row)."""
+MESH_AXES = (DATA_AXIS, FSDP_AXIS, EXPERT_AXIS, CONTEXT_AXIS, TENSOR_AXIS)
+"""The mesh axis names the sharding rules know (`context`: training only, the sampler splits no row; `expert`:
+a mixture-of-experts model's experts in training, a data axis for the sampler and for dense models)."""
 
 
 def _positive(section: object, *names: str) -> None:
@@ -78,7 +79,9 @@ class ModelSection:
     """`path`: a local Hugging Face directory (config.json + safetensors + tokenizer files); without it a
     small Qwen2-style model of the sizes below is built for the built-in character tokenizer, or with
     `num_experts` > 0 a Qwen3-MoE-style one whose every layer routes each token to `num_experts_per_token` of
-    `num_experts` experts of width `moe_intermediate_size` (rpegjax.models.moe)."""
+    `num_experts` experts of width `moe_intermediate_size` (rpegjax.models.moe). `moe_capacity_factor` (a MoE
+    model, built or loaded): null runs the experts dropless; c > 0 caps each expert at ceil(c t k / x) of a row's
+    assignments and drops the rest (counted in `moe/dropped_tokens`; rpegjax.models.expert_parallel)."""
 
     path: str | None = None
     hidden_size: int = 128
@@ -90,6 +93,7 @@ class ModelSection:
     num_experts: int = 0
     num_experts_per_token: int = 2
     moe_intermediate_size: int = 128
+    moe_capacity_factor: float | None = None
     # None: the mixed-precision policy (rpegjax.models.precision): float32 everywhere on CPU; on a GPU float32
     # master weights computing in a checkpoint's own dtype, generation in the compute dtype
     param_dtype: DType | None = None
@@ -107,6 +111,10 @@ class ModelSection:
                   "attention_block_size", "num_experts_per_token", "moe_intermediate_size")
         if not isinstance(self.num_experts, int) or isinstance(self.num_experts, bool) or self.num_experts < 0:
             raise ValueError(f"ModelSection.num_experts must be 0 (dense) or a positive integer, got {self.num_experts!r}")
+        capacity = self.moe_capacity_factor
+        if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int | float) or capacity <= 0):
+            raise ValueError(f"ModelSection.moe_capacity_factor must be null (dropless) or a positive number, "
+                             f"got {capacity!r}")
         _choice(self, "attention", AttentionKind)
         _choice(self, "remat", RematPolicy)
         for name in ("param_dtype", "dtype", "generation_dtype"):  # unset: the mixed-precision policy
@@ -348,7 +356,8 @@ class GraphSection:
     so that with k >= 1 the two run at the same time. `plan` names a graph JSON (a run's graph.json,
     or `scripts/plan.py --json` output: its best plan) to execute instead of the graph these fields describe.
     `optimizer_sharding` / `optimizer_offload`: `rpegjax.graph.ir.Execution`'s fields of those names.
-    A `context` axis of `mesh` splits each training row's sequence over its devices (context parallelism);
+    A `context` axis of `mesh` splits each training row's sequence over its devices (context parallelism); an
+    `expert` axis splits a mixture-of-experts model's experts (expert parallelism; rows split over it too);
     `sequence_parallel` splits the residual stream over `tensor` too (`Execution.sequence_parallel`)."""
 
     async_bound: int = 1

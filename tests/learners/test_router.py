@@ -21,7 +21,8 @@ B, T, S, X, K = 3, 7, 2, 6, 2
 def _routing(seed=0):
     logits = jax.random.normal(jax.random.key(seed), (B, T, S, X)) * 2
     ids, _ = route(logits.reshape(-1, X), K, False)
-    return Routing(expert_ids=ids.reshape(B, T, S, K), router_logits=logits)
+    dropped = jax.random.randint(jax.random.key(seed + 100), (B, T, S), 0, K + 1)  # as a capacity mode could
+    return Routing(expert_ids=ids.reshape(B, T, S, K), router_logits=logits, dropped=dropped)
 
 
 def _mask():
@@ -51,6 +52,9 @@ def test_z_loss_and_expert_load_equal_numpy():
     metrics = expert_load_metrics(routing, jnp.asarray(mask))
     assert float(metrics["moe/tokens_per_expert_max"]) == counts.max()
     np.testing.assert_allclose(metrics["moe/tokens_per_expert_mean"], mask.sum() * K / X, rtol=1e-6)
+    dropped = np.asarray(routing.dropped)[mask].sum() / S  # real tokens' dropped assignments per sparse layer
+    np.testing.assert_allclose(metrics["moe/dropped_tokens"], dropped, rtol=1e-6)
+    np.testing.assert_allclose(metrics["moe/dropped_fraction"], dropped / (mask.sum() * K), rtol=1e-6)
 
 
 def test_micro_batch_terms_sum_to_the_token_weighted_mean():

@@ -115,3 +115,21 @@ def test_param_specs_reject_wrong_rank_metadata():
     state = nnx.State({"w": nnx.Param(jnp.zeros((2, 2)), logical_axes=("embed",))})
     with pytest.raises(ValueError, match="do not match a parameter of shape"):
         param_specs(state, mesh, ShardingRules.fsdp_tp())
+
+
+def test_expert_axis_splits_the_experts_and_is_data_like_for_the_rest():
+    """Expert kernels split over `expert` (their d keeps fsdp); dense weights and rows split over it as over fsdp."""
+    cfg = ModelConfig.tiny(Architecture.QWEN3_MOE, num_layers=2, mlp_only_layers=(1,))
+    mesh = make_mesh({"fsdp": 2, "expert": 2, "tensor": 2})
+    rules = ShardingRules.fsdp_tp()
+    sharded = shard_state(nnx.state(Decoder(cfg, rngs=nnx.Rngs(0))), mesh, rules)
+    sparse, dense = sharded["layers"][0], sharded["layers"][1]
+    assert sparse["mlp"]["gate_proj"].get_value().sharding.spec == P("expert", "fsdp", "tensor")
+    assert sparse["mlp"]["down_proj"].get_value().sharding.spec == P("expert", "tensor", "fsdp")
+    assert sparse["mlp"]["router"].get_value().sharding.spec == P(("fsdp", "expert"), None)
+    assert dense["mlp"]["gate_proj"].get_value().sharding.spec == P(("fsdp", "expert"), "tensor")
+    assert sparse["attention"]["q_proj"].get_value().sharding.spec == P(("fsdp", "expert"), "tensor", None)
+    activation = ActivationSharding(mesh, rules)
+    assert activation.spec((axes.BATCH, None), (8, 3)) == P(("fsdp", "expert"), None)
+    assert activation.mesh_axes(axes.EXPERT) == ("expert",)
+    assert check_param_shardings(sharded, mesh, rules, min_size=1) == []

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 from hf_parity import assert_final_hf_logit_parity
+from test_train_job import TINY, run_job
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -79,3 +80,32 @@ def test_router_options_the_run_cannot_honour_are_refused():
         check_router_options(run(router_replay=True), moe)
     with pytest.raises(ValueError, match=r"grpo.router_aux_loss_coef=0.01: the model has no experts"):
         check_router_options(run(router_aux_loss_coef=0.01), dense)
+
+
+MOE = ["--model.num_experts=4", "--model.num_experts_per_token=2", "--model.moe_intermediate_size=32",
+       "--warm-start-steps=0", "--grpo.router_aux_loss_coef=0.01"]
+
+
+@pytest.mark.slow  # two 4-device jobs, ~3 minutes each on a loaded 2-core machine
+@pytest.mark.parametrize("capacity", [None, 1.0])
+def test_job_with_expert_parallelism_matches_the_data_parallel_run(tmp_path, capacity):
+    """The built-in MoE model trained over data=2 x expert=2 (experts split, all-to-all dispatch) takes the same
+    first step as over data=4 (every device holds every expert): the same rollout, loss and router terms."""
+    capped = [] if capacity is None else [f"--model.moe_capacity_factor={capacity}"]
+    runs = {}
+    for mesh in ("data=4", "data=2,expert=2"):
+        run_dir = tmp_path / mesh.replace(",", "_").replace("=", "")
+        result = run_job(run_dir, "--steps=2", *MOE, *capped, f"--mesh={mesh}", config=TINY[:-1], devices=4,
+                         timeout=1500)
+        assert result.returncode == 0, result.stderr[-3000:]
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        runs[mesh] = [r for r in records if "loss" in r]
+    data, expert = runs["data=4"], runs["data=2,expert=2"]
+    assert [r["step"] for r in expert] == [1, 2]
+    first, other = data[0], expert[0]
+    assert first["reward"] == other["reward"]  # the same rollout (the sampler's layout is the same)
+    for name in ("loss", "advantage/reward_std", "moe/load_balance", "moe/router_z", "moe/tokens_per_expert_max",
+                 "moe/dropped_tokens"):
+        assert other[name] == pytest.approx(first[name], rel=1e-4, abs=1e-6), name
+    if capacity is not None:
+        assert "moe/dropped_fraction" in other
