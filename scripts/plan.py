@@ -94,6 +94,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "that many devices; 1: none)")
     parser.add_argument("--sequence-parallel", default="false", choices=["false", "true", "both"],
                         help="search sequence parallelism within tensor (the residual stream split over tensor)")
+    parser.add_argument("--partial-rollouts", default="both", choices=["false", "true", "both"],
+                        help="search partial rollouts (generation runs on over two batches of groups in flight, carrying "
+                             "unfinished sequences into the next step: the job's --rollout.partial)")
     parser.add_argument("--param-dtype", default="float32", choices=list(DType),
                         help="weights and optimiser moments (the run's model.param_dtype)")
     parser.add_argument("--dtype", default="bfloat16", choices=list(DType), help="matmul compute (the run's model.dtype)")
@@ -182,6 +185,9 @@ def table(rows: list[tuple[str, step_model.Prediction]]) -> str:
     lines.append(("step time (s)", *(f"{p.step_seconds:.2f}" if p.fits else "does not fit" for _, p in rows)))
     lines.append(("tokens/s (generated)", *(f"{p.tokens_per_second:,.0f}" if p.fits else "-" for _, p in rows)))
     lines.append(("MFU", *(f"{100 * p.mfu:.1f}%" if p.fits else "-" for _, p in rows)))
+    lines.append(("generation slots busy", *(_generation_detail(p, "slot_busy", "{:.0%}") for _, p in rows)))
+    lines.append(("carried sequences", *(_generation_detail(p, "carried_sequences", "{:,.0f}") for _, p in rows)))
+    lines.append(("token lag mean/max", *(_lag(p) for _, p in rows)))
     lines.append(("peak memory/GPU (GB)", *(_gb(p.needed_memory_bytes) for _, p in rows)))
     lines.append(("usable memory/GPU (GB)", *(_gb(p.memory_limit_bytes) for _, p in rows)))
     for stage in stage_names:
@@ -193,6 +199,23 @@ def table(rows: list[tuple[str, step_model.Prediction]]) -> str:
     widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
     return "\n".join("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths)))
                      for line in lines)
+
+
+def _generation_detail(prediction: step_model.Prediction, name: str, form: str) -> str:
+    """A figure of the generate stage's detail (`-`: a plan without it, or that does not fit)."""
+    stage = next((s for s in prediction.stages if s.kind == "generate"), None)
+    value = None if stage is None or not prediction.fits else stage.detail.get(name)
+    return "-" if value is None else form.format(value)
+
+
+def _lag(prediction: step_model.Prediction) -> str:
+    """Weights versions a trained token lags the trainer: k without partial rollouts, else the modelled ones."""
+    if not prediction.fits:
+        return "-"
+    if not prediction.graph.execution.partial_rollouts:
+        return f"{prediction.graph.async_bound}/{prediction.graph.async_bound}"
+    return f"{_generation_detail(prediction, 'version_lag_mean', '{:.2f}')}/" \
+           f"{_generation_detail(prediction, 'version_lag_max', '{:.0f}')}"
 
 
 def _plan_json(name: str, plan: planner.Plan) -> dict[str, Any]:
@@ -266,10 +289,11 @@ def main(argv: list[str] | None = None) -> int:
         options = ExecutionOptions(decode_memory_efficiency=fitted.decode_memory)
     # every plan is predicted as rpegjax's runtime executes it (its kernels, padding, micro-batching)
     evaluator = step_model.Evaluator.for_runtime(model, workload, hw, options)
-    sequence_parallel = {"false": (False,), "true": (True,), "both": (False, True)}[args.sequence_parallel]
+    choices = {"false": (False,), "true": (True,), "both": (False, True)}
     space = planner.PlanSpace(attention=args.attention, remat=args.remat, param_dtype=args.param_dtype, dtype=args.dtype,
                               async_bounds=args.async_bounds, context_sizes=args.context_sizes,
-                              sequence_parallel=sequence_parallel)
+                              sequence_parallel=choices[args.sequence_parallel],
+                              partial_rollouts=choices[args.partial_rollouts])
     use_reference = args.reference
     common = {"algorithm": args.algo, "num_devices": args.gpus, "use_reference": use_reference, "space": space,
               "optimizer_steps": args.optimizer_steps}

@@ -77,6 +77,9 @@ class PlanSpace:
     # offloaded to host memory while generation runs (colocated plans on devices with a host link)
     optimizer_sharding: OptimizerSharding = OptimizerSharding.DATA
     optimizer_offload: tuple[bool, ...] = (False, True)
+    # partial rollouts (`Execution.partial_rollouts`: two batches in flight, tokens lagging at most k + 2 versions;
+    # `rpegjax.perf.partial_rollouts` models them), for colocated plans (the runtime runs them on shared processes)
+    partial_rollouts: tuple[bool, ...] = (False, True)
 
     def __post_init__(self) -> None:
         try:
@@ -85,7 +88,7 @@ class PlanSpace:
             raise ValueError(f"PlanSpace.critic_modes must hold {[m.value for m in CriticMode]}, got {self.critic_modes!r}") from None
         for name in ("async_bounds", "critic_modes", "fusion", "microbatches", "generation_fractions", "tensor_sizes",
                      "context_sizes", "sequence_parallel", "reshard_inference", "attention", "remat",
-                     "update_microbatches", "inference_microbatches", "optimizer_offload"):
+                     "update_microbatches", "inference_microbatches", "optimizer_offload", "partial_rollouts"):
             if not getattr(self, name):
                 raise ValueError(f"PlanSpace.{name} must list at least one choice")
         if any(k < 0 for k in self.async_bounds) or any(m < 1 for m in self.microbatches) or any(
@@ -101,13 +104,13 @@ class PlanSpace:
             del execution
 
     def executions(self) -> list[Execution]:
-        """Every (attention, remat, offload, sequence parallelism) execution of the space, with its precision, KV
-        cache and optimiser sharding (micro-batches 1)."""
+        """Every (attention, remat, offload, sequence parallelism, partial rollouts) execution of the space, with its
+        precision, KV cache and optimiser sharding (micro-batches 1)."""
         return [Execution(attention=attention, remat=remat, scan_layers=True, kv_cache=self.kv_cache,
                           param_dtype=self.param_dtype, dtype=self.dtype, optimizer_sharding=self.optimizer_sharding,
-                          optimizer_offload=offload, sequence_parallel=sequence_parallel)
-                for attention, remat, offload, sequence_parallel in itertools.product(
-                    self.attention, self.remat, self.optimizer_offload, self.sequence_parallel)]
+                          optimizer_offload=offload, sequence_parallel=sequence_parallel, partial_rollouts=partial)
+                for attention, remat, offload, sequence_parallel, partial in itertools.product(
+                    self.attention, self.remat, self.optimizer_offload, self.sequence_parallel, self.partial_rollouts)]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -304,6 +307,10 @@ class Planner:
                 # offload frees memory only where generation shares the devices, and needs a host link
                 if execution.optimizer_offload and (split or hardware.device.host_bandwidth <= 0):
                     continue
+                # the runtime runs partial rollouts only where generation and training share their processes
+                # (`rpegjax.runtime.controller`): colocated plans
+                if execution.partial_rollouts and split:
+                    continue
                 base = PlanChoice(algorithm=self.algorithm, use_reference=self.use_reference, num_devices=self.num_devices,
                                   optimizer_steps=self.optimizer_steps,
                                   critic_mode=critic_mode, generation_devices=split, generation_layout=gen_layout,
@@ -368,7 +375,9 @@ class Planner:
             per_replica, cost, layout, inputs = generated
         paged = execution.kv_cache is CacheLayout.PAGED
         step = group * layout.replicas if paged else math.lcm(group, layout.replicas)
-        most = max(step, -(-inputs.workload.sequences // step) * step)
+        # partial rollouts keep inflight_batches batches in flight: slots beyond one batch stay busy too
+        in_flight = execution.inflight_batches if execution.partial_rollouts else 1
+        most = max(step, -(-inputs.workload.sequences * in_flight // step) * step)
         slots = min(most, max(step, per_replica * layout.replicas // step * step))
         if paged:
             kv = cost.transient_bytes - generation_stage.decode_working_bytes(inputs, layout, per_replica)
@@ -518,7 +527,8 @@ def verl_like(evaluator: Evaluator, *, algorithm: Algorithm | str, num_devices: 
     tensor-parallel rollout (TP 2 up to ~14B parameters, else 4, as in verl's example scripts); executed with
     the space's first execution the runtime supports (flash-style attention and full remat, as verl's examples
     enable) and the fewest update micro-batches that fit."""
-    planner = Planner(evaluator, algorithm=algorithm, num_devices=num_devices, use_reference=use_reference, space=space,
+    planner = Planner(evaluator, algorithm=algorithm, num_devices=num_devices, use_reference=use_reference,
+                      space=dataclasses.replace(space or PlanSpace(), partial_rollouts=(False,)),
                       optimizer_steps=optimizer_steps)
     shape = evaluator.inputs.actor
     tensor = 2 if shape.params <= 14e9 else 4
@@ -544,7 +554,8 @@ def real_like(evaluator: Evaluator, *, algorithm: Algorithm | str, num_devices: 
     planner = Planner(evaluator, algorithm=algorithm, num_devices=num_devices, use_reference=use_reference,
                       space=dataclasses.replace(space or PlanSpace(), async_bounds=(0,), critic_modes=(CriticMode.SEPARATE,),
                                                 fusion=(False,), microbatches=(1,), generation_fractions=(None,),
-                                                tensor_sizes=tensor_sizes, reshard_inference=(False,)),
+                                                tensor_sizes=tensor_sizes, reshard_inference=(False,),
+                                                partial_rollouts=(False,)),
                       optimizer_steps=optimizer_steps)
     generation: dict[tuple, float] = {}
     training: dict[tuple, tuple[float, PlanChoice]] = {}
