@@ -97,6 +97,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--partial-rollouts", default="both", choices=["false", "true", "both"],
                         help="search partial rollouts (generation runs on over two batches of groups in flight, carrying "
                              "unfinished sequences into the next step: the job's --rollout.partial)")
+    parser.add_argument("--inflight-batches", default="2,3",
+                        help="batches of groups in flight to search with partial rollouts, comma-separated (the job's "
+                             "--rollout.inflight_batches)")
     parser.add_argument("--param-dtype", default="float32", choices=list(DType),
                         help="weights and optimiser moments (the run's model.param_dtype)")
     parser.add_argument("--dtype", default="bfloat16", choices=list(DType), help="matmul compute (the run's model.dtype)")
@@ -147,6 +150,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--context-sizes: comma-separated integers, got {args.context_sizes!r}")
     if not args.context_sizes or min(args.context_sizes) < 1:
         parser.error(f"--context-sizes: at least one size, each >= 1, got {args.context_sizes}")
+    try:
+        args.inflight_batches = tuple(int(v) for v in args.inflight_batches.split(",") if v.strip())
+    except ValueError:
+        parser.error(f"--inflight-batches: comma-separated integers, got {args.inflight_batches!r}")
+    if not args.inflight_batches or min(args.inflight_batches) < 2:
+        parser.error(f"--inflight-batches: at least one count, each >= 2, got {args.inflight_batches}")
     if not 1 <= args.response_mean < args.response_max:
         parser.error(f"--response-mean must be in [1, --response-max), got {args.response_mean}")
     for name, kind in (("attention", AttentionKind), ("remat", RematPolicy)):
@@ -212,10 +221,11 @@ def _lag(prediction: step_model.Prediction) -> str:
     """Weights versions a trained token lags the trainer: k without partial rollouts, else the modelled ones."""
     if not prediction.fits:
         return "-"
+    k = prediction.graph.async_bound
     if not prediction.graph.execution.partial_rollouts:
-        return f"{prediction.graph.async_bound}/{prediction.graph.async_bound}"
-    return f"{_generation_detail(prediction, 'version_lag_mean', '{:.2f}')}/" \
-           f"{_generation_detail(prediction, 'version_lag_max', '{:.0f}')}"
+        return f"{k}/{k}"
+    detail = next(s for s in prediction.stages if s.kind == "generate").detail
+    return f"{k + detail['carry_lag_mean']:.2f}/{k + detail['carry_lag_max']:.0f}"
 
 
 def _plan_json(name: str, plan: planner.Plan) -> dict[str, Any]:
@@ -293,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     space = planner.PlanSpace(attention=args.attention, remat=args.remat, param_dtype=args.param_dtype, dtype=args.dtype,
                               async_bounds=args.async_bounds, context_sizes=args.context_sizes,
                               sequence_parallel=choices[args.sequence_parallel],
-                              partial_rollouts=choices[args.partial_rollouts])
+                              partial_rollouts=choices[args.partial_rollouts], inflight_batches=args.inflight_batches)
     use_reference = args.reference
     common = {"algorithm": args.algo, "num_devices": args.gpus, "use_reference": use_reference, "space": space,
               "optimizer_steps": args.optimizer_steps}

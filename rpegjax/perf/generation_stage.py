@@ -169,11 +169,12 @@ def _partial_timeline(inputs: CostInputs, layout: Layout, slots: int, step: Deco
     if slots < w.group_size:
         raise MemoryError(f"partial rollouts: a group of {w.group_size} starts in as many slots at once; a replica "
                           f"holds {slots}")
-    lag = async_bound + 2 if o.max_token_lag is None else o.max_token_lag
+    # simulated with k = 0 and the versions a group may be carried over: its time does not depend on k (the lags
+    # it reports are beyond k), so plans that differ only in k share it
     schedule = partial.PartialSchedule(
         group_size=w.group_size, groups_per_step=math.ceil(w.prompts / layout.replicas),
-        inflight_batches=o.inflight_batches, max_token_lag=lag, async_bound=async_bound, slots=slots,
-        prompt=w.prompt_tokens, capacity=w.prompt_tokens + w.responses.max)
+        inflight_batches=o.inflight_batches, max_token_lag=partial_carries(o.max_token_lag, async_bound),
+        async_bound=0, slots=slots, prompt=w.prompt_tokens, capacity=w.prompt_tokens + w.responses.max)
     prefill = partial.PrefillCost(
         seconds_fixed=costs.forward_flops(shape, tokens=0, pairs=0, logit_tokens=1) / peak / t,
         seconds_per_token=costs.forward_flops(shape, tokens=1, pairs=0, logit_tokens=0) / peak / t,
@@ -188,11 +189,17 @@ def _partial_timeline(inputs: CostInputs, layout: Layout, slots: int, step: Deco
                               compute_bound_fraction=state.compute_bound_fraction)
     extra = {"carried_sequences": state.carried_sequences * layout.replicas,
              "reprefill_tokens": state.reprefill_tokens * layout.replicas,
-             "decoded_tokens": state.decoded_tokens * layout.replicas, "version_lag_mean": state.lag_mean,
-             "version_lag_max": float(state.lag_max), "dropped_groups": state.dropped_groups * layout.replicas,
-             "inflight_batches": float(o.inflight_batches), "max_token_lag": float(lag)}
+             "decoded_tokens": state.decoded_tokens * layout.replicas, "carry_lag_mean": state.lag_mean,
+             "carry_lag_max": float(state.lag_max), "dropped_groups": state.dropped_groups * layout.replicas,
+             "inflight_batches": float(o.inflight_batches)}
     return timeline, extra
 
 
+def partial_carries(max_token_lag: int | None, async_bound: int) -> int:
+    """Weights versions a trained token may lag beyond the asynchrony bound under partial rollouts: how many
+    steps after its first a group may still be generated (`max_token_lag` None: the job's default, k + 2)."""
+    return 2 if max_token_lag is None else max_token_lag - async_bound
+
+
 __all__ = ["decode_transient_bytes", "decode_working_bytes", "generation_cost", "generation_memory", "kv_bytes_per_slot",
-           "kv_bytes_per_token", "pool_tokens_per_slot"]
+           "kv_bytes_per_token", "partial_carries", "pool_tokens_per_slot"]

@@ -80,6 +80,7 @@ class PlanSpace:
     # partial rollouts (`Execution.partial_rollouts`: two batches in flight, tokens lagging at most k + 2 versions;
     # `rpegjax.perf.partial_rollouts` models them), for colocated plans (the runtime runs them on shared processes)
     partial_rollouts: tuple[bool, ...] = (False, True)
+    inflight_batches: tuple[int, ...] = (2, 3)  # of a plan with partial rollouts (more: busier slots, older tokens)
 
     def __post_init__(self) -> None:
         try:
@@ -88,7 +89,8 @@ class PlanSpace:
             raise ValueError(f"PlanSpace.critic_modes must hold {[m.value for m in CriticMode]}, got {self.critic_modes!r}") from None
         for name in ("async_bounds", "critic_modes", "fusion", "microbatches", "generation_fractions", "tensor_sizes",
                      "context_sizes", "sequence_parallel", "reshard_inference", "attention", "remat",
-                     "update_microbatches", "inference_microbatches", "optimizer_offload", "partial_rollouts"):
+                     "update_microbatches", "inference_microbatches", "optimizer_offload", "partial_rollouts",
+                     "inflight_batches"):
             if not getattr(self, name):
                 raise ValueError(f"PlanSpace.{name} must list at least one choice")
         if any(k < 0 for k in self.async_bounds) or any(m < 1 for m in self.microbatches) or any(
@@ -106,11 +108,14 @@ class PlanSpace:
     def executions(self) -> list[Execution]:
         """Every (attention, remat, offload, sequence parallelism, partial rollouts) execution of the space, with its
         precision, KV cache and optimiser sharding (micro-batches 1)."""
+        partial = [dict(partial_rollouts=False)] * (False in self.partial_rollouts) + [
+            dict(partial_rollouts=True, inflight_batches=batches) for batches in self.inflight_batches
+            if True in self.partial_rollouts]
         return [Execution(attention=attention, remat=remat, scan_layers=True, kv_cache=self.kv_cache,
                           param_dtype=self.param_dtype, dtype=self.dtype, optimizer_sharding=self.optimizer_sharding,
-                          optimizer_offload=offload, sequence_parallel=sequence_parallel, partial_rollouts=partial)
-                for attention, remat, offload, sequence_parallel, partial in itertools.product(
-                    self.attention, self.remat, self.optimizer_offload, self.sequence_parallel, self.partial_rollouts)]
+                          optimizer_offload=offload, sequence_parallel=sequence_parallel, **rollouts)
+                for attention, remat, offload, sequence_parallel, rollouts in itertools.product(
+                    self.attention, self.remat, self.optimizer_offload, self.sequence_parallel, partial)]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -296,8 +296,10 @@ def _cost_key(graph: Graph, stage: Stage, persistent: np.ndarray) -> tuple:
                 related.append((graph.placements[reader_stage.placement], graph.parallel_of(reader)))
     devices = list(placement_devices(graph, stage.placement))
     left = round(float(persistent[devices].max())) if StageKind.GENERATE in stage.kinds else None
-    # partial rollouts carry a group while its tokens stay within max_token_lag of the asynchrony bound
-    carries = graph.async_bound if StageKind.GENERATE in stage.kinds and graph.execution.partial_rollouts else None
+    # partial rollouts carry a group while its tokens lag at most max_token_lag: the versions beyond k
+    execution = graph.execution
+    carries = (generation_stage.partial_carries(execution.max_token_lag, graph.async_bound)
+               if StageKind.GENERATE in stage.kinds and execution.partial_rollouts else None)
     return (stage, graph.placements[stage.placement], tuple(map(repr, related)), left, carries,
             _execution_key(stage, graph.execution))
 
