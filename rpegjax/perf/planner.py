@@ -393,8 +393,11 @@ class Planner:
     def _fastest_slots(self, choice: PlanChoice, execution: Execution, most: int, step: int) -> Execution:
         """`execution` with the fastest generation of `most` slots and its halvings (whole steps of `step`): the
         running slots decode each step (padded to a power of two) over the longest one's window, so fewer slots
-        decode for more steps over fewer rows each (the step model times both)."""
-        counts = sorted({max(step, most // 2**i // step * step) for i in range(4)}, reverse=True)
+        decode for more steps over fewer rows each (the step model times both). With partial rollouts also the
+        slots of each whole number of batches in flight (one batch: the others queue for its freed slots)."""
+        in_flight = execution.inflight_batches if execution.partial_rollouts else 1
+        counts = sorted({max(step, most // 2**i // step * step) for i in range(4)}
+                        | {max(step, most * j // in_flight // step * step) for j in range(1, in_flight)}, reverse=True)
         timed = []
         for count in counts:
             candidate = dataclasses.replace(execution, decode_slots=count)
