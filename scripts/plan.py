@@ -97,6 +97,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--packing", default="both", choices=["false", "true", "both"],
                         help="search sequence packing (rows of a token budget the planner fits, the job's "
                              "grpo.packing / max_tokens_per_micro_batch) against rows padded to the longest")
+    parser.add_argument("--partial-rollouts", default="false", choices=["false", "true", "both"],
+                        help="search partial rollouts (generation runs on over two batches of groups in flight, carrying "
+                             "unfinished sequences into the next step: the job's --rollout.partial); off by default: the memory "
+                             "model does not count the carried sequences' start program yet, which a dry run may refuse")
+    parser.add_argument("--inflight-batches", default="2,3",
+                        help="batches of groups in flight to search with partial rollouts, comma-separated (the job's "
+                             "--rollout.inflight_batches)")
     parser.add_argument("--param-dtype", default="float32", choices=list(DType),
                         help="weights and optimiser moments (the run's model.param_dtype)")
     parser.add_argument("--dtype", default="bfloat16", choices=list(DType), help="matmul compute (the run's model.dtype)")
@@ -147,6 +154,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--context-sizes: comma-separated integers, got {args.context_sizes!r}")
     if not args.context_sizes or min(args.context_sizes) < 1:
         parser.error(f"--context-sizes: at least one size, each >= 1, got {args.context_sizes}")
+    try:
+        args.inflight_batches = tuple(int(v) for v in args.inflight_batches.split(",") if v.strip())
+    except ValueError:
+        parser.error(f"--inflight-batches: comma-separated integers, got {args.inflight_batches!r}")
+    if not args.inflight_batches or min(args.inflight_batches) < 2:
+        parser.error(f"--inflight-batches: at least one count, each >= 2, got {args.inflight_batches}")
     if not 1 <= args.response_mean < args.response_max:
         parser.error(f"--response-mean must be in [1, --response-max), got {args.response_mean}")
     for name, kind in (("attention", AttentionKind), ("remat", RematPolicy)):
@@ -185,6 +198,9 @@ def table(rows: list[tuple[str, step_model.Prediction]]) -> str:
     lines.append(("step time (s)", *(f"{p.step_seconds:.2f}" if p.fits else "does not fit" for _, p in rows)))
     lines.append(("tokens/s (generated)", *(f"{p.tokens_per_second:,.0f}" if p.fits else "-" for _, p in rows)))
     lines.append(("MFU", *(f"{100 * p.mfu:.1f}%" if p.fits else "-" for _, p in rows)))
+    lines.append(("generation slots busy", *(_generation_detail(p, "slot_busy", "{:.0%}") for _, p in rows)))
+    lines.append(("carried sequences", *(_generation_detail(p, "carried_sequences", "{:,.0f}") for _, p in rows)))
+    lines.append(("token lag mean/max", *(_lag(p) for _, p in rows)))
     lines.append(("peak memory/GPU (GB)", *(_gb(p.needed_memory_bytes) for _, p in rows)))
     lines.append(("usable memory/GPU (GB)", *(_gb(p.memory_limit_bytes) for _, p in rows)))
     for stage in stage_names:
@@ -196,6 +212,24 @@ def table(rows: list[tuple[str, step_model.Prediction]]) -> str:
     widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
     return "\n".join("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths)))
                      for line in lines)
+
+
+def _generation_detail(prediction: step_model.Prediction, name: str, form: str) -> str:
+    """A figure of the generate stage's detail (`-`: a plan without it, or that does not fit)."""
+    stage = next((s for s in prediction.stages if s.kind == "generate"), None)
+    value = None if stage is None or not prediction.fits else stage.detail.get(name)
+    return "-" if value is None else form.format(value)
+
+
+def _lag(prediction: step_model.Prediction) -> str:
+    """Weights versions a trained token lags the trainer: k without partial rollouts, else the modelled ones."""
+    if not prediction.fits:
+        return "-"
+    k = prediction.graph.async_bound
+    if not prediction.graph.execution.partial_rollouts:
+        return f"{k}/{k}"
+    detail = next(s for s in prediction.stages if s.kind == "generate").detail
+    return f"{k + detail['carry_lag_mean']:.2f}/{k + detail['carry_lag_max']:.0f}"
 
 
 def _plan_json(name: str, plan: planner.Plan) -> dict[str, Any]:
@@ -272,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     choices = {"false": (False,), "true": (True,), "both": (False, True)}
     space = planner.PlanSpace(attention=args.attention, remat=args.remat, param_dtype=args.param_dtype, dtype=args.dtype,
                               async_bounds=args.async_bounds, context_sizes=args.context_sizes,
-                              sequence_parallel=choices[args.sequence_parallel], packing=choices[args.packing])
+                              sequence_parallel=choices[args.sequence_parallel], packing=choices[args.packing],
+                              partial_rollouts=choices[args.partial_rollouts], inflight_batches=args.inflight_batches)
     use_reference = args.reference
     common = {"algorithm": args.algo, "num_devices": args.gpus, "use_reference": use_reference, "space": space,
               "optimizer_steps": args.optimizer_steps}

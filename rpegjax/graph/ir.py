@@ -302,6 +302,11 @@ class Execution:
     sequence_parallel: training and inference stages split the residual stream between the tensor-parallel blocks on
     its sequence over `tensor` too (`rpegjax.sharding.rules.ShardingRules.fsdp_tp`). Context parallelism is a
     `context` axis of a stage's parallel sizes, not an option.
+    partial_rollouts / inflight_batches / max_token_lag: generation runs continuously over `inflight_batches`
+    batches of groups, a step trains the first to complete and carries the sequences still decoding into the next
+    (re-prefilled under the newer weights); a trained token lags at most `max_token_lag` versions (None: the
+    asynchrony bound + 2). The job's `rollout.partial`, `rollout.inflight_batches`, `rollout.max_token_lag`
+    (`rpegjax.runtime.partial_rollouts`).
     Generation micro-batches are the stages' own `microbatches`.
     """
 
@@ -322,6 +327,9 @@ class Execution:
     optimizer_sharding: OptimizerSharding = OptimizerSharding.PARAMS
     optimizer_offload: bool = False
     sequence_parallel: bool = False
+    partial_rollouts: bool = False
+    inflight_batches: int = 2
+    max_token_lag: int | None = None
 
     def __post_init__(self) -> None:
         for name, kind in (("attention", AttentionKind), ("remat", RematPolicy), ("kv_cache", CacheLayout),
@@ -334,7 +342,7 @@ class Execution:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise GraphError(f"Execution.{name} must be a positive integer, got {value!r}")
-        for name in ("scan_layers", "optimizer_offload", "sequence_parallel"):
+        for name in ("scan_layers", "optimizer_offload", "sequence_parallel", "partial_rollouts"):
             if not isinstance(getattr(self, name), bool):
                 raise GraphError(f"Execution.{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("inference_rows", "decode_slots"):
@@ -342,6 +350,7 @@ class Execution:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise GraphError(f"Execution.{name} must be a positive integer or null, got {value!r}")
         self._check_packing()
+        self._check_partial()
         if self.kv_pool_tokens is not None:
             value = self.kv_pool_tokens
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -363,6 +372,16 @@ class Execution:
             raise GraphError(f"Execution.packing chooses micro-batches by max_tokens_per_micro_batch; "
                              f"update_microbatches={self.update_microbatches} and inference_rows={self.inference_rows} "
                              "must stay 1 and null")
+
+    def _check_partial(self) -> None:
+        lag, batches = self.max_token_lag, self.inflight_batches
+        if isinstance(batches, bool) or not isinstance(batches, int) or batches < 2:
+            raise GraphError(f"Execution.inflight_batches must be an integer >= 2, got {batches!r}")
+        if lag is not None and (isinstance(lag, bool) or not isinstance(lag, int) or lag < 1):
+            raise GraphError(f"Execution.max_token_lag must be a positive integer or null, got {lag!r}")
+        if not self.partial_rollouts and (batches != 2 or lag is not None):
+            raise GraphError(f"Execution.inflight_batches={batches} and max_token_lag={lag} set partial rollouts; "
+                             "set partial_rollouts too (or leave them at 2 and null)")
 
     def model_fields(self) -> dict[str, Any]:
         """The fields a model config takes (`ModelConfig` execution fields)."""
@@ -395,6 +414,9 @@ class Execution:
         optimizer = "" if self.optimizer_sharding is OptimizerSharding.PARAMS else ", optimiser state over data"
         optimizer += ", optimiser state offloaded" if self.optimizer_offload else ""
         sequence = ", sequence parallel" if self.sequence_parallel else ""
+        lag = "k+2" if self.max_token_lag is None else self.max_token_lag
+        sequence += (f", partial rollouts ({self.inflight_batches} batches in flight, token lag <= {lag})"
+                     if self.partial_rollouts else "")
         return (f"{self.attention} attention, remat {self.remat}, {self.param_dtype}/{self.dtype}, "
                 f"{self.kv_cache} KV cache{pool}{slots}{micro}{rows}{packed}{optimizer}{sequence}")
 

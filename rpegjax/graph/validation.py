@@ -35,6 +35,14 @@ def validate_graph(graph: Graph) -> None:
     graph.topological_order()  # raises on a same-step cycle, naming the stages on it
     _check_placements(graph)
     _check_fused_groups(graph)
+    _check_partial_rollouts(graph)
+
+
+def _check_partial_rollouts(graph: Graph) -> None:
+    lag = graph.execution.max_token_lag
+    if graph.execution.partial_rollouts and lag is not None and lag <= graph.async_bound:
+        raise GraphError(f"Execution.max_token_lag ({lag}) must exceed the asynchrony bound ({graph.async_bound}): new "
+                         "tokens already lag by it, no sequence could be carried")
 
 
 def _check_names(graph: Graph) -> None:

@@ -9,8 +9,9 @@ import math
 import numpy as np
 
 from rpegjax.perf import collectives, costs
+from rpegjax.perf import partial_rollouts as partial
 from rpegjax.perf.costs import DecodeKernel, ModelShape
-from rpegjax.perf.generation_cost import DecodeStepCost, replica_lengths, simulate_decode
+from rpegjax.perf.generation_cost import DecodeStepCost, DecodeTimeline, replica_lengths, simulate_decode
 from rpegjax.perf.stage_costs import SAMPLING_BYTES_PER_VOCAB, CostInputs, Layout, StageCost, Workload
 
 
@@ -69,7 +70,8 @@ def generation_memory(inputs: CostInputs, layout: Layout, kv_budget_bytes: float
     w, o = inputs.workload, inputs.options
     per_token = kv_bytes_per_token(inputs.actor, layout)
     capacity = w.prompt_tokens + w.responses.max
-    share = math.ceil(w.sequences / layout.replicas)
+    # a replica's share of the sequences in flight (partial rollouts keep inflight_batches batches)
+    share = math.ceil(w.sequences * (o.inflight_batches if o.partial_rollouts else 1) / layout.replicas)
     transient = functools.partial(decode_working_bytes, inputs, layout)  # bytes beside the cache, by slots
     per_slot = kv_bytes_per_slot(inputs, layout) + transient(1)
     if o.kv_pool:
@@ -92,12 +94,15 @@ def generation_memory(inputs: CostInputs, layout: Layout, kv_budget_bytes: float
     return slots, kv + transient(slots)
 
 
-def generation_cost(inputs: CostInputs, layout: Layout, *, kv_budget_bytes: float, pieces: int = 1) -> StageCost:
+def generation_cost(inputs: CostInputs, layout: Layout, *, kv_budget_bytes: float, pieces: int = 1,
+                    async_bound: int = 0) -> StageCost:
     """Prefill + decode of the whole batch on `layout.replicas` replicas of `layout.tensor`-way tensor parallelism.
 
     The number of concurrent sequences per replica is what the KV budget (bytes per device) holds, capped by
     the options' `max_decode_slots` and the replica's share of the batch. FSDP in generation all-gathers the
-    weights every step (costed, never hidden: decode has no compute to hide it behind).
+    weights every step (costed, never hidden: decode has no compute to hide it behind). With the options'
+    `partial_rollouts` generation runs continuously over more groups than a step trains
+    (`rpegjax.perf.partial_rollouts`; `async_bound`: the graph's, which bounds how long a group may be carried).
     """
     hw, o, w, shape, device = inputs.hardware, inputs.options, inputs.workload, inputs.actor, inputs.hardware.device
     if layout.pipeline > 1:
@@ -129,9 +134,13 @@ def generation_cost(inputs: CostInputs, layout: Layout, *, kv_budget_bytes: floa
         memory_seconds_per_key=kv_per_token / bandwidth,
         fixed_seconds=shape.layers * o.kernels_per_layer * device.kernel_overhead_s + tensor_comm + fsdp_comm,
         prefill_seconds=prefill_seconds / t)
-    queue = replica_lengths(w.responses, w.sequences, replicas)
-    timeline = simulate_decode(queue, slots=slots, prompt=w.prompt_tokens, capacity=capacity, kernel=o.decode,
-                               continuous=o.continuous_batching, cost=step)
+    if o.partial_rollouts:
+        timeline, extra = _partial_timeline(inputs, layout, slots, step, async_bound, peak, attention_peak)
+    else:
+        queue = replica_lengths(w.responses, w.sequences, replicas)
+        timeline = simulate_decode(queue, slots=slots, prompt=w.prompt_tokens, capacity=capacity, kernel=o.decode,
+                                   continuous=o.continuous_batching, cost=step)
+        extra = {}
     seconds = timeline.seconds + device.dispatch_overhead_s
     finished = np.sort(timeline.finish_seconds)
     fractions = tuple(float(finished[min(len(finished) - 1, math.ceil((j + 1) * len(finished) / pieces) - 1)]) / seconds
@@ -149,8 +158,48 @@ def generation_cost(inputs: CostInputs, layout: Layout, *, kv_budget_bytes: floa
         piece_fractions=fractions,
         detail={"slots": slots, "decode_steps": timeline.steps, "mean_active": timeline.mean_active,
                 "mean_decoded_rows": timeline.mean_rows, "slot_busy": timeline.mean_active / timeline.slots,
-                "generated_tokens": generated})
+                "generated_tokens": generated, **extra})
+
+
+def _partial_timeline(inputs: CostInputs, layout: Layout, slots: int, step: DecodeStepCost, async_bound: int,
+                      peak: float, attention_peak: float) -> tuple[DecodeTimeline, dict[str, float]]:
+    """One replica's steady-state step of partial rollouts (`rpegjax.perf.partial_rollouts`) as a
+    `DecodeTimeline` (finish times: of the trained groups), and its partial-rollout figures."""
+    w, o, shape, t = inputs.workload, inputs.options, inputs.actor, layout.tensor
+    if slots < w.group_size:
+        raise MemoryError(f"partial rollouts: a group of {w.group_size} starts in as many slots at once; a replica "
+                          f"holds {slots}")
+    # simulated with k = 0 and the versions a group may be carried over: its time does not depend on k (the lags
+    # it reports are beyond k), so plans that differ only in k share it
+    schedule = partial.PartialSchedule(
+        group_size=w.group_size, groups_per_step=math.ceil(w.prompts / layout.replicas),
+        inflight_batches=o.inflight_batches, max_token_lag=partial_carries(o.max_token_lag, async_bound),
+        async_bound=0, slots=slots, prompt=w.prompt_tokens, capacity=w.prompt_tokens + w.responses.max)
+    prefill = partial.PrefillCost(
+        seconds_fixed=costs.forward_flops(shape, tokens=0, pairs=0, logit_tokens=1) / peak / t,
+        seconds_per_token=costs.forward_flops(shape, tokens=1, pairs=0, logit_tokens=0) / peak / t,
+        seconds_per_pair=costs.forward_flops(shape, tokens=0, pairs=1, logit_tokens=0) / attention_peak / t,
+        dense_width=schedule.capacity if o.attention is costs.AttentionKernel.DENSE else None)
+    simulation = partial.PartialSimulation(schedule, partial.drawn_groups(w.responses, w.group_size),
+                                           kernel=o.decode, cost=step, prefill=prefill)
+    state = partial.steady_state(simulation)
+    timeline = DecodeTimeline(seconds=state.seconds, finish_seconds=np.asarray(state.finish_fractions) * state.seconds,
+                              steps=round(state.decode_steps), mean_active=state.mean_active,
+                              mean_rows=state.mean_rows, slots=slots,
+                              compute_bound_fraction=state.compute_bound_fraction)
+    extra = {"carried_sequences": state.carried_sequences * layout.replicas,
+             "reprefill_tokens": state.reprefill_tokens * layout.replicas,
+             "decoded_tokens": state.decoded_tokens * layout.replicas, "carry_lag_mean": state.lag_mean,
+             "carry_lag_max": float(state.lag_max), "dropped_groups": state.dropped_groups * layout.replicas,
+             "inflight_batches": float(o.inflight_batches)}
+    return timeline, extra
+
+
+def partial_carries(max_token_lag: int | None, async_bound: int) -> int:
+    """Weights versions a trained token may lag beyond the asynchrony bound under partial rollouts: how many
+    steps after its first a group may still be generated (`max_token_lag` None: the job's default, k + 2)."""
+    return 2 if max_token_lag is None else max_token_lag - async_bound
 
 
 __all__ = ["decode_transient_bytes", "decode_working_bytes", "generation_cost", "generation_memory", "kv_bytes_per_slot",
-           "kv_bytes_per_token", "pool_tokens_per_slot"]
+           "kv_bytes_per_token", "partial_carries", "pool_tokens_per_slot"]

@@ -83,6 +83,12 @@ class PlanSpace:
     # attention blocks, and for context parallelism to 2 x context blocks), the fastest whose stages fit
     packing: tuple[bool, ...] = (False, True)
     packed_rows: tuple[int, ...] = (64, 32, 16, 8, 4, 2, 1)
+    # partial rollouts (`Execution.partial_rollouts`: two batches in flight, tokens lagging at most k + 2 versions;
+    # `rpegjax.perf.partial_rollouts` models them), for colocated plans (the runtime runs them on shared processes);
+    # not searched by default: the carried sequences' start program is not in the memory model yet (it can exceed
+    # the device at real shapes, so such a plan can fail the dry run)
+    partial_rollouts: tuple[bool, ...] = (False,)
+    inflight_batches: tuple[int, ...] = (2, 3)  # of a plan with partial rollouts (more: busier slots, older tokens)
 
     def __post_init__(self) -> None:
         try:
@@ -91,7 +97,8 @@ class PlanSpace:
             raise ValueError(f"PlanSpace.critic_modes must hold {[m.value for m in CriticMode]}, got {self.critic_modes!r}") from None
         for name in ("async_bounds", "critic_modes", "fusion", "microbatches", "generation_fractions", "tensor_sizes",
                      "context_sizes", "sequence_parallel", "reshard_inference", "attention", "remat",
-                     "update_microbatches", "inference_microbatches", "optimizer_offload", "packing", "packed_rows"):
+                     "update_microbatches", "inference_microbatches", "optimizer_offload", "packing", "packed_rows",
+                     "partial_rollouts", "inflight_batches"):
             if not getattr(self, name):
                 raise ValueError(f"PlanSpace.{name} must list at least one choice")
         if any(k < 0 for k in self.async_bounds) or any(m < 1 for m in self.microbatches) or any(
@@ -108,15 +115,18 @@ class PlanSpace:
             del execution
 
     def executions(self, longest: int = 1) -> list[Execution]:
-        """Every (attention, remat, offload, sequence parallelism, packing) execution of the space, with its
-        precision, KV cache and optimiser sharding (micro-batches 1; packed rows of the largest multiple of the
-        `longest` sequence, until `Planner.fit_microbatches` fits the budget)."""
+        """Every (attention, remat, offload, sequence parallelism, packing, partial rollouts) execution of the
+        space, with its precision, KV cache and optimiser sharding (micro-batches 1; packed rows of the largest
+        multiple of the `longest` sequence, until `Planner.fit_microbatches` fits the budget)."""
+        partial = [dict(partial_rollouts=False)] * (False in self.partial_rollouts) + [
+            dict(partial_rollouts=True, inflight_batches=batches) for batches in self.inflight_batches
+            if True in self.partial_rollouts]
         return [Execution(attention=attention, remat=remat, scan_layers=True, kv_cache=self.kv_cache,
                           param_dtype=self.param_dtype, dtype=self.dtype, optimizer_sharding=self.optimizer_sharding,
                           optimizer_offload=offload, sequence_parallel=sequence_parallel, packing=packing,
-                          max_tokens_per_micro_batch=self.packed_rows[0] * longest if packing else None)
-                for attention, remat, offload, sequence_parallel, packing in itertools.product(
-                    self.attention, self.remat, self.optimizer_offload, self.sequence_parallel, self.packing)]
+                          max_tokens_per_micro_batch=self.packed_rows[0] * longest if packing else None, **rollouts)
+                for attention, remat, offload, sequence_parallel, packing, rollouts in itertools.product(
+                    self.attention, self.remat, self.optimizer_offload, self.sequence_parallel, self.packing, partial)]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -314,6 +324,10 @@ class Planner:
                 # offload frees memory only where generation shares the devices, and needs a host link
                 if execution.optimizer_offload and (split or hardware.device.host_bandwidth <= 0):
                     continue
+                # the runtime runs partial rollouts only where generation and training share their processes
+                # (`rpegjax.runtime.controller`): colocated plans
+                if execution.partial_rollouts and split:
+                    continue
                 base = PlanChoice(algorithm=self.algorithm, use_reference=self.use_reference, num_devices=self.num_devices,
                                   optimizer_steps=self.optimizer_steps,
                                   critic_mode=critic_mode, generation_devices=split, generation_layout=gen_layout,
@@ -415,7 +429,9 @@ class Planner:
             per_replica, cost, layout, inputs = generated
         paged = execution.kv_cache is CacheLayout.PAGED
         step = group * layout.replicas if paged else math.lcm(group, layout.replicas)
-        most = max(step, -(-inputs.workload.sequences // step) * step)
+        # partial rollouts keep inflight_batches batches in flight: slots beyond one batch stay busy too
+        in_flight = execution.inflight_batches if execution.partial_rollouts else 1
+        most = max(step, -(-inputs.workload.sequences * in_flight // step) * step)
         slots = min(most, max(step, per_replica * layout.replicas // step * step))
         if paged:
             kv = cost.transient_bytes - generation_stage.decode_working_bytes(inputs, layout, per_replica)
@@ -426,8 +442,11 @@ class Planner:
     def _fastest_slots(self, choice: PlanChoice, execution: Execution, most: int, step: int) -> Execution:
         """`execution` with the fastest generation of `most` slots and its halvings (whole steps of `step`): the
         running slots decode each step (padded to a power of two) over the longest one's window, so fewer slots
-        decode for more steps over fewer rows each (the step model times both)."""
-        counts = sorted({max(step, most // 2**i // step * step) for i in range(4)}, reverse=True)
+        decode for more steps over fewer rows each (the step model times both). With partial rollouts also the
+        slots of each whole number of batches in flight (one batch: the others queue for its freed slots)."""
+        in_flight = execution.inflight_batches if execution.partial_rollouts else 1
+        counts = sorted({max(step, most // 2**i // step * step) for i in range(4)}
+                        | {max(step, most * j // in_flight // step * step) for j in range(1, in_flight)}, reverse=True)
         timed = []
         for count in counts:
             candidate = dataclasses.replace(execution, decode_slots=count)
@@ -568,7 +587,8 @@ def verl_like(evaluator: Evaluator, *, algorithm: Algorithm | str, num_devices: 
     tensor-parallel rollout (TP 2 up to ~14B parameters, else 4, as in verl's example scripts); executed with
     the space's first execution the runtime supports (flash-style attention and full remat, as verl's examples
     enable) and the fewest update micro-batches that fit."""
-    planner = Planner(evaluator, algorithm=algorithm, num_devices=num_devices, use_reference=use_reference, space=space,
+    planner = Planner(evaluator, algorithm=algorithm, num_devices=num_devices, use_reference=use_reference,
+                      space=dataclasses.replace(space or PlanSpace(), partial_rollouts=(False,)),
                       optimizer_steps=optimizer_steps)
     shape = evaluator.inputs.actor
     tensor = 2 if shape.params <= 14e9 else 4
@@ -594,7 +614,8 @@ def real_like(evaluator: Evaluator, *, algorithm: Algorithm | str, num_devices: 
     planner = Planner(evaluator, algorithm=algorithm, num_devices=num_devices, use_reference=use_reference,
                       space=dataclasses.replace(space or PlanSpace(), async_bounds=(0,), critic_modes=(CriticMode.SEPARATE,),
                                                 fusion=(False,), microbatches=(1,), generation_fractions=(None,),
-                                                tensor_sizes=tensor_sizes, reshard_inference=(False,)),
+                                                tensor_sizes=tensor_sizes, reshard_inference=(False,),
+                                                partial_rollouts=(False,)),
                       optimizer_steps=optimizer_steps)
     generation: dict[tuple, float] = {}
     training: dict[tuple, tuple[float, PlanChoice]] = {}

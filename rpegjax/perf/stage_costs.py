@@ -143,6 +143,12 @@ class ExecutionOptions:
     # rpegjax's runtime packing (`Execution.packing`): sequences laid first-fit-decreasing into rows of this many
     # tokens, one row per row shard per pass, whole rows computed (`rpegjax.perf.packed_batches`); None: not so
     packed_row_tokens: int | None = None
+    # partial rollouts (`rpegjax.perf.partial_rollouts`): generation runs continuously over `inflight_batches`
+    # batches of groups, carrying unfinished sequences into later steps; a trained token lags at most
+    # `max_token_lag` weights versions (None: the asynchrony bound + 2, as the job's default)
+    partial_rollouts: bool = False
+    inflight_batches: int = 2
+    max_token_lag: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "attention", costs.AttentionKernel(self.attention))
@@ -185,7 +191,9 @@ class ExecutionOptions:
             inference_rows=execution.inference_rows, decode_slots=execution.decode_slots,
             kv_pool=execution.kv_cache is CacheLayout.PAGED, kv_pool_tokens=execution.kv_pool_tokens,
             optimizer_data_sharding=execution.optimizer_sharding is OptimizerSharding.DATA,
-            optimizer_offload=execution.optimizer_offload)
+            optimizer_offload=execution.optimizer_offload, partial_rollouts=execution.partial_rollouts,
+            inflight_batches=execution.inflight_batches, max_token_lag=execution.max_token_lag)
+
     @classmethod
     def rpegjax_xla(cls, **changes) -> ExecutionOptions:
         """rpegjax's own kernels as they are today: dense masked attention, a fixed-slot sampler, padded batches."""

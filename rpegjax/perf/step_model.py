@@ -239,7 +239,8 @@ def stage_cost(graph: Graph, stage: Stage, inputs: CostInputs, persistent: np.nd
                       - inputs.actor.weight_bytes / layout.shards)
         else:
             budget = inputs.hardware.usable_memory_bytes - float(persistent[list(devices)].max())
-        return generation_stage.generation_cost(inputs, layout, kv_budget_bytes=budget, pieces=stage.microbatches)
+        return generation_stage.generation_cost(inputs, layout, kv_budget_bytes=budget, pieces=stage.microbatches,
+                                                async_bound=graph.async_bound)
     if StageKind.WEIGHT_SYNC in kinds:
         readers = [graph.stage(name) for name in graph.consumers(stage.name)]
         generate = next((s for s in readers if StageKind.GENERATE in s.kinds), None)
@@ -295,7 +296,12 @@ def _cost_key(graph: Graph, stage: Stage, persistent: np.ndarray) -> tuple:
                 related.append((graph.placements[reader_stage.placement], graph.parallel_of(reader)))
     devices = list(placement_devices(graph, stage.placement))
     left = round(float(persistent[devices].max())) if StageKind.GENERATE in stage.kinds else None
-    return stage, graph.placements[stage.placement], tuple(map(repr, related)), left, _execution_key(stage, graph.execution)
+    # partial rollouts carry a group while its tokens lag at most max_token_lag: the versions beyond k
+    execution = graph.execution
+    carries = (generation_stage.partial_carries(execution.max_token_lag, graph.async_bound)
+               if StageKind.GENERATE in stage.kinds and execution.partial_rollouts else None)
+    return (stage, graph.placements[stage.placement], tuple(map(repr, related)), left, carries,
+            _execution_key(stage, graph.execution))
 
 
 def _execution_key(stage: Stage, execution: Execution) -> tuple:
@@ -304,7 +310,8 @@ def _execution_key(stage: Stage, execution: Execution) -> tuple:
     if set(stage.kinds) & UPDATE_KINDS:
         return dataclasses.astuple(execution)
     return (execution.attention, execution.param_dtype, execution.dtype, execution.kv_cache, execution.kv_pool_tokens,
-            execution.page_size, execution.decode_slots, execution.inference_rows)
+            execution.page_size, execution.decode_slots, execution.inference_rows, execution.partial_rollouts,
+            execution.inflight_batches, execution.max_token_lag)
 
 
 class Evaluator:

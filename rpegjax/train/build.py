@@ -33,6 +33,7 @@ from rpegjax.rewards.math import check_gold_answer
 from rpegjax.rewards.tasks import make_task
 from rpegjax.runtime.assembly import RolloutShape, place_models, sampler_on
 from rpegjax.runtime.meshes import placed_meshes
+from rpegjax.runtime.partial_rollouts import PartialRolloutConfig
 from rpegjax.runtime.roles import process_groups
 from rpegjax.sharding.mesh import resolve_axis_sizes
 from rpegjax.train.config import GraphSection, RolloutSection, RunConfig
@@ -233,7 +234,50 @@ def run_execution(cfg: RunConfig) -> Execution:
                      inference_rows=algo.inference_rows, packing=algo.packing,
                      max_tokens_per_micro_batch=algo.max_tokens_per_micro_batch, **m.execution(),
                      sequence_parallel=cfg.graph.sequence_parallel, **_kv_cache_fields(cfg),
-                     **_optimizer_fields(cfg))
+                     **_optimizer_fields(cfg), **_partial_fields(cfg))
+
+
+def _partial_fields(cfg: RunConfig) -> dict[str, Any]:
+    """The rollout section's partial rollouts as `Execution` fields (none when off: their defaults)."""
+    rollout = cfg.rollout
+    if not rollout.partial:
+        return {}
+    return {"partial_rollouts": True, "inflight_batches": rollout.inflight_batches,
+            "max_token_lag": rollout.max_token_lag}
+
+
+def run_partial_rollouts(cfg: RunConfig, graph: Graph) -> PartialRolloutConfig | None:
+    """The partial rollouts the run executes (None: off): its graph's (a plan's, or the rollout section's through
+    `run_execution`), a token lagging at most `max_token_lag` versions (None: the graph's asynchrony bound + 2),
+    with the rollout section's stale policy and in-flight weights (the plan models the wait policy)."""
+    execution = graph.execution
+    if not execution.partial_rollouts:
+        return None
+    lag = graph.async_bound + 2 if execution.max_token_lag is None else execution.max_token_lag
+    return PartialRolloutConfig(max_token_lag=lag, stale_policy=cfg.rollout.stale_policy,
+                                inflight_batches=execution.inflight_batches,
+                                inflight_weights=cfg.rollout.inflight_weights)
+
+
+def _check_plan_partial(cfg: RunConfig, graph: Graph, where: str) -> None:
+    """A run that sets partial rollouts other than its plan's is refused (one that leaves them unset runs the
+    plan's); a plan with partial rollouts must suit the run (no dynamic sampling, no multi-turn episodes)."""
+    defaults, rollout = RolloutSection(), cfg.rollout
+    asked = {name: getattr(rollout, name) for name in ("partial", "inflight_batches", "max_token_lag")
+             if getattr(rollout, name) != getattr(defaults, name)}
+    plan = graph.execution
+    planned = {"partial": plan.partial_rollouts, "inflight_batches": plan.inflight_batches,
+               "max_token_lag": plan.max_token_lag}
+    if asked != {name: planned[name] for name in asked}:
+        raise ValueError(f"{where}: the plan's partial rollouts are {planned}, this run asks for {asked} "
+                         f"(rollout.partial, inflight_batches, max_token_lag; plan again, or leave them unset to run "
+                         f"the plan's)")
+    if plan.partial_rollouts and not rollout.partial:  # the run's own checks of partial rollouts, on the plan's
+        try:
+            dataclasses.replace(cfg, rollout=dataclasses.replace(rollout, partial=True, max_token_lag=None),
+                                graph=dataclasses.replace(cfg.graph, async_bound=graph.async_bound))
+        except ValueError as error:
+            raise ValueError(f"{where}: the plan runs partial rollouts: {error}") from None
 
 
 def _optimizer_fields(cfg: RunConfig) -> dict[str, Any]:
@@ -324,6 +368,7 @@ def load_plan(cfg: RunConfig, num_devices: int) -> Graph:
     if asked != planned:
         raise ValueError(f"{where}: the plan's optimiser state is {planned}, this run asks for {asked} "
                          f"(graph.optimizer_sharding, graph.optimizer_offload; plan again, or leave them unset)")
+    _check_plan_partial(cfg, graph, where)
     if cfg.graph.sequence_parallel and not graph.execution.sequence_parallel:
         raise ValueError(f"{where}: the plan runs without sequence parallelism, this run asks for it "
                          f"(graph.sequence_parallel; plan again, or leave it unset to run the plan's)")
@@ -366,7 +411,9 @@ def run_slots(cfg: RunConfig, graph: Graph, eval_count: int, devices: Sequence[j
     `devices`: those the graph's placements index (default `jax.devices()`; a dry run's compile-only ones)."""
     rollout = cfg.rollout
     requested = graph.execution.decode_slots or rollout.num_slots
-    slots = min(requested, max(rollout.prompts_per_step * rollout.group_size, eval_count))
+    # partial rollouts keep inflight_batches batches of groups in flight
+    in_flight = graph.execution.inflight_batches if graph.execution.partial_rollouts else 1
+    slots = min(requested, max(rollout.prompts_per_step * rollout.group_size * in_flight, eval_count))
     return usable_slots(slots, rollout.group_size, placed_meshes(graph, devices)[1])
 
 

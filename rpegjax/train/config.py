@@ -38,7 +38,7 @@ from rpegjax.options import (
     parse_choice,
 )
 from rpegjax.rewards.custom import RewardSpec
-from rpegjax.runtime.partial_rollouts import PartialRolloutConfig, StalePolicy
+from rpegjax.runtime.partial_rollouts import StalePolicy
 from rpegjax.rewards.format import overlong_penalty
 from rpegjax.rewards.task import Difficulty
 from rpegjax.rewards.tasks import TaskName
@@ -622,16 +622,6 @@ class RunConfig:
         if rollout.env != EnvironmentName.NONE:
             raise ValueError(f"rollout.partial with rollout.env={rollout.env.value}: multi-turn episodes are not "
                              "continued across steps yet")
-
-    def partial_rollouts(self) -> PartialRolloutConfig | None:
-        """The partial rollouts' settings (None: off)."""
-        rollout = self.rollout
-        if not rollout.partial:
-            return None
-        lag = self.graph.async_bound + 2 if rollout.max_token_lag is None else rollout.max_token_lag
-        return PartialRolloutConfig(max_token_lag=lag, stale_policy=rollout.stale_policy,
-                                    inflight_batches=rollout.inflight_batches,
-                                    inflight_weights=rollout.inflight_weights)
 
     def algorithm_section(self) -> GRPOSection | PPOConfig:
         """The section of this run's algorithm, `grpo` or `ppo` (its KL weight, optimiser, mini-batches)."""

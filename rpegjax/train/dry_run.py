@@ -263,8 +263,13 @@ def lower_step(graph: Graph, learner: Learner, sampler: Sampler, training: Train
     # an offloaded optimiser state is in host memory while the sampler runs (`rpegjax.runtime.offload`)
     offloaded = ("optimizer",) if training.offload is not None else ()
     beside = residents.beside(device_ids(sampler.mesh), "generation", *offloaded)
-    generation_programs = sampler.lower_programs(copy, sampling, group_size=batch.group_size,
-                                                 long_contexts=batch.multi_turn)
+    generation_programs = dict(sampler.lower_programs(copy, sampling, group_size=batch.group_size,
+                                                      long_contexts=batch.multi_turn))
+    if graph.execution.partial_rollouts:  # a carried sample is a request of its own: prompt + prefix re-prefilled,
+        # up to the capacity, admitted in runs of one-sample requests (its prefill and start programs)
+        carried = sampler.lower_programs(copy, sampling, group_size=1, long_contexts=True)
+        generation_programs.update({f"{name} (carried sequences)": program for name, program in carried.items()
+                                    if name != "decode"})
     for program, generation in generation_programs.items():
         label = (f"{program} ({sampler.num_slots} slots x {sampler.capacity} tokens)" if program == "decode"
                  else program)

@@ -29,7 +29,7 @@ from rpegjax.rewards.runner import ResourceLimits, RewardRunner
 from rpegjax.runtime.controller import Runtime
 from rpegjax.runtime.programs import StagePrograms
 from rpegjax.runtime.roles import Role, process_groups
-from rpegjax.train.build import Components
+from rpegjax.train.build import Components, run_partial_rollouts
 from rpegjax.train.checkpoint import Checkpointer, CheckpointError
 from rpegjax.train.config import RunConfig, TrainSection
 from rpegjax.train.evaluation import evaluate_accuracy
@@ -253,7 +253,7 @@ class Trainer:
                           dynamic_sampling=grpo.dynamic_sampling_config() if grpo else None,
                           reward_shaping=grpo.overlong_shaping(cfg.rollout.max_new_tokens) if grpo else None,
                           address=cfg.distributed.address() if groups is not None else ProcessAddress(),
-                          partial=cfg.partial_rollouts())
+                          partial=run_partial_rollouts(cfg, parts.graph))
         if runtime.links is not None:  # where each process's transfer server listens: the hosts of the run
             self.log("transfer servers: " + ", ".join(f"process {process} at {address}" for process, address
                                                       in enumerate(runtime.links.links.addresses)))

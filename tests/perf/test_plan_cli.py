@@ -46,7 +46,8 @@ def test_json_output_parses_and_holds_executable_graphs(tmp_path):
 def test_table_output_and_bad_model():
     done = _run("--model", "qwen2.5-0.5b", "--algo", "grpo", *SMALL)
     assert done.returncode == 0, done.stderr
-    for text in ("step time (s)", "tokens/s", "MFU", "peak memory/GPU (GB)", "generate (s)", "verl-like", "ReaL-like"):
+    for text in ("step time (s)", "tokens/s", "MFU", "peak memory/GPU (GB)", "generate (s)", "verl-like", "ReaL-like",
+                 "generation slots busy", "carried sequences", "token lag mean/max"):
         assert text in done.stdout
     bad = _run("--model", "gpt-5", *SMALL)
     assert bad.returncode != 0 and "neither a preset" in bad.stderr

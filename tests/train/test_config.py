@@ -307,11 +307,14 @@ def test_packing_flags_reach_the_plan_and_a_plan_is_never_overridden(tmp_path):
 
 def test_partial_rollout_flags_reach_the_runtime_settings_and_bad_ones_are_refused():
     from rpegjax.runtime.partial_rollouts import PartialRolloutConfig, StalePolicy
+    from rpegjax.train.build import build_graph, run_partial_rollouts
     from rpegjax.train.config import GraphSection, GRPOSection
 
-    assert RunConfig().partial_rollouts() is None
+    settings = lambda config: run_partial_rollouts(config, build_graph(config, num_devices=1))
+    assert settings(RunConfig()) is None
     config = RunConfig(rollout=RolloutSection(partial=True, stale_policy="drop"), graph=GraphSection(async_bound=1))
-    assert config.partial_rollouts() == PartialRolloutConfig(max_token_lag=3, stale_policy=StalePolicy.DROP)
+    assert settings(config) == PartialRolloutConfig(max_token_lag=3, stale_policy=StalePolicy.DROP)
+    assert "partial rollouts (2 batches in flight, token lag <= k+2)" in build_graph(config, 1).execution.describe()
     assert RunConfig.from_json(config.to_json()) == config
     with pytest.raises(ValueError, match=r"rollout.max_token_lag \(1\) must exceed graph.async_bound \(1\)"):
         RunConfig(rollout=RolloutSection(partial=True, max_token_lag=1), graph=GraphSection(async_bound=1))
@@ -323,4 +326,37 @@ def test_partial_rollout_flags_reach_the_runtime_settings_and_bad_ones_are_refus
         RolloutSection(stale_policy="later")
     with pytest.raises(ValueError, match="rollout.inflight_weights continues partial rollouts"):
         RunConfig(rollout=RolloutSection(inflight_weights=True))
-    assert RunConfig(rollout=RolloutSection(partial=True, inflight_weights=True)).partial_rollouts().inflight_weights
+    assert settings(RunConfig(rollout=RolloutSection(partial=True, inflight_weights=True))).inflight_weights
+
+
+def test_a_plan_with_partial_rollouts_sets_the_run_and_is_never_overridden(tmp_path):
+    import dataclasses
+
+    from rpegjax.graph.ir import Execution, GraphError
+    from rpegjax.runtime.partial_rollouts import PartialRolloutConfig
+    from rpegjax.train.build import build_graph, run_partial_rollouts
+
+    run, _ = parse_args([*KV_TINY, "--async-bound=1", f"--run-dir={tmp_path / 'run'}"], Algorithm.GRPO)
+    graph = build_graph(run, num_devices=1)
+    assert not graph.execution.partial_rollouts and run_partial_rollouts(run, graph) is None
+    plan = tmp_path / "plan.json"
+    plan.write_text(dataclasses.replace(graph, async_bound=2, execution=dataclasses.replace(
+        graph.execution, partial_rollouts=True, inflight_batches=3, max_token_lag=4)).to_json())
+    flags = [*KV_TINY, f"--plan={plan}", f"--run-dir={tmp_path / 'run'}"]
+    planned, _ = parse_args(flags, Algorithm.GRPO)  # no rollout flag: the plan's partial rollouts run
+    assert run_partial_rollouts(planned, build_graph(planned, num_devices=1)) == PartialRolloutConfig(
+        max_token_lag=4, inflight_batches=3)
+    same, _ = parse_args([*flags, "--rollout.partial=true", "--rollout.inflight_batches=3"], Algorithm.GRPO)
+    assert run_partial_rollouts(same, build_graph(same, num_devices=1)).inflight_batches == 3
+    other, _ = parse_args([*flags, "--rollout.partial=true", "--rollout.max_token_lag=3"], Algorithm.GRPO)
+    with pytest.raises(ValueError, match=r"the plan's partial rollouts are \{'partial': True, 'inflight_batches': 3, "
+                                         r"'max_token_lag': 4\}, this run asks for \{'partial': True, 'max_token_lag': 3\}"):
+        build_graph(other, num_devices=1)
+    dynamic, _ = parse_args([*flags, "--grpo.dynamic_sampling=true"], Algorithm.GRPO)
+    with pytest.raises(ValueError, match="the plan runs partial rollouts: rollout.partial with grpo.dynamic_sampling"):
+        build_graph(dynamic, num_devices=1)
+    with pytest.raises(GraphError, match="set partial_rollouts too"):
+        Execution(inflight_batches=3)
+    with pytest.raises(GraphError, match=r"max_token_lag \(2\) must exceed the asynchrony bound \(2\)"):
+        dataclasses.replace(graph, async_bound=2, execution=dataclasses.replace(
+            graph.execution, partial_rollouts=True, max_token_lag=2)).validate()

@@ -165,6 +165,27 @@ def test_the_dry_run_lowers_the_very_programs_a_run_launches(kv_cache, tmp_path)
         assert found is not None, (program.stage, program.program, sorted(launched.values()))
 
 
+def test_the_dry_run_of_partial_rollouts_lowers_the_carried_sequences_prefill():
+    """A carried sample continues as a one-sample request of prompt + prefix, up to the capacity: the dry run of a
+    run with partial rollouts lowers that prefill (all 16 slots' rows, 16 = 8 prompt + 8 new tokens wide) beside
+    the groups' own (8 groups of 2, 8 wide), and the sampler holds both batches in flight (16 slots, not 8)."""
+    from rpegjax.train.config import (DataSection, ModelSection, RolloutSection, RunConfig, TrainSection,
+                                      WarmStartSection)
+
+    cfg = RunConfig(
+        model=ModelSection(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64),
+        data=DataSection(train_size=16, eval_size=4),
+        rollout=RolloutSection(prompts_per_step=4, group_size=2, max_new_tokens=8, num_slots=64, chunk_steps=4,
+                               partial=True),
+        warm_start=WarmStartSection(steps=0), train=TrainSection(steps=1, reward_workers=1))
+    plan = run_plan(cfg)
+    assert plan.graph.execution.partial_rollouts and plan.batch.slots == 16
+    generation = {p.program.split(" (16 slots")[0]: p.lowered.as_text() for p in plan.lower() if p.stage == "generate"}
+    assert set(generation) == {"prefill", "prefill (carried sequences)", "decode"}
+    assert "tensor<16x16xi32>" in generation["prefill (carried sequences)"]
+    assert "tensor<8x8xi32>" in generation["prefill"]
+
+
 def _plan_document(tmp_path, graph, model: ModelConfig, **workload) -> pathlib.Path:
     from rpegjax.train.plan_document import model_shape
 
