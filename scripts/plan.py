@@ -195,9 +195,10 @@ def table(rows: list[tuple[str, step_model.Prediction]]) -> str:
                      for line in lines)
 
 
-def _plan_json(name: str, plan: planner.Plan) -> dict[str, Any]:
+def _plan_json(name: str, plan: planner.Plan, search: planner.Planner) -> dict[str, Any]:
     return {"name": name, "description": plan.choice.describe(), "fits": plan.prediction.fits,
-            "reason": plan.prediction.fit_reason, "prediction": plan.prediction.to_dict(), "graph": plan.graph.to_dict()}
+            "reason": plan.prediction.fit_reason, "untrusted": search.untrusted(plan) if plan.prediction.fits else None,
+            "prediction": plan.prediction.to_dict(), "graph": plan.graph.to_dict()}
 
 
 def verify(args: argparse.Namespace, model: ModelConfig, best: planner.Plan, hw: hardware.HardwareSpec):
@@ -274,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     common = {"algorithm": args.algo, "num_devices": args.gpus, "use_reference": use_reference, "space": space,
               "optimizer_steps": args.optimizer_steps}
     try:
-        result = planner.Planner(evaluator, **common).search(top=args.top + 1)
+        search = planner.Planner(evaluator, **common)
+        result = search.search(top=args.top + 1)
         verl = planner.verl_like(evaluator, **common)
         real = planner.real_like(evaluator, **common)
     except ValueError as error:  # nothing fits, or nothing the runtime can run: say why instead of a traceback
@@ -301,8 +303,8 @@ def main(argv: list[str] | None = None) -> int:
             "workload": {"prompts": workload.prompts, "group_size": workload.group_size,
                          "prompt_tokens": workload.prompt_tokens, "response_mean": args.response_mean,
                          "response_max": args.response_max},
-            "plans": [_plan_json(name, plan) for name, plan in plans],
-            "alternatives": [_plan_json(f"alternative {i + 1}", plan) for i, plan in enumerate(result.alternatives)],
+            "plans": [_plan_json(name, plan, search) for name, plan in plans],
+            "alternatives": [_plan_json(f"alternative {i + 1}", plan, search) for i, plan in enumerate(result.alternatives)],
             "search": {"evaluated": result.evaluated, "candidates": result.candidates, "seconds": result.seconds},
         }
         if args.explain:
@@ -325,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: {plan.choice.describe()}")
         if not plan.prediction.fits:
             print(f"  {plan.prediction.fit_reason}")
+        elif search.untrusted(plan) is not None:  # only a reference plan can be: the search ranks them out
+            print(f"  {search.untrusted(plan)}")
     for index, plan in enumerate(result.alternatives):
         print(f"alternative {index + 1}: {plan.prediction.step_seconds:.2f} s/step — {plan.choice.describe()}")
     print()
