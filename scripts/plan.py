@@ -91,9 +91,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help=f"remat policies to search, comma-separated, of {', '.join(RematPolicy)}")
     parser.add_argument("--context-sizes", default="1",
                         help="training context-parallel sizes to search, comma-separated (one row's sequence split over "
-                             "that many devices; 1: none)")
+                             "that many devices; 1: none). Plans with a context axis are refused as untrusted: their "
+                             "memory was checked against XLA:CPU only (rpegjax/perf/trust.py)")
     parser.add_argument("--sequence-parallel", default="false", choices=["false", "true", "both"],
-                        help="search sequence parallelism within tensor (the residual stream split over tensor)")
+                        help="search sequence parallelism within tensor (the residual stream split over tensor); such "
+                             "plans are refused as untrusted, as with --context-sizes")
     parser.add_argument("--param-dtype", default="float32", choices=list(DType),
                         help="weights and optimiser moments (the run's model.param_dtype)")
     parser.add_argument("--dtype", default="bfloat16", choices=list(DType), help="matmul compute (the run's model.dtype)")

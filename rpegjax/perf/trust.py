@@ -50,14 +50,15 @@ class CheckedRegime:
 
 
 # docs/benchmarks.md, "Memory within 15% of the compiled programs (issue 23)": the largest under-predictions are
-# the W-plan 7B fused log-probs (58.19 GB compiled, 55.4 predicted) and none for updates and generation.
+# the W-plan 32B fused log-probs (50.02 GB compiled, 47.22 predicted) and the 7B / 16 H100 update (50.01 compiled,
+# 47.55 predicted); every generation program compiled at or below its prediction.
 GPU_CHECKED = CheckedRegime(
     largest_params=ModelShape(layers=64, hidden=5120, heads=40, kv_heads=8, head_dim=128, mlp=27648,
                               vocab=152064).params,  # Qwen2.5-32B
     longest_row=1024 + 16384,
     attention=frozenset({AttentionKind.BLOCKWISE, AttentionKind.CUDNN}),
     remat=frozenset(RematPolicy),
-    margins={GENERATION: 0.0, INFERENCE: 0.051, TRAINING: 0.0})
+    margins={GENERATION: 0.0, INFERENCE: 0.06, TRAINING: 0.052})
 
 
 def phase(graph: Graph, stage_name: str) -> str | None:
