@@ -492,8 +492,8 @@ class Planner:
         memory is not trusted: `trust`)."""
         graph = build_graph(skeleton)
         outside = self._outside_regime(graph)
-        if outside is not None:
-            _keep_closest(skeleton, (-1, 0.0), f"untrusted: {outside}", rejected)
+        if outside is not None:  # said only where no plan of its family is in the regime
+            _keep_closest(skeleton, (4, 0.0), f"untrusted: {outside}", rejected)
             return
         problems = self._batch_problems(graph)
         prediction = None if problems else self._plan(skeleton).prediction
