@@ -91,9 +91,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help=f"remat policies to search, comma-separated, of {', '.join(RematPolicy)}")
     parser.add_argument("--context-sizes", default="1",
                         help="training context-parallel sizes to search, comma-separated (one row's sequence split over "
-                             "that many devices; 1: none)")
+                             "that many devices; 1: none). Plans with a context axis are refused as untrusted: their "
+                             "memory was checked against XLA:CPU only (rpegjax/perf/trust.py)")
     parser.add_argument("--sequence-parallel", default="false", choices=["false", "true", "both"],
-                        help="search sequence parallelism within tensor (the residual stream split over tensor)")
+                        help="search sequence parallelism within tensor (the residual stream split over tensor); such "
+                             "plans are refused as untrusted, as with --context-sizes")
     parser.add_argument("--packing", default="both", choices=["false", "true", "both"],
                         help="search sequence packing (rows of a token budget the planner fits, the job's "
                              "grpo.packing / max_tokens_per_micro_batch) against rows padded to the longest")
@@ -232,9 +234,10 @@ def _lag(prediction: step_model.Prediction) -> str:
     return f"{k + detail['carry_lag_mean']:.2f}/{k + detail['carry_lag_max']:.0f}"
 
 
-def _plan_json(name: str, plan: planner.Plan) -> dict[str, Any]:
+def _plan_json(name: str, plan: planner.Plan, search: planner.Planner) -> dict[str, Any]:
     return {"name": name, "description": plan.choice.describe(), "fits": plan.prediction.fits,
-            "reason": plan.prediction.fit_reason, "prediction": plan.prediction.to_dict(), "graph": plan.graph.to_dict()}
+            "reason": plan.prediction.fit_reason, "untrusted": search.untrusted(plan) if plan.prediction.fits else None,
+            "prediction": plan.prediction.to_dict(), "graph": plan.graph.to_dict()}
 
 
 def verify(args: argparse.Namespace, model: ModelConfig, best: planner.Plan, hw: hardware.HardwareSpec):
@@ -312,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     common = {"algorithm": args.algo, "num_devices": args.gpus, "use_reference": use_reference, "space": space,
               "optimizer_steps": args.optimizer_steps}
     try:
-        result = planner.Planner(evaluator, **common).search(top=args.top + 1)
+        search = planner.Planner(evaluator, **common)
+        result = search.search(top=args.top + 1)
         verl = planner.verl_like(evaluator, **common)
         real = planner.real_like(evaluator, **common)
     except ValueError as error:  # nothing fits, or nothing the runtime can run: say why instead of a traceback
@@ -339,8 +343,8 @@ def main(argv: list[str] | None = None) -> int:
             "workload": {"prompts": workload.prompts, "group_size": workload.group_size,
                          "prompt_tokens": workload.prompt_tokens, "response_mean": args.response_mean,
                          "response_max": args.response_max},
-            "plans": [_plan_json(name, plan) for name, plan in plans],
-            "alternatives": [_plan_json(f"alternative {i + 1}", plan) for i, plan in enumerate(result.alternatives)],
+            "plans": [_plan_json(name, plan, search) for name, plan in plans],
+            "alternatives": [_plan_json(f"alternative {i + 1}", plan, search) for i, plan in enumerate(result.alternatives)],
             "search": {"evaluated": result.evaluated, "candidates": result.candidates, "seconds": result.seconds},
         }
         if args.explain:
@@ -363,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: {plan.choice.describe()}")
         if not plan.prediction.fits:
             print(f"  {plan.prediction.fit_reason}")
+        elif search.untrusted(plan) is not None:  # only a reference plan can be: the search ranks them out
+            print(f"  {search.untrusted(plan)}")
     for index, plan in enumerate(result.alternatives):
         print(f"alternative {index + 1}: {plan.prediction.step_seconds:.2f} s/step — {plan.choice.describe()}")
     print()

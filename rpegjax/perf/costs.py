@@ -211,9 +211,10 @@ def forward_layer_bytes_per_token(shape: ModelShape, *, keys_per_query: float, k
     return max(mlp, attention)
 
 
-def logprob_chunk_bytes(shape: ModelShape, *, rows: float, chunk: int, tensor: int = 1) -> float:
-    """Peak of chunked log-probs: one chunk of float32 logits, their log-softmax and its gradient."""
-    return 3 * rows * chunk * (shape.vocab / tensor) * 4
+def logprob_chunk_bytes(shape: ModelShape, *, rows: float, chunk: int, tensor: int = 1, copies: int = 3) -> float:
+    """Peak of chunked log-probs: `copies` float32 chunks of logits (XLA:CPU keeps the logits, their log-softmax
+    and its gradient: 3; XLA's GPU compiler fuses them into one)."""
+    return copies * rows * chunk * (shape.vocab / tensor) * 4
 
 
 def optimizer_state_bytes(shape: ModelShape, *, bytes_per_param: float) -> float:

@@ -43,7 +43,7 @@ from rpegjax.graph.ir import (
     StageKind,
 )
 from rpegjax.options import AttentionKind, CacheLayout, DType, OptimizerSharding, RematPolicy
-from rpegjax.perf import executable, generation_stage, refusal, stage_costs
+from rpegjax.perf import executable, generation_stage, refusal, stage_costs, trust
 from rpegjax.perf.step_model import Evaluator, Prediction, placement_devices
 
 ROLLOUT, TRAIN = transforms.ROLLOUT_PLACEMENT, transforms.TRAIN_PLACEMENT
@@ -280,8 +280,10 @@ class Planner:
     """Branch-and-bound search of `space` for one algorithm, model, workload and hardware (see module doc)."""
 
     def __init__(self, evaluator: Evaluator, *, algorithm: Algorithm | str, num_devices: int, use_reference: bool = True,
-                 space: PlanSpace | None = None, optimizer_steps: int = 1):
+                 space: PlanSpace | None = None, optimizer_steps: int = 1,
+                 regime: trust.CheckedRegime = trust.GPU_CHECKED):
         self.evaluator = evaluator
+        self.regime = regime  # where its memory predictions are trusted, and with what margins
         self.algorithm = Algorithm(algorithm)
         self.num_devices = num_devices
         self.use_reference = use_reference
@@ -347,10 +349,10 @@ class Planner:
         or generation pieces, so they hold for every variant."""
         if skeleton.execution.packing:  # one budget sizes the update's and the inference stages' passes
             return self._pin_generation(self._fastest_budget(skeleton))
-        choice = self._fewest(skeleton, "update_microbatches", self.space.update_microbatches, UPDATE_KINDS)
+        choice = self._fewest(skeleton, "update_microbatches", self.space.update_microbatches, trust.TRAINING)
         sequences = self.evaluator.inputs.workload.sequences
         rows = [sequences // m for m in self.space.inference_microbatches if sequences % m == 0]
-        choice = self._fewest(choice, "inference_rows", [None if r == sequences else r for r in rows], INFERENCE_KINDS)
+        choice = self._fewest(choice, "inference_rows", [None if r == sequences else r for r in rows], trust.INFERENCE)
         return self._pin_generation(choice)
 
     def packed_budgets(self, choice: PlanChoice) -> list[int]:
@@ -374,8 +376,9 @@ class Planner:
         the least time together (else the smallest budget). Not simply the largest that fits: every pass computes
         whole rows, so a budget past what the batch fills computes padding (the packed rows are rounded up to the
         row shards), and a small one pays per-pass weight gathers and overheads."""
-        limit = self.evaluator.inputs.hardware.usable_memory_bytes
-        kinds = UPDATE_KINDS | INFERENCE_KINDS
+        usable = self.evaluator.inputs.hardware.usable_memory_bytes
+        limits = {**dict.fromkeys(UPDATE_KINDS, self.regime.limit(usable, trust.TRAINING)),
+                  **dict.fromkeys(INFERENCE_KINDS, self.regime.limit(usable, trust.INFERENCE))}
         best, fallback = None, skeleton
         for budget in self.packed_budgets(skeleton):
             candidate = dataclasses.replace(skeleton, execution=dataclasses.replace(
@@ -385,19 +388,20 @@ class Planner:
                 continue
             fallback = candidate
             costs, persistent, _ = self.evaluator.stage_costs(graph)
-            stages = [s for s in graph.stages if set(s.kinds) & kinds]
+            stages = [s for s in graph.stages if set(s.kinds) & limits.keys()]
             if all(np.isfinite(costs[s.name].seconds) and persistent[list(placement_devices(graph, s.placement))].max()
-                   + costs[s.name].transient_bytes <= limit for s in stages):
+                   + costs[s.name].transient_bytes <= min(limits[k] for k in s.kinds if k in limits) for s in stages):
                 seconds = sum(costs[s.name].seconds for s in stages)
                 if best is None or seconds < best[0]:
                     best = (seconds, candidate)
         return fallback if best is None else best[1]
 
-    def _fewest(self, skeleton: PlanChoice, field: str, values, kinds) -> PlanChoice:
-        """`skeleton` with the first of `values` for execution `field` whose `kinds` stages fit (else the last that
-        splits the batch evenly)."""
+    def _fewest(self, skeleton: PlanChoice, field: str, values, phase: str) -> PlanChoice:
+        """`skeleton` with the first of `values` for execution `field` whose `phase` stages fit with the phase's
+        trust margin (`self.regime`; else the last that splits the batch evenly)."""
         choice = skeleton
-        limit = self.evaluator.inputs.hardware.usable_memory_bytes
+        limit = self.regime.limit(self.evaluator.inputs.hardware.usable_memory_bytes, phase)
+        kinds = UPDATE_KINDS if phase == trust.TRAINING else INFERENCE_KINDS
         for value in values:
             candidate = dataclasses.replace(skeleton, execution=dataclasses.replace(skeleton.execution, **{field: value}))
             graph = build_graph(candidate)
@@ -419,22 +423,26 @@ class Planner:
         generated = self._generation(choice)
         if generated is None:
             return choice  # not even one sequence fits: ranked out with its reason
-        per_replica, cost, layout, inputs = generated
+        per_replica, cost, layout, inputs, beside = generated
         group = inputs.workload.group_size
         if execution.kv_cache is CacheLayout.PAGED and per_replica < group:
             execution = dataclasses.replace(execution, kv_cache=CacheLayout.CONTIGUOUS, kv_pool_tokens=None)
             generated = self._generation(dataclasses.replace(choice, execution=execution))
             if generated is None:
                 return choice
-            per_replica, cost, layout, inputs = generated
+            per_replica, cost, layout, inputs, beside = generated
         paged = execution.kv_cache is CacheLayout.PAGED
         step = group * layout.replicas if paged else math.lcm(group, layout.replicas)
         # partial rollouts keep inflight_batches batches in flight: slots beyond one batch stay busy too
         in_flight = execution.inflight_batches if execution.partial_rollouts else 1
         most = max(step, -(-inputs.workload.sequences * in_flight // step) * step)
         slots = min(most, max(step, per_replica * layout.replicas // step * step))
-        if paged:
-            kv = cost.transient_bytes - generation_stage.decode_working_bytes(inputs, layout, per_replica)
+        if paged:  # the pool within generation's trust margin too
+            working = generation_stage.decode_working_bytes(inputs, layout, per_replica)
+            limit = self.regime.limit(inputs.hardware.usable_memory_bytes, trust.GENERATION)
+            kv = min(cost.transient_bytes - working, limit - beside - working)
+            if kv < 1:
+                return choice  # no pool within the margin: ranked out as untrusted, saying so
             execution = dataclasses.replace(
                 execution, kv_pool_tokens=int(kv // generation_stage.kv_bytes_per_token(inputs.actor, layout)))
         return dataclasses.replace(choice, execution=self._fastest_slots(choice, execution, slots, step))
@@ -456,8 +464,8 @@ class Planner:
         return min(timed, key=lambda item: item[:2])[2] if timed else dataclasses.replace(execution, decode_slots=most)
 
     def _generation(self, choice: PlanChoice):
-        """(slots per replica, generate stage cost, its layout, cost inputs) of `choice`, or None when no
-        sequence fits."""
+        """(slots per replica, generate stage cost, its layout, cost inputs, persistent bytes per device beside it)
+        of `choice`, or None when no sequence fits."""
         graph = build_graph(choice)
         costs, _, _ = self.evaluator.stage_costs(graph)
         generate = graph.stages_of_kind(StageKind.GENERATE)[0]
@@ -465,7 +473,8 @@ class Planner:
         if not np.isfinite(cost.seconds):
             return None
         layout = stage_costs.Layout.from_parallel(graph.parallel_of(generate.name), where=generate.name)
-        return int(cost.detail["slots"]), cost, layout, self.evaluator.inputs_for(graph)
+        beside = float(self.evaluator.generating_persistent(graph)[list(placement_devices(graph, generate.placement))].max())
+        return int(cost.detail["slots"]), cost, layout, self.evaluator.inputs_for(graph), beside
 
     def _own_inference_layouts(self, base: PlanChoice, candidates) -> tuple:
         """Each inference stage on the layout that minimises its own pass time (ReaL-style per-stage re-sharding);
@@ -500,7 +509,8 @@ class Planner:
 
     def _bound(self, skeleton: PlanChoice) -> float:
         graph = build_graph(skeleton)
-        if self._batch_problems(graph):  # the runtime could not split the batch (more pieces only make it worse)
+        if self._batch_problems(graph) or self._outside_regime(graph):
+            # the runtime could not split the batch (more pieces only make it worse), or its memory is not trusted
             return float("inf")
         bound = self.evaluator.lower_bound(graph)
         fusable = sum(1 for s in graph.stages if INFERENCE_KINDS & set(s.kinds))
@@ -531,30 +541,45 @@ class Planner:
                 evaluated += 1
                 if not plan.prediction.fits:
                     continue
+                reason = self.untrusted(plan)
+                if reason is not None:  # never ranked; said why when nothing else fits
+                    _keep_closest(plan.choice, (-1, plan.prediction.peak_memory_bytes), reason, rejected)
+                    continue
                 ranked.append((_rank_key(plan), plan))
                 ranked.sort(key=lambda item: item[0])
                 del ranked[top:]
         closest = tuple(text for _, text in sorted(rejected.values()))
         if not ranked:
-            raise ValueError(f"planner: no plan of {candidates} fits in device memory and splits its batch evenly; "
+            raise ValueError(f"planner: no plan of {candidates} fits in device memory, splits its batch evenly and has "
+                             f"a predicted memory the planner trusts; "
                              f"the closest of each family:\n  " + "\n  ".join(closest))
         plans = [plan for _, plan in ranked]
         return PlanResult(best=plans[0], alternatives=tuple(plans[1:]), evaluated=evaluated, candidates=candidates,
                           rejected=closest, seconds=time.perf_counter() - start)
 
     def _reject(self, skeleton: PlanChoice, rejected: dict[str, tuple[tuple, str]]) -> None:
-        """Keeps the closest miss of `skeleton`'s family (placement and critic) as one line (`refusal`)."""
-        family = "colocated" if not skeleton.generation_devices else (
-            f"disaggregated {skeleton.generation_devices}+{self.num_devices - skeleton.generation_devices}")
-        if self.algorithm is Algorithm.PPO:
-            family += f", critic {skeleton.critic_mode.value}"
-        problems = self._batch_problems(build_graph(skeleton))
+        """Keeps the closest miss of `skeleton`'s family (placement and critic) as one line (`refusal`, or why its
+        memory is not trusted: `trust`)."""
+        graph = build_graph(skeleton)
+        outside = self._outside_regime(graph)
+        if outside is not None:  # said only where no plan of its family is in the regime
+            _keep_closest(skeleton, (4, 0.0), f"untrusted: {outside}", rejected)
+            return
+        problems = self._batch_problems(graph)
         prediction = None if problems else self._plan(skeleton).prediction
-        need = refusal.closeness(prediction)
         line = refusal.refusal_line(prediction, batch_problems=problems, **self._refusal_limits())
-        layouts = f"gen {_layout_text(skeleton.generation_layout)}, train {_layout_text(skeleton.train_layout)}"
-        if family not in rejected or need < rejected[family][0]:
-            rejected[family] = (need, f"{family} ({layouts}): {line}")
+        _keep_closest(skeleton, refusal.closeness(prediction), line, rejected)
+
+    def _outside_regime(self, graph: Graph) -> str | None:
+        workload = self.evaluator.inputs.workload
+        return trust.regime_problem(graph, self.evaluator.inputs.actor, workload.prompt_tokens + workload.responses.max,
+                                    self.regime)
+
+    def untrusted(self, plan: Plan) -> str | None:
+        """Why the planner does not trust `plan`'s predicted memory (`rpegjax.perf.trust`), or None."""
+        workload = self.evaluator.inputs.workload
+        return trust.untrusted(plan.prediction, self.evaluator.inputs.actor, workload.prompt_tokens + workload.responses.max,
+                               self.regime)
 
     def _refusal_limits(self) -> dict[str, int]:
         return dict(most_update_microbatches=self.space.update_microbatches[-1],
@@ -569,8 +594,19 @@ class Planner:
         """Predicts every plan of the space (slow; for tests) and ranks those that fit."""
         plans = [self._plan(choice) for skeleton in self.skeletons() for choice in self.variants(skeleton)
                  if not self._batch_problems(build_graph(choice))]
-        fitting = sorted((p for p in plans if p.prediction.fits), key=_rank_key)
+        fitting = sorted((p for p in plans if p.prediction.fits and self.untrusted(p) is None), key=_rank_key)
         return fitting[:top]
+
+
+def _keep_closest(choice: PlanChoice, need: tuple, line: str, rejected: dict[str, tuple[tuple, str]]) -> None:
+    """Records `line` as the refusal of `choice`'s family (placement and critic) when it is the closest yet."""
+    family = "colocated" if not choice.generation_devices else (
+        f"disaggregated {choice.generation_devices}+{choice.num_devices - choice.generation_devices}")
+    if choice.algorithm is Algorithm.PPO:
+        family += f", critic {choice.critic_mode.value}"
+    layouts = f"gen {_layout_text(choice.generation_layout)}, train {_layout_text(choice.train_layout)}"
+    if family not in rejected or need < rejected[family][0]:
+        rejected[family] = (need, f"{family} ({layouts}): {line}")
 
 
 def _rank_key(plan: Plan) -> tuple:

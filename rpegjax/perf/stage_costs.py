@@ -517,7 +517,9 @@ def _pass_transient_bytes(inputs: CostInputs, shape: ModelShape, layout: Layout,
             shape, keys_per_query=keys_per_query, kernel=o.attention, tensor=layout.tensor)
         logits = rows * chunk_tokens * shape.vocab / layout.tensor * shape.compute_bytes_each
         return residual + max(layer, logits) + kv_gathered + _forward_weight_copies(shape, layout)
-    chunk = costs.logprob_chunk_bytes(shape, rows=rows, chunk=chunk_tokens, tensor=layout.tensor)
+    # one float32 chunk of logits at the backward's peak: XLA's GPU compiler fuses the log-softmax and its gradient
+    # into it (0.5B updates, docs/benchmarks.md issue 23; XLA:CPU keeps all three)
+    chunk = costs.logprob_chunk_bytes(shape, rows=rows, chunk=chunk_tokens, tensor=layout.tensor, copies=1)
     # the layer in use and the one being prefetched, gathered as their compute-dtype casts
     layer_params = shape.matmul_params_per_layer * shape.compute_bytes_each / layout.tensor
     gathered = 2 * layer_params if layout.fsdp * layout.context > 1 else 0.0
@@ -527,14 +529,13 @@ def _pass_transient_bytes(inputs: CostInputs, shape: ModelShape, layout: Layout,
         activations -= tokens_per_pass * shape.layers * shape.hidden * shape.compute_bytes_each * (1 - 1 / layout.tensor)
     grads = shape.params * o.grad_bytes_per_param / layout.shards
     if layout.fsdp * layout.context > 1:
-        # FSDP gathers the embedding table and the output matrix whole for the update (the token lookup and every
-        # log-prob chunk use them); the output projection's gradient accumulates whole over the log-prob chunks
-        # before it is reduce-scattered, and with tied embeddings the lookup's gradient of that same matrix is built
-        # whole too, to be added to it. Large for big vocabularies (Qwen2.5: 152k x d); checked against XLA's
-        # compiled updates, tied (0.5B) and untied (7B) (benchmarks/bench_memory_model.py)
-        whole_gradients = 2 if shape.tied_embeddings else 1
-        gathered += (shape.embedding_params * shape.param_bytes_each
-                     + whole_gradients * shape.vocab * shape.hidden * o.grad_bytes_per_param) / layout.tensor
+        # FSDP gathers the output matrix whole for the update (every log-prob chunk reads it), and its gradient
+        # accumulates whole over the chunks before it is reduce-scattered. The token lookup reads its own shard of
+        # the table (never gathered whole), and with tied embeddings the lookup's gradient is added into that same
+        # whole buffer. Large for big vocabularies (Qwen2.5: 152k x d); read from XLA's GPU compiler's buffer
+        # assignment of 0.5B updates, tied and untied (docs/benchmarks.md, issue 23: the embedding table gathered
+        # whole and a second whole gradient for tied embeddings were XLA:CPU's, +45% on the GPU)
+        gathered += shape.vocab * shape.hidden * (shape.param_bytes_each + o.grad_bytes_per_param) / layout.tensor
     return activations + chunk + gathered + kv_gathered + grads
 
 
