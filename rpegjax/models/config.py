@@ -197,7 +197,9 @@ class ModelConfig:
 
     @classmethod
     def llama3(cls, size: str) -> ModelConfig:
-        """Llama 3.1 shapes: size 8b or 70b."""
+        """Llama 3.1 shapes: size 8b or 70b, from the `config.json` of Hugging Face's meta-llama/Llama-3.1-8B(-Instruct)
+        and Llama-3.1-70B: vocabulary 128256, head_dim 128, RMSNorm eps 1e-5, RoPE theta 5e5 with the llama3 scaling
+        (factor 8, low 1, high 4, original 8192 positions), 131072 positions, untied, bos 128000, eos 128001."""
         shapes = {"8b": (4096, 32, 32, 8, 14336), "70b": (8192, 80, 64, 8, 28672)}
         if size not in shapes:
             raise ValueError(f"unknown Llama 3 size {size!r}; known: {sorted(shapes)}")
@@ -206,7 +208,22 @@ class ModelConfig:
                    num_kv_heads=k, head_dim=128, intermediate_size=f, rms_norm_eps=1e-5, rope_theta=500000.0,
                    rope_scaling=Llama3RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                                   original_max_position_embeddings=8192),
+                   max_position_embeddings=131072, bos_token_id=128000, eos_token_id=128001,
                    param_dtype="bfloat16", dtype="bfloat16", **_LONG_SEQUENCE_EXECUTION)
+
+    @classmethod
+    def qwen3(cls, size: str) -> ModelConfig:
+        """Qwen3 dense shapes: size 32b, from the `config.json` of Hugging Face's Qwen/Qwen3-32B: hidden 5120,
+        intermediate 25600, 64 layers, 64 heads, 8 KV heads, head_dim 128, q/k RMSNorm, no bias, RMSNorm eps 1e-6,
+        RoPE theta 1e6, 40960 positions, vocabulary 151936, untied, bos 151643, eos 151645."""
+        shapes = {"32b": (5120, 64, 64, 8, 25600)}
+        if size not in shapes:
+            raise ValueError(f"unknown Qwen3 size {size!r}; known: {sorted(shapes)}")
+        d, l, h, k, f = shapes[size]
+        return cls(architecture=Architecture.QWEN3, vocab_size=151936, hidden_size=d, num_layers=l, num_heads=h,
+                   num_kv_heads=k, head_dim=128, intermediate_size=f, rope_theta=1e6, max_position_embeddings=40960,
+                   qk_norm=True, bos_token_id=151643, eos_token_id=151645, param_dtype="bfloat16", dtype="bfloat16",
+                   **_LONG_SEQUENCE_EXECUTION)
 
     @classmethod
     def qwen3_moe(cls, size: str) -> ModelConfig:
