@@ -302,11 +302,13 @@ def _cost_key(graph: Graph, stage: Stage, persistent: np.ndarray) -> tuple:
 
 def _execution_key(stage: Stage, execution: Execution) -> tuple:
     """The execution options a stage's cost reads: update micro-batches only matter to updates, remat only to
-    backward passes (the planner varies them per plan; generation, the costliest to predict, reads neither)."""
+    backward passes (the planner varies them per plan; generation, the costliest to predict, reads neither).
+    Packing changes forward passes too."""
     if set(stage.kinds) & UPDATE_KINDS:
         return dataclasses.astuple(execution)
     return (execution.attention, execution.param_dtype, execution.dtype, execution.kv_cache, execution.kv_pool_tokens,
-            execution.page_size, execution.decode_slots, execution.inference_rows)
+            execution.page_size, execution.decode_slots, execution.inference_rows, execution.packing,
+            execution.max_tokens_per_micro_batch)
 
 
 class Evaluator:
