@@ -32,7 +32,9 @@ from rpegjax.train.plan_document import model_shape
 
 MODEL_PRESETS = {
     **{f"qwen2.5-{size}": (ModelConfig.qwen2p5, size) for size in ("0.5b", "1.5b", "7b", "32b", "72b")},
-    **{f"llama3-{size}": (ModelConfig.llama3, size) for size in ("8b", "70b")},
+    **{f"llama3-{size}": (ModelConfig.llama3, size) for size in ("8b", "70b")},  # Llama 3.1's shapes (as below)
+    **{f"llama3.1-{size}": (ModelConfig.llama3, size) for size in ("8b", "70b")},
+    "qwen3-32b": (ModelConfig.qwen3, "32b"),
 }
 
 

@@ -180,16 +180,13 @@ class ModelConfig:
 
     @classmethod
     def llama3(cls, size: str) -> ModelConfig:
-        """Llama 3.1 shapes: size 8b or 70b."""
-        shapes = {"8b": (4096, 32, 32, 8, 14336), "70b": (8192, 80, 64, 8, 28672)}
-        if size not in shapes:
-            raise ValueError(f"unknown Llama 3 size {size!r}; known: {sorted(shapes)}")
-        d, l, h, k, f = shapes[size]
-        return cls(architecture=Architecture.LLAMA, vocab_size=128256, hidden_size=d, num_layers=l, num_heads=h,
-                   num_kv_heads=k, head_dim=128, intermediate_size=f, rms_norm_eps=1e-5, rope_theta=500000.0,
-                   rope_scaling=Llama3RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                                  original_max_position_embeddings=8192),
-                   param_dtype="bfloat16", dtype="bfloat16", **_LONG_SEQUENCE_EXECUTION)
+        """Llama 3.1 shapes: size 8b or 70b (`_LLAMA31`)."""
+        return cls(**_preset_fields("Llama 3", _LLAMA31, size), **_LONG_SEQUENCE_EXECUTION)
+
+    @classmethod
+    def qwen3(cls, size: str) -> ModelConfig:
+        """Qwen3 dense shapes: size 32b (`_QWEN3`)."""
+        return cls(**_preset_fields("Qwen3", _QWEN3, size), **_LONG_SEQUENCE_EXECUTION)
 
     @classmethod
     def qwen3_moe(cls, size: str) -> ModelConfig:
@@ -353,6 +350,28 @@ def _check_experts(cfg: ModelConfig) -> None:
 
 
 _QK_NORM = (Architecture.QWEN3, Architecture.QWEN3_MOE)
+
+# From the `config.json` of Hugging Face's meta-llama/Llama-3.1-8B(-Instruct) and Llama-3.1-70B: vocabulary 128256,
+# head_dim 128, RMSNorm eps 1e-5, RoPE theta 5e5 with the llama3 scaling (factor 8, low 1, high 4, original 8192
+# positions), 131072 positions, untied, bos 128000, eos 128001.
+_LLAMA31_COMMON = dict(architecture=Architecture.LLAMA, vocab_size=128256, head_dim=128, rms_norm_eps=1e-5,
+                       rope_theta=500000.0, max_position_embeddings=131072, bos_token_id=128000, eos_token_id=128001,
+                       rope_scaling=Llama3RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                                      original_max_position_embeddings=8192),
+                       param_dtype="bfloat16", dtype="bfloat16")
+_LLAMA31 = {size: dict(_LLAMA31_COMMON, hidden_size=d, num_layers=l, num_heads=h, num_kv_heads=k, intermediate_size=f)
+            for size, (d, l, h, k, f) in {"8b": (4096, 32, 32, 8, 14336), "70b": (8192, 80, 64, 8, 28672)}.items()}
+# From the `config.json` of Hugging Face's Qwen/Qwen3-32B: q/k RMSNorm, no bias, RMSNorm eps 1e-6, RoPE theta 1e6,
+# 40960 positions, vocabulary 151936, untied, bos 151643, eos 151645.
+_QWEN3 = {"32b": dict(architecture=Architecture.QWEN3, vocab_size=151936, hidden_size=5120, num_layers=64, num_heads=64,
+                      num_kv_heads=8, head_dim=128, intermediate_size=25600, rope_theta=1e6, max_position_embeddings=40960,
+                      qk_norm=True, bos_token_id=151643, eos_token_id=151645, param_dtype="bfloat16", dtype="bfloat16")}
+
+
+def _preset_fields(family: str, table: dict[str, dict[str, Any]], size: str) -> dict[str, Any]:
+    if size not in table:
+        raise ValueError(f"unknown {family} size {size!r}; known: {sorted(table)}")
+    return table[size]
 
 
 def _hf_experts(hf: dict[str, Any], source: str) -> dict[str, Any]:

@@ -149,16 +149,20 @@ def layer_activation_bytes_per_token(shape: ModelShape, *, keys_per_query: float
                                      tensor: int = 1) -> float:
     """Bytes one layer keeps for the backward pass, per token, on one tensor rank.
 
-    Counted tensors (compute dtype): residual input and its norm, q/k/v after RoPE, the attention output, the
-    second residual and its norm, and the MLP's gate, up, activation and product (two for a GELU MLP);
-    DENSE attention also keeps float32 scores and compute-dtype probabilities for every (query, key) pair.
+    Counted tensors, as XLA's GPU compiler keeps them for the Llama 3.1 8B update without remat (its buffer
+    assignment, `docs/benchmarks.md`, issue 23): each RMSNorm's input and normalised output in float32 (the norms
+    compute in float32: 4 d-wide float32 tensors per layer); in the compute dtype the normalised inputs of the
+    attention and MLP projections, the attention output (for the output projection), q and the attention output
+    blocked for the attention kernel's backward, k and v, and the MLP's gate, up and their product (one fewer for
+    a GELU MLP); DENSE attention also keeps float32 scores and compute-dtype probabilities for every (query, key)
+    pair, FLASH its float32 softmax statistics.
     """
     d, h, k, e, f = shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, shape.mlp
     b = shape.compute_bytes_each
     kv_split = min(tensor, k)
-    elements = 4 * d + (2 * h * e) / tensor + (2 * k * e) / kv_split + (4 if shape.gated_mlp else 2) * f / tensor
+    elements = 2 * d + (3 * h * e) / tensor + (2 * k * e) / kv_split + (3 if shape.gated_mlp else 2) * f / tensor
     attention = (h / tensor) * keys_per_query * (4 + b) if AttentionKernel(kernel) is AttentionKernel.DENSE else 4 * h / tensor
-    return elements * b + attention
+    return elements * b + 4 * d * 4 + attention
 
 
 def layer_matmul_output_bytes_per_token(shape: ModelShape, *, keys_per_query: float, kernel: AttentionKernel | str,

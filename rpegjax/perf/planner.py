@@ -44,6 +44,12 @@ from rpegjax.graph.ir import (
 )
 from rpegjax.options import AttentionKind, CacheLayout, DType, OptimizerSharding, RematPolicy
 from rpegjax.perf import executable, generation_stage, refusal, stage_costs, trust
+from rpegjax.perf.costs import (
+    AttentionKernel,
+    forward_layer_bytes_per_token,
+    layer_activation_bytes_per_token,
+    layer_matmul_output_bytes_per_token,
+)
 from rpegjax.perf.step_model import Evaluator, Prediction, placement_devices
 
 ROLLOUT, TRAIN = transforms.ROLLOUT_PLACEMENT, transforms.TRAIN_PLACEMENT
@@ -228,10 +234,19 @@ def _placed(graph: Graph, choice: PlanChoice) -> Graph:
 
 def build_graph(choice: PlanChoice) -> Graph:
     """The executable graph of `choice`: builder (asynchrony, critic sharing), placements and layouts, then the
-    fusion and micro-batch transforms; validated."""
+    fusion and micro-batch transforms; validated. Neither the structure nor its rules read the execution options,
+    so the structure is built once per choice of the rest (the planner tries many executions of each)."""
+    structure = _planned_structure(dataclasses.replace(choice, execution=_NO_EXECUTION))
+    return dataclasses.replace(structure, execution=choice.execution)
+
+
+_NO_EXECUTION = Execution()
+
+
+@functools.lru_cache(maxsize=4096)
+def _planned_structure(choice: PlanChoice) -> Graph:
     graph = _placed(_structure(choice.algorithm, choice.use_reference, choice.critic_mode, choice.async_bound,
                                choice.num_devices, choice.optimizer_steps), choice).validate()
-    graph = dataclasses.replace(graph, execution=choice.execution)
     if choice.fused:
         graph = transforms.default_fusion(graph)
     if choice.microbatches > 1:
@@ -261,6 +276,29 @@ def layouts(num_devices: int, tensor_sizes: tuple[int, ...], *, heads: int, kv_h
             middle = (("context", context),) if context > 1 else ()
             out.append((("data", rest // fsdp), ("fsdp", fsdp), *middle, ("tensor", tensor)))
     return out
+
+
+def _undominated(executions: list[Execution], inputs: stage_costs.CostInputs,
+                 tensor_sizes: tuple[int, ...]) -> list[Execution]:
+    """`executions` less those with dense attention whose flash-style twin (the same options otherwise) is there
+    and costs no more memory: the cost model gives dense attention at least the twin's time in every stage (every
+    (query, key) pair instead of the causal half, plus its scores' traffic), and at least its memory when a
+    row's shortest span, the prompt and one token, makes the scores of a query outweigh the flash kernel's float32
+    accumulator (checked per tensor size on the formulas themselves). Such a plan never ranks above its twin."""
+    def memory_dominated(execution: Execution) -> bool:
+        keys = inputs.workload.prompt_tokens + 1
+        for shape in {inputs.actor, inputs.critic}:
+            shape = dataclasses.replace(shape, param_dtype=execution.param_dtype, compute_dtype=execution.dtype)
+            for tensor, formula in itertools.product(tensor_sizes, (
+                    forward_layer_bytes_per_token, layer_activation_bytes_per_token, layer_matmul_output_bytes_per_token)):
+                dense, flash = (formula(shape, keys_per_query=keys, kernel=kernel, tensor=tensor)
+                                for kernel in (AttentionKernel.DENSE, AttentionKernel.FLASH))
+                if dense < flash:
+                    return False
+        return True
+
+    twins = {dataclasses.replace(e, attention=AttentionKind.DENSE) for e in executions if e.attention.skips_causal_blocks}
+    return [e for e in executions if e.attention.skips_causal_blocks or e not in twins or not memory_dominated(e)]
 
 
 def _splits(num_devices: int, fractions: tuple[float | None, ...], node_size: int) -> list[int]:
@@ -305,7 +343,7 @@ class Planner:
         for execution in self.space.executions(longest=workload.prompt_tokens + workload.responses.max):
             if not executable.execution_problems(execution, hardware):
                 distinct.setdefault(evaluator.inputs.options.executing(execution), execution)
-        self.executions = list(distinct.values())
+        self.executions = _undominated(list(distinct.values()), evaluator.inputs, self.space.tensor_sizes)
         if not self.executions:
             refused = "; ".join(p for e in self.space.executions() for p in executable.execution_problems(e, hardware))
             raise ValueError(f"planner: the runtime can execute none of the space's execution options on "
@@ -313,6 +351,12 @@ class Planner:
 
     # the (critic, placement, layouts) skeletons and their structure variants
     def skeletons(self) -> Iterator[PlanChoice]:
+        """Every skeleton of the space, fitted (`fit_microbatches`)."""
+        for pinned in self._pinned_skeletons():
+            yield self._fit_passes(pinned)
+
+    def _pinned_skeletons(self) -> Iterator[PlanChoice]:
+        """Every skeleton with its sampler pinned (`_pin_generation`) and one update and inference pass."""
         shape, hardware = self.evaluator.inputs.actor, self.evaluator.inputs.hardware
         critic_modes = self.space.critic_modes if self.algorithm is Algorithm.PPO else (CriticMode.SEPARATE,)
         for critic_mode, split in itertools.product(critic_modes, _splits(self.num_devices, self.space.generation_fractions,
@@ -336,24 +380,29 @@ class Planner:
                                   train_layout=train_layout, execution=execution)
                 for reshard in self.space.reshard_inference:
                     if not reshard:
-                        yield self.fit_microbatches(base)
+                        yield self._pin_generation(base)
                     else:
                         own = self._own_inference_layouts(base, training)
                         if own:
-                            yield self.fit_microbatches(dataclasses.replace(base, inference_layouts=own))
+                            yield self._pin_generation(dataclasses.replace(base, inference_layouts=own))
 
     def fit_microbatches(self, skeleton: PlanChoice) -> PlanChoice:
         """The skeleton with the fewest update and inference micro-batches of the space whose stages fit in memory
         (the largest when none does: the plan is then ranked out, with its reason), and the sampler's slots and
         KV pool pinned to what the generation phase leaves. None of these depends on the asynchrony bound, fusion
-        or generation pieces, so they hold for every variant."""
-        if skeleton.execution.packing:  # one budget sizes the update's and the inference stages' passes
-            return self._pin_generation(self._fastest_budget(skeleton))
+        or generation pieces, so they hold for every variant; the sampler's memory and time depend on neither kind
+        of micro-batch, nor the micro-batched stages' on the sampler, so the two are fitted apart."""
+        return self._fit_passes(self._pin_generation(skeleton))
+
+    def _fit_passes(self, skeleton: PlanChoice) -> PlanChoice:
+        """`skeleton` with the fewest update and inference micro-batches that fit (`fit_microbatches`); a packed
+        candidate with its packed-row budget instead (one budget sizes the update's and the inference passes)."""
+        if skeleton.execution.packing:
+            return self._fastest_budget(skeleton)
         choice = self._fewest(skeleton, "update_microbatches", self.space.update_microbatches, trust.TRAINING)
         sequences = self.evaluator.inputs.workload.sequences
         rows = [sequences // m for m in self.space.inference_microbatches if sequences % m == 0]
-        choice = self._fewest(choice, "inference_rows", [None if r == sequences else r for r in rows], trust.INFERENCE)
-        return self._pin_generation(choice)
+        return self._fewest(choice, "inference_rows", [None if r == sequences else r for r in rows], trust.INFERENCE)
 
     def packed_budgets(self, choice: PlanChoice) -> list[int]:
         """Packed-row budgets to try for `choice`, largest first: the space's multiples of the longest sequence,
@@ -467,9 +516,8 @@ class Planner:
         """(slots per replica, generate stage cost, its layout, cost inputs, persistent bytes per device beside it)
         of `choice`, or None when no sequence fits."""
         graph = build_graph(choice)
-        costs, _, _ = self.evaluator.stage_costs(graph)
         generate = graph.stages_of_kind(StageKind.GENERATE)[0]
-        cost = costs[generate.name]
+        cost = self.evaluator.stage_cost(graph, generate.name)
         if not np.isfinite(cost.seconds):
             return None
         layout = stage_costs.Layout.from_parallel(graph.parallel_of(generate.name), where=generate.name)
@@ -507,33 +555,44 @@ class Planner:
     def _batch_problems(self, graph: Graph) -> list[str]:
         return executable.batch_problems(graph, self.evaluator.inputs.workload.sequences)
 
-    def _bound(self, skeleton: PlanChoice) -> float:
+    def _bound(self, skeleton: PlanChoice, *, fitted: bool = True) -> float:
+        """A lower bound on the step of every variant of `skeleton`; unless `fitted`, of every variant of the
+        skeleton with its micro-batches fitted: one update and inference pass, their memory not checked (more
+        passes only add work, and fitting sees to memory)."""
         graph = build_graph(skeleton)
         if self._batch_problems(graph) or self._outside_regime(graph):
             # the runtime could not split the batch (more pieces only make it worse), or its memory is not trusted
             return float("inf")
-        bound = self.evaluator.lower_bound(graph)
+        bound = self.evaluator.lower_bound(graph, check_memory=fitted)
         fusable = sum(1 for s in graph.stages if INFERENCE_KINDS & set(s.kinds))
         return bound - max(0, fusable - 1) * self.evaluator.inputs.hardware.device.dispatch_overhead_s
 
     def search(self, *, top: int = 5) -> PlanResult:
-        """The best plan and the next `top - 1`, exactly as `brute_force` would rank them."""
+        """The best plan and the next `top - 1`, exactly as `brute_force` would rank them. Skeletons are taken in
+        the order of a bound that needs no micro-batch fitting (`_bound(fitted=False)`), and fitted only while
+        that bound can still enter the top: fitting (a few predictions per micro-batch count) is most of the work."""
         start = time.perf_counter()
         bounded = []
-        for index, skeleton in enumerate(self.skeletons()):
-            bounded.append((self._bound(skeleton), index, skeleton))
+        for index, pinned in enumerate(self._pinned_skeletons()):
+            bounded.append((self._bound(pinned, fitted=False), index, pinned))
         bounded.sort(key=lambda item: (item[0], item[1]))
         ranked: list[tuple[tuple, Plan]] = []  # the best `top` so far, sorted
+        misses: list[tuple[int, PlanChoice]] = []  # (index, fitted skeleton) of those that do not fit
         rejected: dict[str, tuple[tuple, str]] = {}  # family -> (closeness, its closest miss's line)
         per_skeleton = len(self.space.async_bounds) * len(self.space.fusion) * len(self.space.microbatches)
         evaluated, candidates = 0, per_skeleton * len(bounded)
-        for bound, _, skeleton in bounded:
+        for first_bound, index, pinned in bounded:
+            if len(ranked) >= top and first_bound > ranked[-1][0][0]:
+                break  # sorted by a lower bound: no later candidate can enter the top
+            if math.isinf(first_bound) and ranked:
+                continue  # does not fit (more micro-batches would not help), and a plan that does is known
+            skeleton = self._fit_passes(pinned)
+            bound = first_bound if math.isinf(first_bound) else self._bound(skeleton)
             if math.isinf(bound):
-                if not ranked:  # nothing fits yet: keep each family's closest miss, to say what would fit
-                    self._reject(skeleton, rejected)
+                misses.append((index, skeleton))
                 continue
             if len(ranked) >= top and bound > ranked[-1][0][0]:
-                break  # sorted by bound: no later candidate can enter the top
+                continue
             for choice in self.variants(skeleton):
                 if self._batch_problems(build_graph(choice)):
                     continue
@@ -548,6 +607,8 @@ class Planner:
                 ranked.append((_rank_key(plan), plan))
                 ranked.sort(key=lambda item: item[0])
                 del ranked[top:]
+        for _, skeleton in sorted(misses, key=lambda item: item[0]) if not ranked else ():
+            self._reject(skeleton, rejected)  # nothing fits: each family's closest miss says what would fit
         closest = tuple(text for _, text in sorted(rejected.values()))
         if not ranked:
             raise ValueError(f"planner: no plan of {candidates} fits in device memory, splits its batch evenly and has "

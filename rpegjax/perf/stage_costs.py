@@ -510,9 +510,10 @@ def _pass_transient_bytes(inputs: CostInputs, shape: ModelShape, layout: Layout,
     kv_gathered = (0.0 if layout.context == 1 else 2 * tokens_per_pass * layout.context * shape.kv_heads
                    * shape.head_dim * shape.compute_bytes_each / min(layout.tensor, shape.kv_heads))
     if not backward:
-        # the residual stream of every token, and the larger of one layer's working set and one log-prob chunk's
-        # logits (the layers are done when the chunks run)
-        residual = tokens_per_pass * shape.hidden * shape.compute_bytes_each
+        # the residual stream of every token into and out of the layer being run (the layer scan's carry, both
+        # live: the compiled Llama 3.1 8B and Qwen3-32B log-prob passes of the NeMo-RL plans, issue 23), and the
+        # larger of one layer's working set and one log-prob chunk's logits (the layers are done when the chunks run)
+        residual = 2 * tokens_per_pass * shape.hidden * shape.compute_bytes_each
         layer = tokens_per_pass * costs.forward_layer_bytes_per_token(
             shape, keys_per_query=keys_per_query, kernel=o.attention, tensor=layout.tensor)
         logits = rows * chunk_tokens * shape.vocab / layout.tensor * shape.compute_bytes_each

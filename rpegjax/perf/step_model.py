@@ -281,9 +281,17 @@ def _shape(model: ModelShape | ModelConfig) -> ModelShape:
 
 def _cost_key(graph: Graph, stage: Stage, persistent: np.ndarray) -> tuple:
     """Everything a stage's cost depends on besides the fixed inputs: the stage, its placement, the layouts
-    its weights come from (resharding) or go to (weight sync), and the memory left on its devices."""
+    its weights come from (resharding) or go to (weight sync); for the sampler, the memory left on its devices."""
     if stage.host:
         return (stage,)  # reward time does not depend on the execution options
+    if StageKind.GENERATE in stage.kinds:  # the sampler: its layout, pieces and the memory its devices leave only
+        left = round(float(persistent[list(placement_devices(graph, stage.placement))].max()))
+        # partial rollouts carry a group while its tokens lag at most max_token_lag: the versions beyond k
+        execution = graph.execution
+        carries = (generation_stage.partial_carries(execution.max_token_lag, graph.async_bound)
+                   if execution.partial_rollouts else None)
+        return (stage.kinds, stage.microbatches, stage_layout(graph, stage), left, carries,
+                _execution_key(stage, execution))
     related = []
     for kind in (StageKind.ACTOR_UPDATE, StageKind.CRITIC_UPDATE):
         home = _home(graph, kind, own_kind=True)
@@ -294,24 +302,19 @@ def _cost_key(graph: Graph, stage: Stage, persistent: np.ndarray) -> tuple:
             reader_stage = graph.stage(reader)
             if not reader_stage.host:
                 related.append((graph.placements[reader_stage.placement], graph.parallel_of(reader)))
-    devices = list(placement_devices(graph, stage.placement))
-    left = round(float(persistent[devices].max())) if StageKind.GENERATE in stage.kinds else None
-    # partial rollouts carry a group while its tokens lag at most max_token_lag: the versions beyond k
-    execution = graph.execution
-    carries = (generation_stage.partial_carries(execution.max_token_lag, graph.async_bound)
-               if StageKind.GENERATE in stage.kinds and execution.partial_rollouts else None)
-    return (stage, graph.placements[stage.placement], tuple(map(repr, related)), left, carries,
-            _execution_key(stage, graph.execution))
+    return stage, graph.placements[stage.placement], tuple(map(repr, related)), None, _execution_key(stage, graph.execution)
 
 
 def _execution_key(stage: Stage, execution: Execution) -> tuple:
     """The execution options a stage's cost reads: update micro-batches only matter to updates, remat only to
-    backward passes (the planner varies them per plan; generation, the costliest to predict, reads neither)."""
+    backward passes (the planner varies them per plan; generation, the costliest to predict, reads neither).
+    Packing changes forward passes too."""
     if set(stage.kinds) & UPDATE_KINDS:
         return dataclasses.astuple(execution)
     return (execution.attention, execution.param_dtype, execution.dtype, execution.kv_cache, execution.kv_pool_tokens,
-            execution.page_size, execution.decode_slots, execution.inference_rows, execution.partial_rollouts,
-            execution.inflight_batches, execution.max_token_lag)
+            execution.page_size, execution.decode_slots, execution.inference_rows, execution.packing,
+            execution.max_tokens_per_micro_batch, execution.partial_rollouts, execution.inflight_batches,
+            execution.max_token_lag)
 
 
 class Evaluator:
@@ -371,25 +374,39 @@ class Evaluator:
                             f"({', '.join(held)}) exceeds the usable {limit / 1e9:.1f} GB")
         costs: dict[str, StageCost] = {}
         for stage in graph.stages:
-            beside = _phase(stage, persistent, generating)
-            key = _cost_key(graph, stage, beside)
-            if key not in self._costs:
-                try:
-                    self._costs[key] = stage_cost(graph, stage, inputs, beside)
-                except MemoryError as error:
-                    self._costs[key] = str(error)
-            cost = self._costs[key]
+            cost = self._remembered(graph, stage, inputs, _phase(stage, persistent, generating))
             if isinstance(cost, str):
                 problems.append(f"stage {stage.name!r}: {cost}")
                 cost = StageCost(seconds=float("inf"))
             costs[stage.name] = cost
         return costs, persistent, problems
 
-    def lower_bound(self, graph: Graph) -> float:
-        """The busiest resource's work per step (inf when the plan does not fit): no prediction is below it."""
+    def stage_cost(self, graph: Graph, name: str) -> StageCost:
+        """Stage `name`'s cost in `graph`, as `stage_costs` gives it, without costing the other stages (infinite
+        seconds when it cannot run)."""
+        inputs, stage = self.inputs_for(graph), graph.stage(name)
+        residents = resident_state(graph, inputs)
+        beside = _persistent(residents, graph.num_devices, generating=StageKind.GENERATE in stage.kinds)
+        cost = self._remembered(graph, stage, inputs, beside)
+        return StageCost(seconds=float("inf")) if isinstance(cost, str) else cost
+
+    def _remembered(self, graph: Graph, stage: Stage, inputs: CostInputs, beside: np.ndarray) -> StageCost | str:
+        """`stage_cost` of `stage` beside `beside` bytes per device, remembered (a MemoryError as its message)."""
+        key = _cost_key(graph, stage, beside)
+        if key not in self._costs:
+            try:
+                self._costs[key] = stage_cost(graph, stage, inputs, beside)
+            except MemoryError as error:
+                self._costs[key] = str(error)
+        return self._costs[key]
+
+    def lower_bound(self, graph: Graph, *, check_memory: bool = True) -> float:
+        """The busiest resource's work per step (inf when the plan does not fit): no prediction is below it.
+        Without `check_memory`, the stages' peaks are not checked against the device (persistent state and the
+        sampler still are)."""
         self._check(graph)
         costs, persistent, problems = self.stage_costs(graph)
-        if problems or self._memory_problems(graph, costs, persistent)[1]:
+        if problems or (check_memory and self._memory_problems(graph, costs, persistent)[1]):
             return float("inf")
         return schedule_module.resource_bound(_units(graph, costs, self.inputs.hardware), graph.num_devices)
 

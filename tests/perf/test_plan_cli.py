@@ -79,6 +79,12 @@ def test_help_names_every_option_with_its_default_and_the_models():
     assert "d48xt4" in text and "k=N" in text  # the legend is part of the help
 
 
+def test_the_published_runs_models_are_presets():
+    load = _plan_module().load_model
+    assert load("llama3.1-8b") == load("llama3-8b") == ModelConfig.llama3("8b")
+    assert load("qwen3-32b") == ModelConfig.qwen3("32b") and load("qwen3-32b").architecture == "qwen3"
+
+
 def test_table_prints_the_legend_and_explain_says_why():
     done = _run("--model", "qwen2.5-0.5b", "--algo", "grpo", "--explain", *SMALL)
     assert done.returncode == 0, done.stderr

@@ -203,3 +203,63 @@ def test_re_sharded_inference_layouts_are_chosen_before_and_fitted_after_their_r
     assert not search._batch_problems(planner.build_graph(fitted))
     plan = planner.real_like(evaluator, algorithm=Algorithm.GRPO, num_devices=8, space=SPACE)
     assert not search._batch_problems(plan.graph)
+
+
+# ------------------------------------------------------------------------------ what makes the search fast, exactly
+def _small_search(memory_bytes=None, workload=WORKLOAD, space=SPACE):
+    evaluator = step_model.Evaluator.for_runtime(ModelConfig.qwen2p5("0.5b"), workload, _two_nodes(memory_bytes))
+    return planner.Planner(evaluator, algorithm=Algorithm.GRPO, num_devices=8, space=space)
+
+
+def test_the_first_bound_needs_no_fitting_and_is_below_every_fitted_variant():
+    """Skeletons are ordered and pruned by a bound taken before their micro-batches are fitted: it must not exceed
+    the fitted skeleton's bound nor any variant's step (a 7B model on 40 GB devices, so fitting takes
+    micro-batches and some skeletons do not fit at all)."""
+    evaluator = step_model.Evaluator.for_runtime(ModelConfig.qwen2p5("7b"), WORKLOAD, _two_nodes(memory_bytes=40e9))
+    search = planner.Planner(evaluator, algorithm=Algorithm.GRPO, num_devices=8, space=dataclasses.replace(
+        SPACE, param_dtype="bfloat16", reshard_inference=(False,)))
+    fitted_counts, checked = set(), 0
+    for pinned in search._pinned_skeletons():
+        first = search._bound(pinned, fitted=False)
+        fitted = search._fit_passes(pinned)
+        fitted_counts.add(fitted.execution.update_microbatches)
+        assert first <= search._bound(fitted) + 1e-9
+        for choice in search.variants(fitted):
+            plan = search._plan(choice)
+            if plan.prediction.fits:
+                checked += 1
+                assert first <= plan.prediction.step_seconds + 1e-9
+    assert checked and len(fitted_counts) > 1
+
+
+def test_generation_and_micro_batches_are_fitted_apart_with_the_same_result():
+    """`fit_microbatches` pins the sampler first, then fits the passes; the reverse order gives the same plan."""
+    search = _small_search(memory_bytes=24e9)
+    for pinned in list(search._pinned_skeletons())[:12]:
+        bare = dataclasses.replace(pinned, execution=search.unfitted(pinned.execution))
+        assert search.fit_microbatches(bare) == search._pin_generation(search._fit_passes(bare))
+
+
+def test_dense_attention_is_left_out_only_where_its_flash_twin_dominates_it():
+    """With 256-token prompts dense attention costs at least the flash kernel's time and memory in every plan of
+    the space (checked here plan by plan), so the planner leaves it out; with 8-token prompts on a model whose
+    attention phase outweighs its MLP, a query's scores are smaller than the flash kernel's accumulator and it
+    stays."""
+    long = _small_search()
+    assert long.executions and all(e.attention.skips_causal_blocks for e in long.executions)
+    tiny = step_model.Evaluator.for_runtime(ModelConfig.tiny(), dataclasses.replace(WORKLOAD, prompt_tokens=8),
+                                            _two_nodes())
+    short = planner.Planner(tiny, algorithm=Algorithm.GRPO, num_devices=8, space=SPACE)
+    assert {e.attention for e in short.executions} == {"cudnn", "dense"}
+    dense = _small_search(space=dataclasses.replace(SPACE, attention=("dense",), reshard_inference=(False,)))
+    compared = 0
+    for skeleton in dense.skeletons():
+        for choice in dense.variants(skeleton):
+            plan = dense._plan(choice)
+            twin = dense._plan(dataclasses.replace(choice, execution=dataclasses.replace(choice.execution,
+                                                                                         attention="blockwise")))
+            assert twin.prediction.peak_memory_bytes <= plan.prediction.peak_memory_bytes + 1
+            if plan.prediction.fits:
+                compared += 1
+                assert twin.prediction.fits and twin.prediction.step_seconds <= plan.prediction.step_seconds + 1e-9
+    assert compared

@@ -311,3 +311,24 @@ def test_live_buckets_follow_the_running_sequences_on_a_long_tail():
     assert static.steps == live.steps and static.mean_active == live.mean_active
     assert static.mean_rows == 16 and live.mean_active <= live.mean_rows < 2 * live.mean_active
     assert live.seconds < 0.5 * static.seconds
+
+
+def test_remembered_stage_costs_are_those_of_each_plans_own_execution():
+    """The evaluator remembers stage costs across graphs by what each reads of the execution: after a padded plan,
+    its packed and sequence-parallel variants are predicted as a fresh evaluator predicts them (packing changes
+    the inference passes too, not only the update)."""
+    graph = builders.grpo_graph(use_reference=True, num_devices=8, parallel={"fsdp": 4, "tensor": 2})
+    base = Execution(attention="blockwise", remat="full", scan_layers=True, param_dtype="float32", dtype="bfloat16")
+    variants = [dataclasses.replace(base, update_microbatches=4),
+                dataclasses.replace(base, packing=True, max_tokens_per_micro_batch=4096),
+                dataclasses.replace(base, update_microbatches=4, sequence_parallel=True)]
+    shared = step_model.Evaluator.for_runtime(QWEN05, SMALL, hardware.h100_node(8))
+    seconds = []
+    for execution in variants:
+        planned = dataclasses.replace(graph, execution=execution)
+        fresh = step_model.Evaluator.for_runtime(QWEN05, SMALL, hardware.h100_node(8)).predict(planned, with_trace=False)
+        remembered = shared.predict(planned, with_trace=False)
+        assert remembered.stage_seconds() == fresh.stage_seconds()
+        assert [s.peak_memory_bytes for s in remembered.stages] == [s.peak_memory_bytes for s in fresh.stages]
+        seconds.append((fresh.stage("ref_logprob").seconds, fresh.stage("ref_logprob").peak_memory_bytes))
+    assert seconds[0] != seconds[1]  # packed rows cost the reference pass less than padded ones

@@ -6,7 +6,9 @@ import math
 import pytest
 
 from rpegjax.graph.ir import StageKind
+from rpegjax.models import ModelConfig
 from rpegjax.perf import planner, pretraining, validation
+from rpegjax.perf.costs import ModelShape
 from rpegjax.perf.pretraining import Recompute
 from rpegjax.perf.validation import (
     DEFAULT_EFFICIENCIES,
@@ -102,3 +104,19 @@ def test_runs_reject_impossible_plans():
         dataclasses.replace(NEMO_RL_RUNS[2], train_pipeline=3)
     with pytest.raises(ValueError, match="Efficiencies.matmul"):
         validation.Efficiencies(matmul=1.5, decode_memory=0.5)
+
+
+def test_the_planner_presets_are_the_published_runs_models():
+    """plan.py's llama3.1-8b and qwen3-32b (`ModelConfig.llama3`, `ModelConfig.qwen3`) have the shapes the runs are
+    predicted with, and the model cards' parameter counts (Llama 3.1 8B: 8.03B; Qwen3-32B: 32.8B, 31.2B without
+    embeddings)."""
+    llama, qwen = ModelConfig.llama3("8b"), ModelConfig.qwen3("32b")
+    assert ModelShape.from_config(llama) == validation.LLAMA31_8B
+    assert ModelShape.from_config(qwen) == validation.QWEN3_32B
+    assert llama.num_params() == pytest.approx(8.03e9, rel=0.005)
+    assert qwen.num_params() == pytest.approx(32.8e9, rel=0.005)
+    assert qwen.num_params(include_embeddings=False) == pytest.approx(31.2e9, rel=0.005)
+    assert llama.rope_scaling is not None and qwen.qk_norm and not qwen.attention_bias
+    for cfg in (llama, qwen):  # the config.json a user would give instead reads back as the same model
+        read = ModelConfig.from_hf_dict(cfg.to_hf_dict())
+        assert read.replace(attention=cfg.attention, remat=cfg.remat, scan_layers=cfg.scan_layers) == cfg
