@@ -25,7 +25,7 @@ import functools
 import itertools
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -382,7 +382,7 @@ class Planner:
                     if not reshard:
                         yield self._pin_generation(base)
                     else:
-                        own = self._own_inference_layouts(base, training)
+                        own = _own_inference_layouts(self, base, training)
                         if own:
                             yield self._pin_generation(dataclasses.replace(base, inference_layouts=own))
 
@@ -404,16 +404,9 @@ class Planner:
         rows = [sequences // m for m in self.space.inference_microbatches if sequences % m == 0]
         return self._fewest(choice, "inference_rows", [None if r == sequences else r for r in rows], trust.INFERENCE)
 
-    def packed_budgets(self, choice: PlanChoice) -> list[int]:
-        """Packed-row budgets to try for `choice`, largest first: the space's multiples of the longest sequence,
-        which is rounded up to whole attention blocks, and for a context axis of c to 2·c blocks (every layout of
-        the plan cuts its rows so, `executable.packed_row_problem`)."""
-        workload, block = self.evaluator.inputs.workload, choice.execution.attention_block_size
-        contexts = [_sizes(choice.train_layout).get("context", 1)]
-        contexts += [_sizes(layout).get("context", 1) for _, layout in choice.inference_layouts]
-        quantum = math.lcm(*(block * (2 * c if c > 1 else 1) for c in contexts))
-        longest = -(-(workload.prompt_tokens + workload.responses.max) // quantum) * quantum
-        return [longest * multiple for multiple in self.space.packed_rows]
+    def budgets(self, choice: PlanChoice) -> list[int]:
+        """The packed-row budgets the space tries for `choice` (`packed_budgets`)."""
+        return packed_budgets(choice, self.evaluator.inputs.workload, self.space.packed_rows)
 
     def unfitted(self, execution: Execution) -> Execution:
         """`execution` before `fit_microbatches`: no inference micro-batches, the sampler's slots and pool unpinned."""
@@ -429,7 +422,7 @@ class Planner:
         limits = {**dict.fromkeys(UPDATE_KINDS, self.regime.limit(usable, trust.TRAINING)),
                   **dict.fromkeys(INFERENCE_KINDS, self.regime.limit(usable, trust.INFERENCE))}
         best, fallback = None, skeleton
-        for budget in self.packed_budgets(skeleton):
+        for budget in self.budgets(skeleton):
             candidate = dataclasses.replace(skeleton, execution=dataclasses.replace(
                 skeleton.execution, max_tokens_per_micro_batch=budget))
             graph = build_graph(candidate)
@@ -494,23 +487,7 @@ class Planner:
                 return choice  # no pool within the margin: ranked out as untrusted, saying so
             execution = dataclasses.replace(
                 execution, kv_pool_tokens=int(kv // generation_stage.kv_bytes_per_token(inputs.actor, layout)))
-        return dataclasses.replace(choice, execution=self._fastest_slots(choice, execution, slots, step))
-
-    def _fastest_slots(self, choice: PlanChoice, execution: Execution, most: int, step: int) -> Execution:
-        """`execution` with the fastest generation of `most` slots and its halvings (whole steps of `step`): the
-        running slots decode each step (padded to a power of two) over the longest one's window, so fewer slots
-        decode for more steps over fewer rows each (the step model times both). With partial rollouts also the
-        slots of each whole number of batches in flight (one batch: the others queue for its freed slots)."""
-        in_flight = execution.inflight_batches if execution.partial_rollouts else 1
-        counts = sorted({max(step, most // 2**i // step * step) for i in range(4)}
-                        | {max(step, most * j // in_flight // step * step) for j in range(1, in_flight)}, reverse=True)
-        timed = []
-        for count in counts:
-            candidate = dataclasses.replace(execution, decode_slots=count)
-            generated = self._generation(dataclasses.replace(choice, execution=candidate))
-            if generated is not None:
-                timed.append((generated[1].seconds, -count, candidate))
-        return min(timed, key=lambda item: item[:2])[2] if timed else dataclasses.replace(execution, decode_slots=most)
+        return dataclasses.replace(choice, execution=_fastest_slots(self, choice, execution, slots, step))
 
     def _generation(self, choice: PlanChoice):
         """(slots per replica, generate stage cost, its layout, cost inputs, persistent bytes per device beside it)
@@ -524,30 +501,6 @@ class Planner:
         beside = float(self.evaluator.generating_persistent(graph)[list(placement_devices(graph, generate.placement))].max())
         return int(cost.detail["slots"]), cost, layout, self.evaluator.inputs_for(graph), beside
 
-    def _own_inference_layouts(self, base: PlanChoice, candidates) -> tuple:
-        """Each inference stage on the layout that minimises its own pass time (ReaL-style per-stage re-sharding);
-        re-sharding and memory are then costed and checked when the whole plan is predicted (timed without
-        inference micro-batches: those are fitted to the layouts chosen)."""
-        base = dataclasses.replace(base, execution=self.unfitted(base.execution))
-        if base.execution.packing:  # timed on rows of one longest sequence: the least padding on any layout
-            base = dataclasses.replace(base, execution=dataclasses.replace(
-                base.execution, max_tokens_per_micro_batch=self.packed_budgets(base)[-1]))
-        key = (base.critic_mode, base.generation_devices, base.execution)
-        if key not in self._own_cache:
-            graph = build_graph(base)
-            inputs = self.evaluator.inputs_for(graph)
-            fastest = []
-            for stage in graph.stages:
-                if not INFERENCE_KINDS & set(stage.kinds):
-                    continue
-                shape = inputs.critic if stage.role is Role.CRITIC else inputs.actor
-                logits = bool({StageKind.REF_LOGPROB, StageKind.OLD_LOGPROB} & set(stage.kinds))
-                seconds = {layout: stage_costs.model_pass_cost(inputs, shape, stage_costs.Layout.from_parallel(
-                    _sizes(layout), where=stage.name), logits=logits, backward=False).seconds for layout in candidates}
-                fastest.append((stage.name, min(candidates, key=lambda layout: (seconds[layout], candidates.index(layout)))))
-            self._own_cache[key] = tuple(fastest)
-        return tuple((name, layout) for name, layout in self._own_cache[key] if layout != base.train_layout)
-
     def variants(self, skeleton: PlanChoice) -> Iterator[PlanChoice]:
         for k, fused, m in itertools.product(self.space.async_bounds, self.space.fusion, self.space.microbatches):
             yield dataclasses.replace(skeleton, async_bound=k, fused=fused, microbatches=m)
@@ -558,14 +511,21 @@ class Planner:
     def _bound(self, skeleton: PlanChoice, *, fitted: bool = True) -> float:
         """A lower bound on the step of every variant of `skeleton`; unless `fitted`, of every variant of the
         skeleton with its micro-batches fitted: one update and inference pass, their memory not checked (more
-        passes only add work, and fitting sees to memory)."""
-        graph = build_graph(skeleton)
-        if self._batch_problems(graph) or self._outside_regime(graph):
-            # the runtime could not split the batch (more pieces only make it worse), or its memory is not trusted
-            return float("inf")
-        bound = self.evaluator.lower_bound(graph, check_memory=fitted)
-        fusable = sum(1 for s in graph.stages if INFERENCE_KINDS & set(s.kinds))
-        return bound - max(0, fusable - 1) * self.evaluator.inputs.hardware.device.dispatch_overhead_s
+        passes only add work, and fitting sees to memory); a packed skeleton's fastest budget (a larger one
+        computes more padding)."""
+        choices = [skeleton]
+        if not fitted and skeleton.execution.packing:
+            choices = [dataclasses.replace(skeleton, execution=dataclasses.replace(
+                skeleton.execution, max_tokens_per_micro_batch=budget)) for budget in self.budgets(skeleton)]
+        bounds = [float("inf")]
+        for choice in choices:
+            graph = build_graph(choice)
+            if self._batch_problems(graph) or self._outside_regime(graph):
+                continue  # the runtime could not split the batch (more pieces only make it worse), or untrusted
+            fusable = sum(1 for s in graph.stages if INFERENCE_KINDS & set(s.kinds))
+            bounds.append(self.evaluator.lower_bound(graph, check_memory=fitted)
+                          - max(0, fusable - 1) * self.evaluator.inputs.hardware.device.dispatch_overhead_s)
+        return min(bounds)
 
     def search(self, *, top: int = 5) -> PlanResult:
         """The best plan and the next `top - 1`, exactly as `brute_force` would rank them. Skeletons are taken in
@@ -628,7 +588,9 @@ class Planner:
             return
         problems = self._batch_problems(graph)
         prediction = None if problems else self._plan(skeleton).prediction
-        line = refusal.refusal_line(prediction, batch_problems=problems, **self._refusal_limits())
+        line = refusal.refusal_line(prediction, batch_problems=problems, sequences=self.evaluator.inputs.workload.sequences,
+                                    most_update_microbatches=self.space.update_microbatches[-1],
+                                    most_inference_microbatches=self.space.inference_microbatches[-1])
         _keep_closest(skeleton, refusal.closeness(prediction), line, rejected)
 
     def _outside_regime(self, graph: Graph) -> str | None:
@@ -642,11 +604,6 @@ class Planner:
         return trust.untrusted(plan.prediction, self.evaluator.inputs.actor, workload.prompt_tokens + workload.responses.max,
                                self.regime)
 
-    def _refusal_limits(self) -> dict[str, int]:
-        return dict(most_update_microbatches=self.space.update_microbatches[-1],
-                    most_inference_microbatches=self.space.inference_microbatches[-1],
-                    sequences=self.evaluator.inputs.workload.sequences)
-
     def _plan(self, choice: PlanChoice) -> Plan:
         graph = build_graph(choice)
         return Plan(choice=choice, graph=graph, prediction=self.evaluator.predict(graph, with_trace=False))
@@ -657,6 +614,63 @@ class Planner:
                  if not self._batch_problems(build_graph(choice))]
         fitting = sorted((p for p in plans if p.prediction.fits and self.untrusted(p) is None), key=_rank_key)
         return fitting[:top]
+
+
+def packed_budgets(choice: PlanChoice, workload, multiples: Sequence[int]) -> list[int]:
+    """Packed-row budgets to try for `choice`, largest first: `multiples` of the workload's longest sequence,
+    which is rounded up to whole attention blocks, and for a context axis of c to 2·c blocks (every layout of
+    the plan cuts its rows so, `executable.packed_row_problem`)."""
+    block = choice.execution.attention_block_size
+    contexts = [_sizes(choice.train_layout).get("context", 1)]
+    contexts += [_sizes(layout).get("context", 1) for _, layout in choice.inference_layouts]
+    quantum = math.lcm(*(block * (2 * c if c > 1 else 1) for c in contexts))
+    longest = -(-(workload.prompt_tokens + workload.responses.max) // quantum) * quantum
+    return [longest * multiple for multiple in multiples]
+
+
+
+def _own_inference_layouts(planner: Planner, base: PlanChoice, candidates) -> tuple:
+    """Each inference stage on the layout that minimises its own pass time (ReaL-style per-stage re-sharding);
+    re-sharding and memory are then costed and checked when the whole plan is predicted (timed without
+    inference micro-batches: those are fitted to the layouts chosen)."""
+    base = dataclasses.replace(base, execution=planner.unfitted(base.execution))
+    if base.execution.packing:  # timed on rows of one longest sequence: the least padding on any layout
+        base = dataclasses.replace(base, execution=dataclasses.replace(
+            base.execution, max_tokens_per_micro_batch=planner.budgets(base)[-1]))
+    key = (base.critic_mode, base.generation_devices, base.execution)
+    if key not in planner._own_cache:
+        graph = build_graph(base)
+        inputs = planner.evaluator.inputs_for(graph)
+        fastest = []
+        for stage in graph.stages:
+            if not INFERENCE_KINDS & set(stage.kinds):
+                continue
+            shape = inputs.critic if stage.role is Role.CRITIC else inputs.actor
+            logits = bool({StageKind.REF_LOGPROB, StageKind.OLD_LOGPROB} & set(stage.kinds))
+            seconds = {layout: stage_costs.model_pass_cost(inputs, shape, stage_costs.Layout.from_parallel(
+                _sizes(layout), where=stage.name), logits=logits, backward=False).seconds for layout in candidates}
+            fastest.append((stage.name, min(candidates, key=lambda layout: (seconds[layout], candidates.index(layout)))))
+        planner._own_cache[key] = tuple(fastest)
+    return tuple((name, layout) for name, layout in planner._own_cache[key] if layout != base.train_layout)
+
+
+
+def _fastest_slots(planner: Planner, choice: PlanChoice, execution: Execution, most: int, step: int) -> Execution:
+    """`execution` with the fastest generation of `most` slots and its halvings (whole steps of `step`): the
+    running slots decode each step (padded to a power of two) over the longest one's window, so fewer slots
+    decode for more steps over fewer rows each (the step model times both). With partial rollouts also the
+    slots of each whole number of batches in flight (one batch: the others queue for its freed slots)."""
+    in_flight = execution.inflight_batches if execution.partial_rollouts else 1
+    counts = sorted({max(step, most // 2**i // step * step) for i in range(4)}
+                    | {max(step, most * j // in_flight // step * step) for j in range(1, in_flight)}, reverse=True)
+    timed = []
+    for count in counts:
+        candidate = dataclasses.replace(execution, decode_slots=count)
+        generated = planner._generation(dataclasses.replace(choice, execution=candidate))
+        if generated is not None:
+            timed.append((generated[1].seconds, -count, candidate))
+    return min(timed, key=lambda item: item[:2])[2] if timed else dataclasses.replace(execution, decode_slots=most)
+
 
 
 def _keep_closest(choice: PlanChoice, need: tuple, line: str, rejected: dict[str, tuple[tuple, str]]) -> None:
@@ -739,7 +753,7 @@ def real_like(evaluator: Evaluator, *, algorithm: Algorithm | str, num_devices: 
         # the fitted micro-batches and sampler were the skeleton's layouts': fitted again to these
         choice = dataclasses.replace(skeleton, generation_layout=best_generation,
                                      execution=planner.unfitted(skeleton.execution))
-        for own in (planner._own_inference_layouts(choice, candidates), ()):
+        for own in (_own_inference_layouts(planner, choice, candidates), ()):
             fitted = planner.fit_microbatches(dataclasses.replace(choice, inference_layouts=own))
             graph = build_graph(fitted)
             plan = Plan(choice=fitted, graph=graph, prediction=evaluator.predict(graph))

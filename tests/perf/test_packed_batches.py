@@ -87,7 +87,7 @@ def test_the_planner_packs_a_long_tail_with_the_fastest_budget_that_fits():
                              space=dataclasses.replace(space, packing=(False,))).search(top=1).best
     assert not padded.graph.execution.packing
     assert best.prediction.step_seconds < padded.prediction.step_seconds
-    budgets = search.packed_budgets(best.choice)
+    budgets = search.budgets(best.choice)
     assert budgets == sorted(budgets, reverse=True) and budgets[-1] >= TAIL.prompt_tokens + TAIL.responses.max
     assert budgets[-1] % 512 == 0 and execution.max_tokens_per_micro_batch in budgets
     # the budget is the fastest for the update and log-prob stages: every other budget that fits is slower
@@ -116,7 +116,7 @@ def test_context_parallel_packed_rows_cut_into_whole_blocks():
                                 train_layout=(("data", 1), ("fsdp", 2), ("context", 4), ("tensor", 1)),
                                 execution=Execution(attention="blockwise", packing=True, max_tokens_per_micro_batch=1))
     assert all(b % (2 * 4 * 512) == 0 and not executable.packed_row_problem(b, 4, 512)
-               for b in search.packed_budgets(choice))
+               for b in search.budgets(choice))
 
 
 def test_a_packed_plan_reaches_the_learner_and_its_dry_run_compiles_packed_programs():

@@ -196,7 +196,7 @@ def test_re_sharded_inference_layouts_are_chosen_before_and_fitted_after_their_r
                                 generation_layout=(("data", 4), ("fsdp", 1), ("tensor", 2)), train_layout=train,
                                 execution=dataclasses.replace(search.executions[0], inference_rows=4))
     candidates = planner.layouts(8, (1, 2), heads=14, kv_heads=2, node_size=4, with_fsdp=True)
-    own = search._own_inference_layouts(choice, candidates)
+    own = planner._own_inference_layouts(search, choice, candidates)
     assert own and all(dict(layout)["fsdp"] * dict(layout)["data"] == 8 for _, layout in own)
     fitted = search.fit_microbatches(dataclasses.replace(choice, inference_layouts=own,
                                                          execution=search.unfitted(choice.execution)))
@@ -249,7 +249,8 @@ def test_dense_attention_is_left_out_only_where_its_flash_twin_dominates_it():
     assert long.executions and all(e.attention.skips_causal_blocks for e in long.executions)
     tiny = step_model.Evaluator.for_runtime(ModelConfig.tiny(), dataclasses.replace(WORKLOAD, prompt_tokens=8),
                                             _two_nodes())
-    short = planner.Planner(tiny, algorithm=Algorithm.GRPO, num_devices=8, space=SPACE)
+    # unpacked: packed rows cannot run on cuDNN, so blockwise stays beside dense there
+    short = planner.Planner(tiny, algorithm=Algorithm.GRPO, num_devices=8, space=dataclasses.replace(SPACE, packing=(False,)))
     assert {e.attention for e in short.executions} == {"cudnn", "dense"}
     dense = _small_search(space=dataclasses.replace(SPACE, attention=("dense",), reshard_inference=(False,)))
     compared = 0
