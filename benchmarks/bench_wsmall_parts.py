@@ -32,7 +32,8 @@ PROMPTS, GROUP, PROMPT_LEN, RESPONSE_LEN = 8, 4, 32, 64
 PARTS = ("update", "logprobs", "generate", "paged", "floor")
 
 
-def training_calls(cfg: ModelConfig) -> dict:
+def training_programs(cfg: ModelConfig):
+    """The W-small learner, batch and train state: (learner, batch, holder of the state)."""
     model = Decoder(cfg, rngs=nnx.Rngs(0))
     learner = GRPOLearner(GRPOConfig(group_size=GROUP, clip_low=0.2, clip_high=0.2, kl_coef=0.04, kl_kind="k3",
                                      optimizer=OptimizerConfig(learning_rate=1e-5)), model)
@@ -45,7 +46,11 @@ def training_calls(cfg: ModelConfig) -> dict:
                           rewards=rng.integers(0, 2, size=rows).astype(np.float32))
     batch = batch.replace(ref_logprobs=learner.logprobs(learner.params, batch))
     batch, _ = learner.compute_advantages(batch)
-    holder = {"state": learner.init_state()}
+    return learner, batch, {"state": learner.init_state()}
+
+
+def training_calls(cfg: ModelConfig) -> dict:
+    learner, batch, holder = training_programs(cfg)
 
     def update():
         holder["state"], metrics = learner.update(holder["state"], batch)

@@ -34,6 +34,7 @@ import collections
 import glob
 import json
 import re
+import sys
 import tempfile
 import time
 
@@ -43,10 +44,10 @@ from flax import nnx
 
 from rpegjax.generate import Sampler, SamplingConfig
 from rpegjax.generate.paged_cache import CacheConfig
-from rpegjax.learners import GRPOConfig, GRPOLearner, OptimizerConfig, pack_rollouts
 from rpegjax.models import Decoder, ModelConfig
 
-PROMPTS, GROUP, PROMPT_LEN, RESPONSE_LEN = 8, 4, 32, 64
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_wsmall_parts import GROUP, PROMPT_LEN, PROMPTS, RESPONSE_LEN, training_programs  # noqa: E402
 KINDS = ("matmul", "layout copy", "scatter/gather", "reduction", "elementwise")
 PROGRAMS = ("update", "logprobs", "contiguous", "paged", "torch")
 CONTAINERS = ("while", "call", "conditional", "async")
@@ -140,23 +141,6 @@ def breakdown(name: str, times: collections.Counter, kinds: dict[str, str], sour
     return {"program": name, "op_ms_per_run": total / 1e6, "shares": {k: by_kind[k] / total for k in KINDS},
             "top": [(op, ns / total, kinds[op], sources.get(op, "")) for op, ns in
                     sorted(known.items(), key=lambda item: -item[1])[:top]]}
-
-
-def training_programs(cfg: ModelConfig):
-    """The W-small learner, batch and train state: (learner, batch, holder of the state)."""
-    model = Decoder(cfg, rngs=nnx.Rngs(0))
-    learner = GRPOLearner(GRPOConfig(group_size=GROUP, clip_low=0.2, clip_high=0.2, kl_coef=0.04, kl_kind="k3",
-                                     optimizer=OptimizerConfig(learning_rate=1e-5)), model)
-    rng = np.random.default_rng(0)
-    rows = PROMPTS * GROUP
-    prompts = np.repeat(rng.integers(0, cfg.vocab_size, size=(PROMPTS, PROMPT_LEN)), GROUP, axis=0)
-    responses = rng.integers(0, cfg.vocab_size, size=(rows, RESPONSE_LEN))
-    behaviour = rng.normal(-6.2, 0.5, size=(rows, RESPONSE_LEN))
-    batch = pack_rollouts(prompts.tolist(), responses.tolist(), list(behaviour), pad_id=0,
-                          rewards=rng.integers(0, 2, size=rows).astype(np.float32))
-    batch = batch.replace(ref_logprobs=learner.logprobs(learner.params, batch))
-    batch, _ = learner.compute_advantages(batch)
-    return learner, batch, {"state": learner.init_state()}
 
 
 def profile_training(args) -> list[dict]:

@@ -131,6 +131,16 @@ def _schedule(lengths: np.ndarray, slots: int, continuous: bool) -> tuple[np.nda
     return starts, starts + lengths
 
 
+def running_sums(starts: np.ndarray, ends: np.ndarray, values: np.ndarray, steps: int) -> tuple[np.ndarray, np.ndarray]:
+    """For each step t < `steps`: how many intervals [start, end) hold t, and the sum of their `values`."""
+    active, total = np.zeros(steps + 1), np.zeros(steps + 1)
+    np.add.at(active, starts, 1.0)
+    np.add.at(active, ends, -1.0)
+    np.add.at(total, starts, values.astype(np.float64))
+    np.add.at(total, ends, -values.astype(np.float64))
+    return np.cumsum(active)[:steps], np.cumsum(total)[:steps]
+
+
 def simulate_decode(lengths: np.ndarray, *, slots: int, prompt: int, capacity: int, kernel: DecodeKernel | str,
                     continuous: bool, cost: DecodeStepCost) -> DecodeTimeline:
     """Time of decoding `lengths` (queue order) through `slots` KV-cache slots of `capacity` tokens each."""
@@ -139,13 +149,7 @@ def simulate_decode(lengths: np.ndarray, *, slots: int, prompt: int, capacity: i
         raise ValueError(f"simulate_decode: slots must be >= 1 (KV cache holds no sequence), got {slots!r}")
     starts, ends = _schedule(lengths, slots, continuous)
     steps = int(ends.max())
-    active = np.zeros(steps + 1, dtype=np.float64)
-    start_sum = np.zeros(steps + 1, dtype=np.float64)
-    np.add.at(active, starts, 1.0)
-    np.add.at(active, ends, -1.0)
-    np.add.at(start_sum, starts, starts.astype(np.float64))
-    np.add.at(start_sum, ends, -starts.astype(np.float64))
-    active, start_sum = np.cumsum(active)[:steps], np.cumsum(start_sum)[:steps]
+    active, start_sum = running_sums(starts, ends, starts, steps)
     t = np.arange(steps, dtype=np.float64)
     kernel = DecodeKernel(kernel)
     if kernel is DecodeKernel.STATIC:

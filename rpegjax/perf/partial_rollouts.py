@@ -30,7 +30,7 @@ from collections.abc import Callable
 import numpy as np
 
 from rpegjax.perf.costs import DecodeKernel
-from rpegjax.perf.generation_cost import DecodeStepCost, ResponseLengths, _pow2_at_least
+from rpegjax.perf.generation_cost import DecodeStepCost, ResponseLengths, _pow2_at_least, running_sums
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -222,12 +222,7 @@ class PartialSimulation:
         prefill = float(self.prefill.seconds(s.prompt + starts - virtual - 1).sum())
         if stop == 0:
             return dict(seconds=prefill, live_row_steps=0.0, decoded_row_steps=0.0, compute_bound_steps=0)
-        active, virtual_sum = np.zeros(stop + 1), np.zeros(stop + 1)
-        np.add.at(active, starts, 1.0)
-        np.add.at(active, ends, -1.0)
-        np.add.at(virtual_sum, starts, virtual.astype(np.float64))
-        np.add.at(virtual_sum, ends, -virtual.astype(np.float64))
-        active, virtual_sum = np.cumsum(active)[:stop], np.cumsum(virtual_sum)[:stop]
+        active, virtual_sum = running_sums(starts, ends, virtual, stop)
         t = np.arange(stop, dtype=np.float64)
         chunk_start = (np.arange(stop) // s.chunk) * s.chunk
         if self.kernel is DecodeKernel.STATIC:
