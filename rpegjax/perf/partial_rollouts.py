@@ -17,7 +17,7 @@ Per step the simulation gives the decode steps, the rows decoded and live (slot 
 the sequences carried into the trained batch, the tokens re-prefilled and the version lag of the trained tokens.
 `steady_state` averages measured steps after warm-up steps, with new groups' lengths drawn from the workload's
 length distribution (a replica's random share of every step: the batch takes the first complete groups, so the
-replicas' tails even out); `tests/perf/test_partial_rollouts.py` checks the per-step counts against what the
+replicas' tails even out); `tests/perf/test_partial_rollout_model.py` checks the per-step counts against what the
 runtime's sampler counts (`SamplerStats`) on the same sequence lengths.
 """
 

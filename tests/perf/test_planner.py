@@ -129,7 +129,7 @@ def test_a_planned_graph_survives_json_and_runs_in_the_runtime(tmp_path, fractio
     workload = Workload(prompts=4, group_size=2, prompt_tokens=12, responses=ResponseLengths.fixed(6))
     evaluator = step_model.Evaluator.for_runtime(shape, workload, _two_nodes())
     # the run's precision (a plan with another is refused by the run); the run's 8 slots (a partial-rollout plan's
-    # sampler holds both batches in flight: 16, which this run would refuse; tests/perf/test_partial_rollouts.py)
+    # sampler holds both batches in flight: 16, which this run would refuse; tests/perf/test_partial_rollout_model.py)
     space = planner.PlanSpace(async_bounds=(0, 1), fusion=(False, True), microbatches=(1, 2), tensor_sizes=(1,),
                               generation_fractions=fractions, reshard_inference=reshard, dtype="float32",
                               partial_rollouts=(False,))
