@@ -176,6 +176,7 @@ class ReceivedRollout:
     examples: list[Example]  # the step's prompts
     data_state: dict[str, Any]
     metrics: dict[str, float] | None = None  # dynamic sampling, last piece: the step's reward metrics (every round's)
+    rollout_metrics: dict[str, float] | None = None  # last piece: the generation side's `Rollout.metrics`
 
 
 class RoleLinks:
@@ -253,9 +254,10 @@ class RoleLinks:
 
     def send_piece(self, step: int, pieces: int, piece: Piece, *, version: int, examples: Sequence[Example],
                    data_state: dict[str, Any], rewards: np.ndarray, stats: RewardStats,
-                   metrics: dict[str, float] | None = None) -> None:
+                   metrics: dict[str, float] | None = None, rollout_metrics: dict[str, float] | None = None) -> None:
         """Generation side: offers `piece` of `step` with this process's block of its rewards (and, with dynamic
-        sampling, on the last piece the step's reward metrics, which cover every round's sequences)."""
+        sampling, on the last piece the step's reward metrics, which cover every round's sequences; on the last
+        piece the rollout's own metrics, e.g. the sampler's occupancy)."""
         completions = piece.completions
         rows = [[c.prompt_index, c.sample_index, int(c.prompt_ids.shape[0]), c.length, _FINISH.index(c.finish_reason),
                  -1 if c.version is None else c.version, self._example_index[id(e)], c.model_mask is not None]
@@ -266,7 +268,8 @@ class RoleLinks:
                   "rewards": [float(r) for r in np.asarray(rewards, np.float32)],
                   "stats": [stats.errors, stats.timeouts, stats.nonfinite, stats.seconds],
                   "first_error": stats.first_error,
-                  "terms": [[t.name, t.total, t.scored, t.errors] for t in stats.terms], "metrics": metrics}
+                  "terms": [[t.name, t.total, t.scored, t.errors] for t in stats.terms], "metrics": metrics,
+                  "rollout_metrics": rollout_metrics}
         batch = piece.batch
         host = {"tokens": np.asarray(batch.tokens, np.int32), "token_mask": np.asarray(batch.token_mask, np.int8),
                 "response_mask": np.asarray(batch.response_mask, np.int8),
@@ -338,7 +341,8 @@ class RoleLinks:
         piece = Piece(index=index, examples=row_examples, completions=completions, batch=batch, rewards=scored)
         return ReceivedRollout(piece=piece, version=first["version"],
                                examples=[self.examples[i] for i in first["examples"]],
-                               data_state={**base_data_state, **first["data"]}, metrics=first["metrics"])
+                               data_state={**base_data_state, **first["data"]}, metrics=first["metrics"],
+                               rollout_metrics=first["rollout_metrics"])
 
     # ---- the start of the run -------------------------------------------------------------------------
     def send_start(self, step: int, data_state: dict[str, Any]) -> None:

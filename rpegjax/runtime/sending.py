@@ -57,7 +57,8 @@ class RolloutSender:
                                  microbatch=piece.index):
                 self.links.send_piece(rollout.step, self.pieces, piece, version=rollout.version,
                                       examples=rollout.examples, data_state=rollout.data_state, rewards=rewards,
-                                      stats=stats, metrics=metrics)
+                                      stats=stats, metrics=metrics,
+                                      rollout_metrics=dict(rollout.metrics) if last else None)
             self.sent.add(piece.index)
         self.step, self.sent = rollout.step + 1, set()
 

@@ -169,6 +169,7 @@ class ReceivedSource:
         index = received.piece.index
         if index == self.pieces - 1:
             rollout.data_state = received.data_state  # dynamic sampling: the position after every round
+            rollout.metrics.update(received.rollout_metrics or {})  # read by the trainer once the last piece is here
             if received.metrics is not None:
                 pieces = [future.result() for future in rollout.pieces[:-1]] + [received.piece]
                 task = np.concatenate([piece.rewards.result()[0] for piece in pieces]).astype(np.float32)

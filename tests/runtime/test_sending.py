@@ -25,9 +25,12 @@ class _Links:
     def __init__(self):
         self.sent: list[tuple[int, int, dict | None]] = []
         self.failures: list[tuple[int, int, str]] = []
+        self.rollout_metrics: list[dict | None] = []
 
-    def send_piece(self, step, pieces, piece, *, version, examples, data_state, rewards, stats, metrics=None):
+    def send_piece(self, step, pieces, piece, *, version, examples, data_state, rewards, stats, metrics=None,
+                   rollout_metrics=None):
         self.sent.append((step, piece.index, metrics))
+        self.rollout_metrics.append(rollout_metrics)
 
     def send_failure(self, step, index, pieces, error):
         self.failures.append((step, index, str(error)))
