@@ -19,20 +19,22 @@ resident memory (process maximum, which includes compilation) plus XLA's memory 
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import statistics
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
-from rpegjax.learners import GRPOConfig, GRPOLearner, OptimizerConfig, pack_rollouts
-from rpegjax.learners.scoring import sequence_logprobs
-from rpegjax.models import Decoder, ModelConfig
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_wsmall_parts import GROUP, PROMPT_LEN, PROMPTS, RESPONSE_LEN, wsmall_batch  # noqa: E402
 
-PROMPTS, GROUP, PROMPT_LEN, RESPONSE_LEN = 8, 4, 32, 64
+from rpegjax.learners import GRPOConfig, GRPOLearner, OptimizerConfig  # noqa: E402
+from rpegjax.learners.scoring import sequence_logprobs  # noqa: E402
+from rpegjax.models import Decoder, ModelConfig  # noqa: E402
 
 
 def timed(fn, runs: int, warmup: int) -> list[float]:
@@ -72,15 +74,7 @@ def main() -> None:
         optimizer=OptimizerConfig(learning_rate=1e-5, weight_decay=0.0, max_grad_norm=1.0),
     )
     learner = GRPOLearner(cfg, model)
-    rng = np.random.default_rng(0)
-    rows = PROMPTS * GROUP
-    prompts = np.repeat(rng.integers(0, model_cfg.vocab_size, size=(PROMPTS, PROMPT_LEN)), GROUP, axis=0)
-    responses = rng.integers(0, model_cfg.vocab_size, size=(rows, RESPONSE_LEN))
-    behaviour = rng.normal(-6.2, 0.5, size=(rows, RESPONSE_LEN))
-    batch = pack_rollouts(prompts.tolist(), responses.tolist(), list(behaviour), pad_id=0,
-                          rewards=rng.integers(0, 2, size=rows).astype(np.float32))
-    batch = batch.replace(ref_logprobs=learner.logprobs(learner.params, batch))
-    batch, _ = learner.compute_advantages(batch)
+    batch = wsmall_batch(learner, model_cfg)
     tokens, token_mask = jnp.asarray(batch.tokens), jnp.asarray(batch.token_mask)
     response_mask = jnp.asarray(batch.response_mask)
 
@@ -112,6 +106,7 @@ def main() -> None:
     flops = (compiled.cost_analysis() or {}).get("flops", float("nan"))
     memory = compiled.memory_analysis()
     params = sum(x.size for x in jax.tree.leaves(learner.params))
+    rows = PROMPTS * GROUP
     tokens_total = rows * (PROMPT_LEN + RESPONSE_LEN)
     update_median, baseline_median = statistics.median(update_times), statistics.median(baseline_times)
 

@@ -32,11 +32,9 @@ PROMPTS, GROUP, PROMPT_LEN, RESPONSE_LEN = 8, 4, 32, 64
 PARTS = ("update", "logprobs", "generate", "paged", "floor")
 
 
-def training_programs(cfg: ModelConfig):
-    """The W-small learner, batch and train state: (learner, batch, holder of the state)."""
-    model = Decoder(cfg, rngs=nnx.Rngs(0))
-    learner = GRPOLearner(GRPOConfig(group_size=GROUP, clip_low=0.2, clip_high=0.2, kl_coef=0.04, kl_kind="k3",
-                                     optimizer=OptimizerConfig(learning_rate=1e-5)), model)
+def wsmall_batch(learner: GRPOLearner, cfg: ModelConfig):
+    """W-small's batch (random prompts and responses of W-small's shape, rewards 0/1) with its reference
+    log-probs and advantages, as the update receives it."""
     rng = np.random.default_rng(0)
     rows = PROMPTS * GROUP
     prompts = np.repeat(rng.integers(0, cfg.vocab_size, size=(PROMPTS, PROMPT_LEN)), GROUP, axis=0)
@@ -46,7 +44,15 @@ def training_programs(cfg: ModelConfig):
                           rewards=rng.integers(0, 2, size=rows).astype(np.float32))
     batch = batch.replace(ref_logprobs=learner.logprobs(learner.params, batch))
     batch, _ = learner.compute_advantages(batch)
-    return learner, batch, {"state": learner.init_state()}
+    return batch
+
+
+def training_programs(cfg: ModelConfig):
+    """The W-small learner, batch and train state: (learner, batch, holder of the state)."""
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    learner = GRPOLearner(GRPOConfig(group_size=GROUP, clip_low=0.2, clip_high=0.2, kl_coef=0.04, kl_kind="k3",
+                                     optimizer=OptimizerConfig(learning_rate=1e-5)), model)
+    return learner, wsmall_batch(learner, cfg), {"state": learner.init_state()}
 
 
 def training_calls(cfg: ModelConfig) -> dict:

@@ -1,6 +1,5 @@
 """Shared tiny models and samplers for the generation tests (module-scoped: compiling is the slow part)."""
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -9,33 +8,13 @@ from rpegjax.generate import Sampler
 from rpegjax.models import Decoder, ModelConfig
 
 
-def randomize(model: Decoder, seed: int) -> Decoder:
-    """Gives every parameter random values of a spread that makes logits N(0, ~1): biases and norm
-    scales included, so that nothing equivalence tests compare is trivially zero or one."""
-    rng = np.random.default_rng(seed)
-    for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        value = np.asarray(variable.get_value())
-        name = path[-1] if isinstance(path[-1], str) else str(path[-1])
-        if name == "scale":
-            new = 1.0 + 0.2 * rng.standard_normal(value.shape)
-        elif "bias" in name:
-            new = 0.3 * rng.standard_normal(value.shape)
-        elif name == "embed":
-            new = rng.standard_normal(value.shape)
-        else:
-            fan_in = value.shape[0] if name != "o_proj" else value.shape[0] * value.shape[1]
-            new = rng.standard_normal(value.shape) / np.sqrt(fan_in)
-        variable.set_value(jnp.asarray(new, value.dtype))
-    return model
-
-
 @pytest.fixture(scope="package")
 def tiny_cfg() -> ModelConfig:
     return ModelConfig.tiny(eos_token_id=None)
 
 
 @pytest.fixture(scope="package")
-def tiny_model(tiny_cfg) -> Decoder:
+def tiny_model(tiny_cfg, randomize) -> Decoder:
     return randomize(Decoder(tiny_cfg, rngs=nnx.Rngs(0)), seed=0)
 
 

@@ -2,7 +2,6 @@
 staleness bound with `wait` and `drop`, and their bookkeeping, against a full forward under each token's version."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -17,31 +16,11 @@ MAX_NEW = 24
 STEPS = 6
 
 
-def _randomized(cfg: ModelConfig, seed: int) -> Decoder:
-    """A model whose logits are N(0, ~1) (as `tests/generate/conftest.randomize`), so versions differ clearly."""
-    model = Decoder(cfg, rngs=nnx.Rngs(seed))
-    rng = np.random.default_rng(seed)
-    for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        value = np.asarray(variable.get_value())
-        name = str(path[-1])
-        if name == "scale":
-            new = 1.0 + 0.2 * rng.standard_normal(value.shape)
-        elif "bias" in name:
-            new = 0.3 * rng.standard_normal(value.shape)
-        elif name == "embed":
-            new = rng.standard_normal(value.shape)
-        else:
-            fan_in = value.shape[0] if name != "o_proj" else value.shape[0] * value.shape[1]
-            new = rng.standard_normal(value.shape) / np.sqrt(fan_in)
-        variable.set_value(jnp.asarray(new, value.dtype))
-    return model
-
-
 @pytest.fixture(scope="module")
-def models():
+def models(randomize):
     """One model per weights version 0..STEPS-1 (a version is any set of weights: here unrelated ones)."""
     cfg = ModelConfig.tiny(eos_token_id=None)
-    return cfg, [_randomized(cfg, seed) for seed in range(STEPS)]
+    return cfg, [randomize(Decoder(cfg, rngs=nnx.Rngs(seed)), seed) for seed in range(STEPS)]
 
 
 _SAMPLERS: dict[str, Sampler] = {}
