@@ -293,6 +293,16 @@ def layouts(num_devices: int, tensor_sizes: tuple[int, ...], *, heads: int, kv_h
     return out
 
 
+def _stage_layouts(space: PlanSpace, shape, hardware, generation_devices: int, train_devices: int) -> tuple[list, list]:
+    """(generation layouts, training layouts) of the space: training with the model's expert axis sizes, generation
+    with them only when the sampler splits experts (`EXPERT_PARALLEL_GENERATION`)."""
+    kwargs = dict(heads=shape.heads, kv_heads=shape.kv_heads, node_size=hardware.node_size)
+    generation_experts = expert_axis_sizes(shape, generation_devices) if EXPERT_PARALLEL_GENERATION else (1,)
+    return (layouts(generation_devices, space.tensor_sizes, with_fsdp=False, expert_sizes=generation_experts, **kwargs),
+            layouts(train_devices, space.tensor_sizes, with_fsdp=True, context_sizes=space.context_sizes,
+                    expert_sizes=expert_axis_sizes(shape, train_devices), **kwargs))
+
+
 def expert_axis_sizes(shape, num_devices: int) -> tuple[int, ...]:
     """The expert axis sizes a model's layouts take on `num_devices` devices: 1 for a dense model; for a
     mixture-of-experts one every size dividing both its expert count and the devices (the runtime splits the
@@ -388,14 +398,7 @@ class Planner:
         for critic_mode, split in itertools.product(critic_modes, _splits(self.num_devices, self.space.generation_fractions,
                                                                           hardware.node_size)):
             train_devices = self.num_devices - split
-            kwargs = dict(heads=shape.heads, kv_heads=shape.kv_heads, node_size=hardware.node_size)
-            generation_devices = split or self.num_devices
-            generation = layouts(generation_devices, self.space.tensor_sizes, with_fsdp=False, **kwargs,
-                                 expert_sizes=expert_axis_sizes(shape, generation_devices)
-                                 if EXPERT_PARALLEL_GENERATION else (1,))
-            training = layouts(train_devices, self.space.tensor_sizes, with_fsdp=True,
-                               context_sizes=self.space.context_sizes, **kwargs,
-                               expert_sizes=expert_axis_sizes(shape, train_devices))
+            generation, training = _stage_layouts(self.space, shape, hardware, split or self.num_devices, train_devices)
             for gen_layout, train_layout, execution in itertools.product(generation, training, self.executions):
                 # offload frees memory only where generation shares the devices, and needs a host link
                 if execution.optimizer_offload and (split or hardware.device.host_bandwidth <= 0):

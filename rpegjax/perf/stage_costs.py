@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import numpy as np
 
@@ -381,13 +382,11 @@ def model_pass_cost(inputs: CostInputs, shape: ModelShape, layout: Layout, *, lo
     else:
         flops = costs.forward_flops(shape, tokens=tokens, pairs=pairs, logit_tokens=tokens if logits else 0)
         forward_equivalents, traffic_equivalents, tensor_reductions, fsdp_gathers = 1, 1, 2, 1
-    row_tokens = _row_tokens(inputs, tokens)
-    extra_expert = experts.extra_expert_flops(shape, o, tokens=tokens, row_tokens=row_tokens)
-    flops += extra_expert * forward_equivalents
-    flops *= epochs
+    moe = _expert_pass(inputs, shape, layout, tokens=tokens, device_tokens=per_device / (passes / epochs),
+                       backward=backward, forward_equivalents=forward_equivalents)
+    flops = (flops + moe.flops) * epochs
     matmul = epochs * (_compute_seconds(inputs, shape, tokens=tokens, pairs=pairs, logits=logits or backward,
-                                        backward=backward)
-                       + forward_equivalents * device.matmul_seconds(extra_expert, shape.compute_dtype)) / layout.size
+                                        backward=backward) + moe.matmul_seconds) / layout.size
     # a pipeline stage runs L/p layers of every micro-batch: per-layer terms shrink by p, compute by layout.size
     stage_layers = math.ceil(shape.layers / layout.pipeline)
     stage_shape = experts.with_layers(shape, stage_layers)
@@ -400,10 +399,7 @@ def model_pass_cost(inputs: CostInputs, shape: ModelShape, layout: Layout, *, lo
         tensor_bytes, hw, layout.group("tensor"))
     tensor_comm += passes * stage_layers * _context_exchange_seconds(inputs, shape, layout, per_device / (passes / epochs),
                                                                      backward=backward)
-    # a MoE model's dispatch and combine per sparse layer (2 forward, 2 backward, 2 for a recomputed forward)
-    exchanges = 2 * (1 + (1 if backward else 0) + (1 if backward and o.remat is RematPolicy.FULL else 0))
-    tensor_comm += passes * experts.dispatch_seconds(shape, layout, hw, tokens_per_device=per_device / (passes / epochs),
-                                                     exchanges=exchanges) * stage_layers / shape.layers
+    tensor_comm += passes * moe.dispatch_seconds * stage_layers / shape.layers  # a pipeline stage's sparse layers
     background = passes * fsdp_gathers * _weight_gather_seconds(shape, layout, hw, shape.param_bytes_each)
     optimizer = 0.0
     if backward:
@@ -437,10 +433,33 @@ def model_pass_cost(inputs: CostInputs, shape: ModelShape, layout: Layout, *, lo
                      communication_seconds=tensor_comm + pipeline_comm + exposed, overhead_seconds=overhead, flops=flops,
                      model_flops=useful, transient_bytes=_pass_transient_bytes(inputs, shape, layout, backward, passes / epochs,
                                                                                tokens=tokens, pairs=pairs)
-                     + experts.layer_transient_bytes(shape, o, layout, tokens_per_device=per_device / (passes / epochs),
-                                                     row_tokens=row_tokens, backward=backward),
+                     + moe.transient_bytes,
                      detail={"tensor_comm": tensor_comm, "background_comm": background, "optimizer": optimizer,
                              "passes": passes, "matmul": matmul, "elementwise": device.memory_seconds(elementwise)})
+
+
+class _ExpertPass(NamedTuple):
+    flops: float  # forward + backward FLOPs the expert matmuls run beyond the grouped work (whole batch)
+    matmul_seconds: float  # their time on one device's worth of peak
+    dispatch_seconds: float  # all-to-alls of one pass over every sparse layer
+    transient_bytes: float  # one sparse layer's expert buffers while it runs
+
+
+def _expert_pass(inputs: CostInputs, shape: ModelShape, layout: Layout, *, tokens: float, device_tokens: float,
+                 backward: bool, forward_equivalents: int) -> _ExpertPass:
+    """A MoE model's expert terms of one epoch of a pass (`rpegjax.perf.experts`; zeros for a dense model): the
+    expert work as the options run it, the dispatch and combine per sparse layer (2 forward, 2 backward, 2 for a
+    recomputed forward) of `device_tokens` per device and pass, and the buffers they hold."""
+    o = inputs.options
+    row_tokens = _row_tokens(inputs, tokens)
+    extra = forward_equivalents * experts.extra_expert_flops(shape, o, tokens=tokens, row_tokens=row_tokens)
+    exchanges = 2 * (1 + (1 if backward else 0) + (1 if backward and o.remat is RematPolicy.FULL else 0))
+    return _ExpertPass(
+        flops=extra, matmul_seconds=inputs.hardware.device.matmul_seconds(extra, shape.compute_dtype),
+        dispatch_seconds=experts.dispatch_seconds(shape, layout, inputs.hardware, tokens_per_device=device_tokens,
+                                                  exchanges=exchanges),
+        transient_bytes=experts.layer_transient_bytes(shape, o, layout, tokens_per_device=device_tokens,
+                                                      row_tokens=row_tokens, backward=backward))
 
 
 def _row_tokens(inputs: CostInputs, tokens: float) -> float:

@@ -234,7 +234,7 @@ def rl_plan(run: RLRun) -> planner.PlanChoice:
         algorithm=Algorithm.GRPO, use_reference=True, num_devices=run.gpus, async_bound=run.async_bound,
         generation_devices=run.generation_gpus, optimizer_steps=run.optimizer_steps,
         generation_layout=(("data", generation), ("fsdp", 1), ("tensor", run.generation_tensor)),
-        train_layout=tuple((axis, size) for axis, size in train if size > 1 or axis in ("data", "tensor")),
+        train_layout=tuple((axis, size) for axis, size in train if size > 1 or axis not in ("expert", "context")),
         execution=Execution(sequence_parallel=run.sequence_parallel))
 
 

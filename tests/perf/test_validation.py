@@ -79,7 +79,7 @@ def test_held_out_moe_step_times_within_bound(run):
 
 def test_moe_runs_use_the_peers_expert_layouts():
     on_policy = validation.rl_plan(validation.MOE_RUNS[0])
-    assert dict(on_policy.train_layout) == {"data": 4, "expert": 8, "tensor": 1}
+    assert dict(on_policy.train_layout) == {"data": 4, "pipeline": 1, "expert": 8, "tensor": 1}
     assert dict(on_policy.generation_layout)["tensor"] == 2
     large = validation.rl_plan(validation.MOE_RUNS[3])
     assert dict(large.train_layout) == {"data": 1, "pipeline": 8, "expert": 8, "context": 2, "tensor": 2}
