@@ -146,3 +146,14 @@ def test_generation_expert_axis_behind_its_switch(monkeypatch):
         planner.build_graph(choice)
     monkeypatch.setattr(planner, "EXPERT_PARALLEL_GENERATION", True)
     assert planner.build_graph(choice).parallel_of("generate").get("expert") == 8
+
+
+def test_moe_stages_without_an_expert_axis_are_untrusted():
+    """The capacity mode without an expert axis runs under GSPMD, which built the whole batch's capacity buffers on
+    every device (the f32 log-prob pass of the 32-H100 plan: 140.67 GB compiled, docs/benchmarks.md issue 26)."""
+    capped = ModelShape.from_config(MOE.replace(moe_capacity_factor=1.25))
+    execution = Execution(attention=AttentionKind.BLOCKWISE, remat=RematPolicy.FULL)
+    graph = planner.build_graph(planner.PlanChoice(algorithm=Algorithm.GRPO, use_reference=False, num_devices=8,
+                                                   train_layout=(("data", 1), ("fsdp", 8)),
+                                                   generation_layout=(("data", 4), ("tensor", 2)), execution=execution))
+    assert "without an expert axis" in trust.regime_problem(graph, capped, 4096, trust.MOE_CHECKED)
