@@ -35,6 +35,7 @@ MODEL_PRESETS = {
     **{f"llama3-{size}": (ModelConfig.llama3, size) for size in ("8b", "70b")},  # Llama 3.1's shapes (as below)
     **{f"llama3.1-{size}": (ModelConfig.llama3, size) for size in ("8b", "70b")},
     "qwen3-32b": (ModelConfig.qwen3, "32b"),
+    **{f"qwen3-{size}": (ModelConfig.qwen3_moe, size) for size in ("30b-a3b", "235b-a22b")},  # mixture of experts
 }
 
 
@@ -71,6 +72,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "measured matmul, attention and memory rates, backward efficiency and overheads replace the "
                              "preset's assumptions (datasheet peaks kept); its all-reduce times the node level when it "
                              "measured more than one device. Refused when measured on another device than the preset's")
+    parser.add_argument("--moe-capacity-factor", type=float, default=None, metavar="C",
+                        help="a mixture-of-experts model's experts in the capacity mode with factor C (the run's "
+                             "model.moe_capacity_factor); without it, as the model says (the presets: dropless, which "
+                             "XLA's GPU compiler runs as a dense GEMM over every local expert: rpegjax/perf/experts.py)")
     parser.add_argument("--gpus", type=int, default=256, help="GPUs to plan for")
     parser.add_argument("--algo", default="grpo", choices=["grpo", "ppo"], help="RL algorithm (PPO adds a critic)")
     parser.add_argument("--prompts", type=int, default=512, help="prompts per RL step")
@@ -298,6 +303,10 @@ def main(argv: list[str] | None = None) -> int:
 
         ensure_devices(args.gpus)  # re-runs this script on virtual CPU devices when there are fewer devices
     model = load_model(args.model)
+    if args.moe_capacity_factor is not None:
+        if not model.num_experts:
+            raise SystemExit(f"--moe-capacity-factor: --model {args.model} has no experts")
+        model = model.replace(moe_capacity_factor=args.moe_capacity_factor)
     hw = load_hardware(args)
     workload = Workload(prompts=args.prompts, group_size=args.group_size, prompt_tokens=args.prompt_tokens,
                         responses=ResponseLengths.lognormal(args.response_mean, args.response_max))

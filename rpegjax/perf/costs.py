@@ -18,6 +18,7 @@ import enum
 
 from rpegjax.models.config import ModelConfig
 from rpegjax.options import DType, RematPolicy, parse_choice
+from rpegjax.perf.experts import ExpertShape, expert_params
 
 class AttentionKernel(enum.StrEnum):
     DENSE = "dense"  # every query scored against every key position (masked); scores materialised
@@ -37,6 +38,9 @@ class ModelShape:
     """The dimensions the cost formulas need (l, d, h, k, e, f, v) and how weights/activations are stored.
 
     `gated_mlp` is SwiGLU (three d x f matrices, Qwen/Llama); False is a GELU MLP with two (GPT-3/Megatron).
+    `experts` makes it a mixture-of-experts model (`rpegjax.perf.experts`): its sparse layers' MLPs are experts
+    (f = `mlp` is the dense layers' width); FLOPs and activations follow the active parameters (k experts per
+    token, `token_mlp`), memory all of them (`params`).
     """
 
     layers: int
@@ -50,6 +54,7 @@ class ModelShape:
     tied_embeddings: bool = False
     param_dtype: DType = DType.BFLOAT16
     compute_dtype: DType = DType.BFLOAT16
+    experts: ExpertShape | None = None
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "kv_heads", "head_dim", "mlp", "vocab"):
@@ -60,12 +65,18 @@ class ModelShape:
             raise ValueError(f"ModelShape.heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
         for name in ("param_dtype", "compute_dtype"):
             object.__setattr__(self, name, parse_choice(DType, getattr(self, name), f"ModelShape.{name}"))
+        if self.experts is not None and (not self.gated_mlp or self.experts.sparse_layers > self.layers):
+            raise ValueError(f"ModelShape.experts: SwiGLU experts in at most {self.layers} layers, got {self.experts}")
 
     @classmethod
     def from_config(cls, cfg: ModelConfig) -> ModelShape:
+        experts = None if not cfg.num_experts else ExpertShape(
+            experts=cfg.num_experts, top_k=cfg.num_experts_per_token, mlp=cfg.moe_intermediate_size,
+            sparse_layers=len(cfg.sparse_layers), capacity_factor=cfg.moe_capacity_factor)
         return cls(layers=cfg.num_layers, hidden=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
                    head_dim=cfg.head_dim, mlp=cfg.intermediate_size, vocab=cfg.vocab_size, gated_mlp=True,
-                   tied_embeddings=cfg.tie_word_embeddings, param_dtype=cfg.param_dtype, compute_dtype=cfg.dtype)
+                   tied_embeddings=cfg.tie_word_embeddings, param_dtype=cfg.param_dtype, compute_dtype=cfg.dtype,
+                   experts=experts)
 
     # ---- sizes ---------------------------------------------------------------------------------------
     @property
@@ -77,10 +88,26 @@ class ModelShape:
         return self.compute_dtype.itemsize
 
     @property
-    def matmul_params_per_layer(self) -> int:
-        """q, k, v, o projections and the MLP matrices of one layer."""
-        d, h, k, e, f = self.hidden, self.heads, self.kv_heads, self.head_dim, self.mlp
-        return 2 * d * h * e + 2 * d * k * e + (3 if self.gated_mlp else 2) * d * f
+    def attention_params_per_layer(self) -> int:
+        """q, k, v and o projections of one layer."""
+        d, h, k, e = self.hidden, self.heads, self.kv_heads, self.head_dim
+        return 2 * d * h * e + 2 * d * k * e
+
+    @property
+    def token_mlp(self) -> float:
+        """MLP width one token computes, averaged over the layers: f, or for a MoE model its sparse layers' k·f_e
+        mixed with the dense layers' f (the width of its MLP activations and FLOPs)."""
+        e = self.experts
+        if e is None:
+            return self.mlp
+        return (e.sparse_layers * e.top_k * e.mlp + (self.layers - e.sparse_layers) * self.mlp) / self.layers
+
+    @property
+    def matmul_params_per_layer(self) -> float:
+        """Matmul parameters one token goes through per layer (the active ones, averaged over the layers of a MoE
+        model, its router included): q, k, v, o projections and the MLP matrices."""
+        router = 0.0 if self.experts is None else self.hidden * self.experts.experts * self.experts.sparse_layers / self.layers
+        return self.attention_params_per_layer + (3 if self.gated_mlp else 2) * self.hidden * self.token_mlp + router
 
     @property
     def embedding_params(self) -> int:
@@ -88,7 +115,17 @@ class ModelShape:
 
     @property
     def params(self) -> int:
-        """All parameters (matmuls, embeddings, norms; biases are ignored, < 0.1% of any real model)."""
+        """All parameters (matmuls, embeddings, norms, every expert and router; biases are ignored, < 0.1% of any
+        real model)."""
+        e = self.experts
+        mlps = self.layers * (3 if self.gated_mlp else 2) * self.hidden * self.mlp
+        if e is not None:
+            mlps += e.sparse_layers * (self.hidden * e.experts - 3 * self.hidden * self.mlp) + expert_params(self)
+        return self.layers * (self.attention_params_per_layer + 2 * self.hidden) + mlps + self.hidden + self.embedding_params
+
+    @property
+    def active_params(self) -> float:
+        """Parameters one token uses (all of them for a dense model)."""
         return self.layers * (self.matmul_params_per_layer + 2 * self.hidden) + self.hidden + self.embedding_params
 
     @property
@@ -141,7 +178,7 @@ def decode_step_bytes(shape: ModelShape, *, keys: float, sequences: float, tenso
     kv_split = min(tensor, shape.kv_heads)
     weights = shape.weight_bytes / tensor
     cache = (keys + sequences) * shape.kv_bytes_per_token / kv_split  # read attended keys, write the new ones
-    activations = sequences * shape.layers * (6 * shape.hidden + 3 * shape.mlp / tensor) * shape.compute_bytes_each
+    activations = sequences * shape.layers * (6 * shape.hidden + 3 * shape.token_mlp / tensor) * shape.compute_bytes_each
     return weights + cache + activations
 
 
@@ -157,7 +194,7 @@ def layer_activation_bytes_per_token(shape: ModelShape, *, keys_per_query: float
     a GELU MLP); DENSE attention also keeps float32 scores and compute-dtype probabilities for every (query, key)
     pair, FLASH its float32 softmax statistics.
     """
-    d, h, k, e, f = shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, shape.mlp
+    d, h, k, e, f = shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, shape.token_mlp
     b = shape.compute_bytes_each
     kv_split = min(tensor, k)
     elements = 2 * d + (3 * h * e) / tensor + (2 * k * e) / kv_split + (3 if shape.gated_mlp else 2) * f / tensor
@@ -172,7 +209,7 @@ def layer_matmul_output_bytes_per_token(shape: ModelShape, *, keys_per_query: fl
     only residual additions, whose backward needs neither, so they are not kept (XLA's GPU compiler keeps three
     d-wide tensors per 7B layer: the input, q and the attention output; `docs/benchmarks.md`, issue 23).
     DENSE attention adds its float32 scores, FLASH the float32 softmax statistics the backward kernel needs."""
-    h, k, e, f = shape.heads, shape.kv_heads, shape.head_dim, shape.mlp
+    h, k, e, f = shape.heads, shape.kv_heads, shape.head_dim, shape.token_mlp
     kv_split = min(tensor, k)
     elements = 2 * h * e / tensor + 2 * k * e / kv_split + (2 if shape.gated_mlp else 1) * f / tensor
     attention = (h / tensor) * keys_per_query * 4 if AttentionKernel(kernel) is AttentionKernel.DENSE else 4 * h / tensor
@@ -204,7 +241,7 @@ def forward_layer_bytes_per_token(shape: ModelShape, *, keys_per_query: float, k
     attention phase (the normalised input, q, k, v and the output in the compute dtype, with a float32 output
     accumulator for FLASH kernels, float32 scores and compute-dtype probabilities per (query, key) for DENSE).
     Checked against XLA's GPU compiler (`docs/benchmarks.md`, issue 23)."""
-    d, h, k, e, f = shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, shape.mlp
+    d, h, k, e, f = shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, shape.token_mlp
     b = shape.compute_bytes_each
     mlp = (d + (2 if shape.gated_mlp else 1) * f / tensor) * b
     attention = (d + 2 * h * e / tensor + 2 * k * e / min(tensor, k)) * b

@@ -25,7 +25,7 @@ from rpegjax.options import AttentionKind
 from rpegjax.perf.hardware import HardwareSpec
 from rpegjax.perf.stage_costs import row_micro_batches
 
-RUNTIME_AXES = ("data", "fsdp", "context", "tensor")
+RUNTIME_AXES = ("data", "fsdp", "expert", "context", "tensor")  # the job's mesh axes (train/config.MESH_AXES)
 
 
 def execution_problems(execution: Execution, hardware: HardwareSpec) -> list[str]:
@@ -64,7 +64,7 @@ def batch_problems(graph: Graph, sequences: int) -> list[str]:
         if stage.host:
             continue
         parallel = graph.parallel_of(stage.name)
-        replicas = parallel.get("data", 1) * parallel.get("fsdp", 1)
+        replicas = parallel.get("data", 1) * parallel.get("fsdp", 1) * parallel.get("expert", 1)  # rows split over all three
         if set(stage.kinds) & UPDATE_KINDS:
             parts = int(stage.options.get("minibatches", 1)) * graph.execution.update_microbatches
             what = f"{parts} update micro-batches"
@@ -80,7 +80,7 @@ def batch_problems(graph: Graph, sequences: int) -> list[str]:
             continue
         if sequences % parts or (sequences // parts) % replicas:
             problems.append(f"stage {stage.name!r}: {sequences} sequences in {what} do not split over its "
-                            f"{replicas} data x fsdp replicas")
+                            f"{replicas} data x fsdp x expert replicas")
     return problems
 
 

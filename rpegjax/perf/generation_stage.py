@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 
-from rpegjax.perf import collectives, costs
+from rpegjax.perf import collectives, costs, experts
 from rpegjax.perf import partial_rollouts as partial
 from rpegjax.perf.costs import DecodeKernel, ModelShape
 from rpegjax.perf.generation_cost import DecodeStepCost, DecodeTimeline, replica_lengths, simulate_decode
@@ -118,7 +118,7 @@ def generation_cost(inputs: CostInputs, layout: Layout, *, kv_budget_bytes: floa
     row_flops = 2 * (shape.layers * shape.matmul_params_per_layer + shape.hidden * shape.vocab) / t
     key_flops = 4 * shape.layers * shape.heads * shape.head_dim / t
     kv_per_token = shape.kv_bytes_per_token / min(t, shape.kv_heads)
-    row_bytes = (shape.layers * (6 * shape.hidden + 3 * shape.mlp / t) * shape.compute_bytes_each
+    row_bytes = (shape.layers * (6 * shape.hidden + 3 * shape.token_mlp / t) * shape.compute_bytes_each
                  + kv_per_token + SAMPLING_BYTES_PER_VOCAB * shape.vocab)
     tensor_comm = 2 * shape.layers * collectives.all_reduce_seconds(slots * shape.hidden * shape.compute_bytes_each, hw,
                                                                    layout.group("tensor"))
@@ -130,9 +130,10 @@ def generation_cost(inputs: CostInputs, layout: Layout, *, kv_budget_bytes: floa
                        + costs.forward_flops(shape, tokens=0, pairs=prompt_pairs, logit_tokens=0) / attention_peak)
     step = DecodeStepCost(
         seconds_per_row=row_flops / peak, seconds_per_key=key_flops / attention_peak,
-        memory_seconds_fixed=shape.weight_bytes / t / bandwidth, memory_seconds_per_row=row_bytes / bandwidth,
-        memory_seconds_per_key=kv_per_token / bandwidth,
-        fixed_seconds=shape.layers * o.kernels_per_layer * device.kernel_overhead_s + tensor_comm + fsdp_comm,
+        memory_seconds_fixed=experts.decode_weight_bytes(shape, layout, slots) / bandwidth,
+        memory_seconds_per_row=row_bytes / bandwidth, memory_seconds_per_key=kv_per_token / bandwidth,
+        fixed_seconds=shape.layers * o.kernels_per_layer * device.kernel_overhead_s + tensor_comm + fsdp_comm
+        + experts.decode_dispatch_seconds(shape, layout, hw, slots),
         prefill_seconds=prefill_seconds / t)
     if o.partial_rollouts:
         timeline, extra = _partial_timeline(inputs, layout, slots, step, async_bound, peak, attention_peak)

@@ -53,6 +53,11 @@ from rpegjax.perf.costs import (
 from rpegjax.perf.step_model import Evaluator, Prediction, placement_devices
 
 ROLLOUT, TRAIN = transforms.ROLLOUT_PLACEMENT, transforms.TRAIN_PLACEMENT
+# Whether the sampler runs a mixture-of-experts model's experts split over an `expert` axis of its generation mesh
+# (issue 26's expert-parallel generation). False: generation layouts never have one (each generation device holds
+# every expert, split over tensor only), and a plan that gives generation an expert axis is refused. The one line
+# to change once the runtime's sampler shards its experts over `expert`.
+EXPERT_PARALLEL_GENERATION = False
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -233,6 +238,13 @@ def _placed(graph: Graph, choice: PlanChoice) -> Graph:
 
 
 def build_graph(choice: PlanChoice) -> Graph:
+    if _sizes(choice.generation_layout).get("expert", 1) > 1 and not EXPERT_PARALLEL_GENERATION:
+        raise ValueError(f"plan {_layout_text(choice.generation_layout)}: the sampler does not split experts over an "
+                         f"`expert` axis (planner.EXPERT_PARALLEL_GENERATION is off); give generation no expert axis")
+    return _build_graph(choice)
+
+
+def _build_graph(choice: PlanChoice) -> Graph:
     """The executable graph of `choice`: builder (asynchrony, critic sharing), placements and layouts, then the
     fusion and micro-batch transforms; validated. Neither the structure nor its rules read the execution options,
     so the structure is built once per choice of the rest (the planner tries many executions of each)."""
@@ -263,19 +275,42 @@ def _planned_structure(choice: PlanChoice) -> Graph:
 
 # ---------------------------------------------------------------------------------------------- candidates
 def layouts(num_devices: int, tensor_sizes: tuple[int, ...], *, heads: int, kv_heads: int, node_size: int,
-            with_fsdp: bool, context_sizes: tuple[int, ...] = (1,)) -> list[tuple[tuple[str, int], ...]]:
+            with_fsdp: bool, context_sizes: tuple[int, ...] = (1,),
+            expert_sizes: tuple[int, ...] = (1,)) -> list[tuple[tuple[str, int], ...]]:
     """(data, fsdp, tensor) layouts of `num_devices`: tensor inside a node dividing the head count; fsdp powers of 2;
-    with `context_sizes` other than 1, (data, fsdp, context, tensor) layouts too."""
+    with `context_sizes` other than 1, (data, fsdp, context, tensor) layouts too; with `expert_sizes` other than 1
+    (a mixture-of-experts model's, `expert_axis_sizes`), (data, fsdp, expert, [context,] tensor) layouts too."""
     out = []
-    for tensor, context in itertools.product(tensor_sizes, context_sizes):
-        if tensor > node_size or heads % tensor or num_devices % (tensor * context):
+    for tensor, context, expert in itertools.product(tensor_sizes, context_sizes, expert_sizes):
+        if tensor > node_size or heads % tensor or num_devices % (tensor * context * expert):
             continue
-        rest = num_devices // (tensor * context)
+        rest = num_devices // (tensor * context * expert)
         fsdp_sizes = [f for f in (2**i for i in range(rest.bit_length())) if rest % f == 0] if with_fsdp else [1]
         for fsdp in fsdp_sizes:
-            middle = (("context", context),) if context > 1 else ()
+            middle = (("expert", expert),) if expert > 1 else ()
+            middle += (("context", context),) if context > 1 else ()
             out.append((("data", rest // fsdp), ("fsdp", fsdp), *middle, ("tensor", tensor)))
     return out
+
+
+def _stage_layouts(space: PlanSpace, shape, hardware, generation_devices: int, train_devices: int) -> tuple[list, list]:
+    """(generation layouts, training layouts) of the space: training with the model's expert axis sizes, generation
+    with them only when the sampler splits experts (`EXPERT_PARALLEL_GENERATION`)."""
+    kwargs = dict(heads=shape.heads, kv_heads=shape.kv_heads, node_size=hardware.node_size)
+    generation_experts = expert_axis_sizes(shape, generation_devices) if EXPERT_PARALLEL_GENERATION else (1,)
+    return (layouts(generation_devices, space.tensor_sizes, with_fsdp=False, expert_sizes=generation_experts, **kwargs),
+            layouts(train_devices, space.tensor_sizes, with_fsdp=True, context_sizes=space.context_sizes,
+                    expert_sizes=expert_axis_sizes(shape, train_devices), **kwargs))
+
+
+def expert_axis_sizes(shape, num_devices: int) -> tuple[int, ...]:
+    """The expert axis sizes a model's layouts take on `num_devices` devices: 1 for a dense model; for a
+    mixture-of-experts one every size dividing both its expert count and the devices (the runtime splits the
+    experts evenly, `rpegjax.models.expert_parallel`)."""
+    if shape.experts is None:
+        return (1,)
+    count = shape.experts.experts
+    return tuple(p for p in range(1, min(count, num_devices) + 1) if count % p == 0 and num_devices % p == 0)
 
 
 def _undominated(executions: list[Execution], inputs: stage_costs.CostInputs,
@@ -319,9 +354,10 @@ class Planner:
 
     def __init__(self, evaluator: Evaluator, *, algorithm: Algorithm | str, num_devices: int, use_reference: bool = True,
                  space: PlanSpace | None = None, optimizer_steps: int = 1,
-                 regime: trust.CheckedRegime = trust.GPU_CHECKED):
+                 regime: trust.CheckedRegime | None = None):
         self.evaluator = evaluator
-        self.regime = regime  # where its memory predictions are trusted, and with what margins
+        # where its memory predictions are trusted, and with what margins (the model's kind's, by default)
+        self.regime = trust.regime_for(evaluator.inputs.actor) if regime is None else regime
         self.algorithm = Algorithm(algorithm)
         self.num_devices = num_devices
         self.use_reference = use_reference
@@ -362,10 +398,7 @@ class Planner:
         for critic_mode, split in itertools.product(critic_modes, _splits(self.num_devices, self.space.generation_fractions,
                                                                           hardware.node_size)):
             train_devices = self.num_devices - split
-            kwargs = dict(heads=shape.heads, kv_heads=shape.kv_heads, node_size=hardware.node_size)
-            generation = layouts(split or self.num_devices, self.space.tensor_sizes, with_fsdp=False, **kwargs)
-            training = layouts(train_devices, self.space.tensor_sizes, with_fsdp=True,
-                               context_sizes=self.space.context_sizes, **kwargs)
+            generation, training = _stage_layouts(self.space, shape, hardware, split or self.num_devices, train_devices)
             for gen_layout, train_layout, execution in itertools.product(generation, training, self.executions):
                 # offload frees memory only where generation shares the devices, and needs a host link
                 if execution.optimizer_offload and (split or hardware.device.host_bandwidth <= 0):
@@ -763,4 +796,5 @@ def real_like(evaluator: Evaluator, *, algorithm: Algorithm | str, num_devices: 
     return fallback
 
 
-__all__ = ["Plan", "PlanChoice", "PlanResult", "PlanSpace", "Planner", "build_graph", "layouts", "real_like", "verl_like"]
+__all__ = ["EXPERT_PARALLEL_GENERATION", "Plan", "PlanChoice", "PlanResult", "PlanSpace", "Planner", "build_graph",
+           "expert_axis_sizes", "layouts", "real_like", "verl_like"]

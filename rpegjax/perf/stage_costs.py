@@ -17,17 +17,18 @@ import dataclasses
 import functools
 import math
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import numpy as np
 
 from rpegjax.graph.ir import Execution
 from rpegjax.options import CacheLayout, OptimizerSharding, RematPolicy
-from rpegjax.perf import collectives, costs, packed_batches
+from rpegjax.perf import collectives, costs, experts, packed_batches
 from rpegjax.perf.costs import DecodeKernel, ModelShape
 from rpegjax.perf.generation_cost import ResponseLengths
 from rpegjax.perf.hardware import HardwareSpec
 
-KNOWN_AXES = ("data", "fsdp", "context", "tensor", "pipeline")
+KNOWN_AXES = ("data", "fsdp", "expert", "context", "tensor", "pipeline")
 # Elementwise traffic per token and layer in a forward pass (norms, RoPE, residuals, SwiGLU), in units of the
 # compute dtype's bytes: 12·d + 4·(q, k heads)·e + 3·f, counted from the decoder's operations. Dense attention
 # adds float32 score traffic (write, mask, max/exp/sum, normalise: ~5 passes of 4 bytes) per (query, key, head).
@@ -43,6 +44,8 @@ class Layout:
 
     `pipeline` (Megatron-style layer stages, 1F1B) is never searched by the planner (rpegjax does not run it);
     it exists to predict published runs of systems that do (`rpegjax.perf.validation`).
+    `expert` (expert parallelism, `rpegjax.perf.experts`) splits a mixture-of-experts model's experts; it is
+    data-like for the rest: rows split over it and the dense weights' embedding dimension too (as over fsdp).
     """
 
     data: int = 1
@@ -50,6 +53,7 @@ class Layout:
     tensor: int = 1
     pipeline: int = 1
     context: int = 1
+    expert: int = 1
     sequence_parallel: bool = False
     strides: tuple[tuple[str, int], ...] = ()
 
@@ -64,21 +68,21 @@ class Layout:
             stride *= parallel[axis]
         return cls(data=parallel.get("data", 1), fsdp=parallel.get("fsdp", 1), tensor=parallel.get("tensor", 1),
                    pipeline=parallel.get("pipeline", 1), context=parallel.get("context", 1),
-                   sequence_parallel=sequence_parallel, strides=tuple(sorted(strides.items())))
+                   expert=parallel.get("expert", 1), sequence_parallel=sequence_parallel, strides=tuple(sorted(strides.items())))
 
     @property
     def size(self) -> int:
-        return self.data * self.fsdp * self.context * self.tensor * self.pipeline
+        return self.data * self.fsdp * self.expert * self.context * self.tensor * self.pipeline
 
     @property
     def replicas(self) -> int:
         """Ways the batch is split."""
-        return self.data * self.fsdp
+        return self.data * self.fsdp * self.expert
 
     @property
     def shards(self) -> int:
-        """Ways the parameters are split."""
-        return self.fsdp * self.context * self.tensor * self.pipeline
+        """Ways the parameters are split (a MoE model's experts over `expert`, the rest's embedding dim over it)."""
+        return self.fsdp * self.expert * self.context * self.tensor * self.pipeline
 
     @property
     def residual_split(self) -> int:
@@ -90,12 +94,14 @@ class Layout:
         size = getattr(self, axis)
         return collectives.Group(size=size, stride=dict(self.strides).get(axis, 1))
 
-    def weight_group(self) -> collectives.Group:
-        """The devices that gather (and reduce-scatter) each weight shard: fsdp x context (context inside fsdp in
-        the mesh order data, fsdp, context, tensor)."""
+    def weight_group(self, *, experts: bool = False) -> collectives.Group:
+        """The devices that gather (and reduce-scatter) each weight shard: fsdp x expert x context for the dense
+        weights, fsdp x context for a MoE model's `experts` (their expert dim stays split); the innermost of those
+        axes gives the stride (mesh order data, fsdp, expert, context, tensor)."""
         strides = dict(self.strides)
-        stride = strides.get("context", 1) if self.context > 1 else strides.get("fsdp", 1)
-        return collectives.Group(size=self.fsdp * self.context, stride=stride)
+        axes = [a for a in ("fsdp", "context") + (() if experts else ("expert",)) if getattr(self, a) > 1]
+        stride = min((strides.get(a, 1) for a in axes), default=1)
+        return collectives.Group(size=math.prod(getattr(self, a) for a in axes), stride=stride)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -149,6 +155,9 @@ class ExecutionOptions:
     partial_rollouts: bool = False
     inflight_batches: int = 2
     max_token_lag: int | None = None
+    # a MoE model's expert matmuls as grouped GEMMs (Megatron, vLLM); False: as rpegjax's runtime runs its dropless
+    # mode on GPU, a dense batched GEMM over every local expert of the worst-case receive buffer (`perf.experts`)
+    grouped_expert_gemm: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "attention", costs.AttentionKernel(self.attention))
@@ -192,7 +201,8 @@ class ExecutionOptions:
             kv_pool=execution.kv_cache is CacheLayout.PAGED, kv_pool_tokens=execution.kv_pool_tokens,
             optimizer_data_sharding=execution.optimizer_sharding is OptimizerSharding.DATA,
             optimizer_offload=execution.optimizer_offload, partial_rollouts=execution.partial_rollouts,
-            inflight_batches=execution.inflight_batches, max_token_lag=execution.max_token_lag)
+            inflight_batches=execution.inflight_batches, max_token_lag=execution.max_token_lag,
+            grouped_expert_gemm=False)
 
     @classmethod
     def rpegjax_xla(cls, **changes) -> ExecutionOptions:
@@ -300,7 +310,7 @@ def elementwise_bytes(shape: ModelShape, *, tokens: float, pairs: float, tensor:
     """Memory traffic of the non-matmul work of one forward pass over `tokens` tokens (see the constants above)."""
     per_token = (ELEMENTWISE_PER_D * shape.hidden
                  + ELEMENTWISE_PER_QK * (shape.heads + shape.kv_heads) * shape.head_dim / tensor
-                 + ELEMENTWISE_PER_F * shape.mlp / tensor) * shape.compute_bytes_each
+                 + ELEMENTWISE_PER_F * shape.token_mlp / tensor) * shape.compute_bytes_each
     scores = DENSE_SCORE_BYTES * shape.heads / tensor * pairs if options.attention is costs.AttentionKernel.DENSE else 0.0
     return shape.layers * (per_token * tokens + scores)
 
@@ -372,12 +382,14 @@ def model_pass_cost(inputs: CostInputs, shape: ModelShape, layout: Layout, *, lo
     else:
         flops = costs.forward_flops(shape, tokens=tokens, pairs=pairs, logit_tokens=tokens if logits else 0)
         forward_equivalents, traffic_equivalents, tensor_reductions, fsdp_gathers = 1, 1, 2, 1
-    flops *= epochs
-    matmul = epochs * _compute_seconds(inputs, shape, tokens=tokens, pairs=pairs, logits=logits or backward,
-                                       backward=backward) / layout.size
+    moe = _expert_pass(inputs, shape, layout, tokens=tokens, device_tokens=per_device / (passes / epochs),
+                       backward=backward, forward_equivalents=forward_equivalents)
+    flops = (flops + moe.flops) * epochs
+    matmul = epochs * (_compute_seconds(inputs, shape, tokens=tokens, pairs=pairs, logits=logits or backward,
+                                        backward=backward) + moe.matmul_seconds) / layout.size
     # a pipeline stage runs L/p layers of every micro-batch: per-layer terms shrink by p, compute by layout.size
     stage_layers = math.ceil(shape.layers / layout.pipeline)
-    stage_shape = dataclasses.replace(shape, layers=stage_layers)
+    stage_shape = experts.with_layers(shape, stage_layers)
     elementwise = traffic_equivalents * epochs * elementwise_bytes(
         stage_shape, tokens=per_device, pairs=pairs / layout.replicas / layout.context, tensor=layout.tensor, options=o)
     memory = device.memory_seconds(elementwise + passes * shape.weight_bytes / layout.shards)
@@ -387,13 +399,14 @@ def model_pass_cost(inputs: CostInputs, shape: ModelShape, layout: Layout, *, lo
         tensor_bytes, hw, layout.group("tensor"))
     tensor_comm += passes * stage_layers * _context_exchange_seconds(inputs, shape, layout, per_device / (passes / epochs),
                                                                      backward=backward)
-    shard_bytes = shape.weight_bytes / (layout.tensor * layout.pipeline)
-    background = passes * fsdp_gathers * collectives.all_gather_seconds(shard_bytes, hw, layout.weight_group())
+    tensor_comm += passes * moe.dispatch_seconds * stage_layers / shape.layers  # a pipeline stage's sparse layers
+    background = passes * fsdp_gathers * _weight_gather_seconds(shape, layout, hw, shape.param_bytes_each)
     optimizer = 0.0
     if backward:
         grad_bytes = shape.params * o.grad_bytes_per_param / (layout.tensor * layout.pipeline)
-        background += passes * collectives.reduce_scatter_seconds(grad_bytes, hw, layout.weight_group())
-        background += epochs * optimizer_steps * collectives.all_reduce_seconds(grad_bytes / layout.fsdp, hw, layout.group("data"))
+        background += passes * _weight_gather_seconds(shape, layout, hw, o.grad_bytes_per_param)
+        background += epochs * optimizer_steps * collectives.all_reduce_seconds(
+            grad_bytes / (layout.fsdp * layout.expert), hw, layout.group("data"))
         step_bytes = costs.optimizer_step_bytes(shape, state_bytes_per_param=o.optimizer_bytes_per_param,
                                                 grad_bytes_per_param=o.grad_bytes_per_param)
         optimizer = epochs * optimizer_steps * device.memory_seconds(step_bytes / optimizer_shards(layout, o))
@@ -419,9 +432,56 @@ def model_pass_cost(inputs: CostInputs, shape: ModelShape, layout: Layout, *, lo
     return StageCost(seconds=seconds, compute_seconds=matmul, memory_seconds=memory + optimizer,
                      communication_seconds=tensor_comm + pipeline_comm + exposed, overhead_seconds=overhead, flops=flops,
                      model_flops=useful, transient_bytes=_pass_transient_bytes(inputs, shape, layout, backward, passes / epochs,
-                                                                               tokens=tokens, pairs=pairs),
+                                                                               tokens=tokens, pairs=pairs)
+                     + moe.transient_bytes,
                      detail={"tensor_comm": tensor_comm, "background_comm": background, "optimizer": optimizer,
                              "passes": passes, "matmul": matmul, "elementwise": device.memory_seconds(elementwise)})
+
+
+class _ExpertPass(NamedTuple):
+    flops: float  # forward + backward FLOPs the expert matmuls run beyond the grouped work (whole batch)
+    matmul_seconds: float  # their time on one device's worth of peak
+    dispatch_seconds: float  # all-to-alls of one pass over every sparse layer
+    transient_bytes: float  # one sparse layer's expert buffers while it runs
+
+
+def _expert_pass(inputs: CostInputs, shape: ModelShape, layout: Layout, *, tokens: float, device_tokens: float,
+                 backward: bool, forward_equivalents: int) -> _ExpertPass:
+    """A MoE model's expert terms of one epoch of a pass (`rpegjax.perf.experts`; zeros for a dense model): the
+    expert work as the options run it, the dispatch and combine per sparse layer (2 forward, 2 backward, 2 for a
+    recomputed forward) of `device_tokens` per device and pass, and the buffers they hold."""
+    o = inputs.options
+    row_tokens = _row_tokens(inputs, tokens)
+    extra = forward_equivalents * experts.extra_expert_flops(shape, o, tokens=tokens, row_tokens=row_tokens)
+    exchanges = 2 * (1 + (1 if backward else 0) + (1 if backward and o.remat is RematPolicy.FULL else 0))
+    return _ExpertPass(
+        flops=extra, matmul_seconds=inputs.hardware.device.matmul_seconds(extra, shape.compute_dtype),
+        dispatch_seconds=experts.dispatch_seconds(shape, layout, inputs.hardware, tokens_per_device=device_tokens,
+                                                  exchanges=exchanges),
+        transient_bytes=experts.layer_transient_bytes(shape, o, layout, tokens_per_device=device_tokens,
+                                                      row_tokens=row_tokens, backward=backward))
+
+
+def _row_tokens(inputs: CostInputs, tokens: float) -> float:
+    """Tokens of one row of a pass (what the capacity mode's slots are counted on): a packed row, or a row padded to
+    the longest sequence, or (real-token passes) the mean sequence."""
+    o, w = inputs.options, inputs.workload
+    if o.packed_row_tokens is not None:
+        return float(o.packed_row_tokens)
+    return float(w.prompt_tokens + w.responses.max) if not o.sequence_packing else tokens / w.sequences
+
+
+def _weight_gather_seconds(shape: ModelShape, layout: Layout, hw: HardwareSpec, bytes_per_param: float) -> float:
+    """One all-gather (or reduce-scatter) of every weight shard of one tensor x pipeline rank at `bytes_per_param`:
+    the dense weights over fsdp x expert x context, a MoE model's experts over fsdp x context (their expert dim
+    stays split: each device gathers only its x/p experts)."""
+    split = layout.tensor * layout.pipeline
+    expert_bytes = experts.expert_params(shape) * bytes_per_param / split
+    dense_bytes = shape.params * bytes_per_param / split - expert_bytes
+    seconds = collectives.all_gather_seconds(dense_bytes, hw, layout.weight_group())
+    if expert_bytes:
+        seconds += collectives.all_gather_seconds(expert_bytes / layout.expert, hw, layout.weight_group(experts=True))
+    return seconds
 
 
 def optimizer_shards(layout: Layout, options: ExecutionOptions) -> int:
@@ -489,10 +549,11 @@ def _forward_weight_copies(shape: ModelShape, layout: Layout) -> float:
     and 32B plans (`docs/benchmarks.md`, issue 23): the gathers are of the compute-dtype casts."""
     wide = shape.param_bytes_each != shape.compute_bytes_each
     output = shape.vocab * shape.hidden / layout.tensor
-    gathered = layout.fsdp * layout.context > 1  # weights are sharded over fsdp x context
+    gathered = layout.fsdp * layout.context * layout.expert > 1  # weights are sharded over fsdp x context x expert
     whole = output * shape.param_bytes_each if gathered else 0.0
     copies = output * shape.compute_bytes_each if wide else 0.0
-    layers = 2 * shape.matmul_params_per_layer / layout.tensor * shape.compute_bytes_each if gathered or wide else 0.0
+    layers = (2 * experts.layer_params_held(shape, layout) / layout.tensor * shape.compute_bytes_each
+              if gathered or wide else 0.0)
     return whole + copies + layers
 
 
@@ -522,14 +583,14 @@ def _pass_transient_bytes(inputs: CostInputs, shape: ModelShape, layout: Layout,
     # into it (0.5B updates, docs/benchmarks.md issue 23; XLA:CPU keeps all three)
     chunk = costs.logprob_chunk_bytes(shape, rows=rows, chunk=chunk_tokens, tensor=layout.tensor, copies=1)
     # the layer in use and the one being prefetched, gathered as their compute-dtype casts
-    layer_params = shape.matmul_params_per_layer * shape.compute_bytes_each / layout.tensor
-    gathered = 2 * layer_params if layout.fsdp * layout.context > 1 else 0.0
+    layer_params = experts.layer_params_held(shape, layout) * shape.compute_bytes_each / layout.tensor
+    gathered = 2 * layer_params if layout.fsdp * layout.context * layout.expert > 1 else 0.0
     activations = costs.training_activation_bytes(shape, tokens=tokens_per_pass, keys_per_query=keys_per_query,
                                                   kernel=o.attention, remat=o.remat, tensor=layout.tensor)
     if layout.sequence_parallel and o.remat is not RematPolicy.NONE:  # each layer's kept input split over tensor too
         activations -= tokens_per_pass * shape.layers * shape.hidden * shape.compute_bytes_each * (1 - 1 / layout.tensor)
     grads = shape.params * o.grad_bytes_per_param / layout.shards
-    if layout.fsdp * layout.context > 1:
+    if layout.fsdp * layout.context * layout.expert > 1:
         # FSDP gathers the output matrix whole for the update (every log-prob chunk reads it), and its gradient
         # accumulates whole over the chunks before it is reduce-scattered. The token lookup reads its own shard of
         # the table (never gathered whole), and with tied embeddings the lookup's gradient is added into that same

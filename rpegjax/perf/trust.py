@@ -22,6 +22,7 @@ import math
 from collections.abc import Mapping
 
 from rpegjax.graph.ir import INFERENCE_KINDS, UPDATE_KINDS, Graph, StageKind
+from rpegjax.models.config import ModelConfig
 from rpegjax.options import AttentionKind, RematPolicy
 from rpegjax.perf.costs import ModelShape
 from rpegjax.perf.step_model import Prediction
@@ -38,6 +39,7 @@ class CheckedRegime:
     attention: frozenset[AttentionKind]
     remat: frozenset[RematPolicy]
     margins: Mapping[str, float]  # phase -> largest (compiled / predicted - 1) measured, >= 0
+    experts: bool = False  # checked on mixture-of-experts models in the capacity mode (else on dense models)
 
     def __post_init__(self) -> None:
         if set(self.margins) != {GENERATION, INFERENCE, TRAINING} or any(m < 0 for m in self.margins.values()):
@@ -61,6 +63,29 @@ GPU_CHECKED = CheckedRegime(
     margins={GENERATION: 0.0, INFERENCE: 0.06, TRAINING: 0.052})
 
 
+# docs/benchmarks.md, "Issue 26: the perf model for MoE": Qwen3-30B-A3B's update in the capacity mode (1.25), one
+# 16384-token row per device, float32 masters, blockwise attention, full remat, compiled for H100 by
+# benchmarks/bench_moe_memory.py: expert16 46.47 GiB compiled / 42.11 predicted (+10.3%), expert8 80.64 / 70.69
+# (+14.1%). The 32-H100 plan's programs (`scripts/plan.py --verify --verify-target cuda-h100`, same section): its
+# f16xe2 update 62.17 GB compiled / 63.0 predicted, the sampler's decode 58.69 / 57.1 (+2.8%) and prefill 72.80 /
+# 57.1 (+27.5%: the generation margin). No log-prob pass with an expert axis was compiled: it gets the training
+# margin, an assumption the dry run checks. Dropless experts are outside it: XLA runs them as a dense GEMM over
+# every local expert of the worst-case receive buffer (expert8: 276.07 GiB compiled, 360.28 predicted), never
+# planned to fit; and so are stages without an expert axis (`regime_problem`).
+MOE_CHECKED = CheckedRegime(
+    largest_params=ModelShape.from_config(ModelConfig.qwen3_moe("30b-a3b")).params,
+    longest_row=16384,
+    attention=frozenset({AttentionKind.BLOCKWISE, AttentionKind.CUDNN}),
+    remat=frozenset({RematPolicy.FULL}),
+    margins={GENERATION: 0.275, INFERENCE: 0.141, TRAINING: 0.141},
+    experts=True)
+
+
+def regime_for(shape: ModelShape) -> CheckedRegime:
+    """The regime a model's plans are checked in: `MOE_CHECKED` for a mixture-of-experts model, else `GPU_CHECKED`."""
+    return GPU_CHECKED if shape.experts is None else MOE_CHECKED
+
+
 def phase(graph: Graph, stage_name: str) -> str | None:
     """The memory phase of a device stage (generation, inference or training); None for the rest."""
     kinds = set(graph.stage(stage_name).kinds)
@@ -74,6 +99,21 @@ def phase(graph: Graph, stage_name: str) -> str | None:
 def regime_problem(graph: Graph, shape: ModelShape, longest_row: int, regime: CheckedRegime = GPU_CHECKED) -> str | None:
     """Why `graph` for a model of `shape` and rows of `longest_row` tokens is outside `regime`, or None."""
     execution = graph.execution
+    if (shape.experts is not None) != regime.experts:
+        return ("a mixture-of-experts model: memory checked against compiled programs of dense models only"
+                if shape.experts is not None else "a dense model: this regime was checked on mixture-of-experts models")
+    if shape.experts is not None and shape.experts.capacity_factor is None:
+        return ("dropless experts: XLA's GPU compiler runs them as a dense GEMM over every local expert of the worst-case "
+                "receive buffer (Qwen3-30B-A3B, expert8: 276 GiB compiled per device); plan the capacity mode "
+                "(model.moe_capacity_factor)")
+    if shape.experts is not None:
+        unsplit = [s.name for s in graph.stages if not s.host and StageKind.GENERATE not in s.kinds
+                   and graph.parallel_of(s.name).get("expert", 1) == 1
+                   and graph.parallel_of(s.name).get("data", 1) * graph.parallel_of(s.name).get("fsdp", 1) > 1]
+        if unsplit:
+            return (f"experts without an expert axis on {unsplit[0]!r}: without `shard_map` the capacity buffers are "
+                    f"built for the whole batch on every device (the f32 log-prob pass of Qwen3-30B-A3B compiled to "
+                    f"140.67 GB per device); memory checked with an expert axis only")
     if shape.params > regime.largest_params:
         return (f"{shape.params / 1e9:.1f}B parameters: memory checked against compiled programs up to "
                 f"{regime.largest_params / 1e9:.1f}B")
@@ -109,4 +149,5 @@ def untrusted(prediction: Prediction, shape: ModelShape, longest_row: int,
     return None
 
 
-__all__ = ["CheckedRegime", "GENERATION", "GPU_CHECKED", "INFERENCE", "TRAINING", "phase", "regime_problem", "untrusted"]
+__all__ = ["CheckedRegime", "GENERATION", "GPU_CHECKED", "INFERENCE", "MOE_CHECKED", "TRAINING", "phase", "regime_for",
+           "regime_problem", "untrusted"]

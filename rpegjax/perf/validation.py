@@ -12,11 +12,12 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-from rpegjax.graph.ir import Algorithm
+from rpegjax.graph.ir import Algorithm, Execution
 from rpegjax.options import RematPolicy
 from rpegjax.perf import hardware as hardware_module
 from rpegjax.perf import planner
 from rpegjax.perf.costs import ModelShape
+from rpegjax.perf.experts import ExpertShape
 from rpegjax.perf.generation_cost import ResponseLengths
 from rpegjax.perf.hardware import HardwareSpec, a100_node
 from rpegjax.perf.pretraining import PipelineRun
@@ -83,8 +84,10 @@ class RLRun:
     """A published RL training run: its workload, its own plan and the measured seconds per step.
 
     generation_gpus: GPUs given to generation alone (0: generation shares every GPU with training);
-    train_tensor / train_pipeline: Megatron's TP and PP (data parallelism takes the rest of the training GPUs);
-    async_bound: 0 on-policy, 1 one-step off-policy.
+    train_tensor / train_pipeline / train_context: Megatron's TP, PP and CP (data parallelism takes the rest of the
+    training GPUs); train_expert: the expert axis (`rpegjax.perf.experts`) carved out of that data parallelism
+    (Megatron's EP where it spans data-parallel ranks only); sequence_parallel: Megatron's;
+    async_bound: 0 on-policy, k: k steps off-policy.
     """
 
     name: str
@@ -107,12 +110,16 @@ class RLRun:
     generation_memory_fraction: float
     microbatch_tokens: int
     measured_seconds: float
+    train_context: int = 1
+    train_expert: int = 1
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         train_gpus = self.gpus - self.generation_gpus
-        if train_gpus < 1 or train_gpus % (self.train_tensor * self.train_pipeline):
+        split = self.train_tensor * self.train_pipeline * self.train_context * self.train_expert
+        if train_gpus < 1 or train_gpus % split:
             raise ValueError(f"RLRun {self.name!r}: {train_gpus} training GPUs do not split into TP {self.train_tensor} "
-                             f"x PP {self.train_pipeline}")
+                             f"x PP {self.train_pipeline} x CP {self.train_context} x expert {self.train_expert}")
         if (self.generation_gpus or self.gpus) % self.generation_tensor:
             raise ValueError(f"RLRun {self.name!r}: generation GPUs do not split into TP {self.generation_tensor}")
         if self.measured_seconds <= 0:
@@ -151,6 +158,47 @@ NEMO_RL_RUNS = (
 FIT_RUNS = NEMO_RL_RUNS[:2]
 HELD_OUT_RUNS = NEMO_RL_RUNS[2:]
 
+# ------------------------------------------------------------------------------- mixture-of-experts runs
+# The same page's section "NeMo RL v0.6", table "H100 BF16 Benchmarks" (release r0.6.0; Megatron training with
+# dropless token dispatch and grouped GEMMs, vLLM generation), and the recipes it names
+# (examples/configs/recipes/llm/performance/): grpo-qwen3-30ba3b-4n8g.yaml (64 prompts x 32, TP1 PP1 EP8, vLLM
+# TP2, colocated), grpo-qwen3-30ba3b-4n8g-async-1off.yaml (16 GPUs of generation at 0.8 memory + 16 of training,
+# PP2 EP8), grpo-qwen3-30ba3b-24n8g-async-8off.yaml (64 + 128 GPUs, EP8, max_trajectory_age_steps 8),
+# grpo-qwen3-235b-32n8g.yaml (16 prompts x 32, 8192-token sequences, TP2 CP2 PP8 EP16, sequence parallel,
+# activation checkpointing, vLLM TP16, colocated) and grpo-qwen3-235b-32n8g-async-1off.yaml (128 GPUs of
+# generation at TP8 + 128 of training at TP4 PP8 EP16). The table's T-GBS (512: 4 optimiser steps for 30B-A3B,
+# 1 for 235B) is used where a later recipe differs. Megatron's EP spans data-parallel, context and tensor ranks;
+# the expert axis here is data-like, so it takes EP's data-parallel part: EP8 for 30B-A3B; for 235B the
+# data-parallel ranks (8 on-policy, 4 one-step off) with CP kept as context. Same assumptions as above (128-token
+# prompts, log-normal responses with the table's mean). Held out: nothing is fitted on them.
+QWEN3_30B_A3B = ModelShape(layers=48, hidden=2048, heads=32, kv_heads=4, head_dim=128, mlp=6144, vocab=151936,
+                           experts=ExpertShape(experts=128, top_k=8, mlp=768, sparse_layers=48))
+QWEN3_235B_A22B = ModelShape(layers=94, hidden=4096, heads=64, kv_heads=4, head_dim=128, mlp=12288, vocab=151936,
+                             experts=ExpertShape(experts=128, top_k=8, mlp=1536, sparse_layers=94))
+NEMO_RL_V06 = "NeMo RL performance summary, section v0.6, table H100 BF16 (recipes of r0.6.0)"
+
+_MOE_30B = {"source": NEMO_RL_V06, "shape": QWEN3_30B_A3B, "gpus": 32, "generation_gpus": 0, "generation_tensor": 2,
+            "train_tensor": 1, "train_pipeline": 1, "train_expert": 8, "async_bound": 0, "remat": False,
+            "generation_memory_fraction": 0.6}
+_MOE_235B = {"source": NEMO_RL_V06, "shape": QWEN3_235B_A22B, "gpus": 256, "prompts": 16, "response_max": 8192 - 128,
+             "optimizer_steps": 1, "microbatch_tokens": 8192, "generation_gpus": 0, "generation_tensor": 16,
+             "train_tensor": 2, "train_pipeline": 8, "train_context": 2, "train_expert": 8, "sequence_parallel": True,
+             "async_bound": 0, "remat": True, "generation_memory_fraction": 0.6}
+MOE_RUNS = (
+    _nemo_rl("NeMo-RL v0.6 Qwen3-30B-A3B on-policy", **_MOE_30B, response_mean=3203, measured_seconds=192.0),
+    _nemo_rl("NeMo-RL v0.6 Qwen3-30B-A3B 1-step off", **{**_MOE_30B, "generation_gpus": 16, "train_pipeline": 2,
+                                                         "async_bound": 1, "generation_memory_fraction": 0.8},
+             response_mean=3201, measured_seconds=152.0),
+    _nemo_rl("NeMo-RL v0.6 Qwen3-30B-A3B 8-step off", **{**_MOE_30B, "gpus": 192, "generation_gpus": 64,
+                                                         "async_bound": 8, "generation_memory_fraction": 0.8},
+             response_mean=3206, measured_seconds=34.5),
+    _nemo_rl("NeMo-RL v0.6 Qwen3-235B-A22B on-policy", **_MOE_235B, response_mean=5713, measured_seconds=312.0),
+    _nemo_rl("NeMo-RL v0.6 Qwen3-235B-A22B 1-step off", **{**_MOE_235B, "generation_gpus": 128, "generation_tensor": 8,
+                                                           "train_tensor": 4, "train_context": 1, "train_expert": 4,
+                                                           "async_bound": 1, "generation_memory_fraction": 0.8},
+             response_mean=5721, measured_seconds=231.0),
+)
+
 
 # ------------------------------------------------------------------------------------ plan and prediction
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -178,13 +226,16 @@ def rl_plan(run: RLRun) -> planner.PlanChoice:
     generation TP, its training TP x PP (PP as a `pipeline` axis) with data parallelism over the rest, its
     asynchrony and its optimiser steps per RL step."""
     train_gpus = run.gpus - run.generation_gpus
-    data = train_gpus // (run.train_tensor * run.train_pipeline)
+    data = train_gpus // (run.train_tensor * run.train_pipeline * run.train_context * run.train_expert)
     generation = (run.generation_gpus or run.gpus) // run.generation_tensor
+    train = (("data", data), ("pipeline", run.train_pipeline), ("expert", run.train_expert),
+             ("context", run.train_context), ("tensor", run.train_tensor))
     return planner.PlanChoice(
         algorithm=Algorithm.GRPO, use_reference=True, num_devices=run.gpus, async_bound=run.async_bound,
         generation_devices=run.generation_gpus, optimizer_steps=run.optimizer_steps,
         generation_layout=(("data", generation), ("fsdp", 1), ("tensor", run.generation_tensor)),
-        train_layout=(("data", data), ("pipeline", run.train_pipeline), ("tensor", run.train_tensor)))
+        train_layout=tuple((axis, size) for axis, size in train if size > 1 or axis not in ("expert", "context")),
+        execution=Execution(sequence_parallel=run.sequence_parallel))
 
 
 def rl_evaluator(run: RLRun, efficiencies: Efficiencies) -> Evaluator:

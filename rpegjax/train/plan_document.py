@@ -19,7 +19,11 @@ from rpegjax.models.config import ModelConfig
 
 # The ModelConfig fields that size parameters, activations and the KV cache (the document's `model_config`).
 SHAPE_FIELDS = ("architecture", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                "intermediate_size", "tie_word_embeddings", "attention_bias", "qk_norm")
+                "intermediate_size", "tie_word_embeddings", "attention_bias", "qk_norm", "num_experts",
+                "num_experts_per_token", "moe_intermediate_size", "moe_capacity_factor")
+# a mixture-of-experts model's fields (a plan's costs depend on the capacity mode: `rpegjax.perf.experts`), as a
+# dense model has them: what a plan document written before they were recorded means
+_DENSE_FIELDS = {"num_experts": 0, "num_experts_per_token": 0, "moe_intermediate_size": 0, "moe_capacity_factor": None}
 
 
 def model_shape(model: ModelConfig) -> dict[str, Any]:
@@ -61,7 +65,7 @@ class PlanFile:
             return
         run_shape = model_shape(model)
         differ = [f"model.{name}: plan {self.model_shape.get(name)!r}, run {run_shape[name]!r}"
-                  for name in SHAPE_FIELDS if self.model_shape.get(name) != run_shape[name]]
+                  for name in SHAPE_FIELDS if self.model_shape.get(name, _DENSE_FIELDS.get(name)) != run_shape[name]]
         if differ:
             raise ValueError(f"{self.where}: the plan was made for model {self.model_name!r}, this run's model differs "
                              f"({'; '.join(differ)}); run it on that model (--model DIR of its checkpoint), or plan "

@@ -83,6 +83,13 @@ def test_the_published_runs_models_are_presets():
     load = _plan_module().load_model
     assert load("llama3.1-8b") == load("llama3-8b") == ModelConfig.llama3("8b")
     assert load("qwen3-32b") == ModelConfig.qwen3("32b") and load("qwen3-32b").architecture == "qwen3"
+    assert load("qwen3-30b-a3b") == ModelConfig.qwen3_moe("30b-a3b")  # NeMo-RL's MoE runs (issue 26)
+    assert load("qwen3-235b-a22b") == ModelConfig.qwen3_moe("235b-a22b")
+
+
+def test_a_capacity_factor_needs_a_model_with_experts():
+    done = _run("--model", "qwen2.5-0.5b", "--moe-capacity-factor", "1.25", *SMALL)
+    assert done.returncode != 0 and "has no experts" in done.stderr
 
 
 def test_table_prints_the_legend_and_explain_says_why():

@@ -234,7 +234,7 @@ def test_a_plan_that_exceeds_memory_is_reported_not_timed():
 
 
 def test_unknown_parallel_axes_are_refused():
-    graph = builders.grpo_graph(use_reference=False, num_devices=8, parallel={"expert": 2, "data": 4})
+    graph = builders.grpo_graph(use_reference=False, num_devices=8, parallel={"stage": 2, "data": 4})
     with pytest.raises(ValueError, match="knows parallel axes"):
         step_model.predict(graph, QWEN05, SMALL, hardware.h100_node(8))
     # pipeline stages are modelled for training passes only (published Megatron runs), never for generation

@@ -59,6 +59,33 @@ def test_held_out_step_times_within_bound(run):
     assert abs(error) <= HELD_OUT_BOUND, f"{run.name}: predicted {100 * error:+.1f}% off the measured {run.measured_seconds} s"
 
 
+# Issue 26: the published mixture-of-experts runs (NeMo-RL v0.6), held out (nothing fitted on them), each with the
+# peer's own plan. Two are not met: both are disaggregated asynchronous runs whose generation dominates and whose
+# recipes update weights in flight (vLLM keeps decoding across steps); the model decodes each step's batch to its
+# longest response (docs/benchmarks.md, "Issue 26: the perf model for MoE").
+_NOT_MET = {"NeMo-RL v0.6 Qwen3-30B-A3B 8-step off": "+160%: generation decoded per batch, not continuously across 8 steps",
+            "NeMo-RL v0.6 Qwen3-235B-A22B 1-step off": "+147%: generation's KV budget (0.8 x 80 GB - 58.8 GB weights) holds "
+                                                       "18 of a replica's 32 sequences"}
+
+
+@pytest.mark.parametrize("run", [pytest.param(run, marks=pytest.mark.xfail(strict=True, reason=_NOT_MET[run.name]))
+                                 if run.name in _NOT_MET else run for run in validation.MOE_RUNS],
+                         ids=lambda run: run.name)
+def test_held_out_moe_step_times_within_bound(run):
+    assert run.shape.experts is not None and run not in FIT_RUNS
+    error = validation.relative_errors([run], FITTED_EFFICIENCIES)[run.name]
+    assert abs(error) <= HELD_OUT_BOUND, f"{run.name}: predicted {100 * error:+.1f}% off the measured {run.measured_seconds} s"
+
+
+def test_moe_runs_use_the_peers_expert_layouts():
+    on_policy = validation.rl_plan(validation.MOE_RUNS[0])
+    assert dict(on_policy.train_layout) == {"data": 4, "pipeline": 1, "expert": 8, "tensor": 1}
+    assert dict(on_policy.generation_layout)["tensor"] == 2
+    large = validation.rl_plan(validation.MOE_RUNS[3])
+    assert dict(large.train_layout) == {"data": 1, "pipeline": 8, "expert": 8, "context": 2, "tensor": 2}
+    assert large.execution.sequence_parallel
+
+
 def test_fitting_improves_on_the_unfitted_assumptions():
     fitted = validation.relative_errors(HELD_OUT_RUNS, FITTED_EFFICIENCIES)
     unfitted = validation.relative_errors(HELD_OUT_RUNS, DEFAULT_EFFICIENCIES)

@@ -1,0 +1,159 @@
+"""The perf model's mixture-of-experts terms (rpegjax.perf.experts) against hand-computed formulas and the compiled
+Qwen3-30B-A3B update memory of benchmarks/bench_moe_memory.py (docs/benchmarks.md, issue 26)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from rpegjax.graph.ir import Algorithm, Execution
+from rpegjax.models.config import ModelConfig
+from rpegjax.options import AttentionKind, RematPolicy
+from rpegjax.perf import collectives, costs, experts, hardware, planner, stage_costs, trust
+from rpegjax.perf.costs import ModelShape
+from rpegjax.perf.generation_cost import ResponseLengths
+from rpegjax.perf.stage_costs import CostInputs, ExecutionOptions, Layout, Workload
+
+GIB = 1 << 30
+MOE = ModelConfig.qwen3_moe("30b-a3b")
+
+
+def test_total_and_active_parameters_match_the_model_config():
+    shape = ModelShape.from_config(MOE)
+    # ModelConfig counts the q/k norms too (2 x head_dim per layer), the perf model ignores them
+    norms = MOE.num_layers * 2 * MOE.head_dim
+    assert shape.params == MOE.num_params() - norms
+    assert shape.active_params == pytest.approx(MOE.num_params(active=True) - norms, rel=1e-12)
+    assert 30.4e9 < shape.params < 30.6e9 and 3.2e9 < shape.active_params < 3.4e9
+
+
+def test_flops_follow_the_active_parameters():
+    shape = ModelShape.from_config(MOE)
+    d, x, k, fe, layers = 2048, 128, 8, 768, 48
+    attention = 2 * d * 32 * 128 + 2 * d * 4 * 128
+    per_token = 2 * layers * (attention + d * x + k * 3 * d * fe)  # router and k experts of every sparse layer
+    assert costs.forward_flops(shape, tokens=1000, pairs=0, logit_tokens=0) == pytest.approx(1000 * per_token, rel=1e-12)
+
+
+def test_weights_split_over_the_expert_axis():
+    shape = ModelShape.from_config(MOE)
+    layout = Layout.from_parallel({"data": 2, "expert": 16}, where="test")
+    assert layout.replicas == 32 and layout.shards == 16
+    assert stage_costs.optimizer_state_bytes(shape, layout, ExecutionOptions()) == pytest.approx(shape.params * 12 / 16)
+    # a layer held at once: attention, router and 128/16 local experts
+    held = 2 * 2048 * 32 * 128 + 2 * 2048 * 4 * 128 + 2048 * 128 + 3 * 2048 * 768 * 8
+    assert experts.layer_params_held(shape, layout) == held
+
+
+def test_capacity_and_dropless_work():
+    capped = ModelShape.from_config(MOE.replace(moe_capacity_factor=1.25))
+    # C = ceil(1.25 * 16384 * 8 / 128) = 1280 slots per expert and row: 128 x 1280 / (16384 x 8) = 1.25
+    assert experts.computed_expert_ratio(capped, ExecutionOptions(), row_tokens=16384) == pytest.approx(1.25)
+    dropless = ModelShape.from_config(MOE)
+    assert experts.computed_expert_ratio(dropless, ExecutionOptions(), row_tokens=16384) == 1.0  # grouped GEMMs
+    runtime = ExecutionOptions().executing(Execution())
+    assert experts.computed_expert_ratio(dropless, runtime, row_tokens=16384) == 128.0  # every local expert, dense
+
+
+def test_dispatch_is_an_all_to_all_per_sparse_layer_inside_and_across_nodes():
+    shape = ModelShape.from_config(MOE)
+    hw = hardware.h100_node(32)
+    tokens = 4096
+    for size in (8, 16):
+        layout = Layout.from_parallel({"data": 32 // size, "expert": size}, where="test")
+        one = collectives.all_to_all_seconds(tokens * 8 * 2048 * 2, hw, collectives.Group(size=size, stride=1))
+        assert experts.dispatch_seconds(shape, layout, hw, tokens_per_device=tokens, exchanges=4) == pytest.approx(48 * 4 * one)
+    inside = experts.dispatch_seconds(shape, Layout.from_parallel({"data": 4, "expert": 8}, where="t"), hw,
+                                      tokens_per_device=tokens, exchanges=2)
+    across = experts.dispatch_seconds(shape, Layout.from_parallel({"data": 2, "expert": 16}, where="t"), hw,
+                                      tokens_per_device=tokens, exchanges=2)
+    assert across > 2 * inside  # half of each device's rows cross the network
+
+
+def test_decode_reads_only_the_experts_hit():
+    shape = ModelShape.from_config(MOE)
+    layout = Layout.from_parallel({"data": 4, "tensor": 2}, where="test")
+    assert experts.expected_experts_hit(shape, layout, 0) == 0
+    assert experts.expected_experts_hit(shape, layout, 1) == pytest.approx(8)  # one token: its k experts
+    assert experts.expected_experts_hit(shape, layout, 4) == pytest.approx(128 * (1 - (1 - 8 / 128) ** 4))
+    assert experts.expected_experts_hit(shape, layout, 10_000) == pytest.approx(128)  # bounded by the local experts
+    dense = (shape.params - experts.expert_params(shape)) * 2 / 2
+    assert experts.decode_weight_bytes(shape, layout, 1) == pytest.approx(dense + 48 * 8 * 3 * 2048 * 768 * 2 / 2)
+    split = Layout.from_parallel({"data": 1, "expert": 8}, where="test")  # 16 local experts, 8 replicas' tokens
+    assert experts.expected_experts_hit(shape, split, 1) == pytest.approx(16 * (1 - (1 - 8 / 128) ** 8))
+
+
+def _bench_update_gib(parallel: dict[str, int], capacity: float | None) -> float:
+    """What the model predicts for benchmarks/bench_moe_memory.py's program: GRPO update of Qwen3-30B-A3B, one
+    16384-token row per device, float32 masters, bfloat16 compute, blockwise attention, full remat."""
+    shape = ModelShape.from_config(MOE.replace(param_dtype="float32", dtype="bfloat16", moe_capacity_factor=capacity))
+    count = math.prod(parallel.values())
+    workload = Workload(prompts=1, group_size=count, prompt_tokens=1024, responses=ResponseLengths.fixed(16384 - 1024))
+    execution = Execution(attention=AttentionKind.BLOCKWISE, remat=RematPolicy.FULL, param_dtype="float32",
+                          dtype="bfloat16", update_microbatches=1)
+    options = ExecutionOptions().executing(execution)
+    layout = Layout.from_parallel(parallel, where="bench")
+    inputs = CostInputs(hardware=hardware.h100_node(count), actor=shape, critic=shape, workload=workload, options=options)
+    update = stage_costs.model_pass_cost(inputs, shape, layout, logits=True, backward=True, optimizer_steps=1)
+    state = shape.params * (shape.param_bytes_each + options.optimizer_bytes_per_param) / layout.shards
+    return (state + update.transient_bytes) / GIB
+
+
+@pytest.mark.parametrize("parallel, compiled", [({"expert": 16}, 46.47), ({"expert": 8}, 80.64)],
+                         ids=["expert16", "expert8"])
+def test_capacity_update_memory_within_the_moe_margin(parallel, compiled):
+    predicted = _bench_update_gib(parallel, 1.25)
+    assert predicted <= compiled <= predicted * (1 + trust.MOE_CHECKED.margins[trust.TRAINING]) + 1e-9
+
+
+def test_moe_margin_is_the_largest_measured_under_prediction():
+    errors = [compiled / _bench_update_gib(p, 1.25) - 1 for p, compiled in (({"expert": 16}, 46.47), ({"expert": 8}, 80.64))]
+    assert trust.MOE_CHECKED.margins[trust.TRAINING] == pytest.approx(max(errors), abs=1e-3)
+
+
+def test_dropless_update_is_over_predicted_and_untrusted():
+    assert _bench_update_gib({"expert": 8}, None) > 276.07  # compiled; never planned to fit
+    graph = planner.build_graph(planner.PlanChoice(algorithm=Algorithm.GRPO, use_reference=False, num_devices=8,
+                                                   train_layout=(("data", 1), ("expert", 8)),
+                                                   generation_layout=(("data", 4), ("tensor", 2)),
+                                                   execution=Execution(attention=AttentionKind.BLOCKWISE,
+                                                                       remat=RematPolicy.FULL)))
+    problem = trust.regime_problem(graph, ModelShape.from_config(MOE), 4096, trust.regime_for(ModelShape.from_config(MOE)))
+    assert problem is not None and "dropless" in problem
+    capped = ModelShape.from_config(MOE.replace(moe_capacity_factor=1.25))
+    assert trust.regime_problem(graph, capped, 4096, trust.regime_for(capped)) is None
+    assert "dense models only" in trust.regime_problem(graph, capped, 4096, trust.GPU_CHECKED)
+
+
+def test_planner_searches_the_expert_axis_for_moe_models_only():
+    moe, dense = ModelShape.from_config(MOE), ModelShape.from_config(ModelConfig.qwen3("32b"))
+    assert planner.expert_axis_sizes(moe, 32) == (1, 2, 4, 8, 16, 32)
+    assert planner.expert_axis_sizes(moe, 24) == (1, 2, 4, 8)
+    assert planner.expert_axis_sizes(dense, 32) == (1,)
+    found = planner.layouts(16, (1, 2), heads=32, kv_heads=4, node_size=8, with_fsdp=True, expert_sizes=(1, 8))
+    assert (("data", 1), ("fsdp", 2), ("expert", 8), ("tensor", 1)) in found
+    assert (("data", 1), ("fsdp", 1), ("expert", 8), ("tensor", 2)) in found
+    assert all(math.prod(size for _, size in layout) == 16 for layout in found)
+
+
+def test_generation_expert_axis_behind_its_switch(monkeypatch):
+    choice = planner.PlanChoice(algorithm=Algorithm.GRPO, use_reference=False, num_devices=8,
+                                train_layout=(("data", 1), ("expert", 8)),
+                                generation_layout=(("data", 1), ("expert", 8)))
+    monkeypatch.setattr(planner, "EXPERT_PARALLEL_GENERATION", False)
+    with pytest.raises(ValueError, match="EXPERT_PARALLEL_GENERATION"):
+        planner.build_graph(choice)
+    monkeypatch.setattr(planner, "EXPERT_PARALLEL_GENERATION", True)
+    assert planner.build_graph(choice).parallel_of("generate").get("expert") == 8
+
+
+def test_moe_stages_without_an_expert_axis_are_untrusted():
+    """The capacity mode without an expert axis runs under GSPMD, which built the whole batch's capacity buffers on
+    every device (the f32 log-prob pass of the 32-H100 plan: 140.67 GB compiled, docs/benchmarks.md issue 26)."""
+    capped = ModelShape.from_config(MOE.replace(moe_capacity_factor=1.25))
+    execution = Execution(attention=AttentionKind.BLOCKWISE, remat=RematPolicy.FULL)
+    graph = planner.build_graph(planner.PlanChoice(algorithm=Algorithm.GRPO, use_reference=False, num_devices=8,
+                                                   train_layout=(("data", 1), ("fsdp", 8)),
+                                                   generation_layout=(("data", 4), ("tensor", 2)), execution=execution))
+    assert "without an expert axis" in trust.regime_problem(graph, capped, 4096, trust.MOE_CHECKED)
