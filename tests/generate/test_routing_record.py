@@ -32,14 +32,20 @@ def _generate(model: Decoder, cache, record: bool):
     return sampler.generate(params, PROMPTS, sampling, group_size=2, key=jax.random.key(4), budgets=budgets)
 
 
+@pytest.mark.slow  # two more samplers to compile (~2 minutes on the loaded machine)
 @pytest.mark.parametrize("layout", sorted(CACHES))
-def test_recorded_routing_equals_the_full_forward(moe_model, layout):
+def test_recording_changes_no_token(moe_model, layout):
     recorded = _generate(moe_model, CACHES[layout], record=True)
     plain = _generate(moe_model, CACHES[layout], record=False)
-    for with_routing, without in zip(recorded, plain, strict=True):  # recording changes no token or log-prob
+    for with_routing, without in zip(recorded, plain, strict=True):
         assert without.expert_ids is None
         np.testing.assert_array_equal(with_routing.response_ids, without.response_ids)
         np.testing.assert_array_equal(with_routing.behaviour_logprobs, without.behaviour_logprobs)
+
+
+@pytest.mark.parametrize("layout", sorted(CACHES))
+def test_recorded_routing_equals_the_full_forward(moe_model, layout):
+    recorded = _generate(moe_model, CACHES[layout], record=True)
     forward = jax.jit(lambda tokens: moe_model.routed_hidden_states(
         tokens, jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape))[2].expert_ids)
     for completion in recorded:
@@ -53,8 +59,16 @@ def test_recorded_routing_equals_the_full_forward(moe_model, layout):
         assert np.all(ids[-1] == -1)
 
 
-def test_recording_needs_a_mixture_of_experts_model():
+def test_recording_needs_a_mixture_of_experts_model_and_is_absent_when_off():
     cfg = ModelConfig.tiny()
+    graphdef = nnx.graphdef(Decoder(cfg, rngs=nnx.Rngs(0)))
     with pytest.raises(ValueError, match="mixture-of-experts"):
-        Sampler(cfg, nnx.graphdef(Decoder(cfg, rngs=nnx.Rngs(0))), num_slots=2, max_prompt_len=4, max_new_tokens=4,
-                record_routing=True)
+        Sampler(cfg, graphdef, num_slots=2, max_prompt_len=4, max_new_tokens=4, record_routing=True)
+    for cache in CACHES.values():  # off (the default): the decode state carries no routing, so no program does
+        for model_cfg in (cfg, CFG):
+            graph = nnx.graphdef(Decoder(model_cfg, rngs=nnx.Rngs(0)))
+            state = Sampler(model_cfg, graph, num_slots=2, max_prompt_len=4, max_new_tokens=4, cache=cache).abstract_state()
+            assert state.routing is None
+    recording = Sampler(CFG, nnx.graphdef(Decoder(CFG, rngs=nnx.Rngs(0))), num_slots=2, max_prompt_len=4,
+                        max_new_tokens=4, record_routing=True).abstract_state()
+    assert recording.routing.shape == (2, 8, 2, 2) and recording.routing.dtype == jnp.int16

@@ -4,8 +4,6 @@ packed rows carry each segment's routing (packed == unpacked)."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -59,7 +57,7 @@ def test_replayed_old_logprobs_equal_the_sampler_and_the_update_reports_the_over
     assert float(metrics["mismatch/abs_logprob_diff_max"]) <= 1e-5
 
 
-@pytest.mark.parametrize("replay", [True, False])
+@pytest.mark.parametrize("replay", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_packed_rows_replay_each_segments_routing(rollout, replay):
     """Packed == unpacked, in the old-log-prob pass and the update, with another routing replayed (so that the
     replay changes the result, and a segment given a neighbour's routing would show)."""
