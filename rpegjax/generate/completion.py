@@ -32,6 +32,9 @@ class Completion:
     `model_mask[i]` is False at a tool token (its log-prob is 0 and it gets no loss); None: every token was sampled.
     `token_versions[i]` is the weights version that sampled token i when a sequence was continued over several
     versions (partial rollouts, `rpegjax.runtime.partial_rollouts`); None: every token was sampled by `version`.
+    `expert_ids[i]` (a sampler that records routing, `Sampler(record_routing=True)`): the experts each sparse layer
+    of a mixture-of-experts model chose for token i of prompt + response, [s + length, sparse layers, k]; -1 where
+    none was computed (the last response token, which no pass feeds). None: not recorded.
     """
 
     prompt_index: int
@@ -43,6 +46,7 @@ class Completion:
     version: int | None = None
     model_mask: np.ndarray | None = None  # bool [length]
     token_versions: np.ndarray | None = None  # int64 [length]
+    expert_ids: np.ndarray | None = None  # int16 [s + length, sparse layers, k]
 
     def __post_init__(self) -> None:
         if self.response_ids.shape != self.behaviour_logprobs.shape:
@@ -60,6 +64,12 @@ class Completion:
             raise ValueError(
                 f"Completion(prompt {self.prompt_index}, sample {self.sample_index}): token_versions must have shape "
                 f"{self.response_ids.shape}, got {self.token_versions.shape}"
+            )
+        tokens = self.prompt_ids.shape[0] + self.response_ids.shape[0]
+        if self.expert_ids is not None and (self.expert_ids.ndim != 3 or self.expert_ids.shape[0] != tokens):
+            raise ValueError(
+                f"Completion(prompt {self.prompt_index}, sample {self.sample_index}): expert_ids must be [{tokens} "
+                f"tokens, sparse layers, k], got {self.expert_ids.shape}"
             )
 
     @property

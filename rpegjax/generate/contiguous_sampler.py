@@ -38,7 +38,8 @@ class ContiguousController:
 
     def __init__(self, cfg: ModelConfig, graphdef: nnx.GraphDef, *, num_slots: int, replicas: int,
                  max_prompt_len: int, max_new_tokens: int, chunk_steps: int, window_step: int, stats,
-                 mesh: Mesh | None, activation: ActivationSharding | None, params_sharding, live_buckets: bool):
+                 mesh: Mesh | None, activation: ActivationSharding | None, params_sharding, live_buckets: bool,
+                 record_routing: bool = False):
         self.num_slots = num_slots
         self.live_buckets = live_buckets
         self.replicas = replicas
@@ -47,7 +48,8 @@ class ContiguousController:
         self.chunk_steps = chunk_steps
         self.window_step = window_step
         self.stats = stats
-        self._empty = partial(DecodeState.empty, cfg, num_slots, self.capacity, max_new_tokens)
+        self._empty = partial(DecodeState.empty, cfg, num_slots, self.capacity, max_new_tokens,
+                              record_routing=record_routing)
 
         def admit_fn(group_size, *arrays):  # group size positional: jit takes no kwargs with in_shardings
             return admit(graphdef, *arrays, group_size=group_size, sharding=activation)
@@ -58,12 +60,16 @@ class ContiguousController:
         def rows_fn(tokens, logprobs, rows):
             return tokens[rows], logprobs[rows]
 
+        def routing_rows_fn(routing, rows):
+            return routing[rows]
+
         self._state_sharding = None
         if mesh is None:
             self._admit = jax.jit(admit_fn, static_argnums=(0,), donate_argnums=(2,))
             self._decode = jax.jit(decode_fn, static_argnums=(0,), donate_argnums=(2,))
             self._build_state = jax.jit(self._empty)
             self._rows = jax.jit(rows_fn)
+            self._routing_rows = jax.jit(routing_rows_fn)
             return
         self._state_sharding = state_sharding = decode_state_shardings(jax.eval_shape(self._empty), activation)
         replicated = NamedSharding(mesh, PartitionSpec())
@@ -87,6 +93,7 @@ class ContiguousController:
         self._replicate = jax.jit(lambda values: values, out_shardings=replicated)
         # the rows of finished sequences only, replicated so that every process can read them
         self._rows = jax.jit(rows_fn, out_shardings=(replicated, replicated))
+        self._routing_rows = jax.jit(routing_rows_fn, out_shardings=replicated)
 
     def compile_counts(self) -> dict[str, int]:
         return {"admit": self._admit._cache_size(), "decode": self._decode._cache_size()}
@@ -194,11 +201,13 @@ class ContiguousController:
         return jax.device_get(lengths if lengths.is_fully_addressable else self._replicate(lengths))
 
     def _fetch_rows(self, state: DecodeState, slots: list[int]):
-        """Tokens and log-probs of `slots` only (a power-of-two bucket of rows: few compiled gathers)."""
+        """Tokens, log-probs and (when recorded) routing of `slots` only (a power-of-two bucket of rows: few
+        compiled gathers)."""
         bucket = 1 << (len(slots) - 1).bit_length()
         rows = np.full((min(bucket, self.num_slots),), slots[0], np.int32)
         rows[: len(slots)] = slots
-        return jax.device_get(self._rows(state.tokens, state.logprobs, rows))
+        routing = None if state.routing is None else self._routing_rows(state.routing, rows)
+        return jax.device_get((*self._rows(state.tokens, state.logprobs, rows), routing))
 
     # ---- the controller ----------------------------------------------------------------------------
     def run(self, params, requests: list[Request], arrays, key: jax.Array, version, *, continuous: bool,
@@ -260,11 +269,13 @@ class ContiguousController:
     def _hand_out(self, state, requests, owners, finished, num_generated, finish, version,
                   reason: FinishReason | None = None) -> Iterator[Completion]:
         """Completions of the `finished` slots, which become free (`reason`: instead of the finish codes)."""
-        tokens, logprobs = self._fetch_rows(state, finished)
+        tokens, logprobs, routing = self._fetch_rows(state, finished)
         for row, slot in enumerate(finished):
             (index, sample), n = owners[slot], int(num_generated[slot])
+            size = requests[index].size
             owners[slot] = None
             yield Completion(prompt_index=index, sample_index=sample,
                              prompt_ids=requests[index].tokens.copy(),  # each completion owns its arrays
                              response_ids=np.array(tokens[row, :n]), behaviour_logprobs=np.array(logprobs[row, :n]),
-                             finish_reason=reason or FINISH_CODES[int(finish[slot])], version=version)
+                             finish_reason=reason or FINISH_CODES[int(finish[slot])], version=version,
+                             expert_ids=None if routing is None else np.array(routing[row, :size + n]))

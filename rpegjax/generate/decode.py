@@ -9,6 +9,12 @@ refilled between decode chunks without touching the others.
 
 RoPE position of a token = its cache index (prompts start at 0), so a prompt of length s is
 right-padded in the prefill and its first response token sits at position s.
+
+Routing (a mixture-of-experts model, when the sampler records it for router replay): `routing[b, i]` holds the
+experts each sparse layer chose for the token at cache index i of row b, written by the pass that computed that
+token's hidden state (the prefill for the prompt, the decode step that fed it for a response token); -1 where
+nothing was (padding, and a sequence's last sampled token, which no pass feeds). Without recording the state
+carries no routing and the programs are the dense sampler's.
 """
 
 from __future__ import annotations
@@ -48,11 +54,20 @@ class DecodeState:
     sample_index: Int[Array, " b"]
     tokens: Int[Array, "b n"]  # response tokens
     logprobs: Float[Array, "b n"]  # behaviour log-probs of `tokens`
+    # experts of every cached token (c = capacity, s sparse layers, k experts per token; -1: none), int16; None
+    # when the sampler does not record routing
+    routing: Int[Array, "b c s k"] | None = None
 
     @classmethod
-    def empty(cls, cfg: ModelConfig, num_slots: int, capacity: int, max_new_tokens: int) -> DecodeState:
-        """All slots empty (done, nothing written)."""
+    def empty(cls, cfg: ModelConfig, num_slots: int, capacity: int, max_new_tokens: int, *,
+              record_routing: bool = False, routing_capacity: int | None = None) -> DecodeState:
+        """All slots empty (done, nothing written); with `record_routing` a routing buffer of `routing_capacity`
+        positions (default `capacity`) per slot, all -1."""
         zeros = jnp.zeros((num_slots,), jnp.int32)
+        routing = None
+        if record_routing:
+            positions = capacity if routing_capacity is None else routing_capacity
+            routing = jnp.full((num_slots, positions, *routing_shape(cfg)), -1, ROUTING_DTYPE)
         return cls(
             cache=KVCache.zeros(cfg, num_slots, capacity),
             last_token=zeros,
@@ -64,11 +79,36 @@ class DecodeState:
             sample_index=zeros,
             tokens=jnp.zeros((num_slots, max_new_tokens), jnp.int32),
             logprobs=jnp.zeros((num_slots, max_new_tokens), jnp.float32),
+            routing=routing,
         )
 
     @property
     def num_slots(self) -> int:
         return self.done.shape[0]
+
+
+# recorded expert ids fit in 16 bits (checked by `routing_shape`): half the memory of int32, and -1 for "none"
+ROUTING_DTYPE = jnp.int16
+
+
+def routing_shape(cfg: ModelConfig) -> tuple[int, int]:
+    """(sparse layers, experts per token) of one token's recorded routing; raises for a model without experts."""
+    if not cfg.sparse_layers:
+        raise ValueError("recording the routing needs a mixture-of-experts model; this one has no sparse layer")
+    if cfg.num_experts > np.iinfo(np.int16).max:
+        raise ValueError(f"recording the routing stores expert ids as int16; {cfg.num_experts} experts do not fit")
+    return len(cfg.sparse_layers), cfg.num_experts_per_token
+
+
+def write_routing(buffer: Int[Array, "n c s k"], routing: Int[Array, "b t s k"], starts: Int[Array, " b"],
+                  written: Bool[Array, "b t"], rows: Int[Array, " b"] | None = None) -> Int[Array, "n c s k"]:
+    """`buffer` with the routing of the t tokens of each row b at positions starts[b] onwards of buffer row
+    rows[b] (default b), where `written` (the others are dropped: their position points past the buffer)."""
+    b, t = written.shape
+    columns = starts[:, None] + jnp.arange(t)[None, :]
+    columns = jnp.where(written, columns, buffer.shape[1])
+    rows = jnp.arange(b) if rows is None else rows
+    return buffer.at[rows[:, None], columns].set(routing.astype(buffer.dtype), mode="drop")
 
 
 def decode_state_shardings(state: DecodeState, sharding: ActivationSharding) -> DecodeState:
@@ -90,6 +130,7 @@ def decode_state_shardings(state: DecodeState, sharding: ActivationSharding) -> 
         sample_index=named(row, state.sample_index),
         tokens=named((axes.BATCH, None), state.tokens),
         logprobs=named((axes.BATCH, None), state.logprobs),
+        routing=None if state.routing is None else named((axes.BATCH, None, None, None), state.routing),
     )
 
 
@@ -158,13 +199,20 @@ def prefill(
     Returns that cache (lengths = prompt_lengths) and the float32 logits at each prompt's last token,
     i.e. the distribution of the first response token.
     """
+    cache, logits, _ = routed_prefill(model, prompts, prompt_lengths, sharding)
+    return cache, logits
+
+
+def routed_prefill(model, prompts: Int[Array, "p s"], prompt_lengths: Int[Array, " p"],
+                   sharding: ActivationSharding | None) -> tuple[KVCache, Float[Array, "p v"], Any]:
+    """`prefill` and the prompts' `Routing` (None for a dense model): expert_ids [p s layers k]."""
     p, s = prompts.shape
     mask = jnp.arange(s)[None, :] < prompt_lengths[:, None]
     positions = jnp.broadcast_to(jnp.arange(s), (p, s))
     cache = KVCache.zeros(model.cfg, p, s)
-    hidden, cache = model.hidden_states(prompts, positions, mask=mask, cache=cache, sharding=sharding)
+    hidden, cache, routing = model.routed_hidden_states(prompts, positions, mask=mask, cache=cache, sharding=sharding)
     last = jnp.take_along_axis(hidden, (prompt_lengths - 1)[:, None, None], axis=1)  # p 1 d
-    return cache, model.logits(last)[:, 0]
+    return cache, model.logits(last)[:, 0], routing
 
 
 def admit(
@@ -191,7 +239,7 @@ def admit(
     """
     model = nnx.merge(graphdef, params)
     s = prompts.shape[1]
-    cache, logits = prefill(model, prompts, prompt_lengths, sharding)
+    cache, logits, routing = routed_prefill(model, prompts, prompt_lengths, sharding)
     repeat = lambda x, axis=0: jnp.repeat(x, group_size, axis=axis)  # noqa: E731
     def copy_in(slot_cache, prefilled):  # one layer's [b k T e] array
         return slot_cache.at[slots, :, :s].set(repeat(prefilled).astype(slot_cache.dtype), mode="drop")
@@ -220,7 +268,13 @@ def admit(
     def put(old, new):
         return old.at[slots].set(new, mode="drop")
 
+    recorded = state.routing
+    if recorded is not None:  # each new row's routing: its prompt's, -1 past it (a slot's previous sequence)
+        fresh = jnp.full((r, *recorded.shape[1:]), -1, recorded.dtype)
+        prompt_mask = repeat(jnp.arange(s)[None, :] < prompt_lengths[:, None])
+        recorded = put(recorded, write_routing(fresh, repeat(routing.expert_ids), zeros, prompt_mask))
     return state.replace(
+        routing=recorded,
         cache=KVCache(k=new_k, v=new_v, lengths=put(state.cache.lengths, repeat(prompt_lengths))),
         last_token=put(state.last_token, rows.last_token),
         num_generated=put(state.num_generated, rows.num_generated),
@@ -239,11 +293,21 @@ def step_logits(model, state: DecodeState, sharding: ActivationSharding | None) 
 
     Finished rows are masked out, so their cache length does not move (their write lands past it).
     """
+    logits, state = step_state(model, state, sharding)
+    return logits, state.cache
+
+
+def step_state(model, state: DecodeState, sharding: ActivationSharding | None) -> tuple[Float[Array, "b v"], DecodeState]:
+    """`step_logits` with the state it leaves: the new cache and, when recording, the fed tokens' routing
+    written at their cache index."""
     active = ~state.done
-    hidden, cache = model.hidden_states(
+    hidden, cache, routing = model.routed_hidden_states(
         state.last_token[:, None], state.cache.lengths[:, None], mask=active[:, None], cache=state.cache, sharding=sharding
     )
-    return model.logits(hidden)[:, 0], cache
+    recorded = state.routing
+    if recorded is not None:
+        recorded = write_routing(recorded, routing.expert_ids, state.cache.lengths, active[:, None])
+    return model.logits(hidden)[:, 0], state.replace(cache=cache, routing=recorded)
 
 
 def decode_loop(graphdef: nnx.GraphDef, params: nnx.State, state: DecodeState, key: Array, sampling: SamplingArrays,
@@ -260,8 +324,8 @@ def decode_loop(graphdef: nnx.GraphDef, params: nnx.State, state: DecodeState, k
     def body(carry):
         step, s = carry
         model = nnx.merge(graphdef, params)
-        logits, cache = step_logits(model, s, sharding)
-        return step + 1, record_tokens(s.replace(cache=cache), logits, key, sampling)
+        logits, s = step_state(model, s, sharding)
+        return step + 1, record_tokens(s, logits, key, sampling)
 
     steps, state = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))
     return state, steps

@@ -88,9 +88,10 @@ def decode_live(run: Callable, state, live: Int[Array, "r q"], take_cache: Calla
     """`run(compact state) -> (compact state, steps)` on the rows `live` of `state`; returns the whole state with
     those rows written back, and the steps. `take_cache(cache)` gives the bucket's cache, `put_cache(cache,
     compact cache)` writes it back."""
+    fields = ROW_FIELDS + (() if getattr(state, "routing", None) is None else ("routing",))  # recorded routing
     compact = state.replace(cache=take_cache(state.cache),
-                            **{field: take_rows(getattr(state, field), live) for field in ROW_FIELDS})
+                            **{field: take_rows(getattr(state, field), live) for field in fields})
     compact, steps = run(compact)
     return state.replace(cache=put_cache(state.cache, compact.cache),
                          **{field: put_rows(getattr(state, field), live, getattr(compact, field))
-                            for field in ROW_FIELDS}), steps
+                            for field in fields}), steps

@@ -4,6 +4,9 @@ The host (`paged_sampler.PagedController`) owns the page tables; it uploads them
 with each call. A prompt is prefilled once, in chunks of at most `prefill_chunk` tokens, through the
 page table of the first sample of its group; the other samples' tables point at the same full pages,
 and `start_rows` gives each of them its own copy of a partial last page before it decodes.
+
+When the sampler records routing (`decode.DecodeState.routing`, per slot, not paged), the prefill writes the
+prompt's routing into its first sample's slot and `start_rows` copies it to every sample of the group.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
-from rpegjax.generate.decode import DecodeState, decode_loop, record_tokens
+from rpegjax.generate.decode import DecodeState, decode_loop, record_tokens, write_routing
 from rpegjax.generate.live_rows import decode_live, put_rows, take_rows
 from rpegjax.generate.paged_cache import PagedKVCache
 from rpegjax.generate.sampling import SamplingArrays
@@ -22,9 +25,10 @@ from rpegjax.sharding.rules import ActivationSharding
 
 
 def empty_paged_state(cfg: ModelConfig, *, num_slots: int, replicas: int, pages_per_replica: int, page_size: int,
-                      max_pages: int, max_new_tokens: int) -> DecodeState:
-    """All slots empty (done), every pool page zero."""
-    state = DecodeState.empty(cfg, num_slots, 1, max_new_tokens)
+                      max_pages: int, max_new_tokens: int, record_routing: bool = False) -> DecodeState:
+    """All slots empty (done), every pool page zero (`record_routing`: a routing buffer of every slot's pages)."""
+    state = DecodeState.empty(cfg, num_slots, 1, max_new_tokens, record_routing=record_routing,
+                              routing_capacity=max_pages * page_size)
     cache = PagedKVCache.zeros(cfg, num_slots=num_slots, replicas=replicas, pages_per_replica=pages_per_replica,
                                page_size=page_size, max_pages=max_pages)
     return state.replace(cache=cache)
@@ -48,6 +52,7 @@ def paged_state_shardings(state: DecodeState, sharding: ActivationSharding) -> D
            for field in ("last_token", "num_generated", "budget", "done", "finish", "prompt_index", "sample_index")},
         tokens=named((axes.BATCH, None), state.tokens, "tokens"),
         logprobs=named((axes.BATCH, None), state.logprobs, "logprobs"),
+        routing=None if state.routing is None else named((axes.BATCH, None, None, None), state.routing, "routing"),
     )
 
 
@@ -61,29 +66,35 @@ def prefill_pages(
     counts: Int[Array, " p"],
     ends: Bool[Array, " p"],
     last_logits: Float[Array, "p v"],
+    lead_slots: Int[Array, " p"],
     *,
     window_pages: int,
     sharding: ActivationSharding | None = None,
 ) -> tuple[DecodeState, Float[Array, "p v"]]:
     """Runs one chunk of p prompts: row i's `counts[i]` tokens at cache indices starts[i] onwards, written
     into the pages of `page_table[i]`. Rows whose prompt ends in this chunk (`ends`) replace their entry of
-    `last_logits` with the float32 logits at their last token (the first response token's distribution)."""
+    `last_logits` with the float32 logits at their last token (the first response token's distribution).
+    When recording routing, row i's goes to slot `lead_slots[i]` (its first sample's; past the slots: dropped)."""
     model = nnx.merge(graphdef, params)
     c = tokens.shape[1]
     mask = jnp.arange(c)[None, :] < counts[:, None]
     positions = starts[:, None] + jnp.arange(c)[None, :]
     rows = PagedKVCache(k=state.cache.k, v=state.cache.v, page_table=page_table, lengths=starts,
                         limits=starts + counts, window_pages=window_pages)
-    hidden, rows = model.hidden_states(tokens, positions, mask=mask, cache=rows, sharding=sharding)
+    hidden, rows, routing = model.routed_hidden_states(tokens, positions, mask=mask, cache=rows, sharding=sharding)
     last = jnp.take_along_axis(hidden, jnp.maximum(counts - 1, 0)[:, None, None], axis=1)  # p 1 d
     logits = jnp.where(ends[:, None], model.logits(last)[:, 0], last_logits)
-    return state.replace(cache=state.cache.with_pools(rows.k, rows.v)), logits
+    recorded = state.routing
+    if recorded is not None:
+        recorded = write_routing(recorded, routing.expert_ids, starts, mask, rows=lead_slots)
+    return state.replace(cache=state.cache.with_pools(rows.k, rows.v), routing=recorded), logits
 
 
 def start_rows(
     state: DecodeState,
     logits: Float[Array, "p v"],
     lead: Int[Array, " r"],
+    lead_slots: Int[Array, " r"],
     slots: Int[Array, " r"],
     prompt_lengths: Int[Array, " r"],
     prompt_index: Int[Array, " r"],
@@ -96,7 +107,8 @@ def start_rows(
     sampling: SamplingArrays,
 ) -> DecodeState:
     """Starts r sequences in `slots` (a slot >= num_slots marks a padding row): row i samples its first
-    token from `logits[lead[i]]` with its own key. First, page `copy_source[j]` of replica
+    token from `logits[lead[i]]` with its own key, and (when recording routing) takes the prompt's routing from
+    slot `lead_slots[i]`, where the prefill wrote it. First, page `copy_source[j]` of replica
     `copy_replica[j]` is copied to `copy_target[j]` (a target past the pool is padding): a sample's own
     copy of its prompt's partial last page."""
     def copy(pool):
@@ -114,7 +126,13 @@ def start_rows(
     def put(old, new):
         return old.at[slots].set(new, mode="drop")
 
+    recorded = state.routing
+    if recorded is not None:  # the prompt's routing, -1 past it (a slot's previous sequence)
+        prompt = jnp.arange(recorded.shape[1])[None, :] < prompt_lengths[:, None]
+        lead_routing = recorded[jnp.clip(lead_slots, 0, recorded.shape[0] - 1)]
+        recorded = put(recorded, jnp.where(prompt[:, :, None, None], lead_routing, jnp.asarray(-1, recorded.dtype)))
     return state.replace(
+        routing=recorded,
         cache=cache.replace(lengths=put(cache.lengths, prompt_lengths)),
         **{field: put(getattr(state, field), getattr(rows, field))
            for field in ("last_token", "num_generated", "budget", "done", "finish", "prompt_index", "sample_index",

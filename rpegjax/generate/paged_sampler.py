@@ -46,8 +46,10 @@ class PagedController:
 
     def __init__(self, cfg: ModelConfig, graphdef: nnx.GraphDef, cache: CacheConfig, *, num_slots: int,
                  replicas: int, capacity: int, max_new_tokens: int, chunk_steps: int, stats,
-                 mesh: Mesh | None, activation: ActivationSharding | None, params_sharding, live_buckets: bool):
+                 mesh: Mesh | None, activation: ActivationSharding | None, params_sharding, live_buckets: bool,
+                 record_routing: bool = False):
         self.cfg = cfg
+        self.record_routing = record_routing
         self.live_buckets = live_buckets
         self.page_size = cache.page_size
         self.prefill_chunk = cache.prefill_chunk
@@ -66,7 +68,7 @@ class PagedController:
         self.stats = stats
         self._empty = partial(empty_paged_state, cfg, num_slots=num_slots, replicas=replicas,
                               pages_per_replica=self.pages_per_replica, page_size=cache.page_size,
-                              max_pages=self.max_pages, max_new_tokens=max_new_tokens)
+                              max_pages=self.max_pages, max_new_tokens=max_new_tokens, record_routing=record_routing)
 
         def prefill_fn(window_pages, *arrays):
             return prefill_pages(graphdef, *arrays, window_pages=window_pages, sharding=activation)
@@ -77,6 +79,9 @@ class PagedController:
         def rows_fn(tokens, logprobs, rows):
             return tokens[rows], logprobs[rows]
 
+        def routing_rows_fn(routing, rows):
+            return routing[rows]
+
         self._state_sharding = None
         self._replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())  # prefill's logits
         if mesh is None:
@@ -85,15 +90,16 @@ class PagedController:
             self._decode = jax.jit(decode_fn, static_argnums=(0,), donate_argnums=(2,))
             self._build_state = jax.jit(self._empty)
             self._rows = jax.jit(rows_fn)
+            self._routing_rows = jax.jit(routing_rows_fn)
         else:
             state_sharding = paged_state_shardings(jax.eval_shape(self._empty), activation)
             self._state_sharding = state_sharding
             replicated = NamedSharding(mesh, PartitionSpec())
             rows = activation.sharding((axes.BATCH,), (num_slots,), name="slot rows")
             self._prefill = jax.jit(prefill_fn, static_argnums=(0,),
-                                    in_shardings=(params_sharding, state_sharding) + (replicated,) * 6,
+                                    in_shardings=(params_sharding, state_sharding) + (replicated,) * 7,
                                     out_shardings=(state_sharding, replicated), donate_argnums=(2,))
-            self._start = jax.jit(start_rows, in_shardings=(state_sharding,) + (replicated,) * 12,
+            self._start = jax.jit(start_rows, in_shardings=(state_sharding,) + (replicated,) * 13,
                                   out_shardings=state_sharding, donate_argnums=(0,))
             self._decode = jax.jit(
                 decode_fn, static_argnums=(0,),
@@ -103,6 +109,7 @@ class PagedController:
             self._build_state = jax.jit(self._empty, out_shardings=state_sharding)
             # only finished rows come back, replicated, so every process can read them
             self._rows = jax.jit(rows_fn, out_shardings=(replicated, replicated))
+            self._routing_rows = jax.jit(routing_rows_fn, out_shardings=replicated)
 
     def compile_counts(self) -> dict[str, int]:
         return {"prefill": self._prefill._cache_size(), "start": self._start._cache_size(),
@@ -127,11 +134,11 @@ class PagedController:
         window = pow2_at_least(pages_for(max_prompt_len, self.page_size), self.max_pages)
         ints = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
         prefill = self._prefill.lower(window, params, state, ints(p, self.max_pages), ints(p), ints(p, chunk), ints(p),
-                                      np.zeros((p,), bool), np.zeros((p, self.cfg.vocab_size), np.float32))
+                                      np.zeros((p,), bool), np.zeros((p, self.cfg.vocab_size), np.float32), ints(p))
         logits = jax.ShapeDtypeStruct((p, self.cfg.vocab_size), jnp.float32, sharding=self._replicated)
         # every slot started; a copy of the prompt's partial last page for each sample but a group's first
         r, c = self.num_slots, pow2_at_least(max((group_size - 1) * (self.num_slots // group_size), 1), self.num_slots)
-        start = self._start.lower(state, logits, *(ints(r) for _ in range(6)), *(ints(c) for _ in range(3)), key, arrays)
+        start = self._start.lower(state, logits, *(ints(r) for _ in range(7)), *(ints(c) for _ in range(3)), key, arrays)
         every = live_rows([], num_slots=self.num_slots, replicas=self.replicas, compact=False)
         decode = self._decode.lower(self.max_pages, params, state, ints(self.num_slots, self.max_pages),
                                     ints(self.num_slots), np.zeros((self.num_slots,), bool), every, key, arrays,
@@ -247,13 +254,16 @@ class PagedController:
         rows = np.full((bucket,), finished[0], np.int32)
         rows[: len(finished)] = finished
         tokens, logprobs = jax.device_get(self._rows(state.tokens, state.logprobs, rows))
+        routing = None if state.routing is None else jax.device_get(self._routing_rows(state.routing, rows))
         for row, slot in enumerate(finished):
             prompt, sample = slots.owners[slot]
             n = int(num_generated[slot])
+            size = slots.requests[prompt].size
             slots.release(slot)
             yield Completion(prompt_index=prompt, sample_index=sample, prompt_ids=slots.requests[prompt].tokens.copy(),
                              response_ids=np.array(tokens[row, :n]), behaviour_logprobs=np.array(logprobs[row, :n]),
-                             finish_reason=reason or FINISH_CODES[int(finish[slot])], version=version)
+                             finish_reason=reason or FINISH_CODES[int(finish[slot])], version=version,
+                             expert_ids=None if routing is None else np.array(routing[row, :size + n]))
 
     def _admit(self, params, state, requests, admitted, table, held, key, arrays):
         """Chunked prefill of the admitted prompts through their first sample's pages, then the start of every sample."""
@@ -266,12 +276,14 @@ class PagedController:
         lengths = np.zeros((p,), np.int64)
         prefill_table = np.zeros((p, self.max_pages), np.int32)
         lead = {}  # (prompt, first sample) -> prefill row
+        lead_slots = np.full((p,), self.num_slots, np.int32)  # prefill row -> its first sample's slot (routing)
         for replica, items in enumerate(by_replica):
             for i, (prompt, samples, slots) in enumerate(items):
                 row = replica * per_replica + i
                 lengths[row] = requests[prompt].size
                 prefill_table[row] = table[slots[0]]
                 lead[(prompt, samples[0])] = row
+                lead_slots[row] = slots[0]
         logits = np.zeros((p, self.cfg.vocab_size), np.float32)
         longest = int(lengths.max())
         chunk = min(self.prefill_chunk, longest)
@@ -286,14 +298,15 @@ class PagedController:
             ends = (lengths > start) & (lengths <= start + chunk)
             window = pow2_at_least(pages_for(min(longest, start + chunk), page), self.max_pages)
             state, logits = self._prefill(window, params, state, prefill_table, np.full((p,), start, np.int32), tokens,
-                                          counts, ends, logits)
+                                          counts, ends, logits, lead_slots)
             self.stats.prefill_calls += 1
         self.stats.prefilled_prompts += len(admitted)
 
         samples_total = sum(len(item[1]) for item in admitted)
         r = pow2_at_least(samples_total, self.num_slots)
         slot_ids = np.full((r,), self.num_slots, np.int32)  # past the end: dropped
-        lead_rows, prompt_lengths, prompt_index, sample_index = (np.zeros((r,), np.int32) for _ in range(4))
+        lead_rows, row_lead_slots, prompt_lengths, prompt_index, sample_index = (np.zeros((r,), np.int32)
+                                                                                 for _ in range(5))
         row_budgets = np.ones((r,), np.int32)
         copies = []  # (replica, source page, target page): each later sample's own partial last page
         i = 0
@@ -301,7 +314,7 @@ class PagedController:
             request = requests[prompt]
             size = request.size
             for sample, slot in zip(samples, slots, strict=True):
-                slot_ids[i], lead_rows[i] = slot, lead[(prompt, samples[0])]
+                slot_ids[i], lead_rows[i], row_lead_slots[i] = slot, lead[(prompt, samples[0])], slots[0]
                 prompt_lengths[i] = size
                 prompt_index[i], sample_index[i] = request.key_index, request.first_sample + sample
                 row_budgets[i] = request.budget
@@ -313,5 +326,5 @@ class PagedController:
         copy[2] = self.pages_per_replica  # past the pool: dropped
         if copies:
             copy[:, : len(copies)] = np.array(copies, np.int32).T
-        return self._start(state, logits, lead_rows, slot_ids, prompt_lengths, prompt_index, sample_index, row_budgets,
-                           copy[0], copy[1], copy[2], key, arrays)
+        return self._start(state, logits, lead_rows, row_lead_slots, slot_ids, prompt_lengths, prompt_index, sample_index,
+                           row_budgets, copy[0], copy[1], copy[2], key, arrays)

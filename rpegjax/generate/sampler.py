@@ -37,7 +37,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rpegjax.generate.completion import Completion
 from rpegjax.generate.contiguous_sampler import ContiguousController
-from rpegjax.generate.decode import DecodeState
+from rpegjax.generate.decode import DecodeState, routing_shape
 from rpegjax.generate.paged_cache import CacheConfig
 from rpegjax.generate.paged_sampler import PagedController
 from rpegjax.generate.requests import Request, RequestFeed, check_request
@@ -177,6 +177,9 @@ class Sampler:
     the KV layout (default contiguous; `CacheConfig.paged(...)` for pages). `live_buckets` (default True): each
     decode chunk runs only the running slots of each replica, padded to a power of two (`live_rows`: at most
     1 + log2(slots per replica) buckets); False decodes every slot every step (the baseline of benchmarks).
+    `record_routing` (a mixture-of-experts model only; default False): every completion carries the experts each
+    sparse layer chose for each of its tokens (`Completion.expert_ids`), for router replay in training; off, the
+    programs carry no routing at all.
     """
 
     def __init__(
@@ -194,8 +197,12 @@ class Sampler:
         cache: CacheConfig | None = None,
         lora: LoRAConfig | None = None,
         live_buckets: bool = True,
+        record_routing: bool = False,
     ):
         self.cfg = cfg
+        if record_routing:
+            routing_shape(cfg)  # raises for a dense model
+        self.record_routing = bool(record_routing)
         self.graphdef = graphdef
         self.lora = lora  # the adapters `graphdef`'s model carries (decoded as x W + s (x A) B), if any
         self.num_slots = _positive_int("num_slots", num_slots)
@@ -227,7 +234,8 @@ class Sampler:
         activation = None if mesh is None else ActivationSharding(mesh, self.rules)
         common = dict(num_slots=self.num_slots, replicas=self.replicas, max_new_tokens=self.max_new_tokens,
                       chunk_steps=self.chunk_steps, stats=self.stats, mesh=mesh, activation=activation,
-                      params_sharding=self.params_sharding, live_buckets=bool(live_buckets))
+                      params_sharding=self.params_sharding, live_buckets=bool(live_buckets),
+                      record_routing=self.record_routing)
         # the layout's compiled programs and host loop; `paged` is the paged layout's controller, else None
         self.controller: ContiguousController | PagedController
         self.paged: PagedController | None = None

@@ -86,6 +86,7 @@ def pack_rollouts(
     length: int | None = None,
     rewards: Sequence[float] | np.ndarray | None = None,
     loss_masks: Sequence[np.ndarray | None] | None = None,
+    expert_ids: Sequence[np.ndarray | None] | None = None,
 ) -> TrainBatch:
     """Packs per-row prompts, responses and the sampler's per-response-token log-probs into a TrainBatch.
 
@@ -95,6 +96,8 @@ def pack_rollouts(
     `loss_masks[i]` (bool [len(response_ids[i])], optional) marks the response tokens the model sampled: a
     multi-turn row's tool-output tokens (False) stay in `tokens` and `token_mask`, as context, but not in
     `response_mask`, so no loss, KL or entropy term counts them and they get no gradient.
+    `expert_ids[i]` ([p + r, sparse layers, k], the sampler's recorded routing, `Completion.expert_ids`) fills
+    `TrainBatch.expert_ids` [rows, length, sparse layers, k] (int16, -1 at padding and where none was recorded).
     Raises ValueError naming the row when lengths disagree, a prompt is empty or a row does not fit.
     """
     rows = len(prompt_ids)
@@ -104,6 +107,8 @@ def pack_rollouts(
         raise ValueError(f"pack_rollouts: {rows} rows but {len(behaviour_logprobs)} behaviour log-prob rows")
     if loss_masks is not None and len(loss_masks) != rows:
         raise ValueError(f"pack_rollouts: {rows} rows but {len(loss_masks)} loss masks")
+    if expert_ids is not None and len(expert_ids) != rows:
+        raise ValueError(f"pack_rollouts: {rows} rows but {len(expert_ids)} routing rows")
     if rewards is not None and len(rewards) != rows:
         raise ValueError(f"pack_rollouts: {rows} rows but {len(rewards)} rewards")
     if rows == 0:
@@ -116,6 +121,8 @@ def pack_rollouts(
     token_mask = np.zeros((rows, length), bool)
     response_mask = np.zeros((rows, length), bool)
     logprobs = np.zeros((rows, length), np.float32)
+    routing = None if expert_ids is None else _pack_routing(expert_ids, [len(p) + len(r) for p, r in
+                                                                         zip(prompt_ids, response_ids)], length)
     for i, (prompt, response) in enumerate(zip(prompt_ids, response_ids)):
         p, r = len(prompt), len(response)
         if p == 0:
@@ -145,7 +152,24 @@ def pack_rollouts(
         response_mask=response_mask,
         behaviour_logprobs=logprobs if behaviour_logprobs is not None else None,
         rewards=None if rewards is None else np.asarray(rewards, np.float32),
+        expert_ids=routing,
     )
+
+
+def _pack_routing(expert_ids: Sequence[np.ndarray | None], sizes: list[int], length: int) -> np.ndarray:
+    """Rows' recorded routing [n, s, k] right-padded with -1 into [rows, length, s, k] int16."""
+    missing = [i for i, ids in enumerate(expert_ids) if ids is None]
+    if missing:
+        raise ValueError(f"pack_rollouts: rows {missing[:8]} carry no recorded routing (router replay needs the "
+                         "sampler's routing of every row: Sampler(record_routing=True))")
+    shape = np.shape(expert_ids[0])[1:]
+    packed = np.full((len(sizes), length, *shape), -1, np.int16)
+    for i, (ids, size) in enumerate(zip(expert_ids, sizes, strict=True)):
+        if np.shape(ids) != (size, *shape):
+            raise ValueError(f"pack_rollouts: row {i} has {size} tokens but routing of shape {np.shape(ids)} "
+                             f"(expected {(size, *shape)})")
+        packed[i, :size] = ids
+    return packed
 
 
 def shift_to_tokens(next_token_values: Float[Array, "b t"]) -> Float[Array, "b t"]:

@@ -148,13 +148,14 @@ class GRPOLearner(PolicyUpdates):
         return add_router_terms(cfg, loss, metrics, scores.routing, batch, denominators)
 
     def logprobs_fn(self, params: Params, tokens, token_mask, sharding: ActivationSharding | None = None,
-                    segment_ids=None) -> Float[Array, "b t"]:
+                    segment_ids=None, expert_ids=None) -> Float[Array, "b t"]:
         """Pure (unjitted) per-token log-probs, TrainBatch-aligned; the runtime fuses it into inference programs.
         `sharding`: the activation layout of another mesh the params were moved to (default the learner's);
-        `segment_ids`: packed rows (`rpegjax.learners.packing`)."""
+        `segment_ids`: packed rows (`rpegjax.learners.packing`); `expert_ids`: the rollout's routing, replayed."""
         return score_sequences(
             self.placement.merge(params), tokens, token_mask, chunk_size=self.cfg.logprob_chunk_size,
             temperature=self.cfg.temperature, sharding=sharding or self.placement.activations, segment_ids=segment_ids,
+            expert_ids=expert_ids,
         ).logprobs
 
     def _advantages_fn(self, rewards: Float[Array, " b"], response_mask: Bool[Array, "b t"]):

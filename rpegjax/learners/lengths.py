@@ -19,7 +19,8 @@ from jaxtyping import Array, Bool
 
 from rpegjax.learners.batch import TrainBatch
 
-_PER_TOKEN = ("token_mask", "response_mask", "behaviour_logprobs", "old_logprobs", "ref_logprobs", "values", "returns")
+_PER_TOKEN = ("token_mask", "response_mask", "behaviour_logprobs", "old_logprobs", "ref_logprobs", "values", "returns",
+              "expert_ids")  # a recorded routing [b t s k] is cut on its token axis too
 
 
 def longest_row(token_mask: Bool[Array, "b t"] | np.ndarray) -> int:

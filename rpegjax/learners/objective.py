@@ -162,8 +162,6 @@ class PolicyConfig:
             return
         if budget is None:
             raise ValueError(f"{name}.packing needs max_tokens_per_micro_batch (the tokens of one packed row)")
-        if self.router_replay:  # the packer moves per-token [b t] fields only, not the [b t s k] routing
-            raise ValueError(f"{name}.router_replay does not combine with packing=True yet")
         # the token budget chooses the micro-batches and the rows' length: these would be ignored
         for option, default in (("num_microbatches", 1), ("length_bucket", None), ("inference_rows", None),
                                 ("inference_memory_gib", None)):

@@ -137,12 +137,13 @@ def sequence_lengths(token_mask: Bool[Array, "b t"] | np.ndarray, where: str = "
     return lengths.astype(np.int64)
 
 
-def pack_tokens(values: Any, rows: np.ndarray, columns: np.ndarray, real: np.ndarray) -> Any:
-    """values[rows, columns] where `real`, zero (False) elsewhere (a `PackingPlan`'s `sources` or `destinations`);
-    numpy stays on the host, jax arrays on devices."""
-    if isinstance(values, np.ndarray):
-        return np.where(real, values[rows, columns], np.zeros((), values.dtype))
-    return jnp.where(real, values[rows, columns], jnp.zeros((), values.dtype))
+def pack_tokens(values: Any, rows: np.ndarray, columns: np.ndarray, real: np.ndarray, fill: int = 0) -> Any:
+    """values[rows, columns] where `real`, `fill` (zero, False) elsewhere (a `PackingPlan`'s `sources` or
+    `destinations`); values [b, t, ...] keep their trailing axes (a token's routing). numpy stays on the host, jax
+    arrays on devices."""
+    xp = np if isinstance(values, np.ndarray) else jnp
+    real = real.reshape(real.shape + (1,) * (values.ndim - 2))
+    return xp.where(real, values[rows, columns], xp.full((), fill, values.dtype))
 
 
 def pack_batch(batch: TrainBatch, plan: PackingPlan) -> TrainBatch:
@@ -159,7 +160,10 @@ def pack_batch(batch: TrainBatch, plan: PackingPlan) -> TrainBatch:
             advantages = (np.broadcast_to(advantages[:, None], batch.tokens.shape) if isinstance(advantages, np.ndarray)
                           else jnp.broadcast_to(advantages[:, None], batch.tokens.shape))
         advantages = pack_tokens(advantages, sequence, column, real)
-    return TrainBatch(**changes, advantages=advantages, rewards=None, segment_ids=plan.segment_ids())
+    # each segment carries its sequence's recorded routing (router replay); -1 (none) at padding
+    expert_ids = None if batch.expert_ids is None else pack_tokens(batch.expert_ids, sequence, column, real, fill=-1)
+    return TrainBatch(**changes, advantages=advantages, rewards=None, expert_ids=expert_ids,
+                      segment_ids=plan.segment_ids())
 
 
 def unpack_tokens(packed: Any, plan: PackingPlan, length: int) -> Any:
@@ -184,5 +188,9 @@ def abstract_packed_batch(batch: TrainBatch, row_tokens: int, *, minibatches: in
         return jax.ShapeDtypeStruct((packed_rows, row_tokens), dtype or value.dtype, sharding=value.sharding)
 
     fields = {name: packed(getattr(batch, name)) for name in _PER_TOKEN}
-    return TrainBatch(**fields, advantages=packed(batch.advantages, jnp.float32), rewards=None,
+    routing = batch.expert_ids
+    if routing is not None:
+        routing = jax.ShapeDtypeStruct((packed_rows, row_tokens, *routing.shape[2:]), routing.dtype,
+                                       sharding=routing.sharding)
+    return TrainBatch(**fields, advantages=packed(batch.advantages, jnp.float32), rewards=None, expert_ids=routing,
                       segment_ids=packed(batch.tokens, jnp.int32))

@@ -194,40 +194,43 @@ class PPOLearner(PolicyUpdates):
         return loss + (cfg.vf_coef if shared else 1.0) * vf_loss, metrics
 
     def _critic_values(self, params: Params, tokens, token_mask, sharding: ActivationSharding | None = None,
-                       segment_ids=None) -> Float[Array, "b t"]:
+                       segment_ids=None, expert_ids=None) -> Float[Array, "b t"]:
         return score_sequences(
             self.critic.merge(params), tokens, token_mask, with_logprobs=False, with_values=True,
-            sharding=sharding or self.critic.activations, segment_ids=segment_ids,
+            sharding=sharding or self.critic.activations, segment_ids=segment_ids, expert_ids=expert_ids,
         ).values
 
     def logprobs_fn(self, params: Params, tokens, token_mask, sharding: ActivationSharding | None = None,
-                    segment_ids=None) -> Float[Array, "b t"]:
-        """Pure per-token log-probs of the actor (`params` its weights); `sharding`, `segment_ids` as in
-        GRPOLearner.logprobs_fn."""
+                    segment_ids=None, expert_ids=None) -> Float[Array, "b t"]:
+        """Pure per-token log-probs of the actor (`params` its weights); `sharding`, `segment_ids`, `expert_ids` as
+        in GRPOLearner.logprobs_fn."""
         return score_sequences(
             self.actor.merge(params), tokens, token_mask, chunk_size=self.cfg.logprob_chunk_size,
             temperature=self.cfg.temperature, sharding=sharding or self.actor.activations, segment_ids=segment_ids,
+            expert_ids=expert_ids,
         ).logprobs
 
     def values_fn(self, params: Params, tokens, token_mask, sharding: ActivationSharding | None = None,
-                  segment_ids=None) -> Float[Array, "b t"]:
+                  segment_ids=None, expert_ids=None) -> Float[Array, "b t"]:
         """Pure per-token values; `params` the learner's whole parameters (`model_params`; the critic's weights are
-        picked here)."""
-        critic_params = params["actor"] if self.cfg.critic == CriticMode.SHARED else params["critic"]
-        return self._critic_values(critic_params, tokens, token_mask, sharding, segment_ids)
+        picked here). `expert_ids` (replay) route a shared critic's trunk, as the update's joint forward does."""
+        if self.cfg.critic == CriticMode.SHARED:
+            return self._critic_values(params["actor"], tokens, token_mask, sharding, segment_ids, expert_ids)
+        return self._critic_values(params["critic"], tokens, token_mask, sharding, segment_ids)
 
     def logprobs_and_values_fn(self, params: Params, tokens, token_mask, sharding: ActivationSharding | None = None,
-                               segment_ids=None):
+                               segment_ids=None, expert_ids=None):
         """Pure per-token (log-probs, values) from the whole state's params; with a shared critic one pass over
-        the trunk gives both (the runtime uses it when a stage computes both)."""
+        the trunk gives both (the runtime uses it when a stage computes both). `expert_ids` (replay) route the
+        actor's pass; a separate critic routes freely, as in the update."""
         if self.cfg.critic == CriticMode.SHARED:
             scores = score_sequences(
                 self.actor.merge(params["actor"]), tokens, token_mask, chunk_size=self.cfg.logprob_chunk_size,
                 temperature=self.cfg.temperature, with_values=True, sharding=sharding or self.actor.activations,
-                segment_ids=segment_ids,
+                segment_ids=segment_ids, expert_ids=expert_ids,
             )
             return scores.logprobs, scores.values
-        return (self.logprobs_fn(params["actor"], tokens, token_mask, sharding, segment_ids),
+        return (self.logprobs_fn(params["actor"], tokens, token_mask, sharding, segment_ids, expert_ids),
                 self._critic_values(params["critic"], tokens, token_mask, sharding, segment_ids))
 
     def _advantages_fn(self, batch: TrainBatch) -> tuple[TrainBatch, Metrics]:

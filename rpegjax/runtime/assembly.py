@@ -86,7 +86,7 @@ def place_models(graph: Graph, model: Decoder, algorithm: GRPOConfig | PPOConfig
     sampler = Sampler(model.cfg, nnx.graphdef(generated), lora=generated.lora, num_slots=rollout.num_slots,
                       max_prompt_len=rollout.max_prompt_len,
                       max_new_tokens=rollout.max_new_tokens, chunk_steps=rollout.chunk_steps, mesh=rollout_mesh,
-                      cache=cache_config(execution))
+                      cache=cache_config(execution), record_routing=algorithm.router_replay)
     return learner, sampler
 
 

@@ -116,6 +116,7 @@ class RolloutPrograms:
             [c.prompt_ids for c in completions], [c.response_ids for c in completions],
             [c.behaviour_logprobs for c in completions], pad_id=self.pad_id, length=self.sequence_length,
             loss_masks=[c.model_mask for c in completions],
+            expert_ids=[c.expert_ids for c in completions] if self.sampler.record_routing else None,
         )
         rewards = self.rewards.submit(texts, rows[mine])
         environment = [None if e is None else e.reward for _, e in items[mine]]

@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from rpegjax.generate.decode import ROUTING_DTYPE, routing_shape
 from rpegjax.graph.ir import StageKind
 from rpegjax.learners.batch import TrainBatch
 from rpegjax.learners.inference import map_micro_batches
@@ -119,12 +120,14 @@ class TrainingPrograms:
 
     # ---- inference -----------------------------------------------------------------------------
     def _inference_program(self, kinds: tuple[StageKind, ...], layout: StageLayout | None, micro_batches: int,
-                           length: int, packed: bool = False) -> Callable:
+                           length: int, packed: bool = False, replay: bool = False) -> Callable:
         """The jitted program of inference `kinds`: rows in `micro_batches` micro-batches
         (`rpegjax.learners.inference`), outputs padded with zeros to `length` columns (inputs may come trimmed).
         `packed`: the rows are packed (`rpegjax.learners.packing`): the program takes their segment ids and each
-        output's unpacking gather (rows, columns, real) [b, length], and returns the outputs unpacked."""
-        key = (kinds, None if layout is None else layout.key, micro_batches, length, packed)
+        output's unpacking gather (rows, columns, real) [b, length], and returns the outputs unpacked. `replay`: the
+        program takes the rollout's routing [b t s k] too, which the policy's passes replay (old log-probs and a
+        shared critic's values; the reference routes freely, as its own model would)."""
+        key = (kinds, None if layout is None else layout.key, micro_batches, length, packed, replay)
         if key not in self._inference_programs:
             functions = [self._kind_functions[kind] for kind in kinds]
             for kind, function in zip(kinds, functions):
@@ -135,19 +138,24 @@ class TrainingPrograms:
             # log-probs and values of one stage from one pass when the learner can (a shared trunk)
             joint = self._logprobs_and_values if {StageKind.OLD_LOGPROB, StageKind.CRITIC_VALUE} <= set(kinds) else None
 
-            def program(params_by_kind, tokens, token_mask, segment_ids=None, unpacking=None):
-                def rows_program(tokens, token_mask, segment_ids=None):
+            def program(params_by_kind, tokens, token_mask, segment_ids=None, unpacking=None, expert_ids=None):
+                def rows_program(tokens, token_mask, *optional):
+                    segment_ids = optional[0] if packed else None
+                    expert_ids = optional[-1] if replay else None
                     outputs = {}
                     if joint is not None:
                         critic = kinds.index(StageKind.CRITIC_VALUE)
                         outputs[StageKind.OLD_LOGPROB], outputs[StageKind.CRITIC_VALUE] = joint(
-                            params_by_kind[critic], tokens, token_mask, sharding, segment_ids=segment_ids)
+                            params_by_kind[critic], tokens, token_mask, sharding, segment_ids=segment_ids,
+                            expert_ids=expert_ids)
                     for kind, f, p in zip(kinds, functions, params_by_kind):
                         if kind not in outputs:
-                            outputs[kind] = f(p, tokens, token_mask, sharding, segment_ids=segment_ids)
+                            routed = {} if kind == StageKind.REF_LOGPROB else {"expert_ids": expert_ids}
+                            outputs[kind] = f(p, tokens, token_mask, sharding, segment_ids=segment_ids, **routed)
                     return tuple(outputs[kind] for kind in kinds)
 
-                arrays = (tokens, token_mask) if segment_ids is None else (tokens, token_mask, segment_ids)
+                arrays = (tokens, token_mask, *(() if segment_ids is None else (segment_ids,)),
+                          *(() if expert_ids is None else (expert_ids,)))
                 outputs = map_micro_batches(rows_program, micro_batches, *arrays, sharding=rows)
                 if unpacking is not None:
                     return tuple(jnp.where(unpacking[2], output[unpacking[0], unpacking[1]], 0.0) for output in outputs)
@@ -195,31 +203,52 @@ class TrainingPrograms:
             raise ValueError(f"stages {[k.value for k in kinds]}: a reference stage needs reference_params")
         if layout is not None:
             params = tuple(layout.place_params(p, constant=kind == StageKind.REF_LOGPROB) for kind, p in zip(kinds, params))
+        replay = self._replays(kinds, batch)
         plan = self.learner.inference_packing(batch.token_mask, shards=shards)
         if plan is not None:
-            return kinds, *self._packed_call(kinds, layout, plan, params, batch, rows_sharding, shards)
+            return kinds, *self._packed_call(kinds, layout, plan, params, batch, rows_sharding, shards, replay)
         length = self.learner.trimmed_length(batch.token_mask)
         micro_batches = self.learner.inference_micro_batches(batch.batch_size, length, shards=shards, tensor=tensor)
-        program = self._inference_program(kinds, layout, micro_batches, batch.length)
+        program = self._inference_program(kinds, layout, micro_batches, batch.length, replay=replay)
         tokens, token_mask = _columns(batch.tokens, length), _columns(batch.token_mask, length)
-        return kinds, program, (params, self.place(tokens, rows_sharding), self.place(token_mask, rows_sharding))
+        arguments = (params, self.place(tokens, rows_sharding), self.place(token_mask, rows_sharding))
+        if replay:
+            arguments += (None, None, self.place(_columns(batch.expert_ids, length), rows_sharding))
+        return kinds, program, arguments
+
+    def _replays(self, kinds: tuple[StageKind, ...], batch: TrainBatch) -> bool:
+        """Whether these inference kinds replay the rollout's routing: under the learner's `router_replay`, when a
+        policy pass is among them; the batch must then carry it."""
+        if not getattr(self.learner.cfg, "router_replay", False) or set(kinds) <= {StageKind.REF_LOGPROB}:
+            return False
+        if batch.expert_ids is None:
+            raise ValueError(f"stages {[k.value for k in kinds]}: router_replay needs the rollout's routing "
+                             "(TrainBatch.expert_ids), and this batch carries none")
+        return True
 
     def _packed_call(self, kinds: tuple[StageKind, ...], layout: StageLayout | None, plan: PackingPlan, params: tuple,
-                     batch: TrainBatch, rows_sharding: NamedSharding | None, shards: int) -> tuple[Callable, tuple]:
-        """`_inference_call` of packed rows: one packed row per row shard per micro-batch, unpacked in the program."""
-        program = self._inference_program(kinds, layout, plan.num_rows // shards, batch.length, packed=True)
+                     batch: TrainBatch, rows_sharding: NamedSharding | None, shards: int,
+                     replay: bool = False) -> tuple[Callable, tuple]:
+        """`_inference_call` of packed rows: one packed row per row shard per micro-batch, unpacked in the program
+        (`replay`: each segment carries its sequence's routing)."""
+        program = self._inference_program(kinds, layout, plan.num_rows // shards, batch.length, packed=True,
+                                          replay=replay)
         unpacking = plan.destinations(batch.length)
         if isinstance(batch.tokens, jax.ShapeDtypeStruct):
             shape = (plan.num_rows, plan.row_tokens)
             packed = (jax.ShapeDtypeStruct(shape, jnp.int32), jax.ShapeDtypeStruct(shape, jnp.bool_),
                       jax.ShapeDtypeStruct(shape, jnp.int32))
+            routing = None if not replay else jax.ShapeDtypeStruct((*shape, *batch.expert_ids.shape[2:]),
+                                                                   batch.expert_ids.dtype)
             unpacking = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in unpacking)
         else:
             sequence, column, real = plan.sources()
             packed = (pack_tokens(batch.tokens, sequence, column, real), pack_tokens(batch.token_mask, sequence, column, real),
                       plan.segment_ids())
+            routing = None if not replay else pack_tokens(batch.expert_ids, sequence, column, real, fill=-1)
         placed = tuple(self.place(x, rows_sharding) for x in packed)
-        return program, (params, *placed, tuple(self.place(x, rows_sharding) for x in unpacking))
+        arguments = (params, *placed, tuple(self.place(x, rows_sharding) for x in unpacking))
+        return program, arguments + (() if routing is None else (self.place(routing, rows_sharding),))
 
     def infer(self, kinds: Sequence[StageKind], state: Any, batch: TrainBatch, mesh: Mesh | None = None
               ) -> dict[str, jax.Array]:
@@ -275,13 +304,17 @@ class TrainingPrograms:
         self._check_update_kinds(kinds)
         return self.learner.lower_update(state, self.place(batch))
 
-    @staticmethod
-    def abstract_rollout(rows: int, length: int) -> TrainBatch:
+    def abstract_rollout(self, rows: int, length: int) -> TrainBatch:
         """What the rollout packs (`rpegjax.learners.batch.pack_rollouts`), abstract: tokens, masks, behaviour
-        log-probs and rewards of `rows` rows of `length` tokens; what inference stages receive."""
+        log-probs and rewards of `rows` rows of `length` tokens, and under router replay the recorded routing
+        (int16 [rows, length, sparse layers, k]); what inference stages receive."""
         per_token = lambda dtype: jax.ShapeDtypeStruct((rows, length), dtype)  # noqa: E731
+        routing = None
+        if getattr(self.learner.cfg, "router_replay", False):
+            routing = jax.ShapeDtypeStruct((rows, length, *routing_shape(self.learner.model_cfg)), ROUTING_DTYPE)
         return TrainBatch(tokens=per_token(jnp.int32), token_mask=per_token(jnp.bool_), response_mask=per_token(jnp.bool_),
-                          behaviour_logprobs=per_token(jnp.float32), rewards=jax.ShapeDtypeStruct((rows,), jnp.float32))
+                          behaviour_logprobs=per_token(jnp.float32), rewards=jax.ShapeDtypeStruct((rows,), jnp.float32),
+                          expert_ids=routing)
 
     def abstract_batch(self, rows: int, length: int, kinds: Sequence[StageKind]) -> TrainBatch:
         """The step's batch as the update receives it, abstract: the rollout's (`abstract_rollout`), the fields
@@ -317,7 +350,7 @@ class TrainingPrograms:
 
 
 def _columns(value: Any, length: int) -> Any:
-    """The first `length` columns of a [b, t] array (an abstract one gets the abstract shape)."""
+    """The first `length` columns of a [b, t, ...] array (an abstract one gets the abstract shape)."""
     if isinstance(value, jax.ShapeDtypeStruct):
-        return jax.ShapeDtypeStruct((value.shape[0], length), value.dtype)
+        return jax.ShapeDtypeStruct((value.shape[0], length, *value.shape[2:]), value.dtype)
     return value[:, :length]

@@ -17,7 +17,7 @@ from rpegjax.data.example import DatasetError, Example
 from rpegjax.data.files import load_examples
 from rpegjax.data.prompts import PromptTemplate
 from rpegjax.data.rows import RowSchema
-from rpegjax.envs.catalog import make_environment
+from rpegjax.envs.catalog import EnvironmentName, make_environment
 from rpegjax.generate.sampler import Sampler, usable_slots
 from rpegjax.graph import builders, transforms
 from rpegjax.graph.ir import Algorithm, Execution, Graph, StageKind
@@ -478,18 +478,34 @@ def run_algorithm(cfg: RunConfig):
     return dataclasses.replace(algorithm, **changes)
 
 
-def check_router_options(cfg: RunConfig, model_cfg: ModelConfig) -> None:
-    """Refuses router options the run cannot honour: router terms on a dense model, and replay (the job's samplers
-    do not record the rollout's routing yet)."""
+def check_router_options(cfg: RunConfig, model_cfg: ModelConfig, graph: Graph | None = None) -> None:
+    """Refuses router options the run cannot honour: router terms or replay on a dense model, and replay where the
+    rollout's routing does not reach the learner (multi-turn episodes, partial rollouts, process groups)."""
     section, algorithm = cfg.algorithm.value, cfg.algorithm_section()
     if algorithm.router_replay:
-        raise ValueError(f"{section}.router_replay: the job's sampler does not record the rollout's routing yet, so "
-                         "there is nothing to replay; leave it false")
+        _check_replay(cfg, model_cfg, graph, section)
     if not model_cfg.num_experts:
         for name in ("router_aux_loss_coef", "router_z_loss_coef"):
             if getattr(algorithm, name):
                 raise ValueError(f"{section}.{name}={getattr(algorithm, name)}: the model has no experts (a dense "
                                  f"{model_cfg.architecture.value} model); set it to 0")
+
+
+def _check_replay(cfg: RunConfig, model_cfg: ModelConfig, graph: Graph | None, section: str) -> None:
+    """Router replay needs the sampler's recorded routing of every row in the learner's batch."""
+    where = f"{section}.router_replay"
+    if not model_cfg.num_experts:
+        raise ValueError(f"{where}: the model has no experts (a dense {model_cfg.architecture.value} model); "
+                         "leave it false")
+    if cfg.rollout.env != EnvironmentName.NONE:
+        raise ValueError(f"{where}: multi-turn episodes do not carry the sampler's routing into the batch yet "
+                         "(each turn is a separate generation); leave it false or run single-turn")
+    if cfg.rollout.partial or (graph is not None and graph.execution.partial_rollouts):
+        raise ValueError(f"{where}: partial rollouts continue sequences over several generations and do not carry "
+                         "their routing yet; leave it false or plan without partial rollouts")
+    if graph is not None and process_groups(graph) is not None:
+        raise ValueError(f"{where}: a run over process groups sends rollout pieces without their routing "
+                         "(runtime/roles.py); leave it false or colocate generation and training")
 
 
 def _with_lora(cfg: RunConfig, model: Decoder, model_cfg: ModelConfig) -> Decoder:
@@ -533,7 +549,7 @@ def build(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Components:
         model, model_cfg = _pretrained(cfg, tokenizer, train_mesh)
     model_cfg = model_cfg.replace(**graph.execution.model_fields())  # what place_models runs the model with
     check_plan_shapes(cfg, model_cfg, max_prompt_len)
-    check_router_options(cfg, model_cfg)
+    check_router_options(cfg, model_cfg, graph)
     # with several processes, generation and training run on the same processes or on disjoint groups of whole
     # processes (`rpegjax.runtime.roles`); a placement that splits a process between the two is refused here
     groups = process_groups(graph)

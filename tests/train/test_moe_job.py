@@ -76,8 +76,12 @@ def test_router_options_the_run_cannot_honour_are_refused():
 
     check_router_options(run(router_aux_loss_coef=0.01, router_z_loss_coef=0.001), moe)
     check_router_options(run(), dense)
-    with pytest.raises(ValueError, match=r"grpo.router_replay: the job's sampler does not record"):
-        check_router_options(run(router_replay=True), moe)
+    check_router_options(run(router_replay=True), moe)  # the samplers record the routing the learner replays
+    with pytest.raises(ValueError, match=r"grpo.router_replay: the model has no experts"):
+        check_router_options(run(router_replay=True), dense)
+    partial = dataclasses.replace(run(router_replay=True), rollout=dataclasses.replace(base.rollout, partial=True))
+    with pytest.raises(ValueError, match=r"grpo.router_replay: partial rollouts"):
+        check_router_options(partial, moe)
     with pytest.raises(ValueError, match=r"grpo.router_aux_loss_coef=0.01: the model has no experts"):
         check_router_options(run(router_aux_loss_coef=0.01), dense)
 
