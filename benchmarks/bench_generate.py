@@ -1,7 +1,7 @@
 """W-gen and W-tail (shared/WORKLOADS.md): rollout throughput of our sampler vs a full-recompute loop and
 transformers.generate; KV memory of the paged cache vs the static layout on a long tail.
 
-    python benchmarks/bench_generate.py [--new-tokens 64 256] [--runs 5] [--long-tail-prompts 128]
+    python benchmarks/bench_generate.py [--new-tokens 64 256] [--runs 5] [--long-tail-prompts 128] [--cpu-time]
 
 Part 1, W-gen: the W-small model (random weights, float32), 32 sequences, prompts of 32 tokens, exactly
 N new tokens (EOS ignored), greedy and temperature 1.0. Contenders, timed interleaved run by run so that
@@ -13,7 +13,8 @@ load from other processes hits all alike:
   * transformers `generate` on torch CPU with the same weights (our `save_pretrained` -> from_pretrained);
   * matmul floor  only the weight matmuls of the same steps in one compiled loop (no attention, cache or
                 sampling): a lower bound on any decoder's time on this machine, hence an upper bound on the
-                ratio any implementation can reach against the baselines.
+                ratio any implementation can reach against the baselines; "floor + prompts" adds the prompts'
+                matmuls (32 x 32 tokens, the prefill's), which every `generate` also runs.
 Greedy outputs of ours, recompute and transformers are checked equal before timing.
 
 Part 2, W-tail: many prompts whose response lengths are drawn log-normal (sigma 1, max 8x the mean),
@@ -108,10 +109,12 @@ def make_recompute_loop(graphdef: nnx.GraphDef):
     return generate, warm
 
 
-def make_matmul_floor(cfg: ModelConfig, rows: int):
+def make_matmul_floor(cfg: ModelConfig, rows: int, prompt: int = 0):
     """A lower bound on any decoder's step time on this machine: only the step's weight matmuls (`rows` tokens
     through every layer's projections, fused q|k|v and gate|up, and the output layer), `steps` steps in one
-    compiled loop; no attention, no cache, no sampling. Returns `run(steps)` and the matmul FLOPs per step."""
+    compiled loop; no attention, no cache, no sampling. With `prompt` > 0 the prompts' matmuls come first (rows x
+    prompt tokens through every layer, the output layer for the last token only), as a prefill does: the bound
+    for a whole `generate` (prompts in). Returns `run(steps)` and the matmul FLOPs per step (the prompts' not in)."""
     d, f, v, e = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
     qkv, heads = (cfg.num_heads + 2 * cfg.num_kv_heads) * e, cfg.num_heads * e
     keys = iter(jax.random.split(jax.random.key(0), 4 * cfg.num_layers + 1))
@@ -120,13 +123,20 @@ def make_matmul_floor(cfg: ModelConfig, rows: int):
               for _ in range(cfg.num_layers)]
     head = jax.random.normal(next(keys), (d, v)) * 0.02
 
+    def through_layers(x):
+        for layer in layers:
+            x = x + (x @ layer["qkv"])[:, :heads] @ layer["o"]
+            gate_up = x @ layer["gate_up"]
+            x = x + (jax.nn.silu(gate_up[:, :f]) * gate_up[:, f:]) @ layer["down"]
+        return x
+
     @partial(jax.jit, static_argnums=1)
     def loop(x, steps):
+        if prompt:  # the prompts' tokens, then each row's last one feeds the first step
+            x = through_layers(jnp.repeat(x, prompt, axis=0)).reshape(rows, prompt, d)[:, -1]
+
         def body(_, x):
-            for layer in layers:
-                x = x + (x @ layer["qkv"])[:, :heads] @ layer["o"]
-                gate_up = x @ layer["gate_up"]
-                x = x + (jax.nn.silu(gate_up[:, :f]) * gate_up[:, f:]) @ layer["down"]
+            x = through_layers(x)
             return x + 1e-3 * (x @ head)[:, :1]  # the output layer's result feeds the next step
         return jax.lax.fori_loop(0, steps, body, x)
 
@@ -143,6 +153,7 @@ def part_wgen(args, cfg, graphdef, params, model, torch_model) -> None:
     prompt_list = prompts.tolist()
     recompute, recompute_warm = make_recompute_loop(graphdef)
     floor, floor_flops = make_matmul_floor(cfg, BATCH)
+    prompted_floor, _ = make_matmul_floor(cfg, BATCH, prompt=PROMPT)
     for new_tokens in args.new_tokens:
         shape = dict(num_slots=BATCH, max_prompt_len=PROMPT, max_new_tokens=new_tokens, chunk_steps=args.chunk_steps)
         sampler = Sampler(cfg, graphdef, **shape)
@@ -181,29 +192,38 @@ def part_wgen(args, cfg, graphdef, params, model, torch_model) -> None:
                     np.testing.assert_array_equal(hf()[:, PROMPT:].numpy(), ours_ids)
             recompute_warm(params, prompts, new_tokens)
             floor(new_tokens)  # compiles
+            prompted_floor(new_tokens)
 
             def matmuls():
                 return floor(new_tokens)
 
-            calls = {"ours": ours, "paged": ours_paged, "recompute": plain, "matmul floor": matmuls}
+            def prompted_matmuls():
+                return prompted_floor(new_tokens)
+
+            calls = {"ours": ours, "paged": ours_paged, "recompute": plain, "matmul floor": matmuls,
+                     "floor + prompts": prompted_matmuls}
             if torch_model is not None:
                 calls["transformers"] = hf
-            runs = {"ours": args.runs, "paged": args.runs, "matmul floor": args.runs, "recompute": args.recompute_runs_long if long else args.baseline_runs,
+            runs = {"ours": args.runs, "paged": args.runs, "matmul floor": args.runs, "floor + prompts": args.runs,
+                    "recompute": args.recompute_runs_long if long else args.baseline_runs,
                     "transformers": args.transformers_runs_long if long else args.baseline_runs}
             calls = {name: call for name, call in calls.items() if runs[name] > 0}  # a count of 0 skips one
-            seconds = time_interleaved(calls, runs)
+            seconds = time_interleaved(calls, runs, clock=time.process_time if args.cpu_time else time.perf_counter)
             tokens = BATCH * new_tokens
             print(f"W-gen, {BATCH} x prompt {PROMPT} + {new_tokens} new tokens, {label} "
                   f"(runs: {', '.join(f'{n} {len(s)}' for n, s in seconds.items())}):")
             rates = {name: _line(name, s, tokens) for name, s in seconds.items()}
-            baselines = [n for n in rates if n not in ("ours", "paged", "matmul floor")]
+            baselines = [n for n in rates if n not in ("ours", "paged", "matmul floor", "floor + prompts")]
             ratios = ", ".join(f"{rates['ours'] / rates[n]:.2f}x {n}" for n in baselines)
             ratios += "; paged / ours (after / before): " + f"{rates['paged'] / rates['ours']:.3f}"
             ratios += "; paged / baselines: " + ", ".join(f"{rates['paged'] / rates[n]:.2f}x {n}" for n in baselines)
             floor_step = statistics.median(seconds["matmul floor"]) / new_tokens
             ceiling = ", ".join(f"{rates['matmul floor'] / rates[n]:.2f}x {n}" for n in baselines)
             print(f"  matmul floor: {floor_step * 1e3:.2f} ms per step ({floor_flops / floor_step / 1e9:.1f} GFLOP/s); "
-                  f"ours runs at {rates['ours'] / rates['matmul floor']:.2f} of it; no decoder can beat the floor, "
+                  f"ours runs at {rates['ours'] / rates['matmul floor']:.2f} of it (paged "
+                  f"{rates['paged'] / rates['matmul floor']:.2f}), at {rates['ours'] / rates['floor + prompts']:.2f} of "
+                  f"the floor with the prompts' matmuls (paged {rates['paged'] / rates['floor + prompts']:.2f}); no "
+                  f"decoder can beat the floor, "
                   f"so the most any can reach here is {ceiling}")
             windows = ", ".join(f"{w}: {n}" for w, n in sorted(sampler.stats.chunks_per_window.items()))
             print(f"  ours / baselines: {ratios};  ours = {statistics.median(seconds['ours']) / new_tokens * 1e3:.2f} "
@@ -291,6 +311,8 @@ def main() -> None:
     parser.add_argument("--page-size", type=int, default=16, help="tokens per page of the paged cache")
     parser.add_argument("--tail-pool-tokens-per-slot", type=int, default=80,
                         help="W-tail paged pool: this many tokens per slot (static reserves prompt + 8 x mean)")
+    parser.add_argument("--cpu-time", action="store_true", help="W-gen: time this process's CPU seconds instead of "
+                        "wall seconds (on a loaded machine, waits for a core left out; torch's threads count too)")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--skip-wgen", action="store_true")
     parser.add_argument("--skip-long-tail", action="store_true")

@@ -2,13 +2,14 @@
 decode chunks, beside torch's per-op times of the same update.
 
     python benchmarks/profile_wsmall.py [--runs 3] [--top 12] [--programs update logprobs contiguous paged torch] \
-        [--json FILE]
+        [--new-tokens 64] [--greedy] [--json FILE]
 
 Programs (the W-small model, 32 rows of 32 prompt + 64 response tokens, GRPO with the reference KL in the loss):
   * update     `GRPOLearner.update` (forward, backward, AdamW);
   * logprobs   `GRPOLearner.logprobs` (the reference / old log-prob pass);
-  * decode     `Sampler.generate` of 64 new tokens at temperature 1 (admit, then 4 chunks of 16 steps, each on the
-               live bucket of the running rows), for each cache layout (contiguous and paged).
+  * decode     `Sampler.generate` of 64 new tokens (`--new-tokens`) at temperature 1 (`--greedy`: argmax) (admit,
+               then chunks of 16 steps, each on the live bucket of the running rows), for each cache layout
+               (contiguous and paged).
 Each runs once to compile, then `--runs` times inside a `jax.profiler` trace with XLA:CPU's per-op trace events on
 (`--xla_cpu_enable_xprof_traceme`); every executed HLO op (a fusion, a dot, a copy, ...) is one event. Its time is
 attributed to a kind read from the compiled HLO (`op_kinds`): a matmul (a dot, or a fusion holding one), a layout
@@ -177,13 +178,14 @@ def profile_decode(args) -> list[dict]:
     results = []
     graphdef, model_params = nnx.split(Decoder(cfg, rngs=nnx.Rngs(0)))
     prompts = np.random.default_rng(0).integers(0, cfg.vocab_size, (PROMPTS, PROMPT_LEN)).tolist()
-    sampling = SamplingConfig(max_new_tokens=RESPONSE_LEN, temperature=1.0, ignore_eos=True)
+    new_tokens = args.new_tokens
+    sampling = SamplingConfig(max_new_tokens=new_tokens, temperature=1.0, greedy=args.greedy, ignore_eos=True)
     for layout, cache in (("contiguous", None), ("paged", CacheConfig.paged(page_size=16))):
         if layout not in args.programs:
             continue
         extra = {} if cache is None else {"cache": cache}
         sampler = Sampler(cfg, graphdef, num_slots=PROMPTS * GROUP, max_prompt_len=PROMPT_LEN,
-                          max_new_tokens=RESPONSE_LEN, chunk_steps=16, **extra)
+                          max_new_tokens=new_tokens, chunk_steps=16, **extra)
         generate = lambda: sampler.generate(model_params, prompts, sampling, group_size=GROUP,
                                                     key=jax.random.key(1))  # noqa: E731
         generate()
@@ -194,7 +196,8 @@ def profile_decode(args) -> list[dict]:
             sources.update(more_sources)
         times, wall = traced_ops(generate, args.runs)
         print(f"decode ({layout}): {wall * 1e3:.0f} ms per generate (wall, under the profiler)")
-        results.append(breakdown(f"decode {layout}", times, kinds, sources, args.runs, args.top, steps=RESPONSE_LEN))
+        results.append(breakdown(f"decode {layout}, {new_tokens} new tokens", times, kinds, sources, args.runs, args.top,
+                                 steps=new_tokens))
     return results
 
 
@@ -252,6 +255,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--top", type=int, default=12, help="largest ops to list per program")
     parser.add_argument("--programs", nargs="+", default=list(PROGRAMS), choices=PROGRAMS)
+    parser.add_argument("--new-tokens", type=int, default=RESPONSE_LEN, help="decode: new tokens per sequence")
+    parser.add_argument("--greedy", action="store_true", help="decode: greedy instead of temperature 1")
     parser.add_argument("--json", help="also write the breakdowns here")
     args = parser.parse_args()
     results = profile_training(args) + profile_decode(args)

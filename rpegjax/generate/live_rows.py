@@ -29,13 +29,14 @@ ROW_FIELDS = ("last_token", "num_generated", "budget", "done", "finish", "prompt
 
 def live_rows(running: Sequence[int], *, num_slots: int, replicas: int, compact: bool = True) -> np.ndarray:
     """[r q] replica-local slot indices a chunk decodes: each replica's running slots, in slot order, then its free
-    slots up to q = the power of two at least the most running slots of one replica (every slot when not
-    `compact`, in slot order: decoding every slot, the sampler without live buckets)."""
+    slots up to q = the power of two at least the most running slots of one replica, at most its slots. A full
+    bucket (q = slots per replica; always when not `compact`: the sampler without live buckets) lists every slot in
+    slot order, the form `take_rows` and `put_rows` take without a gather or scatter."""
     per = num_slots // replicas
-    if not compact:
-        return np.tile(np.arange(per, dtype=np.int32), (replicas, 1))
     blocks = [[slot - replica * per for slot in running if slot // per == replica] for replica in range(replicas)]
-    q = pow2_at_least(max(map(len, blocks)), per)
+    q = pow2_at_least(max(map(len, blocks)), per) if compact else per
+    if q == per:  # every slot: in slot order, which `take_rows` / `put_rows` read as a slice (no gather)
+        return np.tile(np.arange(per, dtype=np.int32), (replicas, 1))
     rows = np.empty((replicas, q), np.int32)
     for replica, block in enumerate(blocks):
         taken = set(block)
@@ -62,8 +63,12 @@ def least_busy_first(free: Sequence[int], running: Sequence[int], *, num_slots: 
 
 def take_rows(x: Array, live: Int[Array, "r q"], window: int | None = None) -> Array:
     """Rows `live` of x [b ...] (b split into r replica blocks; live holds indices within a block) -> [r*q ...];
-    with `window`, only the first `window` entries of axis 2 (a contiguous cache's positions)."""
+    with `window`, only the first `window` entries of axis 2 (a contiguous cache's positions). A full bucket (q = b / r)
+    must list every slot in slot order, as `live_rows` gives it: x is then sliced, not gathered (XLA:CPU's gather
+    of a whole cache window per chunk cost more than the chunk's attention: docs/benchmarks.md, issue 28)."""
     r, q = live.shape
+    if q * r == x.shape[0]:  # a full bucket is every slot in slot order (`live_rows`): a slice, not a gather
+        return x if window is None else x[:, :, :window]
     blocks = x.reshape(r, x.shape[0] // r, *x.shape[1:])
     if window is not None:
         blocks = blocks[:, :, :, :window]
@@ -73,8 +78,10 @@ def take_rows(x: Array, live: Int[Array, "r q"], window: int | None = None) -> A
 
 def put_rows(x: Array, live: Int[Array, "r q"], new: Array, window: int | None = None) -> Array:
     """x with rows `live` replaced by `new` [r*q ...] (the inverse of `take_rows`; with `window`, the first
-    `window` entries of axis 2 only)."""
+    `window` entries of axis 2 only; a full bucket in slot order, as in `take_rows`)."""
     r, q = live.shape
+    if q * r == x.shape[0]:  # a full bucket, every slot in slot order: written in place, no scatter
+        return new if window is None else jax.lax.dynamic_update_slice(x, new, (0,) * x.ndim)
     blocks = x.reshape(r, x.shape[0] // r, *x.shape[1:])
     parts = new.reshape(r, q, *new.shape[1:])
 

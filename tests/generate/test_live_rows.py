@@ -49,6 +49,23 @@ def test_take_and_put_rows_equal_numpy_indexing():
     np.testing.assert_array_equal(put_rows(jnp.asarray(x), live, jnp.asarray(new), window=4), expected)
 
 
+def test_a_full_bucket_is_every_slot_in_slot_order_sliced_not_gathered():
+    """5 of replica 0's 6 slots run: its bucket is capped at 6, every slot, so both replicas list their slots in slot
+    order; take / put then equal numpy's slice and write-back, compiled without a gather or scatter."""
+    rows = live_rows([5, 0, 1, 2, 3], num_slots=12, replicas=2)
+    assert rows.tolist() == [list(range(6))] * 2
+    x = np.arange(12 * 3 * 10 * 2, dtype=np.float32).reshape(12, 3, 10, 2)
+    np.testing.assert_array_equal(take_rows(jnp.asarray(x), rows, window=4), x[:, :, :4])
+    np.testing.assert_array_equal(take_rows(jnp.asarray(x), rows), x)
+    new = -np.ones((12, 3, 4, 2), np.float32)
+    expected = x.copy()
+    expected[:, :, :4] = new
+    np.testing.assert_array_equal(put_rows(jnp.asarray(x), rows, jnp.asarray(new), window=4), expected)
+    hlo = jax.jit(lambda x, rows, new: put_rows(x, rows, take_rows(x, rows, window=4) + new, window=4)).lower(
+        x, rows, new).as_text()
+    assert "gather" not in hlo and "scatter" not in hlo
+
+
 @pytest.fixture(scope="module")
 def samplers(tiny_cfg, tiny_split):
     """Per layout: (live buckets, every slot) samplers of one shape."""
