@@ -244,8 +244,10 @@ def lower_step(graph: Graph, learner: Learner, sampler: Sampler, training: Train
             program = training.lower_inference(kinds, state, training.abstract_rollout(rows, tokens), mesh)
             own_layout = training.has_own_layout(mesh)
             held = ("reference",) if StageKind.REF_LOGPROB in kinds else ()
-            # on the training layout it reads the training state's weights; on its own layout a fresh copy
-            resident = residents.beside(device_ids(mesh), *held) - (params_bytes if not own_layout and not held else 0.0)
+            # on the training layout a unit that reads the policy (every kind but the reference's; fused with the
+            # reference too) takes the training state's weights as arguments; on its own layout a fresh copy
+            reads_policy = any(kind is not StageKind.REF_LOGPROB for kind in kinds)
+            resident = residents.beside(device_ids(mesh), *held) - (params_bytes if not own_layout and reads_policy else 0.0)
             lowered.append(LoweredProgram(stage=name, program="inference", lowered=program, mesh=mesh,
                                           resident=resident, predicted=True))
         elif set(kinds) & UPDATE_KINDS:
