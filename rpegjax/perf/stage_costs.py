@@ -431,9 +431,9 @@ def model_pass_cost(inputs: CostInputs, shape: ModelShape, layout: Layout, *, lo
         useful -= 2 * shape.hidden * shape.vocab * _real_tokens(inputs) * epochs
     return StageCost(seconds=seconds, compute_seconds=matmul, memory_seconds=memory + optimizer,
                      communication_seconds=tensor_comm + pipeline_comm + exposed, overhead_seconds=overhead, flops=flops,
-                     model_flops=useful, transient_bytes=_pass_transient_bytes(inputs, shape, layout, backward, passes / epochs,
-                                                                               tokens=tokens, pairs=pairs)
-                     + moe.transient_bytes,
+                     model_flops=useful, transient_bytes=_pass_transient_bytes(
+                         inputs, shape, layout, backward, passes / epochs, tokens=tokens, pairs=pairs,
+                         accumulating=backward and passes / epochs > max(1, optimizer_steps)) + moe.transient_bytes,
                      detail={"tensor_comm": tensor_comm, "background_comm": background, "optimizer": optimizer,
                              "passes": passes, "matmul": matmul, "elementwise": device.memory_seconds(elementwise)})
 
@@ -558,7 +558,9 @@ def _forward_weight_copies(shape: ModelShape, layout: Layout) -> float:
 
 
 def _pass_transient_bytes(inputs: CostInputs, shape: ModelShape, layout: Layout, backward: bool, passes: float, *,
-                          tokens: float, pairs: float) -> float:
+                          tokens: float, pairs: float, accumulating: bool = False) -> float:
+    """Peak transient bytes per device of one pass; `accumulating`: an update that sums its gradients over more
+    than one micro-batch per optimiser step (`rpegjax.learners.update.accumulate_gradients`)."""
     o, w = inputs.options, inputs.workload
     tokens_per_pass = tokens / layout.replicas / passes / layout.context
     keys_per_query = pairs / tokens
@@ -590,6 +592,11 @@ def _pass_transient_bytes(inputs: CostInputs, shape: ModelShape, layout: Layout,
     if layout.sequence_parallel and o.remat is not RematPolicy.NONE:  # each layer's kept input split over tensor too
         activations -= tokens_per_pass * shape.layers * shape.hidden * shape.compute_bytes_each * (1 - 1 / layout.tensor)
     grads = shape.params * o.grad_bytes_per_param / layout.shards
+    if accumulating:
+        # the micro-batch loop carries the running sum of the layers' gradients while the pass's backward scan
+        # writes its own stacked [layers, ...] gradients: two copies at the peak (XLA's GPU compiler's buffer
+        # assignment of the 7B packed update, 2 and 4 layers, docs/benchmarks.md issue 23 session 10)
+        grads += shape.layers * shape.matmul_params_per_layer * o.grad_bytes_per_param / layout.shards
     if layout.fsdp * layout.context * layout.expert > 1:
         # FSDP gathers the output matrix whole for the update (every log-prob chunk reads it), and its gradient
         # accumulates whole over the chunks before it is reduce-scattered. The token lookup reads its own shard of

@@ -119,12 +119,16 @@ def compile_devices(target: DryRunTarget, count: int) -> list[jax.Device]:
     return list(topology.devices)
 
 
+def compile_only(devices: Sequence[jax.Device]) -> bool:
+    """Whether `devices` are compile-only (a CUDA target's, with no GPU behind them)."""
+    return devices[0].platform != jax.default_backend()
+
+
 def describe(devices: Sequence[jax.Device]) -> str:
     """'N x KIND (platform)' for a report's header; compile-only devices say so."""
     first = devices[0]
-    compile_only = first.platform != jax.default_backend()
     return (f"{len(devices)} x {first.device_kind} ({first.platform}"
-            + (", compile-only: XLA's GPU compiler, no device" if compile_only else "") + ")")
+            + (", compile-only: XLA's GPU compiler, no device" if compile_only(devices) else "") + ")")
 
 
-__all__ = ["DryRunTarget", "GPU_SPECS", "GpuSpec", "compile_devices", "cuda_plugin_installed", "describe", "prepare_host"]
+__all__ = ["DryRunTarget", "GPU_SPECS", "GpuSpec", "compile_devices", "compile_only", "cuda_plugin_installed", "describe", "prepare_host"]

@@ -48,7 +48,7 @@ from rpegjax.runtime.training_programs import TrainingPrograms
 from rpegjax.runtime.weight_sync import WeightSyncPrograms
 from rpegjax.sharding.abstract import with_shardings
 from rpegjax.perf.hardware import HardwareSpec
-from rpegjax.train.compile_target import GPU_SPECS, DryRunTarget, compile_devices, describe
+from rpegjax.train.compile_target import GPU_SPECS, DryRunTarget, compile_devices, compile_only, describe
 from rpegjax.train.plan_document import read_plan_file
 
 GB = 1e9
@@ -244,8 +244,10 @@ def lower_step(graph: Graph, learner: Learner, sampler: Sampler, training: Train
             program = training.lower_inference(kinds, state, training.abstract_rollout(rows, tokens), mesh)
             own_layout = training.has_own_layout(mesh)
             held = ("reference",) if StageKind.REF_LOGPROB in kinds else ()
-            # on the training layout it reads the training state's weights; on its own layout a fresh copy
-            resident = residents.beside(device_ids(mesh), *held) - (params_bytes if not own_layout and not held else 0.0)
+            # on the training layout a unit that reads the policy (every kind but the reference's; fused with the
+            # reference too) takes the training state's weights as arguments; on its own layout a fresh copy
+            reads_policy = any(kind is not StageKind.REF_LOGPROB for kind in kinds)
+            resident = residents.beside(device_ids(mesh), *held) - (params_bytes if not own_layout and reads_policy else 0.0)
             lowered.append(LoweredProgram(stage=name, program="inference", lowered=program, mesh=mesh,
                                           resident=resident, predicted=True))
         elif set(kinds) & UPDATE_KINDS:
@@ -261,7 +263,7 @@ def lower_step(graph: Graph, learner: Learner, sampler: Sampler, training: Train
                                               predicted=False))
     generate = graph.stages_of_kind(StageKind.GENERATE)[0]
     # an offloaded optimiser state is in host memory while the sampler runs (`rpegjax.runtime.offload`)
-    offloaded = ("optimizer",) if training.offload is not None else ()
+    offloaded = ("optimizer",) if graph.execution.optimizer_offload else ()
     beside = residents.beside(device_ids(sampler.mesh), "generation", *offloaded)
     generation_programs = dict(sampler.lower_programs(copy, sampling, group_size=batch.group_size,
                                                       long_contexts=batch.multi_turn))
@@ -307,9 +309,25 @@ def lower_plan(graph: Graph, model_cfg: ModelConfig, algorithm: GRPOConfig | PPO
                            chunk_steps=batch.chunk_steps)
     learner, sampler = place_models(graph, abstract_model, algorithm, rollout, critic=critic, devices=devices)
     cast = generation_cast(model_cfg.param_dtype, model_cfg.dtype, generation_dtype)
-    training = TrainingPrograms(learner, offload_optimizer=graph.execution.optimizer_offload)
+    training = TrainingPrograms(learner, offload_optimizer=_offload_checked(graph, devices, log))
     return lower_step(graph, learner, sampler, training, WeightSyncPrograms(learner, sampler, cast),
                       batch, SamplingConfig(max_new_tokens=batch.new) if sampling is None else sampling, devices)
+
+
+def _offload_checked(graph: Graph, devices: Sequence[jax.Device], log: Callable[[str], None]) -> bool:
+    """Whether the dry run builds the optimiser offload (`rpegjax.runtime.offload`, which checks that the devices
+    have pinned host memory). Compile-only CUDA devices have no memory kinds: JAX drops a sharding's
+    `memory_kind` on them and XLA's GPU compiler places in-program host transfers in device memory, so no host
+    placement compiles for them. None needs to: the offload's moves are `device_put`s between programs, and every
+    compiled program takes the optimiser state on the devices; what the plan's offload changes is the state
+    resident beside generation, which `lower_step` leaves out either way. The report says what was not checked."""
+    if not graph.execution.optimizer_offload or not compile_only(devices):
+        return graph.execution.optimizer_offload
+    log(f"dry run: optimiser offload: {describe(devices)} expose no memory kinds, so the moves of the optimiser "
+        f"state to and from pinned host memory (device_puts between programs, not compiled) are not checked "
+        f"here; every program below takes it on the devices, and generation is measured without it (a CUDA "
+        f"GPU's runtime has 'pinned_host' memory; the CPU target checks the moves' memory kind)")
+    return False
 
 
 def compile_programs(programs: Sequence[LoweredProgram], *, capacity_bytes: float,

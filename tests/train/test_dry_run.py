@@ -265,3 +265,22 @@ def test_the_dry_run_of_a_multi_turn_job_samples_and_prefills_as_its_episodes_do
     prefill = next(p for p in planned.lower() if p.program == "prefill")
     tokens = prefill.lowered.args_info[0][2]  # (params, state, tokens, ...): the group size is static
     assert tokens.shape[1] == planned.batch.prompt + planned.batch.new  # a later turn's whole context
+
+
+def test_a_fused_reference_and_policy_pass_counts_the_policy_weights_once():
+    """A fused ref + old log-prob unit on the training layout takes the policy's weights as arguments (with the
+    reference's): beside it stay only the rest of the training state (the optimiser state), not the weights again
+    (they were counted twice, docs/benchmarks.md issue 23 session 10). Lowered only, on 4 virtual devices."""
+    from rpegjax.graph import transforms
+    from rpegjax.train.dry_run import lower_plan
+
+    graph = transforms.fuse(_graph({"fsdp": 4}), ["ref_logprob", "old_logprob"])
+    batch = Batch(rows=8, prompt=16, new=48, slots=8, group_size=4)
+    programs = lower_plan(graph, CFG, GRPOConfig(group_size=4, kl_coef=0.04), batch)
+    fused = next(p for p in programs if p.program == "inference")
+    update = next(p for p in programs if p.program == "update")
+    assert fused.stage == "ref_logprob+old_logprob"
+    # beside the update: the reference (float32, N/4 each) and the generation copy; beside the fused pass: the
+    # optimiser state (two float32 moments) and the generation copy. The difference: (8 - 4) N / 4 bytes (norms
+    # replicate, so a little more); counting the weights again read (8 - 4 + 4) N / 4
+    assert fused.resident - update.resident == pytest.approx(CFG.num_params(), rel=0.1)

@@ -139,3 +139,31 @@ def test_predicted_memory_is_within_15_percent_of_the_gpu_compilers_programs(rem
     for row in bench.compare(model, {"data": 1, "fsdp": 8, "tensor": 1}, 1024, 256, execution,
                              target=DryRunTarget.CUDA_H100):
         assert row["predicted"] == pytest.approx(row["compiled"], rel=0.15), row
+
+
+@needs_plugin
+def test_compile_only_gpus_have_no_host_memory_so_an_offloading_plan_lowers_without_the_moves():
+    """Compile-only devices report no memory kinds, and a sharding asked for `pinned_host` on them comes back
+    without one (JAX drops it): host placement cannot be compiled for them. A colocated plan that offloads its
+    optimiser state still lowers every program (each takes the state on the devices); the dry run says the moves
+    were not checked, and generation's resident state leaves the optimiser state out, as on the CPU target."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    devices = compile_devices(DryRunTarget.CUDA_H100, 4)
+    assert devices[0].addressable_memories() == []
+    asked = NamedSharding(Mesh(np.array(devices), ("fsdp",)), PartitionSpec("fsdp"), memory_kind="pinned_host")
+    assert asked.memory_kind is None
+    cfg = ModelConfig.tiny(vocab_size=256)
+    batch = Batch(rows=16, prompt=32, new=64, slots=16, group_size=4)
+    graph = builders.grpo_graph(use_reference=False, num_devices=4, parallel={"fsdp": 4})
+    planned = dataclasses.replace(graph, execution=Execution(optimizer_offload=True, kv_cache="paged"))
+    residents, logs = {}, []
+    for target in (DryRunTarget.CUDA_H100, DryRunTarget.CPU):  # the CPU's devices have pinned host memory
+        programs = lower_plan(planned, cfg, GRPOConfig(group_size=4), batch, devices=compile_devices(target, 4),
+                              log=logs.append)
+        residents[target] = {p.program: p.resident for p in programs}
+    assert [line for line in logs if "optimiser offload" in line] == [
+        next(line for line in logs if "pinned host memory" in line and "not checked" in line)]
+    assert residents[DryRunTarget.CUDA_H100] == residents[DryRunTarget.CPU]
