@@ -166,11 +166,12 @@ def measure_generation(name: str, devices: list, args: argparse.Namespace) -> li
                           abstract, sampler.params_sharding)
     lowered = sampler.lower_programs(params, SamplingConfig(max_new_tokens=args.tokens - args.prompt, temperature=1.0),
                                      group_size=args.group_size)
-    lines = [f"Qwen3-30B-A3B sampler, {name}, {args.slots} slots over {sampler.replicas} slot replicas, paged pool "
-             f"{sampler.paged.pages_per_replica} pages of {args.page_size} per replica, capacity {sampler.capacity}; "
-             f"experts {'dropless' if not args.capacity_factor else f'capacity {args.capacity_factor}'}",
-             "| program | layout | devices | layers | arguments GiB | outputs GiB | temporaries GiB | args+temps GiB "
-             "| collectives | compile s |", "|---|---|---|---|---|---|---|---|---|---|"]
+    header = (f"Qwen3-30B-A3B sampler, {name}, {args.slots} slots over {sampler.replicas} slot replicas, paged pool "
+              f"{sampler.paged.pages_per_replica} pages of {args.page_size} per replica, capacity {sampler.capacity}; "
+              f"experts {'dropless' if not args.capacity_factor else f'capacity {args.capacity_factor}'}")
+    columns = ("| program | layout | devices | layers | arguments GiB | outputs GiB | temporaries GiB | args+temps GiB "
+               "| collectives | compile s |")
+    lines = [header, columns, "|---|---|---|---|---|---|---|---|---|---|"]
     for program in args.generate.split(","):
         started = time.perf_counter()
         compiled = lowered[program].compile()

@@ -11,7 +11,13 @@ from conftest import randomize
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from rpegjax.generate import CacheConfig, Sampler, SamplingConfig, generation_rules, reshard_params
+from rpegjax.generate import (
+    CacheConfig,
+    Sampler,
+    SamplingConfig,
+    generation_rules,
+    reshard_params,
+)
 from rpegjax.models import Architecture, Decoder, ModelConfig
 from rpegjax.sharding import ShardingRules, make_mesh, shard_state
 
