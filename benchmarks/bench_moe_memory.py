@@ -192,7 +192,7 @@ def measure_generation(name: str, devices: list, args: argparse.Namespace) -> li
 def _grouped_matmuls(text: str) -> str:
     """How the compiled HLO computes ragged_dot: ragged-dot ops left, and the largest operand of any dot / GEMM
     fusion (a dense rewrite shows up as [local experts, received rows, d])."""
-    ragged = len(re.findall(r"= [^=]*(?<![\w-])ragged-dot\(", text))
+    ragged = len(re.findall(r"(?<=\s)ragged-dot\(", text))
     largest, elements = "none", 0
     for line in text.splitlines():
         if "dot" not in line:
@@ -207,7 +207,8 @@ def _grouped_matmuls(text: str) -> str:
 def _collectives(text: str) -> dict[str, int]:
     found: dict[str, int] = {}
     for op in ("ragged-all-to-all", "all-to-all", "all-gather", "reduce-scatter", "all-reduce"):
-        count = len(re.findall(rf"= [^=]*(?<![\w-]){op}(?:-start)?\(", text))
+        # the op after whitespace (an instruction's name starts with %; an async one's shape may hold /*index=5*/)
+        count = len(re.findall(rf"(?<=\s){op}(?:-start)?\(", text))
         if count:
             found[op] = count
     return found
