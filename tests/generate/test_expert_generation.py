@@ -81,3 +81,11 @@ def test_generation_rules_split_experts_only_over_a_batch_axis():
     assert generation_rules().params[axes.EXPERT] == "expert"
     assert generation_rules().activations[axes.EXPERT] == "expert"
     assert axes.EXPERT not in generation_rules(batch_axes=("data",)).params
+
+
+def test_experts_the_expert_axis_does_not_divide_are_refused():
+    """4 experts over expert=8: the sampler names the kernel and the axis instead of replicating the experts."""
+    cfg = ModelConfig.tiny(Architecture.QWEN3_MOE)
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))))
+    with pytest.raises(ValueError, match=r"\['mlp'\]\['\w+_proj'\].*\('expert', size 4\) is not divisible by mesh axes \('expert',\)"):
+        Sampler(cfg, graphdef, num_slots=8, max_prompt_len=4, max_new_tokens=4, mesh=make_mesh({"expert": 8}))
