@@ -1,4 +1,5 @@
-"""Qwen3-30B-A3B's GRPO update with expert parallelism, compiled ahead of time: per-device memory.
+"""Qwen3-30B-A3B's GRPO update, and its sampler's programs, with expert parallelism, compiled ahead of time:
+per-device memory.
 
 Compiles `GRPOLearner`'s update (GRPO loss with k3 KL to the reference, clip 0.2, AdamW; float32 master weights,
 bfloat16 compute, blockwise attention, full remat, scanned layers) for one row of `--tokens` tokens per device
@@ -14,6 +15,11 @@ rewritten) and which all-to-alls it exchanges.
 
     PYTHONPATH=$PWD:/work/gpu-aot JAX_PLATFORMS=cpu python benchmarks/bench_moe_memory.py --target cuda-h100 \
         --layouts expert8,fsdp2xexpert8 [--tokens 16384] [--layers 48] [--capacity-factor 1.25]
+
+`--generate decode[,prefill,start]` compiles the paged sampler's programs instead (`Sampler.lower_programs`: at the
+largest shapes a run reaches; bfloat16 weights in the generation layout, experts split over `expert`, slots over
+every axis but tensor): `--slots` slots and a pool of `--pool-tokens` tokens per slot replica, prompts of
+`--prompt` tokens, responses up to `--tokens` - `--prompt`, groups of `--group-size`, chunks of `--chunk-steps`.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import time
 LAYOUTS = {"expert8": {"expert": 8}, "expert16": {"expert": 16}, "fsdp2xexpert8": {"fsdp": 2, "expert": 8},
            "data2xexpert8": {"data": 2, "expert": 8}, "expert8xtensor2": {"expert": 8, "tensor": 2}}
 GIB = 1 << 30
+GENERATE_PROGRAMS = ("decode", "prefill", "start")
 
 
 def _arguments() -> argparse.Namespace:
@@ -39,7 +46,16 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=0, help="override the depth (0: the model's 48)")
     parser.add_argument("--capacity-factor", type=float, default=0.0, help="capacity mode (0: dropless)")
     parser.add_argument("--hlo", default="", help="write each compiled program's HLO text to this directory")
+    parser.add_argument("--generate", default="", help="sampler programs instead of the update: decode,prefill,start")
+    parser.add_argument("--slots", type=int, default=1024, help="--generate: slots over the whole mesh")
+    parser.add_argument("--pool-tokens", type=int, default=393216, help="--generate: paged pool per slot replica")
+    parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--chunk-steps", type=int, default=16)
     args = parser.parse_args()
+    for name in filter(None, args.generate.split(",")):
+        if name not in GENERATE_PROGRAMS:
+            parser.error(f"--generate: unknown program {name!r}; known: {list(GENERATE_PROGRAMS)}")
     for name in args.layouts.split(","):
         if name not in LAYOUTS:
             parser.error(f"--layouts: unknown layout {name!r}; known: {sorted(LAYOUTS)}")
@@ -57,6 +73,11 @@ def main() -> None:
     from rpegjax.train.compile_target import DryRunTarget, compile_devices, describe
 
     devices = compile_devices(DryRunTarget(args.target), most)
+    if args.generate:
+        for name in args.layouts.split(","):
+            for line in measure_generation(name, devices, args):
+                print(line, flush=True)
+        return
     print(f"Qwen3-30B-A3B GRPO update, one {args.tokens}-token row per device, {describe(devices)}, jax "
           f"{jax.__version__}; experts {'dropless' if not args.capacity_factor else f'capacity {args.capacity_factor}'}")
     print("| layout | devices | layers | arguments GiB | outputs GiB | temporaries GiB | args+temps GiB | grouped matmuls "
@@ -120,10 +141,58 @@ def measure(name: str, devices: list, args: argparse.Namespace) -> str:
             f"| {seconds:.0f} |")
 
 
+def measure_generation(name: str, devices: list, args: argparse.Namespace) -> list[str]:
+    """The paged sampler's programs of `args.generate` on layout `name`: a header and one table row each."""
+    import jax
+    from flax import nnx
+
+    from rpegjax.generate import CacheConfig, Sampler, SamplingConfig
+    from rpegjax.generate.paged_cache import pages_for
+    from rpegjax.models import Decoder, ModelConfig
+    from rpegjax.sharding import make_mesh
+
+    parallel = LAYOUTS[name]
+    count = math.prod(parallel.values())
+    mesh = make_mesh(parallel, devices[:count])
+    cfg = ModelConfig.qwen3_moe("30b-a3b").replace(param_dtype="bfloat16", dtype="bfloat16",
+                                                   moe_capacity_factor=args.capacity_factor or None)
+    if args.layers:
+        cfg = cfg.replace(num_layers=args.layers)
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))))
+    cache = CacheConfig.paged(page_size=args.page_size, pages_per_replica=pages_for(args.pool_tokens, args.page_size))
+    sampler = Sampler(cfg, graphdef, num_slots=args.slots, max_prompt_len=args.prompt,
+                      max_new_tokens=args.tokens - args.prompt, chunk_steps=args.chunk_steps, mesh=mesh, cache=cache)
+    params = jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+                          abstract, sampler.params_sharding)
+    lowered = sampler.lower_programs(params, SamplingConfig(max_new_tokens=args.tokens - args.prompt, temperature=1.0),
+                                     group_size=args.group_size)
+    header = (f"Qwen3-30B-A3B sampler, {name}, {args.slots} slots over {sampler.replicas} slot replicas, paged pool "
+              f"{sampler.paged.pages_per_replica} pages of {args.page_size} per replica, capacity {sampler.capacity}; "
+              f"experts {'dropless' if not args.capacity_factor else f'capacity {args.capacity_factor}'}")
+    columns = ("| program | layout | devices | layers | arguments GiB | outputs GiB | temporaries GiB | args+temps GiB "
+               "| collectives | compile s |")
+    lines = [header, columns, "|---|---|---|---|---|---|---|---|---|---|"]
+    for program in args.generate.split(","):
+        started = time.perf_counter()
+        compiled = lowered[program].compile()
+        seconds = time.perf_counter() - started
+        memory, text = compiled.memory_analysis(), compiled.as_text()
+        if args.hlo:
+            os.makedirs(args.hlo, exist_ok=True)
+            with open(os.path.join(args.hlo, f"{program}-{name}-{args.target}.hlo.txt"), "w") as f:
+                f.write(text)
+        exchanges = ", ".join(f"{n} {op}" for op, n in _collectives(text).items()) or "none"
+        arguments, temporaries = memory.argument_size_in_bytes, memory.temp_size_in_bytes
+        lines.append(f"| {program} | {name} | {count} | {cfg.num_layers} | {arguments / GIB:.2f} "
+                     f"| {memory.output_size_in_bytes / GIB:.2f} | {temporaries / GIB:.2f} "
+                     f"| {(arguments + temporaries) / GIB:.2f} | {exchanges} | {seconds:.0f} |")
+    return lines
+
+
 def _grouped_matmuls(text: str) -> str:
     """How the compiled HLO computes ragged_dot: ragged-dot ops left, and the largest operand of any dot / GEMM
     fusion (a dense rewrite shows up as [local experts, received rows, d])."""
-    ragged = len(re.findall(r"= [^=]*(?<![\w-])ragged-dot\(", text))
+    ragged = len(re.findall(r"(?<=\s)ragged-dot\(", text))
     largest, elements = "none", 0
     for line in text.splitlines():
         if "dot" not in line:
@@ -138,7 +207,8 @@ def _grouped_matmuls(text: str) -> str:
 def _collectives(text: str) -> dict[str, int]:
     found: dict[str, int] = {}
     for op in ("ragged-all-to-all", "all-to-all", "all-gather", "reduce-scatter", "all-reduce"):
-        count = len(re.findall(rf"= [^=]*(?<![\w-]){op}(?:-start)?\(", text))
+        # the op after whitespace (an instruction's name starts with %; an async one's shape may hold /*index=5*/)
+        count = len(re.findall(rf"(?<=\s){op}(?:-start)?\(", text))
         if count:
             found[op] = count
     return found

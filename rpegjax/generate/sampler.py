@@ -167,8 +167,9 @@ class Sampler:
     """KV-cache sampler for one model shape, one number of slots and one cache capacity.
 
     `num_slots` sequences decode together; the cache holds `max_prompt_len + max_new_tokens` tokens
-    per slot. With a `mesh`, slots are split over the rules' batch axes and heads over the tensor axis
-    (default rules: `generation_rules` with every mesh axis but tensor as a batch axis, so no device
+    per slot. With a `mesh`, slots are split over the rules' batch axes, heads over the tensor axis and a
+    mixture-of-experts model's experts over the `expert` axis (default rules: `generation_rules` with every mesh
+    axis but tensor as a batch axis, so no device
     repeats another's slots; `num_slots` must divide by their product); parameters must already be in that layout
     (`weight_sync.reshard_params`). The compiled functions are built once here, by the layout's controller
     (`contiguous_sampler.ContiguousController` or `paged_sampler.PagedController`); `admit` compiles once

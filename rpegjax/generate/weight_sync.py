@@ -2,7 +2,8 @@
 
 Training usually shards parameters over FSDP and tensor axes; generation wants them replicated over the
 slots' data axis and split over heads on the tensor axis, so every decode step reads local weights
-and only the attention/MLP outputs are reduced. The two layouts may live on different meshes (colocated
+and only the attention/MLP outputs are reduced; a mixture-of-experts model's experts stay split over the
+`expert` axis (each device reads its own experts; tokens travel to them). The two layouts may live on different meshes (colocated
 or disaggregated stages); `jax.device_put` moves and reshards in one call either way.
 """
 
@@ -19,7 +20,7 @@ from rpegjax.sharding.rules import ShardingRules, param_shardings
 
 def generation_rules(
     *,
-    batch_axes: tuple[str, ...] = (axes.DATA_AXIS, axes.FSDP_AXIS),
+    batch_axes: tuple[str, ...] = (axes.DATA_AXIS, axes.FSDP_AXIS, axes.EXPERT_AXIS),
     tensor_axis: str = axes.TENSOR_AXIS,
 ) -> ShardingRules:
     """Tensor parallelism over heads, KV heads, MLP and vocabulary; slots (batch) over `batch_axes`;
@@ -27,11 +28,19 @@ def generation_rules(
 
     Every mesh axis that is not the tensor axis should be a batch axis (`generation_batch_axes`):
     an axis left out would hold a full copy of every slot and repeat its decode work.
+
+    Expert parallelism: the `expert` axis, a batch axis here, also splits a mixture-of-experts layer's experts
+    (logical EXPERT, of the parameters and of the dispatched tokens), as training's `fsdp_tp` rules do: each device
+    holds x/E experts and exchanges its slots' tokens with the devices holding their experts
+    (`rpegjax.models.expert_parallel`). A dense model has no EXPERT axis: there it is a plain batch axis.
     """
     if tensor_axis in batch_axes:
         raise ValueError(f"generation_rules: batch_axes {batch_axes} must not contain the tensor axis {tensor_axis!r}")
     tensor = {axes.HEADS: tensor_axis, axes.KV_HEADS: tensor_axis, axes.MLP: tensor_axis, axes.VOCAB: tensor_axis}
-    return ShardingRules(params=dict(tensor), activations={axes.BATCH: tuple(batch_axes), **tensor})
+    # the experts split only over an axis that splits the rows too: each expert shard dispatches its own slots
+    experts = {axes.EXPERT: axes.EXPERT_AXIS} if axes.EXPERT_AXIS in batch_axes else {}
+    return ShardingRules(params={**tensor, **experts},
+                         activations={axes.BATCH: tuple(batch_axes), **tensor, **experts})
 
 
 def generation_batch_axes(mesh: Mesh, *, tensor_axis: str = axes.TENSOR_AXIS) -> tuple[str, ...]:

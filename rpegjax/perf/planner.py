@@ -53,11 +53,6 @@ from rpegjax.perf.costs import (
 from rpegjax.perf.step_model import Evaluator, Prediction, placement_devices
 
 ROLLOUT, TRAIN = transforms.ROLLOUT_PLACEMENT, transforms.TRAIN_PLACEMENT
-# Whether the sampler runs a mixture-of-experts model's experts split over an `expert` axis of its generation mesh
-# (issue 26's expert-parallel generation). False: generation layouts never have one (each generation device holds
-# every expert, split over tensor only), and a plan that gives generation an expert axis is refused. The one line
-# to change once the runtime's sampler shards its experts over `expert`.
-EXPERT_PARALLEL_GENERATION = False
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -238,13 +233,6 @@ def _placed(graph: Graph, choice: PlanChoice) -> Graph:
 
 
 def build_graph(choice: PlanChoice) -> Graph:
-    if _sizes(choice.generation_layout).get("expert", 1) > 1 and not EXPERT_PARALLEL_GENERATION:
-        raise ValueError(f"plan {_layout_text(choice.generation_layout)}: the sampler does not split experts over an "
-                         f"`expert` axis (planner.EXPERT_PARALLEL_GENERATION is off); give generation no expert axis")
-    return _build_graph(choice)
-
-
-def _build_graph(choice: PlanChoice) -> Graph:
     """The executable graph of `choice`: builder (asynchrony, critic sharing), placements and layouts, then the
     fusion and micro-batch transforms; validated. Neither the structure nor its rules read the execution options,
     so the structure is built once per choice of the rest (the planner tries many executions of each)."""
@@ -294,11 +282,11 @@ def layouts(num_devices: int, tensor_sizes: tuple[int, ...], *, heads: int, kv_h
 
 
 def _stage_layouts(space: PlanSpace, shape, hardware, generation_devices: int, train_devices: int) -> tuple[list, list]:
-    """(generation layouts, training layouts) of the space: training with the model's expert axis sizes, generation
-    with them only when the sampler splits experts (`EXPERT_PARALLEL_GENERATION`)."""
+    """(generation layouts, training layouts) of the space, both with the model's expert axis sizes (the sampler
+    splits experts over `expert` as training does)."""
     kwargs = dict(heads=shape.heads, kv_heads=shape.kv_heads, node_size=hardware.node_size)
-    generation_experts = expert_axis_sizes(shape, generation_devices) if EXPERT_PARALLEL_GENERATION else (1,)
-    return (layouts(generation_devices, space.tensor_sizes, with_fsdp=False, expert_sizes=generation_experts, **kwargs),
+    return (layouts(generation_devices, space.tensor_sizes, with_fsdp=False,
+                    expert_sizes=expert_axis_sizes(shape, generation_devices), **kwargs),
             layouts(train_devices, space.tensor_sizes, with_fsdp=True, context_sizes=space.context_sizes,
                     expert_sizes=expert_axis_sizes(shape, train_devices), **kwargs))
 
@@ -796,5 +784,5 @@ def real_like(evaluator: Evaluator, *, algorithm: Algorithm | str, num_devices: 
     return fallback
 
 
-__all__ = ["EXPERT_PARALLEL_GENERATION", "Plan", "PlanChoice", "PlanResult", "PlanSpace", "Planner", "build_graph",
+__all__ = ["Plan", "PlanChoice", "PlanResult", "PlanSpace", "Planner", "build_graph",
            "expert_axis_sizes", "layouts", "real_like", "verl_like"]

@@ -56,7 +56,7 @@ _WIDTHS = ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate
 """The model widths a LoRA rank is checked against (`LoRASection.check_rank`)."""
 MESH_AXES = (DATA_AXIS, FSDP_AXIS, EXPERT_AXIS, CONTEXT_AXIS, TENSOR_AXIS)
 """The mesh axis names the sharding rules know (`context`: training only, the sampler splits no row; `expert`:
-a mixture-of-experts model's experts in training, a data axis for the sampler and for dense models)."""
+a mixture-of-experts model's experts, in training and in the sampler, and a data axis besides)."""
 
 
 def _positive(section: object, *names: str) -> None:

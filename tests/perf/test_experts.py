@@ -137,14 +137,10 @@ def test_planner_searches_the_expert_axis_for_moe_models_only():
     assert all(math.prod(size for _, size in layout) == 16 for layout in found)
 
 
-def test_generation_expert_axis_behind_its_switch(monkeypatch):
+def test_generation_takes_an_expert_axis():
     choice = planner.PlanChoice(algorithm=Algorithm.GRPO, use_reference=False, num_devices=8,
                                 train_layout=(("data", 1), ("expert", 8)),
                                 generation_layout=(("data", 1), ("expert", 8)))
-    monkeypatch.setattr(planner, "EXPERT_PARALLEL_GENERATION", False)
-    with pytest.raises(ValueError, match="EXPERT_PARALLEL_GENERATION"):
-        planner.build_graph(choice)
-    monkeypatch.setattr(planner, "EXPERT_PARALLEL_GENERATION", True)
     assert planner.build_graph(choice).parallel_of("generate").get("expert") == 8
 
 

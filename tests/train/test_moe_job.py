@@ -113,3 +113,17 @@ def test_job_with_expert_parallelism_matches_the_data_parallel_run(tmp_path, cap
         assert other[name] == pytest.approx(first[name], rel=1e-4, abs=1e-6), name
     if capacity is not None:
         assert "moe/dropped_fraction" in other
+
+
+@pytest.mark.slow  # a 4-device job, ~6 minutes on a loaded 2-core machine
+def test_disaggregated_job_generates_with_the_experts_split(tmp_path):
+    """Generation on its own 2 devices with expert=2 (the sampler holds 2 of the 4 experts per device), training on
+    the other 2 with expert=2: the job runs its steps and logs the router terms."""
+    run_dir = tmp_path / "run"
+    result = run_job(run_dir, "--steps=2", *MOE, "--mesh=expert=2", "--graph.rollout_devices=2",
+                     "--graph.rollout_mesh=expert=2", config=TINY[:-1], devices=4, timeout=1500)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(r["moe/load_balance"] > 0 for r in steps)
