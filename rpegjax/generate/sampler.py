@@ -273,6 +273,14 @@ class Sampler:
         return self.controller.lower_programs(params, state, key, arrays, max_prompt_len=longest,
                                               group_size=group_size)
 
+    def lower_kept_retag(self) -> jax.stages.Lowered:
+        """The program partial rollouts with kept pages run when a call continues kept sequences
+        (`rpegjax.generate.page_carry`: their rows take new PRNG streams), at its largest shape (paged cache only)."""
+        if self.paged is None:
+            raise ValueError("Sampler.lower_kept_retag: kept KV pages need the paged cache; this sampler's is "
+                             "contiguous")
+        return self.paged.lower_retag(self.abstract_state())
+
     def _check_params(self, params: nnx.State) -> None:
         """On a mesh, parameters must already be in the generation layout (moving them is weight sync's job)."""
         if self.params_sharding is None:

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from rpegjax.graph.ir import Execution
-from rpegjax.options import CacheLayout, OptimizerSharding, RematPolicy
+from rpegjax.options import CacheLayout, CarryMode, OptimizerSharding, RematPolicy
 from rpegjax.perf import collectives, costs, packed_batches
 from rpegjax.perf.costs import DecodeKernel, ModelShape
 from rpegjax.perf.generation_cost import ResponseLengths
@@ -145,10 +145,12 @@ class ExecutionOptions:
     packed_row_tokens: int | None = None
     # partial rollouts (`rpegjax.perf.partial_rollouts`): generation runs continuously over `inflight_batches`
     # batches of groups, carrying unfinished sequences into later steps; a trained token lags at most
-    # `max_token_lag` weights versions (None: the asynchrony bound + 2, as the job's default)
+    # `max_token_lag` weights versions (None: the asynchrony bound + 2, as the job's default); `partial_carry`:
+    # carried sequences re-prefilled (recompute) or continued from kept KV pages (pages)
     partial_rollouts: bool = False
     inflight_batches: int = 2
     max_token_lag: int | None = None
+    partial_carry: CarryMode = CarryMode.RECOMPUTE
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "attention", costs.AttentionKernel(self.attention))
@@ -192,7 +194,8 @@ class ExecutionOptions:
             kv_pool=execution.kv_cache is CacheLayout.PAGED, kv_pool_tokens=execution.kv_pool_tokens,
             optimizer_data_sharding=execution.optimizer_sharding is OptimizerSharding.DATA,
             optimizer_offload=execution.optimizer_offload, partial_rollouts=execution.partial_rollouts,
-            inflight_batches=execution.inflight_batches, max_token_lag=execution.max_token_lag)
+            inflight_batches=execution.inflight_batches, max_token_lag=execution.max_token_lag,
+            partial_carry=execution.partial_carry)
 
     @classmethod
     def rpegjax_xla(cls, **changes) -> ExecutionOptions:

@@ -43,11 +43,9 @@ from rpegjax.generate.page_carry import KeptPages
 from rpegjax.generate.requests import Request
 from rpegjax.generate.sampler import Sampler, SamplerStats
 from rpegjax.generate.sampling import SamplingConfig
+from rpegjax.options import CarryMode
 
-
-class CarryMode(enum.StrEnum):
-    RECOMPUTE = "recompute"  # a carried sequence's context is prefilled again with the new weights
-    PAGES = "pages"  # its KV pages stay in the paged pool and it decodes on (`rpegjax.generate.page_carry`)
+__all__ = ["CarryMode", "Group", "PartialRolloutConfig", "PartialRollouts", "StalePolicy"]
 
 
 class StalePolicy(enum.StrEnum):
