@@ -17,9 +17,13 @@ a decode that builds the cache token by token with each token's version, not a f
 
 from __future__ import annotations
 
+from collections import deque
+
 import numpy as np
+from jaxtyping import Array, Int
 
 from rpegjax.generate.decode import DecodeState
+from rpegjax.generate.paged_cache import pow2_at_least
 from rpegjax.generate.paged_slots import PagedSlots
 from rpegjax.generate.requests import Request
 
@@ -49,13 +53,16 @@ class KeptPages:
         return self.kept.get((prompt_index, sample_index))
 
 
-def claim(slots: PagedSlots, requests: list[Request], kept: set[int]) -> dict[int, int]:
+def claim(slots: PagedSlots, requests: list[Request], kept: set[int], pending: deque) -> dict[int, int]:
     """Gives each request that names a kept slot (`Request.kept`) that slot: its owner becomes (request, 0) (its
     `offset`, set when it was kept, counts the response tokens its row holds: the context's past the prompt); frees
-    (and marks for eviction on the device) the kept slots no request claims. Returns slot -> request index.
+    (and marks for eviction on the device) the kept slots no request claims; drops the claiming requests'
+    entries from the queue's `pending` (they are running). Returns slot -> request index.
     Raises when a request names a slot that keeps nothing, two name one slot, or a context does not end where
     the slot's cache does (the caller's tokens and the device's disagree)."""
     claimed: dict[int, int] = {}
+    if not kept and all(request.kept is None for request in requests):
+        return claimed
     for index, request in enumerate(requests):
         slot = request.kept
         if slot is None:
@@ -74,15 +81,26 @@ def claim(slots: PagedSlots, requests: list[Request], kept: set[int]) -> dict[in
     slots.requests = requests
     for slot, index in claimed.items():
         slots.owners[slot] = (index, 0)
+    running = [entry for entry in pending if requests[entry[0]].kept is None]
+    pending.clear()
+    pending.extend(running)
     return claimed
 
 
-def retag_rows(claimed: dict[int, int], requests: list[Request], num_slots: int, bucket: int
+def retag_rows(claimed: dict[int, int], requests: list[Request], num_slots: int, *, bucket: int | None = None
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The claimed slots' new PRNG streams (the requests' key_index and first sample), `bucket` rows padded with a
-    slot past the end (dropped): arrays for `PagedController`'s retag program."""
+    """The claimed slots' new PRNG streams (the requests' key_index and first sample), `bucket` rows (default: a
+    power of two) padded with a slot past the end (dropped): the arguments of `retag` but the state."""
+    bucket = pow2_at_least(len(claimed), num_slots) if bucket is None else bucket
     rows = np.full((bucket,), num_slots, np.int32)
     prompt_index, sample_index = np.zeros((bucket,), np.int32), np.zeros((bucket,), np.int32)
     for i, (slot, index) in enumerate(sorted(claimed.items())):
         rows[i], prompt_index[i], sample_index[i] = slot, requests[index].key_index, requests[index].first_sample
     return rows, prompt_index, sample_index
+
+
+def retag(state: DecodeState, rows: Int[Array, " r"], prompt_index: Int[Array, " r"], sample_index: Int[Array, " r"]
+          ) -> DecodeState:
+    """Kept rows take their new requests' PRNG streams (a row >= num_slots is padding)."""
+    return state.replace(prompt_index=state.prompt_index.at[rows].set(prompt_index, mode="drop"),
+                         sample_index=state.sample_index.at[rows].set(sample_index, mode="drop"))

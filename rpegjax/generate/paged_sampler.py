@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from rpegjax.generate.completion import FINISH_CODES, Completion, FinishReason, unstarted
 from rpegjax.generate.decode import DecodeStalledError, abstract_state_of
 from rpegjax.generate.live_rows import live_rows
-from rpegjax.generate.page_carry import KeptPages, claim, retag_rows
+from rpegjax.generate.page_carry import KeptPages, claim, retag, retag_rows
 from rpegjax.generate.paged_cache import CacheConfig, pages_for, pow2_at_least
 from rpegjax.generate.paged_decode import (
     decode_paged,
@@ -78,10 +78,6 @@ class PagedController:
         def rows_fn(tokens, logprobs, rows):
             return tokens[rows], logprobs[rows]
 
-        def retag_fn(state, rows, prompt_index, sample_index):  # kept rows take their new requests' PRNG streams
-            return state.replace(prompt_index=state.prompt_index.at[rows].set(prompt_index, mode="drop"),
-                                 sample_index=state.sample_index.at[rows].set(sample_index, mode="drop"))
-
         self._state_sharding = None
         self._replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())  # prefill's logits
         if mesh is None:
@@ -90,7 +86,7 @@ class PagedController:
             self._decode = jax.jit(decode_fn, static_argnums=(0,), donate_argnums=(2,))
             self._build_state = jax.jit(self._empty)
             self._rows = jax.jit(rows_fn)
-            self._retag = jax.jit(retag_fn, donate_argnums=(0,))
+            self._retag = jax.jit(retag, donate_argnums=(0,))
         else:
             state_sharding = paged_state_shardings(jax.eval_shape(self._empty), activation)
             self._state_sharding = state_sharding
@@ -109,7 +105,7 @@ class PagedController:
             self._build_state = jax.jit(self._empty, out_shardings=state_sharding)
             # only finished rows come back, replicated, so every process can read them
             self._rows = jax.jit(rows_fn, out_shardings=(replicated, replicated))
-            self._retag = jax.jit(retag_fn, in_shardings=(state_sharding,) + (replicated,) * 3,
+            self._retag = jax.jit(retag, in_shardings=(state_sharding,) + (replicated,) * 3,
                                   out_shardings=state_sharding, donate_argnums=(0,))
 
     def compile_counts(self) -> dict[str, int]:
@@ -148,7 +144,7 @@ class PagedController:
 
     def lower_retag(self, state) -> jax.stages.Lowered:
         """The program that gives kept sequences their new PRNG streams (`page_carry`), at its largest shape."""
-        return self._retag.lower(state, *retag_rows({}, [], self.num_slots, self.num_slots))
+        return self._retag.lower(state, *retag_rows({}, [], self.num_slots, bucket=self.num_slots))
 
     # ---- the controller ----------------------------------------------------------------------------
     def run(self, params, requests: list[Request], arrays, key: jax.Array, version, *, continuous: bool,
@@ -167,12 +163,8 @@ class PagedController:
                                pages_per_replica=self.pages_per_replica, page_size=self.page_size,
                                max_pages=self.max_pages, chunk_steps=self.chunk_steps)
             state = self.new_state()
-        if any(r.kept is not None for r in requests) or kept:
-            claimed = claim(slots, requests, kept)
-            queue.pending = type(queue.pending)(e for e in queue.pending if requests[e[0]].kept is None)
-            if claimed:
-                state = self._retag(state, *retag_rows(claimed, requests, self.num_slots,
-                                                       pow2_at_least(len(claimed), self.num_slots)))
+        if claimed := claim(slots, requests, kept, queue.pending):
+            state = self._retag(state, *retag_rows(claimed, requests, self.num_slots))
         pending = queue.pending
         while True:
             if interrupt is not None and interrupt():
