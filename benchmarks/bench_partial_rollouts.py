@@ -1,22 +1,24 @@
-"""Partial rollouts on a long tail (W-tail's lengths through W-small's GRPO step): seconds per step with and
-without `--rollout.partial`, in one run, interleaved, with every program compiled before the timed steps.
+"""Partial rollouts on a long tail (W-tail's lengths through W-small's GRPO step): seconds per step without
+`--rollout.partial` and with it, carried sequences recomputed or keeping their KV pages (`--rollout.partial_carry`),
+in one run, interleaved, with every program compiled before the timed steps.
 
-The W-small model (shared/WORKLOADS.md), 8 prompts x 4 samples of 32-token prompts per step, temperature 1; a
+The W-small model (shared/WORKLOADS.md), `--prompts` (8) prompts x 4 samples of 32-token prompts per step (fewer
+prompts: fewer tokens trained per decode step, so generation is a larger share of the step), temperature 1; a
 response ends when it samples one of 1 / `--mean` of the vocabulary (so lengths are geometric with a mean near
 `--mean`) or at the budget of 8x that mean: W-tail's long tail (max 8x mean). GRPO with a reference model,
 asynchrony bound 1, the job's default graph (fused inference), the paged KV cache (`--layout`) with live decode
-buckets. Both modes share one learner and one sampler, so a program compiled for one is compiled for both.
+buckets. The modes share one learner and one sampler, so a program compiled for one is compiled for all.
 
-Order of work: `--warmup-rounds` untimed runs of both modes, `--skip` + `--warmup-steps` steps each (they compile
+Order of work: `--warmup-rounds` untimed runs of every mode, `--skip` + `--warmup-steps` steps each (they compile
 the programs the shapes of a run reach),
-then `--rounds` rounds, each running both modes (the order alternating between rounds) for `--skip` untimed steps
+then `--rounds` rounds, each running every mode (the order rotating between rounds) for `--skip` untimed steps
 (the pipeline fills: the partial pool is empty at step 0) and `--steps` timed steps. Reported per mode: the median,
 min and max of the timed step times over every round and their ratio; the seconds a step spends generating
 (the rollout stage's spans); programs compiled during timed steps (every XLA backend compile, counted through
 `jax.monitoring`: in the first run of a shape, not after); the response lengths trained; the steps' mean
-`generate/slot_occupancy`; the version lag.
+`generate/slot_occupancy`; the version lag; the carried sequences recomputed and kept.
 
-    python benchmarks/bench_partial_rollouts.py [--steps 10] [--rounds 2] [--layout paged]
+    python benchmarks/bench_partial_rollouts.py [--steps 10] [--rounds 2] [--layout paged] [--prompts 8]
 """
 
 from __future__ import annotations
@@ -44,10 +46,11 @@ from rpegjax.options import CacheLayout
 from rpegjax.rewards.runner import Isolation, RewardRunner, RewardRunnerConfig
 from rpegjax.runtime.assembly import RolloutShape, place_models
 from rpegjax.runtime.controller import Runtime
-from rpegjax.runtime.partial_rollouts import PartialRolloutConfig
+from rpegjax.runtime.partial_rollouts import CarryMode, PartialRolloutConfig
 from rpegjax.runtime.programs import StagePrograms
 
-PROMPTS, GROUP, PROMPT_LEN = 8, 4, 32
+GROUP, PROMPT_LEN = 4, 32
+MODES = ("plain", "recompute", "pages")  # without partial rollouts, then with each carry
 
 
 class CompileCounter:
@@ -73,7 +76,8 @@ class Bench:
     """One learner and sampler (compiled once) shared by every run of both modes."""
 
     def __init__(self, mean: int, layout: CacheLayout, chunk_steps: int, length_bucket: int | None,
-                 pack_tokens: int | None = None):
+                 pack_tokens: int | None = None, prompts: int = 8):
+        self.prompts_per_step = prompts
         self.cfg = ModelConfig.w_small()
         graph = transforms.default_fusion(builders.grpo_graph(use_reference=True, async_bound=1))
         execution = dataclasses.replace(graph.execution, kv_cache=layout, packing=pack_tokens is not None,
@@ -83,7 +87,7 @@ class Bench:
             self.graph, Decoder(self.cfg, rngs=nnx.Rngs(0)),
             GRPOConfig(group_size=GROUP, kl_coef=0.04, clip_low=0.2, clip_high=0.2, decoupled=True, importance_cap=5.0,
                        length_bucket=length_bucket, optimizer=OptimizerConfig(learning_rate=1e-5)),
-            RolloutShape(num_slots=PROMPTS * GROUP, max_prompt_len=PROMPT_LEN, max_new_tokens=8 * mean,
+            RolloutShape(num_slots=prompts * GROUP, max_prompt_len=PROMPT_LEN, max_new_tokens=8 * mean,
                          chunk_steps=chunk_steps))
         self.sampling = SamplingConfig(max_new_tokens=8 * mean, temperature=1.0, ignore_eos=True,
                                        stop_ids=tuple(range(1, self.cfg.vocab_size, mean)))  # 1 id in `mean` stops
@@ -92,16 +96,17 @@ class Bench:
         self.examples = [Example(id=key, prompt=key, answer="0", task="w-tail") for key in self.prompts]
         self.compiles = CompileCounter()
 
-    def run(self, partial: bool, steps: int, skip: int) -> dict:
-        """`skip` + `steps` steps of one mode from the initial weights; the figures of the last `steps`."""
+    def run(self, mode: str, steps: int, skip: int) -> dict:
+        """`skip` + `steps` steps of one mode (`MODES`) from the initial weights; the figures of the last `steps`."""
+        partial = None if mode == "plain" else PartialRolloutConfig(max_token_lag=3, carry=CarryMode(mode))
         rewards = RewardRunner(even_token_reward, RewardRunnerConfig(timeout_s=10.0, workers=1,
                                                                       isolation=Isolation.THREAD))
         programs = StagePrograms(learner=self.learner, sampler=self.sampler, sampling=self.sampling, group_size=GROUP,
                                  rewards=rewards, decode=lambda ids: " ".join(str(int(i)) for i in ids), pad_id=0)
-        trace = Trace("partial" if partial else "plain")
-        runtime = Runtime(self.graph, programs, DataIterator(self.examples, batch_size=PROMPTS, seed=0),
+        trace = Trace(mode)
+        runtime = Runtime(self.graph, programs, DataIterator(self.examples, batch_size=self.prompts_per_step, seed=0),
                           prompt_ids=lambda batch: [self.prompts[e.id] for e in batch], key=jax.random.key(0),
-                          trace=trace, partial=PartialRolloutConfig(max_token_lag=3) if partial else None)
+                          trace=trace, partial=partial)
         ends, results, compiles = [time.perf_counter()], [], []
 
         def on_step(result, state) -> None:
@@ -125,7 +130,9 @@ class Bench:
                 "lag_max": max(r.metrics["version_lag/max"] for r in timed),
                 "lag_mean": float(np.mean([r.metrics["version_lag/mean"] for r in timed])),
                 "carried_sequences": sum(r.metrics.get("partial/carried_sequences", 0.0) for r in timed),
-                "dropped_groups": sum(r.metrics.get("partial/dropped_groups", 0.0) for r in timed)}
+                "dropped_groups": sum(r.metrics.get("partial/dropped_groups", 0.0) for r in timed),
+                **{name: sum(r.metrics.get(f"partial/{name}", 0.0) for r in timed)
+                   for name in ("kept_sequences", "recomputed_sequences")}}
 
 
 def summarise(runs: list[dict]) -> dict:
@@ -141,7 +148,8 @@ def summarise(runs: list[dict]) -> dict:
             "version_lag_mean": float(np.mean([run["lag_mean"] for run in runs])),
             "version_lag_max": max(run["lag_max"] for run in runs),
             "carried_sequences": sum(run["carried_sequences"] for run in runs),
-            "dropped_groups": sum(run["dropped_groups"] for run in runs)}
+            "dropped_groups": sum(run["dropped_groups"] for run in runs),
+            **{name: sum(run[name] for run in runs) for name in ("kept_sequences", "recomputed_sequences")}}
 
 
 def main() -> None:
@@ -157,25 +165,27 @@ def main() -> None:
     parser.add_argument("--length-bucket", type=int, default=None, help="the learner's length bucket (None: full)")
     parser.add_argument("--pack-tokens", type=int, default=None,
                         help="sequence packing into rows of this many tokens (None: rows padded)")
+    parser.add_argument("--prompts", type=int, default=8, help="prompts per step (x 4 samples)")
     args = parser.parse_args()
-    bench = Bench(args.mean, CacheLayout(args.layout), args.chunk_steps, args.length_bucket, args.pack_tokens)
+    bench = Bench(args.mean, CacheLayout(args.layout), args.chunk_steps, args.length_bucket, args.pack_tokens,
+                  args.prompts)
     print(f"load average at start: {open('/proc/loadavg').read().split()[:3]}", flush=True)
     for index in range(args.warmup_rounds):
-        for partial in (False, True):
+        for mode in MODES:
             start = time.perf_counter()
-            bench.run(partial, args.warmup_steps, args.skip)
-            print(f"warm-up {index} partial={partial}: {time.perf_counter() - start:.1f} s, "
+            bench.run(mode, args.warmup_steps, args.skip)
+            print(f"warm-up {index} {mode}: {time.perf_counter() - start:.1f} s, "
                   f"{bench.compiles.count} programs compiled so far", flush=True)
-    runs: dict[bool, list[dict]] = {False: [], True: []}
+    runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
     for index in range(args.rounds):
-        for partial in ((False, True) if index % 2 == 0 else (True, False)):
-            out = bench.run(partial, args.steps, args.skip)
-            runs[partial].append(out)
-            print(f"round {index} partial={partial}: median {statistics.median(out['step_seconds']):.2f} s/step, "
+        for mode in MODES[index % len(MODES):] + MODES[:index % len(MODES)]:
+            out = bench.run(mode, args.steps, args.skip)
+            runs[mode].append(out)
+            print(f"round {index} {mode}: median {statistics.median(out['step_seconds']):.2f} s/step, "
                   f"generating {statistics.median(out['generate_seconds']):.2f} s, {out['compiles']} compiles",
                   flush=True)
-    summary = {"without": summarise(runs[False]), "partial": summarise(runs[True])}
-    summary["speedup"] = summary["without"]["median_s"] / summary["partial"]["median_s"]
+    summary = {mode: summarise(runs[mode]) for mode in MODES}
+    summary["speedup"] = {mode: summary["plain"]["median_s"] / summary[mode]["median_s"] for mode in MODES[1:]}
     summary["budget"] = 8 * args.mean
     summary["layout"] = args.layout
     summary["load_average_end"] = open("/proc/loadavg").read().split()[:3]

@@ -25,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from rpegjax.generate.completion import FINISH_CODES, Completion, FinishReason, unstarted
 from rpegjax.generate.decode import DecodeStalledError, abstract_state_of
 from rpegjax.generate.live_rows import live_rows
+from rpegjax.generate.page_carry import KeptPages, claim, retag, retag_rows
 from rpegjax.generate.paged_cache import CacheConfig, pages_for, pow2_at_least
 from rpegjax.generate.paged_decode import (
     decode_paged,
@@ -91,6 +92,7 @@ class PagedController:
             self._build_state = jax.jit(self._empty)
             self._rows = jax.jit(rows_fn)
             self._routing_rows = jax.jit(routing_rows_fn)
+            self._retag = jax.jit(retag, donate_argnums=(0,))
         else:
             state_sharding = paged_state_shardings(jax.eval_shape(self._empty), activation)
             self._state_sharding = state_sharding
@@ -110,6 +112,8 @@ class PagedController:
             # only finished rows come back, replicated, so every process can read them
             self._rows = jax.jit(rows_fn, out_shardings=(replicated, replicated))
             self._routing_rows = jax.jit(routing_rows_fn, out_shardings=replicated)
+            self._retag = jax.jit(retag, in_shardings=(state_sharding,) + (replicated,) * 3,
+                                  out_shardings=state_sharding, donate_argnums=(0,))
 
     def compile_counts(self) -> dict[str, int]:
         return {"prefill": self._prefill._cache_size(), "start": self._start._cache_size(),
@@ -145,23 +149,33 @@ class PagedController:
                                     np.int32(self.chunk_steps))
         return {"prefill": prefill, "start": start, "decode": decode}
 
+    def lower_retag(self, state) -> jax.stages.Lowered:
+        """The program that gives kept sequences their new PRNG streams (`page_carry`), at its largest shape."""
+        return self._retag.lower(state, *retag_rows({}, [], self.num_slots, bucket=self.num_slots))
+
     # ---- the controller ----------------------------------------------------------------------------
     def run(self, params, requests: list[Request], arrays, key: jax.Array, version, *, continuous: bool,
             feed: RequestFeed | None = None, interrupt: Callable[[], bool] | None = None,
-            tally=None) -> Iterator[Completion]:
+            tally=None, keep: KeptPages | None = None) -> Iterator[Completion]:
         """Serves `requests`, and those `feed` adds before each chunk (blocking on `feed.wait()` when idle).
         `interrupt()` is asked before each chunk: once True, every running and pending sequence is handed out
         as a `PARTIAL` completion (its tokens so far) and the run ends. `tally`: a `SamplerStats` that also
-        counts this call's decode chunks."""
+        counts this call's decode chunks. `keep`: the running sequences an interruption hands out keep their
+        slots and pages there, and requests naming them (`Request.kept`) continue them (`page_carry`)."""
         queue = RequestQueue(requests, lambda index, request: (index, tuple(range(request.samples))))
-        requests, pending = queue.requests, queue.pending  # grown in place as the feed adds requests
-        slots = PagedSlots(requests, num_slots=self.num_slots, replicas=self.replicas,
-                           pages_per_replica=self.pages_per_replica, page_size=self.page_size,
-                           max_pages=self.max_pages, chunk_steps=self.chunk_steps)
-        state = self.new_state()
+        requests = queue.requests  # grown in place as the feed adds requests
+        state, slots, kept = keep.take() if keep is not None else (None, None, set())
+        if slots is None:
+            slots = PagedSlots(requests, num_slots=self.num_slots, replicas=self.replicas,
+                               pages_per_replica=self.pages_per_replica, page_size=self.page_size,
+                               max_pages=self.max_pages, chunk_steps=self.chunk_steps)
+            state = self.new_state()
+        if claimed := claim(slots, requests, kept, queue.pending):
+            state = self._retag(state, *retag_rows(claimed, requests, self.num_slots))
+        pending = queue.pending
         while True:
             if interrupt is not None and interrupt():
-                yield from self._interrupted(state, slots, pending, version)
+                yield from self._interrupted(state, slots, pending, version, keep)
                 return
             if not queue.refill(feed, idle=slots.idle()):
                 return
@@ -236,20 +250,26 @@ class PagedController:
                                               limits)
         return state, finished, num_generated, finish
 
-    def _interrupted(self, state, slots: PagedSlots, pending, version) -> Iterator[Completion]:
-        """Every running sequence's tokens so far and every pending one (none), as `PARTIAL` completions."""
+    def _interrupted(self, state, slots: PagedSlots, pending, version, keep: KeptPages | None
+                     ) -> Iterator[Completion]:
+        """Every running sequence's tokens so far and every pending one (none), as `PARTIAL` completions; with
+        `keep`, the running ones keep their slots there (`page_carry`)."""
         running = slots.running()
         if running:
             num_generated = jax.device_get(state.num_generated)
-            yield from self._hand_out(state, slots, running, num_generated, None, version, FinishReason.PARTIAL)
+            yield from self._hand_out(state, slots, running, num_generated, None, version, FinishReason.PARTIAL,
+                                      keep=keep is not None)
+            if keep is not None:
+                keep.keep(state, slots, {slots.owners[slot]: slot for slot in running})
         for prompt, samples in pending:
             for sample in samples:
                 yield unstarted(prompt, sample, slots.requests[prompt].tokens, version)
 
     def _hand_out(self, state, slots: PagedSlots, finished: list[int], num_generated, finish, version,
-                  reason: FinishReason | None = None) -> Iterator[Completion]:
-        """Completions of the `finished` slots, whose pages return to the pool (`reason`: instead of the
-        finish codes)."""
+                  reason: FinishReason | None = None, *, keep: bool = False) -> Iterator[Completion]:
+        """Completions of the `finished` slots (their tokens past the slot's `offset`), whose pages return to the
+        pool unless `keep` (their offsets then move past the tokens handed out); `reason`: instead of the finish
+        codes."""
         bucket = pow2_at_least(len(finished), self.num_slots)
         rows = np.full((bucket,), finished[0], np.int32)
         rows[: len(finished)] = finished
@@ -257,11 +277,15 @@ class PagedController:
         routing = None if state.routing is None else jax.device_get(self._routing_rows(state.routing, rows))
         for row, slot in enumerate(finished):
             prompt, sample = slots.owners[slot]
-            n = int(num_generated[slot])
+            n, first = int(num_generated[slot]), int(slots.offset[slot])
             size = slots.requests[prompt].size
-            slots.release(slot)
+            if keep:
+                slots.offset[slot] = n
+            else:
+                slots.release(slot)
             yield Completion(prompt_index=prompt, sample_index=sample, prompt_ids=slots.requests[prompt].tokens.copy(),
-                             response_ids=np.array(tokens[row, :n]), behaviour_logprobs=np.array(logprobs[row, :n]),
+                             response_ids=np.array(tokens[row, first:n]),
+                             behaviour_logprobs=np.array(logprobs[row, first:n]),
                              finish_reason=reason or FINISH_CODES[int(finish[slot])], version=version,
                              expert_ids=None if routing is None else np.array(routing[row, :size + n]))
 

@@ -18,7 +18,8 @@ class PagedSlots:
     `owners[slot]`: (request index, sample) or None when free; `held[slot]`: its pages in table order (the same
     ids as `table[slot]`); `cache_length[slot]`: tokens it has cached; `admitted_at[slot]`: its admission order
     (preemption takes the newest); `evict[slot]`: preempted since the last decode chunk (the chunk clears the row
-    on the device).
+    on the device); `offset[slot]`: response tokens its row held when its request began (a sequence kept across
+    calls, `page_carry.KeptPages`: its request's context already ends with them).
     """
 
     def __init__(self, requests: list[Request], *, num_slots: int, replicas: int, pages_per_replica: int,
@@ -36,6 +37,7 @@ class PagedSlots:
         self.admitted_at = np.zeros(num_slots, np.int64)
         self.cache_length = np.zeros(num_slots, np.int64)
         self.evict = np.zeros(num_slots, bool)
+        self.offset = np.zeros(num_slots, np.int64)
         self.admissions = 0  # sequences admitted so far: the next one's `admitted_at`
         self.shared_references = 0  # prompt pages a sample uses without a copy of its own, over admissions
 
@@ -125,6 +127,7 @@ class PagedSlots:
             self.owners[slot] = (prompt, sample)
             self.evict[slot] = False  # a slot preempted and refilled before any decode: start_rows resets it
             self.cache_length[slot] = size
+            self.offset[slot] = 0
             self.admitted_at[slot] = self.admissions
             self.admissions += 1
         return len(shared) * (len(samples) - 1)
@@ -158,4 +161,5 @@ class PagedSlots:
     def record_generated(self, running: list[int], num_generated: np.ndarray) -> None:
         """Cache lengths after a chunk: the context plus every response token but the last (not cached yet)."""
         for slot in running:
-            self.cache_length[slot] = self.requests[self.owners[slot][0]].size + int(num_generated[slot]) - 1
+            generated = int(num_generated[slot]) - int(self.offset[slot])
+            self.cache_length[slot] = self.requests[self.owners[slot][0]].size + generated - 1

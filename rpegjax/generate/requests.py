@@ -31,6 +31,7 @@ class Request:
     samples: int = 1
     key_index: int
     first_sample: int = 0
+    kept: int | None = None
 
     @property
     def size(self) -> int:
@@ -100,4 +101,7 @@ def check_request(request: Request, *, where: str, vocab_size: int, capacity: in
                          f"capacity of {capacity} tokens")
     if request.samples > max_samples:
         raise ValueError(f"{where}: {request.samples} samples exceed the {max_samples} slots a group may use")
+    if request.kept is not None and request.samples != 1:
+        raise ValueError(f"{where}: a request continuing kept pages (kept={request.kept}) is one sample, got "
+                         f"{request.samples}")
     return dataclasses.replace(request, tokens=ids.astype(np.int32))

@@ -38,6 +38,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from rpegjax.generate.completion import Completion
 from rpegjax.generate.contiguous_sampler import ContiguousController
 from rpegjax.generate.decode import DecodeState, routing_shape
+from rpegjax.generate.page_carry import KeptPages
 from rpegjax.generate.paged_cache import CacheConfig
 from rpegjax.generate.paged_sampler import PagedController
 from rpegjax.generate.requests import Request, RequestFeed, check_request
@@ -281,6 +282,14 @@ class Sampler:
         return self.controller.lower_programs(params, state, key, arrays, max_prompt_len=longest,
                                               group_size=group_size)
 
+    def lower_kept_retag(self) -> jax.stages.Lowered:
+        """The program partial rollouts with kept pages run when a call continues kept sequences
+        (`rpegjax.generate.page_carry`: their rows take new PRNG streams), at its largest shape (paged cache only)."""
+        if self.paged is None:
+            raise ValueError("Sampler.lower_kept_retag: kept KV pages need the paged cache; this sampler's is "
+                             "contiguous")
+        return self.paged.lower_retag(self.abstract_state())
+
     def _check_params(self, params: nnx.State) -> None:
         """On a mesh, parameters must already be in the generation layout (moving them is weight sync's job)."""
         if self.params_sharding is None:
@@ -344,12 +353,17 @@ class Sampler:
 
     def serve(self, params: nnx.State, requests: Sequence[Request], sampling: SamplingConfig, *, key: jax.Array,
               version: int | None = None, interrupt: Callable[[], bool] | None = None,
-              stats: SamplerStats | None = None) -> Iterator[Completion]:
+              stats: SamplerStats | None = None, keep: KeptPages | None = None) -> Iterator[Completion]:
         """Continuous batching of prepared `requests` (a context may be longer than max_prompt_len when context +
         budget fit the capacity: a continued sequence). Completion i's `prompt_index` is its request's position.
         `interrupt()` is asked before each decode chunk: once True, every sequence still running or waiting is
         handed out as a `FinishReason.PARTIAL` completion holding its tokens so far, and the stream ends. `stats`:
-        as `stream`'s."""
+        as `stream`'s. `keep` (paged cache only): the sequences an interruption hands out keep their KV pages
+        there, and a later call's requests naming their slots (`Request.kept`) continue them unprefilled
+        (`rpegjax.generate.page_carry`)."""
+        if keep is not None and self.paged is None:
+            raise ValueError("Sampler.serve(keep=...): kept KV pages need the paged cache (CacheConfig.paged(...)); "
+                             "this sampler's cache is contiguous")
         self._check_params(params)
         _check_sampling(self, sampling)
         if not isinstance(key, jax.Array):
@@ -360,8 +374,11 @@ class Sampler:
         if not checked:
             raise ValueError("Sampler.serve needs at least one request, got none")
         arrays = sampling_arrays(sampling, vocab_size=self.cfg.vocab_size, default_eos_id=self.cfg.eos_token_id)
-        return self.controller.run(params, checked, arrays, key, version, continuous=True, interrupt=interrupt,
-                                   tally=stats)
+        if keep is None:
+            return self.controller.run(params, checked, arrays, key, version, continuous=True, interrupt=interrupt,
+                                       tally=stats)
+        return self.paged.run(params, checked, arrays, key, version, continuous=True, interrupt=interrupt, tally=stats,
+                              keep=keep)
 
     def generate(self, params: nnx.State, prompts, sampling: SamplingConfig, *, group_size: int = 1,
                  key: jax.Array, version: int | None = None, budgets=None) -> list[Completion]:

@@ -39,6 +39,7 @@ from rpegjax.options import (
     MODEL_EXECUTION_FIELDS,
     AttentionKind,
     CacheLayout,
+    CarryMode,
     DType,
     OptimizerSharding,
     RematPolicy,
@@ -304,8 +305,9 @@ class Execution:
     `context` axis of a stage's parallel sizes, not an option.
     partial_rollouts / inflight_batches / max_token_lag: generation runs continuously over `inflight_batches`
     batches of groups, a step trains the first to complete and carries the sequences still decoding into the next
-    (re-prefilled under the newer weights); a trained token lags at most `max_token_lag` versions (None: the
-    asynchrony bound + 2). The job's `rollout.partial`, `rollout.inflight_batches`, `rollout.max_token_lag`
+    (`partial_carry`: `recompute`, re-prefilled under the newer weights, or `pages`, their KV pages kept in the paged
+    pool); a trained token lags at most `max_token_lag` versions (None: the asynchrony bound + 2). The job's
+    `rollout.partial`, `rollout.inflight_batches`, `rollout.max_token_lag`, `rollout.partial_carry`
     (`rpegjax.runtime.partial_rollouts`).
     Generation micro-batches are the stages' own `microbatches`.
     """
@@ -330,10 +332,12 @@ class Execution:
     partial_rollouts: bool = False
     inflight_batches: int = 2
     max_token_lag: int | None = None
+    partial_carry: CarryMode = CarryMode.RECOMPUTE
 
     def __post_init__(self) -> None:
         for name, kind in (("attention", AttentionKind), ("remat", RematPolicy), ("kv_cache", CacheLayout),
-                           ("param_dtype", DType), ("dtype", DType), ("optimizer_sharding", OptimizerSharding)):
+                           ("param_dtype", DType), ("dtype", DType), ("optimizer_sharding", OptimizerSharding),
+                           ("partial_carry", CarryMode)):
             try:
                 object.__setattr__(self, name, parse_choice(kind, getattr(self, name), f"Execution.{name}"))
             except ValueError as error:
@@ -379,9 +383,13 @@ class Execution:
             raise GraphError(f"Execution.inflight_batches must be an integer >= 2, got {batches!r}")
         if lag is not None and (isinstance(lag, bool) or not isinstance(lag, int) or lag < 1):
             raise GraphError(f"Execution.max_token_lag must be a positive integer or null, got {lag!r}")
-        if not self.partial_rollouts and (batches != 2 or lag is not None):
-            raise GraphError(f"Execution.inflight_batches={batches} and max_token_lag={lag} set partial rollouts; "
-                             "set partial_rollouts too (or leave them at 2 and null)")
+        if not self.partial_rollouts and (batches != 2 or lag is not None or self.partial_carry != CarryMode.RECOMPUTE):
+            raise GraphError(f"Execution.inflight_batches={batches}, max_token_lag={lag} and partial_carry="
+                             f"{self.partial_carry} set partial rollouts; set partial_rollouts too (or leave them at "
+                             "2, null and recompute)")
+        if self.partial_carry == CarryMode.PAGES and self.kv_cache != CacheLayout.PAGED:
+            raise GraphError(f"Execution.partial_carry=pages keeps carried sequences' pages in the paged KV cache; "
+                             f"the {self.kv_cache} cache has none (set kv_cache to paged, or partial_carry to recompute)")
 
     def model_fields(self) -> dict[str, Any]:
         """The fields a model config takes (`ModelConfig` execution fields)."""
@@ -415,7 +423,8 @@ class Execution:
         optimizer += ", optimiser state offloaded" if self.optimizer_offload else ""
         sequence = ", sequence parallel" if self.sequence_parallel else ""
         lag = "k+2" if self.max_token_lag is None else self.max_token_lag
-        sequence += (f", partial rollouts ({self.inflight_batches} batches in flight, token lag <= {lag})"
+        sequence += (f", partial rollouts ({self.inflight_batches} batches in flight, token lag <= {lag}, carry "
+                     f"{self.partial_carry})"
                      if self.partial_rollouts else "")
         return (f"{self.attention} attention, remat {self.remat}, {self.param_dtype}/{self.dtype}, "
                 f"{self.kv_cache} KV cache{pool}{slots}{micro}{rows}{packed}{optimizer}{sequence}")

@@ -8,10 +8,11 @@ from rpegjax.options.execution import (
     MODEL_EXECUTION_FIELDS,
     AttentionKind,
     CacheLayout,
+    CarryMode,
     DType,
     OptimizerSharding,
     RematPolicy,
     parse_choice,
 )
 
-__all__ = ["MODEL_EXECUTION_FIELDS", "AttentionKind", "CacheLayout", "DType", "OptimizerSharding", "RematPolicy", "parse_choice"]
+__all__ = ["MODEL_EXECUTION_FIELDS", "AttentionKind", "CacheLayout", "CarryMode", "DType", "OptimizerSharding", "RematPolicy", "parse_choice"]

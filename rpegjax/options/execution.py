@@ -39,6 +39,13 @@ class RematPolicy(enum.StrEnum):
     FULL = "full"  # keep only each layer's input, recompute the whole layer in the backward
 
 
+class CarryMode(enum.StrEnum):
+    """How partial rollouts continue a sequence carried into the next step (`rpegjax.runtime.partial_rollouts`)."""
+
+    RECOMPUTE = "recompute"  # its context is prefilled again with the new weights
+    PAGES = "pages"  # its KV pages stay in the paged pool and it decodes on (`rpegjax.generate.page_carry`)
+
+
 class CacheLayout(enum.StrEnum):
     """How the sampler stores keys and values (`rpegjax.generate.paged_cache`)."""
 

@@ -8,6 +8,7 @@ import math
 
 import numpy as np
 
+from rpegjax.options import CarryMode
 from rpegjax.perf import collectives, costs, experts
 from rpegjax.perf import partial_rollouts as partial
 from rpegjax.perf.costs import DecodeKernel, ModelShape
@@ -175,7 +176,8 @@ def _partial_timeline(inputs: CostInputs, layout: Layout, slots: int, step: Deco
     schedule = partial.PartialSchedule(
         group_size=w.group_size, groups_per_step=math.ceil(w.prompts / layout.replicas),
         inflight_batches=o.inflight_batches, max_token_lag=partial_carries(o.max_token_lag, async_bound),
-        async_bound=0, slots=slots, prompt=w.prompt_tokens, capacity=w.prompt_tokens + w.responses.max)
+        async_bound=0, slots=slots, prompt=w.prompt_tokens, capacity=w.prompt_tokens + w.responses.max,
+        carry_pages=o.partial_carry == CarryMode.PAGES)
     prefill = partial.PrefillCost(
         seconds_fixed=costs.forward_flops(shape, tokens=0, pairs=0, logit_tokens=1) / peak / t,
         seconds_per_token=costs.forward_flops(shape, tokens=1, pairs=0, logit_tokens=0) / peak / t,

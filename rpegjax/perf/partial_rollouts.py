@@ -6,9 +6,10 @@ them in pool order (groups carried from earlier steps first, then new prompts), 
 slots before every decode chunk (a group never started is one request of all its samples, which needs that many
 free slots at once; a started sample is a request of its own); the step ends at the first chunk boundary where
 its share of complete groups is there and every *due* group is complete (the runtime's `StalePolicy.WAIT`). The
-sequences still decoding are carried: their tokens stay, and they continue at a later step by *re-prefilling*
-prompt + prefix under the newer weights (the only carry the runtime runs: it keeps no KV pages across steps, so
-carry-vs-recompute is no choice here). A group whose first tokens were sampled at step t0 is due at step
+sequences still decoding are carried: their tokens stay, and they continue at a later step either by
+*re-prefilling* prompt + prefix under the newer weights (`carry_pages` False: the runtime's `carry=recompute`) or
+from their KV pages kept in the pool (`carry_pages`: `carry=pages`, no prefill; the kept pages' memory through
+the training step is not costed here). A group whose first tokens were sampled at step t0 is due at step
 t0 + `max_token_lag` - k (k the asynchrony bound: new tokens lag by k, so a trained token lags at most
 `max_token_lag` versions). The batch takes due groups first, then the others in order of completion.
 
@@ -38,7 +39,8 @@ class PartialSchedule:
     """One replica's partial rollouts: `groups_per_step` groups of `group_size` trained per step,
     `inflight_batches` times as many in flight, `slots` decode slots of `capacity` tokens, prompts of `prompt`
     tokens, admission and interruption every `chunk` decode steps; a trained token lags at most `max_token_lag`
-    weights versions, new ones `async_bound`."""
+    weights versions, new ones `async_bound`; `carry_pages`: carried sequences continue from kept KV pages
+    instead of a prefill of their context."""
 
     group_size: int
     groups_per_step: int
@@ -49,6 +51,7 @@ class PartialSchedule:
     prompt: int
     capacity: int
     chunk: int = 1
+    carry_pages: bool = False  # carried sequences keep their KV pages: no re-prefill
 
     def __post_init__(self) -> None:
         for name in ("group_size", "groups_per_step", "slots", "prompt", "capacity", "chunk"):
@@ -183,7 +186,7 @@ class PartialSimulation:
             prefix = group.done[samples].copy()
             # the prefill samples the first token, each decode step one more
             ends = np.minimum(start + group.lengths[samples] - prefix - 1, stop)
-            reprefill += int(prefix.sum())
+            reprefill += 0 if s.carry_pages else int(prefix.sum())
             intervals += [(start, int(end), start - int(p) - 1) for end, p in zip(ends, prefix, strict=True)]
             group.done[samples] = prefix + 1 + (ends - start)
             tokens = int((ends - start + 1).sum())
@@ -219,7 +222,9 @@ class PartialSimulation:
         = start - prefix) of every admitted sequence."""
         s, cost = self.schedule, self.cost
         starts, ends, virtual = intervals[:, 0], intervals[:, 1], intervals[:, 2]
-        prefill = float(self.prefill.seconds(s.prompt + starts - virtual - 1).sum())
+        contexts = s.prompt + starts - virtual - 1  # prompt + the prefix a carried sequence had
+        prefilled = contexts == s.prompt if s.carry_pages else np.ones(len(contexts), bool)  # kept: no prefill
+        prefill = float(self.prefill.seconds(contexts[prefilled]).sum())
         if stop == 0:
             return dict(seconds=prefill, live_row_steps=0.0, decoded_row_steps=0.0, compute_bound_steps=0)
         active, virtual_sum = running_sums(starts, ends, virtual, stop)

@@ -22,7 +22,7 @@ from typing import NamedTuple
 import numpy as np
 
 from rpegjax.graph.ir import Execution
-from rpegjax.options import CacheLayout, OptimizerSharding, RematPolicy
+from rpegjax.options import CacheLayout, CarryMode, OptimizerSharding, RematPolicy
 from rpegjax.perf import collectives, costs, experts, packed_batches
 from rpegjax.perf.costs import DecodeKernel, ModelShape
 from rpegjax.perf.generation_cost import ResponseLengths
@@ -151,10 +151,12 @@ class ExecutionOptions:
     packed_row_tokens: int | None = None
     # partial rollouts (`rpegjax.perf.partial_rollouts`): generation runs continuously over `inflight_batches`
     # batches of groups, carrying unfinished sequences into later steps; a trained token lags at most
-    # `max_token_lag` weights versions (None: the asynchrony bound + 2, as the job's default)
+    # `max_token_lag` weights versions (None: the asynchrony bound + 2, as the job's default); `partial_carry`:
+    # carried sequences re-prefilled (recompute) or continued from kept KV pages (pages)
     partial_rollouts: bool = False
     inflight_batches: int = 2
     max_token_lag: int | None = None
+    partial_carry: CarryMode = CarryMode.RECOMPUTE
     # a MoE model's expert matmuls as grouped GEMMs (Megatron, vLLM); False: as rpegjax's runtime runs its dropless
     # mode on GPU, a dense batched GEMM over every local expert of the worst-case receive buffer (`perf.experts`)
     grouped_expert_gemm: bool = True
@@ -202,7 +204,7 @@ class ExecutionOptions:
             optimizer_data_sharding=execution.optimizer_sharding is OptimizerSharding.DATA,
             optimizer_offload=execution.optimizer_offload, partial_rollouts=execution.partial_rollouts,
             inflight_batches=execution.inflight_batches, max_token_lag=execution.max_token_lag,
-            grouped_expert_gemm=False)
+            partial_carry=execution.partial_carry, grouped_expert_gemm=False)
 
     @classmethod
     def rpegjax_xla(cls, **changes) -> ExecutionOptions:

@@ -4,13 +4,16 @@ complete, and the sequences still decoding carry over into the next step's gener
 Each step's generation serves every group in flight (`PartialRolloutConfig.inflight_batches` batches of prompts:
 the groups carried over, topped up with new prompts) and is interrupted between decode chunks
 (`Sampler.serve(interrupt=...)`) as soon as the step's batch of complete groups is there; the sequences still
-running come back as prefixes (`FinishReason.PARTIAL`). A carried sequence continues at the next step by
-*recomputing* its prefix: it is a request of context prompt + prefix, prefilled with the new weights. Recompute
-rather than keeping its pages: a kept KV cache holds keys and values of older weights, so the new tokens'
-log-probs would match no single model's forward; after a recompute, the log-prob recorded for every token is
-exactly that of a full forward under the weights version that sampled it, which the corrections of the learners
-assume (`Completion.token_versions`). The price is one prefill of the prefix per carry, small next to the decode
-steps it saves.
+running come back as prefixes (`FinishReason.PARTIAL`). How a carried sequence continues is `CarryMode`:
+- `recompute`: a request of context prompt + prefix, prefilled with the new weights. The log-prob recorded for
+  every token is then exactly that of a full forward under the weights version that sampled it
+  (`Completion.token_versions`). The price is one prefill of the context per carry.
+- `pages` (paged cache): its KV pages stay in the sampler's pool across the step (`generate.page_carry`) and it
+  decodes on with the new weights, unprefilled. The cache then holds keys and values of older weights: a token's
+  recorded log-prob is that of a decode that built the cache token by token, each position with the version
+  that read it (the one that sampled the next token), not a full forward under one version. The pool stays
+  allocated through the training step (colocated), and a checkpoint holds tokens, not pages: a resumed run
+  continues its carried sequences by recomputing them once (`restore`).
 
 Staleness is bounded per token: a group trained at step t has all its tokens of versions >= t - `max_token_lag`.
 New tokens of step t are of version t - k (asynchrony bound k), so a group may be carried until its oldest token
@@ -36,9 +39,13 @@ import numpy as np
 
 from rpegjax.data.example import Example
 from rpegjax.generate.completion import Completion, FinishReason
+from rpegjax.generate.page_carry import KeptPages
 from rpegjax.generate.requests import Request
 from rpegjax.generate.sampler import Sampler, SamplerStats
 from rpegjax.generate.sampling import SamplingConfig
+from rpegjax.options import CarryMode
+
+__all__ = ["CarryMode", "Group", "PartialRolloutConfig", "PartialRollouts", "StalePolicy"]
 
 
 class StalePolicy(enum.StrEnum):
@@ -54,12 +61,14 @@ class PartialRolloutConfig:
     batch has completed, while the others keep decoding). `inflight_weights`: a step's generation takes a newer
     weights version as soon as it is published (between decode chunks, without dropping a sequence), not only at
     the next step; when it arrives depends on the trainer's timing, so the batches are no longer reproducible
-    run to run (nor after a resume, which still loses and repeats no prompt)."""
+    run to run (nor after a resume, which still loses and repeats no prompt). `carry`: how carried sequences
+    continue (`CarryMode`)."""
 
     max_token_lag: int
     stale_policy: StalePolicy = StalePolicy.WAIT
     inflight_batches: int = 2
     inflight_weights: bool = False
+    carry: CarryMode = CarryMode.RECOMPUTE
 
     def __post_init__(self) -> None:
         for name, least in (("max_token_lag", 1), ("inflight_batches", 2)):
@@ -67,6 +76,7 @@ class PartialRolloutConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"PartialRolloutConfig.{name} must be an integer >= {least}, got {value!r}")
         object.__setattr__(self, "stale_policy", StalePolicy(self.stale_policy))
+        object.__setattr__(self, "carry", CarryMode(self.carry))
 
 
 @dataclasses.dataclass
@@ -77,6 +87,7 @@ class _Sample:
     logprobs: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0,), np.float32))
     versions: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0,), np.int64))
     finish: FinishReason | None = None
+    kept: int | None = None  # carry=pages: the sampler slot keeping its pages (None: recomputed if continued)
 
     def extend(self, completion: Completion, version: int) -> None:
         self.tokens = np.concatenate([self.tokens, completion.response_ids.astype(np.int32)])
@@ -126,6 +137,7 @@ class PartialRollouts:
         self.group_size = group_size
         self.batch_size = batch_size
         self.pool: list[Group] = []
+        self.pages = _kept_pages(config, sampler)
 
     def fill(self, take_batch: Callable[[], list[Example]],
              prompt_ids: Callable[[Sequence[Example]], list[list[int]]]) -> None:
@@ -157,7 +169,8 @@ class PartialRollouts:
             for j in unfinished:
                 sample = group.samples[j]
                 requests.append(Request(tokens=np.concatenate([group.prompt, sample.tokens]),
-                                        budget=budget - len(sample.tokens), key_index=len(requests)))
+                                        budget=budget - len(sample.tokens), key_index=len(requests),
+                                        kept=sample.kept if len(sample.tokens) else None))
                 owners.append((group, [j]))
         return requests, owners
 
@@ -179,7 +192,7 @@ class PartialRollouts:
         def enough() -> bool:
             return len(completed) >= batch and all(g.complete for g in due)
 
-        segments = 0
+        segments, continued = 0, {"kept": 0, "recomputed": 0}
         while True:
             update: list[tuple[int, Any]] = []
 
@@ -193,13 +206,21 @@ class PartialRollouts:
             requests, owners = self._requests()
             if not requests or enough():
                 break
+            for request, (group, _) in zip(requests, owners, strict=True):
+                if request.size > len(group.prompt):  # a started sample's continuation
+                    continued["kept" if request.kept is not None else "recomputed"] += 1
             draw = jax.random.fold_in(key, segments) if segments else key
+            served = []
             for completion in self.sampler.serve(params, requests, self.sampling, key=draw, version=version,
-                                                 interrupt=interrupt, stats=stats):
+                                                 interrupt=interrupt, stats=stats, keep=self.pages):
                 group, samples = owners[completion.prompt_index]
                 group.samples[samples[completion.sample_index]].extend(completion, version)
+                served.append((completion, group.samples[samples[completion.sample_index]]))
                 if completion.finish_reason != FinishReason.PARTIAL and group.complete:
                     completed.append(group)
+            for completion, sample in served:  # after the call: an interruption keeps its slots at its end
+                sample.kept = (None if self.pages is None or sample.finish is not None
+                               else self.pages.slot_of(completion.prompt_index, completion.sample_index))
             if not update:
                 break
             (version, params), segments = update[0], segments + 1
@@ -213,6 +234,8 @@ class PartialRollouts:
         self.pool = [g for g in remaining if (o := g.oldest()) is None or step + 1 - o <= self.config.max_token_lag]
         metrics = self._metrics(ordered[:batch], first_version, dropped=len(remaining) - len(self.pool))
         metrics["partial/weight_updates_in_flight"] = float(segments)
+        metrics["partial/kept_sequences"] = float(continued["kept"])
+        metrics["partial/recomputed_sequences"] = float(continued["recomputed"])
         return ordered[:batch], metrics
 
     # ---- resume ------------------------------------------------------------------------------------
@@ -227,7 +250,11 @@ class PartialRollouts:
              "finish": None if s.finish is None else s.finish.value} for s in g.samples]} for g in self.pool]}
 
     def restore(self, snapshot: dict[str, Any], examples: Sequence[Example]) -> None:
-        """The groups in flight of `snapshot` (from `snapshot`); float32 log-probs round-trip exactly."""
+        """The groups in flight of `snapshot` (from `snapshot`); float32 log-probs round-trip exactly. A snapshot
+        holds no KV pages: with carry=pages the restored sequences continue by a recompute of their contexts
+        (once; they keep their pages after), and the pages this object kept are freed."""
+        if self.pages is not None:
+            self.pages.take()
         self.pool = [Group(example=examples[g["example"]], prompt=np.asarray(g["prompt"], np.int32), samples=[
             _Sample(tokens=np.asarray(s["tokens"], np.int32).reshape(-1),
                     logprobs=np.asarray(s["logprobs"], np.float32).reshape(-1),
@@ -242,3 +269,21 @@ class PartialRollouts:
                 "partial/dropped_groups": float(dropped),
                 "partial/carried_sequences": float(len(carried)),
                 "partial/carried_tokens": float(sum(int((s.versions < version).sum()) for s in carried))}
+
+
+def _kept_pages(config: PartialRolloutConfig, sampler: Sampler) -> KeptPages | None:
+    """carry=pages: where the sampler keeps carried sequences' pages. Refused without a paged cache, or with a pool
+    that can run dry: a preempted kept sequence would restart from a recompute of its context, which mixes the
+    two carries' log-probs in one sequence."""
+    if config.carry != CarryMode.PAGES:
+        return None
+    paged = sampler.paged
+    if paged is None:
+        raise ValueError("partial rollouts with carry=pages (rollout.partial_carry) keep KV pages in the paged "
+                         "pool: the sampler's cache is contiguous; set the paged cache (rollout.kv_cache=paged) or "
+                         "carry=recompute")
+    if paged.pages_per_replica < paged.slots_per_replica * paged.max_pages:
+        raise ValueError(f"partial rollouts with carry=pages: the paged pool ({paged.pages_per_replica} pages a "
+                         f"replica) must hold every slot at full capacity ({paged.slots_per_replica} slots x "
+                         f"{paged.max_pages} pages), or a kept sequence could be preempted and recomputed")
+    return KeptPages()

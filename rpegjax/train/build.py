@@ -26,7 +26,7 @@ from rpegjax.models.hf import load_pretrained, read_config
 from rpegjax.models.precision import Precision
 from rpegjax.models.tokenizer import builtin_tokenizer, load_tokenizer
 from rpegjax.models.transformer import Decoder
-from rpegjax.options import MODEL_EXECUTION_FIELDS
+from rpegjax.options import MODEL_EXECUTION_FIELDS, CarryMode
 from rpegjax.rewards.custom import RewardedTask, load_rewards
 from rpegjax.rewards.dataset_task import MathDatasetTask
 from rpegjax.rewards.math import check_gold_answer
@@ -243,7 +243,7 @@ def _partial_fields(cfg: RunConfig) -> dict[str, Any]:
     if not rollout.partial:
         return {}
     return {"partial_rollouts": True, "inflight_batches": rollout.inflight_batches,
-            "max_token_lag": rollout.max_token_lag}
+            "max_token_lag": rollout.max_token_lag, "partial_carry": rollout.partial_carry}
 
 
 def run_partial_rollouts(cfg: RunConfig, graph: Graph) -> PartialRolloutConfig | None:
@@ -256,25 +256,28 @@ def run_partial_rollouts(cfg: RunConfig, graph: Graph) -> PartialRolloutConfig |
     lag = graph.async_bound + 2 if execution.max_token_lag is None else execution.max_token_lag
     return PartialRolloutConfig(max_token_lag=lag, stale_policy=cfg.rollout.stale_policy,
                                 inflight_batches=execution.inflight_batches,
-                                inflight_weights=cfg.rollout.inflight_weights)
+                                inflight_weights=cfg.rollout.inflight_weights, carry=execution.partial_carry)
 
 
 def _check_plan_partial(cfg: RunConfig, graph: Graph, where: str) -> None:
     """A run that sets partial rollouts other than its plan's is refused (one that leaves them unset runs the
     plan's); a plan with partial rollouts must suit the run (no dynamic sampling, no multi-turn episodes)."""
     defaults, rollout = RolloutSection(), cfg.rollout
-    asked = {name: getattr(rollout, name) for name in ("partial", "inflight_batches", "max_token_lag")
+    shown = lambda value: value.value if isinstance(value, CarryMode) else value  # noqa: E731
+    asked = {name: shown(getattr(rollout, name)) for name in ("partial", "inflight_batches", "max_token_lag",
+                                                              "partial_carry")
              if getattr(rollout, name) != getattr(defaults, name)}
     plan = graph.execution
     planned = {"partial": plan.partial_rollouts, "inflight_batches": plan.inflight_batches,
-               "max_token_lag": plan.max_token_lag}
+               "max_token_lag": plan.max_token_lag, "partial_carry": plan.partial_carry.value}
     if asked != {name: planned[name] for name in asked}:
         raise ValueError(f"{where}: the plan's partial rollouts are {planned}, this run asks for {asked} "
-                         f"(rollout.partial, inflight_batches, max_token_lag; plan again, or leave them unset to run "
+                         f"(rollout.partial, inflight_batches, max_token_lag, partial_carry; plan again, or leave them unset to run "
                          f"the plan's)")
     if plan.partial_rollouts and not rollout.partial:  # the run's own checks of partial rollouts, on the plan's
         try:
-            dataclasses.replace(cfg, rollout=dataclasses.replace(rollout, partial=True, max_token_lag=None),
+            dataclasses.replace(cfg, rollout=dataclasses.replace(rollout, partial=True, max_token_lag=None,
+                                                                 partial_carry=plan.partial_carry),
                                 graph=dataclasses.replace(cfg.graph, async_bound=graph.async_bound))
         except ValueError as error:
             raise ValueError(f"{where}: the plan runs partial rollouts: {error}") from None

@@ -32,6 +32,7 @@ from rpegjax.options import (
     MODEL_EXECUTION_FIELDS,
     AttentionKind,
     CacheLayout,
+    CarryMode,
     DType,
     OptimizerSharding,
     RematPolicy,
@@ -222,16 +223,19 @@ class RolloutSection:
     # trains the first batch to complete and carries the rest into the next step's generation (newer weights);
     # a trained token lags the trainer by at most max_token_lag versions (None: graph.async_bound + 2), the groups
     # that would lag more are waited for or dropped (stale_policy); inflight_weights: a step's generation takes newer
-    # weights as soon as they are published, between decode chunks (the batches then depend on timing)
+    # weights as soon as they are published, between decode chunks (the batches then depend on timing); partial_carry:
+    # carried sequences recompute their prefix with the new weights, or keep their KV pages (kv_cache=paged)
     partial: bool = False
     max_token_lag: int | None = None
     stale_policy: StalePolicy = StalePolicy.WAIT
     inflight_batches: int = 2
     inflight_weights: bool = False
+    partial_carry: CarryMode = CarryMode.RECOMPUTE
 
     def __post_init__(self) -> None:
         _positive(self, "prompts_per_step", "group_size", "max_new_tokens", "num_slots", "chunk_steps", "max_turns")
         _choice(self, "stale_policy", StalePolicy)
+        _choice(self, "partial_carry", CarryMode)
         if self.max_token_lag is not None:
             _positive(self, "max_token_lag")
         if self.inflight_batches < 2:
@@ -613,7 +617,16 @@ class RunConfig:
             raise ValueError("rollout.inflight_weights continues partial rollouts with newer weights; set "
                              "rollout.partial=true too")
         if not rollout.partial:
+            if rollout.partial_carry != CarryMode.RECOMPUTE:
+                raise ValueError(f"rollout.partial_carry={rollout.partial_carry} chooses how partial rollouts carry "
+                                 "sequences; set rollout.partial=true too")
             return
+        if rollout.partial_carry == CarryMode.PAGES and rollout.kv_cache != CacheLayout.PAGED:
+            raise ValueError("rollout.partial_carry=pages keeps carried sequences' KV pages in the paged pool; set "
+                             "rollout.kv_cache=paged too (or partial_carry=recompute)")
+        if rollout.partial_carry == CarryMode.PAGES and rollout.kv_pool_tokens is not None:
+            raise ValueError("rollout.partial_carry=pages needs a pool that holds every slot at full capacity (a kept "
+                             "sequence must never be preempted); leave rollout.kv_pool_tokens unset")
         if rollout.max_token_lag is not None and rollout.max_token_lag <= self.graph.async_bound:
             raise ValueError(f"rollout.max_token_lag ({rollout.max_token_lag}) must exceed graph.async_bound "
                              f"({self.graph.async_bound}): new tokens already lag by it, no sequence could be carried")

@@ -41,7 +41,7 @@ from rpegjax.models.config import ModelConfig
 from rpegjax.models.lora import LoRAConfig
 from rpegjax.models.precision import generation_cast
 from rpegjax.models.transformer import Decoder
-from rpegjax.options import AttentionKind
+from rpegjax.options import AttentionKind, CarryMode
 from rpegjax.runtime.assembly import RolloutShape, place_models
 from rpegjax.runtime.meshes import device_ids, stage_mesh
 from rpegjax.runtime.training_programs import TrainingPrograms
@@ -223,6 +223,8 @@ def lower_step(graph: Graph, learner: Learner, sampler: Sampler, training: Train
     residents.add("optimizer", train_devices, shard_bytes(state.opt_state))
     copy = weights.abstract_copy()
     residents.add("generation", device_ids(sampler.mesh), shard_bytes(copy))
+    if graph.execution.partial_carry == CarryMode.PAGES:  # kept sequences' pages stay through the training step
+        residents.add("kept pages", device_ids(sampler.mesh), shard_bytes(sampler.abstract_state()))
     params_bytes = shard_bytes(learner.model_params(learner.params))  # the whole weights the state's programs read
     tokens = batch.prompt + batch.new
     inference_kinds = [kind for stage in graph.stages for kind in stage.kinds if kind in INFERENCE_KINDS]
@@ -264,7 +266,7 @@ def lower_step(graph: Graph, learner: Learner, sampler: Sampler, training: Train
     generate = graph.stages_of_kind(StageKind.GENERATE)[0]
     # an offloaded optimiser state is in host memory while the sampler runs (`rpegjax.runtime.offload`)
     offloaded = ("optimizer",) if graph.execution.optimizer_offload else ()
-    beside = residents.beside(device_ids(sampler.mesh), "generation", *offloaded)
+    beside = residents.beside(device_ids(sampler.mesh), "generation", "kept pages", *offloaded)
     generation_programs = dict(sampler.lower_programs(copy, sampling, group_size=batch.group_size,
                                                       long_contexts=batch.multi_turn))
     if graph.execution.partial_rollouts:  # a carried sample is a request of its own: prompt + prefix re-prefilled,
@@ -272,6 +274,8 @@ def lower_step(graph: Graph, learner: Learner, sampler: Sampler, training: Train
         carried = sampler.lower_programs(copy, sampling, group_size=1, long_contexts=True)
         generation_programs.update({f"{name} (carried sequences)": program for name, program in carried.items()
                                     if name != "decode"})
+        if graph.execution.partial_carry == CarryMode.PAGES:  # kept sequences: recomputed only after a resume
+            generation_programs["retag (kept sequences)"] = sampler.lower_kept_retag()
     for program, generation in generation_programs.items():
         label = (f"{program} ({sampler.num_slots} slots x {sampler.capacity} tokens)" if program == "decode"
                  else program)

@@ -41,6 +41,17 @@ def test_two_steps_worked_out_by_hand():
     assert (second.lag_token_sum, second.lag_max) == (3.0, 1)  # A's 3 tokens of step 0 lag one version
 
 
+def test_kept_pages_carry_without_a_prefill():
+    """carry_pages: the same two steps, but A continues from its kept pages at step 1: no prefill of prompt + 3
+    tokens (only D's prompt is prefilled); the decode work is the same."""
+    simulation = _simulation(itertools.chain([5], itertools.repeat(2)), carry_pages=True)
+    first = simulation.step()
+    assert (first.decode_steps, first.seconds, first.reprefill_tokens) == (2, 2 * 10 + 3, 0)
+    second = simulation.step()
+    assert (second.decode_steps, second.live_row_steps, second.decoded_tokens, second.trained_tokens) == (1, 2, 4, 7)
+    assert (second.seconds, second.carried_sequences, second.reprefill_tokens) == (10 + 1, 1, 0)
+
+
 def test_a_due_group_is_waited_for_and_no_token_lags_beyond_the_bound():
     """max_token_lag 1 with k = 0: a group may be carried once. A (6) is carried out of step 0 and due at step 1,
     which waits for it (3 more decode steps) although C completed after one; C, complete, is step 2's batch

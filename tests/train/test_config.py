@@ -314,7 +314,7 @@ def test_partial_rollout_flags_reach_the_runtime_settings_and_bad_ones_are_refus
     assert settings(RunConfig()) is None
     config = RunConfig(rollout=RolloutSection(partial=True, stale_policy="drop"), graph=GraphSection(async_bound=1))
     assert settings(config) == PartialRolloutConfig(max_token_lag=3, stale_policy=StalePolicy.DROP)
-    assert "partial rollouts (2 batches in flight, token lag <= k+2)" in build_graph(config, 1).execution.describe()
+    assert "partial rollouts (2 batches in flight, token lag <= k+2, carry recompute)" in build_graph(config, 1).execution.describe()
     assert RunConfig.from_json(config.to_json()) == config
     with pytest.raises(ValueError, match=r"rollout.max_token_lag \(1\) must exceed graph.async_bound \(1\)"):
         RunConfig(rollout=RolloutSection(partial=True, max_token_lag=1), graph=GraphSection(async_bound=1))
@@ -327,6 +327,28 @@ def test_partial_rollout_flags_reach_the_runtime_settings_and_bad_ones_are_refus
     with pytest.raises(ValueError, match="rollout.inflight_weights continues partial rollouts"):
         RunConfig(rollout=RolloutSection(inflight_weights=True))
     assert settings(RunConfig(rollout=RolloutSection(partial=True, inflight_weights=True))).inflight_weights
+
+
+def test_the_partial_carry_flag_reaches_the_plan_and_the_runtime_and_bad_ones_are_refused(tmp_path):
+    from rpegjax.options import CarryMode
+    from rpegjax.train.build import build_graph, run_partial_rollouts
+
+    flags = [*KV_TINY, "--rollout.partial=true", "--rollout.kv_cache=paged", f"--run-dir={tmp_path / 'run'}"]
+    config, _ = parse_args([*flags, "--rollout.partial_carry=pages"], Algorithm.GRPO)
+    graph = build_graph(config, num_devices=1)
+    assert graph.execution.partial_carry == CarryMode.PAGES and "carry pages" in graph.execution.describe()
+    assert run_partial_rollouts(config, graph).carry == CarryMode.PAGES
+    default, _ = parse_args(flags, Algorithm.GRPO)
+    assert run_partial_rollouts(default, build_graph(default, num_devices=1)).carry == CarryMode.RECOMPUTE
+    with pytest.raises(ValueError, match="rollout.partial_carry=pages keeps carried sequences' KV pages in the paged "
+                                         "pool; set rollout.kv_cache=paged"):
+        RunConfig(rollout=RolloutSection(partial=True, partial_carry="pages"))
+    with pytest.raises(ValueError, match="set rollout.partial=true too"):
+        RunConfig(rollout=RolloutSection(partial_carry="pages", kv_cache="paged"))
+    with pytest.raises(ValueError, match="leave rollout.kv_pool_tokens unset"):
+        RunConfig(rollout=RolloutSection(partial=True, partial_carry="pages", kv_cache="paged", kv_pool_tokens=4096))
+    with pytest.raises(ValueError, match="partial_carry"):
+        RolloutSection(partial_carry="later")
 
 
 def test_a_plan_with_partial_rollouts_sets_the_run_and_is_never_overridden(tmp_path):
@@ -350,7 +372,7 @@ def test_a_plan_with_partial_rollouts_sets_the_run_and_is_never_overridden(tmp_p
     assert run_partial_rollouts(same, build_graph(same, num_devices=1)).inflight_batches == 3
     other, _ = parse_args([*flags, "--rollout.partial=true", "--rollout.max_token_lag=3"], Algorithm.GRPO)
     with pytest.raises(ValueError, match=r"the plan's partial rollouts are \{'partial': True, 'inflight_batches': 3, "
-                                         r"'max_token_lag': 4\}, this run asks for \{'partial': True, 'max_token_lag': 3\}"):
+                                         r"'max_token_lag': 4, 'partial_carry': 'recompute'\}, this run asks for \{'partial': True, 'max_token_lag': 3\}"):
         build_graph(other, num_devices=1)
     dynamic, _ = parse_args([*flags, "--grpo.dynamic_sampling=true"], Algorithm.GRPO)
     with pytest.raises(ValueError, match="the plan runs partial rollouts: rollout.partial with grpo.dynamic_sampling"):

@@ -169,6 +169,32 @@ def test_the_dry_run_of_partial_rollouts_lowers_the_carried_sequences_prefill():
     assert "tensor<8x8xi32>" in generation["prefill"]
 
 
+def test_the_dry_run_of_kept_pages_lowers_the_retag_and_counts_the_pool_beside_training():
+    """carry=pages: the dry run lowers the program that gives kept rows their new PRNG streams, and the kept pool
+    (the sampler's decode state) stays beside the training programs: their resident bytes grow by its size."""
+    from rpegjax.train.config import (DataSection, ModelSection, RolloutSection, RunConfig, TrainSection,
+                                      WarmStartSection)
+
+    def lowered(**rollout):
+        cfg = RunConfig(
+            model=ModelSection(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
+                               intermediate_size=64),
+            data=DataSection(train_size=16, eval_size=4),
+            rollout=RolloutSection(prompts_per_step=4, group_size=2, max_new_tokens=8, num_slots=64, chunk_steps=4,
+                                   partial=True, kv_cache="paged", **rollout),
+            warm_start=WarmStartSection(steps=0), train=TrainSection(steps=1, reward_workers=1))
+        return run_plan(cfg).lower()
+
+    recompute, pages = lowered(), lowered(partial_carry="pages")
+    assert not any("retag" in p.program for p in recompute)
+    retag = [p for p in pages if p.program == "retag (kept sequences)"]
+    assert len(retag) == 1 and retag[0].stage == "generate"
+    update = {p.program: p.resident for p in recompute if p.program == "update"}
+    grown = {p.program: p.resident for p in pages if p.program == "update"}
+    state = retag[0].lowered.compile().memory_analysis().argument_size_in_bytes  # the state and 3 small arrays
+    assert 0 < grown["update"] - update["update"] <= state
+
+
 def _plan_document(tmp_path, graph, model: ModelConfig, **workload) -> pathlib.Path:
     from rpegjax.train.plan_document import model_shape
 
