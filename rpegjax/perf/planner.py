@@ -480,7 +480,7 @@ class Planner:
         most = max(step, -(-inputs.workload.sequences * in_flight // step) * step)
         slots = min(most, max(step, per_replica * layout.replicas // step * step))
         if paged:  # the pool within generation's trust margin too
-            working = generation_stage.decode_working_bytes(inputs, layout, per_replica)
+            working = generation_stage.generation_working_bytes(inputs, layout, per_replica)
             limit = self.regime.limit(inputs.hardware.usable_memory_bytes, trust.GENERATION)
             kv = min(cost.transient_bytes - working, limit - beside - working)
             if kv < 1:
