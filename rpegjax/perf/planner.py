@@ -91,8 +91,7 @@ class PlanSpace:
     packed_rows: tuple[int, ...] = (64, 32, 16, 8, 4, 2, 1)
     # partial rollouts (`Execution.partial_rollouts`: two batches in flight, tokens lagging at most k + 2 versions;
     # `rpegjax.perf.partial_rollouts` models them), for colocated plans (the runtime runs them on shared processes);
-    # not searched by default: the carried sequences' start program is not in the memory model yet (it can exceed
-    # the device at real shapes, so such a plan can fail the dry run)
+    # off in the library's default space (its searches and tests stay as fast), on and off in scripts/plan.py's
     partial_rollouts: tuple[bool, ...] = (False,)
     inflight_batches: tuple[int, ...] = (2, 3)  # of a plan with partial rollouts (more: busier slots, older tokens)
 
