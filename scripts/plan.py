@@ -106,10 +106,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--packing", default="both", choices=["false", "true", "both"],
                         help="search sequence packing (rows of a token budget the planner fits, the job's "
                              "grpo.packing / max_tokens_per_micro_batch) against rows padded to the longest")
-    parser.add_argument("--partial-rollouts", default="false", choices=["false", "true", "both"],
-                        help="search partial rollouts (generation runs on over two batches of groups in flight, carrying "
-                             "unfinished sequences into the next step: the job's --rollout.partial); off by default: the memory "
-                             "model does not count the carried sequences' start program yet, which a dry run may refuse")
+    parser.add_argument("--partial-rollouts", default="both", choices=["false", "true", "both"],
+                        help="search partial rollouts (generation runs on over two or three batches of groups in flight, "
+                             "carrying unfinished sequences into the next step: the job's --rollout.partial; colocated "
+                             "plans only) against plans without; a partial plan's tokens lag up to k + 2 weights versions "
+                             "(the job's default --rollout.max_token_lag), k being the plan's asynchrony bound")
     parser.add_argument("--inflight-batches", default="2,3",
                         help="batches of groups in flight to search with partial rollouts, comma-separated (the job's "
                              "--rollout.inflight_batches)")

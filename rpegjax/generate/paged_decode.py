@@ -11,6 +11,7 @@ prompt's routing into its first sample's slot and `start_rows` copies it to ever
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
@@ -93,47 +94,59 @@ def prefill_pages(
 def start_rows(
     state: DecodeState,
     logits: Float[Array, "p v"],
-    lead: Int[Array, " r"],
-    lead_slots: Int[Array, " r"],
-    slots: Int[Array, " r"],
-    prompt_lengths: Int[Array, " r"],
-    prompt_index: Int[Array, " r"],
-    sample_index: Int[Array, " r"],
-    budgets: Int[Array, " r"],
-    copy_replica: Int[Array, " c"],
-    copy_source: Int[Array, " c"],
-    copy_target: Int[Array, " c"],
+    lead: Int[Array, "r q"],
+    lead_slots: Int[Array, "r q"],
+    slots: Int[Array, "r q"],
+    prompt_lengths: Int[Array, "r q"],
+    prompt_index: Int[Array, "r q"],
+    sample_index: Int[Array, "r q"],
+    budgets: Int[Array, "r q"],
+    copy_source: Int[Array, "r c"],
+    copy_target: Int[Array, "r c"],
     key: Array,
     sampling: SamplingArrays,
 ) -> DecodeState:
-    """Starts r sequences in `slots` (a slot >= num_slots marks a padding row): row i samples its first
-    token from `logits[lead[i]]` with its own key, and (when recording routing) takes the prompt's routing from
-    slot `lead_slots[i]`, where the prefill wrote it. First, page `copy_source[j]` of replica
-    `copy_replica[j]` is copied to `copy_target[j]` (a target past the pool is padding): a sample's own
-    copy of its prompt's partial last page."""
-    def copy(pool):
-        return pool.at[copy_replica, copy_target].set(pool[copy_replica, copy_source], mode="drop")
+    """Starts up to q sequences on each of the r slot replicas: row j of replica i goes to the replica's slot
+    `slots[i, j]` (one >= the slots per replica marks a padding row) and samples its first token from the replica's
+    prefill row `lead[i, j]` of `logits` (p = r blocks of prefill rows, replica-major) with its own key, and (when
+    recording routing) takes the prompt's routing from the replica's slot `lead_slots[i, j]`, where the prefill
+    wrote it. First,
+    replica i's page `copy_source[i, j]` is copied to `copy_target[i, j]` (a target past the pool is padding): a
+    sample's own copy of its prompt's partial last page.
+
+    Every gather and scatter is vmapped over the replica axis, so the float32 logits a device reads and samples are
+    its own replica's q rows, never the whole [r*q, v] (replicated, they were 55 GB at W-plan shapes)."""
+    def copy(pool):  # [r p k n e]
+        return jax.vmap(lambda pool, source, target: pool.at[target].set(pool[source], mode="drop"))(
+            pool, copy_source, copy_target)
 
     cache = state.cache.with_pools(map(copy, state.cache.k), map(copy, state.cache.v))
-    r = slots.shape[0]
-    zeros = jnp.zeros((r,), jnp.int32)
+    r, q = slots.shape
+    zeros = jnp.zeros((r * q,), jnp.int32)
     width = state.tokens.shape[1]
-    rows = DecodeState(cache=None, last_token=zeros, num_generated=zeros, budget=budgets, done=jnp.zeros((r,), bool),
-                       finish=zeros, prompt_index=prompt_index, sample_index=sample_index,
-                       tokens=jnp.zeros((r, width), jnp.int32), logprobs=jnp.zeros((r, width), jnp.float32))
-    rows = record_tokens(rows, logits[lead], key, sampling)
+    flat = lambda x: x.reshape(r * q)  # noqa: E731
+    rows = DecodeState(cache=None, last_token=zeros, num_generated=zeros, budget=flat(budgets),
+                       done=jnp.zeros((r * q,), bool), finish=zeros, prompt_index=flat(prompt_index),
+                       sample_index=flat(sample_index), tokens=jnp.zeros((r * q, width), jnp.int32),
+                       logprobs=jnp.zeros((r * q, width), jnp.float32))
+    rows = record_tokens(rows, take_rows(logits, lead), key, sampling)
 
-    def put(old, new):
-        return old.at[slots].set(new, mode="drop")
+    def put(old, new):  # old [b ...], new [r*q ...]: replica i's rows into its block of old
+        blocks = old.reshape(r, old.shape[0] // r, *old.shape[1:])
+        parts = new.reshape(r, q, *new.shape[1:])
+        put_one = lambda block, index, part: block.at[index].set(part, mode="drop")  # noqa: E731
+        return jax.vmap(put_one)(blocks, slots, parts).reshape(old.shape)
 
     recorded = state.routing
     if recorded is not None:  # the prompt's routing, -1 past it (a slot's previous sequence)
-        prompt = jnp.arange(recorded.shape[1])[None, :] < prompt_lengths[:, None]
-        lead_routing = recorded[jnp.clip(lead_slots, 0, recorded.shape[0] - 1)]
+        blocks = recorded.reshape(r, recorded.shape[0] // r, *recorded.shape[1:])
+        take = lambda block, index: block[jnp.clip(index, 0, block.shape[0] - 1)]  # noqa: E731
+        lead_routing = jax.vmap(take)(blocks, lead_slots).reshape(r * q, *recorded.shape[1:])
+        prompt = jnp.arange(recorded.shape[1])[None, :] < flat(prompt_lengths)[:, None]
         recorded = put(recorded, jnp.where(prompt[:, :, None, None], lead_routing, jnp.asarray(-1, recorded.dtype)))
     return state.replace(
         routing=recorded,
-        cache=cache.replace(lengths=put(cache.lengths, prompt_lengths)),
+        cache=cache.replace(lengths=put(cache.lengths, flat(prompt_lengths))),
         **{field: put(getattr(state, field), getattr(rows, field))
            for field in ("last_token", "num_generated", "budget", "done", "finish", "prompt_index", "sample_index",
                          "tokens", "logprobs")},

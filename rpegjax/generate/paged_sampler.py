@@ -84,7 +84,9 @@ class PagedController:
             return routing[rows]
 
         self._state_sharding = None
-        self._replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())  # prefill's logits
+        # prefill's float32 logits [p v], p replica-major: each replica's block stays on its devices
+        self._logits = None if mesh is None else activation.sharding((axes.BATCH, None), (replicas, cfg.vocab_size),
+                                                                      name="prefill logits")
         if mesh is None:
             self._prefill = jax.jit(prefill_fn, static_argnums=(0,), donate_argnums=(2,))
             self._start = jax.jit(start_rows, donate_argnums=(0,))
@@ -98,10 +100,13 @@ class PagedController:
             self._state_sharding = state_sharding
             replicated = NamedSharding(mesh, PartitionSpec())
             rows = activation.sharding((axes.BATCH,), (num_slots,), name="slot rows")
+            # [r q] start rows and [r c] page copies, replica i's on replica i's devices
+            per_replica = activation.sharding((axes.BATCH, None), (replicas, 1), name="start rows")
             self._prefill = jax.jit(prefill_fn, static_argnums=(0,),
-                                    in_shardings=(params_sharding, state_sharding) + (replicated,) * 7,
-                                    out_shardings=(state_sharding, replicated), donate_argnums=(2,))
-            self._start = jax.jit(start_rows, in_shardings=(state_sharding,) + (replicated,) * 13,
+                                    in_shardings=(params_sharding, state_sharding) + (replicated,) * 5 + (self._logits, replicated),
+                                    out_shardings=(state_sharding, self._logits), donate_argnums=(2,))
+            self._start = jax.jit(start_rows,
+                                  in_shardings=(state_sharding, self._logits) + (per_replica,) * 9 + (replicated,) * 2,
                                   out_shardings=state_sharding, donate_argnums=(0,))
             self._decode = jax.jit(
                 decode_fn, static_argnums=(0,),
@@ -139,10 +144,13 @@ class PagedController:
         ints = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
         prefill = self._prefill.lower(window, params, state, ints(p, self.max_pages), ints(p), ints(p, chunk), ints(p),
                                       np.zeros((p,), bool), np.zeros((p, self.cfg.vocab_size), np.float32), ints(p))
-        logits = jax.ShapeDtypeStruct((p, self.cfg.vocab_size), jnp.float32, sharding=self._replicated)
-        # every slot started; a copy of the prompt's partial last page for each sample but a group's first
-        r, c = self.num_slots, pow2_at_least(max((group_size - 1) * (self.num_slots // group_size), 1), self.num_slots)
-        start = self._start.lower(state, logits, *(ints(r) for _ in range(7)), *(ints(c) for _ in range(3)), key, arrays)
+        logits = jax.ShapeDtypeStruct((p, self.cfg.vocab_size), jnp.float32, sharding=self._logits)
+        # every slot of every replica started; a copy of the prompt's partial last page for each sample but a
+        # group's first
+        r, q = self.replicas, self.slots_per_replica
+        c = pow2_at_least(max((group_size - 1) * (q // group_size), 1), q)
+        start = self._start.lower(state, logits, *(ints(r, q) for _ in range(7)), *(ints(r, c) for _ in range(2)), key,
+                                  arrays)
         every = live_rows([], num_slots=self.num_slots, replicas=self.replicas, compact=False)
         decode = self._decode.lower(self.max_pages, params, state, ints(self.num_slots, self.max_pages),
                                     ints(self.num_slots), np.zeros((self.num_slots,), bool), every, key, arrays,
@@ -299,16 +307,14 @@ class PagedController:
         p = per_replica * self.replicas  # prefill rows, replica-major like the slots
         lengths = np.zeros((p,), np.int64)
         prefill_table = np.zeros((p, self.max_pages), np.int32)
-        lead = {}  # (prompt, first sample) -> prefill row
         lead_slots = np.full((p,), self.num_slots, np.int32)  # prefill row -> its first sample's slot (routing)
         for replica, items in enumerate(by_replica):
-            for i, (prompt, samples, slots) in enumerate(items):
+            for i, (prompt, _, slots) in enumerate(items):
                 row = replica * per_replica + i
                 lengths[row] = requests[prompt].size
                 prefill_table[row] = table[slots[0]]
-                lead[(prompt, samples[0])] = row
                 lead_slots[row] = slots[0]
-        logits = np.zeros((p, self.cfg.vocab_size), np.float32)
+        logits = jnp.zeros((p, self.cfg.vocab_size), jnp.float32, device=self._logits)  # made where it is read
         longest = int(lengths.max())
         chunk = min(self.prefill_chunk, longest)
         chunk = pow2_at_least(chunk, self.prefill_chunk)  # few chunk shapes
@@ -326,29 +332,36 @@ class PagedController:
             self.stats.prefill_calls += 1
         self.stats.prefilled_prompts += len(admitted)
 
-        samples_total = sum(len(item[1]) for item in admitted)
-        r = pow2_at_least(samples_total, self.num_slots)
-        slot_ids = np.full((r,), self.num_slots, np.int32)  # past the end: dropped
-        lead_rows, row_lead_slots, prompt_lengths, prompt_index, sample_index = (np.zeros((r,), np.int32)
-                                                                                 for _ in range(5))
-        row_budgets = np.ones((r,), np.int32)
-        copies = []  # (replica, source page, target page): each later sample's own partial last page
-        i = 0
-        for prompt, samples, slots in admitted:
-            request = requests[prompt]
-            size = request.size
-            for sample, slot in zip(samples, slots, strict=True):
-                slot_ids[i], lead_rows[i], row_lead_slots[i] = slot, lead[(prompt, samples[0])], slots[0]
-                prompt_lengths[i] = size
-                prompt_index[i], sample_index[i] = request.key_index, request.first_sample + sample
-                row_budgets[i] = request.budget
-                if size % page and slot != slots[0]:
-                    copies.append((slot // self.slots_per_replica, held[slots[0]][-1], held[slot][-1]))
-                i += 1
-        c = pow2_at_least(max(len(copies), 1), self.num_slots)
-        copy = np.zeros((3, c), np.int32)
-        copy[2] = self.pages_per_replica  # past the pool: dropped
-        if copies:
-            copy[:, : len(copies)] = np.array(copies, np.int32).T
-        return self._start(state, logits, lead_rows, row_lead_slots, slot_ids, prompt_lengths, prompt_index, sample_index,
-                           row_budgets, copy[0], copy[1], copy[2], key, arrays)
+        return self._start(state, logits, *self._start_rows(requests, by_replica, per_replica, held), key, arrays)
+
+    def _start_rows(self, requests, by_replica, per_replica: int, held) -> list[np.ndarray]:
+        """`start_rows`' per-replica arrays for the admitted entries `by_replica` (prefill rows `per_replica` per
+        replica): [r q] lead rows, replica-local slots, prompt lengths, key indices (prompt, sample) and budgets,
+        then [r c] page copies (source, target), each padded to a power of two."""
+        q = pow2_at_least(max(sum(len(item[1]) for item in items) for items in by_replica), self.slots_per_replica)
+        slot_ids = np.full((self.replicas, q), self.slots_per_replica, np.int32)  # past the replica's slots: dropped
+        lead_rows, lead_slots, prompt_lengths, prompt_index, sample_index = (np.zeros((self.replicas, q), np.int32)
+                                                                             for _ in range(5))
+        row_budgets = np.ones((self.replicas, q), np.int32)
+        copies = [[] for _ in range(self.replicas)]  # (source page, target page): each later sample's own last page
+        for replica, items in enumerate(by_replica):
+            j = 0
+            for i, (prompt, samples, slots) in enumerate(items):
+                request = requests[prompt]
+                for sample, slot in zip(samples, slots, strict=True):
+                    slot_ids[replica, j], lead_rows[replica, j] = slot % self.slots_per_replica, i
+                    lead_slots[replica, j] = slots[0] % self.slots_per_replica
+                    prompt_lengths[replica, j] = request.size
+                    prompt_index[replica, j] = request.key_index
+                    sample_index[replica, j] = request.first_sample + sample
+                    row_budgets[replica, j] = request.budget
+                    if request.size % self.page_size and slot != slots[0]:
+                        copies[replica].append((held[slots[0]][-1], held[slot][-1]))
+                    j += 1
+        c = pow2_at_least(max(1, *map(len, copies)), self.slots_per_replica)
+        copy_source = np.zeros((self.replicas, c), np.int32)
+        copy_target = np.full((self.replicas, c), self.pages_per_replica, np.int32)  # past the pool: dropped
+        for replica, pairs in enumerate(copies):
+            if pairs:
+                copy_source[replica, : len(pairs)], copy_target[replica, : len(pairs)] = np.array(pairs, np.int32).T
+        return [lead_rows, lead_slots, slot_ids, prompt_lengths, prompt_index, sample_index, row_budgets, copy_source, copy_target]

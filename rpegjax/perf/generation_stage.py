@@ -61,6 +61,54 @@ def decode_working_bytes(inputs: CostInputs, layout: Layout, slots: int) -> floa
     return decode_transient_bytes(inputs, slots) + window
 
 
+# the runtime's `CacheConfig.prefill_chunk` (most context tokens per row in one paged prefill call)
+PREFILL_CHUNK = 256
+
+
+def prefill_working_bytes(inputs: CostInputs, layout: Layout, slots: int) -> float:
+    """Per device besides the KV pool while one replica of rpegjax's paged sampler prefills (0 for a contiguous
+    cache, whose prefill is not modelled here): the largest prefill call `PagedSampler.lower_programs` compiles.
+
+    Rows: one per group, a replica's groups at once (min(slots, pow2(slots / group size)) rows of the prompt);
+    with partial rollouts, carried sequences are one-sample requests of prompt + prefix, so up to every slot of
+    the replica at once (`slots` rows) with contexts up to the capacity. Each call runs c = min(PREFILL_CHUNK,
+    pow2(context)) query tokens per row over a window of W = min(pow2(context), capacity) cached keys:
+
+        rows x (heads/t x c x W x 4             float32 attention scores (XLA materialises them)
+                + 2 x kv/t x W x head_dim x b   the window's keys and values gathered from the pages
+                + 2 x c x mlp/t x b             the MLP's gate and up activations
+                + 2 x vocab x 4)                the float32 last-token logits, in and out
+
+    (b: compute bytes). The start program that follows samples each replica's own rows (`start_rows`): its
+    logits are the decode transient's (`decode_transient_bytes`). At W-plan 7B (64 carried rows, t = 4, a 17k
+    window) this is 8.9 GB; the GPU compiler's temporaries were 8.5 GB (docs/benchmarks.md, issue 24)."""
+    w, shape, o = inputs.workload, inputs.actor, inputs.options
+    if not o.kv_pool:
+        return 0.0
+    capacity = w.prompt_tokens + w.responses.max
+    if o.partial_rollouts:
+        rows, context = slots, capacity
+    else:
+        rows, context = min(slots, _pow2(math.ceil(slots / w.group_size))), w.prompt_tokens
+    chunk, window = min(PREFILL_CHUNK, _pow2(context)), min(_pow2(context), capacity)
+    t, b = layout.tensor, shape.compute_bytes_each
+    heads, kv = shape.heads / min(t, shape.heads), shape.kv_heads / min(t, shape.kv_heads)
+    per_row = (heads * chunk * window * 4 + 2 * kv * window * shape.head_dim * b + 2 * chunk * shape.mlp / t * b
+               + 2 * shape.vocab * 4)
+    return rows * per_row
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, math.ceil(n) - 1).bit_length()
+
+
+def generation_working_bytes(inputs: CostInputs, layout: Layout, slots: int) -> float:
+    """Per device besides the KV cache at the peak of the generation programs of `slots` sequences per replica: the
+    larger of a decode chunk's (`decode_working_bytes`) and the largest prefill's (`prefill_working_bytes`);
+    every program holds the cache."""
+    return max(decode_working_bytes(inputs, layout, slots), prefill_working_bytes(inputs, layout, slots))
+
+
 def generation_memory(inputs: CostInputs, layout: Layout, kv_budget_bytes: float) -> tuple[int, float]:
     """(concurrent sequences per replica, KV bytes per device) of the sampler in `kv_budget_bytes` per device.
 
@@ -73,7 +121,7 @@ def generation_memory(inputs: CostInputs, layout: Layout, kv_budget_bytes: float
     capacity = w.prompt_tokens + w.responses.max
     # a replica's share of the sequences in flight (partial rollouts keep inflight_batches batches)
     share = math.ceil(w.sequences * (o.inflight_batches if o.partial_rollouts else 1) / layout.replicas)
-    transient = functools.partial(decode_working_bytes, inputs, layout)  # bytes beside the cache, by slots
+    transient = functools.partial(generation_working_bytes, inputs, layout)  # bytes beside the cache, by slots
     per_slot = kv_bytes_per_slot(inputs, layout) + transient(1)
     if o.kv_pool:
         pool_bytes = (o.kv_pool_tokens * per_token if o.kv_pool_tokens is not None
@@ -204,5 +252,6 @@ def partial_carries(max_token_lag: int | None, async_bound: int) -> int:
     return 2 if max_token_lag is None else max_token_lag - async_bound
 
 
-__all__ = ["decode_transient_bytes", "decode_working_bytes", "generation_cost", "generation_memory", "kv_bytes_per_slot",
-           "kv_bytes_per_token", "partial_carries", "pool_tokens_per_slot"]
+__all__ = ["PREFILL_CHUNK", "decode_transient_bytes", "decode_working_bytes", "generation_cost", "generation_memory",
+           "generation_working_bytes", "kv_bytes_per_slot", "kv_bytes_per_token", "partial_carries",
+           "pool_tokens_per_slot", "prefill_working_bytes"]

@@ -91,8 +91,7 @@ class PlanSpace:
     packed_rows: tuple[int, ...] = (64, 32, 16, 8, 4, 2, 1)
     # partial rollouts (`Execution.partial_rollouts`: two batches in flight, tokens lagging at most k + 2 versions;
     # `rpegjax.perf.partial_rollouts` models them), for colocated plans (the runtime runs them on shared processes);
-    # not searched by default: the carried sequences' start program is not in the memory model yet (it can exceed
-    # the device at real shapes, so such a plan can fail the dry run)
+    # off in the library's default space (its searches and tests stay as fast), on and off in scripts/plan.py's
     partial_rollouts: tuple[bool, ...] = (False,)
     inflight_batches: tuple[int, ...] = (2, 3)  # of a plan with partial rollouts (more: busier slots, older tokens)
 
@@ -501,7 +500,7 @@ class Planner:
         most = max(step, -(-inputs.workload.sequences * in_flight // step) * step)
         slots = min(most, max(step, per_replica * layout.replicas // step * step))
         if paged:  # the pool within generation's trust margin too
-            working = generation_stage.decode_working_bytes(inputs, layout, per_replica)
+            working = generation_stage.generation_working_bytes(inputs, layout, per_replica)
             limit = self.regime.limit(inputs.hardware.usable_memory_bytes, trust.GENERATION)
             kv = min(cost.transient_bytes - working, limit - beside - working)
             if kv < 1:
@@ -523,7 +522,15 @@ class Planner:
         return int(cost.detail["slots"]), cost, layout, self.evaluator.inputs_for(graph), beside
 
     def variants(self, skeleton: PlanChoice) -> Iterator[PlanChoice]:
+        """The skeleton at each asynchrony bound, fusion and micro-batch count of the space. A partial-rollout plan
+        trains tokens up to its token lag old (`max_token_lag`, k + 2 by default), so it is offered only at bounds
+        whose lag stays within the staleness the space allows (the largest of its asynchrony bounds)."""
+        staleness = max(self.space.async_bounds)
         for k, fused, m in itertools.product(self.space.async_bounds, self.space.fusion, self.space.microbatches):
+            execution = skeleton.execution
+            if execution.partial_rollouts and (k + 2 if execution.max_token_lag is None
+                                               else execution.max_token_lag) > staleness:
+                continue
             yield dataclasses.replace(skeleton, async_bound=k, fused=fused, microbatches=m)
 
     def _batch_problems(self, graph: Graph) -> list[str]:

@@ -265,3 +265,29 @@ def test_decode_attention_over_gathered_pages_equals_the_contiguous_attention():
     flat = [x.transpose(0, 2, 1, 3, 4).reshape(b, kv, w * n, e) for x in (pages_k, pages_v)]
     np.testing.assert_allclose(_attend_pages(q, pages_k, pages_v, positions),
                                _cached_attention(q, *flat, positions), atol=1e-5, rtol=0)
+
+
+def test_start_samples_each_replicas_rows_on_its_own_devices(tiny_cfg, tiny_split, make_prompts):
+    """8 slot replicas of 2 slots, one-sample requests (partial rollouts' carried sequences, up to every slot
+    admitted at once): the `start` program gets each replica's prefill logits and start rows on that replica's
+    device only (split 8 ways, not replicated: at W-plan shapes replicated logits of every row were 55 GB per
+    device), and the sampled tokens and log-probs equal the unsharded paged sampler's."""
+    from rpegjax.generate import reshard_params
+    from rpegjax.sharding import make_mesh
+
+    mesh = make_mesh({"data": 8})
+    shape = dict(num_slots=16, max_prompt_len=8, max_new_tokens=12, chunk_steps=3)
+    cache = CacheConfig.paged(page_size=4, prefill_chunk=4)
+    unsharded = Sampler(tiny_cfg, tiny_split[0], **shape, cache=cache)
+    sharded = Sampler(tiny_cfg, tiny_split[0], **shape, mesh=mesh, cache=cache)
+    params = reshard_params(tiny_split[1], mesh, sharded.rules)
+    prompts = make_prompts(PROMPT_LENGTHS * 3, seed=11)
+    kwargs = dict(group_size=1, key=jax.random.key(5), budgets=BUDGETS * 3)
+    _assert_same(sharded.generate(params, prompts, SAMPLED, **kwargs),
+                 unsharded.generate(tiny_split[1], prompts, SAMPLED, **kwargs))
+
+    start = sharded.lower_programs(params, SAMPLED, group_size=1)["start"]
+    logits, lead = start.compile().input_shardings[0][1:3]
+    rows, vocab = 16, tiny_cfg.vocab_size  # one prefill row per slot; [replicas, slots per replica] start rows
+    assert logits.shard_shape((rows, vocab)) == (rows // 8, vocab)
+    assert lead.shard_shape((8, 2)) == (1, 2)

@@ -264,3 +264,18 @@ def test_dense_attention_is_left_out_only_where_its_flash_twin_dominates_it():
                 compared += 1
                 assert twin.prediction.fits and twin.prediction.step_seconds <= plan.prediction.step_seconds + 1e-9
     assert compared
+
+
+def test_partial_rollout_plans_keep_their_token_lag_within_the_largest_asynchrony_bound():
+    """A partial-rollout plan at bound k trains tokens up to k + 2 versions old: it is offered only where k + 2 is
+    within the staleness the space allows (its largest bound), and never when the user asks for on-policy only."""
+    def offered_bounds(bounds):
+        search = _small_search(space=dataclasses.replace(SPACE, async_bounds=bounds, partial_rollouts=(True, False)))
+        skeleton = next(s for s in search.skeletons() if s.execution.partial_rollouts)
+        plain = dataclasses.replace(skeleton, execution=dataclasses.replace(skeleton.execution, partial_rollouts=False))
+        assert {c.async_bound for c in search.variants(plain)} == set(bounds)
+        return {c.async_bound for c in search.variants(skeleton)}
+
+    assert offered_bounds((0, 1, 2)) == {0}
+    assert offered_bounds((0, 1, 2, 3)) == {0, 1}
+    assert offered_bounds((0,)) == set()

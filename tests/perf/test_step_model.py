@@ -106,6 +106,43 @@ def test_kv_capacity_caps_concurrency_and_the_long_tail_costs_time():
     assert tail.seconds > 2 * flat.seconds  # same mean length; the tail decodes alone for most of its steps
 
 
+def test_the_generation_peak_covers_the_carried_sequences_prefill():
+    """W-plan 7B's best partial plan (gen d64xt4, 64 slots per replica, the pool of its plan): carried sequences are
+    prefilled one row per slot over windows up to the capacity, so the generation peak is the pool plus that
+    prefill's float32 scores, gathered keys and values, MLP activations and logits (a hand count below), not the
+    decode chunk's logits. The GPU compiler's peaks of the same plan's generation programs (docs/benchmarks.md,
+    "Issue 24: partial-rollout plans through the dry run") are covered, the largest within 15%."""
+    from rpegjax.perf.generation_stage import (
+        decode_working_bytes,
+        generation_memory,
+        kv_bytes_per_token,
+        prefill_working_bytes,
+    )
+
+    shape = ModelShape.from_config(ModelConfig.qwen2p5("7b"))
+    layout = Layout.from_parallel({"data": 64, "tensor": 4}, where="test")
+    options = dict(kv_pool=True, decode_slots=4096, kv_pool_tokens=3_342_336)
+    partial, whole = (CostInputs(hardware=hardware.preset("gh200", 256), actor=shape, critic=shape,
+                                 workload=Workload.w_plan(),
+                                 options=ExecutionOptions(**options, partial_rollouts=on, inflight_batches=3))
+                      for on in (True, False))
+    capacity, b = 1024 + 16384, 2  # bfloat16
+    per_row = (28 / 4 * 256 * capacity * 4 + 2 * 1 * capacity * 128 * b + 2 * 256 * 18944 / 4 * b + 2 * 152064 * 4)
+    assert prefill_working_bytes(partial, layout, 64) == pytest.approx(64 * per_row)
+    # without carried sequences: one row per group (8 for 64 slots) over the prompt's 1,024 tokens
+    groups = 8 * (28 / 4 * 256 * 1024 * 4 + 2 * 1 * 1024 * 128 * b + 2 * 256 * 18944 / 4 * b + 2 * 152064 * 4)
+    assert prefill_working_bytes(whole, layout, 64) == pytest.approx(groups)
+    slots, memory = generation_memory(partial, layout, 1e12)
+    pool = 3_342_336 * kv_bytes_per_token(shape, layout)
+    assert slots == 64 and memory == pytest.approx(pool + 64 * per_row)
+    assert memory > pool + decode_working_bytes(partial, layout, 64)
+    # the stage's peak: + the generation copy of the weights (bfloat16 over tensor 4) + the 2.26 GB of training state
+    # the dry run counts beside it
+    peak = memory + shape.weight_bytes / 4 + 2.26e9
+    compiled = {"prefill (carried sequences)": 62.61e9, "decode": 54.07e9, "start (carried sequences)": 50.24e9}
+    assert max(compiled.values()) <= peak <= 1.15 * max(compiled.values())
+
+
 def test_a_paged_pool_admits_more_sequences_than_a_contiguous_cache_and_fewer_slots_decode_longer():
     from rpegjax.perf.generation_stage import generation_cost, generation_memory, kv_bytes_per_token, pool_tokens_per_slot
 
@@ -125,7 +162,11 @@ def test_a_paged_pool_admits_more_sequences_than_a_contiguous_cache_and_fewer_sl
     # pinned slots and pool: the plan's own, whatever the budget (the runtime runs what the plan says)
     pinned = _inputs(options=ExecutionOptions(kv_pool=True, decode_slots=4, kv_pool_tokens=10_000))
     slots, memory = generation_memory(pinned, layout, 1e12)
-    assert slots == 4 and memory == pytest.approx(10_000 * per_token + 4 * pinned.actor.vocab * 8)
+    # beside the pool: the larger of the decode chunk's logits and the prefill of one group's 256-token prompt (its
+    # float32 scores, keys and values, MLP activations and logits: larger here)
+    prefill = 14 * 256 * 256 * 4 + 2 * 2 * 256 * 64 * 2 + 2 * 256 * 4864 * 2 + 2 * pinned.actor.vocab * 4
+    assert prefill > 4 * pinned.actor.vocab * 8
+    assert slots == 4 and memory == pytest.approx(10_000 * per_token + prefill)
     with pytest.raises(MemoryError, match="KV cache of one sequence"):  # a pool that cannot hold one sequence
         generation_memory(_inputs(options=ExecutionOptions(kv_pool=True, decode_slots=4, kv_pool_tokens=100)), layout, 1e12)
     # fewer concurrent sequences decode for more steps
