@@ -7,7 +7,6 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from conftest import randomize
 from flax import nnx
 from jax.sharding import PartitionSpec
 
@@ -33,7 +32,7 @@ CASES = {"contiguous-dropless": (None, None, {"data": 2, "expert": 4}, (GREEDY, 
 
 
 @pytest.fixture(scope="module")
-def moe():
+def moe(randomize):
     """A tiny Qwen3-MoE with 8 experts (top 2), random weights; its graphdefs dropless and capped."""
     cfg = ModelConfig.tiny(Architecture.QWEN3_MOE, eos_token_id=None, num_experts=8)
     graphdef, params = nnx.split(randomize(Decoder(cfg, rngs=nnx.Rngs(0)), seed=0))
