@@ -129,7 +129,9 @@ def start_rows(
                        done=jnp.zeros((r * q,), bool), finish=zeros, prompt_index=flat(prompt_index),
                        sample_index=flat(sample_index), tokens=jnp.zeros((r * q, width), jnp.int32),
                        logprobs=jnp.zeros((r * q, width), jnp.float32))
-    rows = record_tokens(rows, take_rows(logits, lead), key, sampling)
+    blocks = logits.reshape(r, logits.shape[0] // r, logits.shape[1])  # replica i's prefill rows
+    lead_logits = jax.vmap(lambda block, index: block[index])(blocks, lead).reshape(r * q, logits.shape[1])
+    rows = record_tokens(rows, lead_logits, key, sampling)
 
     def put(old, new):  # old [b ...], new [r*q ...]: replica i's rows into its block of old
         blocks = old.reshape(r, old.shape[0] // r, *old.shape[1:])

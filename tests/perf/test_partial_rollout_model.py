@@ -163,7 +163,8 @@ def test_the_planner_fills_a_long_tails_slots_with_partial_rollouts():
     evaluator = step_model.Evaluator.for_runtime(ModelConfig.qwen2p5("0.5b"), workload, hardware.gh200_quad(8))
     best = {}
     for partial in (False, True):
-        space = planner.PlanSpace(async_bounds=(1,), fusion=(True,), microbatches=(1,), tensor_sizes=(1,),
+        # a partial plan at k = 1 trains tokens up to 3 versions old: offered where the space allows that staleness
+        space = planner.PlanSpace(async_bounds=(1, 3) if partial else (1,), fusion=(True,), microbatches=(1,), tensor_sizes=(1,),
                                   generation_fractions=(None,), reshard_inference=(False,), attention=("cudnn",),
                                   remat=("full",), optimizer_offload=(False,), partial_rollouts=(partial,))
         best[partial] = planner.Planner(evaluator, algorithm="grpo", num_devices=8, space=space).search(top=1).best

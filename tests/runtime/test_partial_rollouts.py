@@ -2,6 +2,7 @@
 staleness bound with `wait` and `drop`, and their bookkeeping, against a full forward under each token's version."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -10,7 +11,12 @@ from rpegjax.generate import CacheConfig, Sampler, SamplingConfig, stack_complet
 from rpegjax.models import Decoder, ModelConfig
 from rpegjax.models.logprobs import token_logprobs
 from rpegjax.models.transformer import KVCache
-from rpegjax.runtime.partial_rollouts import CarryMode, PartialRolloutConfig, PartialRollouts, StalePolicy
+from rpegjax.runtime.partial_rollouts import (
+    CarryMode,
+    PartialRolloutConfig,
+    PartialRollouts,
+    StalePolicy,
+)
 
 TEMPERATURE = 0.9
 MAX_NEW = 24
