@@ -173,6 +173,16 @@ def _adapted_matmul(module: nnx.Module, name: str, x: Float[Array, "n i"], w: Ar
     return y + adapter(x, dtype, key)
 
 
+def _kernel(module: nnx.Module, name: str, dtype, sharding: ActivationSharding | None) -> Array:
+    """`module.name`'s kernel cast to the compute `dtype`, gathered whole over its embedding dim's data-like axes
+    (`ActivationSharding.gathered_weight`) when there is an activation sharding."""
+    variable = getattr(module, name)
+    w = variable.get_value().astype(dtype)
+    if sharding is None:
+        return w
+    return sharding.gathered_weight(w, variable.get_metadata()["logical_axes"], name=name)
+
+
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, lora: LoRAConfig | None = None):
         d, h, k, e, pdt = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.jnp_param_dtype
@@ -191,10 +201,11 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(e, cfg.rms_norm_eps, pdt, axes.HEAD_DIM)
         self.cfg = cfg
 
-    def _project(self, x, name: str, bias_name: str, norm_name: str | None, rope, dropout_key: Array | None):
+    def _project(self, x, name: str, bias_name: str, norm_name: str | None, rope, dropout_key: Array | None,
+                 sharding: ActivationSharding | None):
         dt = self.cfg.jnp_dtype
         # 2-D matmuls: XLA's CPU backend runs [b*t, d] @ [d, h*e] several times faster than a batched einsum
-        w = getattr(self, name).get_value().astype(dt)
+        w = _kernel(self, name, dt, sharding)
         b, t, d = x.shape
         y = _adapted_matmul(self, name, x.reshape(b * t, d), w, dt, dropout_key).reshape(b, t, *w.shape[1:])
         if self.cfg.attention_bias:
@@ -215,9 +226,9 @@ class Attention(nnx.Module):
         segment_ids: Int[Array, "b t"] | None = None,  # packed rows' sequences (full-sequence forward only)
     ) -> tuple[Float[Array, "b t d"], tuple[Array, Array] | None]:
         cfg = self.cfg
-        q = self._project(x, "q_proj", "q_bias", "q_norm", rope, dropout_key)
-        k = self._project(x, "k_proj", "k_bias", "k_norm", rope, dropout_key)
-        v = self._project(x, "v_proj", "v_bias", None, None, dropout_key)
+        q = self._project(x, "q_proj", "q_bias", "q_norm", rope, dropout_key, sharding)
+        k = self._project(x, "k_proj", "k_bias", "k_norm", rope, dropout_key, sharding)
+        v = self._project(x, "v_proj", "v_bias", None, None, dropout_key, sharding)
         q = constrain(q, sharding, (axes.BATCH, axes.SEQ, axes.HEADS, None))
         if layer_cache is None:
             k = constrain(k, sharding, (axes.BATCH, axes.SEQ, axes.KV_HEADS, None))
@@ -227,10 +238,10 @@ class Attention(nnx.Module):
                                         segment_ids=segment_ids)
             else:
                 out = attend(cfg.attention, cfg.attention_block_size, q, k, v, key_mask, segment_ids)
-            return self._output(out, dropout_key), None
+            return self._output(out, sharding, dropout_key), None
         if not isinstance(layer_cache, tuple):  # a cache with its own layout (paged) writes and attends itself
             out, layer_cache = layer_cache.write_and_attend(q, k, v, cache_offsets, key_mask)
-            return self._output(out), layer_cache
+            return self._output(out, sharding), layer_cache
         # writing only the new tokens into this layer's [b k T e] arrays (a scatter XLA does in place;
         # XLA:CPU excepted for a bf16 cache, which it scatters through a float32 copy: docs/benchmarks.md)
         # avoids copying the cache at every decode step. The advanced indices (rows, columns) around the
@@ -242,10 +253,11 @@ class Attention(nnx.Module):
         cache_k = cache_k.at[rows, :, columns].set(k.astype(cache_k.dtype), mode="drop")
         cache_v = cache_v.at[rows, :, columns].set(v.astype(cache_v.dtype), mode="drop")
         out = _cached_attention(q, cache_k, cache_v, columns)
-        return self._output(out), (cache_k, cache_v)
+        return self._output(out, sharding), (cache_k, cache_v)
 
-    def _output(self, out: Float[Array, "b t h e"], dropout_key: Array | None = None) -> Float[Array, "b t d"]:
-        o_proj = self.o_proj.get_value().astype(self.cfg.jnp_dtype)
+    def _output(self, out: Float[Array, "b t h e"], sharding: ActivationSharding | None,
+                dropout_key: Array | None = None) -> Float[Array, "b t d"]:
+        o_proj = _kernel(self, "o_proj", self.cfg.jnp_dtype, sharding)
         b, t = out.shape[:2]
         flat = out.reshape(b * t, -1)
         return _adapted_matmul(self, "o_proj", flat, o_proj, self.cfg.jnp_dtype, dropout_key).reshape(b, t, -1)
@@ -294,10 +306,10 @@ class MLP(nnx.Module):
         b, t, d = x.shape
         dt, key = self.dtype, dropout_key
         flat = x.reshape(b * t, d)  # 2-D matmuls are much faster than batched ones on XLA's CPU backend
-        gate = _adapted_matmul(self, "gate_proj", flat, self.gate_proj.get_value().astype(dt), dt, key)
-        up = _adapted_matmul(self, "up_proj", flat, self.up_proj.get_value().astype(dt), dt, key)
+        gate = _adapted_matmul(self, "gate_proj", flat, _kernel(self, "gate_proj", dt, sharding), dt, key)
+        up = _adapted_matmul(self, "up_proj", flat, _kernel(self, "up_proj", dt, sharding), dt, key)
         hidden = constrain(swiglu(gate, up).reshape(b, t, -1), sharding, (axes.BATCH, axes.SEQ, axes.MLP))
-        down = self.down_proj.get_value().astype(dt)
+        down = _kernel(self, "down_proj", dt, sharding)
         return _adapted_matmul(self, "down_proj", hidden.reshape(b * t, -1), down, dt, key).reshape(b, t, d)
 
 
@@ -426,7 +438,7 @@ class Decoder(nnx.Module):
         rope = rope_tables(positions, rope_inverse_frequencies(self.cfg))
         if cache is None and self.cfg.scan_layers:
             hidden, routing = _scan_layers(self.layers, x, rope, mask, self.cfg.remat, sharding, dropout_key,
-                                           expert_ids, segment_ids)
+                                           expert_ids, segment_ids, compute_dtype=self.cfg.jnp_dtype)
             return _row_order(self.final_norm(hidden), context, sharding), None, routing
         full_sequence = _remat_layer(self.cfg.remat, sharding) if cache is None else None
         written, routings = [], []
@@ -552,19 +564,21 @@ def _remat_layer(policy: RematPolicy, sharding: ActivationSharding | None):
 
 def _scan_layers(layers: nnx.List, x, rope, mask, policy: RematPolicy, sharding: ActivationSharding | None,
                  dropout_key: Array | None = None, expert_ids: Array | None = None,
-                 segment_ids: Array | None = None) -> tuple[Array, Routing | None]:
+                 segment_ids: Array | None = None, *, compute_dtype=None) -> tuple[Array, Routing | None]:
     """The full-sequence layer stack as one `lax.scan` over the layers' parameters stacked at trace time.
 
     One compiled layer body, whatever the depth; and under remat the recomputation lives inside the backward
     loop's iterations, where no scheduler can hoist it next to the forward (with unrolled layers XLA's CPU
     scheduler does, keeping every layer's activations alive). Parameters stay per layer in the model, so
-    checkpoints and the Hugging Face layout are unchanged; the stacking costs one copy of the layer weights.
+    checkpoints and the Hugging Face layout are unchanged; the stacking costs one copy of the layer weights, made
+    of the dense projections' kernels in `compute_dtype` (`_compute_kernels`).
     With `dropout_key`, layer l's LoRA dropout key is fold_in(dropout_key, l), as in the unrolled stack.
     Returns the output and (for sparse layers) their routing stacked as `Decoder.routed_hidden_states` gives it;
     `expert_ids` [b t l k] replays one routing per layer.
     """
     graphdef = nnx.graphdef(layers[0])
-    stacked = jax.tree.map(lambda *values: jnp.stack(values), *(nnx.state(layer) for layer in layers))
+    stacked = jax.tree.map(lambda *values: jnp.stack(values),
+                           *(_compute_kernels(layer, compute_dtype) for layer in layers))
 
     def body(x, layer):
         state, index, ids = layer
@@ -578,6 +592,29 @@ def _scan_layers(layers: nnx.List, x, rope, mask, policy: RematPolicy, sharding:
     per_layer_ids = None if expert_ids is None else jnp.moveaxis(expert_ids, 2, 0)
     out, routing = jax.lax.scan(body, x, (stacked, indices, per_layer_ids))
     return out, jax.tree.map(lambda r: jnp.moveaxis(r, 0, 2), routing)
+
+
+# The dense layers' projection kernels, which every use casts to the compute dtype first (`_kernel`)
+_PROJECTIONS = {"attention": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
+
+
+def _compute_kernels(layer: Block, dtype) -> nnx.State:
+    """`layer`'s state with its dense projection kernels cast to the compute `dtype` (None: unchanged), before the
+    scan stacks them: the layer body casts them to that dtype anyway, so the values and the gradients (the body's
+    cotangents are in that dtype, cast back to the parameters' once, after the scan) are the same, and the stacked
+    copy and its stacked gradient take half the bytes of float32 masters (7B: 1.6 GiB each per device at fsdp8;
+    docs/benchmarks.md, issue 25 session 10). Norm scales, biases, adapters and experts stay as they are."""
+    state = nnx.state(layer)
+    if dtype is None:
+        return state
+    cast = {(module, name) for module, names in _PROJECTIONS.items() for name in names
+            if module != "mlp" or isinstance(layer.mlp, MLP)}
+
+    def convert(path, leaf):
+        keys = tuple(getattr(k, "key", getattr(k, "name", None)) for k in path)
+        return leaf.astype(dtype) if keys[:2] in cast and jnp.issubdtype(leaf.dtype, jnp.floating) else leaf
+
+    return jax.tree_util.tree_map_with_path(convert, state)
 
 
 def default_positions(tokens: Int[Array, "b t"], mask: Bool[Array, "b t"] | None) -> Int[Array, "b t"]:

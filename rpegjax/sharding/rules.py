@@ -196,6 +196,17 @@ class ActivationSharding:
     def constrain(self, x: jax.Array, logical: Sequence[str | None], *, name: str = "activation") -> jax.Array:
         return jax.lax.with_sharding_constraint(x, self.sharding(logical, x.shape, name=name))
 
+    def gathered_weight(self, w: jax.Array, logical: Sequence[str | None], *, name: str = "weight") -> jax.Array:
+        """A weight (or its compute-dtype cast) `w` with parameter axes `logical`, gathered whole over the axes that
+        split its embedding dim (fsdp, context, expert) and still split as the parameter rules say otherwise (over
+        `tensor`): FSDP's all-gather, made explicit. Without it XLA's SPMD partitioner may instead all-gather a
+        projection's activations over the rows (batch over fsdp) to meet the weight's embedding split: 32B at 32k
+        on fsdp16 x tensor2 gathered every row's [b t, f/2] MLP activations, 13.5 GiB per device
+        (docs/benchmarks.md, issue 25 session 10). The backward reduce-scatters the whole gradient to the shard."""
+        table = {**self.rules.params, axes.EMBED: None}
+        spec = logical_to_spec(logical, table, self.mesh, w.shape, name=name)
+        return jax.lax.with_sharding_constraint(w, NamedSharding(self.mesh, spec))
+
 
 def constrain(x: jax.Array, sharding: ActivationSharding | None, logical: Sequence[str | None]) -> jax.Array:
     """`sharding.constrain(x, logical)`, or `x` unchanged when there is no activation sharding."""

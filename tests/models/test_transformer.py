@@ -169,3 +169,34 @@ def test_with_execution_keeps_parameters_and_rejects_other_fields():
         assert ours is expected
     with pytest.raises(ValueError, match=r"changes only .* got \['hidden_size'\]"):
         model.with_execution(hidden_size=32)
+
+
+def test_scan_stacks_compute_dtype_kernels_with_the_same_values_and_gradients():
+    """Under bfloat16 compute the layer scan stacks the projection kernels as their bfloat16 casts (half the bytes
+    of the stacked float32 masters): the layers' output and the float32 gradients are those of stacking the masters."""
+    from rpegjax.models.transformer import _scan_layers, rope_inverse_frequencies, rope_tables
+    from rpegjax.options import RematPolicy
+
+    cfg = ModelConfig.tiny(attention="blockwise", attention_block_size=4, remat="full", dtype="bfloat16")
+    graphdef, state = nnx.split(Decoder(cfg, rngs=nnx.Rngs(0)).layers)
+    x = jax.random.normal(jax.random.key(6), (2, 10, cfg.hidden_size)).astype(jnp.bfloat16)
+    mask = jnp.arange(10)[None, :] < jnp.array([10, 7])[:, None]
+    rope = rope_tables(jnp.broadcast_to(jnp.arange(10), (2, 10)), rope_inverse_frequencies(cfg))
+    weights = jax.random.normal(jax.random.key(7), x.shape)
+
+    def loss(state, compute_dtype):
+        out, _ = _scan_layers(nnx.merge(graphdef, state), x, rope, mask, RematPolicy.FULL, None,
+                              compute_dtype=compute_dtype)
+        return jnp.sum(out.astype(jnp.float32) * weights), out
+
+    (masters, out_masters), grads_masters = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)(
+        state, None)
+    (cast, out_cast), grads_cast = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)(
+        state, jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(out_cast, np.float32), np.asarray(out_masters, np.float32))
+    np.testing.assert_allclose(cast, masters, rtol=1e-6)
+    for (path, ours), expected in zip(jax.tree_util.tree_leaves_with_path(grads_cast), jax.tree.leaves(grads_masters),
+                                      strict=True):
+        assert ours.dtype == expected.dtype == jnp.float32, jax.tree_util.keystr(path)
+        scale = max(1.0, float(np.abs(expected).max()))
+        np.testing.assert_allclose(ours, expected, atol=1e-6 * scale, err_msg=jax.tree_util.keystr(path))

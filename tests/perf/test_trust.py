@@ -35,17 +35,33 @@ def test_plans_outside_the_checked_regime_are_untrusted_with_one_line_each():
     shape = ModelShape.from_config(ModelConfig.qwen2p5("0.5b"))
     assert trust.untrusted(_prediction(flash), shape, 2304) is None
     big = ModelShape.from_config(ModelConfig.qwen2p5("72b"))
+    sequence_parallel = _prediction(dataclasses.replace(flash, sequence_parallel=True),
+                                    (("data", 1), ("fsdp", 4), ("tensor", 2)))
     cases = {
         "72.": (_prediction(flash), big, 2304),
         "rows of 32768 tokens: memory checked up to 17408": (_prediction(flash), shape, 32768),
         "dense attention": (_prediction(dataclasses.replace(flash, attention="dense")), shape, 2304),
         "context parallelism": (_prediction(flash, (("data", 1), ("fsdp", 4), ("context", 2), ("tensor", 1))), shape, 2304),
-        "sequence parallelism": (_prediction(dataclasses.replace(flash, sequence_parallel=True),
-                                             (("data", 1), ("fsdp", 4), ("tensor", 2))), shape, 2304),
+        "rows of 40000 tokens: memory checked up to 32768 with sequence parallelism": (sequence_parallel, shape, 40000),
     }
     for expected, (prediction, model, row) in cases.items():
         line = trust.untrusted(prediction, model, row)
         assert line is not None and line.startswith("untrusted: ") and expected in line and "\n" not in line, line
+
+
+def test_sequence_parallel_plans_are_trusted_up_to_the_rows_checked_on_the_gpu_compiler():
+    """Sequence parallelism was checked on XLA's GPU compiler up to 32k-token rows (docs/benchmarks.md, issue 25
+    session 10): inside, trusted at any row length the checks covered; a regime without such checks refuses it."""
+    shape = ModelShape.from_config(ModelConfig.qwen2p5("0.5b"))
+    prediction = _prediction(Execution(attention="blockwise", remat="full", scan_layers=True, sequence_parallel=True),
+                             (("data", 1), ("fsdp", 4), ("tensor", 2)))
+    assert trust.regime_problem(prediction.graph, shape, 32768) is None
+    assert trust.regime_problem(prediction.graph, shape, 17409) is None
+    unchecked = trust.CheckedRegime(**{**_fields(trust.GPU_CHECKED), "longest_sequence_parallel_row": 0})
+    problem = trust.regime_problem(prediction.graph, shape, 2304, unchecked)
+    assert problem == "sequence parallelism: its memory was not checked against the GPU compiler"
+    with pytest.raises(ValueError, match="longest_sequence_parallel_row"):
+        trust.CheckedRegime(**{**_fields(trust.GPU_CHECKED), "longest_sequence_parallel_row": -1})
 
 
 def test_a_stage_within_the_usable_memory_but_not_its_margin_is_untrusted():
