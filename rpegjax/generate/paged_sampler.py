@@ -332,36 +332,43 @@ class PagedController:
             self.stats.prefill_calls += 1
         self.stats.prefilled_prompts += len(admitted)
 
-        return self._start(state, logits, *self._start_rows(requests, by_replica, per_replica, held), key, arrays)
+        rows = start_row_arrays(requests, by_replica, held, slots_per_replica=self.slots_per_replica,
+                                page_size=self.page_size, pages_per_replica=self.pages_per_replica)
+        return self._start(state, logits, *rows, key, arrays)
 
-    def _start_rows(self, requests, by_replica, per_replica: int, held) -> list[np.ndarray]:
-        """`start_rows`' per-replica arrays for the admitted entries `by_replica` (prefill rows `per_replica` per
-        replica): [r q] lead rows, replica-local slots, prompt lengths, key indices (prompt, sample) and budgets,
-        then [r c] page copies (source, target), each padded to a power of two."""
-        q = pow2_at_least(max(sum(len(item[1]) for item in items) for items in by_replica), self.slots_per_replica)
-        slot_ids = np.full((self.replicas, q), self.slots_per_replica, np.int32)  # past the replica's slots: dropped
-        lead_rows, lead_slots, prompt_lengths, prompt_index, sample_index = (np.zeros((self.replicas, q), np.int32)
-                                                                             for _ in range(5))
-        row_budgets = np.ones((self.replicas, q), np.int32)
-        copies = [[] for _ in range(self.replicas)]  # (source page, target page): each later sample's own last page
-        for replica, items in enumerate(by_replica):
-            j = 0
-            for i, (prompt, samples, slots) in enumerate(items):
-                request = requests[prompt]
-                for sample, slot in zip(samples, slots, strict=True):
-                    slot_ids[replica, j], lead_rows[replica, j] = slot % self.slots_per_replica, i
-                    lead_slots[replica, j] = slots[0] % self.slots_per_replica
-                    prompt_lengths[replica, j] = request.size
-                    prompt_index[replica, j] = request.key_index
-                    sample_index[replica, j] = request.first_sample + sample
-                    row_budgets[replica, j] = request.budget
-                    if request.size % self.page_size and slot != slots[0]:
-                        copies[replica].append((held[slots[0]][-1], held[slot][-1]))
-                    j += 1
-        c = pow2_at_least(max(1, *map(len, copies)), self.slots_per_replica)
-        copy_source = np.zeros((self.replicas, c), np.int32)
-        copy_target = np.full((self.replicas, c), self.pages_per_replica, np.int32)  # past the pool: dropped
-        for replica, pairs in enumerate(copies):
-            if pairs:
-                copy_source[replica, : len(pairs)], copy_target[replica, : len(pairs)] = np.array(pairs, np.int32).T
-        return [lead_rows, lead_slots, slot_ids, prompt_lengths, prompt_index, sample_index, row_budgets, copy_source, copy_target]
+
+def start_row_arrays(requests, by_replica, held, *, slots_per_replica: int, page_size: int,
+                     pages_per_replica: int) -> list[np.ndarray]:
+    """`start_rows`' per-replica arrays for the admitted entries `by_replica` (a list per slot replica of (prompt,
+    samples, slots), in prefill-row order): [r q] lead rows, the replica-local slots of their groups' first samples
+    (where the prefill wrote the prompt's routing), replica-local slots, prompt lengths, key indices (prompt, sample) and budgets,
+    then [r c] page copies (source, target), each padded to a power of two."""
+    replicas = len(by_replica)
+    q = pow2_at_least(max(sum(len(item[1]) for item in items) for items in by_replica), slots_per_replica)
+    slot_ids = np.full((replicas, q), slots_per_replica, np.int32)  # past the replica's slots: dropped
+    lead_rows, lead_slots, prompt_lengths, prompt_index, sample_index = (np.zeros((replicas, q), np.int32)
+                                                                         for _ in range(5))
+    row_budgets = np.ones((replicas, q), np.int32)
+    copies = [[] for _ in range(replicas)]  # (source page, target page): each later sample's own last page
+    for replica, items in enumerate(by_replica):
+        j = 0
+        for i, (prompt, samples, slots) in enumerate(items):
+            request = requests[prompt]
+            for sample, slot in zip(samples, slots, strict=True):
+                slot_ids[replica, j], lead_rows[replica, j] = slot % slots_per_replica, i
+                lead_slots[replica, j] = slots[0] % slots_per_replica
+                prompt_lengths[replica, j] = request.size
+                prompt_index[replica, j] = request.key_index
+                sample_index[replica, j] = request.first_sample + sample
+                row_budgets[replica, j] = request.budget
+                if request.size % page_size and slot != slots[0]:
+                    copies[replica].append((held[slots[0]][-1], held[slot][-1]))
+                j += 1
+    c = pow2_at_least(max(1, *map(len, copies)), slots_per_replica)
+    copy_source = np.zeros((replicas, c), np.int32)
+    copy_target = np.full((replicas, c), pages_per_replica, np.int32)  # past the pool: dropped
+    for replica, pairs in enumerate(copies):
+        if pairs:
+            copy_source[replica, : len(pairs)], copy_target[replica, : len(pairs)] = np.array(pairs, np.int32).T
+    return [lead_rows, lead_slots, slot_ids, prompt_lengths, prompt_index, sample_index, row_budgets, copy_source,
+            copy_target]

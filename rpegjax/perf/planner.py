@@ -231,6 +231,14 @@ def _placed(graph: Graph, choice: PlanChoice) -> Graph:
     return dataclasses.replace(graph, stages=tuple(stages), placements=placements)
 
 
+def within_staleness(execution: Execution, async_bound: int, staleness: int) -> bool:
+    """Whether a plan of this execution at `async_bound` trains no token older than `staleness` versions: a
+    partial-rollout plan's tokens lag up to its `max_token_lag` (k + 2 by default), not only k."""
+    if not execution.partial_rollouts:
+        return True
+    return (async_bound + 2 if execution.max_token_lag is None else execution.max_token_lag) <= staleness
+
+
 def build_graph(choice: PlanChoice) -> Graph:
     """The executable graph of `choice`: builder (asynchrony, critic sharing), placements and layouts, then the
     fusion and micro-batch transforms; validated. Neither the structure nor its rules read the execution options,
@@ -522,16 +530,9 @@ class Planner:
         return int(cost.detail["slots"]), cost, layout, self.evaluator.inputs_for(graph), beside
 
     def variants(self, skeleton: PlanChoice) -> Iterator[PlanChoice]:
-        """The skeleton at each asynchrony bound, fusion and micro-batch count of the space. A partial-rollout plan
-        trains tokens up to its token lag old (`max_token_lag`, k + 2 by default), so it is offered only at bounds
-        whose lag stays within the staleness the space allows (the largest of its asynchrony bounds)."""
-        staleness = max(self.space.async_bounds)
         for k, fused, m in itertools.product(self.space.async_bounds, self.space.fusion, self.space.microbatches):
-            execution = skeleton.execution
-            if execution.partial_rollouts and (k + 2 if execution.max_token_lag is None
-                                               else execution.max_token_lag) > staleness:
-                continue
-            yield dataclasses.replace(skeleton, async_bound=k, fused=fused, microbatches=m)
+            if within_staleness(skeleton.execution, k, max(self.space.async_bounds)):
+                yield dataclasses.replace(skeleton, async_bound=k, fused=fused, microbatches=m)
 
     def _batch_problems(self, graph: Graph) -> list[str]:
         return executable.batch_problems(graph, self.evaluator.inputs.workload.sequences)
