@@ -37,6 +37,18 @@ GIB = 1 << 30
 GENERATE_PROGRAMS = ("decode", "prefill", "start")
 
 
+
+def _mesh_and_model(name: str, args, devices, *, param_dtype: str):
+    """(mesh axes, mesh, Qwen3-30B-A3B config) of a layout: bf16 compute, the run's capacity factor and layers."""
+    from rpegjax.models import ModelConfig
+    from rpegjax.sharding import make_mesh
+
+    parallel = LAYOUTS[name]
+    mesh = make_mesh(parallel, devices[:math.prod(parallel.values())])
+    cfg = ModelConfig.qwen3_moe("30b-a3b").replace(param_dtype=param_dtype, dtype="bfloat16",
+                                                   moe_capacity_factor=args.capacity_factor or None)
+    return parallel, mesh, cfg.replace(num_layers=args.layers) if args.layers else cfg
+
 def _arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="cuda-h100", help="cpu, cuda-h100 or cuda-gh200")
@@ -96,16 +108,11 @@ def measure(name: str, devices: list, args: argparse.Namespace) -> str:
     from rpegjax.learners import GRPOConfig, GRPOLearner, OptimizerConfig
     from rpegjax.learners.batch import TrainBatch
     from rpegjax.learners.update import TrainState
-    from rpegjax.models import Decoder, ModelConfig
-    from rpegjax.sharding import ShardingRules, make_mesh
+    from rpegjax.models import Decoder
+    from rpegjax.sharding import ShardingRules
 
-    parallel = LAYOUTS[name]
+    parallel, mesh, cfg = _mesh_and_model(name, args, devices, param_dtype="float32")
     count = math.prod(parallel.values())
-    mesh = make_mesh(parallel, devices[:count])
-    cfg = ModelConfig.qwen3_moe("30b-a3b").replace(param_dtype="float32", dtype="bfloat16",
-                                                   moe_capacity_factor=args.capacity_factor or None)
-    if args.layers:
-        cfg = cfg.replace(num_layers=args.layers)
     model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
     rows = count // parallel.get("tensor", 1)
     grpo = GRPOConfig(group_size=rows, clip_low=0.2, clip_high=0.2, kl_coef=0.04, kl_kind="k3",
@@ -148,16 +155,10 @@ def measure_generation(name: str, devices: list, args: argparse.Namespace) -> li
 
     from rpegjax.generate import CacheConfig, Sampler, SamplingConfig
     from rpegjax.generate.paged_cache import pages_for
-    from rpegjax.models import Decoder, ModelConfig
-    from rpegjax.sharding import make_mesh
+    from rpegjax.models import Decoder
 
-    parallel = LAYOUTS[name]
+    parallel, mesh, cfg = _mesh_and_model(name, args, devices, param_dtype="bfloat16")
     count = math.prod(parallel.values())
-    mesh = make_mesh(parallel, devices[:count])
-    cfg = ModelConfig.qwen3_moe("30b-a3b").replace(param_dtype="bfloat16", dtype="bfloat16",
-                                                   moe_capacity_factor=args.capacity_factor or None)
-    if args.layers:
-        cfg = cfg.replace(num_layers=args.layers)
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))))
     cache = CacheConfig.paged(page_size=args.page_size, pages_per_replica=pages_for(args.pool_tokens, args.page_size))
     sampler = Sampler(cfg, graphdef, num_slots=args.slots, max_prompt_len=args.prompt,
