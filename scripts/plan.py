@@ -75,7 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--moe-capacity-factor", type=float, default=None, metavar="C",
                         help="a mixture-of-experts model's experts in the capacity mode with factor C (the run's "
                              "model.moe_capacity_factor); without it, as the model says (the presets: dropless, which "
-                             "XLA's GPU compiler runs as a dense GEMM over every local expert: rpegjax/perf/experts.py)")
+                             "XLA's GPU compiler runs as a dense GEMM over every local expert: rpegjax/perf/expert_costs.py)")
     parser.add_argument("--gpus", type=int, default=256, help="GPUs to plan for")
     parser.add_argument("--algo", default="grpo", choices=["grpo", "ppo"], help="RL algorithm (PPO adds a critic)")
     parser.add_argument("--prompts", type=int, default=512, help="prompts per RL step")

@@ -18,7 +18,7 @@ import enum
 
 from rpegjax.models.config import ModelConfig
 from rpegjax.options import DType, RematPolicy, parse_choice
-from rpegjax.perf.experts import ExpertShape, expert_params
+from rpegjax.perf.expert_costs import ExpertShape, expert_params
 
 class AttentionKernel(enum.StrEnum):
     DENSE = "dense"  # every query scored against every key position (masked); scores materialised
@@ -38,7 +38,7 @@ class ModelShape:
     """The dimensions the cost formulas need (l, d, h, k, e, f, v) and how weights/activations are stored.
 
     `gated_mlp` is SwiGLU (three d x f matrices, Qwen/Llama); False is a GELU MLP with two (GPT-3/Megatron).
-    `experts` makes it a mixture-of-experts model (`rpegjax.perf.experts`): its sparse layers' MLPs are experts
+    `experts` makes it a mixture-of-experts model (`rpegjax.perf.expert_costs`): its sparse layers' MLPs are experts
     (f = `mlp` is the dense layers' width); FLOPs and activations follow the active parameters (k experts per
     token, `token_mlp`), memory all of them (`params`).
     """

@@ -9,7 +9,7 @@ import math
 import numpy as np
 
 from rpegjax.options import CarryMode
-from rpegjax.perf import collectives, costs, experts
+from rpegjax.perf import collectives, costs, expert_costs
 from rpegjax.perf import partial_rollouts as partial
 from rpegjax.perf.costs import DecodeKernel, ModelShape
 from rpegjax.perf.generation_cost import DecodeStepCost, DecodeTimeline, replica_lengths, simulate_decode
@@ -179,10 +179,10 @@ def generation_cost(inputs: CostInputs, layout: Layout, *, kv_budget_bytes: floa
                        + costs.forward_flops(shape, tokens=0, pairs=prompt_pairs, logit_tokens=0) / attention_peak)
     step = DecodeStepCost(
         seconds_per_row=row_flops / peak, seconds_per_key=key_flops / attention_peak,
-        memory_seconds_fixed=experts.decode_weight_bytes(shape, layout, slots) / bandwidth,
+        memory_seconds_fixed=expert_costs.decode_weight_bytes(shape, layout, slots) / bandwidth,
         memory_seconds_per_row=row_bytes / bandwidth, memory_seconds_per_key=kv_per_token / bandwidth,
         fixed_seconds=shape.layers * o.kernels_per_layer * device.kernel_overhead_s + tensor_comm + fsdp_comm
-        + experts.decode_dispatch_seconds(shape, layout, hw, slots),
+        + expert_costs.decode_dispatch_seconds(shape, layout, hw, slots),
         prefill_seconds=prefill_seconds / t)
     if o.partial_rollouts:
         timeline, extra = _partial_timeline(inputs, layout, slots, step, async_bound, peak, attention_peak)

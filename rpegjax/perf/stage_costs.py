@@ -23,7 +23,7 @@ import numpy as np
 
 from rpegjax.graph.ir import Execution
 from rpegjax.options import CacheLayout, CarryMode, OptimizerSharding, RematPolicy
-from rpegjax.perf import collectives, costs, experts, packed_batches
+from rpegjax.perf import collectives, costs, expert_costs, packed_batches
 from rpegjax.perf.costs import DecodeKernel, ModelShape
 from rpegjax.perf.generation_cost import ResponseLengths
 from rpegjax.perf.hardware import HardwareSpec
@@ -44,7 +44,7 @@ class Layout:
 
     `pipeline` (Megatron-style layer stages, 1F1B) is never searched by the planner (rpegjax does not run it);
     it exists to predict published runs of systems that do (`rpegjax.perf.validation`).
-    `expert` (expert parallelism, `rpegjax.perf.experts`) splits a mixture-of-experts model's experts; it is
+    `expert` (expert parallelism, `rpegjax.perf.expert_costs`) splits a mixture-of-experts model's experts; it is
     data-like for the rest: rows split over it and the dense weights' embedding dimension too (as over fsdp).
     """
 
@@ -158,7 +158,7 @@ class ExecutionOptions:
     max_token_lag: int | None = None
     partial_carry: CarryMode = CarryMode.RECOMPUTE
     # a MoE model's expert matmuls as grouped GEMMs (Megatron, vLLM); False: as rpegjax's runtime runs its dropless
-    # mode on GPU, a dense batched GEMM over every local expert of the worst-case receive buffer (`perf.experts`)
+    # mode on GPU, a dense batched GEMM over every local expert of the worst-case receive buffer (`perf.expert_costs`)
     grouped_expert_gemm: bool = True
 
     def __post_init__(self) -> None:
@@ -391,7 +391,7 @@ def model_pass_cost(inputs: CostInputs, shape: ModelShape, layout: Layout, *, lo
                                         backward=backward) + moe.matmul_seconds) / layout.size
     # a pipeline stage runs L/p layers of every micro-batch: per-layer terms shrink by p, compute by layout.size
     stage_layers = math.ceil(shape.layers / layout.pipeline)
-    stage_shape = experts.with_layers(shape, stage_layers)
+    stage_shape = expert_costs.with_layers(shape, stage_layers)
     elementwise = traffic_equivalents * epochs * elementwise_bytes(
         stage_shape, tokens=per_device, pairs=pairs / layout.replicas / layout.context, tensor=layout.tensor, options=o)
     memory = device.memory_seconds(elementwise + passes * shape.weight_bytes / layout.shards)
@@ -449,18 +449,18 @@ class _ExpertPass(NamedTuple):
 
 def _expert_pass(inputs: CostInputs, shape: ModelShape, layout: Layout, *, tokens: float, device_tokens: float,
                  backward: bool, forward_equivalents: int) -> _ExpertPass:
-    """A MoE model's expert terms of one epoch of a pass (`rpegjax.perf.experts`; zeros for a dense model): the
+    """A MoE model's expert terms of one epoch of a pass (`rpegjax.perf.expert_costs`; zeros for a dense model): the
     expert work as the options run it, the dispatch and combine per sparse layer (2 forward, 2 backward, 2 for a
     recomputed forward) of `device_tokens` per device and pass, and the buffers they hold."""
     o = inputs.options
     row_tokens = _row_tokens(inputs, tokens)
-    extra = forward_equivalents * experts.extra_expert_flops(shape, o, tokens=tokens, row_tokens=row_tokens)
+    extra = forward_equivalents * expert_costs.extra_expert_flops(shape, o, tokens=tokens, row_tokens=row_tokens)
     exchanges = 2 * (1 + (1 if backward else 0) + (1 if backward and o.remat is RematPolicy.FULL else 0))
     return _ExpertPass(
         flops=extra, matmul_seconds=inputs.hardware.device.matmul_seconds(extra, shape.compute_dtype),
-        dispatch_seconds=experts.dispatch_seconds(shape, layout, inputs.hardware, tokens_per_device=device_tokens,
+        dispatch_seconds=expert_costs.dispatch_seconds(shape, layout, inputs.hardware, tokens_per_device=device_tokens,
                                                   exchanges=exchanges),
-        transient_bytes=experts.layer_transient_bytes(shape, o, layout, tokens_per_device=device_tokens,
+        transient_bytes=expert_costs.layer_transient_bytes(shape, o, layout, tokens_per_device=device_tokens,
                                                       row_tokens=row_tokens, backward=backward))
 
 
@@ -478,7 +478,7 @@ def _weight_gather_seconds(shape: ModelShape, layout: Layout, hw: HardwareSpec, 
     the dense weights over fsdp x expert x context, a MoE model's experts over fsdp x context (their expert dim
     stays split: each device gathers only its x/p experts)."""
     split = layout.tensor * layout.pipeline
-    expert_bytes = experts.expert_params(shape) * bytes_per_param / split
+    expert_bytes = expert_costs.expert_params(shape) * bytes_per_param / split
     dense_bytes = shape.params * bytes_per_param / split - expert_bytes
     seconds = collectives.all_gather_seconds(dense_bytes, hw, layout.weight_group())
     if expert_bytes:
@@ -554,7 +554,7 @@ def _forward_weight_copies(shape: ModelShape, layout: Layout) -> float:
     gathered = layout.fsdp * layout.context * layout.expert > 1  # weights are sharded over fsdp x context x expert
     whole = output * shape.param_bytes_each if gathered else 0.0
     copies = output * shape.compute_bytes_each if wide else 0.0
-    layers = (2 * experts.layer_params_held(shape, layout) / layout.tensor * shape.compute_bytes_each
+    layers = (2 * expert_costs.layer_params_held(shape, layout) / layout.tensor * shape.compute_bytes_each
               if gathered or wide else 0.0)
     return whole + copies + layers
 
@@ -587,7 +587,7 @@ def _pass_transient_bytes(inputs: CostInputs, shape: ModelShape, layout: Layout,
     # into it (0.5B updates, docs/benchmarks.md issue 23; XLA:CPU keeps all three)
     chunk = costs.logprob_chunk_bytes(shape, rows=rows, chunk=chunk_tokens, tensor=layout.tensor, copies=1)
     # the layer in use and the one being prefetched, gathered as their compute-dtype casts
-    layer_params = experts.layer_params_held(shape, layout) * shape.compute_bytes_each / layout.tensor
+    layer_params = expert_costs.layer_params_held(shape, layout) * shape.compute_bytes_each / layout.tensor
     gathered = 2 * layer_params if layout.fsdp * layout.context * layout.expert > 1 else 0.0
     activations = costs.training_activation_bytes(shape, tokens=tokens_per_pass, keys_per_query=keys_per_query,
                                                   kernel=o.attention, remat=o.remat, tensor=layout.tensor)

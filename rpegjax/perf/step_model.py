@@ -25,7 +25,7 @@ from rpegjax.graph.ir import UPDATE_KINDS, Execution, Graph, Role, Stage, StageK
 from rpegjax.graph.trace import Trace
 from rpegjax.models.config import ModelConfig
 from rpegjax.perf import schedule as schedule_module
-from rpegjax.perf import experts, generation_stage, stage_costs
+from rpegjax.perf import expert_costs, generation_stage, stage_costs
 from rpegjax.perf.costs import ModelShape
 from rpegjax.perf.hardware import HardwareSpec
 from rpegjax.perf.stage_costs import (
@@ -164,7 +164,7 @@ def resident_state(graph: Graph, inputs: CostInputs) -> list[_Resident]:
         if o.replicated_generation_weights:  # rpegjax's sampler: its own copy in the compute dtype (weight sync
             # casts it, `rpegjax.models.precision.generation_cast`), split over the tensor axis only
             # (a MoE model's experts over its expert axis too)
-            copy_bytes = experts.generation_copy_params(inputs.actor, gen_layout) * inputs.actor.compute_bytes_each
+            copy_bytes = expert_costs.generation_copy_params(inputs.actor, gen_layout) * inputs.actor.compute_bytes_each
             out.append(_Resident("generation weights", gen_devices, gen_layout, copy_bytes))
             return out
         same = gen_devices == placement_devices(graph, actor.placement) and (

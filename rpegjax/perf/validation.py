@@ -17,7 +17,7 @@ from rpegjax.options import RematPolicy
 from rpegjax.perf import hardware as hardware_module
 from rpegjax.perf import planner
 from rpegjax.perf.costs import ModelShape
-from rpegjax.perf.experts import ExpertShape
+from rpegjax.perf.expert_costs import ExpertShape
 from rpegjax.perf.generation_cost import ResponseLengths
 from rpegjax.perf.hardware import HardwareSpec, a100_node
 from rpegjax.perf.pretraining import PipelineRun
@@ -85,7 +85,7 @@ class RLRun:
 
     generation_gpus: GPUs given to generation alone (0: generation shares every GPU with training);
     train_tensor / train_pipeline / train_context: Megatron's TP, PP and CP (data parallelism takes the rest of the
-    training GPUs); train_expert: the expert axis (`rpegjax.perf.experts`) carved out of that data parallelism
+    training GPUs); train_expert: the expert axis (`rpegjax.perf.expert_costs`) carved out of that data parallelism
     (Megatron's EP where it spans data-parallel ranks only); sequence_parallel: Megatron's;
     async_bound: 0 on-policy, k: k steps off-policy.
     """

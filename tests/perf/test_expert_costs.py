@@ -1,4 +1,4 @@
-"""The perf model's mixture-of-experts terms (rpegjax.perf.experts) against hand-computed formulas and the compiled
+"""The perf model's mixture-of-experts terms (rpegjax.perf.expert_costs) against hand-computed formulas and the compiled
 Qwen3-30B-A3B update memory of benchmarks/bench_moe_memory.py (docs/benchmarks.md, issue 26)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from rpegjax.graph.ir import Algorithm, Execution
 from rpegjax.models.config import ModelConfig
 from rpegjax.options import AttentionKind, RematPolicy
-from rpegjax.perf import collectives, costs, experts, hardware, planner, stage_costs, trust
+from rpegjax.perf import collectives, costs, expert_costs, hardware, planner, stage_costs, trust
 from rpegjax.perf.costs import ModelShape
 from rpegjax.perf.generation_cost import ResponseLengths
 from rpegjax.perf.stage_costs import CostInputs, ExecutionOptions, Layout, Workload
@@ -43,17 +43,17 @@ def test_weights_split_over_the_expert_axis():
     assert stage_costs.optimizer_state_bytes(shape, layout, ExecutionOptions()) == pytest.approx(shape.params * 12 / 16)
     # a layer held at once: attention, router and 128/16 local experts
     held = 2 * 2048 * 32 * 128 + 2 * 2048 * 4 * 128 + 2048 * 128 + 3 * 2048 * 768 * 8
-    assert experts.layer_params_held(shape, layout) == held
+    assert expert_costs.layer_params_held(shape, layout) == held
 
 
 def test_capacity_and_dropless_work():
     capped = ModelShape.from_config(MOE.replace(moe_capacity_factor=1.25))
     # C = ceil(1.25 * 16384 * 8 / 128) = 1280 slots per expert and row: 128 x 1280 / (16384 x 8) = 1.25
-    assert experts.computed_expert_ratio(capped, ExecutionOptions(), row_tokens=16384) == pytest.approx(1.25)
+    assert expert_costs.computed_expert_ratio(capped, ExecutionOptions(), row_tokens=16384) == pytest.approx(1.25)
     dropless = ModelShape.from_config(MOE)
-    assert experts.computed_expert_ratio(dropless, ExecutionOptions(), row_tokens=16384) == 1.0  # grouped GEMMs
+    assert expert_costs.computed_expert_ratio(dropless, ExecutionOptions(), row_tokens=16384) == 1.0  # grouped GEMMs
     runtime = ExecutionOptions().executing(Execution())
-    assert experts.computed_expert_ratio(dropless, runtime, row_tokens=16384) == 128.0  # every local expert, dense
+    assert expert_costs.computed_expert_ratio(dropless, runtime, row_tokens=16384) == 128.0  # every local expert, dense
 
 
 def test_dispatch_is_an_all_to_all_per_sparse_layer_inside_and_across_nodes():
@@ -63,10 +63,10 @@ def test_dispatch_is_an_all_to_all_per_sparse_layer_inside_and_across_nodes():
     for size in (8, 16):
         layout = Layout.from_parallel({"data": 32 // size, "expert": size}, where="test")
         one = collectives.all_to_all_seconds(tokens * 8 * 2048 * 2, hw, collectives.Group(size=size, stride=1))
-        assert experts.dispatch_seconds(shape, layout, hw, tokens_per_device=tokens, exchanges=4) == pytest.approx(48 * 4 * one)
-    inside = experts.dispatch_seconds(shape, Layout.from_parallel({"data": 4, "expert": 8}, where="t"), hw,
+        assert expert_costs.dispatch_seconds(shape, layout, hw, tokens_per_device=tokens, exchanges=4) == pytest.approx(48 * 4 * one)
+    inside = expert_costs.dispatch_seconds(shape, Layout.from_parallel({"data": 4, "expert": 8}, where="t"), hw,
                                       tokens_per_device=tokens, exchanges=2)
-    across = experts.dispatch_seconds(shape, Layout.from_parallel({"data": 2, "expert": 16}, where="t"), hw,
+    across = expert_costs.dispatch_seconds(shape, Layout.from_parallel({"data": 2, "expert": 16}, where="t"), hw,
                                       tokens_per_device=tokens, exchanges=2)
     assert across > 2 * inside  # half of each device's rows cross the network
 
@@ -74,14 +74,14 @@ def test_dispatch_is_an_all_to_all_per_sparse_layer_inside_and_across_nodes():
 def test_decode_reads_only_the_experts_hit():
     shape = ModelShape.from_config(MOE)
     layout = Layout.from_parallel({"data": 4, "tensor": 2}, where="test")
-    assert experts.expected_experts_hit(shape, layout, 0) == 0
-    assert experts.expected_experts_hit(shape, layout, 1) == pytest.approx(8)  # one token: its k experts
-    assert experts.expected_experts_hit(shape, layout, 4) == pytest.approx(128 * (1 - (1 - 8 / 128) ** 4))
-    assert experts.expected_experts_hit(shape, layout, 10_000) == pytest.approx(128)  # bounded by the local experts
-    dense = (shape.params - experts.expert_params(shape)) * 2 / 2
-    assert experts.decode_weight_bytes(shape, layout, 1) == pytest.approx(dense + 48 * 8 * 3 * 2048 * 768 * 2 / 2)
+    assert expert_costs.expected_experts_hit(shape, layout, 0) == 0
+    assert expert_costs.expected_experts_hit(shape, layout, 1) == pytest.approx(8)  # one token: its k experts
+    assert expert_costs.expected_experts_hit(shape, layout, 4) == pytest.approx(128 * (1 - (1 - 8 / 128) ** 4))
+    assert expert_costs.expected_experts_hit(shape, layout, 10_000) == pytest.approx(128)  # bounded by the local experts
+    dense = (shape.params - expert_costs.expert_params(shape)) * 2 / 2
+    assert expert_costs.decode_weight_bytes(shape, layout, 1) == pytest.approx(dense + 48 * 8 * 3 * 2048 * 768 * 2 / 2)
     split = Layout.from_parallel({"data": 1, "expert": 8}, where="test")  # 16 local experts, 8 replicas' tokens
-    assert experts.expected_experts_hit(shape, split, 1) == pytest.approx(16 * (1 - (1 - 8 / 128) ** 8))
+    assert expert_costs.expected_experts_hit(shape, split, 1) == pytest.approx(16 * (1 - (1 - 8 / 128) ** 8))
 
 
 def _bench_update_gib(parallel: dict[str, int], capacity: float | None) -> float:
