@@ -188,24 +188,14 @@ def record_tokens(
     )
 
 
-def prefill(
-    model,
-    prompts: Int[Array, "p s"],
-    prompt_lengths: Int[Array, " p"],
-    sharding: ActivationSharding | None,
-) -> tuple[KVCache, Float[Array, "p v"]]:
+def prefill(model, prompts: Int[Array, "p s"], prompt_lengths: Int[Array, " p"],
+            sharding: ActivationSharding | None) -> tuple[KVCache, Float[Array, "p v"], Any]:
     """Runs right-padded prompts through a fresh cache of capacity s.
 
-    Returns that cache (lengths = prompt_lengths) and the float32 logits at each prompt's last token,
-    i.e. the distribution of the first response token.
+    Returns that cache (lengths = prompt_lengths), the float32 logits at each prompt's last token, i.e. the
+    distribution of the first response token, and the prompts' `Routing` (None for a dense model): expert_ids
+    [p s layers k].
     """
-    cache, logits, _ = routed_prefill(model, prompts, prompt_lengths, sharding)
-    return cache, logits
-
-
-def routed_prefill(model, prompts: Int[Array, "p s"], prompt_lengths: Int[Array, " p"],
-                   sharding: ActivationSharding | None) -> tuple[KVCache, Float[Array, "p v"], Any]:
-    """`prefill` and the prompts' `Routing` (None for a dense model): expert_ids [p s layers k]."""
     p, s = prompts.shape
     mask = jnp.arange(s)[None, :] < prompt_lengths[:, None]
     positions = jnp.broadcast_to(jnp.arange(s), (p, s))
@@ -239,7 +229,7 @@ def admit(
     """
     model = nnx.merge(graphdef, params)
     s = prompts.shape[1]
-    cache, logits, routing = routed_prefill(model, prompts, prompt_lengths, sharding)
+    cache, logits, routing = prefill(model, prompts, prompt_lengths, sharding)
     repeat = lambda x, axis=0: jnp.repeat(x, group_size, axis=axis)  # noqa: E731
     def copy_in(slot_cache, prefilled):  # one layer's [b k T e] array
         return slot_cache.at[slots, :, :s].set(repeat(prefilled).astype(slot_cache.dtype), mode="drop")
@@ -288,18 +278,12 @@ def admit(
     )
 
 
-def step_logits(model, state: DecodeState, sharding: ActivationSharding | None) -> tuple[Float[Array, "b v"], KVCache]:
-    """Feeds every row's last token through the cache; logits of the next token and the new cache.
+def step_state(model, state: DecodeState, sharding: ActivationSharding | None) -> tuple[Float[Array, "b v"], DecodeState]:
+    """Feeds every row's last token through the cache: the logits of the next token and the state with the new
+    cache and, when recording, the fed tokens' routing written at their cache index.
 
     Finished rows are masked out, so their cache length does not move (their write lands past it).
     """
-    logits, state = step_state(model, state, sharding)
-    return logits, state.cache
-
-
-def step_state(model, state: DecodeState, sharding: ActivationSharding | None) -> tuple[Float[Array, "b v"], DecodeState]:
-    """`step_logits` with the state it leaves: the new cache and, when recording, the fed tokens' routing
-    written at their cache index."""
     active = ~state.done
     hidden, cache, routing = model.routed_hidden_states(
         state.last_token[:, None], state.cache.lengths[:, None], mask=active[:, None], cache=state.cache, sharding=sharding

@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rpegjax.generate.completion import EOS_CODE, LENGTH_CODE, RUNNING_CODE, STOP_CODE
-from rpegjax.generate.decode import DecodeState, admit, decode, prefill, record_tokens, step_logits
+from rpegjax.generate.decode import DecodeState, admit, decode, prefill, record_tokens, step_state
 from rpegjax.generate.sampling import SamplingConfig, sampling_arrays
 from rpegjax.generate.live_rows import live_rows
 
@@ -16,7 +16,7 @@ def test_cache_decode_logits_equal_full_forward_at_every_position(tiny_cfg, tiny
     tokens = jax.random.randint(jax.random.key(4), (3, 6 + steps), 0, tiny_cfg.vocab_size)
     full = jax.jit(lambda t: tiny_model(t))(tokens)  # each row unpadded, as one sequence
 
-    cache, first = jax.jit(lambda t, n: prefill(tiny_model, t, n, None))(tokens[:, :6], jnp.asarray(lengths))
+    cache, first, _ = jax.jit(lambda t, n: prefill(tiny_model, t, n, None))(tokens[:, :6], jnp.asarray(lengths))
     np.testing.assert_allclose(first, full[np.arange(3), lengths - 1], atol=1e-5)
 
     state = DecodeState.empty(tiny_cfg, 3, 6 + steps, steps)
@@ -27,11 +27,12 @@ def test_cache_decode_logits_equal_full_forward_at_every_position(tiny_cfg, tiny
                                   lengths=cache.lengths),
         done=jnp.zeros(3, bool),
     )
-    step = jax.jit(lambda s: step_logits(tiny_model, s, None))
+    step = jax.jit(lambda s: step_state(tiny_model, s, None))
     for j in range(steps):
         position = lengths + j
         state = state.replace(last_token=tokens[np.arange(3), position])
-        logits, new_cache = step(state)
+        logits, stepped = step(state)
+        new_cache = stepped.cache
         if j < steps - 1:  # the last fed token is the last one the full forward has a next-token logit for
             np.testing.assert_allclose(logits, full[np.arange(3), position], atol=1e-5)
         np.testing.assert_array_equal(new_cache.lengths, position + 1)
