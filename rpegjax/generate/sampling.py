@@ -161,8 +161,21 @@ def filter_logits(
     Each filter keeps a prefix of the sorted order, so the result is a threshold on the logit; tokens
     tied with the last kept one are kept too. This is the order and maths of `transformers`' warpers.
     """
+    threshold = kept_threshold(logits, top_k=top_k, top_p=top_p, min_p=min_p)
+    return logits if threshold is None else jnp.where(logits >= threshold, logits, _NEG_INF)
+
+
+def kept_threshold(
+    logits: Float[Array, "b v"],
+    *,
+    top_k: int = 0,
+    top_p: Float[Array, ""] | float | None = None,
+    min_p: Float[Array, ""] | float | None = None,
+) -> Float[Array, "b 1"] | None:
+    """The smallest logit `filter_logits` keeps in each row (None when no filter is on): it keeps exactly the
+    logits >= this threshold."""
     if not top_k and top_p is None and min_p is None:
-        return logits
+        return None
     vocab = logits.shape[-1]
     sorted_logits = jax.lax.top_k(logits, vocab)[0]  # b v, descending
     ranks = jnp.arange(vocab)
@@ -177,8 +190,7 @@ def filter_logits(
     if min_p is not None:
         relative = sorted_logits - sorted_logits[:, :1]
         kept = jnp.minimum(kept, jnp.maximum(jnp.sum(relative >= jnp.log(min_p), axis=-1), 1))
-    threshold = jnp.take_along_axis(sorted_logits, (kept - 1)[:, None], axis=-1)
-    return jnp.where(logits >= threshold, logits, _NEG_INF)
+    return jnp.take_along_axis(sorted_logits, (kept - 1)[:, None], axis=-1)
 
 
 def row_step_keys(
@@ -200,7 +212,9 @@ def sample_tokens(
 ) -> tuple[Int[Array, " b"], Float[Array, " b"]]:
     """Draws one token per row and returns it with its behaviour log-prob.
 
-    Token: argmax(logits) when greedy, else a draw from softmax(filter_logits(logits / T)).
+    Token: argmax(logits) when greedy, else a draw from softmax(filter_logits(logits / T)), by inverse CDF
+    (`draw_from_weights`) on w = exp(logits / T - max) zeroed outside the filter: the same exponentials
+    the log-prob's normaliser sums, and two uniforms per row (no per-vocabulary noise or logarithm).
     Behaviour log-prob: log softmax(logits / T)[token], i.e. BEFORE top-k/top-p/min-p filtering
     (T = 1 when greedy). Why: the learner scores the same tokens with a teacher-forced forward at
     temperature T and no truncation, and the off-policy ratio exp(logp_learner - logp_behaviour) must
@@ -211,15 +225,60 @@ def sample_tokens(
     """
     logits = logits.astype(jnp.float32)
     scaled = logits / sampling.temperature
+    shifted = scaled - jnp.max(scaled, axis=-1, keepdims=True)
+    weights = jnp.exp(shifted)
     if sampling.greedy:
         tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     else:
-        filtered = filter_logits(
+        threshold = kept_threshold(
             scaled,
             top_k=sampling.top_k,
             top_p=sampling.top_p if sampling.filter_top_p else None,
             min_p=sampling.min_p if sampling.filter_min_p else None,
         )
-        tokens = jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
-    log_probs = jax.nn.log_softmax(scaled, axis=-1)
-    return tokens, jnp.take_along_axis(log_probs, tokens[:, None], axis=-1)[:, 0]
+        kept = weights if threshold is None else jnp.where(scaled >= threshold, weights, 0.0)
+        uniforms = jax.vmap(lambda key: jax.random.uniform(key, (2,)))(keys)
+        tokens = draw_from_weights(kept, uniforms)
+    log_normaliser = jnp.log(jnp.sum(weights, axis=-1))
+    return tokens, jnp.take_along_axis(shifted, tokens[:, None], axis=-1)[:, 0] - log_normaliser
+
+
+def draw_from_weights(weights: Float[Array, "b v"], uniforms: Float[Array, "b 2"]) -> Int[Array, " b"]:
+    """Index i of each row with probability weights_i / sum(weights) (weights >= 0, some > 0), by inverse CDF
+    in two levels: the vocabulary is cut into n blocks of m (n m >= v, zero-padded), uniforms[:, 0] picks block
+    j with probability W_j / sum(W) (W_j its summed weight), uniforms[:, 1] picks i in it with probability
+    weights_i / W_j; the product is weights_i / sum(weights). Each level quantises a probability to its own
+    uniform's 2^-23 steps of the level's mass, so a token is resolved relative to its block's mass, not only to
+    the row's (Gumbel-max's float32 noise has a like floor: no token more than ~16 nats below the best wins).
+    Cost: two prefix sums of about sqrt(v) values and a gather of one block per row, instead of v uniforms and
+    2 v logarithms."""
+    rows, vocab = weights.shape
+    size = _block_size(vocab)
+    blocks = -(-vocab // size)
+    padded = jnp.pad(weights, ((0, 0), (0, blocks * size - vocab))).reshape(rows, blocks, size)
+    block = _inverse_cdf(jnp.sum(padded, axis=-1), uniforms[:, 0])
+    inside = jnp.take_along_axis(padded, block[:, None, None], axis=1)[:, 0]  # b m
+    return block * size + _inverse_cdf(inside, uniforms[:, 1])
+
+
+def _block_size(vocab: int) -> int:
+    """Block length m for `draw_from_weights`: the divisor of `vocab` closest to sqrt(vocab) from above when
+    the blocks' count and length then add up to at most 1.5 x the best possible (2 sqrt(v)); else ceil(sqrt(v))
+    (padded)."""
+    root = math.isqrt(vocab - 1) + 1  # ceil(sqrt(vocab))
+    divisor = next(m for m in range(root, vocab + 1) if vocab % m == 0)
+    return divisor if divisor + vocab // divisor <= 3 * root else root
+
+
+def _inverse_cdf(weights: Float[Array, "b n"], uniforms: Float[Array, " b"]) -> Int[Array, " b"]:
+    """First i with weights_i > 0 and prefix sum c_i > u c_{n-1}: i with probability weights_i / c_{n-1}.
+
+    Only a positive weight can be drawn, even where float rounding makes the prefix sums non-monotone; when
+    rounding leaves no prefix sum above the target (u within an ulp of 1), the last positive weight is taken.
+    The prefix sum is `associative_scan` (log n passes): `jnp.cumsum` lowers to an O(n^2) reduce window on
+    XLA:CPU."""
+    cumulative = jax.lax.associative_scan(jnp.add, weights, axis=-1)
+    positive = weights > 0
+    hit = (cumulative > uniforms[:, None] * cumulative[:, -1:]) & positive
+    last = weights.shape[-1] - 1 - jnp.argmax(positive[:, ::-1], axis=-1)
+    return jnp.where(jnp.any(hit, axis=-1), jnp.argmax(hit, axis=-1), last).astype(jnp.int32)

@@ -79,7 +79,7 @@ def test_split_groups_sample_the_same_tokens(tiny_cfg, tiny_split, make_prompts)
     split = Sampler(tiny_cfg, tiny_split[0], **shape, mesh=mesh, cache=CacheConfig.paged(page_size=4, prefill_chunk=8))
     reference = Sampler(tiny_cfg, tiny_split[0], **shape)
     prompts = make_prompts([5, 8, 3, 6, 7, 4], seed=3)
-    kwargs = dict(group_size=4, key=jax.random.key(5), budgets=[12, 2, 3, 12, 5, 1])
+    kwargs = dict(group_size=4, key=jax.random.key(6), budgets=[12, 2, 3, 12, 5, 1])  # a key that splits a group
     got = split.generate(reshard_params(tiny_split[1], mesh, split.rules), prompts, sampling, **kwargs)
     expected = reference.generate(tiny_split[1], prompts, sampling, **kwargs)
     assert [c.response_ids.tolist() for c in got] == [c.response_ids.tolist() for c in expected]
