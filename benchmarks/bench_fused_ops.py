@@ -8,9 +8,13 @@
   * full bucket: a contiguous decode chunk (`generate.decode.decode`, W-gen's 32 rows all running, 16 steps) whose
     live rows are gathered from the slots and scattered back (before) or, every slot in slot order, sliced and
     written back in place (after, `live_rows.take_rows` / `put_rows`), at attention windows 96 and 288 (W-gen's
-    capacity at 64 and 256 new tokens), greedy and at temperature 1.
+    capacity at 64 and 256 new tokens), greedy and at temperature 1;
+  * sampling: temperature-1 tokens by Gumbel-max (`jax.random.categorical`: v uniforms and 2 v logarithms per row,
+    before) or by two-level inverse CDF on the log-prob's own exponentials (after, `sampling.sample_tokens`):
+    the sampler alone on 32 rows of W-small's vocabulary (16 steps in a loop), and the real decode chunk of 32
+    running rows (16 steps) at windows 96 and 288.
 
-    python benchmarks/bench_fused_ops.py [--runs 7] [--cpu-time] [--parts projections paged bucket]
+    python benchmarks/bench_fused_ops.py [--runs 7] [--cpu-time] [--parts projections paged bucket sampling]
 
 Prints the medians and before / after (above 1: the change is faster). Same-run ratios; the machine is shared.
 """
@@ -37,7 +41,7 @@ from rpegjax.generate import decode as decode_module  # noqa: E402
 from rpegjax.generate import live_rows as live_module  # noqa: E402
 from rpegjax.generate.decode import DecodeState  # noqa: E402
 from rpegjax.generate.paged_cache import _attend_pages  # noqa: E402
-from rpegjax.generate.sampling import sampling_arrays  # noqa: E402
+from rpegjax.generate.sampling import filter_logits, sample_tokens, sampling_arrays  # noqa: E402
 from rpegjax.models import Decoder, ModelConfig  # noqa: E402
 from rpegjax.models.transformer import _cached_attention  # noqa: E402
 
@@ -113,7 +117,41 @@ def _scattered_rows(x, live, new, window=None):
     return jax.vmap(put)(blocks, live, parts).reshape(x.shape)
 
 
-def full_bucket_chunk(cfg: ModelConfig, window: int, greedy: bool, sliced: bool):
+def gumbel_sample_tokens(logits, keys, sampling):
+    """Before: `sampling.sample_tokens` by Gumbel-max over the filtered logits, log-probs from log_softmax."""
+    logits = logits.astype(jnp.float32)
+    scaled = logits / sampling.temperature
+    if sampling.greedy:
+        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    else:
+        filtered = filter_logits(scaled, top_k=sampling.top_k,
+                                 top_p=sampling.top_p if sampling.filter_top_p else None,
+                                 min_p=sampling.min_p if sampling.filter_min_p else None)
+        tokens = jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
+    log_probs = jax.nn.log_softmax(scaled, axis=-1)
+    return tokens, jnp.take_along_axis(log_probs, tokens[:, None], axis=-1)[:, 0]
+
+
+def sampler_loop(cfg: ModelConfig, rows: int, inverse_cdf: bool):
+    """STEPS temperature-1 draws of `rows` tokens from logits that change with each draw."""
+    sample = sample_tokens if inverse_cdf else gumbel_sample_tokens
+    sampling = sampling_arrays(SamplingConfig(max_new_tokens=STEPS), vocab_size=cfg.vocab_size, default_eos_id=None)
+
+    @jax.jit
+    def run(logits, key):
+        def step(i, carry):
+            logits, total = carry
+            keys = jax.random.split(jax.random.fold_in(key, i), rows)
+            tokens, logprobs = sample(logits, keys, sampling)
+            return logits + 1e-3 * tokens[:, None], total + logprobs.sum()
+
+        return jax.lax.fori_loop(0, STEPS, step, (logits, jnp.float32(0)))[1]
+
+    logits = 3 * jax.random.normal(jax.random.key(5), (rows, cfg.vocab_size))
+    return lambda: run(logits, jax.random.key(6)).block_until_ready()
+
+
+def full_bucket_chunk(cfg: ModelConfig, window: int, greedy: bool, sliced: bool, inverse_cdf: bool = True):
     """One decode chunk of STEPS steps on 32 running slots (every slot: a full bucket) attending to `window` cache
     positions of a cache of `window` positions (rows at window - STEPS - 1 cached tokens, random cache contents)."""
     graphdef, params = nnx.split(Decoder(cfg, rngs=nnx.Rngs(0)))
@@ -130,6 +168,12 @@ def full_bucket_chunk(cfg: ModelConfig, window: int, greedy: bool, sliced: bool)
     every = jnp.asarray(live_module.live_rows(range(rows), num_slots=rows, replicas=1))
     run = jax.jit(lambda state: decode_module.decode(graphdef, params, state, every, jax.random.key(1), sampling,
                                               jnp.int32(STEPS), window=window - 1))  # < capacity: the windowed path
+    if not inverse_cdf:  # trace (once, now) with the Gumbel-max sampler of before
+        saved_sampler, decode_module.sample_tokens = decode_module.sample_tokens, gumbel_sample_tokens
+        try:
+            run = run.lower(state).compile()
+        finally:
+            decode_module.sample_tokens = saved_sampler
     if not sliced:  # trace (once, now) with the gather and scatter of before
         saved = (live_module.take_rows, live_module.put_rows, decode_module.take_rows, decode_module.put_rows)
         live_module.take_rows = decode_module.take_rows = _gathered_rows
@@ -146,8 +190,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=7)
     parser.add_argument("--cpu-time", action="store_true",
                         help="time this process's CPU seconds (a loaded machine's waits for a core left out)")
-    parser.add_argument("--parts", nargs="+", default=["projections", "paged", "bucket"],
-                        choices=["projections", "paged", "bucket"])
+    parser.add_argument("--parts", nargs="+", default=["projections", "paged", "bucket", "sampling"],
+                        choices=["projections", "paged", "bucket", "sampling"])
     args = parser.parse_args()
     cfg = ModelConfig.w_small()
     weights = weights_of(cfg)
@@ -172,6 +216,16 @@ def main() -> None:
         parts.append(part)
         for sliced in (False, True):
             calls[f"{part} {'after' if sliced else 'before'}"] = full_bucket_chunk(cfg, window, greedy, sliced)
+    if "sampling" in args.parts:
+        parts.append("sampler alone")
+        for inverse_cdf in (False, True):
+            calls[f"sampler alone {'after' if inverse_cdf else 'before'}"] = sampler_loop(cfg, 32, inverse_cdf)
+    for window in (97, 289) if "sampling" in args.parts else ():
+        part = f"sampled chunk w{window - 1}"
+        parts.append(part)
+        for inverse_cdf in (False, True):
+            calls[f"{part} {'after' if inverse_cdf else 'before'}"] = full_bucket_chunk(
+                cfg, window, greedy=False, sliced=True, inverse_cdf=inverse_cdf)
     seconds = time_interleaved(calls, args.runs, warmup=1,
                                clock=time.process_time if args.cpu_time else time.perf_counter)
     medians = {name: statistics.median(values) for name, values in seconds.items()}
