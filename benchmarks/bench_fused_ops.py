@@ -12,9 +12,12 @@
   * sampling: temperature-1 tokens by Gumbel-max (`jax.random.categorical`: v uniforms and 2 v logarithms per row,
     before) or by two-level inverse CDF on the log-prob's own exponentials (after, `sampling.sample_tokens`):
     the sampler alone on 32 rows of W-small's vocabulary (16 steps in a loop), and the real decode chunk of 32
-    running rows (16 steps) at windows 96 and 288.
+    running rows (16 steps) at windows 96 and 288;
+  * wgen: W-gen's whole `Sampler.generate` at temperature 1 (32 x 32-token prompts, `--new-tokens`, contiguous and
+    paged cache) with either sampler, beside the matmul floor (`bench_generate.make_matmul_floor`) of the same run.
 
-    python benchmarks/bench_fused_ops.py [--runs 7] [--cpu-time] [--parts projections paged bucket sampling]
+    python benchmarks/bench_fused_ops.py [--runs 7] [--cpu-time] [--parts projections paged bucket sampling wgen] \
+        [--new-tokens 64 256]
 
 Prints the medians and before / after (above 1: the change is faster). Same-run ratios; the machine is shared.
 """
@@ -32,15 +35,16 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_generate import make_matmul_floor  # noqa: E402
 from timing import time_interleaved  # noqa: E402
 
 from flax import nnx  # noqa: E402
 
-from rpegjax.generate import SamplingConfig  # noqa: E402
+from rpegjax.generate import Sampler, SamplingConfig  # noqa: E402
 from rpegjax.generate import decode as decode_module  # noqa: E402
 from rpegjax.generate import live_rows as live_module  # noqa: E402
 from rpegjax.generate.decode import DecodeState  # noqa: E402
-from rpegjax.generate.paged_cache import _attend_pages  # noqa: E402
+from rpegjax.generate.paged_cache import CacheConfig, _attend_pages  # noqa: E402
 from rpegjax.generate.sampling import filter_logits, sample_tokens, sampling_arrays  # noqa: E402
 from rpegjax.models import Decoder, ModelConfig  # noqa: E402
 from rpegjax.models.transformer import _cached_attention  # noqa: E402
@@ -185,13 +189,40 @@ def full_bucket_chunk(cfg: ModelConfig, window: int, greedy: bool, sliced: bool,
     return lambda: jax.block_until_ready(run(state))
 
 
+def wgen_calls(cfg: ModelConfig, new_tokens: int) -> dict:
+    """W-gen at temperature 1, Gumbel-max (before) and inverse CDF (after), both cache layouts, and its floor."""
+    graphdef, params = nnx.split(Decoder(cfg, rngs=nnx.Rngs(0)))
+    prompts = jax.random.randint(jax.random.key(0), (32, 32), 0, cfg.vocab_size).tolist()
+    sampling = SamplingConfig(max_new_tokens=new_tokens, temperature=1.0, ignore_eos=True)
+    shape = dict(num_slots=32, max_prompt_len=32, max_new_tokens=new_tokens, chunk_steps=16)
+    calls, drawn = {}, {}
+    for layout, cache in (("contiguous", None), ("paged", CacheConfig.paged(page_size=16))):
+        for inverse_cdf in (False, True):
+            sampler = Sampler(cfg, graphdef, **shape, cache=cache)
+            run = (lambda s=sampler: s.generate(params, prompts, sampling, key=jax.random.key(1)))
+            saved = decode_module.sample_tokens
+            decode_module.sample_tokens = sample_tokens if inverse_cdf else gumbel_sample_tokens
+            try:  # compiles every program this generate runs, with this sampler
+                drawn[inverse_cdf] = [c.response_ids.tolist() for c in run()]
+            finally:
+                decode_module.sample_tokens = saved
+            calls[f"wgen {new_tokens} {layout} {'after' if inverse_cdf else 'before'}"] = run
+        if drawn[False] == drawn[True]:  # each sampler compiled its own programs: the draws differ
+            raise RuntimeError(f"wgen {layout}: the two samplers drew the same tokens (a shared compiled program?)")
+    floor, _ = make_matmul_floor(cfg, 32)
+    floor(new_tokens)
+    calls[f"wgen {new_tokens} floor"] = lambda: floor(new_tokens)
+    return calls
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=7)
     parser.add_argument("--cpu-time", action="store_true",
                         help="time this process's CPU seconds (a loaded machine's waits for a core left out)")
     parser.add_argument("--parts", nargs="+", default=["projections", "paged", "bucket", "sampling"],
-                        choices=["projections", "paged", "bucket", "sampling"])
+                        choices=["projections", "paged", "bucket", "sampling", "wgen"])
+    parser.add_argument("--new-tokens", type=int, nargs="+", default=[64, 256], help="W-gen's lengths (--parts wgen)")
     args = parser.parse_args()
     cfg = ModelConfig.w_small()
     weights = weights_of(cfg)
@@ -226,6 +257,9 @@ def main() -> None:
         for inverse_cdf in (False, True):
             calls[f"{part} {'after' if inverse_cdf else 'before'}"] = full_bucket_chunk(
                 cfg, window, greedy=False, sliced=True, inverse_cdf=inverse_cdf)
+    for new_tokens in args.new_tokens if "wgen" in args.parts else ():
+        calls.update(wgen_calls(cfg, new_tokens))
+        parts += [f"wgen {new_tokens} contiguous", f"wgen {new_tokens} paged"]
     seconds = time_interleaved(calls, args.runs, warmup=1,
                                clock=time.process_time if args.cpu_time else time.perf_counter)
     medians = {name: statistics.median(values) for name, values in seconds.items()}
@@ -235,6 +269,10 @@ def main() -> None:
     print(f"({'CPU' if args.cpu_time else 'wall'} seconds)")
     for part in parts:
         print(f"{part}: before / after {medians[f'{part} before'] / medians[f'{part} after']:.2f}")
+        if part.startswith("wgen"):
+            floor = medians[f"wgen {part.split()[1]} floor"]
+            print(f"  share of the matmul floor: before {floor / medians[f'{part} before']:.2f}, "
+                  f"after {floor / medians[f'{part} after']:.2f}")
 
 
 if __name__ == "__main__":
