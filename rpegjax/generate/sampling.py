@@ -249,7 +249,8 @@ def draw_from_weights(weights: Float[Array, "b v"], uniforms: Float[Array, "b 2"
     j with probability W_j / sum(W) (W_j its summed weight), uniforms[:, 1] picks i in it with probability
     weights_i / W_j; the product is weights_i / sum(weights). Each level quantises a probability to its own
     uniform's 2^-23 steps of the level's mass, so a token is resolved relative to its block's mass, not only to
-    the row's (Gumbel-max's float32 noise has a like floor: no token more than ~16 nats below the best wins).
+    the row's (Gumbel-max's float32 noise has a like floor: its noise spans about -4.5 to 15.9, so no token more
+    than ~20 nats below the best can win).
     Cost: two prefix sums of about sqrt(v) values and a gather of one block per row, instead of v uniforms and
     2 v logarithms."""
     rows, vocab = weights.shape
