@@ -50,7 +50,7 @@ from rpegjax.perf.costs import (
     layer_activation_bytes_per_token,
     layer_matmul_output_bytes_per_token,
 )
-from rpegjax.perf.step_model import Evaluator, Prediction, placement_devices
+from rpegjax.perf.step_model import Evaluator, Prediction, device_index, placement_devices
 
 ROLLOUT, TRAIN = transforms.ROLLOUT_PLACEMENT, transforms.TRAIN_PLACEMENT
 
@@ -459,7 +459,7 @@ class Planner:
             fallback = candidate
             costs, persistent, _ = self.evaluator.stage_costs(graph)
             stages = [s for s in graph.stages if set(s.kinds) & limits.keys()]
-            if all(np.isfinite(costs[s.name].seconds) and persistent[list(placement_devices(graph, s.placement))].max()
+            if all(np.isfinite(costs[s.name].seconds) and persistent[device_index(placement_devices(graph, s.placement))].max()
                    + costs[s.name].transient_bytes <= min(limits[k] for k in s.kinds if k in limits) for s in stages):
                 seconds = sum(costs[s.name].seconds for s in stages)
                 if best is None or seconds < best[0]:
@@ -479,7 +479,7 @@ class Planner:
                 continue
             choice = candidate
             costs, persistent, _ = self.evaluator.stage_costs(graph)
-            if all(persistent[list(placement_devices(graph, s.placement))].max() + costs[s.name].transient_bytes <= limit
+            if all(persistent[device_index(placement_devices(graph, s.placement))].max() + costs[s.name].transient_bytes <= limit
                    for s in graph.stages if set(s.kinds) & kinds and np.isfinite(costs[s.name].seconds)):
                 return choice
         return choice
@@ -526,7 +526,7 @@ class Planner:
         if not np.isfinite(cost.seconds):
             return None
         layout = stage_costs.Layout.from_parallel(graph.parallel_of(generate.name), where=generate.name)
-        beside = float(self.evaluator.generating_persistent(graph)[list(placement_devices(graph, generate.placement))].max())
+        beside = float(self.evaluator.generating_persistent(graph)[device_index(placement_devices(graph, generate.placement))].max())
         return int(cost.detail["slots"]), cost, layout, self.evaluator.inputs_for(graph), beside
 
     def variants(self, skeleton: PlanChoice) -> Iterator[PlanChoice]:
