@@ -12,7 +12,7 @@ from rpegjax.options import CarryMode
 from rpegjax.perf import collectives, costs, expert_costs
 from rpegjax.perf import partial_rollouts as partial
 from rpegjax.perf.costs import DecodeKernel, ModelShape
-from rpegjax.perf.generation_cost import DecodeStepCost, DecodeTimeline, replica_lengths, simulate_decode
+from rpegjax.perf.generation_cost import DecodeStepCost, DecodeTimeline, ResponseLengths, replica_lengths, simulate_decode
 from rpegjax.perf.stage_costs import SAMPLING_BYTES_PER_VOCAB, CostInputs, Layout, StageCost, Workload
 
 
@@ -187,9 +187,9 @@ def generation_cost(inputs: CostInputs, layout: Layout, *, kv_budget_bytes: floa
     if o.partial_rollouts:
         timeline, extra = _partial_timeline(inputs, layout, slots, step, async_bound, peak, attention_peak)
     else:
-        queue = replica_lengths(w.responses, w.sequences, replicas)
-        timeline = simulate_decode(queue, slots=slots, prompt=w.prompt_tokens, capacity=capacity, kernel=o.decode,
-                                   continuous=o.continuous_batching, cost=step)
+        timeline = _replica_timeline(w.responses, w.sequences, replicas, slots=slots, prompt=w.prompt_tokens,
+                                     capacity=capacity, kernel=DecodeKernel(o.decode), continuous=o.continuous_batching,
+                                     cost=step)
         extra = {}
     seconds = timeline.seconds + device.dispatch_overhead_s
     finished = np.sort(timeline.finish_seconds)
@@ -209,6 +209,18 @@ def generation_cost(inputs: CostInputs, layout: Layout, *, kv_budget_bytes: floa
         detail={"slots": slots, "decode_steps": timeline.steps, "mean_active": timeline.mean_active,
                 "mean_decoded_rows": timeline.mean_rows, "slot_busy": timeline.mean_active / timeline.slots,
                 "generated_tokens": generated, **extra})
+
+
+@functools.lru_cache(maxsize=1024)
+def _replica_timeline(lengths: ResponseLengths, sequences: int, replicas: int, *, slots: int, prompt: int,
+                      capacity: int, kernel: DecodeKernel, continuous: bool, cost: DecodeStepCost) -> DecodeTimeline:
+    """`simulate_decode` of the slowest replica's queue (`replica_lengths`), remembered: deterministic in its
+    arguments, and the planner prices the same sampler under many training layouts. Its finish times are
+    read-only (the timeline is shared)."""
+    timeline = simulate_decode(replica_lengths(lengths, sequences, replicas), slots=slots, prompt=prompt,
+                               capacity=capacity, kernel=kernel, continuous=continuous, cost=cost)
+    timeline.finish_seconds.setflags(write=False)
+    return timeline
 
 
 def _partial_timeline(inputs: CostInputs, layout: Layout, slots: int, step: DecodeStepCost, async_bound: int,
@@ -231,9 +243,7 @@ def _partial_timeline(inputs: CostInputs, layout: Layout, slots: int, step: Deco
         seconds_per_token=costs.forward_flops(shape, tokens=1, pairs=0, logit_tokens=0) / peak / t,
         seconds_per_pair=costs.forward_flops(shape, tokens=0, pairs=1, logit_tokens=0) / attention_peak / t,
         dense_width=schedule.capacity if o.attention is costs.AttentionKernel.DENSE else None)
-    simulation = partial.PartialSimulation(schedule, partial.drawn_groups(w.responses, w.group_size),
-                                           kernel=o.decode, cost=step, prefill=prefill)
-    state = partial.steady_state(simulation)
+    state = partial.drawn_steady_state(schedule, w.responses, kernel=DecodeKernel(o.decode), cost=step, prefill=prefill)
     timeline = DecodeTimeline(seconds=state.seconds, finish_seconds=np.asarray(state.finish_fractions) * state.seconds,
                               steps=round(state.decode_steps), mean_active=state.mean_active,
                               mean_rows=state.mean_rows, slots=slots,

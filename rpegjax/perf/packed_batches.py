@@ -57,6 +57,7 @@ def _group_fills(lengths: tuple[int, ...], budget: int, groups: int) -> tuple[np
     return tuple(first_fit_decreasing_fills(array[j::groups], budget) for j in range(groups))
 
 
+@functools.lru_cache(maxsize=64)
 def _lengths(workload) -> tuple[int, ...]:
     return tuple(int(n) for n in workload.prompt_tokens + workload.responses.sample(workload.sequences))
 

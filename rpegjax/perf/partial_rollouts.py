@@ -25,6 +25,7 @@ runtime's sampler counts (`SamplerStats`) on the same sequence lengths.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 from collections.abc import Callable
 
@@ -301,5 +302,16 @@ def steady_state(simulation: PartialSimulation, *, warmup: int = 4, measured: in
         finish_fractions=outcomes[-1].finish_fractions)
 
 
+@functools.lru_cache(maxsize=1024)
+def drawn_steady_state(schedule: PartialSchedule, lengths: ResponseLengths, *, kernel: DecodeKernel,
+                       cost: DecodeStepCost, prefill: PrefillCost) -> PartialSteadyState:
+    """`steady_state` of a fresh simulation whose new groups are `drawn_groups(lengths, schedule.group_size)`:
+    deterministic in its arguments, so remembered (the planner prices the same sampler under many training
+    layouts; the simulation is most of a partial plan's prediction)."""
+    simulation = PartialSimulation(schedule, drawn_groups(lengths, schedule.group_size), kernel=kernel, cost=cost,
+                                   prefill=prefill)
+    return steady_state(simulation)
+
+
 __all__ = ["PartialSchedule", "PartialSimulation", "PartialSteadyState", "PrefillCost", "StepOutcome", "drawn_groups",
-           "steady_state"]
+           "drawn_steady_state", "steady_state"]

@@ -13,15 +13,18 @@ by `step_model.Evaluator`; plans that exceed device memory are ranked out.
 Exactness: the search is branch and bound over that whole space. The per-step work of the busiest resource
 (`Evaluator.lower_bound`) bounds every plan's step time from below; it does not depend on the asynchrony bound
 and micro-batching (micro-batching only adds work), and fusion saves at most one dispatch per extra fused
-stage, so one bound per (critic, placement, layouts, re-sharding) candidate covers all its variants. Variants
-are predicted in bound order until the bound passes the k-th best time, so the returned ranking is the same as
-predicting every plan (`brute_force`), which the tests check on small cases.
+stage, so one bound per (critic, placement, layouts, re-sharding) candidate covers all its variants. A cheaper
+bound comes first: the candidate's generate stage alone (priced when its sampler is pinned; no variant steps
+faster than it generates), so the full bound is computed only for candidates whose generation could still enter
+the top. Variants are predicted in bound order until the bound passes the k-th best time, so the returned
+ranking is the same as predicting every plan (`brute_force`), which the tests check on small cases.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import heapq
 import itertools
 import math
 import time
@@ -50,7 +53,7 @@ from rpegjax.perf.costs import (
     layer_activation_bytes_per_token,
     layer_matmul_output_bytes_per_token,
 )
-from rpegjax.perf.step_model import Evaluator, Prediction, placement_devices
+from rpegjax.perf.step_model import Evaluator, Prediction, device_index, placement_devices
 
 ROLLOUT, TRAIN = transforms.ROLLOUT_PLACEMENT, transforms.TRAIN_PLACEMENT
 
@@ -361,6 +364,8 @@ class Planner:
         self.optimizer_steps = optimizer_steps  # optimiser steps per RL step (the algorithm's mini-batches)
         self.space = space or PlanSpace()
         self._own_cache: dict[tuple, tuple] = {}
+        # the generate stage's seconds of each pinned skeleton: no variant of it steps faster (`search`)
+        self._generation_seconds: dict[PlanChoice, float] = {}
         hardware = evaluator.inputs.hardware
         if num_devices > hardware.num_devices:
             raise ValueError(f"planner: {num_devices} devices requested, hardware {hardware.name!r} has {hardware.num_devices}")
@@ -426,7 +431,7 @@ class Planner:
         """`skeleton` with the fewest update and inference micro-batches that fit (`fit_microbatches`); a packed
         candidate with its packed-row budget instead (one budget sizes the update's and the inference passes)."""
         if skeleton.execution.packing:
-            return self._fastest_budget(skeleton)
+            return _fastest_budget(self, skeleton)
         choice = self._fewest(skeleton, "update_microbatches", self.space.update_microbatches, trust.TRAINING)
         sequences = self.evaluator.inputs.workload.sequences
         rows = [sequences // m for m in self.space.inference_microbatches if sequences % m == 0]
@@ -441,31 +446,6 @@ class Planner:
         return dataclasses.replace(execution, inference_rows=None, decode_slots=None, kv_pool_tokens=None,
                                    kv_cache=self.space.kv_cache)
 
-    def _fastest_budget(self, skeleton: PlanChoice) -> PlanChoice:
-        """`skeleton` with the packed-row budget (`packed_budgets`) whose update and inference stages fit and take
-        the least time together (else the smallest budget). Not simply the largest that fits: every pass computes
-        whole rows, so a budget past what the batch fills computes padding (the packed rows are rounded up to the
-        row shards), and a small one pays per-pass weight gathers and overheads."""
-        usable = self.evaluator.inputs.hardware.usable_memory_bytes
-        limits = {**dict.fromkeys(UPDATE_KINDS, self.regime.limit(usable, trust.TRAINING)),
-                  **dict.fromkeys(INFERENCE_KINDS, self.regime.limit(usable, trust.INFERENCE))}
-        best, fallback = None, skeleton
-        for budget in self.budgets(skeleton):
-            candidate = dataclasses.replace(skeleton, execution=dataclasses.replace(
-                skeleton.execution, max_tokens_per_micro_batch=budget))
-            graph = build_graph(candidate)
-            if self._batch_problems(graph):
-                continue
-            fallback = candidate
-            costs, persistent, _ = self.evaluator.stage_costs(graph)
-            stages = [s for s in graph.stages if set(s.kinds) & limits.keys()]
-            if all(np.isfinite(costs[s.name].seconds) and persistent[list(placement_devices(graph, s.placement))].max()
-                   + costs[s.name].transient_bytes <= min(limits[k] for k in s.kinds if k in limits) for s in stages):
-                seconds = sum(costs[s.name].seconds for s in stages)
-                if best is None or seconds < best[0]:
-                    best = (seconds, candidate)
-        return fallback if best is None else best[1]
-
     def _fewest(self, skeleton: PlanChoice, field: str, values, phase: str) -> PlanChoice:
         """`skeleton` with the first of `values` for execution `field` whose `phase` stages fit with the phase's
         trust margin (`self.regime`; else the last that splits the batch evenly)."""
@@ -479,7 +459,7 @@ class Planner:
                 continue
             choice = candidate
             costs, persistent, _ = self.evaluator.stage_costs(graph)
-            if all(persistent[list(placement_devices(graph, s.placement))].max() + costs[s.name].transient_bytes <= limit
+            if all(persistent[device_index(placement_devices(graph, s.placement))].max() + costs[s.name].transient_bytes <= limit
                    for s in graph.stages if set(s.kinds) & kinds and np.isfinite(costs[s.name].seconds)):
                 return choice
         return choice
@@ -515,7 +495,10 @@ class Planner:
                 return choice  # no pool within the margin: ranked out as untrusted, saying so
             execution = dataclasses.replace(
                 execution, kv_pool_tokens=int(kv // generation_stage.kv_bytes_per_token(inputs.actor, layout)))
-        return dataclasses.replace(choice, execution=_fastest_slots(self, choice, execution, slots, step))
+        execution, seconds = _fastest_slots(self, choice, execution, slots, step)
+        pinned = dataclasses.replace(choice, execution=execution)
+        self._generation_seconds[pinned] = seconds
+        return pinned
 
     def _generation(self, choice: PlanChoice):
         """(slots per replica, generate stage cost, its layout, cost inputs, persistent bytes per device beside it)
@@ -526,7 +509,7 @@ class Planner:
         if not np.isfinite(cost.seconds):
             return None
         layout = stage_costs.Layout.from_parallel(graph.parallel_of(generate.name), where=generate.name)
-        beside = float(self.evaluator.generating_persistent(graph)[list(placement_devices(graph, generate.placement))].max())
+        beside = float(self.evaluator.generating_persistent(graph)[device_index(placement_devices(graph, generate.placement))].max())
         return int(cost.detail["slots"]), cost, layout, self.evaluator.inputs_for(graph), beside
 
     def variants(self, skeleton: PlanChoice) -> Iterator[PlanChoice]:
@@ -558,21 +541,27 @@ class Planner:
 
     def search(self, *, top: int = 5) -> PlanResult:
         """The best plan and the next `top - 1`, exactly as `brute_force` would rank them. Skeletons are taken in
-        the order of a bound that needs no micro-batch fitting (`_bound(fitted=False)`), and fitted only while
-        that bound can still enter the top: fitting (a few predictions per micro-batch count) is most of the work."""
+        the order of a lower bound, from a heap: first their generate stage's seconds (known once the sampler is
+        pinned: every variant's step is at least its generation), replaced when popped by a bound that needs no
+        micro-batch fitting (`_bound(fitted=False)`: a prediction of every stage, per packed budget), and fitted
+        only when that bound is popped while it can still enter the top. The search stops when the smallest bound
+        left exceeds the top's last step: exact, whatever the order (each bound is below all its variants)."""
         start = time.perf_counter()
-        bounded = []
-        for index, pinned in enumerate(self._pinned_skeletons()):
-            bounded.append((self._bound(pinned, fitted=False), index, pinned))
-        bounded.sort(key=lambda item: (item[0], item[1]))
+        heap = [(self._generation_seconds.get(pinned, 0.0), index, False, pinned)
+                for index, pinned in enumerate(self._pinned_skeletons())]
+        heapq.heapify(heap)  # (bound, index, whether the bound is _bound's, skeleton): indices are unique
         ranked: list[tuple[tuple, Plan]] = []  # the best `top` so far, sorted
         misses: list[tuple[int, PlanChoice]] = []  # (index, fitted skeleton) of those that do not fit
         rejected: dict[str, tuple[tuple, str]] = {}  # family -> (closeness, its closest miss's line)
         per_skeleton = len(self.space.async_bounds) * len(self.space.fusion) * len(self.space.microbatches)
-        evaluated, candidates = 0, per_skeleton * len(bounded)
-        for first_bound, index, pinned in bounded:
+        evaluated, candidates = 0, per_skeleton * len(heap)
+        while heap:
+            first_bound, index, tight, pinned = heapq.heappop(heap)
             if len(ranked) >= top and first_bound > ranked[-1][0][0]:
-                break  # sorted by a lower bound: no later candidate can enter the top
+                break  # the smallest lower bound left: no later candidate can enter the top
+            if not tight:
+                heapq.heappush(heap, (self._bound(pinned, fitted=False), index, True, pinned))
+                continue
             if math.isinf(first_bound) and ranked:
                 continue  # does not fit (more micro-batches would not help), and a plan that does is known
             skeleton = self._fit_passes(pinned)
@@ -658,6 +647,32 @@ def packed_budgets(choice: PlanChoice, workload, multiples: Sequence[int]) -> li
 
 
 
+def _fastest_budget(planner: Planner, skeleton: PlanChoice) -> PlanChoice:
+    """`skeleton` with the packed-row budget (`packed_budgets`) whose update and inference stages fit and take
+    the least time together (else the smallest budget). Not simply the largest that fits: every pass computes
+    whole rows, so a budget past what the batch fills computes padding (the packed rows are rounded up to the
+    row shards), and a small one pays per-pass weight gathers and overheads."""
+    usable = planner.evaluator.inputs.hardware.usable_memory_bytes
+    limits = {**dict.fromkeys(UPDATE_KINDS, planner.regime.limit(usable, trust.TRAINING)),
+              **dict.fromkeys(INFERENCE_KINDS, planner.regime.limit(usable, trust.INFERENCE))}
+    best, fallback = None, skeleton
+    for budget in planner.budgets(skeleton):
+        candidate = dataclasses.replace(skeleton, execution=dataclasses.replace(
+            skeleton.execution, max_tokens_per_micro_batch=budget))
+        graph = build_graph(candidate)
+        if planner._batch_problems(graph):
+            continue
+        fallback = candidate
+        costs, persistent, _ = planner.evaluator.stage_costs(graph)
+        stages = [s for s in graph.stages if set(s.kinds) & limits.keys()]
+        if all(np.isfinite(costs[s.name].seconds) and persistent[device_index(placement_devices(graph, s.placement))].max()
+               + costs[s.name].transient_bytes <= min(limits[k] for k in s.kinds if k in limits) for s in stages):
+            seconds = sum(costs[s.name].seconds for s in stages)
+            if best is None or seconds < best[0]:
+                best = (seconds, candidate)
+    return fallback if best is None else best[1]
+
+
 def _own_inference_layouts(planner: Planner, base: PlanChoice, candidates) -> tuple:
     """Each inference stage on the layout that minimises its own pass time (ReaL-style per-stage re-sharding);
     re-sharding and memory are then costed and checked when the whole plan is predicted (timed without
@@ -684,11 +699,13 @@ def _own_inference_layouts(planner: Planner, base: PlanChoice, candidates) -> tu
 
 
 
-def _fastest_slots(planner: Planner, choice: PlanChoice, execution: Execution, most: int, step: int) -> Execution:
-    """`execution` with the fastest generation of `most` slots and its halvings (whole steps of `step`): the
+def _fastest_slots(planner: Planner, choice: PlanChoice, execution: Execution, most: int,
+                   step: int) -> tuple[Execution, float]:
+    """(`execution` with the fastest generation of `most` slots and its halvings (whole steps of `step`): the
     running slots decode each step (padded to a power of two) over the longest one's window, so fewer slots
     decode for more steps over fewer rows each (the step model times both). With partial rollouts also the
-    slots of each whole number of batches in flight (one batch: the others queue for its freed slots)."""
+    slots of each whole number of batches in flight (one batch: the others queue for its freed slots); its
+    generate stage's seconds (0 when no slot count fits: no bound known))."""
     in_flight = execution.inflight_batches if execution.partial_rollouts else 1
     counts = sorted({max(step, most // 2**i // step * step) for i in range(4)}
                     | {max(step, most * j // in_flight // step * step) for j in range(1, in_flight)}, reverse=True)
@@ -698,7 +715,10 @@ def _fastest_slots(planner: Planner, choice: PlanChoice, execution: Execution, m
         generated = planner._generation(dataclasses.replace(choice, execution=candidate))
         if generated is not None:
             timed.append((generated[1].seconds, -count, candidate))
-    return min(timed, key=lambda item: item[:2])[2] if timed else dataclasses.replace(execution, decode_slots=most)
+    if not timed:
+        return dataclasses.replace(execution, decode_slots=most), 0.0
+    seconds, _, fastest = min(timed, key=lambda item: item[:2])
+    return fastest, seconds
 
 
 

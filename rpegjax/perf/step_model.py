@@ -16,6 +16,7 @@ a shared actor-critic trunk — and returns a `Prediction`:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -115,6 +116,15 @@ def placement_devices(graph: Graph, name: str) -> tuple[int, ...]:
     return graph.placements[name].device_indices
 
 
+@functools.lru_cache(maxsize=4096)
+def device_index(devices: tuple[int, ...]) -> np.ndarray:
+    """`devices` as a read-only index array (indexing per-device arrays with it is much faster than with a list;
+    the planner does so for every stage of every candidate)."""
+    index = np.asarray(devices, dtype=np.intp)
+    index.setflags(write=False)
+    return index
+
+
 def stage_layout(graph: Graph, stage: Stage) -> Layout:
     return Layout.from_parallel(graph.parallel_of(stage.name), where=f"stage {stage.name!r}",
                                 sequence_parallel=graph.execution.sequence_parallel)
@@ -179,7 +189,7 @@ def _host_problems(residents: list[_Resident], hardware: HardwareSpec) -> list[s
     host = np.zeros(hardware.num_devices)
     for resident in residents:
         if resident.offloaded:
-            host[list(resident.devices)] += resident.bytes_per_device
+            host[device_index(resident.devices)] += resident.bytes_per_device
     if host.max() <= hardware.device.host_memory_bytes:
         return []
     return [f"offloaded optimiser state needs {host.max() / 1e9:.1f} GB of host memory per device, "
@@ -192,7 +202,7 @@ def _persistent(residents: list[_Resident], num_devices: int, *, generating: boo
     memory = np.zeros(num_devices)
     for resident in residents:
         if not (generating and resident.offloaded):
-            memory[list(resident.devices)] += resident.bytes_per_device
+            memory[device_index(resident.devices)] += resident.bytes_per_device
     return memory
 
 
@@ -239,7 +249,7 @@ def stage_cost(graph: Graph, stage: Stage, inputs: CostInputs, persistent: np.nd
             budget = (inputs.options.generation_memory_fraction * inputs.hardware.device.memory_bytes
                       - inputs.actor.weight_bytes / layout.shards)
         else:
-            budget = inputs.hardware.usable_memory_bytes - float(persistent[list(devices)].max())
+            budget = inputs.hardware.usable_memory_bytes - float(persistent[device_index(devices)].max())
         return generation_stage.generation_cost(inputs, layout, kv_budget_bytes=budget, pieces=stage.microbatches,
                                                 async_bound=graph.async_bound)
     if StageKind.WEIGHT_SYNC in kinds:
@@ -286,7 +296,7 @@ def _cost_key(graph: Graph, stage: Stage, persistent: np.ndarray) -> tuple:
     if stage.host:
         return (stage,)  # reward time does not depend on the execution options
     if StageKind.GENERATE in stage.kinds:  # the sampler: its layout, pieces and the memory its devices leave only
-        left = round(float(persistent[list(placement_devices(graph, stage.placement))].max()))
+        left = round(float(persistent[device_index(placement_devices(graph, stage.placement))].max()))
         # partial rollouts carry a group while its tokens lag at most max_token_lag: the versions beyond k
         execution = graph.execution
         carries = (generation_stage.partial_carries(execution.max_token_lag, graph.async_bound)
@@ -297,13 +307,13 @@ def _cost_key(graph: Graph, stage: Stage, persistent: np.ndarray) -> tuple:
     for kind in (StageKind.ACTOR_UPDATE, StageKind.CRITIC_UPDATE):
         home = _home(graph, kind, own_kind=True)
         if home is not None:
-            related.append((home.placement, graph.placements[home.placement], graph.parallel_of(home.name)))
+            related.append((home.placement, graph.placements[home.placement], tuple(graph.parallel_of(home.name).items())))
     if StageKind.WEIGHT_SYNC in stage.kinds:
         for reader in graph.consumers(stage.name):
             reader_stage = graph.stage(reader)
             if not reader_stage.host:
-                related.append((graph.placements[reader_stage.placement], graph.parallel_of(reader)))
-    return stage, graph.placements[stage.placement], tuple(map(repr, related)), None, _execution_key(stage, graph.execution)
+                related.append((graph.placements[reader_stage.placement], tuple(graph.parallel_of(reader).items())))
+    return stage, graph.placements[stage.placement], tuple(related), None, _execution_key(stage, graph.execution)
 
 
 def _execution_key(stage: Stage, execution: Execution) -> tuple:
@@ -311,7 +321,7 @@ def _execution_key(stage: Stage, execution: Execution) -> tuple:
     backward passes (the planner varies them per plan; generation, the costliest to predict, reads neither).
     Packing changes forward passes too."""
     if set(stage.kinds) & UPDATE_KINDS:
-        return dataclasses.astuple(execution)
+        return (execution,)  # every field (a frozen dataclass: hashed and compared field by field)
     return (execution.attention, execution.param_dtype, execution.dtype, execution.kv_cache, execution.kv_pool_tokens,
             execution.page_size, execution.decode_slots, execution.inference_rows, execution.packing,
             execution.max_tokens_per_micro_batch, execution.partial_rollouts, execution.inflight_batches,
@@ -420,7 +430,7 @@ class Evaluator:
             cost = costs[stage.name]
             if stage.host or not np.isfinite(cost.seconds):
                 continue
-            devices = list(placement_devices(graph, stage.placement))
+            devices = device_index(placement_devices(graph, stage.placement))
             beside = _phase(stage, persistent, generating)
             peak[devices] = np.maximum(peak[devices], beside[devices] + cost.transient_bytes)
             need = float(beside[devices].max() + cost.transient_bytes)
