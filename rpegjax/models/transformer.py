@@ -572,7 +572,8 @@ def _scan_layers(layers: nnx.List, x, rope, mask, policy: RematPolicy, sharding:
     loop's iterations, where no scheduler can hoist it next to the forward (with unrolled layers XLA's CPU
     scheduler does, keeping every layer's activations alive). Parameters stay per layer in the model, so
     checkpoints and the Hugging Face layout are unchanged; the stacking costs one copy of the layer weights, made
-    of the dense projections' kernels in `compute_dtype` (`_compute_kernels`).
+    of the dense projections' kernels in `compute_dtype` (`_compute_kernels`). Under full remat a dense stack without
+    adapters runs through `remat_scan`, whose backward writes the gradients into that copy's buffer.
     With `dropout_key`, layer l's LoRA dropout key is fold_in(dropout_key, l), as in the unrolled stack.
     Returns the output and (for sparse layers) their routing stacked as `Decoder.routed_hidden_states` gives it;
     `expert_ids` [b t l k] replays one routing per layer.
