@@ -47,7 +47,7 @@ def _loss(scan):
 
 def test_gradients_equal_the_checkpointed_scan():
     x, params, indices, shared = _inputs(rows=8)
-    grad = lambda scan: jax.jit(jax.value_and_grad(_loss(scan), argnums=(0, 1)))(x, params, indices, shared)  # noqa: E731
+    grad = lambda scan: jax.jit(jax.value_and_grad(_loss(scan), argnums=(0, 1)))(x, params, indices, shared)
     loss, grads = grad(lambda *args: remat_scan(_layer, *args))
     want_loss, want = grad(_checkpointed)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
