@@ -27,6 +27,7 @@ from rpegjax.models.attention import attend, segment_starts
 from rpegjax.models.attention import causal_attention  # noqa: F401  (re-exported)
 from rpegjax.models.config import ModelConfig
 from rpegjax.models.context_attention import context_attention, from_balanced, to_balanced
+from rpegjax.models.layer_scan import remat_scan
 from rpegjax.models.lora import (
     ATTENTION_TARGETS,
     MLP_TARGETS,
@@ -571,7 +572,8 @@ def _scan_layers(layers: nnx.List, x, rope, mask, policy: RematPolicy, sharding:
     loop's iterations, where no scheduler can hoist it next to the forward (with unrolled layers XLA's CPU
     scheduler does, keeping every layer's activations alive). Parameters stay per layer in the model, so
     checkpoints and the Hugging Face layout are unchanged; the stacking costs one copy of the layer weights, made
-    of the dense projections' kernels in `compute_dtype` (`_compute_kernels`).
+    of the dense projections' kernels in `compute_dtype` (`_compute_kernels`). Under full remat a dense stack without
+    adapters runs through `remat_scan`, whose backward writes the gradients into that copy's buffer.
     With `dropout_key`, layer l's LoRA dropout key is fold_in(dropout_key, l), as in the unrolled stack.
     Returns the output and (for sparse layers) their routing stacked as `Decoder.routed_hidden_states` gives it;
     `expert_ids` [b t l k] replays one routing per layer.
@@ -579,6 +581,8 @@ def _scan_layers(layers: nnx.List, x, rope, mask, policy: RematPolicy, sharding:
     graphdef = nnx.graphdef(layers[0])
     stacked = jax.tree.map(lambda *values: jnp.stack(values),
                            *(_compute_kernels(layer, compute_dtype) for layer in layers))
+    if policy is RematPolicy.FULL and _dense_without_adapters(layers):
+        return _remat_scan_layers(graphdef, stacked, x, rope, mask, sharding, segment_ids), None
 
     def body(x, layer):
         state, index, ids = layer
@@ -592,6 +596,26 @@ def _scan_layers(layers: nnx.List, x, rope, mask, policy: RematPolicy, sharding:
     per_layer_ids = None if expert_ids is None else jnp.moveaxis(expert_ids, 2, 0)
     out, routing = jax.lax.scan(body, x, (stacked, indices, per_layer_ids))
     return out, jax.tree.map(lambda r: jnp.moveaxis(r, 0, 2), routing)
+
+
+def _dense_without_adapters(layers: nnx.List) -> bool:
+    """Whether no layer routes to experts or carries LoRA adapters: `remat_scan`'s backward computes every stacked
+    parameter's gradient (a LoRA model's frozen base needs none) and returns no routing."""
+    return not any(isinstance(layer.mlp, SparseMoE) or any(isinstance(v, LoRAParam) for _, v in
+                                                          nnx.to_flat_state(nnx.state(layer))) for layer in layers)
+
+
+def _remat_scan_layers(graphdef: nnx.GraphDef, stacked: nnx.State, x, rope, mask, sharding: ActivationSharding | None,
+                       segment_ids: Array | None) -> Array:
+    """The dense stack under full remat through `rpegjax.models.layer_scan.remat_scan` (its backward reuses the
+    stacked parameters' buffer for their gradients). No dropout key: only LoRA adapters draw one."""
+
+    def layer(x, state, _, shared):
+        rope, mask, segment_ids = shared
+        out, _, _ = nnx.merge(graphdef, state)(x, rope, mask, None, None, sharding, None, None, segment_ids)
+        return out
+
+    return remat_scan(layer, x, stacked, None, (rope, mask, segment_ids))
 
 
 # The dense layers' projection kernels, which every use casts to the compute dtype first (`_kernel`)

@@ -594,6 +594,12 @@ def _pass_transient_bytes(inputs: CostInputs, shape: ModelShape, layout: Layout,
     if layout.sequence_parallel and o.remat is not RematPolicy.NONE:  # each layer's kept input split over tensor too
         activations -= tokens_per_pass * shape.layers * shape.hidden * shape.compute_bytes_each * (1 - 1 / layout.tensor)
     grads = shape.params * o.grad_bytes_per_param / layout.shards
+    if o.remat is RematPolicy.FULL and shape.experts is None:
+        # the layer scan's stacked compute-dtype kernels and their gradients share one buffer through the backward
+        # (`rpegjax.models.layer_scan.remat_scan`); no float32 copy of the layers' gradients is live at its peak
+        # (GPU compiler's buffer assignment of the 7B update, docs/benchmarks.md issue 25 session 11)
+        layer_params = shape.layers * shape.matmul_params_per_layer
+        grads -= layer_params * (o.grad_bytes_per_param - shape.compute_bytes_each) / layout.shards
     if accumulating:
         # the micro-batch loop carries the running sum of the layers' gradients while the pass's backward scan
         # writes its own stacked [layers, ...] gradients: two copies at the peak (XLA's GPU compiler's buffer
