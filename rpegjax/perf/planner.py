@@ -378,12 +378,10 @@ class Planner:
         # the executable options; of those the cost model cannot tell apart (blockwise and cuDNN attention are
         # both flash-style to it) the first in the space's order stays
         distinct: dict[tuple, Execution] = {}
-        workload = evaluator.inputs.workload
-        experts = evaluator.inputs.actor.experts is not None
+        workload, experts = evaluator.inputs.workload, evaluator.inputs.actor.experts is not None
         for execution in self.space.executions(longest=workload.prompt_tokens + workload.responses.max, experts=experts):
             if not executable.execution_problems(execution, hardware):
-                options = evaluator.inputs.options.executing(execution)
-                distinct.setdefault((options, execution.moe_capacity_factor), execution)
+                distinct.setdefault((evaluator.inputs.options.executing(execution), execution.moe_capacity_factor), execution)
         self.executions = _undominated(list(distinct.values()), evaluator.inputs, self.space.tensor_sizes)
         if not self.executions:
             refused = "; ".join(p for e in self.space.executions() for p in executable.execution_problems(e, hardware))
