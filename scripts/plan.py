@@ -63,12 +63,11 @@ def _capacity_factor(text: str) -> float | None:
     if text == "dropless":
         return None
     try:
-        value = float(text)
+        if float(text) > 0:
+            return float(text)
     except ValueError:
-        value = 0.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"a capacity factor is a positive number or 'dropless', got {text!r}")
-    return value
+        pass
+    raise argparse.ArgumentTypeError(f"a capacity factor is a positive number or 'dropless', got {text!r}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -348,9 +348,10 @@ class Evaluator:
     def for_runtime(cls, model: ModelShape | ModelConfig, workload: Workload, hardware: HardwareSpec,
                     options: ExecutionOptions | None = None, *, critic: ModelShape | ModelConfig | None = None) -> Evaluator:
         """Predicts graphs as rpegjax's runtime executes them: each graph's `Execution` (kernels, remat,
-        precision, micro-batches, the experts' capacity mode: `executed_shape`) decides the options (`ExecutionOptions.executing`); `options` gives only the
-        efficiencies and overheads. The planner and `plan.py` predict this way; the validation against other
-        systems' published runs uses those systems' own options instead."""
+        precision, micro-batches, the experts' capacity mode) decides the options (`ExecutionOptions.executing`)
+        and the costed shape (`executed_shape`); `options` gives only the efficiencies and overheads. The planner
+        and `plan.py` predict this way; the validation against other systems' published runs uses those systems'
+        own options instead."""
         return cls(model, workload, hardware, options, critic=critic, follow_graph=True)
 
     def inputs_for(self, graph: Graph) -> CostInputs:

@@ -231,7 +231,7 @@ FITTED_EFFICIENCIES = Efficiencies(matmul=0.5, decode_memory=0.575)
 
 def continuous_generation(run: RLRun) -> bool:
     """Whether the run's generation is continuous across steps, as NeMo RL's asynchronous GRPO runs it with
-    in-flight weight updates (nemo_rl/algorithms/async_utils.py, `AsyncTrajectoryCollector`, release r0.6.0): up to
+    in-flight weight updates (NVIDIA-NeMo/RL, nemo_rl/algorithms/async_utils.py, `AsyncTrajectoryCollector`): up to
     `num_prompts_per_step` x `max_trajectory_age_steps` prompt groups are in flight (its semaphore); a group started
     under weights v is trained at step v + age at the latest; at a weight update vLLM keeps decoding the running
     requests with their KV caches (`prepare_for_refit`; `recompute_kv_cache_after_weight_updates` off). That is
@@ -286,7 +286,8 @@ def rl_evaluator(run: RLRun, efficiencies: Efficiencies) -> Evaluator:
     hw = dataclasses.replace(hw, device=device)
     workload = Workload(prompts=run.prompts, group_size=run.group_size, prompt_tokens=run.prompt_tokens,
                         responses=ResponseLengths.lognormal(run.response_mean, run.response_max))
-    execution = rl_execution(run)  # the serving engine's paged cache stays PAGED decode, not rpegjax's pool
+    # the plan's continuous generation; the serving engine's own paged cache (PAGED decode), not rpegjax's pool
+    execution = rl_execution(run)
     options = ExecutionOptions(remat=RematPolicy.FULL if run.remat else RematPolicy.NONE,
                                microbatch_tokens=run.microbatch_tokens,
                                generation_memory_fraction=run.generation_memory_fraction,
