@@ -58,6 +58,18 @@ def load_model(name: str) -> ModelConfig:
         raise SystemExit(f"--model {path}: {error}") from None
 
 
+def _capacity_factor(text: str) -> float | None:
+    """A `--moe-capacity-factor` value: 'dropless' (None) or a positive number."""
+    if text == "dropless":
+        return None
+    try:
+        if float(text) > 0:
+            return float(text)
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"a capacity factor is a positive number or 'dropless', got {text!r}")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=explain.LEGEND,
                                      formatter_class=_HelpFormatter)
@@ -72,10 +84,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "measured matmul, attention and memory rates, backward efficiency and overheads replace the "
                              "preset's assumptions (datasheet peaks kept); its all-reduce times the node level when it "
                              "measured more than one device. Refused when measured on another device than the preset's")
-    parser.add_argument("--moe-capacity-factor", type=float, default=None, metavar="C",
-                        help="a mixture-of-experts model's experts in the capacity mode with factor C (the run's "
-                             "model.moe_capacity_factor); without it, as the model says (the presets: dropless, which "
-                             "XLA's GPU compiler runs as a dense GEMM over every local expert: rpegjax/perf/expert_costs.py)")
+    parser.add_argument("--moe-capacity-factor", type=_capacity_factor, nargs="+", default=None, metavar="C",
+                        help="a mixture-of-experts model's expert modes to search (the plan's execution."
+                             "moe_capacity_factor): capacity factors C, or 'dropless'; the fastest that fits and is "
+                             "trusted wins (the tokens a factor drops are not costed: list only those the run accepts). "
+                             "Without it, as the model says (the presets: dropless, which XLA's GPU compiler runs as a "
+                             "dense GEMM over every local expert: rpegjax/perf/expert_costs.py)")
     parser.add_argument("--gpus", type=int, default=256, help="GPUs to plan for")
     parser.add_argument("--algo", default="grpo", choices=["grpo", "ppo"], help="RL algorithm (PPO adds a critic)")
     parser.add_argument("--prompts", type=int, default=512, help="prompts per RL step")
@@ -304,10 +318,11 @@ def main(argv: list[str] | None = None) -> int:
 
         ensure_devices(args.gpus)  # re-runs this script on virtual CPU devices when there are fewer devices
     model = load_model(args.model)
+    capacities = (model.moe_capacity_factor,)  # the model's own expert mode, unless the search is given others
     if args.moe_capacity_factor is not None:
         if not model.num_experts:
             raise SystemExit(f"--moe-capacity-factor: --model {args.model} has no experts")
-        model = model.replace(moe_capacity_factor=args.moe_capacity_factor)
+        capacities = tuple(dict.fromkeys(args.moe_capacity_factor))
     hw = load_hardware(args)
     workload = Workload(prompts=args.prompts, group_size=args.group_size, prompt_tokens=args.prompt_tokens,
                         responses=ResponseLengths.lognormal(args.response_mean, args.response_max))
@@ -322,7 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     space = planner.PlanSpace(attention=args.attention, remat=args.remat, param_dtype=args.param_dtype, dtype=args.dtype,
                               async_bounds=args.async_bounds, context_sizes=args.context_sizes,
                               sequence_parallel=choices[args.sequence_parallel], packing=choices[args.packing],
-                              partial_rollouts=choices[args.partial_rollouts], inflight_batches=args.inflight_batches)
+                              partial_rollouts=choices[args.partial_rollouts], inflight_batches=args.inflight_batches,
+                              moe_capacity_factors=capacities)
     use_reference = args.reference
     common = {"algorithm": args.algo, "num_devices": args.gpus, "use_reference": use_reference, "space": space,
               "optimizer_steps": args.optimizer_steps}
@@ -348,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
                 predicted.trace.name = f"{name}: {plan.prediction.step_seconds:.1f} s/step"
                 traces.append(predicted.trace)
         gantt_png(traces, args.gantt, title=f"{args.model} {args.algo} on {args.gpus} x {args.hardware} (predicted)")
+    if model.num_experts:  # the expert mode the best plan chose is the run's (its execution's)
+        model = model.replace(moe_capacity_factor=result.best.graph.execution.moe_capacity_factor)
     if args.json:
         document = {
             "model": args.model, "model_config": model_shape(model), "hardware": args.hardware, "hardware_profile": args.hardware_profile, "gpus": args.gpus,

@@ -309,6 +309,10 @@ class Execution:
     pool); a trained token lags at most `max_token_lag` versions (None: the asynchrony bound + 2). The job's
     `rollout.partial`, `rollout.inflight_batches`, `rollout.max_token_lag`, `rollout.partial_carry`
     (`rpegjax.runtime.partial_rollouts`).
+    moe_capacity_factor: a mixture-of-experts model's experts dropless (None) or in the capacity mode with this
+    factor c (each expert takes at most ceil(c t k / x) of a row's t x k assignments, the rest dropped:
+    `rpegjax.models.expert_parallel`); the model config's field of the same name, which the runtime, the dry run
+    and the perf model take from here (`model_fields`). A dense model takes None only.
     Generation micro-batches are the stages' own `microbatches`.
     """
 
@@ -333,6 +337,7 @@ class Execution:
     inflight_batches: int = 2
     max_token_lag: int | None = None
     partial_carry: CarryMode = CarryMode.RECOMPUTE
+    moe_capacity_factor: float | None = None
 
     def __post_init__(self) -> None:
         for name, kind in (("attention", AttentionKind), ("remat", RematPolicy), ("kv_cache", CacheLayout),
@@ -353,6 +358,9 @@ class Execution:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise GraphError(f"Execution.{name} must be a positive integer or null, got {value!r}")
+        capacity = self.moe_capacity_factor
+        if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int | float) or capacity <= 0):
+            raise GraphError(f"Execution.moe_capacity_factor must be null (dropless) or a positive number, got {capacity!r}")
         self._check_packing()
         self._check_partial()
         if self.kv_pool_tokens is not None:
@@ -392,8 +400,9 @@ class Execution:
                              f"the {self.kv_cache} cache has none (set kv_cache to paged, or partial_carry to recompute)")
 
     def model_fields(self) -> dict[str, Any]:
-        """The fields a model config takes (`ModelConfig` execution fields)."""
-        return {name: getattr(self, name) for name in MODEL_EXECUTION_FIELDS}
+        """The fields a model config takes (`ModelConfig` execution fields, and the experts' capacity mode)."""
+        return {**{name: getattr(self, name) for name in MODEL_EXECUTION_FIELDS},
+                "moe_capacity_factor": self.moe_capacity_factor}
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: choices as their plain string values."""
@@ -426,8 +435,9 @@ class Execution:
         sequence += (f", partial rollouts ({self.inflight_batches} batches in flight, token lag <= {lag}, carry "
                      f"{self.partial_carry})"
                      if self.partial_rollouts else "")
+        experts = "" if self.moe_capacity_factor is None else f", expert capacity {self.moe_capacity_factor:g}"
         return (f"{self.attention} attention, remat {self.remat}, {self.param_dtype}/{self.dtype}, "
-                f"{self.kv_cache} KV cache{pool}{slots}{micro}{rows}{packed}{optimizer}{sequence}")
+                f"{self.kv_cache} KV cache{pool}{slots}{micro}{rows}{packed}{optimizer}{sequence}{experts}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

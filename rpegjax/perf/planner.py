@@ -97,6 +97,10 @@ class PlanSpace:
     # off in the library's default space (its searches and tests stay as fast), on and off in scripts/plan.py's
     partial_rollouts: tuple[bool, ...] = (False,)
     inflight_batches: tuple[int, ...] = (2, 3)  # of a plan with partial rollouts (more: busier slots, older tokens)
+    # a mixture-of-experts model's experts (`Execution.moe_capacity_factor`): dropless (None) or in the capacity mode
+    # of each factor; dense models take None only. The perf model costs memory and time, not the tokens a factor
+    # drops, so the fastest factor that fits wins: list only factors whose drops the run accepts
+    moe_capacity_factors: tuple[float | None, ...] = (None,)
 
     def __post_init__(self) -> None:
         try:
@@ -106,7 +110,7 @@ class PlanSpace:
         for name in ("async_bounds", "critic_modes", "fusion", "microbatches", "generation_fractions", "tensor_sizes",
                      "context_sizes", "sequence_parallel", "reshard_inference", "attention", "remat",
                      "update_microbatches", "inference_microbatches", "optimizer_offload", "packing", "packed_rows",
-                     "partial_rollouts", "inflight_batches"):
+                     "partial_rollouts", "inflight_batches", "moe_capacity_factors"):
             if not getattr(self, name):
                 raise ValueError(f"PlanSpace.{name} must list at least one choice")
         if any(k < 0 for k in self.async_bounds) or any(m < 1 for m in self.microbatches) or any(
@@ -122,19 +126,23 @@ class PlanSpace:
         for execution in self.executions():  # validates the values (GraphError names the field)
             del execution
 
-    def executions(self, longest: int = 1) -> list[Execution]:
-        """Every (attention, remat, offload, sequence parallelism, packing, partial rollouts) execution of the
-        space, with its precision, KV cache and optimiser sharding (micro-batches 1; packed rows of the largest
-        multiple of the `longest` sequence, until `Planner.fit_microbatches` fits the budget)."""
+    def executions(self, longest: int = 1, *, experts: bool = True) -> list[Execution]:
+        """Every (attention, remat, offload, sequence parallelism, packing, partial rollouts, expert capacity)
+        execution of the space, with its precision, KV cache and optimiser sharding (micro-batches 1; packed rows of
+        the largest multiple of the `longest` sequence, until `Planner.fit_microbatches` fits the budget);
+        without `experts` (a dense model) only dropless, the one a dense model runs."""
         partial = [dict(partial_rollouts=False)] * (False in self.partial_rollouts) + [
             dict(partial_rollouts=True, inflight_batches=batches) for batches in self.inflight_batches
             if True in self.partial_rollouts]
+        capacities = self.moe_capacity_factors if experts else (None,)
         return [Execution(attention=attention, remat=remat, scan_layers=True, kv_cache=self.kv_cache,
                           param_dtype=self.param_dtype, dtype=self.dtype, optimizer_sharding=self.optimizer_sharding,
                           optimizer_offload=offload, sequence_parallel=sequence_parallel, packing=packing,
-                          max_tokens_per_micro_batch=self.packed_rows[0] * longest if packing else None, **rollouts)
-                for attention, remat, offload, sequence_parallel, packing, rollouts in itertools.product(
-                    self.attention, self.remat, self.optimizer_offload, self.sequence_parallel, self.packing, partial)]
+                          max_tokens_per_micro_batch=self.packed_rows[0] * longest if packing else None,
+                          moe_capacity_factor=capacity, **rollouts)
+                for attention, remat, offload, sequence_parallel, packing, rollouts, capacity in itertools.product(
+                    self.attention, self.remat, self.optimizer_offload, self.sequence_parallel, self.packing, partial,
+                    capacities)]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -374,11 +382,11 @@ class Planner:
                              "(step_model.Evaluator.for_runtime)")
         # the executable options; of those the cost model cannot tell apart (blockwise and cuDNN attention are
         # both flash-style to it) the first in the space's order stays
-        distinct: dict[stage_costs.ExecutionOptions, Execution] = {}
-        workload = evaluator.inputs.workload
-        for execution in self.space.executions(longest=workload.prompt_tokens + workload.responses.max):
+        distinct: dict[tuple, Execution] = {}
+        workload, experts = evaluator.inputs.workload, evaluator.inputs.actor.experts is not None
+        for execution in self.space.executions(longest=workload.prompt_tokens + workload.responses.max, experts=experts):
             if not executable.execution_problems(execution, hardware):
-                distinct.setdefault(evaluator.inputs.options.executing(execution), execution)
+                distinct.setdefault((evaluator.inputs.options.executing(execution), execution.moe_capacity_factor), execution)
         self.executions = _undominated(list(distinct.values()), evaluator.inputs, self.space.tensor_sizes)
         if not self.executions:
             refused = "; ".join(p for e in self.space.executions() for p in executable.execution_problems(e, hardware))
@@ -613,14 +621,14 @@ class Planner:
 
     def _outside_regime(self, graph: Graph) -> str | None:
         workload = self.evaluator.inputs.workload
-        return trust.regime_problem(graph, self.evaluator.inputs.actor, workload.prompt_tokens + workload.responses.max,
-                                    self.regime)
+        return trust.regime_problem(graph, self.evaluator.inputs_for(graph).actor,
+                                    workload.prompt_tokens + workload.responses.max, self.regime)
 
     def untrusted(self, plan: Plan) -> str | None:
         """Why the planner does not trust `plan`'s predicted memory (`rpegjax.perf.trust`), or None."""
         workload = self.evaluator.inputs.workload
-        return trust.untrusted(plan.prediction, self.evaluator.inputs.actor, workload.prompt_tokens + workload.responses.max,
-                               self.regime)
+        return trust.untrusted(plan.prediction, self.evaluator.inputs_for(plan.graph).actor,
+                               workload.prompt_tokens + workload.responses.max, self.regime)
 
     def _plan(self, choice: PlanChoice) -> Plan:
         graph = build_graph(choice)

@@ -325,7 +325,19 @@ def _execution_key(stage: Stage, execution: Execution) -> tuple:
     return (execution.attention, execution.param_dtype, execution.dtype, execution.kv_cache, execution.kv_pool_tokens,
             execution.page_size, execution.decode_slots, execution.inference_rows, execution.packing,
             execution.max_tokens_per_micro_batch, execution.partial_rollouts, execution.inflight_batches,
-            execution.max_token_lag, execution.partial_carry)
+            execution.max_token_lag, execution.partial_carry, execution.moe_capacity_factor)
+
+
+def executed_shape(shape: ModelShape, execution: Execution) -> ModelShape:
+    """`shape` as `execution` runs it: its precision, and a mixture-of-experts model's capacity mode
+    (`Execution.moe_capacity_factor`); ValueError when a dense model is given a capacity factor."""
+    experts = shape.experts
+    if experts is None and execution.moe_capacity_factor is not None:
+        raise ValueError(f"Execution.moe_capacity_factor={execution.moe_capacity_factor} needs a mixture-of-experts "
+                         "model; this one is dense")
+    if experts is not None:
+        experts = dataclasses.replace(experts, capacity_factor=execution.moe_capacity_factor)
+    return dataclasses.replace(shape, param_dtype=execution.param_dtype, compute_dtype=execution.dtype, experts=experts)
 
 
 class Evaluator:
@@ -346,9 +358,10 @@ class Evaluator:
     def for_runtime(cls, model: ModelShape | ModelConfig, workload: Workload, hardware: HardwareSpec,
                     options: ExecutionOptions | None = None, *, critic: ModelShape | ModelConfig | None = None) -> Evaluator:
         """Predicts graphs as rpegjax's runtime executes them: each graph's `Execution` (kernels, remat,
-        precision, micro-batches) decides the options (`ExecutionOptions.executing`); `options` gives only the
-        efficiencies and overheads. The planner and `plan.py` predict this way; the validation against other
-        systems' published runs uses those systems' own options instead."""
+        precision, micro-batches, the experts' capacity mode) decides the options (`ExecutionOptions.executing`)
+        and the costed shape (`executed_shape`); `options` gives only the efficiencies and overheads. The planner
+        and `plan.py` predict this way; the validation against other systems' published runs uses those systems'
+        own options instead."""
         return cls(model, workload, hardware, options, critic=critic, follow_graph=True)
 
     def inputs_for(self, graph: Graph) -> CostInputs:
@@ -357,11 +370,9 @@ class Evaluator:
             return self.inputs
         execution = graph.execution
         if execution not in self._executing:
-            precision = dict(param_dtype=execution.param_dtype, compute_dtype=execution.dtype)
             self._executing[execution] = dataclasses.replace(
                 self.inputs, options=self.inputs.options.executing(execution),
-                actor=dataclasses.replace(self.inputs.actor, **precision),
-                critic=dataclasses.replace(self.inputs.critic, **precision))
+                actor=executed_shape(self.inputs.actor, execution), critic=executed_shape(self.inputs.critic, execution))
         return self._executing[execution]
 
     def _check(self, graph: Graph) -> None:

@@ -116,7 +116,7 @@ def regime_problem(graph: Graph, shape: ModelShape, longest_row: int, regime: Ch
     if shape.experts is not None and shape.experts.capacity_factor is None:
         return ("dropless experts: XLA's GPU compiler runs them as a dense GEMM over every local expert of the worst-case "
                 "receive buffer (Qwen3-30B-A3B, expert8: 276 GiB compiled per device); plan the capacity mode "
-                "(model.moe_capacity_factor)")
+                "(the plan's execution.moe_capacity_factor: scripts/plan.py --moe-capacity-factor C)")
     if shape.experts is not None:
         unsplit = [s.name for s in graph.stages if not s.host and StageKind.GENERATE not in s.kinds
                    and graph.parallel_of(s.name).get("expert", 1) == 1

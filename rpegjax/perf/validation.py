@@ -13,7 +13,7 @@ import math
 from collections.abc import Sequence
 
 from rpegjax.graph.ir import Algorithm, Execution
-from rpegjax.options import RematPolicy
+from rpegjax.options import CacheLayout, CarryMode, RematPolicy
 from rpegjax.perf import hardware as hardware_module
 from rpegjax.perf import planner
 from rpegjax.perf.costs import ModelShape
@@ -113,8 +113,12 @@ class RLRun:
     train_context: int = 1
     train_expert: int = 1
     sequence_parallel: bool = False
+    in_flight_weight_updates: bool = False
 
     def __post_init__(self) -> None:
+        if self.in_flight_weight_updates and (self.async_bound < 1 or not self.generation_gpus):
+            raise ValueError(f"RLRun {self.name!r}: in-flight weight updates need asynchronous generation on its own "
+                             f"GPUs (async_bound {self.async_bound}, generation_gpus {self.generation_gpus})")
         train_gpus = self.gpus - self.generation_gpus
         split = self.train_tensor * self.train_pipeline * self.train_context * self.train_expert
         if train_gpus < 1 or train_gpus % split:
@@ -170,7 +174,8 @@ HELD_OUT_RUNS = NEMO_RL_RUNS[2:]
 # 1 for 235B) is used where a later recipe differs. Megatron's EP spans data-parallel, context and tensor ranks;
 # the expert axis here is data-like, so it takes EP's data-parallel part: EP8 for 30B-A3B; for 235B the
 # data-parallel ranks (8 on-policy, 4 one-step off) with CP kept as context. Same assumptions as above (128-token
-# prompts, log-normal responses with the table's mean). Held out: nothing is fitted on them.
+# prompts, log-normal responses with the table's mean). Held out: nothing is fitted on them. The three asynchronous
+# recipes set grpo.async_grpo.in_flight_weight_updates (`continuous_generation`).
 QWEN3_30B_A3B = ModelShape(layers=48, hidden=2048, heads=32, kv_heads=4, head_dim=128, mlp=6144, vocab=151936,
                            experts=ExpertShape(experts=128, top_k=8, mlp=768, sparse_layers=48))
 QWEN3_235B_A22B = ModelShape(layers=94, hidden=4096, heads=64, kv_heads=4, head_dim=128, mlp=12288, vocab=151936,
@@ -187,15 +192,18 @@ _MOE_235B = {"source": NEMO_RL_V06, "shape": QWEN3_235B_A22B, "gpus": 256, "prom
 MOE_RUNS = (
     _nemo_rl("NeMo-RL v0.6 Qwen3-30B-A3B on-policy", **_MOE_30B, response_mean=3203, measured_seconds=192.0),
     _nemo_rl("NeMo-RL v0.6 Qwen3-30B-A3B 1-step off", **{**_MOE_30B, "generation_gpus": 16, "train_pipeline": 2,
-                                                         "async_bound": 1, "generation_memory_fraction": 0.8},
+                                                         "async_bound": 1, "generation_memory_fraction": 0.8,
+                                                         "in_flight_weight_updates": True},
              response_mean=3201, measured_seconds=152.0),
     _nemo_rl("NeMo-RL v0.6 Qwen3-30B-A3B 8-step off", **{**_MOE_30B, "gpus": 192, "generation_gpus": 64,
-                                                         "async_bound": 8, "generation_memory_fraction": 0.8},
+                                                         "async_bound": 8, "generation_memory_fraction": 0.8,
+                                                         "in_flight_weight_updates": True},
              response_mean=3206, measured_seconds=34.5),
     _nemo_rl("NeMo-RL v0.6 Qwen3-235B-A22B on-policy", **_MOE_235B, response_mean=5713, measured_seconds=312.0),
     _nemo_rl("NeMo-RL v0.6 Qwen3-235B-A22B 1-step off", **{**_MOE_235B, "generation_gpus": 128, "generation_tensor": 8,
                                                            "train_tensor": 4, "train_context": 1, "train_expert": 4,
-                                                           "async_bound": 1, "generation_memory_fraction": 0.8},
+                                                           "async_bound": 1, "generation_memory_fraction": 0.8,
+                                                           "in_flight_weight_updates": True},
              response_mean=5721, measured_seconds=231.0),
 )
 
@@ -221,21 +229,52 @@ DEFAULT_EFFICIENCIES = Efficiencies(matmul=0.7, decode_memory=0.8)  # the preset
 FITTED_EFFICIENCIES = Efficiencies(matmul=0.5, decode_memory=0.575)
 
 
+def continuous_generation(run: RLRun) -> bool:
+    """Whether the run's generation is continuous across steps, as NeMo RL's asynchronous GRPO runs it with
+    in-flight weight updates (NVIDIA-NeMo/RL, nemo_rl/algorithms/async_utils.py, `AsyncTrajectoryCollector`): up to
+    `num_prompts_per_step` x `max_trajectory_age_steps` prompt groups are in flight (its semaphore); a group started
+    under weights v is trained at step v + age at the latest; at a weight update vLLM keeps decoding the running
+    requests with their KV caches (`prepare_for_refit`; `recompute_kv_cache_after_weight_updates` off). That is
+    rpegjax's partial-rollout model (`rpegjax.perf.partial_rollouts`) with `age` batches in flight, carried
+    sequences continuing from their pages, and a trained token lagging at most `age` versions.
+
+    With an age of 1 one batch is in flight: the partial-rollout pool holds at least two (as rpegjax's runtime
+    does), so such a run is costed as a whole batch per step (what one batch in flight, refilled at the step's
+    start, gives); the next batch's groups entering the freed places mid-step is not modelled."""
+    return run.in_flight_weight_updates and run.async_bound >= 2
+
+
+def rl_execution(run: RLRun) -> Execution:
+    """The run's execution options: Megatron's sequence parallelism, and its continuous generation
+    (`continuous_generation`): `age` batches in flight, tokens lagging at most `age` versions, carried sequences
+    kept in the (paged) KV cache."""
+    if not continuous_generation(run):
+        return Execution(sequence_parallel=run.sequence_parallel)
+    age = run.async_bound
+    return Execution(sequence_parallel=run.sequence_parallel, kv_cache=CacheLayout.PAGED, partial_rollouts=True,
+                     inflight_batches=age, max_token_lag=age, partial_carry=CarryMode.PAGES)
+
+
 def rl_plan(run: RLRun) -> planner.PlanChoice:
     """The run's own plan as a planner choice: its placement (colocated or generation on its own GPUs), its
     generation TP, its training TP x PP (PP as a `pipeline` axis) with data parallelism over the rest, its
-    asynchrony and its optimiser steps per RL step."""
+    asynchrony and its optimiser steps per RL step.
+
+    Continuous generation (`continuous_generation`) takes asynchrony bound 1: in rpegjax's notation new tokens
+    lag k versions and a group is generated over max_token_lag − k + 1 steps; NeMo RL's group of age a is
+    generated under a weights versions (v … v + a − 1) and its first tokens lag a, so k = 1, max_token_lag = a."""
     train_gpus = run.gpus - run.generation_gpus
     data = train_gpus // (run.train_tensor * run.train_pipeline * run.train_context * run.train_expert)
     generation = (run.generation_gpus or run.gpus) // run.generation_tensor
     train = (("data", data), ("pipeline", run.train_pipeline), ("expert", run.train_expert),
              ("context", run.train_context), ("tensor", run.train_tensor))
     return planner.PlanChoice(
-        algorithm=Algorithm.GRPO, use_reference=True, num_devices=run.gpus, async_bound=run.async_bound,
+        algorithm=Algorithm.GRPO, use_reference=True, num_devices=run.gpus,
+        async_bound=1 if continuous_generation(run) else run.async_bound,
         generation_devices=run.generation_gpus, optimizer_steps=run.optimizer_steps,
         generation_layout=(("data", generation), ("fsdp", 1), ("tensor", run.generation_tensor)),
         train_layout=tuple((axis, size) for axis, size in train if size > 1 or axis not in ("expert", "context")),
-        execution=Execution(sequence_parallel=run.sequence_parallel))
+        execution=rl_execution(run))
 
 
 def rl_evaluator(run: RLRun, efficiencies: Efficiencies) -> Evaluator:
@@ -247,10 +286,14 @@ def rl_evaluator(run: RLRun, efficiencies: Efficiencies) -> Evaluator:
     hw = dataclasses.replace(hw, device=device)
     workload = Workload(prompts=run.prompts, group_size=run.group_size, prompt_tokens=run.prompt_tokens,
                         responses=ResponseLengths.lognormal(run.response_mean, run.response_max))
+    # the plan's continuous generation; the serving engine's own paged cache (PAGED decode), not rpegjax's pool
+    execution = rl_execution(run)
     options = ExecutionOptions(remat=RematPolicy.FULL if run.remat else RematPolicy.NONE,
                                microbatch_tokens=run.microbatch_tokens,
                                generation_memory_fraction=run.generation_memory_fraction,
-                               decode_memory_efficiency=efficiencies.decode_memory)
+                               decode_memory_efficiency=efficiencies.decode_memory,
+                               partial_rollouts=execution.partial_rollouts, inflight_batches=execution.inflight_batches,
+                               max_token_lag=execution.max_token_lag, partial_carry=execution.partial_carry)
     return Evaluator(run.shape, workload, hw, options)
 
 

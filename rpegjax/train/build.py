@@ -225,15 +225,16 @@ def run_precision(cfg: RunConfig) -> Precision:
 
 
 def run_execution(cfg: RunConfig) -> Execution:
-    """The execution options of a run without a plan: the model section's kernel, remat and precision (as the
-    policy resolves it), the algorithm's update micro-batches, the rollout section's KV cache."""
+    """The execution options of a run without a plan: the model section's kernel, remat, experts' capacity mode
+    and precision (as the policy resolves it), the algorithm's update micro-batches, the rollout section's KV cache."""
     m = cfg.model
     algo = cfg.algorithm_section()
     precision = run_precision(cfg)
     return Execution(param_dtype=precision.param_dtype, dtype=precision.dtype, update_microbatches=algo.num_microbatches,
                      inference_rows=algo.inference_rows, packing=algo.packing,
                      max_tokens_per_micro_batch=algo.max_tokens_per_micro_batch, **m.execution(),
-                     sequence_parallel=cfg.graph.sequence_parallel, **_kv_cache_fields(cfg),
+                     sequence_parallel=cfg.graph.sequence_parallel, moe_capacity_factor=m.moe_capacity_factor,
+                     **_kv_cache_fields(cfg),
                      **_optimizer_fields(cfg), **_partial_fields(cfg))
 
 

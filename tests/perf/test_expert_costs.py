@@ -3,6 +3,7 @@ Qwen3-30B-A3B update memory of benchmarks/bench_moe_memory.py (docs/benchmarks.m
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -10,7 +11,7 @@ import pytest
 from rpegjax.graph.ir import Algorithm, Execution
 from rpegjax.models.config import ModelConfig
 from rpegjax.options import AttentionKind, RematPolicy
-from rpegjax.perf import collectives, costs, expert_costs, hardware, planner, stage_costs, trust
+from rpegjax.perf import collectives, costs, expert_costs, hardware, planner, stage_costs, step_model, trust
 from rpegjax.perf.costs import ModelShape
 from rpegjax.perf.generation_cost import ResponseLengths
 from rpegjax.perf.stage_costs import CostInputs, ExecutionOptions, Layout, Workload
@@ -153,3 +154,42 @@ def test_moe_stages_without_an_expert_axis_are_untrusted():
                                                    train_layout=(("data", 1), ("fsdp", 8)),
                                                    generation_layout=(("data", 4), ("tensor", 2)), execution=execution))
     assert "without an expert axis" in trust.regime_problem(graph, capped, 4096, trust.MOE_CHECKED)
+
+
+def _small_space(capacities: tuple[float | None, ...]) -> planner.PlanSpace:
+    return planner.PlanSpace(async_bounds=(0,), critic_modes=("separate",), fusion=(False,), microbatches=(1,),
+                             generation_fractions=(None,), tensor_sizes=(1, 2), reshard_inference=(False,),
+                             attention=(AttentionKind.CUDNN,), remat=(RematPolicy.FULL,), optimizer_offload=(False,),
+                             packing=(False,), moe_capacity_factors=capacities)
+
+
+def test_the_capacity_factor_is_a_plan_choice_of_moe_models_only():
+    """`Execution.moe_capacity_factor` decides the experts' mode the perf model costs (whatever the model config
+    says), the planner searches the space's factors for a MoE model and only dropless for a dense one, and picks
+    a trusted capacity plan where dropless is untrusted (docs/benchmarks.md, issue 26, session 11)."""
+    space = _small_space((None, 1.25))
+    assert {e.moe_capacity_factor for e in space.executions(experts=True)} == {None, 1.25}
+    assert {e.moe_capacity_factor for e in space.executions(experts=False)} == {None}
+    workload = Workload(prompts=16, group_size=8, prompt_tokens=128, responses=ResponseLengths.lognormal(1000, 2048))
+    evaluator = step_model.Evaluator.for_runtime(MOE, workload, hardware.preset("h100", 16))
+    choice = planner.PlanChoice(algorithm=Algorithm.GRPO, use_reference=False, num_devices=16,
+                                train_layout=(("data", 1), ("fsdp", 8), ("expert", 2)),
+                                generation_layout=(("data", 8), ("tensor", 2)),
+                                execution=Execution(attention=AttentionKind.CUDNN, remat=RematPolicy.FULL,
+                                                    param_dtype="float32", dtype="bfloat16"))
+    graphs = {c: planner.build_graph(dataclasses.replace(choice, execution=dataclasses.replace(
+        choice.execution, moe_capacity_factor=c))) for c in (None, 1.25)}
+    assert evaluator.inputs_for(graphs[1.25]).actor.experts.capacity_factor == 1.25
+    assert evaluator.inputs_for(graphs[None]).actor.experts.capacity_factor is None
+    update = {c: evaluator.stage_cost(graph, "actor_update") for c, graph in graphs.items()}
+    assert update[1.25].transient_bytes < update[None].transient_bytes  # dropless: every local expert, dense
+    best = planner.Planner(evaluator, algorithm="grpo", num_devices=16, use_reference=False, space=space).search(top=1)
+    assert best.best.graph.execution.moe_capacity_factor == 1.25
+    with pytest.raises(ValueError, match="no plan of .* trusts"):  # dropless only: every plan untrusted
+        planner.Planner(evaluator, algorithm="grpo", num_devices=16, use_reference=False,
+                        space=_small_space((None,))).search(top=1)
+    dense = step_model.Evaluator.for_runtime(ModelConfig.qwen3("32b"), workload, hardware.preset("h100", 16))
+    assert {e.moe_capacity_factor for e in planner.Planner(dense, algorithm="grpo", num_devices=16,
+                                                           space=space).executions} == {None}
+    with pytest.raises(ValueError, match="moe_capacity_factor=1.25 needs a mixture-of-experts model"):
+        dense.inputs_for(graphs[1.25])

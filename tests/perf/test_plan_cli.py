@@ -90,6 +90,11 @@ def test_the_published_runs_models_are_presets():
 def test_a_capacity_factor_needs_a_model_with_experts():
     done = _run("--model", "qwen2.5-0.5b", "--moe-capacity-factor", "1.25", *SMALL)
     assert done.returncode != 0 and "has no experts" in done.stderr
+    # the expert modes to search (the plan's execution.moe_capacity_factor): factors or dropless
+    parse = _plan_module().parse_args
+    assert parse(["--moe-capacity-factor", "dropless", "1.25"]).moe_capacity_factor == [None, 1.25]
+    with pytest.raises(SystemExit):
+        parse(["--moe-capacity-factor", "0"])
 
 
 def test_table_prints_the_legend_and_explain_says_why():

@@ -15,7 +15,7 @@ from flax import nnx
 from rpegjax.graph import builders
 from rpegjax.graph.ir import Execution
 from rpegjax.learners import GRPOConfig
-from rpegjax.models import Decoder, ModelConfig
+from rpegjax.models import Architecture, Decoder, ModelConfig
 from rpegjax.models.lora import LoRAConfig, LoRAParam
 from rpegjax.train.dry_run import Batch, dry_run, run_plan
 
@@ -310,3 +310,19 @@ def test_a_fused_reference_and_policy_pass_counts_the_policy_weights_once():
     # optimiser state (two float32 moments) and the generation copy. The difference: (8 - 4) N / 4 bytes (norms
     # replicate, so a little more); counting the weights again read (8 - 4 + 4) N / 4
     assert fused.resident - update.resident == pytest.approx(CFG.num_params(), rel=0.1)
+
+
+@pytest.mark.slow  # two 4-device dry runs of a tiny MoE, ~2 minutes on a loaded 2-core machine
+def test_the_dry_run_compiles_the_plans_expert_capacity():
+    """A plan's `Execution.moe_capacity_factor` reaches the compiled programs: the same MoE plan dropless and in the
+    capacity mode lowers different update and decode programs (capacity buffers through a plain all-to-all)."""
+    assert jax.device_count() >= 4
+    moe = ModelConfig.tiny(Architecture.QWEN3_MOE, vocab_size=256)
+    batch = Batch(rows=8, prompt=16, new=16, slots=8, group_size=4)
+    reports = {}
+    for capacity in (None, 1.0):
+        graph = _graph({"data": 2, "expert": 2}, use_reference=False)
+        graph = dataclasses.replace(graph, execution=dataclasses.replace(graph.execution, moe_capacity_factor=capacity))
+        reports[capacity] = dry_run(graph, moe, GRPOConfig(group_size=4), batch, capacity_bytes=1e9)
+    update = {c: next(p for p in r.programs if p.stage == "actor_update") for c, r in reports.items()}
+    assert update[None].flops != update[1.0].flops or update[None].temporaries != update[1.0].temporaries

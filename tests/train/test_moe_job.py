@@ -127,3 +127,33 @@ def test_disaggregated_job_generates_with_the_experts_split(tmp_path):
     steps = [r for r in records if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2]
     assert all(r["moe/load_balance"] > 0 for r in steps)
+
+
+def test_the_plans_capacity_factor_is_what_the_model_runs():
+    """`Execution.moe_capacity_factor` is the run's experts' mode: a job without a plan takes the model section's
+    (`run_execution`), and placing the models applies the plan's (`apply_execution`, as the runtime and the dry
+    run do) to the same parameters; a dense model refuses a factor. (What the capacity mode computes:
+    tests/models/test_expert_parallel.py; that the dry run compiles it: tests/train/test_dry_run.py.)"""
+    import dataclasses
+
+    import jax
+    from flax import nnx
+
+    from rpegjax.graph.ir import Execution
+    from rpegjax.models import Architecture, ModelConfig
+    from rpegjax.models.transformer import Decoder
+    from rpegjax.runtime.assembly import apply_execution
+    from rpegjax.train.build import run_execution
+    from rpegjax.train.config import RunConfig
+
+    base = RunConfig()
+    capped = dataclasses.replace(base, model=dataclasses.replace(base.model, num_experts=4, moe_capacity_factor=1.25))
+    assert run_execution(capped).moe_capacity_factor == 1.25 and run_execution(base).moe_capacity_factor is None
+    model = nnx.eval_shape(lambda: Decoder(ModelConfig.tiny(Architecture.QWEN3_MOE), rngs=nnx.Rngs(0)))
+    planned = apply_execution(model, Execution(moe_capacity_factor=0.5))
+    assert planned.cfg.moe_capacity_factor == 0.5 and model.cfg.moe_capacity_factor is None
+    assert jax.tree.structure(nnx.state(planned)) == jax.tree.structure(nnx.state(model))
+    assert apply_execution(planned, Execution(moe_capacity_factor=0.5)) is planned  # already so: unchanged
+    dense = nnx.eval_shape(lambda: Decoder(ModelConfig.tiny(), rngs=nnx.Rngs(0)))
+    with pytest.raises(ValueError, match="moe_capacity_factor=0.5 needs architecture qwen3_moe"):
+        apply_execution(dense, Execution(moe_capacity_factor=0.5))
