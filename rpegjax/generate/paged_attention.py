@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.gpu import paged_attention as pallas_paged
 from jax.sharding import PartitionSpec
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from rpegjax.sharding.rules import ActivationSharding
 
@@ -78,15 +78,17 @@ def _replica_attention(q: Float[Array, "r b h e"], k: Float[Array, "r k p n e"],
 
 
 def paged_decode_attention(q: Float[Array, "b 1 h e"], k: Float[Array, "r k p n e"], v: Float[Array, "r k p n e"],
-                           page_table: Int[Array, "b m"], query_index: Int[Array, "b 1"], *,
-                           sharding: ActivationSharding | None, pool_spec: PartitionSpec | None,
-                           interpret: bool) -> Float[Array, "b 1 h e"]:
+                           page_table: Int[Array, "b m"], query_index: Int[Array, "b 1"],
+                           live: Bool[Array, " b"] | None = None, *, sharding: ActivationSharding | None,
+                           pool_spec: PartitionSpec | None, interpret: bool) -> Float[Array, "b 1 h e"]:
     """One new token per row attending over its own pages up to its cache index `query_index` (inclusive): rows
-    b split over the r replicas in blocks (row i in replica i // (b/r)), page ids replica-local. `pool_spec`: the
+    b split over the r replicas in blocks (row i in replica i // (b/r)), page ids replica-local. Rows not `live`
+    (finished, or padding a live bucket) read no page (length 0; their output is 0 and unused). `pool_spec`: the
     pools' PartitionSpec on `sharding`'s mesh (None without a mesh)."""
     b, _, h, e = q.shape
     n = k.shape[3]
     lengths = jnp.minimum(query_index[:, 0] + 1, page_table.shape[1] * n).astype(jnp.int32)
+    lengths = lengths if live is None else jnp.where(live, lengths, 0)
     scaled = (q[:, 0].astype(jnp.float32) / math.sqrt(e)).astype(q.dtype)
 
     def local(q, k, v, table, lengths):

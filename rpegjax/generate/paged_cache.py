@@ -136,7 +136,8 @@ class PagedLayer:
         if t == 1 and self.decode_attention is DecodeAttention.PALLAS:  # each row's own pages, its whole table
             spec = None if sharding is None else sharding.spec(PagedKVCache.pool_logical_axes(), new_k.shape,
                                                                name="page pool")
-            out = paged_decode_attention(q, new_k, new_v, self.page_table, positions, sharding=sharding,
+            live = None if key_mask is None else key_mask[:, 0]  # finished rows and bucket padding read nothing
+            out = paged_decode_attention(q, new_k, new_v, self.page_table, positions, live, sharding=sharding,
                                          pool_spec=spec, interpret=self.pallas_interpret)
             return out, written
         table = split(self.page_table[:, : self.window_pages])

@@ -26,7 +26,8 @@ def _gathered(q, pool_k, pool_v, table, positions):
 def test_kernel_equals_the_gathered_pages_on_rows_of_very_different_lengths():
     """4 slot replicas (fsdp 4 x tensor 2: a replica's pool and one of 2 KV heads per device), 2 rows each, GQA
     (4 query heads on 2 KV heads), rows from 1 key to a full 5-page table: the kernel inside `shard_map` equals the
-    gathered path at 1e-5 in float32, unsharded too."""
+    gathered path at 1e-5 in float32, unsharded too; a row that is not live (finished, bucket padding) reads nothing
+    and gives 0."""
     r, rows, kv, g, pages, n, e, m = 4, 2, 2, 2, 12, 4, 16, 5
     keys = jax.random.split(jax.random.key(0), 3)
     pool_k, pool_v = (jax.random.normal(k, (r, kv, pages, n, e)) for k in keys[:2])
@@ -34,9 +35,11 @@ def test_kernel_equals_the_gathered_pages_on_rows_of_very_different_lengths():
     rng = np.random.default_rng(0)
     table = np.stack([rng.permutation(pages)[:m] for _ in range(r * rows)]).astype(np.int32)
     positions = np.array([[0], [19], [3], [4], [11], [1], [17], [8]], np.int32)  # cache index of the new token
-    expected = _gathered(q, pool_k, pool_v, table, positions)
+    live = np.array([True] * 5 + [False] + [True] * 2)
+    expected = _gathered(q, pool_k, pool_v, table, positions).at[5].set(0.0)
 
-    plain = paged_decode_attention(q, pool_k, pool_v, table, positions, sharding=None, pool_spec=None, interpret=True)
+    plain = paged_decode_attention(q, pool_k, pool_v, table, positions, live, sharding=None, pool_spec=None,
+                                   interpret=True)
     np.testing.assert_allclose(plain, expected, atol=1e-5, rtol=0)
 
     mesh = make_mesh({"fsdp": 4, "tensor": 2})
@@ -44,9 +47,9 @@ def test_kernel_equals_the_gathered_pages_on_rows_of_very_different_lengths():
     spec = sharding.spec(PagedKVCache.pool_logical_axes(), pool_k.shape)
     assert spec == jax.sharding.PartitionSpec("fsdp", "tensor", None, None, None)
     placed = [jax.device_put(x, jax.sharding.NamedSharding(mesh, spec)) for x in (pool_k, pool_v)]
-    run = jax.jit(lambda q, k, v, t, i: paged_decode_attention(q, k, v, t, i, sharding=sharding, pool_spec=spec,
-                                                               interpret=True))
-    np.testing.assert_allclose(run(q, *placed, table, positions), expected, atol=1e-5, rtol=0)
+    run = jax.jit(lambda q, k, v, t, i, live: paged_decode_attention(q, k, v, t, i, live, sharding=sharding,
+                                                                     pool_spec=spec, interpret=True))
+    np.testing.assert_allclose(run(q, *placed, table, positions, live), expected, atol=1e-5, rtol=0)
 
 
 def test_kernel_blocks_tile_any_table_width():
@@ -91,6 +94,7 @@ def test_the_kernel_is_refused_off_gpu_and_on_a_contiguous_cache(tiny_cfg, tiny_
         CacheConfig.paged(decode_attention="flash")
 
 
+@pytest.mark.slow  # ~50 s loaded: the kernel in shard_map is covered fast above
 def test_kernel_logits_equal_on_a_sharded_sampler(tiny_cfg, tiny_split, make_prompts):
     """Data 4 x tensor 2: each replica's rows through the kernel on its own devices; greedy tokens equal the
     unsharded gathered run."""
