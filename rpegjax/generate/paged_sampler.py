@@ -68,11 +68,7 @@ class PagedController:
                 f"capacity ({capacity} tokens = {self.max_pages} pages of {cache.page_size})"
             )
         self.stats = stats
-        self.decode_attention = cache.decode_attention
-        if cache.decode_attention is DecodeAttention.PALLAS:
-            platform = (jax.devices() if mesh is None else mesh.devices.flat)[0].platform
-            check_kernel(platform, page_size=cache.page_size, head_dim=cfg.head_dim, interpret=cache.pallas_interpret,
-                         where="paged sampler")
+        self.decode_attention = _checked_decode_attention(cache, cfg, mesh)
         self._empty = partial(empty_paged_state, cfg, num_slots=num_slots, replicas=replicas,
                               pages_per_replica=self.pages_per_replica, page_size=cache.page_size,
                               max_pages=self.max_pages, max_new_tokens=max_new_tokens, record_routing=record_routing)
@@ -344,6 +340,15 @@ class PagedController:
         rows = start_row_arrays(requests, by_replica, held, slots_per_replica=self.slots_per_replica,
                                 page_size=self.page_size, pages_per_replica=self.pages_per_replica)
         return self._start(state, logits, *rows, key, arrays)
+
+
+def _checked_decode_attention(cache: CacheConfig, cfg: ModelConfig, mesh: Mesh | None) -> DecodeAttention:
+    """The cache's decode attention, the Pallas kernel refused on devices it does not compile for."""
+    if cache.decode_attention is DecodeAttention.PALLAS:
+        platform = (jax.devices() if mesh is None else mesh.devices.flat)[0].platform
+        check_kernel(platform, page_size=cache.page_size, head_dim=cfg.head_dim, interpret=cache.pallas_interpret,
+                     where="paged sampler")
+    return cache.decode_attention
 
 
 def start_row_arrays(requests, by_replica, held, *, slots_per_replica: int, page_size: int,
