@@ -85,8 +85,7 @@ def paged_decode_attention(q: Float[Array, "b 1 h e"], k: Float[Array, "r k p n 
     b split over the r replicas in blocks (row i in replica i // (b/r)), page ids replica-local. Rows not `live`
     (finished, or padding a live bucket) read no page (length 0; their output is 0 and unused). `pool_spec`: the
     pools' PartitionSpec on `sharding`'s mesh (None without a mesh)."""
-    b, _, h, e = q.shape
-    n = k.shape[3]
+    e, n = q.shape[-1], k.shape[3]
     lengths = jnp.minimum(query_index[:, 0] + 1, page_table.shape[1] * n).astype(jnp.int32)
     lengths = lengths if live is None else jnp.where(live, lengths, 0)
     scaled = (q[:, 0].astype(jnp.float32) / math.sqrt(e)).astype(q.dtype)
@@ -110,5 +109,5 @@ def paged_decode_attention(q: Float[Array, "b 1 h e"], k: Float[Array, "r k p n 
     return out[:, None]
 
 
-__all__ = ["BLOCK_H", "K_SPLITS", "KERNEL_PLATFORMS", "PAGES_PER_BLOCK", "check_kernel", "kernel_blocks",
+__all__ = ["BLOCK_H", "KERNEL_PLATFORMS", "K_SPLITS", "PAGES_PER_BLOCK", "check_kernel", "kernel_blocks",
            "paged_decode_attention"]

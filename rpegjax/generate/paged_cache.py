@@ -32,9 +32,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
+from rpegjax.generate.paged_attention import paged_decode_attention
 from rpegjax.models.config import ModelConfig
 from rpegjax.models.transformer import _NEG_INF, _cached_attention
-from rpegjax.generate.paged_attention import paged_decode_attention
 from rpegjax.options import CacheLayout, DecodeAttention, parse_choice
 from rpegjax.sharding import axes
 from rpegjax.sharding.rules import ActivationSharding
