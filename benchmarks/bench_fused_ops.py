@@ -85,16 +85,16 @@ def paged_attention(cfg: ModelConfig, rows: int, pages: int, page_size: int, in_
     def run(pool_k, pool_v, table, q, positions):
         def step(i, out):
             qi = q + 1e-3 * out  # each step depends on the last, as in the decode loop
-            keys, values = pool_k[table], pool_v[table]  # b w k n e
+            keys, values = pool_k[:, table], pool_v[:, table]  # k b w n e (the pool's layout, KV head first)
             if in_place:
                 return _attend_pages(qi, keys, values, positions)
-            flat = [x.transpose(0, 2, 1, 3, 4).reshape(rows, kv, pages * page_size, e) for x in (keys, values)]
+            flat = [x.transpose(1, 0, 2, 3, 4).reshape(rows, kv, pages * page_size, e) for x in (keys, values)]
             return _cached_attention(qi, *flat, positions)
 
         return jax.lax.fori_loop(0, STEPS, step, jnp.zeros((rows, 1, h, e)))
 
     keys = jax.random.split(jax.random.key(1), 3)
-    pool = (rows * pages, kv, page_size, e)
+    pool = (kv, rows * pages, page_size, e)
     args = (jax.random.normal(keys[0], pool), jax.random.normal(keys[1], pool),
             jnp.arange(rows * pages).reshape(rows, pages), jax.random.normal(keys[2], (rows, 1, h, e)),
             jnp.full((rows, 1), pages * page_size - 3))

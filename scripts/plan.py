@@ -22,7 +22,7 @@ from typing import Any
 from rpegjax.graph.ir import Algorithm
 from rpegjax.graph.trace import gantt_png
 from rpegjax.models import ModelConfig
-from rpegjax.options import AttentionKind, DType, RematPolicy
+from rpegjax.options import AttentionKind, DecodeAttention, DType, RematPolicy
 from rpegjax.perf import executable, explain, hardware, planner, step_model, validation
 from rpegjax.perf import profile as hardware_profile
 from rpegjax.perf.generation_cost import ResponseLengths
@@ -108,6 +108,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--attention", default="cudnn,blockwise,dense",
                         help=f"attention kernels to search, comma-separated, of {', '.join(AttentionKind)} (those "
                              f"the runtime cannot run on --hardware are skipped; asking only for those is refused)")
+    parser.add_argument("--decode-attention", default="pallas,gather",
+                        help=f"the paged sampler's decode attention to search, comma-separated, of "
+                             f"{', '.join(DecodeAttention)} (pallas: the Pallas paged kernel, each row over its own "
+                             f"pages, GPUs only: skipped on other hardware)")
     parser.add_argument("--remat", default="full,dots,none",
                         help=f"remat policies to search, comma-separated, of {', '.join(RematPolicy)}")
     parser.add_argument("--context-sizes", default="1",
@@ -186,11 +190,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--inflight-batches: at least one count, each >= 2, got {args.inflight_batches}")
     if not 1 <= args.response_mean < args.response_max:
         parser.error(f"--response-mean must be in [1, --response-max), got {args.response_mean}")
-    for name, kind in (("attention", AttentionKind), ("remat", RematPolicy)):
+    for name, kind in (("attention", AttentionKind), ("remat", RematPolicy), ("decode_attention", DecodeAttention)):
         values = tuple(v.strip() for v in getattr(args, name).split(",") if v.strip())
         unknown = [v for v in values if v not in {member.value for member in kind}]
         if not values or unknown:
-            parser.error(f"--{name}: {unknown or 'nothing'} given; choose from {', '.join(kind)}")
+            parser.error(f"--{name.replace('_', '-')}: {unknown or 'nothing'} given; choose from {', '.join(kind)}")
         setattr(args, name, tuple(kind(v) for v in values))
     return args
 
@@ -334,7 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     # every plan is predicted as rpegjax's runtime executes it (its kernels, padding, micro-batching)
     evaluator = step_model.Evaluator.for_runtime(model, workload, hw, options)
     choices = {"false": (False,), "true": (True,), "both": (False, True)}
-    space = planner.PlanSpace(attention=args.attention, remat=args.remat, param_dtype=args.param_dtype, dtype=args.dtype,
+    space = planner.PlanSpace(attention=args.attention, remat=args.remat, decode_attention=args.decode_attention,
+                              param_dtype=args.param_dtype, dtype=args.dtype,
                               async_bounds=args.async_bounds, context_sizes=args.context_sizes,
                               sequence_parallel=choices[args.sequence_parallel], packing=choices[args.packing],
                               partial_rollouts=choices[args.partial_rollouts], inflight_batches=args.inflight_batches,

@@ -6,16 +6,19 @@ its own copy of a partial last page, so decode writes never touch a shared page)
 sized to a token budget, with the host admitting only what the free pages hold.
 
 Layout. With a mesh, slots split over R slot replicas (the batch mesh axes); each replica owns its own
-pool of P pages, so the pool of one layer is [r p k n e] (replica, page, KV head, offset in the page,
-head dim), split over replicas like the slots are, and a page table holds replica-local page ids. Every
-gather and scatter below is vmapped over the replica axis: it stays on the devices of that replica,
-with no collective. Without a mesh R = 1.
+pool of P pages, so the pool of one layer is [r k p n e] (replica, KV head, page, offset in the page,
+head dim), split over replicas like the slots are (and KV heads over tensor), and a page table holds
+replica-local page ids. A replica's pool [k p n e] is the layout the Pallas paged-attention kernel reads
+(`paged_attention`), so no step transposes it. Every gather and scatter below is vmapped over the replica axis:
+it stays on the devices of that replica, with no collective. Without a mesh R = 1.
 
 Reading a slot gathers the first `window_pages` entries of its page table (the cache index of a key = its table
 column * n + offset), then attends like the contiguous cache (`_cached_attention`: a prefill on the pages
-transposed to [b k w*n e]; a decode step, one token per row, in the gathered layout [b w k n e], `_attend_pages`),
+transposed to [b k w*n e]; a decode step, one token per row, in the gathered layout [k b w n e], `_attend_pages`),
 so both layouts give the same logits up to float rounding. Table entries past a slot's pages hold
-page 0: what they read is masked out by position like any key past the row's length.
+page 0: what they read is masked out by position like any key past the row's length. With
+`DecodeAttention.PALLAS` a decode step instead runs the kernel over each row's whole table, which stops at the
+row's own length (`paged_attention.paged_decode_attention`): no window, and no work past a row's tokens.
 """
 
 from __future__ import annotations
@@ -29,10 +32,12 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
+from rpegjax.generate.paged_attention import paged_decode_attention
 from rpegjax.models.config import ModelConfig
 from rpegjax.models.transformer import _NEG_INF, _cached_attention
-from rpegjax.options import CacheLayout, parse_choice
+from rpegjax.options import CacheLayout, DecodeAttention, parse_choice
 from rpegjax.sharding import axes
+from rpegjax.sharding.rules import ActivationSharding
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -45,15 +50,27 @@ class CacheConfig:
       for every slot at full capacity (no preemption ever needed, but the pool reserves the worst case).
     * `prefill_chunk`: most prompt tokens per row in one prefill call (paged only): longer prompts are
       prefilled over several calls, so one admit never needs more than rows x prefill_chunk tokens.
+    * `decode_attention` (paged only): `DecodeAttention.GATHER` (XLA, any platform) or `PALLAS` (the Pallas
+      paged-attention kernel: each row reads its own pages; CUDA GPUs only, refused elsewhere unless
+      `pallas_interpret`, Pallas's interpret mode, a test and debugging setting).
     """
 
     layout: CacheLayout = CacheLayout.CONTIGUOUS
     page_size: int = 16
     pages_per_replica: int | None = None
     prefill_chunk: int = 256
+    decode_attention: DecodeAttention = DecodeAttention.GATHER
+    pallas_interpret: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layout", parse_choice(CacheLayout, self.layout, "CacheConfig.layout"))
+        object.__setattr__(self, "decode_attention",
+                           parse_choice(DecodeAttention, self.decode_attention, "CacheConfig.decode_attention"))
+        if self.decode_attention is DecodeAttention.PALLAS and self.layout is not CacheLayout.PAGED:
+            raise ValueError(f"CacheConfig.decode_attention=pallas reads a paged pool; the {self.layout} cache has "
+                             "none (set layout=paged, or decode_attention=gather)")
+        if not isinstance(self.pallas_interpret, bool):
+            raise ValueError(f"CacheConfig.pallas_interpret must be true or false, got {self.pallas_interpret!r}")
         for name in ("page_size", "prefill_chunk"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -80,10 +97,12 @@ def _per_replica(x: Array, replicas: int) -> Array:
 class PagedLayer:
     """One layer's pools and the page table of the rows being run: what `Attention` receives."""
 
-    k: Float[Array, "r p k n e"]
-    v: Float[Array, "r p k n e"]
+    k: Float[Array, "r k p n e"]
+    v: Float[Array, "r k p n e"]
     page_table: Int[Array, "b m"]  # replica-local page ids
     window_pages: int = flax.struct.field(pytree_node=False)
+    decode_attention: DecodeAttention = flax.struct.field(pytree_node=False, default=DecodeAttention.GATHER)
+    pallas_interpret: bool = flax.struct.field(pytree_node=False, default=False)
 
     def write_and_attend(
         self,
@@ -92,11 +111,13 @@ class PagedLayer:
         v: Float[Array, "b t k e"],
         offsets: Int[Array, " b"],
         key_mask: Bool[Array, "b t"] | None,
+        sharding: ActivationSharding | None = None,
     ) -> tuple[Float[Array, "b t h e"], PagedLayer]:
         """Writes the t new tokens of each row at cache indices offsets .. offsets+t-1 (tokens whose
-        `key_mask` is False are not written: padding, finished rows), then attends over the row's pages."""
+        `key_mask` is False are not written: padding, finished rows), then attends over the row's pages
+        (`sharding`: the mesh the Pallas kernel's `shard_map` runs on)."""
         b, t = q.shape[:2]
-        replicas, num_pages, _, page_size, _ = self.k.shape
+        replicas, _, num_pages, page_size, _ = self.k.shape
         columns = self.page_table.shape[1]
         positions = offsets[:, None] + jnp.arange(t)[None, :]  # b t: cache index of each new token
         column = positions // page_size
@@ -105,48 +126,57 @@ class PagedLayer:
         page = jnp.where(writes, page, num_pages)  # past the pool: the scatter drops the write
         within = positions % page_size
 
-        def write(pool, page, within, new):  # pool [p k n e]; page, within [b/r t]; new [b/r t k e]
-            return pool.at[page, :, within].set(new.astype(pool.dtype), mode="drop")
+        def write(pool, page, within, new):  # pool [k p n e]; page, within [b/r t]; new [b/r t k e]
+            return pool.at[:, page, within].set(new.transpose(2, 0, 1, 3).astype(pool.dtype), mode="drop")
 
         split = lambda x: _per_replica(x, replicas)  # noqa: E731
         new_k = jax.vmap(write)(self.k, split(page), split(within), split(k))
         new_v = jax.vmap(write)(self.v, split(page), split(within), split(v))
+        written = self.replace(k=new_k, v=new_v)
+        if t == 1 and self.decode_attention is DecodeAttention.PALLAS:  # each row's own pages, its whole table
+            spec = None if sharding is None else sharding.spec(PagedKVCache.pool_logical_axes(), new_k.shape,
+                                                               name="page pool")
+            live = None if key_mask is None else key_mask[:, 0]  # finished rows and bucket padding read nothing
+            out = paged_decode_attention(q, new_k, new_v, self.page_table, positions, live, sharding=sharding,
+                                         pool_spec=spec, interpret=self.pallas_interpret)
+            return out, written
         table = split(self.page_table[:, : self.window_pages])
         if t == 1:  # decode: attend over the pages as gathered, in the pool's layout (no transposed copy of them)
-            def pages(pool):
-                gathered = jax.vmap(lambda pool, table: pool[table])(pool, table)  # r b/r w k n e
-                return gathered.reshape(b, *gathered.shape[2:])
+            def attend(pool_k, pool_v, table, q, index):  # one replica: pools [k p n e], its rows' q and indices
+                return _attend_pages(q, pool_k[:, table], pool_v[:, table], index)
 
-            return _attend_pages(q, pages(new_k), pages(new_v), positions), self.replace(k=new_k, v=new_v)
+            out = jax.vmap(attend)(new_k, new_v, table, split(q), split(positions))
+            return out.reshape(q.shape), written
 
         def gather(pool, table):  # [b/r w] pages -> [b/r k w*n e]
-            pages = pool[table]  # b/r w k n e
-            rows, w, kv, n, e = pages.shape
-            return pages.transpose(0, 2, 1, 3, 4).reshape(rows, kv, w * n, e)
+            pages = pool[:, table]  # k b/r w n e
+            kv, rows, w, n, e = pages.shape
+            return pages.transpose(1, 0, 2, 3, 4).reshape(rows, kv, w * n, e)
 
         keys = jax.vmap(gather)(new_k, table)
         values = jax.vmap(gather)(new_v, table)
         keys, values = (x.reshape(b, *x.shape[2:]) for x in (keys, values))
         out = _cached_attention(q, keys, values, positions)
-        return out, self.replace(k=new_k, v=new_v)
+        return out, written
 
 
-def _attend_pages(q: Float[Array, "b 1 h e"], keys: Float[Array, "b w k n e"], values: Float[Array, "b w k n e"],
+def _attend_pages(q: Float[Array, "b 1 h e"], keys: Float[Array, "k b w n e"], values: Float[Array, "k b w n e"],
                   query_index: Int[Array, "b 1"]) -> Float[Array, "b 1 h e"]:
     """`_cached_attention` of one new token per row over its w gathered pages of n tokens, key w' n + n' at page
-    w', offset n': the same multiply-and-sum in float32, reduced over (w, n) in the pages' own layout, so XLA
-    reads them straight from the gather instead of a [b k w*n e] transposed copy per layer and step."""
+    w', offset n': the same multiply-and-sum in float32, reduced over (w, n) in the pages' own layout (the pool's,
+    KV head first), so XLA reads them straight from the gather instead of a [b k w*n e] transposed copy per layer
+    and step."""
     b, _, h, e = q.shape
-    w, kv, n = keys.shape[1:4]
+    kv, _, w, n = keys.shape[:4]
     g = h // kv
-    qg = q.reshape(b, 1, kv, g, 1, e).astype(jnp.float32)
-    scores = jnp.sum(qg * keys[:, :, :, None].astype(jnp.float32), axis=-1) / math.sqrt(e)  # b w k g n
+    qg = q.reshape(b, kv, g, e).transpose(1, 0, 2, 3)[:, :, :, None, None].astype(jnp.float32)  # k b g 1 1 e
+    scores = jnp.sum(qg * keys[:, :, None].astype(jnp.float32), axis=-1) / math.sqrt(e)  # k b g w n
     index = jnp.arange(w)[:, None] * n + jnp.arange(n)[None, :]  # w n: cache index of each key
     valid = index[None] <= query_index[:, 0, None, None]  # b w n
-    scores = jnp.where(valid[:, :, None, None, :], scores, _NEG_INF)
-    probs = jax.nn.softmax(scores, axis=(1, 4))
-    out = jnp.sum(probs[..., None] * values[:, :, :, None].astype(jnp.float32), axis=(1, 4))  # b k g e
-    return out.reshape(b, 1, h, e).astype(q.dtype)
+    scores = jnp.where(valid[None, :, None], scores, _NEG_INF)
+    probs = jax.nn.softmax(scores, axis=(3, 4))
+    out = jnp.sum(probs[..., None] * values[:, :, None].astype(jnp.float32), axis=(3, 4))  # k b g e
+    return out.transpose(1, 0, 2, 3).reshape(b, 1, h, e).astype(q.dtype)
 
 
 @flax.struct.dataclass
@@ -155,20 +185,22 @@ class PagedKVCache:
 
     `limits[b]` = tokens the row's pages hold: the decode loop stops before a running row writes past it.
     `window_pages` (static) is how many page-table columns an attention call gathers; the stored state
-    keeps 0 there and each compiled call sets its own.
+    keeps 0 there and each compiled call sets its own, and its decode kernel (`decode_attention`, static too).
     """
 
-    k: tuple[Float[Array, "r p k n e"], ...]
-    v: tuple[Float[Array, "r p k n e"], ...]
+    k: tuple[Float[Array, "r k p n e"], ...]
+    v: tuple[Float[Array, "r k p n e"], ...]
     page_table: Int[Array, "b m"]
     lengths: Int[Array, " b"]
     limits: Int[Array, " b"]
     window_pages: int = flax.struct.field(pytree_node=False, default=0)
+    decode_attention: DecodeAttention = flax.struct.field(pytree_node=False, default=DecodeAttention.GATHER)
+    pallas_interpret: bool = flax.struct.field(pytree_node=False, default=False)
 
     @classmethod
     def zeros(cls, cfg: ModelConfig, *, num_slots: int, replicas: int, pages_per_replica: int, page_size: int,
               max_pages: int) -> PagedKVCache:
-        shape = (replicas, pages_per_replica, cfg.num_kv_heads, page_size, cfg.head_dim)
+        shape = (replicas, cfg.num_kv_heads, pages_per_replica, page_size, cfg.head_dim)
         layers = range(cfg.num_layers)
         rows = jnp.zeros((num_slots,), jnp.int32)
         return cls(k=tuple(jnp.zeros(shape, cfg.jnp_dtype) for _ in layers),
@@ -178,7 +210,7 @@ class PagedKVCache:
     @staticmethod
     def pool_logical_axes() -> tuple[str | None, ...]:
         """Logical axes of each layer's pool: replicas split like slots, KV heads over tensor."""
-        return (axes.BATCH, None, axes.KV_HEADS, None, axes.HEAD_DIM)
+        return (axes.BATCH, axes.KV_HEADS, None, None, axes.HEAD_DIM)
 
     @property
     def page_size(self) -> int:
@@ -190,7 +222,8 @@ class PagedKVCache:
         return self.page_table.shape[1] * self.page_size
 
     def layer(self, index: int) -> PagedLayer:
-        return PagedLayer(k=self.k[index], v=self.v[index], page_table=self.page_table, window_pages=self.window_pages)
+        return PagedLayer(k=self.k[index], v=self.v[index], page_table=self.page_table, window_pages=self.window_pages,
+                          decode_attention=self.decode_attention, pallas_interpret=self.pallas_interpret)
 
     def with_layers(self, written: list[PagedLayer], added: Int[Array, " b"]) -> PagedKVCache:
         return self.replace(k=tuple(layer.k for layer in written), v=tuple(layer.v for layer in written),
@@ -201,7 +234,7 @@ class PagedKVCache:
 
     def bytes_per_page(self) -> int:
         """KV bytes of one page over all layers (keys and values)."""
-        _, _, kv, n, e = self.k[0].shape
+        _, kv, _, n, e = self.k[0].shape
         return 2 * len(self.k) * kv * n * e * self.k[0].dtype.itemsize
 
 

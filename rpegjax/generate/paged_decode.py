@@ -21,6 +21,7 @@ from rpegjax.generate.live_rows import decode_live, put_rows, take_rows
 from rpegjax.generate.paged_cache import PagedKVCache
 from rpegjax.generate.sampling import SamplingArrays
 from rpegjax.models.config import ModelConfig
+from rpegjax.options import DecodeAttention
 from rpegjax.sharding import axes
 from rpegjax.sharding.rules import ActivationSharding
 
@@ -116,8 +117,8 @@ def start_rows(
 
     Every gather and scatter is vmapped over the replica axis, so the float32 logits a device reads and samples are
     its own replica's q rows, never the whole [r*q, v] (replicated, they were 55 GB at W-plan shapes)."""
-    def copy(pool):  # [r p k n e]
-        return jax.vmap(lambda pool, source, target: pool.at[target].set(pool[source], mode="drop"))(
+    def copy(pool):  # [r k p n e]
+        return jax.vmap(lambda pool, source, target: pool.at[:, target].set(pool[:, source], mode="drop"))(
             pool, copy_source, copy_target)
 
     cache = state.cache.with_pools(map(copy, state.cache.k), map(copy, state.cache.v))
@@ -168,19 +169,23 @@ def decode_paged(
     max_steps: Int[Array, ""],
     *,
     window_pages: int,
+    decode_attention: DecodeAttention = DecodeAttention.GATHER,
+    pallas_interpret: bool = False,
     sharding: ActivationSharding | None = None,
 ) -> tuple[DecodeState, Int[Array, ""]]:
     """Up to `max_steps` decode steps over the paged cache (a `lax.while_loop`) on the rows `live` of each slot
     replica (`live_rows`), stopping early once every row is done or before a running row would write past its
     pages (`limits`). Rows in `evict` (preempted by the host, their pages already reused) are marked done first.
-    The bucket shares the whole pools: only its page tables, lengths and limits are gathered. Returns the new
-    state and the steps run."""
+    The bucket shares the whole pools: only its page tables, lengths and limits are gathered. Each step attends
+    as `decode_attention` says (`DecodeAttention.PALLAS`: each row over its own pages, `window_pages` unused).
+    Returns the new state and the steps run."""
     cache = state.cache.replace(page_table=page_table, limits=limits)
     state = state.replace(cache=cache, done=state.done | evict)
 
     def take_cache(cache: PagedKVCache) -> PagedKVCache:
         return cache.replace(page_table=take_rows(cache.page_table, live), lengths=take_rows(cache.lengths, live),
-                             limits=take_rows(cache.limits, live), window_pages=window_pages)
+                             limits=take_rows(cache.limits, live), window_pages=window_pages,
+                             decode_attention=decode_attention, pallas_interpret=pallas_interpret)
 
     def put_cache(cache: PagedKVCache, part: PagedKVCache) -> PagedKVCache:
         return cache.replace(k=part.k, v=part.v, lengths=put_rows(cache.lengths, live, part.lengths))

@@ -25,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from rpegjax.generate.completion import FINISH_CODES, Completion, FinishReason, unstarted
 from rpegjax.generate.decode import DecodeStalledError, abstract_state_of
 from rpegjax.generate.live_rows import live_rows
+from rpegjax.generate.paged_attention import check_kernel
 from rpegjax.generate.page_carry import KeptPages, claim, retag, retag_rows
 from rpegjax.generate.paged_cache import CacheConfig, pages_for, pow2_at_least
 from rpegjax.generate.paged_decode import (
@@ -37,7 +38,7 @@ from rpegjax.generate.paged_decode import (
 from rpegjax.generate.paged_slots import PagedSlots
 from rpegjax.generate.requests import Request, RequestFeed, RequestQueue
 from rpegjax.models.config import ModelConfig
-from rpegjax.options import CacheLayout
+from rpegjax.options import CacheLayout, DecodeAttention
 from rpegjax.sharding import axes
 from rpegjax.sharding.rules import ActivationSharding
 
@@ -67,6 +68,7 @@ class PagedController:
                 f"capacity ({capacity} tokens = {self.max_pages} pages of {cache.page_size})"
             )
         self.stats = stats
+        self.decode_attention = _checked_decode_attention(cache, cfg, mesh)
         self._empty = partial(empty_paged_state, cfg, num_slots=num_slots, replicas=replicas,
                               pages_per_replica=self.pages_per_replica, page_size=cache.page_size,
                               max_pages=self.max_pages, max_new_tokens=max_new_tokens, record_routing=record_routing)
@@ -75,7 +77,8 @@ class PagedController:
             return prefill_pages(graphdef, *arrays, window_pages=window_pages, sharding=activation)
 
         def decode_fn(window_pages, *arrays):
-            return decode_paged(graphdef, *arrays, window_pages=window_pages, sharding=activation)
+            return decode_paged(graphdef, *arrays, window_pages=window_pages, decode_attention=cache.decode_attention,
+                                pallas_interpret=cache.pallas_interpret, sharding=activation)
 
         def rows_fn(tokens, logprobs, rows):
             return tokens[rows], logprobs[rows]
@@ -236,6 +239,8 @@ class PagedController:
         page = self.page_size
         limits = np.array([len(h) * page for h in slots.held], np.int32)
         window = pow2_at_least(max(len(slots.held[s]) for s in running), self.max_pages)
+        if self.decode_attention is DecodeAttention.PALLAS:  # the kernel stops at each row's length: one window
+            window = self.max_pages
         before = int(slots.cache_length[running].sum())
         # copies: the CPU client may read an aligned numpy argument when the program runs, after this call
         # returns (clearing `evict` in place below once hid an eviction from the chunk: every chunk stalled)
@@ -335,6 +340,15 @@ class PagedController:
         rows = start_row_arrays(requests, by_replica, held, slots_per_replica=self.slots_per_replica,
                                 page_size=self.page_size, pages_per_replica=self.pages_per_replica)
         return self._start(state, logits, *rows, key, arrays)
+
+
+def _checked_decode_attention(cache: CacheConfig, cfg: ModelConfig, mesh: Mesh | None) -> DecodeAttention:
+    """The cache's decode attention, the Pallas kernel refused on devices it does not compile for."""
+    if cache.decode_attention is DecodeAttention.PALLAS:
+        platform = (jax.devices() if mesh is None else mesh.devices.flat)[0].platform
+        check_kernel(platform, page_size=cache.page_size, head_dim=cfg.head_dim, interpret=cache.pallas_interpret,
+                     where="paged sampler")
+    return cache.decode_attention
 
 
 def start_row_arrays(requests, by_replica, held, *, slots_per_replica: int, page_size: int,

@@ -40,6 +40,7 @@ from rpegjax.options import (
     AttentionKind,
     CacheLayout,
     CarryMode,
+    DecodeAttention,
     DType,
     OptimizerSharding,
     RematPolicy,
@@ -289,6 +290,8 @@ class Execution:
     remat / scan_layers: what each layer keeps for the backward pass; the layer stack as one `lax.scan`.
     kv_cache / page_size / kv_pool_tokens: the sampler's KV-cache layout; the paged pool's tokens per slot
     replica (None: every slot at capacity, so no sequence is ever preempted but nothing is saved either).
+    decode_attention: how the paged sampler's decode attends (`gather`: XLA, each row over the window of the
+    longest; `pallas`: the Pallas paged-attention kernel, each row over its own pages; CUDA GPUs only).
     param_dtype / dtype: stored weights (and optimiser moments) / matmul compute.
     update_microbatches: gradient-accumulation pieces of every update mini-batch (memory against passes).
     inference_rows: at most this many rows (of the whole batch) per row micro-batch of an inference stage
@@ -323,6 +326,7 @@ class Execution:
     kv_cache: CacheLayout = CacheLayout.CONTIGUOUS
     page_size: int = 16
     kv_pool_tokens: int | None = None
+    decode_attention: DecodeAttention = DecodeAttention.GATHER
     param_dtype: DType = DType.FLOAT32
     dtype: DType = DType.FLOAT32
     update_microbatches: int = 1
@@ -342,7 +346,7 @@ class Execution:
     def __post_init__(self) -> None:
         for name, kind in (("attention", AttentionKind), ("remat", RematPolicy), ("kv_cache", CacheLayout),
                            ("param_dtype", DType), ("dtype", DType), ("optimizer_sharding", OptimizerSharding),
-                           ("partial_carry", CarryMode)):
+                           ("partial_carry", CarryMode), ("decode_attention", DecodeAttention)):
             try:
                 object.__setattr__(self, name, parse_choice(kind, getattr(self, name), f"Execution.{name}"))
             except ValueError as error:
@@ -363,6 +367,9 @@ class Execution:
             raise GraphError(f"Execution.moe_capacity_factor must be null (dropless) or a positive number, got {capacity!r}")
         self._check_packing()
         self._check_partial()
+        if self.decode_attention != DecodeAttention.GATHER and self.kv_cache != CacheLayout.PAGED:
+            raise GraphError(f"Execution.decode_attention={self.decode_attention} reads the paged pool; the "
+                             f"{self.kv_cache} cache has none (set kv_cache to paged, or decode_attention to gather)")
         if self.kv_pool_tokens is not None:
             value = self.kv_pool_tokens
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -426,6 +433,7 @@ class Execution:
         micro = f", {self.update_microbatches} update micro-batches" if self.update_microbatches > 1 else ""
         rows = f", inference rows {self.inference_rows}" if self.inference_rows is not None else ""
         pool = f" ({self.kv_pool_tokens} tokens per replica)" if self.kv_pool_tokens is not None else ""
+        pool += ", Pallas paged decode" if self.decode_attention == DecodeAttention.PALLAS else ""
         slots = f", {self.decode_slots} slots" if self.decode_slots is not None else ""
         packed = f", packed rows of {self.max_tokens_per_micro_batch} tokens" if self.packing else ""
         optimizer = "" if self.optimizer_sharding is OptimizerSharding.PARAMS else ", optimiser state over data"

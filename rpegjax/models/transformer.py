@@ -241,7 +241,7 @@ class Attention(nnx.Module):
                 out = attend(cfg.attention, cfg.attention_block_size, q, k, v, key_mask, segment_ids)
             return self._output(out, sharding, dropout_key), None
         if not isinstance(layer_cache, tuple):  # a cache with its own layout (paged) writes and attends itself
-            out, layer_cache = layer_cache.write_and_attend(q, k, v, cache_offsets, key_mask)
+            out, layer_cache = layer_cache.write_and_attend(q, k, v, cache_offsets, key_mask, sharding)
             return self._output(out, sharding), layer_cache
         # writing only the new tokens into this layer's [b k T e] arrays (a scatter XLA does in place;
         # XLA:CPU excepted for a bf16 cache, which it scatters through a float32 copy: docs/benchmarks.md)

@@ -9,10 +9,11 @@ from rpegjax.options.execution import (
     AttentionKind,
     CacheLayout,
     CarryMode,
+    DecodeAttention,
     DType,
     OptimizerSharding,
     RematPolicy,
     parse_choice,
 )
 
-__all__ = ["MODEL_EXECUTION_FIELDS", "AttentionKind", "CacheLayout", "CarryMode", "DType", "OptimizerSharding", "RematPolicy", "parse_choice"]
+__all__ = ["MODEL_EXECUTION_FIELDS", "AttentionKind", "CacheLayout", "CarryMode", "DecodeAttention", "DType", "OptimizerSharding", "RematPolicy", "parse_choice"]

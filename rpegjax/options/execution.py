@@ -53,6 +53,17 @@ class CacheLayout(enum.StrEnum):
     PAGED = "paged"  # pages from a shared pool, a page table per slot
 
 
+class DecodeAttention(enum.StrEnum):
+    """How the paged sampler's decode step attends over the pool (`rpegjax.generate.paged_attention`)."""
+
+    # XLA: each row gathers the page-table window of the bucket's longest row (a power of two of pages) and masks
+    # past its own length: the work of rows x the longest row's pages
+    GATHER = "gather"
+    # the Pallas paged-attention kernel (Triton, CUDA GPUs only; Pallas interpret mode for tests): each row reads
+    # its own pages up to its own length, so the work follows the live tokens
+    PALLAS = "pallas"
+
+
 class OptimizerSharding(enum.StrEnum):
     """How AdamW's moments are laid out on the training mesh (`rpegjax.learners.optim.split_over_data`)."""
 

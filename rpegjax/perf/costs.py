@@ -31,6 +31,9 @@ class DecodeKernel(enum.StrEnum):
     # rpegjax's sampler with live buckets: the active sequences padded to a power of two, each over a window of
     # the longest active sequence rounded up to a power of two
     LIVE = "live"
+    # rpegjax's sampler with live buckets and the Pallas paged-attention kernel (`DecodeAttention.PALLAS`): rows as
+    # LIVE (the matmuls run the padded bucket), keys as PAGED (each active row reads its own, to the kernel's block)
+    LIVE_PAGED = "live-paged"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -21,7 +21,7 @@ printed. The rules mirror the runtime:
 from __future__ import annotations
 
 from rpegjax.graph.ir import INFERENCE_KINDS, UPDATE_KINDS, Execution, Graph, StageKind
-from rpegjax.options import AttentionKind
+from rpegjax.options import AttentionKind, DecodeAttention
 from rpegjax.perf.hardware import HardwareSpec
 from rpegjax.perf.stage_costs import row_micro_batches
 
@@ -36,6 +36,9 @@ def execution_problems(execution: Execution, hardware: HardwareSpec) -> list[str
         if platform != "gpu":
             problems.append(f"attention 'cudnn' needs a CUDA GPU; {hardware.device.name} is a {platform} device "
                             f"(use 'blockwise')")
+    if execution.decode_attention is DecodeAttention.PALLAS and hardware.device.platform != "gpu":
+        problems.append(f"decode attention 'pallas' (a Triton kernel) needs a CUDA GPU; {hardware.device.name} is a "
+                        f"{hardware.device.platform} device (use 'gather')")
     if execution.packing and execution.attention is AttentionKind.CUDNN:
         problems.append("attention 'cudnn' cannot mask packed rows (no segment ids in jax's dot_product_attention); "
                         "packing runs with 'blockwise' or 'dense'")

@@ -10,7 +10,9 @@ parallel latency), with
 where a and K depend on the decode kernel: STATIC processes every slot over the whole capacity each step,
 PAGED only the active sequences and their written keys, LIVE (rpegjax's sampler with live buckets) the active
 sequences padded to a power of two, each over a window of the longest active sequence's length rounded up to a
-power of two (at most the capacity). Sequences enter free slots in queue order
+power of two (at most the capacity), LIVE_PAGED (live buckets, the Pallas paged kernel) LIVE's rows and each active
+row's own keys, rounded up to the kernel's block of `KERNEL_BLOCK_TOKENS` (half a block per row on average; padding
+rows read none). Sequences enter free slots in queue order
 (continuous batching) or in fixed batches of `slots` that end with their longest member (static batching).
 """
 
@@ -26,6 +28,10 @@ from statistics import NormalDist
 import numpy as np
 
 from rpegjax.perf.costs import DecodeKernel
+
+# keys the Pallas paged kernel loads per inner iteration (`generate.paged_attention.PAGES_PER_BLOCK` pages of the
+# default 16 tokens): a row's reads are its length rounded up to it
+KERNEL_BLOCK_TOKENS = 128
 
 
 class LengthDistribution(enum.StrEnum):
@@ -162,6 +168,9 @@ def simulate_decode(lengths: np.ndarray, *, slots: int, prompt: int, capacity: i
     else:
         rows = active
         keys = active * (prompt + t + 1) - start_sum  # each active row attends to its prompt and tokens so far
+        if kernel is DecodeKernel.LIVE_PAGED:
+            rows = np.minimum(float(min(slots, len(lengths))), _pow2_at_least(active))
+            keys = keys + active * KERNEL_BLOCK_TOKENS / 2
     compute = cost.seconds_per_row * rows + cost.seconds_per_key * keys
     memory = cost.memory_seconds_fixed + cost.memory_seconds_per_row * rows + cost.memory_seconds_per_key * keys
     step_seconds = np.maximum(compute, memory) + cost.fixed_seconds

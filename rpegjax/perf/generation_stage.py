@@ -52,17 +52,24 @@ def decode_working_bytes(inputs: CostInputs, layout: Layout, slots: int) -> floa
     running slots, and its largest bucket is every slot, when a step starts), one layer's cached values over the
     whole window (prompt + longest response), gathered from the cache and widened to float32 for the attention sum
     (XLA's GPU compiler materialises it: 1.3 GB per device for 512 slots of 7B at a 5k window, `docs/benchmarks.md`,
-    issue 23)."""
-    w, shape = inputs.workload, inputs.actor
+    issue 23). The Pallas paged kernel (LIVE_PAGED) reads pages block by block into on-chip memory: in place of
+    the window, one layer's float32 partial outputs of its `KERNEL_SPLITS` partitions per row, [16, b, h/t, e]."""
+    w, shape, decode = inputs.workload, inputs.actor, inputs.options.decode
     window = 0.0
-    if inputs.options.decode in (DecodeKernel.STATIC, DecodeKernel.LIVE):
+    if decode in (DecodeKernel.STATIC, DecodeKernel.LIVE):
         heads = shape.kv_heads / min(layout.tensor, shape.kv_heads)
         window = slots * (w.prompt_tokens + w.responses.max) * heads * shape.head_dim * 4
+    elif decode is DecodeKernel.LIVE_PAGED:
+        window = slots * KERNEL_SPLITS * shape.heads / min(layout.tensor, shape.heads) * shape.head_dim * 4
     return decode_transient_bytes(inputs, slots) + window
 
 
 # the runtime's `CacheConfig.prefill_chunk` (most context tokens per row in one paged prefill call)
 PREFILL_CHUNK = 256
+# the Pallas paged kernel's partitions of a row's pages (`generate.paged_attention.K_SPLITS`) and the query heads
+# per KV head it pads to (`BLOCK_H`: its dot tiles are 16 rows)
+KERNEL_SPLITS = 16
+KERNEL_HEAD_BLOCK = 16
 
 
 def prefill_working_bytes(inputs: CostInputs, layout: Layout, slots: int) -> float:
@@ -165,7 +172,7 @@ def generation_cost(inputs: CostInputs, layout: Layout, *, kv_budget_bytes: floa
     bandwidth = device.memory_bandwidth * (device.memory_efficiency if o.decode_memory_efficiency is None
                                            else o.decode_memory_efficiency)
     row_flops = 2 * (shape.layers * shape.matmul_params_per_layer + shape.hidden * shape.vocab) / t
-    key_flops = 4 * shape.layers * shape.heads * shape.head_dim / t
+    key_flops = 4 * shape.layers * _kernel_heads(shape, o.decode) * shape.head_dim / t
     kv_per_token = shape.kv_bytes_per_token / min(t, shape.kv_heads)
     row_bytes = (shape.layers * (6 * shape.hidden + 3 * shape.token_mlp / t) * shape.compute_bytes_each
                  + kv_per_token + SAMPLING_BYTES_PER_VOCAB * shape.vocab)
@@ -254,6 +261,15 @@ def _partial_timeline(inputs: CostInputs, layout: Layout, slots: int, step: Deco
              "carry_lag_max": float(state.lag_max), "dropped_groups": state.dropped_groups * layout.replicas,
              "inflight_batches": float(o.inflight_batches)}
     return timeline, extra
+
+
+def _kernel_heads(shape: ModelShape, decode: DecodeKernel) -> float:
+    """Query heads the decode kernel scores per key: the Pallas paged kernel pads each KV head's group of query
+    heads to a multiple of `KERNEL_HEAD_BLOCK` (Llama-3.1-8B's 4 to 16: 4x the scoring FLOPs, still memory-bound)."""
+    if decode is not DecodeKernel.LIVE_PAGED:
+        return float(shape.heads)
+    group = shape.heads // shape.kv_heads
+    return float(shape.kv_heads * -(-group // KERNEL_HEAD_BLOCK) * KERNEL_HEAD_BLOCK)
 
 
 def partial_carries(max_token_lag: int | None, async_bound: int) -> int:

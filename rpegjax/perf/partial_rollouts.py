@@ -32,7 +32,13 @@ from collections.abc import Callable
 import numpy as np
 
 from rpegjax.perf.costs import DecodeKernel
-from rpegjax.perf.generation_cost import DecodeStepCost, ResponseLengths, _pow2_at_least, running_sums
+from rpegjax.perf.generation_cost import (
+    KERNEL_BLOCK_TOKENS,
+    DecodeStepCost,
+    ResponseLengths,
+    _pow2_at_least,
+    running_sums,
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -244,6 +250,9 @@ class PartialSimulation:
         else:
             rows = active
             keys = active * (s.prompt + t + 1) - virtual_sum
+            if self.kernel is DecodeKernel.LIVE_PAGED:  # LIVE's padded rows, each active row's own keys
+                rows = np.minimum(float(s.slots), _pow2_at_least(active[chunk_start]))
+                keys = keys + active * KERNEL_BLOCK_TOKENS / 2
         compute = cost.seconds_per_row * rows + cost.seconds_per_key * keys
         memory = cost.memory_seconds_fixed + cost.memory_seconds_per_row * rows + cost.memory_seconds_per_key * keys
         seconds = float((np.maximum(compute, memory) + cost.fixed_seconds).sum()) + prefill

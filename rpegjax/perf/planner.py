@@ -45,7 +45,7 @@ from rpegjax.graph.ir import (
     Role,
     StageKind,
 )
-from rpegjax.options import AttentionKind, CacheLayout, DType, OptimizerSharding, RematPolicy
+from rpegjax.options import AttentionKind, CacheLayout, DecodeAttention, DType, OptimizerSharding, RematPolicy
 from rpegjax.perf import executable, generation_stage, refusal, stage_costs, trust
 from rpegjax.perf.costs import (
     AttentionKernel,
@@ -83,6 +83,11 @@ class PlanSpace:
     # gpu_memory_utilization sizes its cache; contiguous where a replica cannot hold a whole group) or
     # contiguous (every slot reserves its capacity)
     kv_cache: CacheLayout = CacheLayout.PAGED
+    # the paged sampler's decode attention (`Execution.decode_attention`): XLA's gather over the longest row's
+    # window, and/or the Pallas paged kernel (each row over its own pages; GPUs only, skipped elsewhere); gather
+    # only for a contiguous cache. Gather alone in the library's default space (its searches and tests stay as
+    # fast), both in scripts/plan.py's
+    decode_attention: tuple[DecodeAttention, ...] = (DecodeAttention.GATHER,)
     # AdamW's state split over the data replicas too (ZeRO-1: less memory, the same traffic, so always taken), and
     # offloaded to host memory while generation runs (colocated plans on devices with a host link)
     optimizer_sharding: OptimizerSharding = OptimizerSharding.DATA
@@ -110,7 +115,7 @@ class PlanSpace:
         for name in ("async_bounds", "critic_modes", "fusion", "microbatches", "generation_fractions", "tensor_sizes",
                      "context_sizes", "sequence_parallel", "reshard_inference", "attention", "remat",
                      "update_microbatches", "inference_microbatches", "optimizer_offload", "packing", "packed_rows",
-                     "partial_rollouts", "inflight_batches", "moe_capacity_factors"):
+                     "partial_rollouts", "inflight_batches", "moe_capacity_factors", "decode_attention"):
             if not getattr(self, name):
                 raise ValueError(f"PlanSpace.{name} must list at least one choice")
         if any(k < 0 for k in self.async_bounds) or any(m < 1 for m in self.microbatches) or any(
@@ -127,22 +132,24 @@ class PlanSpace:
             del execution
 
     def executions(self, longest: int = 1, *, experts: bool = True) -> list[Execution]:
-        """Every (attention, remat, offload, sequence parallelism, packing, partial rollouts, expert capacity)
-        execution of the space, with its precision, KV cache and optimiser sharding (micro-batches 1; packed rows of
-        the largest multiple of the `longest` sequence, until `Planner.fit_microbatches` fits the budget);
-        without `experts` (a dense model) only dropless, the one a dense model runs."""
+        """Every (attention, remat, offload, sequence parallelism, packing, partial rollouts, decode attention,
+        expert capacity) execution of the space, with its precision, KV cache and optimiser sharding (micro-batches
+        1; packed rows of the largest multiple of the `longest` sequence, until `Planner.fit_microbatches` fits the
+        budget); without `experts` (a dense model) only dropless, the one a dense model runs."""
         partial = [dict(partial_rollouts=False)] * (False in self.partial_rollouts) + [
             dict(partial_rollouts=True, inflight_batches=batches) for batches in self.inflight_batches
             if True in self.partial_rollouts]
         capacities = self.moe_capacity_factors if experts else (None,)
+        decode = self.decode_attention if self.kv_cache is CacheLayout.PAGED else (DecodeAttention.GATHER,)
         return [Execution(attention=attention, remat=remat, scan_layers=True, kv_cache=self.kv_cache,
+                          decode_attention=decode_attention,
                           param_dtype=self.param_dtype, dtype=self.dtype, optimizer_sharding=self.optimizer_sharding,
                           optimizer_offload=offload, sequence_parallel=sequence_parallel, packing=packing,
                           max_tokens_per_micro_batch=self.packed_rows[0] * longest if packing else None,
                           moe_capacity_factor=capacity, **rollouts)
-                for attention, remat, offload, sequence_parallel, packing, rollouts, capacity in itertools.product(
-                    self.attention, self.remat, self.optimizer_offload, self.sequence_parallel, self.packing, partial,
-                    capacities)]
+                for attention, remat, offload, sequence_parallel, packing, rollouts, decode_attention, capacity in
+                itertools.product(self.attention, self.remat, self.optimizer_offload, self.sequence_parallel,
+                                  self.packing, partial, dict.fromkeys(decode), capacities)]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -484,7 +491,8 @@ class Planner:
         per_replica, cost, layout, inputs, beside = generated
         group = inputs.workload.group_size
         if execution.kv_cache is CacheLayout.PAGED and per_replica < group:
-            execution = dataclasses.replace(execution, kv_cache=CacheLayout.CONTIGUOUS, kv_pool_tokens=None)
+            execution = dataclasses.replace(execution, kv_cache=CacheLayout.CONTIGUOUS, kv_pool_tokens=None,
+                                            decode_attention=DecodeAttention.GATHER)
             generated = self._generation(dataclasses.replace(choice, execution=execution))
             if generated is None:
                 return choice

@@ -22,7 +22,7 @@ from typing import NamedTuple
 import numpy as np
 
 from rpegjax.graph.ir import Execution
-from rpegjax.options import CacheLayout, CarryMode, OptimizerSharding, RematPolicy
+from rpegjax.options import CacheLayout, CarryMode, DecodeAttention, OptimizerSharding, RematPolicy
 from rpegjax.perf import collectives, costs, expert_costs, packed_batches
 from rpegjax.perf.costs import DecodeKernel, ModelShape
 from rpegjax.perf.generation_cost import ResponseLengths
@@ -187,6 +187,7 @@ class ExecutionOptions:
         """These options (efficiencies, overheads) with the kernels and batching of rpegjax's runtime running
         `execution`: blockwise and cuDNN attention skip causal blocks (FLASH), dense scores every pair; the
         sampler decodes its running slots padded to a power of two each step, over a window of the longest (LIVE),
+        or with the Pallas paged kernel each row over its own keys (`decode_attention=pallas`: LIVE_PAGED),
         with continuous batching (whatever its cache layout), `decode_slots` slots; its contiguous KV cache reserves
         each slot's capacity, its paged cache the pool; inference stages run in `inference_rows` row micro-batches;
         rows are padded to the longest, or packed (`Execution.packing`: rows of `max_tokens_per_micro_batch` tokens
@@ -195,7 +196,8 @@ class ExecutionOptions:
         param_bytes = execution.param_dtype.itemsize
         attention = costs.AttentionKernel.FLASH if execution.attention.skips_causal_blocks else costs.AttentionKernel.DENSE
         return dataclasses.replace(
-            self, attention=attention, remat=execution.remat, decode=DecodeKernel.LIVE, continuous_batching=True,
+            self, attention=attention, remat=execution.remat, continuous_batching=True,
+            decode=DecodeKernel.LIVE_PAGED if execution.decode_attention is DecodeAttention.PALLAS else DecodeKernel.LIVE,
             sequence_packing=False, update_microbatches=execution.update_microbatches,
             packed_row_tokens=execution.max_tokens_per_micro_batch, replicated_generation_weights=True,
             optimizer_bytes_per_param=2.0 * param_bytes, grad_bytes_per_param=float(param_bytes),

@@ -325,7 +325,7 @@ def _execution_key(stage: Stage, execution: Execution) -> tuple:
     return (execution.attention, execution.param_dtype, execution.dtype, execution.kv_cache, execution.kv_pool_tokens,
             execution.page_size, execution.decode_slots, execution.inference_rows, execution.packing,
             execution.max_tokens_per_micro_batch, execution.partial_rollouts, execution.inflight_batches,
-            execution.max_token_lag, execution.partial_carry, execution.moe_capacity_factor)
+            execution.max_token_lag, execution.partial_carry, execution.moe_capacity_factor, execution.decode_attention)
 
 
 def executed_shape(shape: ModelShape, execution: Execution) -> ModelShape:

@@ -91,11 +91,12 @@ def place_models(graph: Graph, model: Decoder, algorithm: GRPOConfig | PPOConfig
 
 
 def cache_config(execution: Execution) -> CacheConfig:
-    """The sampler's KV cache of `execution`: its layout, page size and pool (tokens per slot replica, whole
-    pages; None: every slot at capacity)."""
+    """The sampler's KV cache of `execution`: its layout, page size, pool (tokens per slot replica, whole
+    pages; None: every slot at capacity) and decode attention (the Pallas kernel: refused off GPU)."""
     pool = execution.kv_pool_tokens
     pages = None if pool is None else -(-pool // execution.page_size)
-    return CacheConfig(layout=execution.kv_cache, page_size=execution.page_size, pages_per_replica=pages)
+    return CacheConfig(layout=execution.kv_cache, page_size=execution.page_size, pages_per_replica=pages,
+                       decode_attention=execution.decode_attention)
 
 
 def sampler_on(sampler: Sampler, mesh, num_slots: int) -> Sampler:

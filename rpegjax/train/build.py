@@ -293,7 +293,7 @@ def _kv_cache_fields(cfg: RunConfig) -> dict[str, Any]:
     """The rollout section's sampler fields as `Execution` fields (the sampler's slots are `decode_slots`)."""
     rollout = cfg.rollout
     return {"kv_cache": rollout.kv_cache.value, "page_size": rollout.page_size, "kv_pool_tokens": rollout.kv_pool_tokens,
-            "decode_slots": rollout.num_slots}
+            "decode_slots": rollout.num_slots, "decode_attention": rollout.decode_attention.value}
 
 
 _ROLLOUT_FIELD = {"decode_slots": "num_slots"}  # Execution field -> its rollout section field, where they differ
@@ -365,7 +365,7 @@ def load_plan(cfg: RunConfig, num_devices: int) -> Graph:
         del asked["decode_slots"], planned["decode_slots"]
     if asked != planned:
         raise ValueError(f"{where}: the plan's sampler is {planned}, this run asks for {asked} (rollout.kv_cache, "
-                         f"page_size, kv_pool_tokens, num_slots; plan again, or leave them unset to run the plan's)")
+                         f"page_size, kv_pool_tokens, num_slots, decode_attention; plan again, or leave them unset to run the plan's)")
     asked = {name: value for name, value in _optimizer_fields(cfg).items()
              if value != getattr(GraphSection(), name)}  # a run that leaves them at the defaults takes the plan's
     planned = {name: graph.execution.to_dict()[name] for name in asked}

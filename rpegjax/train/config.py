@@ -33,6 +33,7 @@ from rpegjax.options import (
     AttentionKind,
     CacheLayout,
     CarryMode,
+    DecodeAttention,
     DType,
     OptimizerSharding,
     RematPolicy,
@@ -206,10 +207,13 @@ class RolloutSection:
     chunk_steps: int = 8
     # the sampler's KV cache (`rpegjax.generate.paged_cache`): contiguous (every slot reserves prompt + max new
     # tokens) or paged, with pages of page_size tokens from a pool of kv_pool_tokens per slot replica (None: every
-    # slot at capacity); a plan (`graph.plan`) carries its own and a different one here is refused
+    # slot at capacity); a plan (`graph.plan`) carries its own and a different one here is refused.
+    # decode_attention (paged only): gather (XLA, any platform) or pallas (the Pallas paged-attention kernel: each
+    # row reads its own pages; CUDA GPUs only)
     kv_cache: CacheLayout = CacheLayout.CONTIGUOUS
     page_size: int = 16
     kv_pool_tokens: int | None = None
+    decode_attention: DecodeAttention = DecodeAttention.GATHER
     # multi-turn rollouts with a tool (`rpegjax.envs`): the environment, model turns per episode, response
     # tokens per episode (model and tool; None: max_new_tokens), the tool tags to use instead of the
     # environment's (call start, call end, result start, result end) and the
@@ -244,6 +248,10 @@ class RolloutSection:
         _choice(self, "env", EnvironmentName)
         _choice(self, "sandbox_isolation", SandboxIsolation)
         _choice(self, "kv_cache", CacheLayout)
+        _choice(self, "decode_attention", DecodeAttention)
+        if self.decode_attention != DecodeAttention.GATHER and self.kv_cache != CacheLayout.PAGED:
+            raise ValueError(f"RolloutSection.decode_attention={self.decode_attention} reads the paged pool; set "
+                             "rollout.kv_cache=paged too")
         _positive(self, "page_size")
         if self.kv_pool_tokens is not None:
             _positive(self, "kv_pool_tokens")

@@ -113,6 +113,22 @@ def test_a_space_the_runtime_cannot_run_is_refused():
         planner.Planner(other_system, algorithm="grpo", num_devices=8, space=SMALL_SPACE)
 
 
+def test_the_pallas_decode_is_searched_on_gpus_and_refused_elsewhere():
+    """The space's decode attention: on a GPU the planner's best plan reads each row's own pages (its generation
+    is faster on the long tail); on a CPU the kernel is not executable and the planner keeps to the gather."""
+    space = dataclasses.replace(SMALL_SPACE, attention=("blockwise",), remat=("full",), packing=(False,),
+                                optimizer_offload=(False,), decode_attention=("pallas", "gather"))
+    best = {}
+    for platform in ("gpu", "cpu"):
+        evaluator = step_model.Evaluator.for_runtime(ModelConfig.qwen2p5("0.5b"), WORKLOAD, _hardware(platform))
+        best[platform] = planner.Planner(evaluator, algorithm="grpo", num_devices=8, space=space).search(top=1).best
+    assert best["gpu"].graph.execution.decode_attention == "pallas"
+    assert best["cpu"].graph.execution.decode_attention == "gather"
+    problems = executable.execution_problems(Execution(kv_cache="paged", decode_attention="pallas"), _hardware("cpu"))
+    assert problems == ["decode attention 'pallas' (a Triton kernel) needs a CUDA GPU; GH200-96GB is a cpu device (use "
+                        "'gather')"]
+
+
 def test_unexecutable_plans_are_named():
     hw = _hardware("cpu")
     graph = builders.grpo_graph(use_reference=True, num_devices=8, parallel={"pipeline": 2, "fsdp": 4})

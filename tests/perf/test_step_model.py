@@ -11,9 +11,10 @@ from rpegjax.graph import builders, transforms
 from rpegjax.graph.ir import Execution, Graph
 from rpegjax.graph.trace import Trace
 from rpegjax.models import ModelConfig
-from rpegjax.perf import hardware, step_model
+from rpegjax.perf import generation_stage, hardware, step_model
 from rpegjax.perf.costs import ModelShape
 from rpegjax.perf.generation_cost import (
+    KERNEL_BLOCK_TOKENS,
     DecodeStepCost,
     ResponseLengths,
     simulate_decode,
@@ -352,6 +353,45 @@ def test_live_buckets_follow_the_running_sequences_on_a_long_tail():
     assert static.steps == live.steps and static.mean_active == live.mean_active
     assert static.mean_rows == 16 and live.mean_active <= live.mean_rows < 2 * live.mean_active
     assert live.seconds < 0.5 * static.seconds
+
+
+def test_the_paged_kernel_reads_each_live_rows_own_keys():
+    """LIVE_PAGED (the Pallas paged decode): LIVE's padded rows, but the keys of a step are the active rows' own
+    lengths (each rounded up to the kernel's block: half a block on average), not rows x the longest one's window."""
+    cost = DecodeStepCost(seconds_per_row=0.0, seconds_per_key=0.0, memory_seconds_fixed=0.0, memory_seconds_per_row=0.0,
+                          memory_seconds_per_key=1.0, fixed_seconds=0.0, prefill_seconds=0.0)
+    lengths = np.array([3, 1, 10, 2])
+    kwargs = dict(slots=4, prompt=5, capacity=64, continuous=False, cost=cost)
+    paged, live = (simulate_decode(lengths, kernel=kernel, **kwargs) for kernel in ("live-paged", "live"))
+    # step s: every row still running (length > s) attends to its prompt and the s + 1 tokens so far
+    expected = sum(int((lengths > s).sum()) * (5 + s + 1 + KERNEL_BLOCK_TOKENS / 2) for s in range(10))
+    assert paged.seconds == pytest.approx(expected)
+    assert (paged.steps, paged.mean_rows) == (live.steps, live.mean_rows)  # the same padded buckets run
+    # LIVE: the running rows (4, 3, 2, then 1) padded to a power of two, each over the longest one's window (the
+    # power of two at least 5 + s + 1, at most 64)
+    rows = [4, 4, 2] + [1] * 7
+    assert live.seconds == pytest.approx(sum(r * min(64, 2 ** math.ceil(math.log2(6 + s))) for s, r in enumerate(rows)))
+
+
+def test_the_runtime_with_the_pallas_decode_is_costed_per_row():
+    """A plan with `decode_attention=pallas` is costed as LIVE_PAGED: on a long tail its generation is faster than
+    the gathered decode's, with the same slots, and its working set holds no window (7B, 512 sequences of a 4k
+    mean and 16k max response on 8 replicas: the KV reads dominate the step)."""
+    graph = builders.grpo_graph(use_reference=False, num_devices=8, parallel={"fsdp": 8})
+    workload = Workload(prompts=64, group_size=8, prompt_tokens=1024, responses=ResponseLengths.lognormal(4096, 16384))
+    evaluator = step_model.Evaluator.for_runtime(ModelConfig.qwen2p5("7b"), workload, hardware.h100_node(8))
+    generate, working = {}, {}
+    for attention in ("gather", "pallas"):
+        execution = Execution(attention="blockwise", scan_layers=True, dtype="bfloat16", kv_cache="paged",
+                              decode_attention=attention, decode_slots=512)
+        planned = dataclasses.replace(graph, execution=execution)
+        inputs = evaluator.inputs_for(planned)
+        assert inputs.options.decode == {"gather": "live", "pallas": "live-paged"}[attention]
+        generate[attention] = evaluator.predict(planned, enforce_memory=False, with_trace=False).stage("generate")
+        working[attention] = generation_stage.decode_working_bytes(inputs, Layout(fsdp=8), 64)
+    assert generate["pallas"].seconds < 0.95 * generate["gather"].seconds
+    # gather: 64 rows' float32 values over a 17k window (2.3 GB); the kernel: its 16 partial outputs per row
+    assert working["gather"] - working["pallas"] > 2e9
 
 
 def test_remembered_stage_costs_are_those_of_each_plans_own_execution():

@@ -154,6 +154,19 @@ def test_the_rollout_kv_cache_options_reach_the_graph_and_the_sampler(tmp_path):
     assert build_graph(default, num_devices=1).execution.kv_cache == "contiguous"
 
 
+def test_the_decode_attention_flag_reaches_the_graph_and_the_kernel_is_refused_on_cpu(tmp_path):
+    from rpegjax.train.build import build, build_graph
+
+    flags = [*KV_TINY, "--rollout.kv_cache=paged", "--rollout.decode_attention=pallas", f"--run-dir={tmp_path / 'run'}"]
+    config, _ = parse_args(flags, Algorithm.GRPO)
+    assert build_graph(config, num_devices=1).execution.decode_attention == "pallas"
+    with pytest.raises(ValueError, match=r"decode_attention=pallas runs the Pallas paged-attention kernel, a CUDA "
+                                         r"\(Triton\) kernel; the sampler's devices are 'cpu'"):
+        build(config, log=lambda _: None)
+    with pytest.raises(ValueError, match="RolloutSection.decode_attention=pallas reads the paged pool"):
+        RolloutSection(decode_attention="pallas")
+
+
 def test_a_plans_slots_and_inference_rows_reach_the_sampler_and_the_learner(tmp_path):
     import dataclasses
 

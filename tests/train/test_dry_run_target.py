@@ -167,3 +167,25 @@ def test_compile_only_gpus_have_no_host_memory_so_an_offloading_plan_lowers_with
     assert [line for line in logs if "optimiser offload" in line] == [
         next(line for line in logs if "pinned host memory" in line and "not checked" in line)]
     assert residents[DryRunTarget.CUDA_H100] == residents[DryRunTarget.CPU]
+
+
+@needs_plugin
+def test_the_pallas_paged_decode_compiles_for_compile_only_gpus_and_is_refused_on_cpu():
+    """A plan with `decode_attention=pallas` on 4 compile-only H100s (fsdp 2 x tensor 2): its decode chunk lowers
+    with the Pallas paged-attention kernel (a Triton custom call) in `shard_map` and compiles; on this machine's
+    CPU devices the same plan's sampler is refused, naming the kernel and the platform."""
+    cfg = ModelConfig.tiny(vocab_size=256).replace(hidden_size=128, intermediate_size=256, max_position_embeddings=512,
+                                                   head_dim=32, dtype="bfloat16")
+    graph = _graph("bfloat16")
+    graph = dataclasses.replace(graph, execution=dataclasses.replace(graph.execution, decode_attention="pallas"))
+    batch = Batch(rows=16, prompt=64, new=192, slots=16, group_size=4)
+    lowered = lower_plan(graph, cfg, GRPOConfig(group_size=4, kl_coef=0.04), batch,
+                         devices=compile_devices(DryRunTarget.CUDA_H100, 4))
+    decode = lowered[-1]
+    assert decode.program.startswith("decode") and "triton" in decode.lowered.as_text().lower()
+    report = compile_programs([decode], capacity_bytes=1e9)
+    assert report.fits and "4 x NVIDIA H100 80GB HBM3" in report.devices
+    with pytest.raises(ValueError, match=r"decode_attention=pallas runs the Pallas paged-attention kernel, a CUDA "
+                                         r"\(Triton\) kernel; the sampler's devices are 'cpu'"):
+        lower_plan(graph, cfg, GRPOConfig(group_size=4, kl_coef=0.04), batch,
+                   devices=compile_devices(DryRunTarget.CPU, 4))
