@@ -23,6 +23,9 @@ MESHES = {"expert8": {"expert": 8}, "data2xexpert4": {"data": 2, "expert": 4},
           "fsdp2xexpert2xtensor2": {"fsdp": 2, "expert": 2, "tensor": 2},
           "data2xfsdp2xexpert2": {"data": 2, "fsdp": 2, "expert": 2},
           "data2xfsdp2xtensor2": {"data": 2, "fsdp": 2, "tensor": 2}}  # no expert axis: every device all experts
+# (the capacity mode, in `shard_map` over the rows; dropless without an expert axis is GSPMD's)
+LAYOUT_MODES = [(layout, mode) for layout in sorted(MESHES) for mode in (None, 1.0)
+                if mode is not None or "expert" in MESHES[layout]]
 
 
 def _inputs(seed=0, skew=False):
@@ -60,8 +63,7 @@ def _loss(x, ids, weights, kernels, valid, sharding, capacity_factor):
     return jnp.sum(jnp.sin(out)), (out, dropped)
 
 
-@pytest.mark.parametrize("layout", sorted(MESHES))
-@pytest.mark.parametrize("capacity_factor", [None, 1.0])
+@pytest.mark.parametrize(("layout", "capacity_factor"), LAYOUT_MODES)
 def test_expert_sharded_equals_one_device_forward_and_gradients(layout, capacity_factor):
     x, ids, weights, kernels = _inputs(skew=True)
     run = jax.jit(jax.value_and_grad(_loss, argnums=(0, 2, 3), has_aux=True), static_argnums=(5, 6))
@@ -69,8 +71,7 @@ def test_expert_sharded_equals_one_device_forward_and_gradients(layout, capacity
     activation, *placed = _place(make_mesh(MESHES[layout]), x, ids, weights, kernels)
     valid = jax.device_put(VALID, activation.sharding((axes.BATCH, None), VALID.shape))
     (got_value, (got_out, got_dropped)), got_grads = run(*placed, valid, activation, capacity_factor)
-    if capacity_factor is not None or "expert" in MESHES[layout]:  # else GSPMD (dropless, no expert axis) lays it out
-        assert got_out.sharding.spec[0] == activation.spec((axes.BATCH,))[0]
+    assert got_out.sharding.spec[0] == activation.spec((axes.BATCH,))[0]
     np.testing.assert_allclose(got_out, out, atol=1e-5)
     np.testing.assert_allclose(got_value, value, rtol=1e-5)
     np.testing.assert_array_equal(got_dropped, dropped)
