@@ -67,14 +67,18 @@ def compute_experts(x: Float[Array, "b t d"], expert_ids: Int[Array, "b t k"], w
             out = apply_experts(x.reshape(b * t, d), expert_ids.reshape(b * t, -1), weights.reshape(b * t, -1),
                                 *kernels)
             return out.reshape(b, t, d), jnp.zeros((b, t), jnp.int32)
-        return dispatch_capacity(x, expert_ids, weights, valid, kernels, capacity_factor, (), 1, ())
+        if sharding is None or not sharding.mesh_axes(axes.BATCH) or b % sharding.shards(axes.BATCH):
+            return dispatch_capacity(x, expert_ids, weights, valid, kernels, capacity_factor, (), 1, ())
+        # rows split over the batch axes: each device dispatches its own rows to every expert inside `shard_map`.
+        # Under GSPMD the buffers' scatter over [x, rows * C] was not partitioned: every device built the whole
+        # batch's buffers (Qwen3-30B-A3B's f32 log-prob pass: 140.67 GB compiled, docs/benchmarks.md issue 26)
     num_experts = kernels[0].shape[0]
     batch = sharding.mesh_axes(axes.BATCH)
     shards = sharding.shards(axes.EXPERT)
     if not set(split) <= set(batch):
         raise ValueError(f"expert parallelism over mesh axes {split} needs the batch split over them too (activation "
                          f"rules split the batch over {batch}): each expert shard dispatches its own tokens")
-    if num_experts % shards:
+    if split and num_experts % shards:
         raise ValueError(f"expert parallelism: {num_experts} experts are not divisible by mesh axes {split} "
                          f"({shards} devices); change the mesh")
     if b % sharding.shards(axes.BATCH):
@@ -82,8 +86,9 @@ def compute_experts(x: Float[Array, "b t d"], expert_ids: Int[Array, "b t k"], w
                          f"({sharding.shards(axes.BATCH)} devices)")
     tensor = sharding.mesh_axes(axes.MLP)
     rows = PartitionSpec(batch, None, None)
-    kernel_specs = (PartitionSpec(split, None, tensor or None), PartitionSpec(split, None, tensor or None),
-                    PartitionSpec(split, tensor or None, None))
+    experts = split or None
+    kernel_specs = (PartitionSpec(experts, None, tensor or None), PartitionSpec(experts, None, tensor or None),
+                    PartitionSpec(experts, tensor or None, None))
     if capacity_factor is None:
         exchange = ragged_exchange(sharding.mesh)
 

@@ -71,6 +71,7 @@ def logprobs_from_hidden(
     with_entropy: bool = False,
     dtype=jnp.float32,
     sharding: ActivationSharding | None = None,
+    forward_only: bool = False,
 ) -> tuple[Float[Array, "b t"], Float[Array, "b t"] | None]:
     """log softmax(hidden @ W / temperature)[targets], computed `chunk_size` positions at a time.
 
@@ -83,8 +84,15 @@ def logprobs_from_hidden(
     [b, c, t / c] and W is broadcast to one copy per shard [r, c, d, v] before the loop, so each shard accumulates
     its own partial dW over the chunks and the broadcast's transpose sums the r c partials once after the loop
     (one all-reduce per backward instead of one per chunk; costs one [d, v] accumulator per device).
+    `forward_only`: a pass that is never differentiated (the inference stages) casts W to `dtype` before the
+    copies are gathered, so each shard gathers the compute-dtype kernel, not float32 masters and then their cast
+    (Llama 3.1 8B on fsdp8: 1 GB per device per model, not 3; docs/benchmarks.md, issue 23 session 11); the same
+    values, as every chunk casts W anyway. A differentiated pass keeps W in its own dtype, so its gradient sums
+    over the chunks in that dtype.
     """
     b, t, d = hidden.shape
+    if forward_only:
+        output_kernel = output_kernel.astype(dtype)
     rows, parts = _shards(sharding, axes.BATCH, b), _shards(sharding, axes.SEQ, t)
     part = t // parts
     chunk = max(1, min(chunk_size, part))

@@ -365,9 +365,10 @@ def row_micro_batches(rows: int, limit: int | None, *, shards: int) -> int:
 
 # ------------------------------------------------------------------------------ forward and backward passes
 def model_pass_cost(inputs: CostInputs, shape: ModelShape, layout: Layout, *, logits: bool, backward: bool,
-                    epochs: int = 1, optimizer_steps: int = 0, pieces: int = 1) -> StageCost:
+                    epochs: int = 1, optimizer_steps: int = 0, pieces: int = 1, models: int = 1) -> StageCost:
     """Forward (log-probs / values) or forward + backward + optimiser (an update) over the whole batch; an
-    inference stage of `pieces` micro-batches runs one pass per piece under the runtime's micro-batching."""
+    inference stage of `pieces` micro-batches runs one pass per piece under the runtime's micro-batching, in one
+    program with the passes of `models` - 1 other models (a fused unit: its memory holds all of theirs)."""
     hw, o, device = inputs.hardware, inputs.options, inputs.hardware.device
     tokens, pairs, passes = _pass_batch(inputs, layout, backward=backward, optimizer_steps=optimizer_steps, pieces=pieces)
     passes *= epochs
@@ -437,7 +438,8 @@ def model_pass_cost(inputs: CostInputs, shape: ModelShape, layout: Layout, *, lo
                      communication_seconds=tensor_comm + pipeline_comm + exposed, overhead_seconds=overhead, flops=flops,
                      model_flops=useful, transient_bytes=_pass_transient_bytes(
                          inputs, shape, layout, backward, passes / epochs, tokens=tokens, pairs=pairs,
-                         accumulating=backward and passes / epochs > max(1, optimizer_steps)) + moe.transient_bytes,
+                         accumulating=backward and passes / epochs > max(1, optimizer_steps), models=models,
+                         pieces=pieces) + moe.transient_bytes,
                      detail={"tensor_comm": tensor_comm, "background_comm": background, "optimizer": optimizer,
                              "passes": passes, "matmul": matmul, "elementwise": device.memory_seconds(elementwise)})
 
@@ -545,26 +547,48 @@ def _real_tokens(inputs: CostInputs) -> float:
     return float((w.prompt_tokens + w.responses.sample(w.sequences)).sum())
 
 
-def _forward_weight_copies(shape: ModelShape, layout: Layout) -> float:
-    """Weights a forward pass holds besides the stored ones, whatever its rows: the output matrix gathered whole
-    over FSDP (every log-prob chunk reads it) and, when the weights are stored wider than the compute dtype
-    (float32 masters, bfloat16 compute), its compute-dtype copy; the layer in use and the next one (prefetched)
-    gathered over FSDP, or cast, in the compute dtype. Checked against XLA's GPU compiler on the planner's 7B
-    and 32B plans (`docs/benchmarks.md`, issue 23): the gathers are of the compute-dtype casts."""
-    wide = shape.param_bytes_each != shape.compute_bytes_each
-    output = shape.vocab * shape.hidden / layout.tensor
+def _forward_transient_bytes(shape: ModelShape, layout: Layout, *, tokens_per_pass: float, keys_per_query: float,
+                             logits: float, kernel: costs.AttentionKernel, models: int, looped: bool) -> float:
+    """Peak transient bytes per device of a forward pass (an inference stage) of `models` models run one after the
+    other in one program (a fused reference + policy unit: 2), `logits`: one log-prob chunk's logits; `looped`: the
+    program runs its rows in more than one micro-batch (`lax.map`). Read from XLA's GPU compiler's buffer
+    assignment of the Llama 3.1 8B fused packed log-prob pass (fsdp8, float32 masters, bfloat16 compute; 2, 4 and 32
+    layers; docs/benchmarks.md, issue 23 session 11):
+
+    - the residual stream of every token into and out of the layer being run (the layer scan's carry);
+    - each model's layer weights stacked for the layer scan as their compute-dtype casts (`models.transformer.
+      _scan_layers`: built inside the micro-batch, every model's before the first scan runs) while the layers
+      run, with the layer in use and the next gathered over FSDP and one layer's working set;
+    - or, once the layers are done, every model's output matrix gathered whole as its compute-dtype cast (the
+      log-prob passes cast before gathering, `models.logprobs.logprobs_from_hidden`) and one chunk's logits;
+    - in a micro-batch loop, XLA's transposed copies of every model's o and down projections in the weights' own
+      dtype, hoisted out of the loop for the whole program (its layout for the stack)."""
+    b = shape.compute_bytes_each
+    residual = 2 * tokens_per_pass * shape.hidden * b
+    layer = tokens_per_pass * costs.forward_layer_bytes_per_token(shape, keys_per_query=keys_per_query, kernel=kernel,
+                                                                  tensor=layout.tensor)
     gathered = layout.fsdp * layout.context * layout.expert > 1  # weights are sharded over fsdp x context x expert
-    whole = output * shape.param_bytes_each if gathered else 0.0
-    copies = output * shape.compute_bytes_each if wide else 0.0
-    layers = (2 * expert_costs.layer_params_held(shape, layout) / layout.tensor * shape.compute_bytes_each
-              if gathered or wide else 0.0)
-    return whole + copies + layers
+    copied = gathered or shape.param_bytes_each != b  # gathered, or cast to the compute dtype
+    layer_weights = 2 * expert_costs.layer_params_held(shape, layout) / layout.tensor * b if copied else 0.0
+    output = shape.vocab * shape.hidden / layout.tensor * b if copied else 0.0
+    expert_bytes = expert_costs.expert_params(shape) * shape.param_bytes_each  # experts are stacked uncast
+    stack = (shape.layers * shape.matmul_params_per_layer * b + expert_bytes) / layout.shards
+    transposed = 0.0
+    if looped:
+        mlp_layers = shape.layers - (0 if shape.experts is None else shape.experts.sparse_layers)
+        transposed = (shape.layers * shape.heads * shape.head_dim + mlp_layers * shape.mlp) * shape.hidden
+        transposed *= shape.param_bytes_each / layout.shards
+    layers_phase = models * stack + layer_weights + layer
+    logprob_phase = models * output + logits
+    return residual + models * transposed + max(layers_phase, logprob_phase)
 
 
 def _pass_transient_bytes(inputs: CostInputs, shape: ModelShape, layout: Layout, backward: bool, passes: float, *,
-                          tokens: float, pairs: float, accumulating: bool = False) -> float:
+                          tokens: float, pairs: float, accumulating: bool = False, models: int = 1,
+                          pieces: int = 1) -> float:
     """Peak transient bytes per device of one pass; `accumulating`: an update that sums its gradients over more
-    than one micro-batch per optimiser step (`rpegjax.learners.update.accumulate_gradients`)."""
+    than one micro-batch per optimiser step (`rpegjax.learners.update.accumulate_gradients`); `models`: forward
+    passes of that many models in one program, `pieces` programs (`_forward_transient_bytes`)."""
     o, w = inputs.options, inputs.workload
     tokens_per_pass = tokens / layout.replicas / passes / layout.context
     keys_per_query = pairs / tokens
@@ -577,14 +601,10 @@ def _pass_transient_bytes(inputs: CostInputs, shape: ModelShape, layout: Layout,
     kv_gathered = (0.0 if layout.context == 1 else 2 * tokens_per_pass * layout.context * shape.kv_heads
                    * shape.head_dim * shape.compute_bytes_each / min(layout.tensor, shape.kv_heads))
     if not backward:
-        # the residual stream of every token into and out of the layer being run (the layer scan's carry, both
-        # live: the compiled Llama 3.1 8B and Qwen3-32B log-prob passes of the NeMo-RL plans, issue 23), and the
-        # larger of one layer's working set and one log-prob chunk's logits (the layers are done when the chunks run)
-        residual = 2 * tokens_per_pass * shape.hidden * shape.compute_bytes_each
-        layer = tokens_per_pass * costs.forward_layer_bytes_per_token(
-            shape, keys_per_query=keys_per_query, kernel=o.attention, tensor=layout.tensor)
         logits = rows * chunk_tokens * shape.vocab / layout.tensor * shape.compute_bytes_each
-        return residual + max(layer, logits) + kv_gathered + _forward_weight_copies(shape, layout)
+        return kv_gathered + _forward_transient_bytes(
+            shape, layout, tokens_per_pass=tokens_per_pass, keys_per_query=keys_per_query, logits=logits,
+            kernel=o.attention, models=models, looped=passes > pieces)
     # one float32 chunk of logits at the backward's peak: XLA's GPU compiler fuses the log-softmax and its gradient
     # into it (0.5B updates, docs/benchmarks.md issue 23; XLA:CPU keeps all three)
     chunk = costs.logprob_chunk_bytes(shape, rows=rows, chunk=chunk_tokens, tensor=layout.tensor, copies=1)

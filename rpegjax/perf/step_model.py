@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from rpegjax.graph.ir import UPDATE_KINDS, Execution, Graph, Role, Stage, StageKind
+from rpegjax.graph.ir import INFERENCE_KINDS, UPDATE_KINDS, Execution, Graph, Role, Stage, StageKind
 from rpegjax.graph.trace import Trace
 from rpegjax.models.config import ModelConfig
 from rpegjax.perf import schedule as schedule_module
@@ -270,10 +270,20 @@ def stage_cost(graph: Graph, stage: Stage, inputs: CostInputs, persistent: np.nd
             reshard += stage_costs.offload_seconds(shape, layout, inputs)
     else:
         logits = bool({StageKind.REF_LOGPROB, StageKind.OLD_LOGPROB} & set(kinds))
-        cost = stage_costs.model_pass_cost(inputs, shape, layout, logits=logits, backward=False, pieces=stage.microbatches)
+        cost = stage_costs.model_pass_cost(inputs, shape, layout, logits=logits, backward=False, pieces=stage.microbatches,
+                                           models=_fused_models(graph, stage))
     cost = dataclasses.replace(cost, seconds=cost.seconds + reshard, communication_seconds=cost.communication_seconds + reshard,
                                transient_bytes=cost.transient_bytes + copy_bytes)
     return _split(cost, stage.microbatches, device.dispatch_overhead_s)
+
+
+def _fused_models(graph: Graph, stage: Stage) -> int:
+    """Models whose forward passes run in `stage`'s program: one per inference stage of its fused group (the
+    reference and the policy), each its own weights."""
+    if stage.fused_group is None:
+        return 1
+    members = graph.fused_groups()[stage.fused_group]
+    return sum(1 for name in members if set(graph.stage(name).kinds) & INFERENCE_KINDS) or 1
 
 
 def _split(cost: StageCost, pieces: int, dispatch: float) -> StageCost:

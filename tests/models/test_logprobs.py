@@ -146,3 +146,31 @@ def test_sharded_chunk_loop_reduces_the_output_gradient_once():
     np.testing.assert_allclose(value, expected_value, rtol=1e-6)
     for ours, expected in zip(grads, expected_grads, strict=True):
         np.testing.assert_allclose(ours, expected, atol=1e-5 * max(1.0, float(np.abs(expected).max())))
+
+
+def test_a_forward_only_pass_gathers_the_compute_dtype_kernel_with_the_same_values():
+    """Rows over 8 devices, float32 kernel, bfloat16 compute: a pass that is never differentiated (the inference
+    stages) casts the output matrix before its per-shard copies are made, so the gathers move bfloat16, not the
+    float32 masters (the whole gathered float32 matrix was 2 GB per device per model for Llama 3.1 8B,
+    docs/benchmarks.md issue 23 session 11); the log-probs are the same numbers."""
+    mesh = make_mesh({"fsdp": 8})
+    activations = ActivationSharding(mesh, ShardingRules.fsdp_tp())
+    rng = np.random.default_rng(2)
+    hidden = jnp.asarray(rng.normal(size=(8, 64, 16)), jnp.float32)
+    kernel = jnp.asarray(rng.normal(size=(16, 40)), jnp.float32)
+    targets = jnp.asarray(rng.integers(0, 40, size=(8, 64)))
+
+    def program(forward_only):
+        def logprobs(h, w):
+            return logprobs_from_hidden(h, w, targets, chunk_size=8, dtype=jnp.bfloat16, sharding=activations,
+                                        forward_only=forward_only)[0]
+
+        rows, model = NamedSharding(mesh, PartitionSpec("fsdp")), NamedSharding(mesh, PartitionSpec("fsdp", None))
+        return jax.jit(logprobs, in_shardings=(rows, model))
+
+    def gathered_dtypes(forward_only):  # the per-shard copies [r, c, d, v] before partitioning (XLA:CPU then
+        # gathers bfloat16 through float32, which a GPU does not)
+        return set(re.findall(r"tensor<8x1x16x40x(\w+)>", program(forward_only).lower(hidden, kernel).as_text()))
+
+    assert gathered_dtypes(True) == {"bf16"} and "f32" in gathered_dtypes(False)
+    np.testing.assert_array_equal(program(True)(hidden, kernel), program(False)(hidden, kernel))

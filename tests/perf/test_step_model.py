@@ -186,10 +186,12 @@ def test_inference_row_micro_batches_cut_memory_and_add_passes_as_the_runtime_sp
         assert row_micro_batches(rows, limit, shards=shards) == expected
     layout = Layout.from_parallel({"data": 8}, where="t")
     runtime = lambda rows: ExecutionOptions(update_microbatches=1, inference_rows=rows)  # noqa: E731
-    whole, split = (model_pass_cost(_inputs(options=runtime(rows)), _inputs().actor, layout, logits=True, backward=False)
-                    for rows in (None, 16))
-    assert split.detail["passes"] == 4 and whole.detail["passes"] == 1
-    assert split.transient_bytes < whole.transient_bytes / 2 and split.seconds > whole.seconds
+    whole, half, split = (model_pass_cost(_inputs(options=runtime(rows)), _inputs().actor, layout, logits=True,
+                                          backward=False) for rows in (None, 32, 16))
+    assert split.detail["passes"] == 4 and half.detail["passes"] == 2 and whole.detail["passes"] == 1
+    # a micro-batch loop holds the same weight copies whatever its rows (stage_costs._forward_transient_bytes); the
+    # rows' activations shrink with them
+    assert split.transient_bytes < half.transient_bytes and split.seconds > whole.seconds
 
 
 def test_the_generation_copy_is_counted_in_the_compute_dtype_it_is_cast_to():
@@ -321,14 +323,15 @@ def test_colocated_weight_sync_costs_a_copy_of_the_weights():
 
 
 @pytest.mark.parametrize("stage, inference_rows, compiled_gb", [
-    ("old_logprob", 512, 19.39), ("old_logprob", 1024, 34.24), ("actor_update", 1024, 46.31)])
+    ("old_logprob", 512, 18.64), ("old_logprob", 1024, 33.49), ("actor_update", 1024, 46.31)])
 def test_programs_at_real_shapes_are_within_15_percent_of_xlas_gpu_compiler(stage, inference_rows, compiled_gb):
     """XLA's GPU compiler's figures (arguments + outputs + temporaries - aliases, per device; compile-only H100s,
     `scripts/plan.py ... --verify --verify-target cuda-h100`, docs/benchmarks.md issue 23) for the planner's best
     7B plan on 16 H100 (512 x 8, responses up to 4096 after a 1024-token prompt; fsdp=16, float32 weights,
     bfloat16 compute, blockwise attention, remat dots, 128 update micro-batches): its old log-prob pass in row
-    micro-batches of 512 and 1024 rows, and its update. The program's arguments are the weights (inference) or
-    the training state (update); the model's transient is the rest."""
+    micro-batches of 512 and 1024 rows (compiled again in session 11, the output matrix gathered as its bfloat16
+    cast: 19.39 and 34.24 GB before, docs/benchmarks.md issue 23 session 11), and its update. The program's
+    arguments are the weights (inference) or the training state (update); the model's transient is the rest."""
     execution = Execution(attention="blockwise", remat="dots", scan_layers=True, param_dtype="float32", dtype="bfloat16",
                           inference_rows=inference_rows, update_microbatches=128)
     graph = dataclasses.replace(builders.grpo_graph(use_reference=False, num_devices=16, parallel={"fsdp": 16}),

@@ -189,3 +189,36 @@ def test_the_pallas_paged_decode_compiles_for_compile_only_gpus_and_is_refused_o
                                          r"\(Triton\) kernel; the sampler's devices are 'cpu'"):
         lower_plan(graph, cfg, GRPOConfig(group_size=4, kl_coef=0.04), batch,
                    devices=compile_devices(DryRunTarget.CPU, 4))
+
+
+@needs_plugin
+def test_a_fused_packed_log_prob_pass_is_predicted_as_the_gpu_compiler_holds_it():
+    """The planner's fused reference + policy log-prob pass over packed rows (float32 masters, bfloat16 compute,
+    fsdp over 4 compile-only H100s, one packed row per device per micro-batch), 8 layers: compiled, its peak is
+    the model's within 3%. The model had one model's weight copies per program and no stacked layers; the GPU
+    holds both models' layers stacked in bfloat16 for the layer scan, their transposed projections and, later,
+    both output matrices gathered (`stage_costs._forward_transient_bytes`): the old formula read −6.6% here and
+    −22% for Llama 3.1 8B's (docs/benchmarks.md issue 23 session 11). ~30 s idle."""
+    from rpegjax.graph import transforms
+    from rpegjax.perf import hardware, step_model
+    from rpegjax.perf.generation_cost import ResponseLengths
+    from rpegjax.perf.stage_costs import Workload
+
+    cfg = ModelConfig.tiny(vocab_size=4096).replace(hidden_size=512, intermediate_size=2048, num_layers=8, num_heads=8,
+                                                    num_kv_heads=4, max_position_embeddings=2048, dtype="bfloat16")
+    execution = Execution(attention="blockwise", attention_block_size=128, remat="none", scan_layers=True,
+                          param_dtype="float32", dtype="bfloat16", packing=True, max_tokens_per_micro_batch=1024)
+    graph = transforms.fuse(builders.grpo_graph(use_reference=True, num_devices=4, parallel={"fsdp": 4}),
+                            ["ref_logprob", "old_logprob"])
+    graph = dataclasses.replace(graph, execution=execution)
+    workload = Workload(prompts=4, group_size=4, prompt_tokens=64, responses=ResponseLengths.fixed(192))
+    prediction = step_model.Evaluator.for_runtime(cfg, workload, hardware.h100_node(4)).predict(
+        graph, enforce_memory=False, with_trace=False)
+    programs = lower_plan(graph, cfg, GRPOConfig(group_size=4, kl_coef=0.04),
+                          Batch(rows=16, prompt=64, new=192, slots=16, group_size=4),
+                          devices=compile_devices(DryRunTarget.CUDA_H100, 4))
+    fused = next(p for p in programs if p.program == "inference")
+    compiled = compile_programs([fused], capacity_bytes=80e9, predicted={
+        s.name: s.peak_memory_bytes for s in prediction.stages}).programs[0]
+    assert compiled.stage == "ref_logprob+old_logprob"
+    assert compiled.predicted == pytest.approx(compiled.peak, rel=0.03), (compiled.predicted, compiled.peak)
