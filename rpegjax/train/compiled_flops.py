@@ -9,12 +9,16 @@ as the computations that hold it run — a while body its `known_trip_count` tim
 or call's computation once per call, the costliest branch of a conditional. Element-wise work is left out: the
 matmuls are what the performance model's FLOP terms count.
 
-The count is None (unknown, never a guess) when a loop that holds dots has no known trip count, or the module
-calls a kernel whose arithmetic the HLO does not show (cuBLAS or cuDNN custom calls, Triton or Mosaic kernels).
+A loop of data-dependent length that holds dots (the causal block loop of blockwise attention, the decode chunk's
+`while` that stops once every row is done) is counted once: the count is then a lower bound (`exact` False,
+printed "≥"), true when such a loop runs at least once per call, as these do. The count is None (never a guess)
+when the module calls a kernel whose arithmetic the HLO does not show (cuBLAS or cuDNN custom calls, Triton or
+Mosaic kernels).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
@@ -41,7 +45,7 @@ class _Module:
 
     def __init__(self, text: str):
         self.own: dict[str, float] = {}
-        self.calls: dict[str, list[tuple[int | None, tuple[str, ...]]]] = {}  # (times or None: unknown, callees)
+        self.calls: dict[str, list[tuple[int | None, tuple[str, ...]]]] = {}  # (times, None: unknown; callees)
         self.entry = ""
         self.opaque = any(call.startswith(_OPAQUE_CALLS) for call in _CUSTOM.findall(text))
         name, shapes = "", {}
@@ -73,34 +77,42 @@ class _Module:
         if branches:  # one branch runs: the costliest is counted
             self.calls[name].append((1, tuple(b.strip().lstrip("%") for b in branches.group(1).split(","))))
 
-    def flops(self, name: str, memo: dict[str, float | None]) -> float | None:
-        """FLOPs of one run of computation `name` and all it calls; None if a loop with dots has no trip count."""
+    def flops(self, name: str, memo: dict[str, tuple[float, bool]]) -> tuple[float, bool]:
+        """FLOPs of one run of computation `name` and all it calls, and whether exact (no loop of unknown length
+        with dots: such a loop is counted once)."""
         if name not in memo:
-            total: float | None = self.own[name]
+            total, exact = self.own[name], True
             for times, callees in self.calls[name]:
                 inner = [self.flops(callee, memo) for callee in callees]
-                if None in inner:
-                    total = None
-                    break
-                cost = max(inner)  # a while's condition holds no dots; a conditional runs one branch
-                if cost and times is None:
-                    total = None
-                    break
-                total += (times or 0) * cost
-            memo[name] = total
+                cost = max(flops for flops, _ in inner)  # a while's condition holds no dots; one branch runs
+                exact = exact and all(known for _, known in inner) and (times is not None or cost == 0)
+                total += (1 if times is None else times) * cost
+            memo[name] = (total, exact)
         return memo[name]
 
 
-def compiled_flops(compiled: jax.stages.Compiled) -> float | None:
-    """Matmul FLOPs one device runs in one call of `compiled` (module docstring); None when not countable."""
-    total = 0.0
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CompiledFlops:
+    """Matmul FLOPs one device runs in one call of a program; `exact` False: a lower bound (module docstring)."""
+
+    flops: float
+    exact: bool
+
+    def tera(self) -> str:
+        """'12.34' TFLOP, '≥12.34' for a lower bound."""
+        return ("" if self.exact else "≥") + f"{self.flops / 1e12:.2f}"
+
+
+def compiled_flops(compiled: jax.stages.Compiled) -> CompiledFlops | None:
+    """Matmul FLOPs per device of one call of `compiled` (module docstring); None when a kernel hides them."""
+    total, exact = 0.0, True
     for module in compiled.runtime_executable().hlo_modules():
         parsed = _Module(module.to_string())
-        flops = None if parsed.opaque else parsed.flops(parsed.entry, {})
-        if flops is None:
+        if parsed.opaque:
             return None
-        total += flops
-    return total
+        flops, known = parsed.flops(parsed.entry, {})
+        total, exact = total + flops, exact and known
+    return CompiledFlops(flops=total, exact=exact)
 
 
-__all__ = ["compiled_flops"]
+__all__ = ["CompiledFlops", "compiled_flops"]

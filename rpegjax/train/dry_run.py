@@ -10,8 +10,8 @@ cache), at the largest shapes the run reaches. So the dry run compiles the very 
 each program's bytes per device (arguments + outputs + temporaries − donated aliases); to that the dry run adds
 the state that stays on the same devices while the program runs and is not among its arguments (the training
 state, the reference weights, the generation copy of the actor), measured from the same abstract arrays' shards.
-`compiled_flops` counts the compiled matmul FLOPs per device, every loop iteration included (XLA's
-`cost_analysis()` counts a loop body once, and compile-only GPU devices have none).
+`compiled_flops` counts the compiled matmul FLOPs per device, every loop iteration of known length included
+(XLA's `cost_analysis()` counts a loop body once, and compile-only GPU devices have none).
 
 On a machine without the plan's devices the caller runs on virtual CPU devices (`ensure_devices`): memory
 figures are then XLA's CPU-backend ones, which keep float32 copies of bfloat16 matmul operands (so they
@@ -50,7 +50,7 @@ from rpegjax.runtime.weight_sync import WeightSyncPrograms
 from rpegjax.sharding.abstract import with_shardings
 from rpegjax.perf.hardware import HardwareSpec
 from rpegjax.train.compile_target import GPU_SPECS, DryRunTarget, compile_devices, compile_only, describe
-from rpegjax.train.compiled_flops import compiled_flops
+from rpegjax.train.compiled_flops import CompiledFlops, compiled_flops
 from rpegjax.train.plan_document import read_plan_file
 
 GB = 1e9
@@ -86,7 +86,7 @@ class ProgramMemory:
     temporaries: float
     aliased: float
     resident: float  # other state on the same devices while the program runs (not among its arguments)
-    flops: float | None  # compiled, per device (None: not counted, `compiled_flops`)
+    flops: CompiledFlops | None  # compiled matmul FLOPs per device (None: a kernel hides them)
     compile_seconds: float
     predicted: float | None = None  # the performance model's peak for the stage, per device
 
@@ -132,7 +132,7 @@ class DryRunReport:
         for p in self.programs:
             mesh = "x".join(f"{a[0]}{s}" for a, s in p.mesh.items() if s > 1) or "1"
             predicted = "-" if p.predicted is None else f"{p.predicted / GB:.1f}"
-            tflops = "n/a" if p.flops is None else f"{p.flops / 1e12:.2f}"
+            tflops = "n/a" if p.flops is None else p.flops.tera()
             lines.append(f"| {p.stage} | {p.program} | {mesh} | {p.arguments / GB:.2f} | {p.outputs / GB:.2f} "
                          f"| {p.temporaries / GB:.2f} | {p.aliased / GB:.2f} | {p.resident / GB:.2f} | {p.peak / GB:.2f} "
                          f"| {predicted} | {'yes' if p.peak <= self.capacity_bytes else 'NO'} | {tflops} "

@@ -46,7 +46,7 @@ def test_dry_run_measures_every_stage_program_and_refuses_what_does_not_fit():
     state = 3 * 4 * CFG.num_params() / 4
     assert state <= update.arguments <= 1.5 * state + 8 * 64 * 16
     assert update.aliased > 0  # the state is donated
-    assert update.flops > 0 and update.temporaries > 0
+    assert update.flops.flops > 0 and update.temporaries > 0
     # beside the update: the reference weights (float32, fsdp x tensor) and the generation copy (tensor only:
     # generation spreads slots over every other axis)
     assert update.resident == pytest.approx(4 * CFG.num_params() / 4 + 4 * CFG.num_params() / 2, rel=0.1)
