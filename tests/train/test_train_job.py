@@ -305,9 +305,6 @@ def test_a_checkpoint_interrupted_mid_write_is_never_picked_up(tmp_path):
     "flags, message",
     [
         (("--mesh=data=3",), "3 devices but 1 are available"),
-        (("--async-bound=-1",), "async_bound must be an integer >= 0"),
-        (("--rollout.bogus=1",), "unknown field 'bogus'"),
-        (("--dataset=/nonexistent.jsonl",), "no such file or directory"),
         (("--rollout-devices=1",), "graph.rollout_devices=1 leaves no device for training (1 devices)"),
         (("--plan=/nonexistent.json",), "graph.plan /nonexistent.json: cannot read it"),
     ],
@@ -316,6 +313,26 @@ def test_bad_flags_fail_with_a_clear_message(tmp_path, flags, message):
     result = run_job(tmp_path / "bad", "--steps=1", *flags)
     assert result.returncode != 0
     assert message in result.stderr
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (("--async-bound=-1",), "async_bound must be an integer >= 0"),
+        (("--rollout.bogus=1",), "unknown field 'bogus'"),
+        (("--dataset=/nonexistent.jsonl",), "no such file or directory"),
+    ],
+)
+def test_bad_flags_are_refused_as_they_are_parsed(tmp_path, capsys, flags, message):
+    """As above, for flags refused while they are parsed (before a device, directory or cache is touched):
+    through the job's entry point in this process, as a script start costs ~8 s each."""
+    from rpegjax.graph.ir import Algorithm
+    from rpegjax.train.cli import main
+
+    with pytest.raises(SystemExit) as exit:
+        main([*TINY, f"--run-dir={tmp_path / 'bad'}", "--steps=1", *flags], Algorithm.GRPO)
+    assert exit.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
 
 
 def test_generation_on_its_own_device_and_plans_that_do_not_fit_the_run(tmp_path):
