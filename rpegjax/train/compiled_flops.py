@@ -56,6 +56,8 @@ class _Module:
                 self.own[name], self.calls[name] = 0.0, []
                 self.entry = name if line.startswith("ENTRY") else self.entry
                 continue
+            if not name:  # the module's header and its stack-frame tables
+                continue
             array = _ARRAY.match(line)
             if array:
                 shapes[array.group(1)] = _dims(array.group(2))
