@@ -21,13 +21,10 @@ import argparse  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from rpegjax.generate import Sampler, SamplingConfig  # noqa: E402
 from rpegjax.generate.paged_cache import CacheConfig, kv_bytes_per_token, pages_for  # noqa: E402
-from rpegjax.generate.sampling import sampling_arrays  # noqa: E402
 from rpegjax.models import Decoder, ModelConfig  # noqa: E402
 from rpegjax.sharding import make_mesh, parse_mesh  # noqa: E402
 
@@ -66,46 +63,34 @@ def main() -> None:
     if args.layers is not None:
         cfg = cfg.replace(num_layers=args.layers)
     mesh = make_mesh(parse_mesh(args.mesh))
-    abstract_model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
-    graphdef, abstract_params = nnx.split(abstract_model)
+    graphdef, abstract_params = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))))
     pool_tokens = args.pool_tokens_per_slot or args.prompt + int(1.25 * args.mean)
     shape = dict(num_slots=args.slots, max_prompt_len=args.prompt, max_new_tokens=args.max_response,
                  chunk_steps=args.chunk_steps, mesh=mesh)
-    replicas = None
-    print(f"Qwen2.5-7B shape ({cfg.num_layers} layers), bf16, mesh {dict(mesh.shape)}, {args.slots} slots; prompt {args.prompt}, responses "
-          f"mean {args.mean} max {args.max_response}; {kv_bytes_per_token(cfg)} KV bytes per token (all devices)")
-    arrays = sampling_arrays(SamplingConfig(max_new_tokens=args.max_response, temperature=1.0),
-                             vocab_size=cfg.vocab_size, default_eos_id=cfg.eos_token_id)
-    key = jax.random.key(0)
-    steps = np.int32(args.chunk_steps)
+    print(f"Qwen2.5-7B shape ({cfg.num_layers} layers), bf16, mesh {dict(mesh.shape)}, {args.slots} slots; prompt "
+          f"{args.prompt}, responses mean {args.mean} max {args.max_response}; {kv_bytes_per_token(cfg)} KV bytes per "
+          "token (all devices)")
+    sampling = SamplingConfig(max_new_tokens=args.max_response, temperature=1.0)
 
+    # the decode chunk exactly as the sampler runs it (and the dry run compiles it): the whole capacity attended,
+    # every slot in the bucket
     static = Sampler(cfg, graphdef, **shape)
-    replicas = static.replicas
-    params = _abstract(abstract_params, static.params_sharding)
-    state_shape = jax.eval_shape(static.controller._empty)
-    from rpegjax.generate.decode import decode_state_shardings
-    from rpegjax.sharding.rules import ActivationSharding
-
-    state = _abstract(state_shape, decode_state_shardings(state_shape, ActivationSharding(mesh, static.rules)))
     print(f"  static cache: {args.slots} x {static.capacity} tokens reserved")
-    _report("static layout, full window",
-            lambda: static.controller._decode.lower(static.capacity, params, state, key, arrays, steps))
+    _report("static layout, full window", lambda: _decode(static, abstract_params, sampling))
 
-    pages = pages_for(pool_tokens * (args.slots // replicas), args.page_size)
+    pages = pages_for(pool_tokens * (args.slots // static.replicas), args.page_size)
     paged = Sampler(cfg, graphdef, **shape, cache=CacheConfig.paged(page_size=args.page_size, pages_per_replica=pages))
-    controller = paged.paged
-    from rpegjax.generate.paged_decode import paged_state_shardings
-
-    paged_shape = jax.eval_shape(controller._empty)
-    paged_state = _abstract(paged_shape, paged_state_shardings(paged_shape, ActivationSharding(mesh, paged.rules)))
-    print(f"  paged pool: {pages} pages of {args.page_size} per replica x {replicas} replicas "
+    print(f"  paged pool: {pages} pages of {args.page_size} per replica x {paged.replicas} replicas "
           f"= {pool_tokens} tokens per slot")
-    rows = jax.ShapeDtypeStruct((args.slots,), jnp.int32, sharding=paged_state.cache.lengths.sharding)
-    flags = jax.ShapeDtypeStruct((args.slots,), jnp.bool_, sharding=paged_state.cache.lengths.sharding)
-    table = paged_state.cache.page_table
-    window = controller.max_pages  # a max-length response in flight: every table column gathered
-    _report("paged, full page window", lambda: controller._decode.lower(window, params, paged_state, table, rows, flags,
-                                                                        key, arrays, steps))
+    # a max-length response in flight: every page-table column gathered
+    _report("paged, full page window", lambda: _decode(paged, abstract_params, sampling))
+
+
+def _decode(sampler: Sampler, abstract_params, sampling: SamplingConfig) -> jax.stages.Lowered:
+    """The sampler's decode chunk lowered at its largest shape (`Sampler.lower_programs`), parameters abstract in
+    the generation layout."""
+    params = _abstract(abstract_params, sampler.params_sharding)
+    return sampler.lower_programs(params, sampling, group_size=1)["decode"]
 
 
 if __name__ == "__main__":

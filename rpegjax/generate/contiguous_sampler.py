@@ -26,7 +26,7 @@ from rpegjax.generate.decode import (
     decode,
     decode_state_shardings,
 )
-from rpegjax.generate.live_rows import least_busy_first, live_rows
+from rpegjax.generate.live_rows import finished_rows, least_busy_first, live_rows, padded_rows
 from rpegjax.generate.requests import Request, RequestFeed, RequestQueue
 from rpegjax.models.config import ModelConfig
 from rpegjax.options import CacheLayout
@@ -57,19 +57,12 @@ class ContiguousController:
         def decode_fn(window, *arrays):  # the attention window is static: one program per window size
             return decode(graphdef, *arrays, window=window, sharding=activation)
 
-        def rows_fn(tokens, logprobs, rows):
-            return tokens[rows], logprobs[rows]
-
-        def routing_rows_fn(routing, rows):
-            return routing[rows]
-
         self._state_sharding = None
         if mesh is None:
             self._admit = jax.jit(admit_fn, static_argnums=(0,), donate_argnums=(2,))
             self._decode = jax.jit(decode_fn, static_argnums=(0,), donate_argnums=(2,))
             self._build_state = jax.jit(self._empty)
-            self._rows = jax.jit(rows_fn)
-            self._routing_rows = jax.jit(routing_rows_fn)
+            self._rows = jax.jit(finished_rows)
             return
         self._state_sharding = state_sharding = decode_state_shardings(jax.eval_shape(self._empty), activation)
         replicated = NamedSharding(mesh, PartitionSpec())
@@ -92,8 +85,7 @@ class ContiguousController:
         # a mesh spanning processes splits slots across them: `_fetch` replicates what it reads first
         self._replicate = jax.jit(lambda values: values, out_shardings=replicated)
         # the rows of finished sequences only, replicated so that every process can read them
-        self._rows = jax.jit(rows_fn, out_shardings=(replicated, replicated))
-        self._routing_rows = jax.jit(routing_rows_fn, out_shardings=replicated)
+        self._rows = jax.jit(finished_rows, out_shardings=replicated)
 
     def compile_counts(self) -> dict[str, int]:
         return {"admit": self._admit._cache_size(), "decode": self._decode._cache_size()}
@@ -200,15 +192,6 @@ class ContiguousController:
         lengths = state.cache.lengths
         return jax.device_get(lengths if lengths.is_fully_addressable else self._replicate(lengths))
 
-    def _fetch_rows(self, state: DecodeState, slots: list[int]):
-        """Tokens, log-probs and (when recorded) routing of `slots` only (a power-of-two bucket of rows: few
-        compiled gathers)."""
-        bucket = 1 << (len(slots) - 1).bit_length()
-        rows = np.full((min(bucket, self.num_slots),), slots[0], np.int32)
-        rows[: len(slots)] = slots
-        routing = None if state.routing is None else self._routing_rows(state.routing, rows)
-        return jax.device_get((*self._rows(state.tokens, state.logprobs, rows), routing))
-
     # ---- the controller ----------------------------------------------------------------------------
     def run(self, params, requests: list[Request], arrays, key: jax.Array, version, *, continuous: bool,
             feed: RequestFeed | None = None, interrupt: Callable[[], bool] | None = None,
@@ -268,8 +251,10 @@ class ContiguousController:
 
     def _hand_out(self, state, requests, owners, finished, num_generated, finish, version,
                   reason: FinishReason | None = None) -> Iterator[Completion]:
-        """Completions of the `finished` slots, which become free (`reason`: instead of the finish codes)."""
-        tokens, logprobs, routing = self._fetch_rows(state, finished)
+        """Completions of the `finished` slots, which become free (`reason`: instead of the finish codes). Only
+        their rows come back: tokens, log-probs and (when recorded) routing in one program."""
+        tokens, logprobs, routing = jax.device_get(
+            self._rows(state.tokens, state.logprobs, state.routing, padded_rows(finished, self.num_slots)))
         for row, slot in enumerate(finished):
             (index, sample), n = owners[slot], int(num_generated[slot])
             size = requests[index].size

@@ -44,6 +44,20 @@ def live_rows(running: Sequence[int], *, num_slots: int, replicas: int, compact:
     return rows
 
 
+def padded_rows(slots: Sequence[int], num_slots: int) -> np.ndarray:
+    """`slots` padded with its first to a power of two rows (at most `num_slots`): few compiled `finished_rows`."""
+    rows = np.full((pow2_at_least(len(slots), num_slots),), slots[0], np.int32)
+    rows[: len(slots)] = slots
+    return rows
+
+
+def finished_rows(tokens: Int[Array, "n c"], logprobs: Array, routing: Int[Array, "n c s k"] | None,
+                  rows: Int[Array, " m"]) -> tuple[Array, Array, Array | None]:
+    """The decode state's rows `rows` of the tokens [m c], log-probs [m c] and recorded routing [m c s k] (None when
+    not recorded): what finished sequences hand out, in one program (one dispatch, one transfer)."""
+    return tokens[rows], logprobs[rows], None if routing is None else routing[rows]
+
+
 def least_busy_first(free: Sequence[int], running: Sequence[int], *, num_slots: int, replicas: int) -> list[int]:
     """`free` slots in the order admission should fill them: each next one on the replica with the fewest running
     slots so far (then the lower replica, then slot order), so the replicas' running counts, and with them the

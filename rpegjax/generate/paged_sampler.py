@@ -24,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rpegjax.generate.completion import FINISH_CODES, Completion, FinishReason, unstarted
 from rpegjax.generate.decode import DecodeStalledError, abstract_state_of
-from rpegjax.generate.live_rows import live_rows
+from rpegjax.generate.live_rows import finished_rows, live_rows, padded_rows
 from rpegjax.generate.paged_attention import check_kernel
 from rpegjax.generate.page_carry import KeptPages, claim, retag, retag_rows
 from rpegjax.generate.paged_cache import CacheConfig, pages_for, pow2_at_least
@@ -80,12 +80,6 @@ class PagedController:
             return decode_paged(graphdef, *arrays, window_pages=window_pages, decode_attention=cache.decode_attention,
                                 pallas_interpret=cache.pallas_interpret, sharding=activation)
 
-        def rows_fn(tokens, logprobs, rows):
-            return tokens[rows], logprobs[rows]
-
-        def routing_rows_fn(routing, rows):
-            return routing[rows]
-
         self._state_sharding = None
         # prefill's float32 logits [p v], p replica-major: each replica's block stays on its devices
         self._logits = None if mesh is None else activation.sharding((axes.BATCH, None), (replicas, cfg.vocab_size),
@@ -95,8 +89,7 @@ class PagedController:
             self._start = jax.jit(start_rows, donate_argnums=(0,))
             self._decode = jax.jit(decode_fn, static_argnums=(0,), donate_argnums=(2,))
             self._build_state = jax.jit(self._empty)
-            self._rows = jax.jit(rows_fn)
-            self._routing_rows = jax.jit(routing_rows_fn)
+            self._rows = jax.jit(finished_rows)
             self._retag = jax.jit(retag, donate_argnums=(0,))
         else:
             state_sharding = paged_state_shardings(jax.eval_shape(self._empty), activation)
@@ -118,8 +111,7 @@ class PagedController:
                 out_shardings=(state_sharding, replicated), donate_argnums=(2,))
             self._build_state = jax.jit(self._empty, out_shardings=state_sharding)
             # only finished rows come back, replicated, so every process can read them
-            self._rows = jax.jit(rows_fn, out_shardings=(replicated, replicated))
-            self._routing_rows = jax.jit(routing_rows_fn, out_shardings=replicated)
+            self._rows = jax.jit(finished_rows, out_shardings=replicated)
             self._retag = jax.jit(retag, in_shardings=(state_sharding,) + (replicated,) * 3,
                                   out_shardings=state_sharding, donate_argnums=(0,))
 
@@ -283,11 +275,8 @@ class PagedController:
         """Completions of the `finished` slots (their tokens past the slot's `offset`), whose pages return to the
         pool unless `keep` (their offsets then move past the tokens handed out); `reason`: instead of the finish
         codes."""
-        bucket = pow2_at_least(len(finished), self.num_slots)
-        rows = np.full((bucket,), finished[0], np.int32)
-        rows[: len(finished)] = finished
-        tokens, logprobs = jax.device_get(self._rows(state.tokens, state.logprobs, rows))
-        routing = None if state.routing is None else jax.device_get(self._routing_rows(state.routing, rows))
+        tokens, logprobs, routing = jax.device_get(
+            self._rows(state.tokens, state.logprobs, state.routing, padded_rows(finished, self.num_slots)))
         for row, slot in enumerate(finished):
             prompt, sample = slots.owners[slot]
             n, first = int(num_generated[slot]), int(slots.offset[slot])

@@ -327,6 +327,11 @@ class PolicyUpdates:
     def rows(self):
         raise NotImplementedError
 
+    @property
+    def router_replay(self) -> bool:
+        """Whether the training forward replays the rollout's routing (`PolicyConfig.router_replay`)."""
+        return self.cfg.router_replay
+
     def update(self, state, batch: TrainBatch):
         """One update on `batch` (epochs x mini-batches x micro-batches); donates `state`."""
         return self._update(state, self.frozen, self._update_inputs(batch))

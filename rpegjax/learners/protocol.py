@@ -16,6 +16,7 @@ from rpegjax.learners.batch import TrainBatch
 from rpegjax.learners.packing import PackingPlan
 from rpegjax.learners.placement import ModelPlacement, Params
 from rpegjax.learners.update import TrainState
+from rpegjax.models.config import ModelConfig
 from rpegjax.sharding.rules import ActivationSharding
 
 Metrics = dict[str, Array]
@@ -35,7 +36,8 @@ class Learner(Protocol):
     `reference_params()` the reference policy's (the initial policy; with LoRA its base, adapters off, no copy).
     The pure (unjitted) token functions are what the runtime fuses into inference programs: `logprobs_fn` takes
     the policy's whole parameters (or the reference's); `values_fn` and `logprobs_and_values_fn` (None without a
-    critic) take the learner's whole parameters.
+    critic) take the learner's whole parameters. `router_replay`: whether its training forward replays the rollout's
+    routing (the batch then carries `expert_ids` of the policy's `model_cfg`, `rpegjax.generate.decode.routing_shape`).
     """
 
     placement: ModelPlacement  # the policy's: mesh, parameter and row shardings
@@ -43,6 +45,10 @@ class Learner(Protocol):
     frozen: Params | None  # the parameters it holds but does not train (LoRA's base; None: none)
     values_fn: TokenFunction | None
     logprobs_and_values_fn: Callable | None
+    model_cfg: ModelConfig  # the policy's
+
+    @property
+    def router_replay(self) -> bool: ...
 
     @property
     def params(self) -> Params: ...

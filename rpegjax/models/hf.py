@@ -190,9 +190,8 @@ def load_pretrained(
         spec = shapes[key]
         value = values.get(key)
         if value is None:  # only a new value head: zero
-            value = jax.make_array_from_callback(spec.shape, shardings[key],
-                                                 lambda index, spec=spec: np.zeros(_window_shape(index, spec.shape),
-                                                                                   spec.dtype))
+            value = _placed(spec, shardings[key],
+                            lambda window, spec=spec: np.zeros([s.stop - s.start for s in window], spec.dtype))
         filled.append((key, variable.replace(value)))
     return nnx.merge(graphdef, nnx.from_flat_state(filled)), cfg
 
@@ -205,22 +204,26 @@ def _concrete(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[slice, 
     return tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape, strict=True))
 
 
-def _window_shape(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(s.stop - s.start for s in _concrete(index, shape))
+def _placed(spec: jax.ShapeDtypeStruct, sharding, read: Callable[[tuple[slice, ...]], np.ndarray]) -> jax.Array:
+    """The array of `spec` created with `sharding` from `read(window)`, the block of one device's [start, stop)
+    windows, called once per distinct window this process's devices hold (replicas share it)."""
+    blocks: dict[tuple, np.ndarray] = {}
+    for index in sharding.addressable_devices_indices_map(spec.shape).values():
+        window = _concrete(index, spec.shape)
+        key = tuple((s.start, s.stop) for s in window)
+        if key not in blocks:
+            blocks[key] = read(window)
+    return jax.make_array_from_callback(
+        spec.shape, sharding, lambda index: blocks[tuple((s.start, s.stop) for s in _concrete(index, spec.shape))])
 
 
 def _read_placed(file: SafetensorsFile, layout: TensorLayout, spec: jax.ShapeDtypeStruct, sharding,
                  *, copy: tuple[SafetensorsFile, TensorLayout] | None = None) -> jax.Array:
     """The parameter of `layout` created with `sharding`, reading only the windows this process's devices hold
-    (each distinct window once: replicas share it). `copy`: a tensor that must equal this one where it is read
-    (a tied checkpoint's lm_head.weight)."""
+    (`_placed`). `copy`: a tensor that must equal this one where it is read (a tied checkpoint's lm_head.weight)."""
     dtype = np.dtype(spec.dtype)
-    blocks: dict[tuple, np.ndarray] = {}
-    for index in sharding.addressable_devices_indices_map(spec.shape).values():
-        window = _concrete(index, spec.shape)
-        key = tuple((s.start, s.stop) for s in window)
-        if key in blocks:
-            continue
+
+    def read(window: tuple[slice, ...]) -> np.ndarray:
         hf_window, finish = layout.window(window)
         try:
             block = finish(file.read(layout.name, hf_window)).astype(dtype, order="C")
@@ -232,22 +235,18 @@ def _read_placed(file: SafetensorsFile, layout: TensorLayout, spec: jax.ShapeDty
                                           "from embed_tokens")
         except (SafetensorsError, OSError) as error:
             raise _corrupt(file.path, error) from None
-        blocks[key] = block
-    return jax.make_array_from_callback(
-        spec.shape, sharding, lambda index: blocks[tuple((s.start, s.stop) for s in _concrete(index, spec.shape))])
+        return block
+
+    return _placed(spec, sharding, read)
 
 
 def _read_placed_experts(sources: list[tuple[SafetensorsFile, TensorLayout]], spec: jax.ShapeDtypeStruct,
                          sharding) -> jax.Array:
     """A stacked expert parameter [x, ...] created with `sharding` from its per-expert tensors (`sources`, in
-    expert order), reading for each device's window only its experts' windows."""
+    expert order), reading for each device's window only its experts' windows (`_placed`)."""
     dtype = np.dtype(spec.dtype)
-    blocks: dict[tuple, np.ndarray] = {}
-    for index in sharding.addressable_devices_indices_map(spec.shape).values():
-        window = _concrete(index, spec.shape)
-        key = tuple((s.start, s.stop) for s in window)
-        if key in blocks:
-            continue
+
+    def read(window: tuple[slice, ...]) -> np.ndarray:
         parts = []
         for file, layout in sources[window[0].start:window[0].stop]:
             hf_window, finish = layout.window(window[1:])
@@ -255,9 +254,9 @@ def _read_placed_experts(sources: list[tuple[SafetensorsFile, TensorLayout]], sp
                 parts.append(finish(file.read(layout.name, hf_window)).astype(dtype, order="C"))
             except (SafetensorsError, OSError) as error:
                 raise _corrupt(file.path, error) from None
-        blocks[key] = np.stack(parts)
-    return jax.make_array_from_callback(
-        spec.shape, sharding, lambda index: blocks[tuple((s.start, s.stop) for s in _concrete(index, spec.shape))])
+        return np.stack(parts)
+
+    return _placed(spec, sharding, read)
 
 
 def _select_tensors(directory: Path, files: Mapping[str, Path], cfg: ModelConfig) -> dict[str, TensorLayout]:

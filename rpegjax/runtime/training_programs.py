@@ -90,6 +90,8 @@ class TrainingPrograms:
 
     def __init__(self, learner: Learner, reference_params: Any = None, *, offload_optimizer: bool = False):
         self.learner = learner
+        # what a rollout records per token under router replay (None: the learner does not replay routing)
+        self._routing = routing_shape(learner.model_cfg) if learner.router_replay else None
         self.offload = OptimizerOffload(learner.state_shardings) if offload_optimizer else None
         self._kind_functions = {
             StageKind.REF_LOGPROB: learner.logprobs_fn,
@@ -219,7 +221,7 @@ class TrainingPrograms:
     def _replays(self, kinds: tuple[StageKind, ...], batch: TrainBatch) -> bool:
         """Whether these inference kinds replay the rollout's routing: under the learner's `router_replay`, when a
         policy pass is among them; the batch must then carry it."""
-        if not getattr(self.learner.cfg, "router_replay", False) or set(kinds) <= {StageKind.REF_LOGPROB}:
+        if self._routing is None or set(kinds) <= {StageKind.REF_LOGPROB}:
             return False
         if batch.expert_ids is None:
             raise ValueError(f"stages {[k.value for k in kinds]}: router_replay needs the rollout's routing "
@@ -309,9 +311,8 @@ class TrainingPrograms:
         log-probs and rewards of `rows` rows of `length` tokens, and under router replay the recorded routing
         (int16 [rows, length, sparse layers, k]); what inference stages receive."""
         per_token = lambda dtype: jax.ShapeDtypeStruct((rows, length), dtype)  # noqa: E731
-        routing = None
-        if getattr(self.learner.cfg, "router_replay", False):
-            routing = jax.ShapeDtypeStruct((rows, length, *routing_shape(self.learner.model_cfg)), ROUTING_DTYPE)
+        routing = (None if self._routing is None
+                   else jax.ShapeDtypeStruct((rows, length, *self._routing), ROUTING_DTYPE))
         return TrainBatch(tokens=per_token(jnp.int32), token_mask=per_token(jnp.bool_), response_mask=per_token(jnp.bool_),
                           behaviour_logprobs=per_token(jnp.float32), rewards=jax.ShapeDtypeStruct((rows,), jnp.float32),
                           expert_ids=routing)

@@ -10,7 +10,8 @@ cache), at the largest shapes the run reaches. So the dry run compiles the very 
 each program's bytes per device (arguments + outputs + temporaries − donated aliases); to that the dry run adds
 the state that stays on the same devices while the program runs and is not among its arguments (the training
 state, the reference weights, the generation copy of the actor), measured from the same abstract arrays' shards.
-`cost_analysis()` gives the compiled FLOPs per device.
+`compiled_flops` counts the compiled matmul FLOPs per device, every loop iteration of known length included
+(XLA's `cost_analysis()` counts a loop body once, and compile-only GPU devices have none).
 
 On a machine without the plan's devices the caller runs on virtual CPU devices (`ensure_devices`): memory
 figures are then XLA's CPU-backend ones, which keep float32 copies of bfloat16 matmul operands (so they
@@ -49,6 +50,7 @@ from rpegjax.runtime.weight_sync import WeightSyncPrograms
 from rpegjax.sharding.abstract import with_shardings
 from rpegjax.perf.hardware import HardwareSpec
 from rpegjax.train.compile_target import GPU_SPECS, DryRunTarget, compile_devices, compile_only, describe
+from rpegjax.train.compiled_flops import CompiledFlops, compiled_flops
 from rpegjax.train.plan_document import read_plan_file
 
 GB = 1e9
@@ -84,7 +86,7 @@ class ProgramMemory:
     temporaries: float
     aliased: float
     resident: float  # other state on the same devices while the program runs (not among its arguments)
-    flops: float  # compiled, per device
+    flops: CompiledFlops | None  # compiled matmul FLOPs per device (None: a kernel hides them)
     compile_seconds: float
     predicted: float | None = None  # the performance model's peak for the stage, per device
 
@@ -125,14 +127,15 @@ class DryRunReport:
     def table(self) -> str:
         lines = [f"dry run on {self.devices}; GB per device, capacity {self.capacity_bytes / GB:.1f} GB",
                  ("| stage | program | mesh | arguments | outputs | temporaries | aliased | resident | peak | predicted "
-                  "| fits | TFLOP/device | compile s |"),
+                  "| fits | matmul TFLOP/device | compile s |"),
                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for p in self.programs:
             mesh = "x".join(f"{a[0]}{s}" for a, s in p.mesh.items() if s > 1) or "1"
             predicted = "-" if p.predicted is None else f"{p.predicted / GB:.1f}"
+            tflops = "n/a" if p.flops is None else p.flops.tera()
             lines.append(f"| {p.stage} | {p.program} | {mesh} | {p.arguments / GB:.2f} | {p.outputs / GB:.2f} "
                          f"| {p.temporaries / GB:.2f} | {p.aliased / GB:.2f} | {p.resident / GB:.2f} | {p.peak / GB:.2f} "
-                         f"| {predicted} | {'yes' if p.peak <= self.capacity_bytes else 'NO'} | {p.flops / 1e12:.2f} "
+                         f"| {predicted} | {'yes' if p.peak <= self.capacity_bytes else 'NO'} | {tflops} "
                          f"| {p.compile_seconds:.1f} |")
         if self.predicted_step_seconds is not None:
             lines.append(f"predicted step: {self.predicted_step_seconds:.2f} s")
@@ -155,13 +158,6 @@ def _memory(compiled) -> dict[str, float]:
     memory = compiled.memory_analysis()
     return {"arguments": float(memory.argument_size_in_bytes), "outputs": float(memory.output_size_in_bytes),
             "temporaries": float(memory.temp_size_in_bytes), "aliased": float(memory.alias_size_in_bytes)}
-
-
-def _flops(compiled) -> float:
-    analysis = compiled.cost_analysis()
-    if isinstance(analysis, Sequence):  # older JAX: one dict per computation
-        analysis = analysis[0] if analysis else {}
-    return float((analysis or {}).get("flops", 0.0))
 
 
 # -------------------------------------------------------------------------------------------------- the run
@@ -346,7 +342,7 @@ def compile_programs(programs: Sequence[LoweredProgram], *, capacity_bytes: floa
         compiled = item.lowered.compile()
         seconds = time.perf_counter() - started
         memory = ProgramMemory(stage=item.stage, program=item.program, mesh={} if item.mesh is None else dict(item.mesh.shape),
-                               resident=item.resident, flops=_flops(compiled), compile_seconds=seconds,
+                               resident=item.resident, flops=compiled_flops(compiled), compile_seconds=seconds,
                                predicted=_unit_prediction(predicted, item.stage) if item.predicted else None,
                                **_memory(compiled))
         measured.append(memory)

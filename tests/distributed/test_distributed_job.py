@@ -84,22 +84,41 @@ def job_env(devices: int) -> dict[str, str]:
     return env
 
 
-@pytest.mark.parametrize(
-    "flags, environment, message",
-    [
-        (["--distributed.num_processes=2", "--distributed.process_id=0"], {},
-         "DistributedConfig.coordinator_address ('host:port' of process 0) is required when num_processes=2"),
-        ([], {"JAX_NUM_PROCESSES": "two"}, "environment variable JAX_NUM_PROCESSES='two' is not an integer"),
-        (["--distributed.process_id=2", "--distributed.num_processes=2"], {},
-         "DistributedConfig.process_id must be < num_processes=2, got 2"),
-    ],
-)
-def test_bad_distributed_settings_fail_before_joining(tmp_path, flags, environment, message):
+BAD_SETTINGS = [
+    (["--distributed.num_processes=2", "--distributed.process_id=0"], {},
+     "DistributedConfig.coordinator_address ('host:port' of process 0) is required when num_processes=2"),
+    ([], {"JAX_NUM_PROCESSES": "two"}, "environment variable JAX_NUM_PROCESSES='two' is not an integer"),
+    (["--distributed.process_id=2", "--distributed.num_processes=2"], {},
+     "DistributedConfig.process_id must be < num_processes=2, got 2"),
+]
+
+
+@pytest.mark.parametrize("flags, environment, message", BAD_SETTINGS)
+def test_bad_distributed_settings_fail_before_joining(tmp_path, monkeypatch, capsys, flags, environment, message):
+    """The job's entry point (in this process: a script start each cost ~8 s) refuses with exit status 2."""
+    from rpegjax.train.cli import main
+
+    for name in [key for key in os.environ if key.startswith(("JAX_", "SLURM_"))]:
+        monkeypatch.delenv(name)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    try:
+        code = main([f"--run-dir={tmp_path}", *flags], Algorithm.GRPO)
+    except SystemExit as exit:  # a flag argparse refuses ends as the script would: exit status 2
+        code = exit.code
+    assert code == 2
+    assert message in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # nothing was built or written
+
+
+def test_the_script_exits_2_on_bad_distributed_settings(tmp_path):
+    """The same refusal from `scripts/train_grpo.py` itself, as a launcher sees it (one case of the three above)."""
+    flags, environment, message = BAD_SETTINGS[1]
     result = subprocess.run([sys.executable, str(SCRIPT), f"--run-dir={tmp_path}", *flags],
                             env={**job_env(1), **environment}, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr[-2000:]
     assert message in result.stderr
-    assert not any(tmp_path.iterdir())  # nothing was built or written
+    assert not any(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("rows, count", [(8, 2), (7, 2), (3, 4), (16, 3), (1, 1)])

@@ -13,6 +13,7 @@ import pathlib
 import sys
 
 import pytest
+from test_compiled_flops import compile_nested_scans, nested_scans_flops
 
 from rpegjax.graph import builders
 from rpegjax.graph.ir import Execution
@@ -21,6 +22,7 @@ from rpegjax.models import ModelConfig
 from rpegjax.runtime.meshes import stage_mesh
 from rpegjax.train import compile_target
 from rpegjax.train.compile_target import DryRunTarget, compile_devices
+from rpegjax.train.compiled_flops import CompiledFlops, compiled_flops
 from rpegjax.train.dry_run import Batch, compile_programs, lower_plan
 
 ROOT = pathlib.Path(__file__).parents[2]
@@ -84,6 +86,15 @@ def test_the_gpu_compiler_holds_bfloat16_activations_where_xla_cpu_holds_float32
     decode = compile_programs(lowered["bfloat16"][-1:], capacity_bytes=1e9).programs[0]
     page_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2  # k and v, bfloat16, per token
     assert decode.arguments > page_bytes * batch.slots // 4  # at least a slot replica's pool (kv heads over tensor)
+
+
+@needs_plugin
+def test_matmul_flops_are_counted_on_compile_only_gpus_which_have_no_cost_analysis():
+    """The dry run printed 0.00 TFLOP for every program here: JAX's cost_analysis() is None on compile-only devices.
+    The GPU compiler's modules count every iteration of nested loops exactly, as XLA:CPU's do."""
+    compiled = compile_nested_scans(compile_devices(DryRunTarget.CUDA_H100, 2))
+    assert compiled.cost_analysis() is None
+    assert compiled_flops(compiled) == CompiledFlops(flops=nested_scans_flops(2), exact=True)
 
 
 def test_the_jobs_dry_run_on_a_cuda_target_needs_the_plan(tmp_path, capsys):
