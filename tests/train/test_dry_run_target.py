@@ -158,7 +158,6 @@ def test_compile_only_gpus_have_no_host_memory_so_an_offloading_plan_lowers_with
     without one (JAX drops it): host placement cannot be compiled for them. A colocated plan that offloads its
     optimiser state still lowers every program (each takes the state on the devices); the dry run says the moves
     were not checked, and generation's resident state leaves the optimiser state out, as on the CPU target."""
-    import jax
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
