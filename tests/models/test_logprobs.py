@@ -120,14 +120,19 @@ def _loop_reductions(hlo: str) -> tuple[int, int]:
     return sum(len(pattern.findall(computations.get(body, ""))) for body in bodies), len(pattern.findall(hlo))
 
 
-def test_sharded_chunk_loop_reduces_the_output_gradient_once():
-    """Rows over 8 devices: the output-layer gradient is summed across devices once, after the chunk loop."""
+def _rows_over_8_devices(seed: int):
+    """An fsdp-8 mesh, its activation sharding, hidden [8 64 16], an output kernel [16 40], targets and the rng."""
     mesh = make_mesh({"fsdp": 8})
-    activations = ActivationSharding(mesh, ShardingRules.fsdp_tp())
-    rng = np.random.default_rng(1)
+    rng = np.random.default_rng(seed)
     hidden = jnp.asarray(rng.normal(size=(8, 64, 16)), jnp.float32)
     kernel = jnp.asarray(rng.normal(size=(16, 40)), jnp.float32)
     targets = jnp.asarray(rng.integers(0, 40, size=(8, 64)))
+    return mesh, ActivationSharding(mesh, ShardingRules.fsdp_tp()), hidden, kernel, targets, rng
+
+
+def test_sharded_chunk_loop_reduces_the_output_gradient_once():
+    """Rows over 8 devices: the output-layer gradient is summed across devices once, after the chunk loop."""
+    mesh, activations, hidden, kernel, targets, rng = _rows_over_8_devices(seed=1)
     weights = jnp.asarray(rng.normal(size=(8, 64)), jnp.float32)
 
     def gradient(sharding):
@@ -153,12 +158,7 @@ def test_a_forward_only_pass_gathers_the_compute_dtype_kernel_with_the_same_valu
     stages) casts the output matrix before its per-shard copies are made, so the gathers move bfloat16, not the
     float32 masters (the whole gathered float32 matrix was 2 GB per device per model for Llama 3.1 8B,
     docs/benchmarks.md issue 23 session 11); the log-probs are the same numbers."""
-    mesh = make_mesh({"fsdp": 8})
-    activations = ActivationSharding(mesh, ShardingRules.fsdp_tp())
-    rng = np.random.default_rng(2)
-    hidden = jnp.asarray(rng.normal(size=(8, 64, 16)), jnp.float32)
-    kernel = jnp.asarray(rng.normal(size=(16, 40)), jnp.float32)
-    targets = jnp.asarray(rng.integers(0, 40, size=(8, 64)))
+    mesh, activations, hidden, kernel, targets, _ = _rows_over_8_devices(seed=2)
 
     def program(forward_only):
         def logprobs(h, w):
