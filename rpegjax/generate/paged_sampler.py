@@ -230,9 +230,10 @@ class PagedController:
         nothing (the host and the device disagree)."""
         page = self.page_size
         limits = np.array([len(h) * page for h in slots.held], np.int32)
-        window = pow2_at_least(max(len(slots.held[s]) for s in running), self.max_pages)
         if self.decode_attention is DecodeAttention.PALLAS:  # the kernel stops at each row's length: one window
             window = self.max_pages
+        else:
+            window = pow2_at_least(max(len(slots.held[s]) for s in running), self.max_pages)
         before = int(slots.cache_length[running].sum())
         # copies: the CPU client may read an aligned numpy argument when the program runs, after this call
         # returns (clearing `evict` in place below once hid an eviction from the chunk: every chunk stalled)
