@@ -416,3 +416,14 @@ def test_remembered_stage_costs_are_those_of_each_plans_own_execution():
         assert [s.peak_memory_bytes for s in remembered.stages] == [s.peak_memory_bytes for s in fresh.stages]
         seconds.append((fresh.stage("ref_logprob").seconds, fresh.stage("ref_logprob").peak_memory_bytes))
     assert seconds[0] != seconds[1]  # packed rows cost the reference pass less than padded ones
+
+
+def test_the_perf_models_pallas_kernel_blocks_are_the_runtimes():
+    """The perf model may not import the sampler (tests/test_layout.py), so it restates the Pallas paged kernel's
+    blocks; they must be the ones `rpegjax.generate.paged_attention` runs (at the default 16-token page)."""
+    from rpegjax.generate import paged_attention
+    from rpegjax.perf import generation_cost, generation_stage
+
+    assert generation_stage.KERNEL_SPLITS == paged_attention.K_SPLITS
+    assert generation_stage.KERNEL_HEAD_BLOCK == paged_attention.BLOCK_H
+    assert generation_cost.KERNEL_BLOCK_TOKENS == paged_attention.PAGES_PER_BLOCK * 16
