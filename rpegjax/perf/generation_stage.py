@@ -79,16 +79,20 @@ def prefill_working_bytes(inputs: CostInputs, layout: Layout, slots: int) -> flo
     Rows: one per group, a replica's groups at once (min(slots, pow2(slots / group size)) rows of the prompt);
     with partial rollouts, carried sequences are one-sample requests of prompt + prefix, so up to every slot of
     the replica at once (`slots` rows) with contexts up to the capacity. Each call runs c = min(PREFILL_CHUNK,
-    pow2(context)) query tokens per row over a window of W = min(pow2(context), capacity) cached keys:
+    pow2(context)) query tokens per row over a window of W = min(pow2(context), capacity) cached keys. The
+    attention and the MLP are not live together, so the larger of the two counts beside the logits:
 
-        rows x (heads/t x c x W x 4             float32 attention scores (XLA materialises them)
-                + 2 x kv/t x W x head_dim x b   the window's keys and values gathered from the pages
-                + 2 x c x mlp/t x b             the MLP's gate and up activations
-                + 2 x vocab x 4)                the float32 last-token logits, in and out
+        rows x (max(heads/t x c x W x 2b           the attention scores, twice: the GPU compiler keeps the
+                                                    dot's output and a transposed copy the softmax reads
+                    + 2 x kv/t x W x head_dim x b,  the window's keys and values gathered from the pages
+                    2 x c x mlp/t x b)              the MLP's gate and up activations
+                + 2 x vocab x 4)                    the float32 last-token logits, in and out
 
     (b: compute bytes). The start program that follows samples each replica's own rows (`start_rows`): its
-    logits are the decode transient's (`decode_transient_bytes`). At W-plan 7B (64 carried rows, t = 4, a 17k
-    window) this is 8.9 GB; the GPU compiler's temporaries were 8.5 GB (docs/benchmarks.md, issue 24)."""
+    logits are the decode transient's (`decode_transient_bytes`). GPU compiler's temporaries against this count:
+    W-plan 7B (64 carried rows, t = 4, a 17k window, bfloat16) 8.5 GB against 8.6 (docs/benchmarks.md, issue 24);
+    the README's Qwen2.5-0.5B float32 plan (384 rows, t = 2, a 2,304 window) 13.41 GB against 13.6, where
+    counting the scores once at 4 bytes had given 9.2 (docs/benchmarks.md, "Lead, session 12")."""
     w, shape, o = inputs.workload, inputs.actor, inputs.options
     if not o.kv_pool:
         return 0.0
@@ -100,8 +104,8 @@ def prefill_working_bytes(inputs: CostInputs, layout: Layout, slots: int) -> flo
     chunk, window = min(PREFILL_CHUNK, _pow2(context)), min(_pow2(context), capacity)
     t, b = layout.tensor, shape.compute_bytes_each
     heads, kv = shape.heads / min(t, shape.heads), shape.kv_heads / min(t, shape.kv_heads)
-    per_row = (heads * chunk * window * 4 + 2 * kv * window * shape.head_dim * b + 2 * chunk * shape.mlp / t * b
-               + 2 * shape.vocab * 4)
+    attention = 2 * heads * chunk * window * b + 2 * kv * window * shape.head_dim * b
+    per_row = max(attention, 2 * chunk * shape.mlp / t * b) + 2 * shape.vocab * 4
     return rows * per_row
 
 

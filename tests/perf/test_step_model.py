@@ -128,10 +128,13 @@ def test_the_generation_peak_covers_the_carried_sequences_prefill():
                                  options=ExecutionOptions(**options, partial_rollouts=on, inflight_batches=3))
                       for on in (True, False))
     capacity, b = 1024 + 16384, 2  # bfloat16
-    per_row = (28 / 4 * 256 * capacity * 4 + 2 * 1 * capacity * 128 * b + 2 * 256 * 18944 / 4 * b + 2 * 152064 * 4)
+    # the scores twice in the compute dtype and the gathered window, or the MLP's activations if larger; the logits
+    per_row = (max(2 * 28 / 4 * 256 * capacity * b + 2 * 1 * capacity * 128 * b, 2 * 256 * 18944 / 4 * b)
+               + 2 * 152064 * 4)
     assert prefill_working_bytes(partial, layout, 64) == pytest.approx(64 * per_row)
     # without carried sequences: one row per group (8 for 64 slots) over the prompt's 1,024 tokens
-    groups = 8 * (28 / 4 * 256 * 1024 * 4 + 2 * 1 * 1024 * 128 * b + 2 * 256 * 18944 / 4 * b + 2 * 152064 * 4)
+    groups = 8 * (max(2 * 28 / 4 * 256 * 1024 * b + 2 * 1 * 1024 * 128 * b, 2 * 256 * 18944 / 4 * b)
+                  + 2 * 152064 * 4)
     assert prefill_working_bytes(whole, layout, 64) == pytest.approx(groups)
     slots, memory = generation_memory(partial, layout, 1e12)
     pool = 3_342_336 * kv_bytes_per_token(shape, layout)
@@ -142,6 +145,25 @@ def test_the_generation_peak_covers_the_carried_sequences_prefill():
     peak = memory + shape.weight_bytes / 4 + 2.26e9
     compiled = {"prefill (carried sequences)": 62.61e9, "decode": 54.07e9, "start (carried sequences)": 50.24e9}
     assert max(compiled.values()) <= peak <= 1.15 * max(compiled.values())
+
+
+def test_a_float32_carried_prefill_holds_its_scores_twice():
+    """The README's Qwen2.5-0.5B float32 plan on 8 H100 (gen d4xt2, 384 slots per replica, partial rollouts, prompt
+    256 + up to 2,048 new tokens): the GPU compiler's carried-sequence prefill holds the float32 scores
+    [384, 2304, 7 x 256] twice (the dot's output and a transposed copy, 6.34 GB each; 13.41 GB of temporaries in
+    all: `XLA_FLAGS=--xla_dump_to=... plan.py ... --verify --verify-target cuda-h100`, docs/benchmarks.md "Lead,
+    session 12"). Counting them once at 4 bytes gave 9.2 GB (-31%)."""
+    from rpegjax.perf.generation_stage import prefill_working_bytes
+    from rpegjax.perf.generation_cost import ResponseLengths
+
+    shape = dataclasses.replace(ModelShape.from_config(ModelConfig.qwen2p5("0.5b")), param_dtype="float32",
+                                compute_dtype="float32")
+    workload = Workload(prompts=64, group_size=8, prompt_tokens=256, responses=ResponseLengths.lognormal(512, 2048))
+    inputs = CostInputs(hardware=hardware.preset("h100", 8), actor=shape, critic=shape, workload=workload,
+                        options=ExecutionOptions(kv_pool=True, partial_rollouts=True, inflight_batches=3))
+    layout = Layout.from_parallel({"data": 4, "tensor": 2}, where="test")
+    scores = 384 * 2 * (14 / 2 * 256 * 2304 * 4)
+    assert scores < prefill_working_bytes(inputs, layout, 384) == pytest.approx(13.41e9, rel=0.03)
 
 
 def test_a_paged_pool_admits_more_sequences_than_a_contiguous_cache_and_fewer_slots_decode_longer():
@@ -163,9 +185,9 @@ def test_a_paged_pool_admits_more_sequences_than_a_contiguous_cache_and_fewer_sl
     # pinned slots and pool: the plan's own, whatever the budget (the runtime runs what the plan says)
     pinned = _inputs(options=ExecutionOptions(kv_pool=True, decode_slots=4, kv_pool_tokens=10_000))
     slots, memory = generation_memory(pinned, layout, 1e12)
-    # beside the pool: the larger of the decode chunk's logits and the prefill of one group's 256-token prompt (its
-    # float32 scores, keys and values, MLP activations and logits: larger here)
-    prefill = 14 * 256 * 256 * 4 + 2 * 2 * 256 * 64 * 2 + 2 * 256 * 4864 * 2 + 2 * pinned.actor.vocab * 4
+    # beside the pool: the larger of the decode chunk's logits and the prefill of one group's 256-token prompt (the
+    # larger of its scores, twice, with keys and values, and its MLP activations; and its logits: larger here)
+    prefill = max(2 * 14 * 256 * 256 * 2 + 2 * 2 * 256 * 64 * 2, 2 * 256 * 4864 * 2) + 2 * pinned.actor.vocab * 4
     assert prefill > 4 * pinned.actor.vocab * 8
     assert slots == 4 and memory == pytest.approx(10_000 * per_token + prefill)
     with pytest.raises(MemoryError, match="KV cache of one sequence"):  # a pool that cannot hold one sequence
