@@ -193,3 +193,16 @@ def test_the_capacity_factor_is_a_plan_choice_of_moe_models_only():
                                                            space=space).executions} == {None}
     with pytest.raises(ValueError, match="moe_capacity_factor=1.25 needs a mixture-of-experts model"):
         dense.inputs_for(graphs[1.25])
+
+
+def test_the_verl_like_baseline_runs_dropless_whatever_factors_are_searched():
+    """verl trains MoE with Megatron's dropless dispatch: the verl-like plan takes no factor from the space, even
+    one that lists a capacity factor first or only (scripts/plan.py --moe-capacity-factor 1.25 dropless)."""
+    workload = Workload(prompts=16, group_size=8, prompt_tokens=128, responses=ResponseLengths.lognormal(1000, 2048))
+    evaluator = step_model.Evaluator.for_runtime(MOE, workload, hardware.preset("h100", 16))
+    for capacities in ((1.25, None), (1.25,)):
+        space = _small_space(capacities)
+        assert space.executions(experts=True)[0].moe_capacity_factor == 1.25  # what it used to take
+        verl = planner.verl_like(evaluator, algorithm="grpo", num_devices=16, use_reference=False, space=space)
+        assert verl.graph.execution.moe_capacity_factor is None
+        assert evaluator.inputs_for(verl.graph).actor.experts.capacity_factor is None
