@@ -167,12 +167,23 @@ def expected_experts_hit(shape: ModelShape, layout: Layout, rows: float) -> floa
 def decode_weight_bytes(shape: ModelShape, layout: Layout, rows: float) -> float:
     """Weight bytes one device reads in a decode step of `rows` rows per replica: its tensor share of the dense
     weights, and of the experts its tokens hit (`expected_experts_hit`)."""
+    dense, experts, _ = decode_weight_terms(shape, layout)
+    if shape.experts is None:
+        return dense
+    return dense + experts * expected_experts_hit(shape, layout, rows) / (shape.experts.experts / layout.expert)
+
+
+def decode_weight_terms(shape: ModelShape, layout: Layout) -> tuple[float, float, float]:
+    """(dense bytes, all local experts' bytes, miss) that one device reads in decode steps: a step of r rows per
+    replica reads the dense bytes and the share 1 − miss^r of its local experts' (`expected_experts_hit`: miss is
+    the chance that one row of each of the p replicas of the expert group leaves a given expert unpicked,
+    (1 − k/x)^p), so the step model costs each step's experts by the rows it decodes."""
     e = shape.experts
     if e is None:
-        return shape.weight_bytes / layout.tensor
-    expert_bytes = 3 * shape.hidden * e.mlp * shape.param_bytes_each
+        return shape.weight_bytes / layout.tensor, 0.0, 1.0
     dense = (shape.params - expert_params(shape)) * shape.param_bytes_each / layout.tensor
-    return dense + e.sparse_layers * expected_experts_hit(shape, layout, rows) * expert_bytes / layout.tensor
+    local = e.sparse_layers * e.experts / layout.expert * 3 * shape.hidden * e.mlp * shape.param_bytes_each / layout.tensor
+    return dense, local, (1.0 - e.top_k / e.experts) ** layout.expert
 
 
 def generation_copy_params(shape: ModelShape, layout: Layout) -> float:
@@ -188,5 +199,5 @@ def decode_dispatch_seconds(shape: ModelShape, layout: Layout, hardware: Hardwar
 
 
 __all__ = ["ExpertShape", "with_layers", "computed_expert_ratio", "decode_dispatch_seconds", "decode_weight_bytes",
-           "dispatch_seconds", "exchanged_rows_per_token", "expected_experts_hit", "expert_params",
+           "decode_weight_terms", "dispatch_seconds", "exchanged_rows_per_token", "expected_experts_hit", "expert_params",
            "extra_expert_flops", "generation_copy_params", "layer_params_held", "layer_transient_bytes"]

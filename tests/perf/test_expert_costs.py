@@ -83,6 +83,14 @@ def test_decode_reads_only_the_experts_hit():
     assert expert_costs.decode_weight_bytes(shape, layout, 1) == pytest.approx(dense + 48 * 8 * 3 * 2048 * 768 * 2 / 2)
     split = Layout.from_parallel({"data": 1, "expert": 8}, where="test")  # 16 local experts, 8 replicas' tokens
     assert expert_costs.expected_experts_hit(shape, split, 1) == pytest.approx(16 * (1 - (1 - 8 / 128) ** 8))
+    # the step model's terms: each step reads the dense weights and the share of its local experts its rows hit
+    dense_terms, local, miss = expert_costs.decode_weight_terms(shape, split)
+    assert dense_terms == pytest.approx((shape.params - expert_costs.expert_params(shape)) * 2)
+    assert local == pytest.approx(48 * 16 * 3 * 2048 * 768 * 2) and miss == pytest.approx((1 - 8 / 128) ** 8)
+    for rows in (1, 3, 40):
+        hand = dense_terms + 48 * 16 * (1 - (1 - 8 / 128) ** (8 * rows)) * 3 * 2048 * 768 * 2
+        assert dense_terms + local * (1 - miss**rows) == pytest.approx(hand)
+        assert expert_costs.decode_weight_bytes(shape, split, rows) == pytest.approx(hand)
 
 
 def _bench_update_gib(parallel: dict[str, int], capacity: float | None) -> float:
