@@ -73,24 +73,26 @@ def test_dispatch_is_an_all_to_all_per_sparse_layer_inside_and_across_nodes():
 
 
 def test_decode_reads_only_the_experts_hit():
+    """A decode step of r rows per replica reads the dense weights and the share 1 - miss^r of its local experts:
+    E[hit] = (x/p)(1 - (1 - k/x)^(p r)) of them per sparse layer (tokens routed uniformly)."""
     shape = ModelShape.from_config(MOE)
+    expert = 3 * 2048 * 768 * 2  # one expert's matrices, bf16
     layout = Layout.from_parallel({"data": 4, "tensor": 2}, where="test")
-    assert expert_costs.expected_experts_hit(shape, layout, 0) == 0
-    assert expert_costs.expected_experts_hit(shape, layout, 1) == pytest.approx(8)  # one token: its k experts
-    assert expert_costs.expected_experts_hit(shape, layout, 4) == pytest.approx(128 * (1 - (1 - 8 / 128) ** 4))
-    assert expert_costs.expected_experts_hit(shape, layout, 10_000) == pytest.approx(128)  # bounded by the local experts
-    dense = (shape.params - expert_costs.expert_params(shape)) * 2 / 2
-    assert expert_costs.decode_weight_bytes(shape, layout, 1) == pytest.approx(dense + 48 * 8 * 3 * 2048 * 768 * 2 / 2)
+    dense, local, miss = expert_costs.decode_weight_terms(shape, layout)
+    assert dense == pytest.approx((shape.params - expert_costs.expert_params(shape)) * 2 / 2)
+    assert local == pytest.approx(48 * 128 * expert / 2)
+    hit = lambda rows: local * (1 - miss**rows) / (48 * expert / 2)  # experts read per sparse layer
+    assert hit(0) == 0 and hit(1) == pytest.approx(8)  # one token: its k experts
+    assert hit(4) == pytest.approx(128 * (1 - (1 - 8 / 128) ** 4))
+    assert hit(10_000) == pytest.approx(128)  # bounded by the local experts
     split = Layout.from_parallel({"data": 1, "expert": 8}, where="test")  # 16 local experts, 8 replicas' tokens
-    assert expert_costs.expected_experts_hit(shape, split, 1) == pytest.approx(16 * (1 - (1 - 8 / 128) ** 8))
-    # the step model's terms: each step reads the dense weights and the share of its local experts its rows hit
-    dense_terms, local, miss = expert_costs.decode_weight_terms(shape, split)
-    assert dense_terms == pytest.approx((shape.params - expert_costs.expert_params(shape)) * 2)
-    assert local == pytest.approx(48 * 16 * 3 * 2048 * 768 * 2) and miss == pytest.approx((1 - 8 / 128) ** 8)
+    dense, local, miss = expert_costs.decode_weight_terms(shape, split)
+    assert dense == pytest.approx((shape.params - expert_costs.expert_params(shape)) * 2)
+    assert local == pytest.approx(48 * 16 * expert) and miss == pytest.approx((1 - 8 / 128) ** 8)
     for rows in (1, 3, 40):
-        hand = dense_terms + 48 * 16 * (1 - (1 - 8 / 128) ** (8 * rows)) * 3 * 2048 * 768 * 2
-        assert dense_terms + local * (1 - miss**rows) == pytest.approx(hand)
-        assert expert_costs.decode_weight_bytes(shape, split, rows) == pytest.approx(hand)
+        assert local * (1 - miss**rows) == pytest.approx(48 * 16 * (1 - (1 - 8 / 128) ** (8 * rows)) * expert)
+    dense_model = ModelShape.from_config(ModelConfig.qwen3("32b"))
+    assert expert_costs.decode_weight_terms(dense_model, layout) == (dense_model.weight_bytes / 2, 0.0, 1.0)
 
 
 def _bench_update_gib(parallel: dict[str, int], capacity: float | None) -> float:
