@@ -155,24 +155,18 @@ def layer_transient_bytes(shape: ModelShape, options: ExecutionOptions, layout: 
 
 
 # ------------------------------------------------------------------------------------------------ decoding
-def expected_experts_hit(shape: ModelShape, layout: Layout, rows: float) -> float:
-    """Experts one device reads per sparse layer in a decode step of `rows` rows on each replica: of its x/p local
-    experts, those some token of the p replicas of its expert group picked, E[hit] = (x/p)·(1 − (1 − k/x)^(p·rows))
-    (tokens routed uniformly: a fair bound for balanced routers), never more than its local experts."""
-    e = shape.experts
-    local = e.experts / layout.expert
-    return local * (1.0 - (1.0 - e.top_k / e.experts) ** max(0.0, rows * layout.expert))
-
-
-def decode_weight_bytes(shape: ModelShape, layout: Layout, rows: float) -> float:
-    """Weight bytes one device reads in a decode step of `rows` rows per replica: its tensor share of the dense
-    weights, and of the experts its tokens hit (`expected_experts_hit`)."""
+def decode_weight_terms(shape: ModelShape, layout: Layout) -> tuple[float, float, float]:
+    """(dense bytes, all local experts' bytes, miss) that one device reads in decode steps. A step of r rows per
+    replica reads its tensor share of the dense weights and of the experts some token of the p replicas of its
+    expert group picked: E[hit] = (x/p)·(1 − (1 − k/x)^(p·r)) of its x/p local ones (tokens routed uniformly: a
+    fair bound for balanced routers), i.e. the share 1 − miss^r with miss = (1 − k/x)^p; the step model costs
+    each step's experts by the rows it decodes (`DecodeStepCost.memory_seconds`)."""
     e = shape.experts
     if e is None:
-        return shape.weight_bytes / layout.tensor
-    expert_bytes = 3 * shape.hidden * e.mlp * shape.param_bytes_each
+        return shape.weight_bytes / layout.tensor, 0.0, 1.0
     dense = (shape.params - expert_params(shape)) * shape.param_bytes_each / layout.tensor
-    return dense + e.sparse_layers * expected_experts_hit(shape, layout, rows) * expert_bytes / layout.tensor
+    local = e.sparse_layers * e.experts / layout.expert * 3 * shape.hidden * e.mlp * shape.param_bytes_each / layout.tensor
+    return dense, local, (1.0 - e.top_k / e.experts) ** layout.expert
 
 
 def generation_copy_params(shape: ModelShape, layout: Layout) -> float:
@@ -187,6 +181,6 @@ def decode_dispatch_seconds(shape: ModelShape, layout: Layout, hardware: Hardwar
     return dispatch_seconds(shape, layout, hardware, tokens_per_device=rows, exchanges=2)
 
 
-__all__ = ["ExpertShape", "with_layers", "computed_expert_ratio", "decode_dispatch_seconds", "decode_weight_bytes",
-           "dispatch_seconds", "exchanged_rows_per_token", "expected_experts_hit", "expert_params",
+__all__ = ["ExpertShape", "with_layers", "computed_expert_ratio", "decode_dispatch_seconds",
+           "decode_weight_terms", "dispatch_seconds", "exchanged_rows_per_token", "expert_params",
            "extra_expert_flops", "generation_copy_params", "layer_params_held", "layer_transient_bytes"]

@@ -105,6 +105,15 @@ class DecodeStepCost:
     memory_seconds_per_key: float  # reading one key/value from the cache
     fixed_seconds: float  # kernel launches and collective latency per step
     prefill_seconds: float  # prefill of one prompt
+    # a mixture-of-experts model's expert weights: reading all of a device's local experts once, and the chance
+    # that one row leaves a given expert unpicked; a step of r rows reads the (1 - miss^r) share its rows hit
+    expert_memory_seconds: float = 0.0
+    expert_miss: float = 1.0
+
+    def memory_seconds(self, rows: np.ndarray, keys: np.ndarray) -> np.ndarray:
+        """Memory time of decode steps of `rows` processed rows attending to `keys` keys."""
+        experts = self.expert_memory_seconds * (1.0 - self.expert_miss ** np.asarray(rows, dtype=np.float64))
+        return self.memory_seconds_fixed + experts + self.memory_seconds_per_row * rows + self.memory_seconds_per_key * keys
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -172,7 +181,7 @@ def simulate_decode(lengths: np.ndarray, *, slots: int, prompt: int, capacity: i
             rows = np.minimum(float(min(slots, len(lengths))), _pow2_at_least(active))
             keys = keys + active * KERNEL_BLOCK_TOKENS / 2
     compute = cost.seconds_per_row * rows + cost.seconds_per_key * keys
-    memory = cost.memory_seconds_fixed + cost.memory_seconds_per_row * rows + cost.memory_seconds_per_key * keys
+    memory = cost.memory_seconds(rows, keys)
     step_seconds = np.maximum(compute, memory) + cost.fixed_seconds
     prefill = np.zeros(steps)
     np.add.at(prefill, starts, cost.prefill_seconds)

@@ -254,7 +254,7 @@ class PartialSimulation:
                 rows = np.minimum(float(s.slots), _pow2_at_least(active[chunk_start]))
                 keys = keys + active * KERNEL_BLOCK_TOKENS / 2
         compute = cost.seconds_per_row * rows + cost.seconds_per_key * keys
-        memory = cost.memory_seconds_fixed + cost.memory_seconds_per_row * rows + cost.memory_seconds_per_key * keys
+        memory = cost.memory_seconds(rows, keys)
         seconds = float((np.maximum(compute, memory) + cost.fixed_seconds).sum()) + prefill
         return dict(seconds=seconds, live_row_steps=float(active.sum()), decoded_row_steps=float(rows.sum()),
                     compute_bound_steps=int((compute > memory).sum()))

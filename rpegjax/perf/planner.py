@@ -762,9 +762,12 @@ def verl_like(evaluator: Evaluator, *, algorithm: Algorithm | str, num_devices: 
     """verl's default: synchronous, colocated, separate models; FSDP (ZeRO-3) training over all devices and
     tensor-parallel rollout (TP 2 up to ~14B parameters, else 4, as in verl's example scripts); executed with
     the space's first execution the runtime supports (flash-style attention and full remat, as verl's examples
-    enable) and the fewest update micro-batches that fit."""
+    enable) and the fewest update micro-batches that fit. A mixture-of-experts model runs dropless whatever
+    factors the space lists: verl trains MoE with Megatron, whose token dispatch is dropless unless a capacity
+    factor is set (Megatron-Core's `TransformerConfig.moe_expert_capacity_factor` defaults to None)."""
     planner = Planner(evaluator, algorithm=algorithm, num_devices=num_devices, use_reference=use_reference,
-                      space=dataclasses.replace(space or PlanSpace(), partial_rollouts=(False,)),
+                      space=dataclasses.replace(space or PlanSpace(), partial_rollouts=(False,),
+                                                moe_capacity_factors=(None,)),
                       optimizer_steps=optimizer_steps)
     shape = evaluator.inputs.actor
     tensor = 2 if shape.params <= 14e9 else 4

@@ -238,9 +238,14 @@ def continuous_generation(run: RLRun) -> bool:
     rpegjax's partial-rollout model (`rpegjax.perf.partial_rollouts`) with `age` batches in flight, carried
     sequences continuing from their pages, and a trained token lagging at most `age` versions.
 
-    With an age of 1 one batch is in flight: the partial-rollout pool holds at least two (as rpegjax's runtime
-    does), so such a run is costed as a whole batch per step (what one batch in flight, refilled at the step's
-    start, gives); the next batch's groups entering the freed places mid-step is not modelled."""
+    With an age of 1 one batch is in flight (a semaphore of `num_prompts_per_step` groups; each sample is its own
+    request, dealt round-robin over the vLLM replicas) and the collector reserves one target version per weights
+    version, so the next batch's groups enter the places a finished group frees once the trainer has published
+    the weights they start from. Such a run is costed as a whole batch per step, which is what that gives here:
+    generation-bound, each batch's groups start in the places of the previous batch's groups as those end, and
+    with the responses these runs are modelled with (log-normal, over 40% of them at the length cap) all but
+    ~2e-8 of the groups of 32 hold a capped response, so every group lasts the cap's decode steps and no place
+    frees before the whole batch ends (tests/perf/test_validation.py checks the odds)."""
     return run.in_flight_weight_updates and run.async_bound >= 2
 
 

@@ -73,16 +73,26 @@ def test_dispatch_is_an_all_to_all_per_sparse_layer_inside_and_across_nodes():
 
 
 def test_decode_reads_only_the_experts_hit():
+    """A decode step of r rows per replica reads the dense weights and the share 1 - miss^r of its local experts:
+    E[hit] = (x/p)(1 - (1 - k/x)^(p r)) of them per sparse layer (tokens routed uniformly)."""
     shape = ModelShape.from_config(MOE)
+    expert = 3 * 2048 * 768 * 2  # one expert's matrices, bf16
     layout = Layout.from_parallel({"data": 4, "tensor": 2}, where="test")
-    assert expert_costs.expected_experts_hit(shape, layout, 0) == 0
-    assert expert_costs.expected_experts_hit(shape, layout, 1) == pytest.approx(8)  # one token: its k experts
-    assert expert_costs.expected_experts_hit(shape, layout, 4) == pytest.approx(128 * (1 - (1 - 8 / 128) ** 4))
-    assert expert_costs.expected_experts_hit(shape, layout, 10_000) == pytest.approx(128)  # bounded by the local experts
-    dense = (shape.params - expert_costs.expert_params(shape)) * 2 / 2
-    assert expert_costs.decode_weight_bytes(shape, layout, 1) == pytest.approx(dense + 48 * 8 * 3 * 2048 * 768 * 2 / 2)
+    dense, local, miss = expert_costs.decode_weight_terms(shape, layout)
+    assert dense == pytest.approx((shape.params - expert_costs.expert_params(shape)) * 2 / 2)
+    assert local == pytest.approx(48 * 128 * expert / 2)
+    hit = lambda rows: local * (1 - miss**rows) / (48 * expert / 2)  # experts read per sparse layer
+    assert hit(0) == 0 and hit(1) == pytest.approx(8)  # one token: its k experts
+    assert hit(4) == pytest.approx(128 * (1 - (1 - 8 / 128) ** 4))
+    assert hit(10_000) == pytest.approx(128)  # bounded by the local experts
     split = Layout.from_parallel({"data": 1, "expert": 8}, where="test")  # 16 local experts, 8 replicas' tokens
-    assert expert_costs.expected_experts_hit(shape, split, 1) == pytest.approx(16 * (1 - (1 - 8 / 128) ** 8))
+    dense, local, miss = expert_costs.decode_weight_terms(shape, split)
+    assert dense == pytest.approx((shape.params - expert_costs.expert_params(shape)) * 2)
+    assert local == pytest.approx(48 * 16 * expert) and miss == pytest.approx((1 - 8 / 128) ** 8)
+    for rows in (1, 3, 40):
+        assert local * (1 - miss**rows) == pytest.approx(48 * 16 * (1 - (1 - 8 / 128) ** (8 * rows)) * expert)
+    dense_model = ModelShape.from_config(ModelConfig.qwen3("32b"))
+    assert expert_costs.decode_weight_terms(dense_model, layout) == (dense_model.weight_bytes / 2, 0.0, 1.0)
 
 
 def _bench_update_gib(parallel: dict[str, int], capacity: float | None) -> float:
@@ -193,3 +203,16 @@ def test_the_capacity_factor_is_a_plan_choice_of_moe_models_only():
                                                            space=space).executions} == {None}
     with pytest.raises(ValueError, match="moe_capacity_factor=1.25 needs a mixture-of-experts model"):
         dense.inputs_for(graphs[1.25])
+
+
+def test_the_verl_like_baseline_runs_dropless_whatever_factors_are_searched():
+    """verl trains MoE with Megatron's dropless dispatch: the verl-like plan takes no factor from the space, even
+    one that lists a capacity factor first or only (scripts/plan.py --moe-capacity-factor 1.25 dropless)."""
+    workload = Workload(prompts=16, group_size=8, prompt_tokens=128, responses=ResponseLengths.lognormal(1000, 2048))
+    evaluator = step_model.Evaluator.for_runtime(MOE, workload, hardware.preset("h100", 16))
+    for capacities in ((1.25, None), (1.25,)):
+        space = _small_space(capacities)
+        assert space.executions(experts=True)[0].moe_capacity_factor == 1.25  # what it used to take
+        verl = planner.verl_like(evaluator, algorithm="grpo", num_devices=16, use_reference=False, space=space)
+        assert verl.graph.execution.moe_capacity_factor is None
+        assert evaluator.inputs_for(verl.graph).actor.experts.capacity_factor is None

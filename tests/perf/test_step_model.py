@@ -52,6 +52,7 @@ def _naive_decode(lengths, slots, prompt, cost: DecodeStepCost, kernel: str, cap
             keys = rows * capacity
         compute = cost.seconds_per_row * rows + cost.seconds_per_key * keys
         memory = cost.memory_seconds_fixed + cost.memory_seconds_per_row * rows + cost.memory_seconds_per_key * keys
+        memory += cost.expert_memory_seconds * (1 - cost.expert_miss**rows)  # the experts this step's rows hit
         elapsed += max(compute, memory) + cost.fixed_seconds + step_prefill
         for entry in active:
             entry[2] += 1
@@ -62,10 +63,13 @@ def _naive_decode(lengths, slots, prompt, cost: DecodeStepCost, kernel: str, cap
     return elapsed, [finish[i] for i in range(len(lengths))]
 
 
+@pytest.mark.parametrize("experts", [False, True], ids=["dense", "experts"])
 @pytest.mark.parametrize("kernel", ["paged", "static", "live"])
-def test_decode_simulation_matches_a_step_by_step_reference(kernel):
+def test_decode_simulation_matches_a_step_by_step_reference(kernel, experts):
     cost = DecodeStepCost(seconds_per_row=1e-4, seconds_per_key=2e-7, memory_seconds_fixed=3e-3,
                           memory_seconds_per_row=1e-5, memory_seconds_per_key=1e-6, fixed_seconds=1e-4, prefill_seconds=5e-3)
+    if experts:  # a MoE model's expert weights, read by the share of experts each step's rows pick
+        cost = dataclasses.replace(cost, expert_memory_seconds=2e-2, expert_miss=(1 - 8 / 128) ** 2)
     lengths = np.array([5, 17, 3, 9, 12, 1, 30, 8, 8, 2])
     seconds, finish = _naive_decode(list(lengths), 3, 7, cost, kernel, capacity=37)
     timeline = simulate_decode(lengths, slots=3, prompt=7, capacity=37, kernel=kernel, continuous=True, cost=cost)
