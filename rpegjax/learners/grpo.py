@@ -155,7 +155,7 @@ class GRPOLearner(PolicyUpdates):
         return score_sequences(
             self.placement.merge(params), tokens, token_mask, chunk_size=self.cfg.logprob_chunk_size,
             temperature=self.cfg.temperature, sharding=sharding or self.placement.activations, segment_ids=segment_ids,
-            expert_ids=expert_ids, forward_only=True,
+            expert_ids=expert_ids,
         ).logprobs
 
     def _advantages_fn(self, rewards: Float[Array, " b"], response_mask: Bool[Array, "b t"]):

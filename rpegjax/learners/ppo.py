@@ -207,7 +207,7 @@ class PPOLearner(PolicyUpdates):
         return score_sequences(
             self.actor.merge(params), tokens, token_mask, chunk_size=self.cfg.logprob_chunk_size,
             temperature=self.cfg.temperature, sharding=sharding or self.actor.activations, segment_ids=segment_ids,
-            expert_ids=expert_ids, forward_only=True,
+            expert_ids=expert_ids,
         ).logprobs
 
     def values_fn(self, params: Params, tokens, token_mask, sharding: ActivationSharding | None = None,
@@ -227,7 +227,7 @@ class PPOLearner(PolicyUpdates):
             scores = score_sequences(
                 self.actor.merge(params["actor"]), tokens, token_mask, chunk_size=self.cfg.logprob_chunk_size,
                 temperature=self.cfg.temperature, with_values=True, sharding=sharding or self.actor.activations,
-                segment_ids=segment_ids, expert_ids=expert_ids, forward_only=True,
+                segment_ids=segment_ids, expert_ids=expert_ids,
             )
             return scores.logprobs, scores.values
         return (self.logprobs_fn(params["actor"], tokens, token_mask, sharding, segment_ids, expert_ids),

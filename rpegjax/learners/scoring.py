@@ -44,7 +44,6 @@ def score_sequences(
     dropout_key: Array | None = None,
     expert_ids: Int[Array, "b t s k"] | None = None,
     segment_ids: Int[Array, "b t"] | None = None,
-    forward_only: bool = False,
 ) -> SequenceScores:
     """Log-probs (and optionally entropies and values) of every token from one forward pass.
 
@@ -52,8 +51,7 @@ def score_sequences(
     are never materialised (`rpegjax.models.logprobs.logprobs_from_hidden`). `dropout_key`: the training
     forward's LoRA dropout key (`Decoder.hidden_states`); None everywhere else. `expert_ids`: a mixture-of-experts
     model routes every token to these experts (the rollout's routing, replayed). `segment_ids`: packed rows
-    (`rpegjax.learners.packing`); None: one sequence per row. `forward_only`: never differentiated (the inference
-    stages): the output matrix is gathered as its compute-dtype cast (`logprobs_from_hidden`).
+    (`rpegjax.learners.packing`); None: one sequence per row.
     """
     if tokens.shape != token_mask.shape:
         raise ValueError(f"score_sequences: tokens {tokens.shape} and token_mask {token_mask.shape} differ in shape")
@@ -79,7 +77,7 @@ def score_sequences(
         targets = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
         picked, raw_entropy = logprobs_from_hidden(
             hidden, model.output_kernel(), targets, chunk_size=chunk_size, temperature=temperature,
-            with_entropy=with_entropy, dtype=model.cfg.jnp_dtype, sharding=sharding, forward_only=forward_only,
+            with_entropy=with_entropy, dtype=model.cfg.jnp_dtype, sharding=sharding,
         )
         logprobs = aligned(picked)
         entropy = None if raw_entropy is None else aligned(raw_entropy)

@@ -628,13 +628,13 @@ def _pass_transient_bytes(inputs: CostInputs, shape: ModelShape, layout: Layout,
         # assignment of the 7B packed update, 2 and 4 layers, docs/benchmarks.md issue 23 session 10)
         grads += shape.layers * shape.matmul_params_per_layer * o.grad_bytes_per_param / layout.shards
     if layout.fsdp * layout.context * layout.expert > 1:
-        # FSDP gathers the output matrix whole for the update (every log-prob chunk reads it), and its gradient
-        # accumulates whole over the chunks before it is reduce-scattered. The token lookup reads its own shard of
-        # the table (never gathered whole), and with tied embeddings the lookup's gradient is added into that same
-        # whole buffer. Large for big vocabularies (Qwen2.5: 152k x d); read from XLA's GPU compiler's buffer
-        # assignment of 0.5B updates, tied and untied (docs/benchmarks.md, issue 23: the embedding table gathered
-        # whole and a second whole gradient for tied embeddings were XLA:CPU's, +45% on the GPU)
-        gathered += shape.vocab * shape.hidden * (shape.param_bytes_each + o.grad_bytes_per_param) / layout.tensor
+        # FSDP gathers the output matrix whole for the update (every log-prob chunk reads it) as its compute-dtype
+        # cast, and its float32 gradient accumulates whole over the chunks before it is reduce-scattered
+        # (`models.logprobs._ChunkLoop`). The token lookup reads its own shard of the table (never gathered
+        # whole); with tied embeddings its gradient is added to the output's. Large for big vocabularies (Qwen2.5:
+        # 152k x d); read from XLA's GPU compiler's buffer assignment of 0.5B updates, tied and untied
+        # (docs/benchmarks.md, issue 23; float32 then), and of the untied 7B update (s25v, session 12)
+        gathered += shape.vocab * shape.hidden * (shape.compute_bytes_each + o.grad_bytes_per_param) / layout.tensor
     return activations + chunk + gathered + kv_gathered + grads
 
 

@@ -207,6 +207,13 @@ class ActivationSharding:
         spec = logical_to_spec(logical, table, self.mesh, w.shape, name=name)
         return jax.lax.with_sharding_constraint(w, NamedSharding(self.mesh, spec))
 
+    def sharded_weight(self, w: jax.Array, logical: Sequence[str | None], *, name: str = "weight") -> jax.Array:
+        """A weight-shaped `w` (a gradient) with parameter axes `logical`, split as the parameter rules split that
+        weight: a sum of per-device partials becomes a reduce-scatter where it is made, not a whole copy kept
+        until the parameter's own sharding is met (docs/benchmarks.md, s25v session 12)."""
+        spec = logical_to_spec(logical, self.rules.params, self.mesh, w.shape, name=name)
+        return jax.lax.with_sharding_constraint(w, NamedSharding(self.mesh, spec))
+
 
 def constrain(x: jax.Array, sharding: ActivationSharding | None, logical: Sequence[str | None]) -> jax.Array:
     """`sharding.constrain(x, logical)`, or `x` unchanged when there is no activation sharding."""

@@ -153,24 +153,63 @@ def test_sharded_chunk_loop_reduces_the_output_gradient_once():
         np.testing.assert_allclose(ours, expected, atol=1e-5 * max(1.0, float(np.abs(expected).max())))
 
 
-def test_a_forward_only_pass_gathers_the_compute_dtype_kernel_with_the_same_values():
-    """Rows over 8 devices, float32 kernel, bfloat16 compute: a pass that is never differentiated (the inference
-    stages) casts the output matrix before its per-shard copies are made, so the gathers move bfloat16, not the
-    float32 masters (the whole gathered float32 matrix was 2 GB per device per model for Llama 3.1 8B,
-    docs/benchmarks.md issue 23 session 11); the log-probs are the same numbers."""
-    mesh, activations, hidden, kernel, targets, _ = _rows_over_8_devices(seed=2)
+def _plain_logprobs(h, w, targets, dtype, temperature, weights):
+    """The unchunked formula on one device, differentiated by autodiff: the reference of the chunk loop's VJP."""
+    logits = (h.astype(dtype) @ w.astype(dtype)).astype(jnp.float32) / temperature
+    log_probs = jax.nn.log_softmax(logits, axis=-1)
+    picked = jnp.take_along_axis(log_probs, targets[..., None], -1)[..., 0]
+    entropy = -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)
+    return jnp.sum(picked * weights) + jnp.sum(entropy * weights[::-1])
 
-    def program(forward_only):
-        def logprobs(h, w):
-            return logprobs_from_hidden(h, w, targets, chunk_size=8, dtype=jnp.bfloat16, sharding=activations,
-                                        forward_only=forward_only)[0]
 
-        rows, model = NamedSharding(mesh, PartitionSpec("fsdp")), NamedSharding(mesh, PartitionSpec("fsdp", None))
-        return jax.jit(logprobs, in_shardings=(rows, model))
+@pytest.mark.parametrize("axis_sizes", [{"fsdp": 8}, {"fsdp": 4, "tensor": 2}, {"fsdp": 2, "context": 2, "tensor": 2},
+                                        {"context": 8}])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_sharded_gradients_equal_one_device(axis_sizes, dtype):
+    """Rows over fsdp, each row's sequence over context, the vocabulary over tensor: the chunk loop's values and
+    gradients (float32 W, its compute-dtype cast gathered, dW summed over the chunks in float32) equal the plain
+    formula's autodiff on one device; 1e-5 in float32, bfloat16's rounding of each chunk's dW otherwise."""
+    mesh = make_mesh(axis_sizes)
+    rng = np.random.default_rng(3)
+    hidden = jnp.asarray(rng.normal(size=(8, 64, 16)), jnp.float32)
+    kernel = jnp.asarray(rng.normal(size=(16, 40)) / 4, jnp.float32)
+    targets = jnp.asarray(rng.integers(0, 40, size=(8, 64)))
+    weights = jnp.asarray(rng.normal(size=(8, 64)), jnp.float32)
+    activations, temperature = ActivationSharding(mesh, ShardingRules.fsdp_tp()), 0.7
 
-    def gathered_dtypes(forward_only):  # the per-shard copies [r, c, d, v] before partitioning (XLA:CPU then
-        # gathers bfloat16 through float32, which a GPU does not)
-        return set(re.findall(r"tensor<8x1x16x40x(\w+)>", program(forward_only).lower(hidden, kernel).as_text()))
+    def loss(h, w):
+        picked, entropy = logprobs_from_hidden(h, w, targets, chunk_size=8, temperature=temperature,
+                                               with_entropy=True, dtype=dtype, sharding=activations)
+        return jnp.sum(picked * weights) + jnp.sum(entropy * weights[::-1])
 
-    assert gathered_dtypes(True) == {"bf16"} and "f32" in gathered_dtypes(False)
-    np.testing.assert_array_equal(program(True)(hidden, kernel), program(False)(hidden, kernel))
+    rows = NamedSharding(mesh, PartitionSpec(("fsdp",) if "fsdp" in axis_sizes else None))
+    model = NamedSharding(mesh, PartitionSpec(tuple(a for a in ("fsdp", "context") if a in axis_sizes) or None,
+                                              "tensor" if "tensor" in axis_sizes else None))
+    value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), in_shardings=(rows, model))(hidden, kernel)
+    reference = jax.value_and_grad(_plain_logprobs, argnums=(0, 1))(hidden, kernel, targets, dtype, temperature,
+                                                                     weights)
+    tolerance = 1e-5 if dtype == jnp.float32 else 2e-2
+    assert grads[1].dtype == jnp.float32
+    for ours, expected in zip((value, *grads), (reference[0], *reference[1]), strict=True):
+        np.testing.assert_allclose(ours, expected, rtol=tolerance, atol=tolerance * float(np.abs(expected).max()))
+
+
+def test_the_update_gathers_the_compute_dtype_kernel():
+    """Rows over 8 devices, float32 W, bfloat16 compute: the differentiated pass makes its per-shard copies of W
+    [r, c, d, v] from W's bfloat16 cast (forward and the backward's recompute), so FSDP gathers bfloat16, not the
+    float32 masters beside their cast (7B at 16k on fsdp8: 2.18 GiB per device; docs/benchmarks.md s25v session
+    12); W's gradient is float32."""
+    mesh, activations, hidden, kernel, targets, rng = _rows_over_8_devices(seed=2)
+    weights = jnp.asarray(rng.normal(size=(8, 64)), jnp.float32)
+
+    def loss(h, w):
+        picked, _ = logprobs_from_hidden(h, w, targets, chunk_size=8, dtype=jnp.bfloat16, sharding=activations)
+        return jnp.sum(picked * weights)
+
+    rows, model = NamedSharding(mesh, PartitionSpec("fsdp")), NamedSharding(mesh, PartitionSpec("fsdp", None))
+    program = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), in_shardings=(rows, model))
+    # the per-shard copies before partitioning, forward and backward: broadcasts of the [d, v] matrix to
+    # [r, c, d, v] (XLA:CPU then gathers bfloat16 through float32, which a GPU does not)
+    lowered = program.lower(hidden, kernel).as_text()
+    assert re.findall(r"broadcast_in_dim.*\(tensor<16x40x(\w+)>\) -> tensor<8x1x16x40x", lowered) == ["bf16"] * 2
+    assert program(hidden, kernel)[1][1].dtype == jnp.float32
