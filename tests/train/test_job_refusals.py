@@ -1,7 +1,7 @@
 """The main job refusing bad input, and the runs that need a fresh directory of their own: bad flags and plans
-(in this process, leaving JAX's settings as they were), a malformed dataset, generation on its own device, a local Hugging Face checkpoint on a JSONL
-dataset, a refused resume, an unwritable run directory. Split from test_train_job.py (whose runs share one job) so
-that the two files run on two test workers."""
+(in this process, leaving JAX's settings as they were), a malformed dataset, generation on its own device, a local
+Hugging Face checkpoint on a JSONL dataset, a refused resume, an unwritable run directory. Split from
+test_train_job.py (whose runs share one job) so that the two files run on two test workers."""
 
 import json
 import os
