@@ -176,15 +176,12 @@ def kept_threshold(
     logits >= this threshold."""
     if not top_k and top_p is None and min_p is None:
         return None
-    vocab = logits.shape[-1]
-    sorted_logits = jax.lax.top_k(logits, vocab)[0]  # b v, descending
-    ranks = jnp.arange(vocab)
-    kept = jnp.full(logits.shape[:-1], vocab, jnp.int32)  # length of the kept prefix per row
-    if top_k:
-        kept = jnp.minimum(kept, top_k)
+    # every filter keeps a prefix of the top-k ranks: only those are sorted (the whole vocabulary without top-k)
+    ranked = top_k if top_k and top_k < logits.shape[-1] else logits.shape[-1]
+    sorted_logits = jax.lax.top_k(logits, ranked)[0]  # b ranked, descending
+    kept = jnp.full(logits.shape[:-1], ranked, jnp.int32)  # length of the kept prefix per row
     if top_p is not None:
-        masked = jnp.where(ranks < kept[:, None], sorted_logits, _NEG_INF)
-        probs = jax.nn.softmax(masked, axis=-1)
+        probs = jax.nn.softmax(sorted_logits, axis=-1)  # renormalised over the top-k
         mass_before = jnp.cumsum(probs, axis=-1) - probs
         kept = jnp.minimum(kept, jnp.maximum(jnp.sum(mass_before < top_p, axis=-1), 1))
     if min_p is not None:

@@ -326,16 +326,20 @@ def _cost_key(graph: Graph, stage: Stage, persistent: np.ndarray) -> tuple:
     return stage, graph.placements[stage.placement], tuple(related), None, _execution_key(stage, graph.execution)
 
 
+# The `Execution` fields only update stages' costs read: remat and micro-batches shape the backward pass, the
+# optimiser's sharding and offload its state and the transfers around an update. The sampler sees the optimiser
+# state only as the memory its devices leave, which is in its key. Every other field is in a non-update stage's key
+# (tests/perf/test_step_model.py checks both ways, so a new field is keyed unless named here).
+UPDATE_ONLY_FIELDS = frozenset({"remat", "update_microbatches", "optimizer_sharding", "optimizer_offload"})
+_SHARED_FIELDS = tuple(f.name for f in dataclasses.fields(Execution) if f.name not in UPDATE_ONLY_FIELDS)
+
+
 def _execution_key(stage: Stage, execution: Execution) -> tuple:
-    """The execution options a stage's cost reads: update micro-batches only matter to updates, remat only to
-    backward passes (the planner varies them per plan; generation, the costliest to predict, reads neither).
-    Packing changes forward passes too."""
+    """The execution options a stage's cost reads: an update's, all of them; any other stage's, all but the
+    update-only ones (the planner varies those per plan; generation, the costliest to predict, reads none)."""
     if set(stage.kinds) & UPDATE_KINDS:
         return (execution,)  # every field (a frozen dataclass: hashed and compared field by field)
-    return (execution.attention, execution.param_dtype, execution.dtype, execution.kv_cache, execution.kv_pool_tokens,
-            execution.page_size, execution.decode_slots, execution.inference_rows, execution.packing,
-            execution.max_tokens_per_micro_batch, execution.partial_rollouts, execution.inflight_batches,
-            execution.max_token_lag, execution.partial_carry, execution.moe_capacity_factor, execution.decode_attention)
+    return tuple(getattr(execution, name) for name in _SHARED_FIELDS)
 
 
 def executed_shape(shape: ModelShape, execution: Execution) -> ModelShape:

@@ -211,10 +211,13 @@ class GRPOTrainer:
             if rows is not None:
                 changes[f"data.{field}"] = str(_dataset_path(rows, run_dir / "data" / f"{field}.jsonl"))
         cfg = apply_overrides(self._base, changes)
-        if cfg.train.compilation_cache:
-            enable_compilation_cache(cfg.train.compilation_cache_dir)
         self.log(f"run directory: {run_dir}")
-        parts = build(cfg, log=self.log)
+
+        def cache_compiled() -> None:  # once `build` has checked the input: a refused run changes no JAX setting
+            if cfg.train.compilation_cache:
+                enable_compilation_cache(cfg.train.compilation_cache_dir)
+
+        parts = build(cfg, log=self.log, before_compiling=cache_compiled)
         if self.terms:
             kind = InProcessRewardedTask if self.isolation is Isolation.THREAD else RewardedTask
             parts = dataclasses.replace(parts, task=kind(parts.task, WeightedReward(tuple(self.terms))))

@@ -524,7 +524,11 @@ def _with_lora(cfg: RunConfig, model: Decoder, model_cfg: ModelConfig) -> Decode
     return model.with_lora(lora, seed=cfg.model.seed + 1)
 
 
-def build(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Components:
+def build(cfg: RunConfig, *, log: Callable[[str], None] = print,
+          before_compiling: Callable[[], None] = lambda: None) -> Components:
+    """The run's parts. What can refuse the input (data, prompts, the graph or plan file, the model's shapes against
+    the plan, router options, process roles) is checked first; then `before_compiling` is called, before the first
+    program compiles (the job turns on JAX's compilation cache there: a refused run changes no process setting)."""
     tokenizer = builtin_tokenizer() if cfg.model.path is None else load_tokenizer(cfg.model.path)
     template = run_template(cfg)
     task, train_examples, eval_examples = make_task_and_examples(cfg)
@@ -542,6 +546,14 @@ def build(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Components:
     max_prompt_len = check_prompt_lengths(examples, prompts, cfg.rollout.max_prompt_len)
     warm_metrics: dict[str, float] = {}
     graph = build_graph(cfg, num_devices=len(jax.devices()))
+    planned_cfg = run_model_config(cfg, tokenizer, value_head=cfg.shares_actor_critic).replace(
+        **graph.execution.model_fields())  # the model's shapes, no weight built yet
+    check_plan_shapes(cfg, planned_cfg, max_prompt_len)
+    check_router_options(cfg, planned_cfg, graph)
+    # with several processes, generation and training run on the same processes or on disjoint groups of whole
+    # processes (`rpegjax.runtime.roles`); a placement that splits a process between the two is refused here
+    groups = process_groups(graph)
+    before_compiling()
     train_mesh = placed_meshes(graph)[0]
     if cfg.model.path is None:
         model_cfg = _model_config(cfg, tokenizer, value_head=cfg.shares_actor_critic)
@@ -552,11 +564,6 @@ def build(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Components:
     else:
         model, model_cfg = _pretrained(cfg, tokenizer, train_mesh)
     model_cfg = model_cfg.replace(**graph.execution.model_fields())  # what place_models runs the model with
-    check_plan_shapes(cfg, model_cfg, max_prompt_len)
-    check_router_options(cfg, model_cfg, graph)
-    # with several processes, generation and training run on the same processes or on disjoint groups of whole
-    # processes (`rpegjax.runtime.roles`); a placement that splits a process between the two is refused here
-    groups = process_groups(graph)
     critic = None
     if cfg.algorithm is Algorithm.PPO and not cfg.shares_actor_critic:
         critic = critic_from_actor(model, model_cfg)

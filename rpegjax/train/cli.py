@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import datetime
 import difflib
+import functools
 import json
 import pathlib
 import shutil
@@ -372,9 +373,20 @@ def _run_joined(command: Command, algorithm: Algorithm, resolved: DistributedCon
     from rpegjax.train.trainer import Trainer, TrainingError
 
     claimed = config.train.run_dir is None and resume is None
+
+    # JAX's compilation cache goes on before the first compilation, and only once the input is checked (by
+    # `build`), so that a refused call leaves the process's JAX settings as they were
+    @functools.cache
+    def cache_compiled() -> None:
+        if config.train.compilation_cache:
+            try:
+                log(f"compiled programs cached in {enable_compilation_cache(config.train.compilation_cache_dir)}")
+            except OSError as error:  # bad input (refused, exit code 2), not a run that failed to write
+                raise ValueError(f"train.compilation_cache_dir: {error}") from None
+
     try:
-        if config.train.compilation_cache:  # before the first compilation
-            log(f"compiled programs cached in {enable_compilation_cache(config.train.compilation_cache_dir)}")
+        if resolved.is_multi_process:  # the processes' agreement on the run directory compiles collectives
+            cache_compiled()
         if config.train.wandb and main_process:  # before anything is built: a missing package is found at once
             require_wandb()
         config = agree_on_run_dir(config.replace(distributed=resolved), algorithm)
@@ -389,7 +401,7 @@ def _run_joined(command: Command, algorithm: Algorithm, resolved: DistributedCon
     lock = None
     try:  # the directory is claimed (locked, then checked) before anything is built or written
         lock = claim_for_run(run_dir, resume=resume is not None, overwrite=command.overwrite)
-        parts = build(config, log=log)
+        parts = build(config, log=log, before_compiling=cache_compiled)
         from rpegjax.runtime.roles import writer_process
 
         # over process groups the first training process speaks and writes (it holds the state and the results)

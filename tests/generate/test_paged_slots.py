@@ -5,6 +5,7 @@ import collections
 
 import jax
 import numpy as np
+import pytest
 
 from rpegjax.generate import CacheConfig, Sampler, SamplingConfig, reshard_params
 from rpegjax.generate.paged_slots import PagedSlots
@@ -69,20 +70,30 @@ def test_no_replica_idles_while_a_request_waits():
                     slots.release(slot)
 
 
+KEYS = 16  # keys tried for a run that splits a group (with the inverse-CDF sampler, key 6 is the first)
+
+
 def test_split_groups_sample_the_same_tokens(tiny_cfg, tiny_split, make_prompts):
     """Two slot replicas of 4 slots, groups of 4 whose samples end apart (a quarter of the vocabulary stops a
-    response): groups get split over the replicas (more prefills than prompts) and every sequence equals the
-    unsharded sampler's: a sample's tokens depend on its (prompt, sample, step) key, not on its replica or slot."""
+    response): under the first key that splits a group over the replicas (more prefills than prompts), and under
+    every key tried before it, every sequence equals the unsharded sampler's: a sample's tokens depend on its
+    (prompt, sample, step) key, not on its replica or slot."""
     sampling = SamplingConfig(max_new_tokens=12, temperature=0.9, stop_ids=tuple(range(1, tiny_cfg.vocab_size, 4)))
     shape = dict(num_slots=8, max_prompt_len=8, max_new_tokens=12, chunk_steps=3)
     mesh = make_mesh({"fsdp": 2}, devices=jax.devices()[:2])
     split = Sampler(tiny_cfg, tiny_split[0], **shape, mesh=mesh, cache=CacheConfig.paged(page_size=4, prefill_chunk=8))
     reference = Sampler(tiny_cfg, tiny_split[0], **shape)
     prompts = make_prompts([5, 8, 3, 6, 7, 4], seed=3)
-    kwargs = dict(group_size=4, key=jax.random.key(6), budgets=[12, 2, 3, 12, 5, 1])  # a key that splits a group
-    got = split.generate(reshard_params(tiny_split[1], mesh, split.rules), prompts, sampling, **kwargs)
-    expected = reference.generate(tiny_split[1], prompts, sampling, **kwargs)
-    assert [c.response_ids.tolist() for c in got] == [c.response_ids.tolist() for c in expected]
-    for a, b in zip(got, expected, strict=True):
-        np.testing.assert_allclose(a.behaviour_logprobs, b.behaviour_logprobs, atol=1e-5, rtol=0)
-    assert split.stats.prefilled_prompts > len(prompts)  # some group ran on both replicas
+    params = reshard_params(tiny_split[1], mesh, split.rules)
+    for seed in range(KEYS):  # where samples end is drawn: the first key under which a group is split
+        kwargs = dict(group_size=4, key=jax.random.key(seed), budgets=[12, 2, 3, 12, 5, 1])
+        prefilled = split.stats.prefilled_prompts
+        got = split.generate(params, prompts, sampling, **kwargs)
+        expected = reference.generate(tiny_split[1], prompts, sampling, **kwargs)
+        assert [c.response_ids.tolist() for c in got] == [c.response_ids.tolist() for c in expected]
+        for a, b in zip(got, expected, strict=True):
+            np.testing.assert_allclose(a.behaviour_logprobs, b.behaviour_logprobs, atol=1e-5, rtol=0)
+        if split.stats.prefilled_prompts - prefilled > len(prompts):  # some group ran on both replicas
+            break
+    else:
+        pytest.fail(f"none of {KEYS} keys split a group over the replicas")

@@ -164,14 +164,27 @@ def test_model_token_frequencies_match_its_softmax(tiny_split):
 
 
 # ---- stops, finish reasons, determinism ---------------------------------------------------------------
+def _eos_and_stop(row0: list[int], row1: list[int]) -> tuple[int, int, int, int]:
+    """From two free-run responses, tokens under which row 0 ends at EOS (from its 3rd token on) and row 1 at a stop
+    token after at least one other: (eos, stop, row 0's length, row 1's length). Searched, as the draws decide
+    which tokens appear where."""
+    for at0 in range(2, len(row0)):
+        eos = row0[at0]
+        end0 = row0.index(eos) + 1
+        for at1 in range(1, len(row1)):
+            stop = row1[at1]
+            if stop not in row0[:end0] and stop not in row1[:at1] and eos not in row1[:at1 + 1]:
+                return eos, stop, end0, at1 + 1
+    raise AssertionError(f"no EOS and stop tokens end rows {row0} and {row1} apart")
+
+
 def test_eos_and_stop_ids_end_each_row_where_they_first_appear(sampler, tiny_split, reference):
-    """Per-row keys make the stopped run a prefix of the free run, so the expected cut is known."""
+    """Per-row keys make the stopped run a prefix of the free run, so the expected cut is known: with an EOS token
+    from row 0's response and a stop token from row 1's, row 0 ends at EOS, row 1 at the stop token, each where it
+    first appears, and every other row as its free run says."""
     prompts, completions = reference
     free = completions[:4]  # prompts 0 and 1 (budgets 12 and 2), two samples each
-    eos = free[0].response_ids[2].item()
-    # the stop token: row 1's 6th, or its first after that which row 0's first three lack (so that row 0 ends at EOS)
-    at = next(i for i in range(5, free[1].length) if free[1].response_ids[i] not in free[0].response_ids[:3])
-    stop = free[1].response_ids[at].item()
+    eos, stop, end0, end1 = _eos_and_stop(free[0].response_ids.tolist(), free[1].response_ids.tolist())
     config = FILTERED.replace(eos_id=eos, stop_ids=(stop,))
     stopped = sampler.generate(tiny_split[1], prompts[:2], config, group_size=2, key=jax.random.key(3),
                                budgets=BUDGETS[:2])
@@ -184,8 +197,8 @@ def test_eos_and_stop_ids_end_each_row_where_they_first_appear(sampler, tiny_spl
             assert after.response_ids.tolist() == ids[: cut + 1]
             assert after.finish_reason == (FinishReason.EOS if ids[cut] == eos else FinishReason.STOP)
         np.testing.assert_allclose(after.behaviour_logprobs, before.behaviour_logprobs[: after.length], atol=1e-6)
-    assert stopped[0].finish_reason == FinishReason.EOS and stopped[0].length <= 3
-    assert stopped[1].finish_reason in (FinishReason.EOS, FinishReason.STOP) and stopped[1].length <= at + 1
+    assert (stopped[0].finish_reason, stopped[0].length) == (FinishReason.EOS, end0)
+    assert (stopped[1].finish_reason, stopped[1].length) == (FinishReason.STOP, end1)
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "paged"])

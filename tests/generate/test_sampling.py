@@ -119,6 +119,26 @@ def test_filter_matches_a_reference_on_random_logits(top_k, top_p, min_p):
     np.testing.assert_allclose(np.where(np.isfinite(expected), got, 0), np.where(np.isfinite(expected), expected, 0))
 
 
+@pytest.mark.parametrize(("top_k", "top_p", "min_p"), [(40, 0.9, 0.0), (0, 0.9, 0.0), (40, 1.0, 0.0), (40, 0.95, 0.05)])
+def test_draws_are_those_of_the_reference_filter_for_the_same_keys(top_k, top_p, min_p):
+    """With top-k on, the filters rank only the k largest logits: the kept set is still the float64 reference's over
+    the whole vocabulary, and each row draws the token that the inverse CDF over the reference's kept weights
+    draws with the same key (with and without top-k)."""
+    rows, vocab, temperature = 64, 1000, 0.7
+    logits = jax.random.normal(jax.random.key(4), (rows, vocab)) * 3.0
+    keys = jax.random.split(jax.random.key(5), rows)
+    config = SamplingConfig(max_new_tokens=1, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    tokens, _ = sample_tokens(logits, keys, sampling_arrays(config, vocab_size=vocab, default_eos_id=None))
+    scaled = logits / temperature
+    kept = np.isfinite(_reference_filter(np.asarray(scaled), top_k, top_p, min_p))
+    assert 1 < kept.sum(-1).max() < vocab  # the filters cut, and rows keep several tokens
+    got = filter_logits(scaled, top_k=top_k, top_p=top_p if top_p < 1 else None, min_p=min_p if min_p > 0 else None)
+    np.testing.assert_array_equal(np.isfinite(got), kept)
+    weights = jnp.where(kept, jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True)), 0.0)
+    uniforms = jax.vmap(lambda key: jax.random.uniform(key, (2,)))(keys)
+    np.testing.assert_array_equal(tokens, draw_from_weights(weights, uniforms))
+
+
 # ---- sampled tokens and behaviour log-probs ----------------------------------------------------------
 def _log_softmax(x: np.ndarray) -> np.ndarray:
     x = x.astype(np.float64)

@@ -453,3 +453,54 @@ def test_the_perf_models_pallas_kernel_blocks_are_the_runtimes():
     assert generation_stage.KERNEL_SPLITS == paged_attention.K_SPLITS
     assert generation_stage.KERNEL_HEAD_BLOCK == paged_attention.BLOCK_H
     assert generation_cost.KERNEL_BLOCK_TOKENS == paged_attention.PAGES_PER_BLOCK * 16
+
+
+# one valid change of each update-only field
+UPDATE_ONLY_CHANGES = [dict(remat="full"), dict(update_microbatches=4), dict(optimizer_sharding="data"),
+                       dict(optimizer_offload=True)]
+
+
+def _sentinel(execution: Execution, name: str) -> Execution:
+    """`execution` with field `name` replaced by a value no other execution has (validation bypassed: the key only
+    reads the fields)."""
+    changed = dataclasses.replace(execution)
+    object.__setattr__(changed, name, object())
+    return changed
+
+
+def test_a_non_update_stages_cost_key_holds_every_execution_field_but_the_update_only_ones():
+    graph = builders.ppo_graph(use_reference=True, num_devices=8, parallel={"data": 2, "fsdp": 2, "tensor": 2})
+    names = {f.name for f in dataclasses.fields(Execution)}
+    assert step_model.UPDATE_ONLY_FIELDS < names
+    assert {name for change in UPDATE_ONLY_CHANGES for name in change} == step_model.UPDATE_ONLY_FIELDS
+    base = Execution()
+    for stage in graph.stages:
+        if stage.host:
+            continue
+        for name in names:
+            changed = step_model._execution_key(stage, _sentinel(base, name)) != step_model._execution_key(stage, base)
+            updates = bool(set(stage.kinds) & {"actor_update", "critic_update"})
+            assert changed == (updates or name not in step_model.UPDATE_ONLY_FIELDS), (stage.name, name)
+
+
+@pytest.mark.parametrize("change", UPDATE_ONLY_CHANGES, ids=lambda change: next(iter(change)))
+def test_update_only_execution_fields_change_no_other_stages_cost(change):
+    """What the cost key leaves out of a non-update stage's key is not read by its cost: beside the same
+    persistent bytes, generation, log-prob, value, advantage and weight-sync costs (seconds, memory) are those of
+    the base execution, while the updates or the persistent state do change."""
+    assert set(change) <= step_model.UPDATE_ONLY_FIELDS
+    graph = builders.ppo_graph(use_reference=True, num_devices=8, parallel={"data": 2, "fsdp": 2, "tensor": 2})
+    base = Execution(attention="blockwise", scan_layers=True, dtype="bfloat16", kv_cache="paged", decode_slots=64)
+    evaluator = step_model.Evaluator.for_runtime(QWEN05, SMALL, hardware.gh200_nvl32(8))
+    beside = np.full(8, 20e9)
+    costs, persistent = {}, {}
+    for execution in (base, dataclasses.replace(base, **change)):
+        planned = dataclasses.replace(graph, execution=execution)
+        inputs = evaluator.inputs_for(planned)
+        costs[execution] = {s.name: step_model.stage_cost(planned, s, inputs, beside) for s in planned.stages}
+        persistent[execution] = evaluator.stage_costs(planned)[1]
+    before, after = costs.values()
+    updates = {"actor_update", "critic_update"}
+    for name in before.keys() - updates:
+        assert after[name] == before[name], name
+    assert any(after[name] != before[name] for name in updates) or not np.array_equal(*persistent.values())

@@ -1,7 +1,7 @@
-"""The main job refusing bad input, and the runs that need a fresh directory of their own: bad flags, a malformed
-dataset, a plan for another algorithm, generation on its own device, a local Hugging Face checkpoint on a JSONL
-dataset, a refused resume, an unwritable run directory. Split from test_train_job.py (whose runs share one job) so
-that the two files run on two test workers."""
+"""The main job refusing bad input, and the runs that need a fresh directory of their own: bad flags and plans
+(in this process, leaving JAX's settings as they were), a malformed dataset, generation on its own device, a local
+Hugging Face checkpoint on a JSONL dataset, a refused resume, an unwritable run directory. Split from
+test_train_job.py (whose runs share one job) so that the two files run on two test workers."""
 
 import json
 import os
@@ -17,15 +17,65 @@ from rpegjax.train.checkpoint import Checkpointer
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (("--mesh=data=3",), "3 devices but 1 are available"),
-        (("--rollout-devices=1",), "graph.rollout_devices=1 leaves no device for training (1 devices)"),
+        (("--mesh=data=9",), "9 devices but 8 are available"),
+        (("--rollout-devices=8",), "graph.rollout_devices=8 leaves no device for training (8 devices)"),
         (("--plan=/nonexistent.json",), "graph.plan /nonexistent.json: cannot read it"),
+        (("--plan={ppo_plan}",), "graph.plan {ppo_plan}: the plan has algorithm = ppo, this run grpo"),
     ],
 )
-def test_bad_flags_fail_with_a_clear_message(tmp_path, flags, message):
-    result = run_job(tmp_path / "bad", "--steps=1", *flags)
-    assert result.returncode != 0
-    assert message in result.stderr
+def test_bad_input_is_refused_before_the_compilation_cache_goes_on(tmp_path, capsys, flags, message):
+    """Input the job checks once it runs (the mesh, the devices, the plan file), refused through its entry point in
+    this process (8 virtual devices; a script start costs ~8 s): exit code 2 with the reason, and JAX's
+    compilation cache setting as it was, its directory never made (the cache goes on only after the checks)."""
+    import jax
+
+    from rpegjax.graph import builders
+    from rpegjax.graph.ir import Algorithm
+    from rpegjax.train.cli import main
+
+    assert jax.device_count() == 8
+    ppo_plan = tmp_path / "ppo.json"
+    ppo_plan.write_text(builders.ppo_graph(use_reference=True).to_json())
+    setting, cache = jax.config.jax_compilation_cache_dir, tmp_path / "jax-cache"
+    flags = [flag.format(ppo_plan=ppo_plan) for flag in flags]
+    code = main([*TINY, f"--run-dir={tmp_path / 'bad'}", "--steps=1", f"--train.compilation_cache_dir={cache}", *flags],
+                Algorithm.GRPO)
+    assert code == 2 and message.format(ppo_plan=ppo_plan) in capsys.readouterr().err
+    assert jax.config.jax_compilation_cache_dir == setting and not cache.exists()
+    assert not (tmp_path / "bad").exists()
+
+
+def test_build_checks_the_input_before_it_compiles_anything(tmp_path):
+    """`build` calls `before_compiling` (where the job turns its compilation cache on) after its checks and before
+    any program compiles (JAX reports every backend compilation)."""
+    import jax
+
+    from rpegjax.graph.ir import Algorithm
+    from rpegjax.train.build import build
+    from rpegjax.train.cli import parse_command
+
+    class Reached(Exception):
+        pass
+
+    compiled = []
+
+    def before_compiling():
+        raise Reached(list(compiled))
+
+    def listen(event, seconds, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(event)
+
+    config = parse_command([*TINY, f"--run-dir={tmp_path / 'run'}", "--steps=1", "--mesh=data=8"], Algorithm.GRPO).config
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        with pytest.raises(Reached) as reached:
+            build(config, log=lambda _: None, before_compiling=before_compiling)
+        assert reached.value.args[0] == []
+        jax.jit(lambda x: x + 1)(jax.numpy.arange(3))  # the listener hears a compilation
+        assert compiled
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
 
 
 @pytest.mark.parametrize(
@@ -48,9 +98,7 @@ def test_bad_flags_are_refused_as_they_are_parsed(tmp_path, capsys, flags, messa
     assert not (tmp_path / "bad").exists()
 
 
-def test_generation_on_its_own_device_and_plans_that_do_not_fit_the_run(tmp_path):
-    from rpegjax.graph import builders
-
+def test_generation_on_its_own_device(tmp_path):
     run_dir = tmp_path / "split"
     result = run_job(run_dir, "--steps=2", "--rollout-devices=1", "--async-bound=1", "--verbose", devices=2)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -60,11 +108,6 @@ def test_generation_on_its_own_device_and_plans_that_do_not_fit_the_run(tmp_path
     trace = json.loads((run_dir / "trace.json").read_text())
     threads = {e["args"]["devices"] for e in trace["traceEvents"] if e.get("ph") == "X" and e["name"] == "generate"}
     assert threads == {"rollout"}
-    plan = tmp_path / "ppo.json"
-    plan.write_text(builders.ppo_graph(use_reference=True).to_json())
-    result = run_job(tmp_path / "bad", "--steps=1", f"--plan={plan}")
-    assert result.returncode != 0
-    assert f"graph.plan {plan}: the plan has algorithm = ppo, this run grpo" in result.stderr
 
 
 def test_malformed_dataset_row_names_file_and_line(tmp_path):
@@ -109,7 +152,10 @@ def test_job_trains_a_local_hugging_face_checkpoint_on_a_jsonl_dataset(tmp_path)
     assert json.loads((exported / "config.json").read_text())["vocab_size"] == cfg.vocab_size
 
 
-def test_a_refused_resume_leaves_the_run_and_a_damaged_checkpoint_falls_back(tmp_path):
+def test_a_refused_resume_leaves_the_run_and_a_damaged_checkpoint_falls_back(tmp_path, capsys):
+    from rpegjax.graph.ir import Algorithm
+    from rpegjax.train.cli import main
+
     run_dir = tmp_path / "run"
     first = run_job(run_dir, "--steps=2", "--checkpoint-every=1")
     assert first.returncode == 0, first.stderr[-3000:]
@@ -117,8 +163,9 @@ def test_a_refused_resume_leaves_the_run_and_a_damaged_checkpoint_falls_back(tmp
     refused = run_job(run_dir, "--resume", str(run_dir), "--model.seed=5")
     assert refused.returncode == 2 and "other initial weights" in refused.stderr
     assert (run_dir / "config.json").read_bytes() == saved
-    again = run_job(run_dir, "--steps=1")  # a new run into it is refused too
-    assert again.returncode == 2 and "is not empty" in again.stderr
+    # a new run into it is refused too, as the directory is claimed (in this process: nothing is built)
+    assert main([*TINY, f"--run-dir={run_dir}", "--steps=1"], Algorithm.GRPO) == 2
+    assert "is not empty" in capsys.readouterr().err
     for file in (run_dir / "checkpoints" / "2" / "arrays").rglob("*"):
         if file.is_file():
             file.write_bytes(b"damaged")
