@@ -77,6 +77,11 @@ def test_presets_carry_the_datasheet_figures_and_hierarchy():
     assert h100.node_size == 8 and h100.levels[1].bandwidth == 50 * GB
     assert hardware.preset("gh200-nvl32", 64).levels[0].size == 32
     assert hardware.preset("h200", 8).device.memory_bytes == 141 * GB
+    gb = hardware.preset("gb200-nvl72", 144)  # two NVL72 racks: 186 GB HBM3e at 8 TB/s, 2.5 PFLOP/s dense BF16
+    assert gb.device.memory_bytes == 186 * GB and gb.device.memory_bandwidth == 8000 * GB
+    assert gb.device.flops("bfloat16") == 2500e12 and gb.device.flops("float32") == 1250e12
+    assert [level.size for level in gb.levels] == [72, 144] and gb.levels[0].bandwidth == 900 * GB
+    assert gb.level_index(0, 71) == 0 and gb.level_index(71, 72) == 1
     assert hardware.preset("gh200", 8).with_devices(1024).levels[-1].size >= 1024
 
 
