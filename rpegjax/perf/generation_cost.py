@@ -105,6 +105,8 @@ class DecodeStepCost:
     memory_seconds_per_key: float  # reading one key/value from the cache
     fixed_seconds: float  # kernel launches and collective latency per step
     prefill_seconds: float  # prefill of one prompt
+    # collectives' bytes per processed row (tensor all-reduces of the rows' activations), after the roofline
+    comm_seconds_per_row: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -173,7 +175,7 @@ def simulate_decode(lengths: np.ndarray, *, slots: int, prompt: int, capacity: i
             keys = keys + active * KERNEL_BLOCK_TOKENS / 2
     compute = cost.seconds_per_row * rows + cost.seconds_per_key * keys
     memory = cost.memory_seconds_fixed + cost.memory_seconds_per_row * rows + cost.memory_seconds_per_key * keys
-    step_seconds = np.maximum(compute, memory) + cost.fixed_seconds
+    step_seconds = np.maximum(compute, memory) + cost.fixed_seconds + cost.comm_seconds_per_row * rows
     prefill = np.zeros(steps)
     np.add.at(prefill, starts, cost.prefill_seconds)
     elapsed = np.cumsum(step_seconds + prefill)

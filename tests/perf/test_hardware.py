@@ -35,6 +35,15 @@ def test_all_reduce_across_nodes_is_hierarchical():
     assert collectives.all_reduce_seconds(size, hw, Group(size=8, stride=4)) == pytest.approx(expected_strided, rel=1e-12)
 
 
+def test_all_reduce_latency_is_the_part_that_does_not_grow_with_the_bytes():
+    hw = _two_level()
+    for group in (Group(size=4), Group(size=16), Group(size=8, stride=4), Group(size=1)):
+        latency = collectives.all_reduce_latency(hw, group)
+        one, two = (collectives.all_reduce_seconds(size, hw, group) for size in (1e8, 2e8))
+        assert one - latency == pytest.approx(two - one, rel=1e-9, abs=1e-15)
+    assert collectives.all_reduce_latency(hw, Group(size=16)) == pytest.approx(2 * 3 * 1e-6 + 2 * 3 * 5e-6)
+
+
 def test_gather_scatter_are_half_an_all_reduce_and_trivial_groups_are_free():
     hw = _two_level()
     group = Group(size=16)
