@@ -70,6 +70,13 @@ def all_reduce_seconds(num_bytes: float, hardware: HardwareSpec, group: Group) -
     return total
 
 
+def all_reduce_latency(hardware: HardwareSpec, group: Group) -> float:
+    """The α part of `all_reduce_seconds` (its seconds at 0 bytes): the rest grows linearly with the bytes."""
+    if group.size == 1:
+        return 0.0
+    return sum(2 * (n - 1) * level.latency for level, n in zip(hardware.levels, factors(hardware, group)) if n > 1)
+
+
 def all_gather_seconds(num_bytes: float, hardware: HardwareSpec, group: Group) -> float:
     """Hierarchical all-gather producing `num_bytes` on every device (each contributes num_bytes / size)."""
     if group.size == 1 or num_bytes == 0:

@@ -109,6 +109,8 @@ class DecodeStepCost:
     # that one row leaves a given expert unpicked; a step of r rows reads the (1 - miss^r) share its rows hit
     expert_memory_seconds: float = 0.0
     expert_miss: float = 1.0
+    # collectives' bytes per processed row (tensor all-reduces of the rows' activations), after the roofline
+    comm_seconds_per_row: float = 0.0
 
     def memory_seconds(self, rows: np.ndarray, keys: np.ndarray) -> np.ndarray:
         """Memory time of decode steps of `rows` processed rows attending to `keys` keys."""
@@ -182,7 +184,7 @@ def simulate_decode(lengths: np.ndarray, *, slots: int, prompt: int, capacity: i
             keys = keys + active * KERNEL_BLOCK_TOKENS / 2
     compute = cost.seconds_per_row * rows + cost.seconds_per_key * keys
     memory = cost.memory_seconds(rows, keys)
-    step_seconds = np.maximum(compute, memory) + cost.fixed_seconds
+    step_seconds = np.maximum(compute, memory) + cost.fixed_seconds + cost.comm_seconds_per_row * rows
     prefill = np.zeros(steps)
     np.add.at(prefill, starts, cost.prefill_seconds)
     elapsed = np.cumsum(step_seconds + prefill)

@@ -180,8 +180,11 @@ def generation_cost(inputs: CostInputs, layout: Layout, *, kv_budget_bytes: floa
     kv_per_token = shape.kv_bytes_per_token / min(t, shape.kv_heads)
     row_bytes = (shape.layers * (6 * shape.hidden + 3 * shape.token_mlp / t) * shape.compute_bytes_each
                  + kv_per_token + SAMPLING_BYTES_PER_VOCAB * shape.vocab)
-    tensor_comm = 2 * shape.layers * collectives.all_reduce_seconds(slots * shape.hidden * shape.compute_bytes_each, hw,
-                                                                   layout.group("tensor"))
+    # two all-reduces per layer of the processed rows' activations: their latency every step, their bytes per row
+    # (a live bucket or a serving engine's batch decodes the running rows, not every slot)
+    tensor_latency = 2 * shape.layers * collectives.all_reduce_latency(hw, layout.group("tensor"))
+    tensor_per_row = 2 * shape.layers * collectives.all_reduce_seconds(
+        shape.hidden * shape.compute_bytes_each, hw, layout.group("tensor")) - tensor_latency
     fsdp_comm = 0.0 if o.replicated_generation_weights else collectives.all_gather_seconds(
         shape.weight_bytes / t, hw, layout.group("fsdp"))
     capacity = w.prompt_tokens + w.responses.max
@@ -193,9 +196,9 @@ def generation_cost(inputs: CostInputs, layout: Layout, *, kv_budget_bytes: floa
         seconds_per_row=row_flops / peak, seconds_per_key=key_flops / attention_peak,
         memory_seconds_fixed=dense_bytes / bandwidth, expert_memory_seconds=expert_bytes / bandwidth, expert_miss=miss,
         memory_seconds_per_row=row_bytes / bandwidth, memory_seconds_per_key=kv_per_token / bandwidth,
-        fixed_seconds=shape.layers * o.kernels_per_layer * device.kernel_overhead_s + tensor_comm + fsdp_comm
+        fixed_seconds=shape.layers * o.kernels_per_layer * device.kernel_overhead_s + tensor_latency + fsdp_comm
         + expert_costs.decode_dispatch_seconds(shape, layout, hw, slots),
-        prefill_seconds=prefill_seconds / t)
+        prefill_seconds=prefill_seconds / t, comm_seconds_per_row=tensor_per_row)
     if o.partial_rollouts:
         timeline, extra = _partial_timeline(inputs, layout, slots, step, async_bound, peak, attention_peak)
     else:
@@ -214,7 +217,7 @@ def generation_cost(inputs: CostInputs, layout: Layout, *, kv_budget_bytes: floa
     return StageCost(
         seconds=seconds, compute_seconds=timeline.seconds * timeline.compute_bound_fraction,
         memory_seconds=timeline.seconds * (1 - timeline.compute_bound_fraction),
-        communication_seconds=timeline.steps * (tensor_comm + fsdp_comm),
+        communication_seconds=timeline.steps * (tensor_latency + fsdp_comm + tensor_per_row * timeline.mean_rows),
         overhead_seconds=timeline.steps * shape.layers * o.kernels_per_layer * device.kernel_overhead_s + device.dispatch_overhead_s,
         flops=useful, model_flops=useful, transient_bytes=memory,
         piece_fractions=fractions,

@@ -203,6 +203,14 @@ class HardwareSpec:
 #        NVSwitch), 120 GB LPDDR5X per Grace, 4 Slingshot-11 NICs at 200 Gb/s = 25 GB/s per direction per GPU.
 # [NVL32] NVIDIA GH200 NVL32 (DGX GH200 NVL32 / AWS Ceiba) product brief: 32 GH200 (144 GB HBM3e at 4.9 TB/s)
 #        in one NVLink Switch domain at 900 GB/s bidirectional per GPU; one ConnectX-7 400 Gb/s per superchip.
+# [GB200-NVL72] NVIDIA GB200 NVL72 datasheet (specification table, per GB200 superchip = 1 Grace + 2 Blackwell
+#        GPUs; tensor figures there are with sparsity, dense is half): 10 PFLOP/s FP16/BF16 and 5 PFLOP/s TF32 per
+#        superchip = 2.5 and 1.25 PFLOP/s dense per GPU; 372 GB HBM3e at 16 TB/s = 186 GB at 8 TB/s per GPU (the
+#        rack: 13.4 TB at 576 TB/s over 72 GPUs); NVLink 5 at 3.6 TB/s per superchip = 1.8 TB/s bidirectional
+#        (900 GB/s per direction) per GPU, 72 GPUs in one NVLink Switch domain; 480 GB LPDDR5X per Grace (240 GB
+#        per GPU) on NVLink-C2C at 900 GB/s bidirectional per superchip (225 GB/s per direction per GPU, the two
+#        GPUs sharing it: an assumption); compute trays of 4 GPUs with one 400 Gb/s ConnectX-7 per GPU (50 GB/s per
+#        direction) to the network beyond the rack.
 # [A100] NVIDIA A100 Tensor Core GPU datasheet (SXM4 80 GB): 312 TFLOP/s dense BF16, 156 TFLOP/s TF32,
 #        80 GB HBM2e at 2,039 GB/s, NVLink 3 at 600 GB/s bidirectional (300 GB/s per direction).
 # [DGX-A100] NVIDIA DGX A100 user guide / Selene SuperPOD: 8 GPUs on NVSwitch, 8 HDR InfiniBand 200 Gb/s
@@ -242,6 +250,18 @@ def gh200_nvl32(num_devices: int = 32) -> HardwareSpec:
     return HardwareSpec(name="gh200-nvl32", device=device, num_devices=num_devices, levels=(domain, cluster))
 
 
+def gb200_nvl72(num_devices: int = 72) -> HardwareSpec:
+    """GB200 NVL72 racks: 72 Blackwell GPUs in one NVLink switch domain, racks joined by 50 GB/s per GPU [GB200-NVL72]."""
+    device = DeviceSpec(name="GB200-186GB", peak_flops={"bfloat16": 2500 * TFLOPS, "float16": 2500 * TFLOPS,
+                                                        "float32": 1250 * TFLOPS},  # f32 = TF32
+                        memory_bytes=186 * GB, memory_bandwidth=8000 * GB, host_memory_bytes=240 * GB,
+                        host_bandwidth=225 * GB)
+    domain = Level(name="nvlink", size=72, bandwidth=900 * GB, latency=3e-6)
+    cluster_size = max(144, -(-num_devices // 72) * 72)
+    cluster = Level(name="cluster", size=cluster_size, bandwidth=50 * GB, latency=10e-6)
+    return HardwareSpec(name="gb200-nvl72", device=device, num_devices=num_devices, levels=(domain, cluster))
+
+
 def h100_node(num_devices: int = 8) -> HardwareSpec:
     """DGX H100-style nodes: 8 H100 SXM on NVSwitch, 50 GB/s per GPU to the network, PCIe to the host [H100], [DGX-H100]."""
     device = DeviceSpec(name="H100-SXM-80GB", peak_flops=_HOPPER_FLOPS, memory_bytes=80 * GB, memory_bandwidth=3350 * GB,
@@ -273,6 +293,7 @@ def a100_node(num_devices: int = 8) -> HardwareSpec:
 PRESETS: Mapping[str, Callable[[int], HardwareSpec]] = MappingProxyType({
     "gh200": gh200_quad,
     "gh200-nvl32": gh200_nvl32,
+    "gb200-nvl72": gb200_nvl72,
     "h100": h100_node,
     "h200": h200_node,
     "a100": a100_node,
@@ -280,7 +301,7 @@ PRESETS: Mapping[str, Callable[[int], HardwareSpec]] = MappingProxyType({
 
 
 def preset(name: str, num_devices: int) -> HardwareSpec:
-    """A preset by name (`gh200`, `gh200-nvl32`, `h100`, `h200`, `a100`) with `num_devices` devices."""
+    """A preset by name (`gh200`, `gh200-nvl32`, `gb200-nvl72`, `h100`, `h200`, `a100`) with `num_devices` devices."""
     if name not in PRESETS:
         raise ValueError(f"unknown hardware preset {name!r}; known: {sorted(PRESETS)}")
     if not isinstance(num_devices, int) or num_devices < 1:

@@ -255,7 +255,8 @@ class PartialSimulation:
                 keys = keys + active * KERNEL_BLOCK_TOKENS / 2
         compute = cost.seconds_per_row * rows + cost.seconds_per_key * keys
         memory = cost.memory_seconds(rows, keys)
-        seconds = float((np.maximum(compute, memory) + cost.fixed_seconds).sum()) + prefill
+        step = np.maximum(compute, memory) + cost.fixed_seconds + cost.comm_seconds_per_row * rows
+        seconds = float(step.sum()) + prefill
         return dict(seconds=seconds, live_row_steps=float(active.sum()), decoded_row_steps=float(rows.sum()),
                     compute_bound_steps=int((compute > memory).sum()))
 

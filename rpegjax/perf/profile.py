@@ -34,7 +34,7 @@ FORMAT = 1
 
 # The token a preset's device has in JAX's `device_kind` ("NVIDIA H100 80GB HBM3", "NVIDIA GH200 480GB", ...).
 PRESET_DEVICE_KINDS: Mapping[str, str] = MappingProxyType({
-    "gh200": "GH200", "gh200-nvl32": "GH200", "h100": "H100", "h200": "H200", "a100": "A100"})
+    "gh200": "GH200", "gh200-nvl32": "GH200", "gb200-nvl72": "GB200", "h100": "H100", "h200": "H200", "a100": "A100"})
 
 
 class ProfileError(ValueError):

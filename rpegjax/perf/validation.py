@@ -140,7 +140,8 @@ _LLAMA_ON = {"shape": LLAMA31_8B, "gpus": 16, "generation_gpus": 0, "generation_
              "train_pipeline": 2, "async_bound": 0, "remat": True, "generation_memory_fraction": 0.6}
 _LLAMA_OFF = {**_LLAMA_ON, "generation_gpus": 8, "train_pipeline": 1, "async_bound": 1, "generation_memory_fraction": 0.8}
 _QWEN_ON = {"shape": QWEN3_32B, "gpus": 32, "generation_gpus": 0, "generation_tensor": 4, "train_tensor": 4,
-            "train_pipeline": 4, "async_bound": 0, "remat": False, "generation_memory_fraction": 0.6}
+            "train_pipeline": 4, "sequence_parallel": True, "async_bound": 0, "remat": False,
+            "generation_memory_fraction": 0.6}
 _QWEN_OFF = {**_QWEN_ON, "gpus": 64, "generation_gpus": 32, "async_bound": 1, "generation_memory_fraction": 0.8}
 
 NEMO_RL_RUNS = (
@@ -161,6 +162,36 @@ NEMO_RL_RUNS = (
 # calibrates on what they can run and plans larger. Everything else is held out.
 FIT_RUNS = NEMO_RL_RUNS[:2]
 HELD_OUT_RUNS = NEMO_RL_RUNS[2:]
+
+# ------------------------------------------------------------------------------------ GB200 dense runs
+# The same page's section "Nemo RL v0.5", table "GB200 BF16 Benchmarks" (System: GB200-NVL72; page of 2026-01-20,
+# NVIDIA-NeMo/RL 108bffdab, unchanged for these rows up to 4c1a0cd49) with the recipes it names at tag v0.5.0
+# (examples/configs/recipes/llm/performance/): grpo-llama3.1-8b-instruct-2n4g.yaml (8 GPUs colocated, TP1 PP1,
+# activation checkpointing, vLLM TP1 at the default 0.6), grpo-llama3.1-8b-instruct-2n4g-async-1off.yaml (4 GPUs of
+# generation at 0.8 + 4 of training, in-flight weight updates, max_trajectory_age_steps 1),
+# grpo-qwen3-32b-4n4g.yaml (16 GPUs colocated, TP2 PP1 with sequence parallelism, no activation checkpointing, vLLM
+# TP1) and grpo-qwen3-32b-8n4g-async-1off.yaml (16 + 16 GPUs, generation at 0.8). Workload and assumptions as for
+# the H100 rows (64 prompts x 32, 4 optimiser steps of 512, 4096-token packed micro-batches, 128-token prompts,
+# log-normal responses with the table's mean). GB200 is the nearest published hardware to GH200 (a Grace CPU on
+# NVLink-C2C, more HBM); its preset `gb200-nvl72` carries the datasheet figures. Held out: the efficiencies stay
+# fitted on the two H100 Llama runs. The page's v0.6 section (from 69c7ca117, 2026-04-29, to 7ea279ab) has no dense
+# rows: its H100 BF16/FP8 and GB200 BF16 tables list DeepSeek V3, Qwen3-235B, Qwen3-30B-A3B and Nemotron-3-Nano only.
+NEMO_RL_V05_GB200 = "NeMo RL performance summary, section v0.5, table GB200 BF16 (GB200-NVL72, 2026-01-20, recipes of r0.5.0)"
+
+_GB200 = {"source": NEMO_RL_V05_GB200, "hardware": "gb200-nvl72"}
+_GB200_LLAMA_ON = {**_LLAMA_ON, **_GB200, "gpus": 8, "train_pipeline": 1}
+_GB200_QWEN_ON = {**_QWEN_ON, **_GB200, "gpus": 16, "generation_tensor": 1, "train_tensor": 2, "train_pipeline": 1}
+_GB200_OFF = {"async_bound": 1, "generation_memory_fraction": 0.8, "in_flight_weight_updates": True}
+GB200_RUNS = (
+    _nemo_rl("NeMo-RL v0.5 GB200 Llama-3.1-8B on-policy", **_GB200_LLAMA_ON, response_mean=1066,
+             measured_seconds=91.0),
+    _nemo_rl("NeMo-RL v0.5 GB200 Llama-3.1-8B 1-step off", **{**_GB200_LLAMA_ON, **_GB200_OFF, "generation_gpus": 4},
+             response_mean=1107, measured_seconds=71.1),
+    _nemo_rl("NeMo-RL v0.5 GB200 Qwen3-32B on-policy", **_GB200_QWEN_ON, response_mean=3253, measured_seconds=381.0),
+    _nemo_rl("NeMo-RL v0.5 GB200 Qwen3-32B 1-step off", **{**_GB200_QWEN_ON, **_GB200_OFF, "gpus": 32,
+                                                           "generation_gpus": 16},
+             response_mean=3258, measured_seconds=210.0),
+)
 
 # ------------------------------------------------------------------------------- mixture-of-experts runs
 # The same page's section "NeMo RL v0.6", table "H100 BF16 Benchmarks" (release r0.6.0; Megatron training with

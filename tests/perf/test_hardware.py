@@ -35,6 +35,15 @@ def test_all_reduce_across_nodes_is_hierarchical():
     assert collectives.all_reduce_seconds(size, hw, Group(size=8, stride=4)) == pytest.approx(expected_strided, rel=1e-12)
 
 
+def test_all_reduce_latency_is_the_part_that_does_not_grow_with_the_bytes():
+    hw = _two_level()
+    for group in (Group(size=4), Group(size=16), Group(size=8, stride=4), Group(size=1)):
+        latency = collectives.all_reduce_latency(hw, group)
+        one, two = (collectives.all_reduce_seconds(size, hw, group) for size in (1e8, 2e8))
+        assert one - latency == pytest.approx(two - one, rel=1e-9, abs=1e-15)
+    assert collectives.all_reduce_latency(hw, Group(size=16)) == pytest.approx(2 * 3 * 1e-6 + 2 * 3 * 5e-6)
+
+
 def test_gather_scatter_are_half_an_all_reduce_and_trivial_groups_are_free():
     hw = _two_level()
     group = Group(size=16)
@@ -77,6 +86,11 @@ def test_presets_carry_the_datasheet_figures_and_hierarchy():
     assert h100.node_size == 8 and h100.levels[1].bandwidth == 50 * GB
     assert hardware.preset("gh200-nvl32", 64).levels[0].size == 32
     assert hardware.preset("h200", 8).device.memory_bytes == 141 * GB
+    gb = hardware.preset("gb200-nvl72", 144)  # two NVL72 racks: 186 GB HBM3e at 8 TB/s, 2.5 PFLOP/s dense BF16
+    assert gb.device.memory_bytes == 186 * GB and gb.device.memory_bandwidth == 8000 * GB
+    assert gb.device.flops("bfloat16") == 2500e12 and gb.device.flops("float32") == 1250e12
+    assert [level.size for level in gb.levels] == [72, 144] and gb.levels[0].bandwidth == 900 * GB
+    assert gb.level_index(0, 71) == 0 and gb.level_index(71, 72) == 1
     assert hardware.preset("gh200", 8).with_devices(1024).levels[-1].size >= 1024
 
 

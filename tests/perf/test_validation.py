@@ -124,6 +124,39 @@ def test_one_batch_in_flight_is_a_whole_batch_per_step_for_these_responses():
         assert capped > 0.4 and (1 - capped) ** run.group_size < 1e-6
 
 
+# Issue 23: NeMo-RL's dense GB200 rows (v0.5, GB200-NVL72; v0.6 publishes no dense rows), held out. One is not met.
+_GB200_NOT_MET = {"NeMo-RL v0.5 GB200 Llama-3.1-8B on-policy": (
+    "-34% (60 s vs 91.0 s): the H100-fitted efficiencies on GB200's peaks (2.5x H100's BF16, 2.4x its HBM bandwidth) "
+    "give 2.9x H100's per-GPU throughput on this workload where the runs measured 2.0x (92.8 s on 16 H100); "
+    "Qwen3-32B on the same GPUs is within 11%, and efficiencies fitted on the four GB200 rows alone leave this one "
+    "at -20% (Qwen3-32B on-policy then +21%): not one efficiency pair")}
+
+
+@pytest.mark.parametrize("run", [pytest.param(run, marks=pytest.mark.xfail(strict=True, reason=_GB200_NOT_MET[run.name]))
+                                 if run.name in _GB200_NOT_MET else run for run in validation.GB200_RUNS],
+                         ids=lambda run: run.name)
+def test_held_out_gb200_step_times_within_bound(run):
+    assert run.hardware == "gb200-nvl72" and run not in FIT_RUNS
+    error = validation.relative_errors([run], FITTED_EFFICIENCIES)[run.name]
+    assert abs(error) <= HELD_OUT_BOUND, f"{run.name}: predicted {100 * error:+.1f}% off the measured {run.measured_seconds} s"
+
+
+def test_gb200_runs_use_their_recipes_plans():
+    """grpo-llama3.1-8b-instruct-2n4g{,-async-1off} and grpo-qwen3-32b-{4n4g,8n4g-async-1off} (r0.5.0): TP1 PP1 and
+    TP2 PP1 (sequence parallel) training, vLLM TP1, the one-step-off runs on half the GPUs each."""
+    llama_on, llama_off, qwen_on, qwen_off = validation.GB200_RUNS
+    assert dict(validation.rl_plan(llama_on).train_layout) == {"data": 8, "pipeline": 1, "tensor": 1}
+    off = validation.rl_plan(llama_off)
+    assert off.generation_devices == 4 and dict(off.train_layout)["data"] == 4 and off.async_bound == 1
+    assert dict(validation.rl_plan(qwen_on).train_layout) == {"data": 8, "pipeline": 1, "tensor": 2}
+    assert qwen_on.sequence_parallel and validation.rl_plan(qwen_on).execution.sequence_parallel
+    off = validation.rl_plan(qwen_off)
+    assert off.generation_devices == 16 and dict(off.generation_layout) == {"data": 16, "fsdp": 1, "tensor": 1}
+    for run in validation.GB200_RUNS:
+        hw = validation.rl_evaluator(run, FITTED_EFFICIENCIES).inputs.hardware
+        assert hw.device.flops("bfloat16") == 2500e12 and hw.node_size == 72 and hw.num_devices == run.gpus
+
+
 def test_fitting_improves_on_the_unfitted_assumptions():
     fitted = validation.relative_errors(HELD_OUT_RUNS, FITTED_EFFICIENCIES)
     unfitted = validation.relative_errors(HELD_OUT_RUNS, DEFAULT_EFFICIENCIES)
