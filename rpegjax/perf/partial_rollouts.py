@@ -326,13 +326,14 @@ def steady_state(simulation: PartialSimulation, *, warmup: int = 4, measured: in
 
 @functools.lru_cache(maxsize=1024)
 def drawn_steady_state(schedule: PartialSchedule, lengths: ResponseLengths, *, kernel: DecodeKernel,
-                       cost: DecodeStepCost, prefill: PrefillCost) -> PartialSteadyState:
-    """`steady_state` of a fresh simulation whose new groups are `drawn_groups(lengths, schedule.group_size)`:
-    deterministic in its arguments, so remembered (the planner prices the same sampler under many training
-    layouts; the simulation is most of a partial plan's prediction)."""
-    simulation = PartialSimulation(schedule, drawn_groups(lengths, schedule.group_size), kernel=kernel, cost=cost,
-                                   prefill=prefill)
-    return steady_state(simulation)
+                       cost: DecodeStepCost, prefill: PrefillCost, seed: int = 0,
+                       measured: int = MEASURED_STEPS) -> PartialSteadyState:
+    """`steady_state` over `measured` steps of a fresh simulation whose new groups are `drawn_groups(lengths,
+    schedule.group_size, seed=seed)`: deterministic in its arguments, so remembered (the planner prices the same
+    sampler under many training layouts; the simulation is most of a partial plan's prediction)."""
+    simulation = PartialSimulation(schedule, drawn_groups(lengths, schedule.group_size, seed=seed), kernel=kernel,
+                                   cost=cost, prefill=prefill)
+    return steady_state(simulation, measured=measured)
 
 
 __all__ = ["MEASURED_STEPS", "PartialSchedule", "PartialSimulation", "PartialSteadyState", "PrefillCost", "StepOutcome", "drawn_groups",
