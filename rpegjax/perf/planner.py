@@ -869,5 +869,5 @@ def real_like(evaluator: Evaluator, *, algorithm: Algorithm | str, num_devices: 
     return fallback
 
 
-__all__ = ["Plan", "PlanChoice", "PlanResult", "PlanSpace", "Planner", "build_graph",
-           "expert_axis_sizes", "layouts", "real_like", "verl_like"]
+__all__ = ["SLOT_TOLERANCE", "Plan", "PlanChoice", "PlanResult", "PlanSpace", "Planner", "build_graph",
+           "expert_axis_sizes", "generation_slot_busy", "layouts", "real_like", "verl_like"]
