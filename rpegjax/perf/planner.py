@@ -56,6 +56,9 @@ from rpegjax.perf.costs import (
 from rpegjax.perf.step_model import Evaluator, Prediction, device_index, placement_devices
 
 ROLLOUT, TRAIN = transforms.ROLLOUT_PLACEMENT, transforms.TRAIN_PLACEMENT
+# generate seconds within which slot counts count as equally fast: the partial-rollout simulation's sampling
+# error is ~1% of them (`partial_rollouts.MEASURED_STEPS`), and slots that buy no time only cost memory
+SLOT_TOLERANCE = 0.02
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -109,6 +112,9 @@ class PlanSpace:
     # the least share of the sampler's slots running on average over generation (`slot_busy`) a plan may have:
     # a constraint the user sets (0: none); the sampler's slot count is chosen among those that meet it
     min_slot_busy: float = 0.0
+    # the sampler takes the fewest slots whose generation is within this share of the fastest (`_fastest_slots`);
+    # the reference plans take the fastest (0), as a serving engine fills the memory it is given
+    slot_tolerance: float = SLOT_TOLERANCE
 
     def __post_init__(self) -> None:
         try:
@@ -128,6 +134,8 @@ class PlanSpace:
             raise ValueError(f"PlanSpace.generation_fractions must be None or in (0, 1), got {self.generation_fractions}")
         if not 0 <= self.min_slot_busy <= 1:
             raise ValueError(f"PlanSpace.min_slot_busy must be in [0, 1], got {self.min_slot_busy!r}")
+        if self.slot_tolerance < 0:
+            raise ValueError(f"PlanSpace.slot_tolerance must be >= 0, got {self.slot_tolerance!r}")
         if any(m < 1 for m in (*self.update_microbatches, *self.inference_microbatches, *self.packed_rows)):
             raise ValueError(f"PlanSpace: update and inference micro-batches and packed rows must be >= 1, got {self}")
         object.__setattr__(self, "update_microbatches", tuple(sorted(self.update_microbatches)))
@@ -729,17 +737,12 @@ def _own_inference_layouts(planner: Planner, base: PlanChoice, candidates) -> tu
 
 
 
-# generate seconds within which slot counts count as equally fast: the partial-rollout simulation's sampling
-# error is ~1% of them (`partial_rollouts.MEASURED_STEPS`), and slots that buy no time only cost memory
-SLOT_TOLERANCE = 0.02
-
-
 def _fastest_slots(planner: Planner, choice: PlanChoice, execution: Execution, most: int, step: int,
                    replicas: int) -> tuple[Execution, float]:
     """(`execution` with the fewest of `most` slots and its halvings (whole steps of `step`) whose generation is
-    within `SLOT_TOLERANCE` of the fastest: the running slots decode each step (padded to a power of two) over
-    the longest one's window, so fewer slots decode for more steps over fewer rows each (the step model times
-    both), and slots beyond the sequences that run at once only hold memory (their prefill rows, pool). With
+    within the space's `slot_tolerance` of the fastest: the running slots decode each step (padded to a power of
+    two) over the longest one's window, so fewer slots decode for more steps over fewer rows each (the step model
+    times both), and slots beyond the sequences that run at once only hold memory (their prefill rows, pool). With
     partial rollouts also the slots of each whole number of batches in flight (one batch: the others queue for
     its freed slots). A paged pool is cut to the slots' capacity (`_with_slots`). Its generate stage's seconds
     (0 when no slot count fits: no bound known))."""
@@ -761,7 +764,8 @@ def _fastest_slots(planner: Planner, choice: PlanChoice, execution: Execution, m
         return candidate, seconds
     timed = meeting
     fastest = min(seconds for seconds, _ in timed)
-    return next((candidate, seconds) for seconds, candidate in timed if seconds <= fastest * (1 + SLOT_TOLERANCE))
+    tolerance = planner.space.slot_tolerance
+    return next((candidate, seconds) for seconds, candidate in timed if seconds <= fastest * (1 + tolerance))
 
 
 def _with_slots(execution: Execution, count: int, replicas: int, capacity: int) -> Execution:
@@ -805,7 +809,8 @@ def verl_like(evaluator: Evaluator, *, algorithm: Algorithm | str, num_devices: 
     the space's first execution the runtime supports (flash-style attention and full remat, as verl's examples
     enable) and the fewest update micro-batches that fit."""
     planner = Planner(evaluator, algorithm=algorithm, num_devices=num_devices, use_reference=use_reference,
-                      space=dataclasses.replace(space or PlanSpace(), partial_rollouts=(False,), min_slot_busy=0.0),
+                      space=dataclasses.replace(space or PlanSpace(), partial_rollouts=(False,), min_slot_busy=0.0,
+                                                slot_tolerance=0.0),
                       optimizer_steps=optimizer_steps)
     shape = evaluator.inputs.actor
     tensor = 2 if shape.params <= 14e9 else 4
@@ -832,7 +837,7 @@ def real_like(evaluator: Evaluator, *, algorithm: Algorithm | str, num_devices: 
                       space=dataclasses.replace(space or PlanSpace(), async_bounds=(0,), critic_modes=(CriticMode.SEPARATE,),
                                                 fusion=(False,), microbatches=(1,), generation_fractions=(None,),
                                                 tensor_sizes=tensor_sizes, reshard_inference=(False,),
-                                                partial_rollouts=(False,), min_slot_busy=0.0),
+                                                partial_rollouts=(False,), min_slot_busy=0.0, slot_tolerance=0.0),
                       optimizer_steps=optimizer_steps)
     generation: dict[tuple, float] = {}
     training: dict[tuple, tuple[float, PlanChoice]] = {}
