@@ -132,6 +132,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--inflight-batches", default="2,3",
                         help="batches of groups in flight to search with partial rollouts, comma-separated (the job's "
                              "--rollout.inflight_batches)")
+    parser.add_argument("--min-slot-busy", type=float, default=0.0, metavar="SHARE",
+                        help="search only plans whose generation slots are at least this share busy on average "
+                             "(running sequences / slots over the generate stage, as predicted: the table's "
+                             "'generation slots busy'); 0: no constraint. The reference plans are not constrained")
     parser.add_argument("--param-dtype", default="float32", choices=list(DType),
                         help="weights and optimiser moments (the run's model.param_dtype)")
     parser.add_argument("--dtype", default="bfloat16", choices=list(DType), help="matmul compute (the run's model.dtype)")
@@ -188,6 +192,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--inflight-batches: comma-separated integers, got {args.inflight_batches!r}")
     if not args.inflight_batches or min(args.inflight_batches) < 2:
         parser.error(f"--inflight-batches: at least one count, each >= 2, got {args.inflight_batches}")
+    if not 0 <= args.min_slot_busy <= 1:
+        parser.error(f"--min-slot-busy: a share in [0, 1], got {args.min_slot_busy}")
     if not 1 <= args.response_mean < args.response_max:
         parser.error(f"--response-mean must be in [1, --response-max), got {args.response_mean}")
     for name, kind in (("attention", AttentionKind), ("remat", RematPolicy), ("decode_attention", DecodeAttention)):
@@ -227,6 +233,7 @@ def table(rows: list[tuple[str, step_model.Prediction]]) -> str:
     lines.append(("tokens/s (generated)", *(f"{p.tokens_per_second:,.0f}" if p.fits else "-" for _, p in rows)))
     lines.append(("MFU", *(f"{100 * p.mfu:.1f}%" if p.fits else "-" for _, p in rows)))
     lines.append(("generation slots busy", *(_generation_detail(p, "slot_busy", "{:.0%}") for _, p in rows)))
+    lines.append(("decode work on live rows / KV", *(_live_shares(p) for _, p in rows)))
     lines.append(("carried sequences", *(_generation_detail(p, "carried_sequences", "{:,.0f}") for _, p in rows)))
     lines.append(("token lag mean/max", *(_lag(p) for _, p in rows)))
     lines.append(("peak memory/GPU (GB)", *(_gb(p.needed_memory_bytes) for _, p in rows)))
@@ -247,6 +254,12 @@ def _generation_detail(prediction: step_model.Prediction, name: str, form: str) 
     stage = next((s for s in prediction.stages if s.kind == "generate"), None)
     value = None if stage is None or not prediction.fits else stage.detail.get(name)
     return "-" if value is None else form.format(value)
+
+
+def _live_shares(prediction: step_model.Prediction) -> str:
+    """The decode rows and cached keys read that are the running sequences' (`live_row_share`, `live_key_share`)."""
+    rows, keys = (_generation_detail(prediction, name, "{:.0%}") for name in ("live_row_share", "live_key_share"))
+    return "-" if "-" in (rows, keys) else f"{rows} / {keys}"
 
 
 def _lag(prediction: step_model.Prediction) -> str:
@@ -343,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
                               async_bounds=args.async_bounds, context_sizes=args.context_sizes,
                               sequence_parallel=choices[args.sequence_parallel], packing=choices[args.packing],
                               partial_rollouts=choices[args.partial_rollouts], inflight_batches=args.inflight_batches,
-                              moe_capacity_factors=capacities)
+                              moe_capacity_factors=capacities, min_slot_busy=args.min_slot_busy)
     use_reference = args.reference
     common = {"algorithm": args.algo, "num_devices": args.gpus, "use_reference": use_reference, "space": space,
               "optimizer_steps": args.optimizer_steps}

@@ -127,6 +127,8 @@ class DecodeTimeline:
     steps: int
     mean_active: float  # average active sequences per step
     mean_rows: float  # average rows the kernel processes per step (active or not)
+    mean_keys: float  # average cached keys the kernel reads per step (of padding rows and windows too)
+    mean_live_keys: float  # average keys of the active rows' own contexts per step (what decoding needs)
     slots: int  # the replica's slots (`mean_active / slots`: how busy they are)
     compute_bound_fraction: float  # share of steps whose compute time exceeds memory time
 
@@ -168,6 +170,7 @@ def simulate_decode(lengths: np.ndarray, *, slots: int, prompt: int, capacity: i
     steps = int(ends.max())
     active, start_sum = running_sums(starts, ends, starts, steps)
     t = np.arange(steps, dtype=np.float64)
+    live_keys = active * (prompt + t + 1) - start_sum  # each active row attends to its prompt and tokens so far
     kernel = DecodeKernel(kernel)
     if kernel is DecodeKernel.STATIC:
         busy_slots = min(slots, len(lengths))
@@ -177,8 +180,7 @@ def simulate_decode(lengths: np.ndarray, *, slots: int, prompt: int, capacity: i
         rows = np.minimum(float(min(slots, len(lengths))), _pow2_at_least(active))
         keys = rows * np.minimum(float(capacity), _pow2_at_least(prompt + t + 1 - _oldest_active_start(starts, ends)))
     else:
-        rows = active
-        keys = active * (prompt + t + 1) - start_sum  # each active row attends to its prompt and tokens so far
+        rows, keys = active, live_keys
         if kernel is DecodeKernel.LIVE_PAGED:
             rows = np.minimum(float(min(slots, len(lengths))), _pow2_at_least(active))
             keys = keys + active * KERNEL_BLOCK_TOKENS / 2
@@ -189,7 +191,8 @@ def simulate_decode(lengths: np.ndarray, *, slots: int, prompt: int, capacity: i
     np.add.at(prefill, starts, cost.prefill_seconds)
     elapsed = np.cumsum(step_seconds + prefill)
     return DecodeTimeline(seconds=float(elapsed[-1]), finish_seconds=elapsed[ends - 1], steps=steps,
-                          mean_active=float(active.mean()), mean_rows=float(rows.mean()), slots=min(slots, len(lengths)),
+                          mean_active=float(active.mean()), mean_rows=float(rows.mean()), mean_keys=float(keys.mean()),
+                          mean_live_keys=float(live_keys.mean()), slots=min(slots, len(lengths)),
                           compute_bound_fraction=float(np.mean(compute > memory)))
 
 

@@ -223,6 +223,9 @@ def generation_cost(inputs: CostInputs, layout: Layout, *, kv_budget_bytes: floa
         piece_fractions=fractions,
         detail={"slots": slots, "decode_steps": timeline.steps, "mean_active": timeline.mean_active,
                 "mean_decoded_rows": timeline.mean_rows, "slot_busy": timeline.mean_active / timeline.slots,
+                # the decode work spent on running sequences: rows (matmuls) and cached keys read (KV traffic)
+                "live_row_share": timeline.mean_active / timeline.mean_rows if timeline.mean_rows else 1.0,
+                "live_key_share": timeline.mean_live_keys / timeline.mean_keys if timeline.mean_keys else 1.0,
                 "generated_tokens": generated, **extra})
 
 
@@ -261,7 +264,8 @@ def _partial_timeline(inputs: CostInputs, layout: Layout, slots: int, step: Deco
     state = partial.drawn_steady_state(schedule, w.responses, kernel=DecodeKernel(o.decode), cost=step, prefill=prefill)
     timeline = DecodeTimeline(seconds=state.seconds, finish_seconds=np.asarray(state.finish_fractions) * state.seconds,
                               steps=round(state.decode_steps), mean_active=state.mean_active,
-                              mean_rows=state.mean_rows, slots=slots,
+                              mean_rows=state.mean_rows, mean_keys=state.mean_keys,
+                              mean_live_keys=state.mean_live_keys, slots=slots,
                               compute_bound_fraction=state.compute_bound_fraction)
     extra = {"carried_sequences": state.carried_sequences * layout.replicas,
              "reprefill_tokens": state.reprefill_tokens * layout.replicas,

@@ -102,6 +102,8 @@ class StepOutcome:
     seconds: float
     live_row_steps: float  # running sequences x steps
     decoded_row_steps: float  # rows the kernel processes x steps (live buckets)
+    live_key_steps: float  # the running sequences' own context keys x steps
+    decoded_key_steps: float  # cached keys the kernel reads x steps
     compute_bound_steps: int
     decoded_tokens: int
     trained_tokens: int
@@ -233,10 +235,12 @@ class PartialSimulation:
         prefilled = contexts == s.prompt if s.carry_pages else np.ones(len(contexts), bool)  # kept: no prefill
         prefill = float(self.prefill.seconds(contexts[prefilled]).sum())
         if stop == 0:
-            return dict(seconds=prefill, live_row_steps=0.0, decoded_row_steps=0.0, compute_bound_steps=0)
+            return dict(seconds=prefill, live_row_steps=0.0, decoded_row_steps=0.0, live_key_steps=0.0,
+                        decoded_key_steps=0.0, compute_bound_steps=0)
         active, virtual_sum = running_sums(starts, ends, virtual, stop)
         t = np.arange(stop, dtype=np.float64)
         chunk_start = (np.arange(stop) // s.chunk) * s.chunk
+        live_keys = active * (s.prompt + t + 1) - virtual_sum
         if self.kernel is DecodeKernel.STATIC:
             rows = np.full(stop, float(s.slots))
             keys = rows * s.capacity
@@ -248,8 +252,7 @@ class PartialSimulation:
             rows = np.minimum(float(s.slots), _pow2_at_least(active[chunk_start]))
             keys = rows * np.minimum(float(s.capacity), _pow2_at_least(np.where(np.isfinite(longest), longest, 1.0)))
         else:
-            rows = active
-            keys = active * (s.prompt + t + 1) - virtual_sum
+            rows, keys = active, live_keys
             if self.kernel is DecodeKernel.LIVE_PAGED:  # LIVE's padded rows, each active row's own keys
                 rows = np.minimum(float(s.slots), _pow2_at_least(active[chunk_start]))
                 keys = keys + active * KERNEL_BLOCK_TOKENS / 2
@@ -258,6 +261,7 @@ class PartialSimulation:
         step = np.maximum(compute, memory) + cost.fixed_seconds + cost.comm_seconds_per_row * rows
         seconds = float(step.sum()) + prefill
         return dict(seconds=seconds, live_row_steps=float(active.sum()), decoded_row_steps=float(rows.sum()),
+                    live_key_steps=float(live_keys.sum()), decoded_key_steps=float(keys.sum()),
                     compute_bound_steps=int((compute > memory).sum()))
 
 
@@ -281,6 +285,8 @@ class PartialSteadyState:
     decode_steps: float
     mean_active: float  # running sequences per decode step
     mean_rows: float  # rows decoded per decode step
+    mean_keys: float  # cached keys read per decode step
+    mean_live_keys: float  # of them, the running sequences' own contexts
     slot_busy: float  # mean_active / slots
     compute_bound_fraction: float
     decoded_tokens: float
@@ -293,7 +299,13 @@ class PartialSteadyState:
     finish_fractions: tuple[float, ...]  # of the last measured step
 
 
-def steady_state(simulation: PartialSimulation, *, warmup: int = 4, measured: int = 8) -> PartialSteadyState:
+# steps `drawn_steady_state` averages: a step of a replica trains few groups (W-plan 7B on 64 replicas: 8), whose
+# longest members set its length, so 8 steps left a sampling error of ~4% of the generate stage (sd over seeds),
+# larger than what the planner's slot counts change; 64 steps take it to ~1% (docs/benchmarks.md, s24o)
+MEASURED_STEPS = 64
+
+
+def steady_state(simulation: PartialSimulation, *, warmup: int = 4, measured: int = MEASURED_STEPS) -> PartialSteadyState:
     """Runs `warmup` steps (the pool fills with carried groups), then averages `measured` steps."""
     for _ in range(warmup):
         simulation.step()
@@ -304,6 +316,7 @@ def steady_state(simulation: PartialSimulation, *, warmup: int = 4, measured: in
     return PartialSteadyState(
         seconds=total("seconds") / measured, decode_steps=total("decode_steps") / measured,
         mean_active=total("live_row_steps") / steps, mean_rows=total("decoded_row_steps") / steps,
+        mean_keys=total("decoded_key_steps") / steps, mean_live_keys=total("live_key_steps") / steps,
         slot_busy=total("live_row_steps") / steps / simulation.schedule.slots,
         compute_bound_fraction=total("compute_bound_steps") / steps, decoded_tokens=total("decoded_tokens") / measured,
         trained_tokens=total("trained_tokens") / measured, carried_sequences=total("carried_sequences") / measured,
@@ -314,14 +327,15 @@ def steady_state(simulation: PartialSimulation, *, warmup: int = 4, measured: in
 
 @functools.lru_cache(maxsize=1024)
 def drawn_steady_state(schedule: PartialSchedule, lengths: ResponseLengths, *, kernel: DecodeKernel,
-                       cost: DecodeStepCost, prefill: PrefillCost) -> PartialSteadyState:
-    """`steady_state` of a fresh simulation whose new groups are `drawn_groups(lengths, schedule.group_size)`:
-    deterministic in its arguments, so remembered (the planner prices the same sampler under many training
-    layouts; the simulation is most of a partial plan's prediction)."""
-    simulation = PartialSimulation(schedule, drawn_groups(lengths, schedule.group_size), kernel=kernel, cost=cost,
-                                   prefill=prefill)
-    return steady_state(simulation)
+                       cost: DecodeStepCost, prefill: PrefillCost, seed: int = 0,
+                       measured: int = MEASURED_STEPS) -> PartialSteadyState:
+    """`steady_state` over `measured` steps of a fresh simulation whose new groups are `drawn_groups(lengths,
+    schedule.group_size, seed=seed)`: deterministic in its arguments, so remembered (the planner prices the same
+    sampler under many training layouts; the simulation is most of a partial plan's prediction)."""
+    simulation = PartialSimulation(schedule, drawn_groups(lengths, schedule.group_size, seed=seed), kernel=kernel,
+                                   cost=cost, prefill=prefill)
+    return steady_state(simulation, measured=measured)
 
 
-__all__ = ["PartialSchedule", "PartialSimulation", "PartialSteadyState", "PrefillCost", "StepOutcome", "drawn_groups",
+__all__ = ["MEASURED_STEPS", "PartialSchedule", "PartialSimulation", "PartialSteadyState", "PrefillCost", "StepOutcome", "drawn_groups",
            "drawn_steady_state", "steady_state"]

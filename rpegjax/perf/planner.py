@@ -56,6 +56,9 @@ from rpegjax.perf.costs import (
 from rpegjax.perf.step_model import Evaluator, Prediction, device_index, placement_devices
 
 ROLLOUT, TRAIN = transforms.ROLLOUT_PLACEMENT, transforms.TRAIN_PLACEMENT
+# generate seconds within which slot counts count as equally fast: the partial-rollout simulation's sampling
+# error is ~1% of them (`partial_rollouts.MEASURED_STEPS`), and slots that buy no time only cost memory
+SLOT_TOLERANCE = 0.02
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -106,6 +109,12 @@ class PlanSpace:
     # of each factor; dense models take None only. The perf model costs memory and time, not the tokens a factor
     # drops, so the fastest factor that fits wins: list only factors whose drops the run accepts
     moe_capacity_factors: tuple[float | None, ...] = (None,)
+    # the least share of the sampler's slots running on average over generation (`slot_busy`) a plan may have:
+    # a constraint the user sets (0: none); the sampler's slot count is chosen among those that meet it
+    min_slot_busy: float = 0.0
+    # the sampler takes the fewest slots whose generation is within this share of the fastest (`_fastest_slots`);
+    # the reference plans take the fastest (0), as a serving engine fills the memory it is given
+    slot_tolerance: float = SLOT_TOLERANCE
 
     def __post_init__(self) -> None:
         try:
@@ -123,6 +132,10 @@ class PlanSpace:
             raise ValueError(f"PlanSpace: async bounds >= 0, micro-batches and tensor sizes >= 1, got {self}")
         if any(f is not None and not 0 < f < 1 for f in self.generation_fractions):
             raise ValueError(f"PlanSpace.generation_fractions must be None or in (0, 1), got {self.generation_fractions}")
+        if not 0 <= self.min_slot_busy <= 1:
+            raise ValueError(f"PlanSpace.min_slot_busy must be in [0, 1], got {self.min_slot_busy!r}")
+        if self.slot_tolerance < 0:
+            raise ValueError(f"PlanSpace.slot_tolerance must be >= 0, got {self.slot_tolerance!r}")
         if any(m < 1 for m in (*self.update_microbatches, *self.inference_microbatches, *self.packed_rows)):
             raise ValueError(f"PlanSpace: update and inference micro-batches and packed rows must be >= 1, got {self}")
         object.__setattr__(self, "update_microbatches", tuple(sorted(self.update_microbatches)))
@@ -511,7 +524,7 @@ class Planner:
                 return choice  # no pool within the margin: ranked out as untrusted, saying so
             execution = dataclasses.replace(
                 execution, kv_pool_tokens=int(kv // generation_stage.kv_bytes_per_token(inputs.actor, layout)))
-        execution, seconds = _fastest_slots(self, choice, execution, slots, step)
+        execution, seconds = _fastest_slots(self, choice, execution, slots, step, layout.replicas)
         pinned = dataclasses.replace(choice, execution=execution)
         self._generation_seconds[pinned] = seconds
         return pinned
@@ -594,7 +607,7 @@ class Planner:
                 evaluated += 1
                 if not plan.prediction.fits:
                     continue
-                reason = self.untrusted(plan)
+                reason = self.untrusted(plan) or self.slot_busy_problem(plan)
                 if reason is not None:  # never ranked; said why when nothing else fits
                     _keep_closest(plan.choice, (-1, plan.prediction.peak_memory_bytes), reason, rejected)
                     continue
@@ -638,6 +651,14 @@ class Planner:
         return trust.untrusted(plan.prediction, self.evaluator.inputs_for(plan.graph).actor,
                                workload.prompt_tokens + workload.responses.max, self.regime)
 
+    def slot_busy_problem(self, plan: Plan) -> str | None:
+        """Why `plan`'s sampler is less busy than the space's `min_slot_busy` allows, or None."""
+        busy = generation_slot_busy(plan.prediction)
+        if busy >= self.space.min_slot_busy:
+            return None
+        return (f"generation slots {busy:.0%} busy on average, under the {self.space.min_slot_busy:.0%} asked "
+                f"(min_slot_busy)")
+
     def _plan(self, choice: PlanChoice) -> Plan:
         graph = build_graph(choice)
         return Plan(choice=choice, graph=graph, prediction=self.evaluator.predict(graph, with_trace=False))
@@ -646,7 +667,8 @@ class Planner:
         """Predicts every plan of the space (slow; for tests) and ranks those that fit."""
         plans = [self._plan(choice) for skeleton in self.skeletons() for choice in self.variants(skeleton)
                  if not self._batch_problems(build_graph(choice))]
-        fitting = sorted((p for p in plans if p.prediction.fits and self.untrusted(p) is None), key=_rank_key)
+        fitting = sorted((p for p in plans if p.prediction.fits and self.untrusted(p) is None
+                          and self.slot_busy_problem(p) is None), key=_rank_key)
         return fitting[:top]
 
 
@@ -715,27 +737,44 @@ def _own_inference_layouts(planner: Planner, base: PlanChoice, candidates) -> tu
 
 
 
-def _fastest_slots(planner: Planner, choice: PlanChoice, execution: Execution, most: int,
-                   step: int) -> tuple[Execution, float]:
-    """(`execution` with the fastest generation of `most` slots and its halvings (whole steps of `step`): the
-    running slots decode each step (padded to a power of two) over the longest one's window, so fewer slots
-    decode for more steps over fewer rows each (the step model times both). With partial rollouts also the
-    slots of each whole number of batches in flight (one batch: the others queue for its freed slots); its
-    generate stage's seconds (0 when no slot count fits: no bound known))."""
+def _fastest_slots(planner: Planner, choice: PlanChoice, execution: Execution, most: int, step: int,
+                   replicas: int) -> tuple[Execution, float]:
+    """(`execution` with the fewest of `most` slots and its halvings (whole steps of `step`) whose generation is
+    within the space's `slot_tolerance` of the fastest: the running slots decode each step (padded to a power of
+    two) over the longest one's window, so fewer slots decode for more steps over fewer rows each (the step model
+    times both), and slots beyond the sequences that run at once only hold memory (their prefill rows, pool). With
+    partial rollouts also the slots of each whole number of batches in flight (one batch: the others queue for
+    its freed slots). A paged pool is cut to the slots' capacity (`_with_slots`). Its generate stage's seconds
+    (0 when no slot count fits: no bound known))."""
     in_flight = execution.inflight_batches if execution.partial_rollouts else 1
     counts = sorted({max(step, most // 2**i // step * step) for i in range(4)}
-                    | {max(step, most * j // in_flight // step * step) for j in range(1, in_flight)}, reverse=True)
+                    | {max(step, most * j // in_flight // step * step) for j in range(1, in_flight)})
+    capacity = planner.evaluator.inputs.workload.prompt_tokens + planner.evaluator.inputs.workload.responses.max
     timed = []
     for count in counts:
-        candidate = dataclasses.replace(execution, decode_slots=count)
+        candidate = _with_slots(execution, count, replicas, capacity)
         generated = planner._generation(dataclasses.replace(choice, execution=candidate))
         if generated is not None:
-            timed.append((generated[1].seconds, -count, candidate))
+            timed.append((generated[1].seconds, candidate, generated[1].detail["slot_busy"]))
     if not timed:
         return dataclasses.replace(execution, decode_slots=most), 0.0
-    seconds, _, fastest = min(timed, key=lambda item: item[:2])
-    return fastest, seconds
+    meeting = [(seconds, candidate) for seconds, candidate, busy in timed if busy >= planner.space.min_slot_busy]
+    if not meeting:  # the busiest: its plans are then refused, saying how busy (`Planner.slot_busy_problem`)
+        seconds, candidate, _ = max(timed, key=lambda item: item[2])
+        return candidate, seconds
+    timed = meeting
+    fastest = min(seconds for seconds, _ in timed)
+    tolerance = planner.space.slot_tolerance
+    return next((candidate, seconds) for seconds, candidate in timed if seconds <= fastest * (1 + tolerance))
 
+
+def _with_slots(execution: Execution, count: int, replicas: int, capacity: int) -> Execution:
+    """`execution` with `count` decode slots (all replicas) and its paged pool at most their capacity (tokens
+    past every slot at full length are never used)."""
+    pool = execution.kv_pool_tokens
+    if pool is not None:
+        pool = min(pool, count // replicas * capacity)
+    return dataclasses.replace(execution, decode_slots=count, kv_pool_tokens=pool)
 
 
 def _keep_closest(choice: PlanChoice, need: tuple, line: str, rejected: dict[str, tuple[tuple, str]]) -> None:
@@ -747,6 +786,12 @@ def _keep_closest(choice: PlanChoice, need: tuple, line: str, rejected: dict[str
     layouts = f"gen {_layout_text(choice.generation_layout)}, train {_layout_text(choice.train_layout)}"
     if family not in rejected or need < rejected[family][0]:
         rejected[family] = (need, f"{family} ({layouts}): {line}")
+
+
+def generation_slot_busy(prediction: Prediction) -> float:
+    """The generate stage's share of slots running on average (its `slot_busy`; 1 without a generate stage)."""
+    stage = next((s for s in prediction.stages if s.kind == StageKind.GENERATE), None)
+    return 1.0 if stage is None else float(stage.detail.get("slot_busy", 1.0))
 
 
 def _rank_key(plan: Plan) -> tuple:
@@ -767,7 +812,7 @@ def verl_like(evaluator: Evaluator, *, algorithm: Algorithm | str, num_devices: 
     factor is set (Megatron-Core's `TransformerConfig.moe_expert_capacity_factor` defaults to None)."""
     planner = Planner(evaluator, algorithm=algorithm, num_devices=num_devices, use_reference=use_reference,
                       space=dataclasses.replace(space or PlanSpace(), partial_rollouts=(False,),
-                                                moe_capacity_factors=(None,)),
+                                                moe_capacity_factors=(None,), min_slot_busy=0.0, slot_tolerance=0.0),
                       optimizer_steps=optimizer_steps)
     shape = evaluator.inputs.actor
     tensor = 2 if shape.params <= 14e9 else 4
@@ -794,7 +839,7 @@ def real_like(evaluator: Evaluator, *, algorithm: Algorithm | str, num_devices: 
                       space=dataclasses.replace(space or PlanSpace(), async_bounds=(0,), critic_modes=(CriticMode.SEPARATE,),
                                                 fusion=(False,), microbatches=(1,), generation_fractions=(None,),
                                                 tensor_sizes=tensor_sizes, reshard_inference=(False,),
-                                                partial_rollouts=(False,)),
+                                                partial_rollouts=(False,), min_slot_busy=0.0, slot_tolerance=0.0),
                       optimizer_steps=optimizer_steps)
     generation: dict[tuple, float] = {}
     training: dict[tuple, tuple[float, PlanChoice]] = {}
@@ -831,5 +876,5 @@ def real_like(evaluator: Evaluator, *, algorithm: Algorithm | str, num_devices: 
     return fallback
 
 
-__all__ = ["Plan", "PlanChoice", "PlanResult", "PlanSpace", "Planner", "build_graph",
-           "expert_axis_sizes", "layouts", "real_like", "verl_like"]
+__all__ = ["SLOT_TOLERANCE", "Plan", "PlanChoice", "PlanResult", "PlanSpace", "Planner", "build_graph",
+           "expert_axis_sizes", "generation_slot_busy", "layouts", "real_like", "verl_like"]

@@ -75,6 +75,17 @@ def test_rows_decoded_follow_the_kernel(kernel):
     outcome = simulation.step()  # 4 sequences from step 0, one ends after 2 steps: 3 running, 4 rows
     assert (outcome.decode_steps, outcome.live_row_steps) == (6, 2 * 4 + 4 * 3)
     assert outcome.decoded_row_steps == {DecodeKernel.STATIC: 8 * 6, DecodeKernel.LIVE: 4 * 6}[kernel]
+    # a running row's own keys at decode step t: prompt (1) + t + 2; whatever the kernel reads
+    assert outcome.live_key_steps == sum(3 * (t + 3) for t in range(6)) + sum(t + 3 for t in range(2))
+    # STATIC: every slot's capacity; LIVE: 4 rows over the longest row's window at each chunk's start (prompt +
+    # chunk end + 1 = 4, 6, 8 keys) rounded up to a power of two (4, 8, 8), two steps a chunk
+    assert outcome.decoded_key_steps == {DecodeKernel.STATIC: 8 * 100 * 6, DecodeKernel.LIVE: 2 * 4 * (4 + 8 + 8)}[kernel]
+
+
+def test_the_paged_decode_reads_only_live_keys():
+    """PAGED: each running row's own keys, nothing else (the live-token share of the KV reads is 1)."""
+    outcome = _simulation(itertools.chain([7, 7, 3], itertools.repeat(7)), slots=8, chunk=2).step()
+    assert outcome.decoded_key_steps == outcome.live_key_steps == 3 * 33 + 7
 
 
 # ------------------------------------------------------------------------- against the runtime's counts

@@ -1,6 +1,7 @@
 """The planner: exact against brute force, memory limits respected, executable graphs, reference plans."""
 
 import dataclasses
+import math
 import time
 
 import pytest
@@ -178,25 +179,63 @@ def test_a_planned_graph_survives_json_and_runs_in_the_runtime(tmp_path, fractio
         assert runtime.stage_meshes, "the plan re-shards inference stages; the runtime must run them so"
 
 
-def test_the_pinned_sampler_is_the_fastest_of_the_slot_counts_tried_and_splits_whole_groups():
+def test_the_pinned_sampler_takes_the_fewest_slots_as_fast_as_the_fastest_and_splits_whole_groups():
+    """Of the slot counts tried (the most that fit and its halvings, whole groups per replica), the pinned one is
+    within the space's `slot_tolerance` (2%) of the fastest and no fewer slots are; a paged pool holds no more than
+    its slots at full capacity (more tokens are never used). The reference plans take the fastest (tolerance 0)."""
     evaluator = step_model.Evaluator.for_runtime(ModelConfig.qwen2p5("0.5b"), WORKLOAD, _two_nodes())
     search = planner.Planner(evaluator, algorithm=Algorithm.GRPO, num_devices=8, space=SPACE)
+    capacity = WORKLOAD.prompt_tokens + WORKLOAD.responses.max
     for skeleton in list(search.skeletons())[:6]:
         execution = skeleton.execution
         graph = planner.build_graph(skeleton)
         generate = graph.stages_of_kind(StageKind.GENERATE)[0]
         replicas = graph.parallel_of(generate.name).get("data", 1) * graph.parallel_of(generate.name).get("fsdp", 1)
         assert execution.decode_slots % WORKLOAD.group_size == 0 and execution.decode_slots % replicas == 0
-        if execution.kv_cache == "paged":  # a replica's pool holds whole groups
+        if execution.kv_cache == "paged":  # a replica's pool holds whole groups, at most every slot at capacity
             assert (execution.decode_slots // replicas) % WORKLOAD.group_size == 0 and execution.kv_pool_tokens
-        unpinned = dataclasses.replace(skeleton, execution=dataclasses.replace(execution, decode_slots=None))
-        most = search._generation(unpinned)[0] * replicas
+            assert execution.kv_pool_tokens <= execution.decode_slots // replicas * capacity
+        unpinned = dataclasses.replace(skeleton, execution=dataclasses.replace(execution, decode_slots=None,
+                                                                               kv_pool_tokens=None))
+        paged = execution.kv_cache == "paged"  # whole groups per replica; a contiguous cache whole groups in all
+        unit = WORKLOAD.group_size * replicas if paged else math.lcm(WORKLOAD.group_size, replicas)
+        most = min(search._generation(unpinned)[0] * replicas // unit * unit,
+                   -(-WORKLOAD.sequences // unit) * unit)
+        seconds = {}
+        for count in {max(unit, most // 2**i // unit * unit) for i in range(4)}:
+            other = dataclasses.replace(skeleton, execution=dataclasses.replace(execution, decode_slots=count))
+            seconds[count] = search._generation(other)[1].seconds
+        fastest = min(seconds.values())
         pinned = search._generation(skeleton)[1].seconds
-        for count in {most, most // 2, most // 4}:
-            count = count // WORKLOAD.group_size // replicas * WORKLOAD.group_size * replicas
-            if count:
-                other = dataclasses.replace(skeleton, execution=dataclasses.replace(execution, decode_slots=count))
-                assert pinned <= search._generation(other)[1].seconds + 1e-9
+        assert pinned <= fastest * (1 + search.space.slot_tolerance)
+        assert all(seconds[c] > fastest * (1 + search.space.slot_tolerance) for c in seconds if c < execution.decode_slots)
+    reference = planner.verl_like(evaluator, algorithm=Algorithm.GRPO, num_devices=8, space=SPACE)
+    execution, replicas = reference.graph.execution, 4  # verl-like generation: tensor 2 on 8 devices
+    seconds = reference.prediction.stage("generate").seconds
+    for count in (execution.decode_slots // 2, execution.decode_slots * 2):
+        if count >= WORKLOAD.group_size * replicas:
+            other = dataclasses.replace(reference.choice, execution=dataclasses.replace(execution, decode_slots=count))
+            generated = search._generation(other)
+            assert generated is None or seconds <= generated[1].seconds + 1e-9
+
+
+def test_a_minimum_of_busy_slots_constrains_the_search():
+    """`min_slot_busy`: every plan ranked keeps its generation slots at least that busy, the search stays exact
+    (brute force agrees), the best is no faster than without the constraint, and one no plan can meet is refused
+    with the reason."""
+    space = dataclasses.replace(SPACE, async_bounds=(0,), microbatches=(1,), tensor_sizes=(2,), attention=("blockwise",),
+                                remat=("dots",), reshard_inference=(False,), packing=(False,))
+    free = _small_search(space=space).search(top=3)
+    busy = [planner.generation_slot_busy(p.prediction) for p in (free.best, *free.alternatives)]
+    floor = min(busy) + 0.5 * (1 - min(busy))  # above the least busy plan's
+    search = _small_search(space=dataclasses.replace(space, min_slot_busy=floor))
+    result = search.search(top=3)
+    ranked = (result.best, *result.alternatives)
+    assert all(planner.generation_slot_busy(p.prediction) >= floor for p in ranked)
+    assert _summary(ranked) == _summary(search.brute_force(top=3))
+    assert result.best.prediction.step_seconds >= free.best.prediction.step_seconds - 1e-9
+    with pytest.raises(ValueError, match="min_slot_busy"):
+        _small_search(space=dataclasses.replace(space, min_slot_busy=1.0)).search()
 
 
 def test_re_sharded_inference_layouts_are_chosen_before_and_fitted_after_their_row_micro_batches():

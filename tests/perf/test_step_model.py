@@ -397,6 +397,9 @@ def test_the_paged_kernel_reads_each_live_rows_own_keys():
     expected = sum(int((lengths > s).sum()) * (5 + s + 1 + KERNEL_BLOCK_TOKENS / 2) for s in range(10))
     assert paged.seconds == pytest.approx(expected)
     assert (paged.steps, paged.mean_rows) == (live.steps, live.mean_rows)  # the same padded buckets run
+    own = sum(int((lengths > s).sum()) * (5 + s + 1) for s in range(10))  # the running rows' own keys
+    assert paged.mean_live_keys * paged.steps == live.mean_live_keys * live.steps == pytest.approx(own)
+    assert paged.mean_keys * paged.steps == pytest.approx(expected) and live.mean_keys * live.steps == pytest.approx(live.seconds)
     # LIVE: the running rows (4, 3, 2, then 1) padded to a power of two, each over the longest one's window (the
     # power of two at least 5 + s + 1, at most 64)
     rows = [4, 4, 2] + [1] * 7
