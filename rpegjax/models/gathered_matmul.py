@@ -6,6 +6,11 @@ forward until its backward; without remat every layer's gathered kernel stays li
 update: +8.1 GB per device, docs/benchmarks.md "s23z, session 12"). Here the residuals are x and the parameter `w`
 itself, which is live anyway (and, in the layer scan, a slice of the scanned stack the scan forwards, not a
 stacked copy).
+
+Meant for the layer scan: there the backward's gather sits in the backward loop's iteration, where it is needed.
+Between unrolled layers nothing orders it after the forward (XLA:CPU's scheduler hoists every gather to the
+program's start, doubling what the gathers keep live; an optimization barrier on the kernel and the output
+gradient did not stop it), so unrolled layers keep autodiff's one gather.
 """
 
 from __future__ import annotations
@@ -38,12 +43,12 @@ def _forward(x, w, dtype, sharding, logical, name):
 
 def _backward(dtype, sharding, logical, name, residuals, dy):
     x, w = residuals
-    # the gather waits for this layer's output gradient: otherwise nothing stops XLA from gathering (or keeping)
-    # the kernel long before its backward, which is what this function exists to avoid
-    w, dy = jax.lax.optimization_barrier((w, dy))
     kernel = _gathered(w, dtype, sharding, logical, name).reshape(x.shape[-1], -1)
     dx = dy @ kernel.T
-    dw = sharding.sharded_weight((x.T @ dy).reshape(w.shape), logical, name=f"{name} gradient")
+    # the per-device partial sums laid out as the gathered kernel, then reduce-scattered to w's shard (what autodiff
+    # of the gather does); constrained to the shard directly, the SPMD partitioner gathered x over the rows instead
+    dw = sharding.gathered_weight((x.T @ dy).reshape(w.shape), logical, name=f"{name} gradient")
+    dw = sharding.sharded_weight(dw, logical, name=f"{name} gradient")
     return dx.astype(x.dtype), dw.astype(w.dtype)
 
 
