@@ -3,11 +3,12 @@ backward (ZeRO-3): the backward gathers the kernel again.
 
 Differentiating `x @ gathered_weight(w)` keeps the gathered kernel as the matmul's residual from the layer's
 forward until its backward; without remat every layer's gathered kernel stays live at once (Llama-3.1-8B's fsdp8
-update: +8.1 GB per device, docs/benchmarks.md "s23z, session 12"). Here the residuals are x and the parameter `w`
+update on the H100 target: 13.3 GB of temporaries per device, docs/benchmarks.md "s23z, session 12"). Here the residuals are x and the parameter `w`
 itself, which is live anyway (and, in the layer scan, a slice of the scanned stack the scan forwards, not a
 stacked copy).
 
-Meant for the layer scan: there the backward's gather sits in the backward loop's iteration, where it is needed.
+Meant for the layer scan without remat (`transformer._regathers`): there the backward's gather sits in the backward
+loop's iteration, where it is needed (under remat the recomputation gathers the kernel anyway).
 Between unrolled layers nothing orders it after the forward (XLA:CPU's scheduler hoists every gather to the
 program's start, doubling what the gathers keep live; an optimization barrier on the kernel and the output
 gradient did not stop it), so unrolled layers keep autodiff's one gather.

@@ -163,16 +163,24 @@ def _add_adapters(module: nnx.Module, targets: tuple[LoRATarget, ...], lora: LoR
                                                       kernel.get_value().dtype, rngs=rngs))
 
 
+def _regathers(cfg: ModelConfig) -> bool:
+    """Whether the dense projections gather their kernels again in the backward (`_adapted_matmul`): in the layer scan
+    without remat. Under remat the recomputation gathers them already, and the DOTS policy sees no dot inside a
+    custom VJP: it would recompute the projections it exists to keep (W-plan 7B update: 21% more matmul FLOPs)."""
+    return cfg.scan_layers and cfg.remat is RematPolicy.NONE
+
+
 def _adapted_matmul(module: nnx.Module, name: str, x: Float[Array, "n i"], dtype, sharding: ActivationSharding | None,
                     dropout_key: Array | None = None) -> Array:
     """x W for x [n, i] and `module.name`'s kernel W (its leading dims hold the i inputs) cast to the compute `dtype`,
     plus s (x A) B when `name` is adapted (its input under LoRA dropout when the layer's `dropout_key` is given).
 
     Under an activation sharding W is gathered whole over its embedding dim's data-like axes
-    (`ActivationSharding.gathered_weight`). In the layer scan (`module.regather`) the backward gathers it again
-    from the shard (`gathered_matmul`) rather than keeping the gathered copy as a stacked residual. Unrolled layers
-    keep the autodiff of one gather: there XLA:CPU's scheduler hoists every gather to the program's start, so a
-    second gather in the backward doubles what stays live (docs/benchmarks.md, s23z session 12)."""
+    (`ActivationSharding.gathered_weight`). In the layer scan without remat (`module.regather`, `_regathers`) the
+    backward gathers it again from the shard (`gathered_matmul`) rather than keeping the gathered copy as a stacked
+    residual. Unrolled layers keep the autodiff of one gather: there XLA:CPU's scheduler hoists every gather to the
+    program's start, so a second gather in the backward doubles what stays live (docs/benchmarks.md, s23z session
+    12)."""
     variable = getattr(module, name)
     w, logical = variable.get_value(), tuple(variable.get_metadata()["logical_axes"])
     if sharding is not None and module.regather:
@@ -194,7 +202,7 @@ class Attention(nnx.Module):
         self.k_proj = _param(rngs, (d, k, e), (axes.EMBED, axes.KV_HEADS, axes.HEAD_DIM), pdt, d)
         self.v_proj = _param(rngs, (d, k, e), (axes.EMBED, axes.KV_HEADS, axes.HEAD_DIM), pdt, d)
         self.o_proj = _param(rngs, (h, e, d), (axes.HEADS, axes.HEAD_DIM, axes.EMBED), pdt, h * e)
-        self.regather = cfg.scan_layers  # see `_adapted_matmul`
+        self.regather = _regathers(cfg)
         in_dims = {LoRATarget.Q: 1, LoRATarget.K: 1, LoRATarget.V: 1, LoRATarget.O: 2}
         _add_adapters(self, ATTENTION_TARGETS, lora, in_dims, rngs)
         if cfg.attention_bias:
@@ -303,7 +311,7 @@ class MLP(nnx.Module):
         self.up_proj = _param(rngs, (d, f), (axes.EMBED, axes.MLP), pdt, d)
         self.down_proj = _param(rngs, (f, d), (axes.MLP, axes.EMBED), pdt, f)
         self.dtype = cfg.jnp_dtype
-        self.regather = cfg.scan_layers  # see `_adapted_matmul`
+        self.regather = _regathers(cfg)
         _add_adapters(self, MLP_TARGETS, lora, dict.fromkeys(MLP_TARGETS, 1), rngs)
 
     def __call__(self, x: Float[Array, "b t d"], sharding: ActivationSharding | None,
