@@ -8,29 +8,14 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from rpegjax.learners.scoring import sequence_logprobs
 from rpegjax.models import Decoder, ModelConfig
 from rpegjax.models.gathered_matmul import gathered_matmul
 from rpegjax.sharding import ShardingRules, axes, make_mesh
-from rpegjax.sharding.rules import ActivationSharding, logical_to_spec, param_shardings
+from rpegjax.sharding.rules import ActivationSharding, logical_to_spec
+from test_sequence_parallel import _step
 
 Q_AXES = (axes.EMBED, axes.HEADS, axes.HEAD_DIM)
 O_AXES = (axes.HEADS, axes.HEAD_DIM, axes.EMBED)
-
-
-def _step(model, mesh, rules):
-    """value_and_grad of the summed log-probs, jitted with the parameters placed by `rules` on `mesh` (None: one
-    device, no activation sharding)."""
-    graphdef, state = nnx.split(model)
-    sharding = None if mesh is None else ActivationSharding(mesh, rules)
-
-    def loss(state, tokens, mask):
-        return jnp.sum(sequence_logprobs(nnx.merge(graphdef, state), tokens, mask, chunk_size=8, sharding=sharding))
-
-    if mesh is None:
-        return jax.jit(jax.value_and_grad(loss)), state
-    shardings = param_shardings(state, mesh, rules)
-    return jax.jit(jax.value_and_grad(loss), in_shardings=(shardings, None, None)), jax.device_put(state, shardings)
 
 
 @pytest.mark.parametrize("logical, shape", [(Q_AXES, (32, 4, 8)), (O_AXES, (4, 8, 32))])
