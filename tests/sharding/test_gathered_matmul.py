@@ -10,6 +10,7 @@ from jax.sharding import NamedSharding
 
 from rpegjax.models import Decoder, ModelConfig
 from rpegjax.models.gathered_matmul import gathered_matmul
+from rpegjax.models.lora import LoRAConfig, LoRAParam
 from rpegjax.sharding import ShardingRules, axes, make_mesh
 from rpegjax.sharding.rules import ActivationSharding, logical_to_spec
 from test_sequence_parallel import _step
@@ -49,15 +50,25 @@ def test_gathered_matmul_equals_autodiff_of_the_plain_matmul(logical, shape, dty
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh_shape", [{"fsdp": 8}, {"fsdp": 4, "tensor": 2}])
-@pytest.mark.parametrize("scan", [True, False])
-def test_remat_none_gradients_equal_the_unsharded_models(mesh_shape, scan):
-    """Remat none, scanned (the gather again in the backward) and unrolled layers: loss and gradients on 8 devices
-    equal the unsharded model's (float32, 1e-5)."""
+@pytest.mark.parametrize("mesh_shape, scan, lora", [({"fsdp": 8}, True, False), ({"fsdp": 8}, False, False),
+                                                    ({"fsdp": 4, "tensor": 2}, True, False),
+                                                    ({"fsdp": 4, "tensor": 2}, False, False),
+                                                    ({"fsdp": 4, "tensor": 2}, True, True)])
+def test_remat_none_gradients_equal_the_unsharded_models(mesh_shape, scan, lora):
+    """Remat none, scanned (the gather again in the backward) and unrolled layers, and LoRA adapters on every
+    projection (the adapter term beside the gathered matmul): loss and gradients on 8 devices equal the unsharded
+    model's (float32, 1e-5)."""
     cfg = ModelConfig.tiny()
     tokens = jax.random.randint(jax.random.key(2), (8, 16), 0, cfg.vocab_size)
     mask = jnp.arange(16)[None, :] < jnp.array([16, 13, 8, 15, 16, 9, 12, 16])[:, None]
     dense = Decoder(cfg, rngs=nnx.Rngs(0))
+    if lora:
+        dense = dense.with_lora(LoRAConfig(rank=4, alpha=8.0), seed=1)
+        adapters = nnx.state(dense, LoRAParam)  # random B (a trained adapter): the adapter term and its dx matter
+        for index, (path, variable) in enumerate(nnx.to_flat_state(adapters)):
+            if path[-1] == "b":
+                variable.set_value(0.1 * jax.random.normal(jax.random.key(index), variable.get_value().shape))
+        nnx.update(dense, adapters)
     step, state = _step(dense, None, None)
     expected_loss, expected = step(state, tokens, mask)
     model = dense.with_execution(remat="none", scan_layers=scan)
