@@ -27,6 +27,7 @@ from rpegjax.models.attention import attend, segment_starts
 from rpegjax.models.attention import causal_attention  # noqa: F401  (re-exported)
 from rpegjax.models.config import ModelConfig
 from rpegjax.models.context_attention import context_attention, from_balanced, to_balanced
+from rpegjax.models.gathered_matmul import gathered_matmul
 from rpegjax.models.layer_scan import remat_scan
 from rpegjax.models.lora import (
     ATTENTION_TARGETS,
@@ -162,26 +163,36 @@ def _add_adapters(module: nnx.Module, targets: tuple[LoRATarget, ...], lora: LoR
                                                       kernel.get_value().dtype, rngs=rngs))
 
 
-def _adapted_matmul(module: nnx.Module, name: str, x: Float[Array, "n i"], w: Array, dtype,
+def _regathers(cfg: ModelConfig) -> bool:
+    """Whether the dense projections gather their kernels again in the backward (`_adapted_matmul`): in the layer scan
+    without remat. Under remat the recomputation gathers them already, and the DOTS policy sees no dot inside a
+    custom VJP: it would recompute the projections it exists to keep (W-plan 7B update: 21% more matmul FLOPs)."""
+    return cfg.scan_layers and cfg.remat is RematPolicy.NONE
+
+
+def _adapted_matmul(module: nnx.Module, name: str, x: Float[Array, "n i"], dtype, sharding: ActivationSharding | None,
                     dropout_key: Array | None = None) -> Array:
-    """x W for x [n, i] and a kernel W whose leading dims hold i inputs, plus s (x A) B when `name` is adapted
-    (its input under LoRA dropout when the layer's `dropout_key` is given)."""
-    y = x @ w.reshape(x.shape[-1], -1)
+    """x W for x [n, i] and `module.name`'s kernel W (its leading dims hold the i inputs) cast to the compute `dtype`,
+    plus s (x A) B when `name` is adapted (its input under LoRA dropout when the layer's `dropout_key` is given).
+
+    Under an activation sharding W is gathered whole over its embedding dim's data-like axes
+    (`ActivationSharding.gathered_weight`). In the layer scan without remat (`module.regather`, `_regathers`) the
+    backward gathers it again from the shard (`gathered_matmul`) rather than keeping the gathered copy as a stacked
+    residual. Unrolled layers keep the autodiff of one gather: there XLA:CPU's scheduler hoists every gather to the
+    program's start, so a second gather in the backward doubles what stays live (docs/benchmarks.md, s23z session
+    12)."""
+    variable = getattr(module, name)
+    w, logical = variable.get_value(), tuple(variable.get_metadata()["logical_axes"])
+    if sharding is not None and module.regather:
+        y = gathered_matmul(x, w, dtype, sharding, logical, name)
+    else:
+        kernel = w.astype(dtype) if sharding is None else sharding.gathered_weight(w.astype(dtype), logical, name=name)
+        y = x @ kernel.reshape(x.shape[-1], -1)
     adapter = getattr(module, f"{name}_lora", None)
     if adapter is None:
         return y
     key = None if dropout_key is None else target_key(dropout_key, LoRATarget(name.removesuffix("_proj")))
     return y + adapter(x, dtype, key)
-
-
-def _kernel(module: nnx.Module, name: str, dtype, sharding: ActivationSharding | None) -> Array:
-    """`module.name`'s kernel cast to the compute `dtype`, gathered whole over its embedding dim's data-like axes
-    (`ActivationSharding.gathered_weight`) when there is an activation sharding."""
-    variable = getattr(module, name)
-    w = variable.get_value().astype(dtype)
-    if sharding is None:
-        return w
-    return sharding.gathered_weight(w, variable.get_metadata()["logical_axes"], name=name)
 
 
 class Attention(nnx.Module):
@@ -191,6 +202,7 @@ class Attention(nnx.Module):
         self.k_proj = _param(rngs, (d, k, e), (axes.EMBED, axes.KV_HEADS, axes.HEAD_DIM), pdt, d)
         self.v_proj = _param(rngs, (d, k, e), (axes.EMBED, axes.KV_HEADS, axes.HEAD_DIM), pdt, d)
         self.o_proj = _param(rngs, (h, e, d), (axes.HEADS, axes.HEAD_DIM, axes.EMBED), pdt, h * e)
+        self.regather = _regathers(cfg)
         in_dims = {LoRATarget.Q: 1, LoRATarget.K: 1, LoRATarget.V: 1, LoRATarget.O: 2}
         _add_adapters(self, ATTENTION_TARGETS, lora, in_dims, rngs)
         if cfg.attention_bias:
@@ -206,9 +218,9 @@ class Attention(nnx.Module):
                  sharding: ActivationSharding | None):
         dt = self.cfg.jnp_dtype
         # 2-D matmuls: XLA's CPU backend runs [b*t, d] @ [d, h*e] several times faster than a batched einsum
-        w = _kernel(self, name, dt, sharding)
         b, t, d = x.shape
-        y = _adapted_matmul(self, name, x.reshape(b * t, d), w, dt, dropout_key).reshape(b, t, *w.shape[1:])
+        out_shape = getattr(self, name).get_value().shape[1:]
+        y = _adapted_matmul(self, name, x.reshape(b * t, d), dt, sharding, dropout_key).reshape(b, t, *out_shape)
         if self.cfg.attention_bias:
             y = y + getattr(self, bias_name).get_value().astype(dt)
         if self.cfg.qk_norm and norm_name is not None:
@@ -258,10 +270,9 @@ class Attention(nnx.Module):
 
     def _output(self, out: Float[Array, "b t h e"], sharding: ActivationSharding | None,
                 dropout_key: Array | None = None) -> Float[Array, "b t d"]:
-        o_proj = _kernel(self, "o_proj", self.cfg.jnp_dtype, sharding)
         b, t = out.shape[:2]
         flat = out.reshape(b * t, -1)
-        return _adapted_matmul(self, "o_proj", flat, o_proj, self.cfg.jnp_dtype, dropout_key).reshape(b, t, -1)
+        return _adapted_matmul(self, "o_proj", flat, self.cfg.jnp_dtype, sharding, dropout_key).reshape(b, t, -1)
 
 
 def _cached_attention(
@@ -300,6 +311,7 @@ class MLP(nnx.Module):
         self.up_proj = _param(rngs, (d, f), (axes.EMBED, axes.MLP), pdt, d)
         self.down_proj = _param(rngs, (f, d), (axes.MLP, axes.EMBED), pdt, f)
         self.dtype = cfg.jnp_dtype
+        self.regather = _regathers(cfg)
         _add_adapters(self, MLP_TARGETS, lora, dict.fromkeys(MLP_TARGETS, 1), rngs)
 
     def __call__(self, x: Float[Array, "b t d"], sharding: ActivationSharding | None,
@@ -307,11 +319,10 @@ class MLP(nnx.Module):
         b, t, d = x.shape
         dt, key = self.dtype, dropout_key
         flat = x.reshape(b * t, d)  # 2-D matmuls are much faster than batched ones on XLA's CPU backend
-        gate = _adapted_matmul(self, "gate_proj", flat, _kernel(self, "gate_proj", dt, sharding), dt, key)
-        up = _adapted_matmul(self, "up_proj", flat, _kernel(self, "up_proj", dt, sharding), dt, key)
+        gate = _adapted_matmul(self, "gate_proj", flat, dt, sharding, key)
+        up = _adapted_matmul(self, "up_proj", flat, dt, sharding, key)
         hidden = constrain(swiglu(gate, up).reshape(b, t, -1), sharding, (axes.BATCH, axes.SEQ, axes.MLP))
-        down = _kernel(self, "down_proj", dt, sharding)
-        return _adapted_matmul(self, "down_proj", hidden.reshape(b * t, -1), down, dt, key).reshape(b, t, d)
+        return _adapted_matmul(self, "down_proj", hidden.reshape(b * t, -1), dt, sharding, key).reshape(b, t, d)
 
 
 class Block(nnx.Module):
