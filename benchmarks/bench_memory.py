@@ -19,7 +19,7 @@ with `--bucket` (the learner's length_bucket) runs update and log-prob stages tr
 
 Beside each row, the planner's predicted peak for the same layout (`rpegjax.graph.stage_costs`:
 persistent weights + optimiser state per device, plus the stage's transient bytes) with flash attention
-and full rematerialisation. The model runs with `--attention`, `--remat`, layers in one `lax.scan` (unless
+and the row's own `--remat`. The model runs with `--attention`, `--remat`, layers in one `lax.scan` (unless
 `--unrolled`) and float32 master parameters with `--dtype` compute (defaults: blockwise, full, bfloat16);
 `--today` is the configuration before issue 12 (dense attention, no remat, unrolled layers, float32).
 XLA's CPU backend computes bfloat16 matmuls in float32 (converted copies), so bfloat16 figures here
@@ -135,11 +135,12 @@ def analysis(compiled) -> dict[str, float]:
 
 def predicted_peak(cfg: ModelConfig, parallel: dict[str, int], sequence_parallel: bool, tokens: int, prompt: int, *,
                    backward: bool, packed_sequence: int | None = None) -> float:
-    """The planner's per-device peak: persistent state (weights, + optimiser moments for the update) + transient bytes;
-    `packed_sequence`: sequences of this many tokens packed into rows of `tokens` (one per data shard)."""
+    """The planner's per-device peak: persistent state (weights, + optimiser moments for the update) + transient bytes,
+    costed with the row's own remat (`cfg.remat`); `packed_sequence`: sequences of this many tokens packed into rows
+    of `tokens` (one per data shard)."""
     shape = costs.ModelShape.from_config(cfg)
     layout = Layout.from_parallel(parallel, where="bench_memory", sequence_parallel=sequence_parallel)
-    options = ExecutionOptions(attention=costs.AttentionKernel.FLASH, remat=RematPolicy.FULL, microbatch_tokens=tokens,
+    options = ExecutionOptions(attention=costs.AttentionKernel.FLASH, remat=RematPolicy(cfg.remat), microbatch_tokens=tokens,
                                optimizer_bytes_per_param=8.0, grad_bytes_per_param=4.0,
                                packed_row_tokens=tokens if packed_sequence else None)
     per_row = tokens // packed_sequence if packed_sequence else 1

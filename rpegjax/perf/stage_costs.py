@@ -605,37 +605,64 @@ def _pass_transient_bytes(inputs: CostInputs, shape: ModelShape, layout: Layout,
         return kv_gathered + _forward_transient_bytes(
             shape, layout, tokens_per_pass=tokens_per_pass, keys_per_query=keys_per_query, logits=logits,
             kernel=o.attention, models=models, looped=passes > pieces)
-    # one float32 chunk of logits at the backward's peak: XLA's GPU compiler fuses the log-softmax and its gradient
-    # into it (0.5B updates, docs/benchmarks.md issue 23; XLA:CPU keeps all three)
-    chunk = costs.logprob_chunk_bytes(shape, rows=rows, chunk=chunk_tokens, tensor=layout.tensor, copies=1)
-    # the layer in use and the one being prefetched, gathered as their compute-dtype casts
-    layer_params = expert_costs.layer_params_held(shape, layout) * shape.compute_bytes_each / layout.tensor
-    gathered = 2 * layer_params if layout.fsdp * layout.context * layout.expert > 1 else 0.0
+    return kv_gathered + _update_transient_bytes(inputs, shape, layout, tokens_per_pass=tokens_per_pass,
+                                                 keys_per_query=keys_per_query, rows=rows, chunk_tokens=chunk_tokens,
+                                                 accumulating=accumulating)
+
+
+def _update_transient_bytes(inputs: CostInputs, shape: ModelShape, layout: Layout, *, tokens_per_pass: float,
+                            keys_per_query: float, rows: float, chunk_tokens: int, accumulating: bool) -> float:
+    """Peak transient bytes per device of an update's forward and backward pass: what the layers keep for the
+    backward and the gradients, live throughout, and the larger of two phases that are never live together (read
+    from XLA's GPU compiler's buffer assignment of the 7B update, fsdp8, and the Qwen3-32B one, d2 x f8 x t2;
+    docs/benchmarks.md, s23m session 13):
+
+    - the log-prob head: the output matrix's compute-dtype cast gathered whole, each chunk's dW (a compute-dtype
+      dot output of the whole matrix's shape) and their float32 sum, and one float32 chunk of logits. The sum is
+      reduce-scattered and the gathered cast freed before the layers' backward starts (`models.logprobs.
+      _ChunkLoop`'s optimization barrier);
+    - the layers: the layer in use and the one being prefetched, gathered as their compute-dtype casts, one
+      layer's working set while it is recomputed and differentiated, and in a micro-batch loop (without full
+      remat) the backward scan's own stacked compute-dtype gradients beside the running sum."""
+    o = inputs.options
+    b = shape.compute_bytes_each
+    fsdp = layout.fsdp * layout.context * layout.expert > 1  # weights sharded over fsdp x context x expert
+    # one float32 chunk of logits: XLA's GPU compiler fuses the log-softmax and its gradient into it (0.5B updates,
+    # docs/benchmarks.md issue 23; XLA:CPU keeps all three)
+    head = costs.logprob_chunk_bytes(shape, rows=rows, chunk=chunk_tokens, tensor=layout.tensor, copies=1)
+    if fsdp:
+        # FSDP gathers the output matrix whole for the update (every log-prob chunk reads it). The token lookup
+        # reads its own shard of the table (never gathered whole); with tied embeddings its gradient is added to
+        # the output's. Large for big vocabularies (Qwen2.5: 152k x d)
+        head += shape.vocab * shape.hidden * (2 * b + 4) / layout.tensor
+    layers = 2 * expert_costs.layer_params_held(shape, layout) * b / layout.tensor if fsdp else 0.0
     activations = costs.training_activation_bytes(shape, tokens=tokens_per_pass, keys_per_query=keys_per_query,
                                                   kernel=o.attention, remat=o.remat, tensor=layout.tensor)
+    if o.remat is not RematPolicy.NONE:  # one layer's working set, live in the layers' phase only
+        working = tokens_per_pass * costs.layer_activation_bytes_per_token(
+            shape, keys_per_query=keys_per_query, kernel=o.attention, tensor=layout.tensor)
+        activations -= working
+        layers += working
     if layout.sequence_parallel and o.remat is not RematPolicy.NONE:  # each layer's kept input split over tensor too
-        activations -= tokens_per_pass * shape.layers * shape.hidden * shape.compute_bytes_each * (1 - 1 / layout.tensor)
+        activations -= tokens_per_pass * shape.layers * shape.hidden * b * (1 - 1 / layout.tensor)
     grads = shape.params * o.grad_bytes_per_param / layout.shards
-    if o.remat is RematPolicy.FULL and shape.experts is None:
+    layer_grads = shape.layers * shape.matmul_params_per_layer / layout.shards  # parameters
+    shared = o.remat is RematPolicy.FULL and shape.experts is None
+    if shared:
         # the layer scan's stacked compute-dtype kernels and their gradients share one buffer through the backward
         # (`rpegjax.models.layer_scan.remat_scan`); no float32 copy of the layers' gradients is live at its peak
         # (GPU compiler's buffer assignment of the 7B update, docs/benchmarks.md issue 25 session 11)
-        layer_params = shape.layers * shape.matmul_params_per_layer
-        grads -= layer_params * (o.grad_bytes_per_param - shape.compute_bytes_each) / layout.shards
-    if accumulating:
-        # the micro-batch loop carries the running sum of the layers' gradients while the pass's backward scan
-        # writes its own stacked [layers, ...] gradients: two copies at the peak (XLA's GPU compiler's buffer
-        # assignment of the 7B packed update, 2 and 4 layers, docs/benchmarks.md issue 23 session 10)
-        grads += shape.layers * shape.matmul_params_per_layer * o.grad_bytes_per_param / layout.shards
-    if layout.fsdp * layout.context * layout.expert > 1:
-        # FSDP gathers the output matrix whole for the update (every log-prob chunk reads it) as its compute-dtype
-        # cast, and its float32 gradient accumulates whole over the chunks before it is reduce-scattered
-        # (`models.logprobs._ChunkLoop`). The token lookup reads its own shard of the table (never gathered
-        # whole); with tied embeddings its gradient is added to the output's. Large for big vocabularies (Qwen2.5:
-        # 152k x d); read from XLA's GPU compiler's buffer assignment of 0.5B updates, tied and untied
-        # (docs/benchmarks.md, issue 23; float32 then), and of the untied 7B update (s25v, session 12)
-        gathered += shape.vocab * shape.hidden * (shape.compute_bytes_each + o.grad_bytes_per_param) / layout.tensor
-    return activations + chunk + gathered + kv_gathered + grads
+        grads -= layer_grads * (o.grad_bytes_per_param - b)
+    if accumulating and shared:
+        # the micro-batch loop carries the float32 running sum of the layers' gradients beside that shared buffer,
+        # through both phases (XLA's GPU compiler's buffer assignment of the 7B packed update, 2 and 4 layers,
+        # docs/benchmarks.md issue 23 session 10)
+        grads += layer_grads * o.grad_bytes_per_param
+    elif accumulating:
+        # the running sum is the gradients counted above; the pass's backward scan writes its own stacked
+        # compute-dtype gradients beside it, in the layers' phase only (the Qwen3-32B DOTS update, s23m)
+        layers += layer_grads * b
+    return activations + grads + max(head, layers)
 
 
 # ------------------------------------------------------------------------------------- host and small stages

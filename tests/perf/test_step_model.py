@@ -527,3 +527,40 @@ def test_decode_tensor_all_reduces_carry_the_processed_rows_not_every_slot(kerne
     per_all_reduce = 2 * 3 * 2e-6 + 2 * 3 / 4 * row_bytes * rows / (450 * 1e9)  # at the mean rows: it is linear
     expected = steps * 2 * shape.layers * per_all_reduce
     assert cost.communication_seconds == pytest.approx(expected, rel=1e-9)
+
+
+@pytest.mark.parametrize("remat, tokens", [("full", 16384), ("full", 32768), ("dots", 4096)])
+def test_the_updates_head_and_layers_phases_are_maxed_not_added(remat, tokens):
+    """An update's peak (fsdp8, one row per device, one micro-batch): what the layers keep for the backward and the
+    gradients, plus the larger of the log-prob head's phase (the gathered bfloat16 output matrix, one chunk's
+    bfloat16 dW and their float32 sum, one float32 chunk of logits) and the layers' phase (two gathered bfloat16
+    layers and one layer's working set): `models.logprobs._ChunkLoop` frees the head's buffers before the layers'
+    backward starts (s23m, session 13, the GPU compiler's buffer assignment). Written out from the formula."""
+    from rpegjax.perf import costs
+
+    config = ModelConfig.qwen2p5("7b").replace(param_dtype="float32", dtype="bfloat16")
+    shape = ModelShape.from_config(config)
+    layout = Layout.from_parallel({"fsdp": 8}, where="test")
+    workload = Workload(prompts=8, group_size=1, prompt_tokens=512, responses=ResponseLengths.fixed(tokens - 512))
+    execution = Execution(attention="blockwise", remat=remat, scan_layers=True, param_dtype="float32",
+                          dtype="bfloat16", update_microbatches=1)
+    options = ExecutionOptions().executing(execution)
+    inputs = CostInputs(hardware=hardware.h100_node(8), actor=shape, critic=shape, workload=workload, options=options)
+    update = model_pass_cost(inputs, shape, layout, logits=True, backward=True, optimizer_steps=1)
+
+    b, d, v, L = 2, shape.hidden, shape.vocab, shape.layers
+    layer_params = shape.matmul_params_per_layer
+    per_token = costs.layer_activation_bytes_per_token(shape, keys_per_query=1.0, kernel="flash")  # flash: no scores
+    working = tokens * per_token
+    kept = tokens * L * d * b
+    grads = shape.params * 4 / 8
+    if remat == "full":  # the stacked bf16 kernels and their gradients share one buffer
+        grads -= L * layer_params * (4 - b) / 8
+    else:  # DOTS keeps the matmul outputs too
+        kept += tokens * L * costs.layer_matmul_output_bytes_per_token(shape, keys_per_query=1.0, kernel="flash")
+    head = v * d * (b + b + 4) + 256 * v * 4
+    layers = 2 * layer_params * b + working
+    assert update.transient_bytes == pytest.approx(kept + grads + max(head, layers), rel=1e-9)
+    assert update.transient_bytes < kept + grads + head + layers  # never both phases at once
+    # the head's phase binds up to 16k tokens a row, the layers' beyond: both sides of the max are checked
+    assert (head > layers) == (tokens <= 16384)
