@@ -269,7 +269,8 @@ class RoleLinks:
     def receive_weights(self, version: int, now) -> Any:
         """Generation side: weights `version` in the generation layout (waits until they have arrived); `now()` is
         the clock the pull's start and end are recorded with."""
-        return self.open_weights(version, self.request_weights(version), now(), now)
+        start = now()
+        return self.open_weights(version, self.request_weights(version), start, now)
 
     def request_weights(self, version: int) -> Any:
         """Generation side: starts pulling weights `version` (returns at once; `piece_arrived` tells whether they

@@ -115,6 +115,7 @@ def test_partial_rollouts_over_process_groups_resume_exactly(tmp_path):
     them back with the start of the run, and steps 3 and 4 train exactly what the uninterrupted run trained."""
     flags = ["--rollout.partial=true", "--checkpoint-every=1", "--async-bound=1", "--rollout-devices=1",
              "--mesh=data=2", "--rollout-mesh=data=1", "--train.export_hf=false",
+             "--rollout.num_slots=32",  # both batches in flight decode at once: the carry holds started sequences
              f"--warm_start.cache_dir={tmp_path}/cache"]
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     for run_dir, steps in ((whole, 4), (cut, 2)):
