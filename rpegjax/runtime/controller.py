@@ -22,7 +22,10 @@ The source decides the mode:
   processes say the run ended). Only its worker thread launches device programs: the sender moves host data.
   Weights and rollout pieces cross between the groups through `jax.experimental.transfer` (`RoleLinks`), never
   through a collective spanning both groups; the staleness bound and every number are those of the one-process
-  run.
+  run. With partial rollouts the pieces carry every token's weights version, each step's groups in flight follow
+  its last piece to the training processes (which checkpoint them) and a resumed run's go back at the start; with
+  weights in flight the generation process takes the newest version the training processes have offered between
+  decode chunks (`PulledWeights.newest`), which then offer every version a step may take.
 
 Placement: generation runs where the graph places it (the sampler's mesh), every other device stage on the
 training devices (the learner's mesh); `check_placements` refuses programs built elsewhere. When the two are
@@ -71,7 +74,7 @@ class Runtime:
     groups whose rewards differ, sampling more rounds of prompts (`rpegjax.runtime.rollout_stage`).
     `reward_shaping(lengths) -> term`: an additive reward term from the response lengths (int [rows] -> float
     [rows]). `address`: where this process's transfer server listens in a run over process groups. `partial`:
-    partial rollouts (`rpegjax.runtime.partial_rollouts`), colocated runs only.
+    partial rollouts (`rpegjax.runtime.partial_rollouts`).
     """
 
     def __init__(
@@ -91,7 +94,8 @@ class Runtime:
     ):
         graph.validate()
         if partial is not None:
-            _check_partial(graph, programs, dynamic_sampling)
+            _check_partial(programs, dynamic_sampling)
+        self.partial = partial
         self.concurrent_rollout = concurrent_rollout
         if dynamic_sampling is not None and programs.group_size < 2:  # a group of one never has differing rewards
             raise ValueError(f"dynamic sampling needs groups of at least 2 samples, got group_size={programs.group_size}")
@@ -111,7 +115,8 @@ class Runtime:
         if self.groups is not None:
             self.links = self._link_groups(data, address)
             if self.role == Role.GENERATE:
-                self.rollout_stage.weights = PulledWeights(self.links, self.store, self.trace)
+                pulled = PulledWeights(self.links, self.store, self.trace)
+                self.rollout_stage.weights, self.rollout_stage.newest = pulled, pulled.newest
             else:  # a piece arrives with every row's rewards (colocated, gathering them is a collective)
                 self.scorer.collect = _arrived_rewards
         self.publisher = WeightPublisher(programs, self.store, self.trace, self.links)
@@ -139,11 +144,13 @@ class Runtime:
         self.rollout_stage.check_batch(data.batch_size)
         programs = self.programs
         programs.reward_processes = self.groups.generation
+        partial = self.rollout_stage.partial
         return RoleLinks(self.graph, self.groups, weights_like=programs.generation_shapes(),
                          weights_staging=programs.staging_shardings(),
                          weights_targets=programs.sampler.params_sharding,
                          rows=data.batch_size // self.rollout_stage.pieces * programs.group_size,
-                         length=programs.sequence_length, examples=data.examples, address=address)
+                         length=programs.sequence_length, examples=data.examples, address=address,
+                         carry=None if partial is None else (partial.capacity, programs.group_size))
 
     # ---- the step loop -------------------------------------------------------------------------
     def run(
@@ -163,12 +170,20 @@ class Runtime:
 
         Over process groups (`role`) a generation process runs the rollout loop (`state`, `history` and `on_step`
         are unused; it returns None once the training processes have received every rollout) and a training process
-        every other stage; there `history` holds the versions in the staging layout (`StagePrograms.staged_sync`)."""
+        every other stage; there `history` holds the versions in the staging layout (`StagePrograms.staged_sync`).
+        With partial rollouts a generation process receives `carry` from the training processes."""
         steps = range(start_step, start_step + num_steps)
+        if self.partial is not None and self.role == Role.GENERATE:
+            carry = self.links.receive_start_carry()
         self.rollout_stage.restore_carry(carry)
         self.publisher.read_versions = {generation_version(step, self.async_bound) for step in steps}
+        if self.partial is not None and self.partial.inflight_weights:  # step t may take any version up to t
+            self.publisher.read_versions |= set(steps)
         if self.role == Role.GENERATE:
+            self.rollout_stage.weights.offered = set(self.publisher.read_versions)
             return self._serve_generation(steps)
+        if self.partial is not None and self.role == Role.TRAIN:
+            self.links.send_start_carry(carry or {"groups": []})
         self.executor.publish_initial(state, start_step, history)
         training = _Training(self, self.programs.at_rest(state), on_step)
         self._loop(self._source(), training, steps)
@@ -254,7 +269,7 @@ class _Training:
         pass
 
 
-def _check_partial(graph: Graph, programs: StagePrograms, dynamic_sampling: DynamicSamplingConfig | None) -> None:
+def _check_partial(programs: StagePrograms, dynamic_sampling: DynamicSamplingConfig | None) -> None:
     """Refuses partial rollouts where they are not built yet, naming what is in the way."""
     if dynamic_sampling is not None:
         raise ValueError("partial rollouts with dynamic sampling: not supported yet (a step's batch is the first "
@@ -262,9 +277,6 @@ def _check_partial(graph: Graph, programs: StagePrograms, dynamic_sampling: Dyna
     if programs.episodes is not None:
         raise ValueError("partial rollouts with multi-turn episodes (rollout.env): not supported yet (an episode's "
                          "turns are not continued across steps)")
-    if process_groups(graph) is not None:
-        raise ValueError("partial rollouts over separate generation and training processes: not supported yet "
-                         "(a rollout piece crossing the groups carries no per-token versions); colocate generation")
 
 
 def _arrived_rewards(piece):

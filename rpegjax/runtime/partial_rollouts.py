@@ -139,6 +139,11 @@ class PartialRollouts:
         self.pool: list[Group] = []
         self.pages = _kept_pages(config, sampler)
 
+    @property
+    def capacity(self) -> int:
+        """The most groups in flight (a snapshot holds at most that many)."""
+        return self.config.inflight_batches * self.batch_size
+
     def fill(self, take_batch: Callable[[], list[Example]],
              prompt_ids: Callable[[Sequence[Example]], list[list[int]]]) -> None:
         """Tops the groups in flight up to `inflight_batches` batches with new prompts, a batch at a time."""

@@ -10,12 +10,17 @@ that crosses goes through `rpegjax.runtime.transfers` (`RoleLinks`):
 
 - *weights*, training -> generation: version v, laid out as the generation layout over the training devices
   (`StagePrograms.staged_sync`), is offered under version v and pulled by the generation processes;
-- *rollouts*, generation -> training: each piece's packed rows (tokens, masks, behaviour log-probs) and its host
+- *rollouts*, generation -> training: each piece's packed rows (tokens, masks, behaviour log-probs; with partial
+  rollouts the weights version that sampled each token) and its host
   data (per-row indices and lengths, finish reasons, the example of each row, the data position, each generation
   process's block of rewards and reward statistics, with dynamic sampling on the last piece the step's reward
   metrics, or the failure of the rollout stage) encoded as JSON bytes in a small array, one per generation process
   (each scored its own block of the rows); each piece is offered as it finishes, and pulled by the training
   processes as soon as they start the step (`request_piece`), so it arrives while later pieces still decode;
+- *the carry* (partial rollouts), generation -> training after each step's last piece: the groups still in flight
+  (`PartialRollouts.snapshot`, as arrays: `rpegjax.runtime.carry_arrays`), which the training processes write into
+  their checkpoints; and training -> generation at the start of the run: a resumed run's carry, from its
+  checkpoint;
 - *the start of the run*, training -> generation: the step and data position the run starts from (a resumed
   run's, from its checkpoint, which only the training processes read);
 - *the end of the run*, training -> generation: a small control message saying whether training finished or
@@ -46,14 +51,16 @@ from rpegjax.graph.ir import Graph, GraphError, StageKind
 from rpegjax.learners.batch import TrainBatch
 from rpegjax.rewards.runner import RewardStats, TermStats, merge_terms
 from rpegjax.runtime import transfers
+from rpegjax.runtime.carry_arrays import carry_arrays, carry_like, carry_snapshot
 from rpegjax.runtime.meshes import placement_devices
 from rpegjax.runtime.programs import Piece
 
 _FINISH = list(FinishReason)
 _CONTROL_BYTES = 4096
-# transfer ids: (serial << 2) | channel, so weights, rollout pieces and control messages never share one
-_WEIGHTS, _PIECE, _CONTROL = 0, 1, 2
+# transfer ids: (serial << 2) | channel, so weights, rollout pieces, control messages and carries never share one
+_WEIGHTS, _PIECE, _CONTROL, _CARRY = 0, 1, 2, 3
 _START = (1 << 2) | _CONTROL  # the start-of-run message; the end-of-run one is serial 0
+_START_CARRY = _CARRY  # a resumed run's carry (serial 0); step t's is serial t + 1
 
 
 class Role(enum.StrEnum):
@@ -185,18 +192,21 @@ class RoleLinks:
     `weights_like` is the generation copy's tree of shapes, `weights_targets` its shardings on the generation mesh
     and `weights_staging` the same layout over the training devices; `rows` and `length` a rollout piece's shape.
     `examples` are the data iterator's examples (rows travel as indices into them); `address` is where this
-    process's transfer server listens (`DistributedConfig.address()`). Constructing it is a collective
-    of every process (the transfer servers' addresses are exchanged); after that nothing here is a collective."""
+    process's transfer server listens (`DistributedConfig.address()`). `carry`: with partial rollouts, the most
+    groups in flight and the samples of a group; pieces then carry every token's weights version too.
+    Constructing it is a collective of every process (the transfer servers' addresses are exchanged); after that
+    nothing here is a collective."""
 
     def __init__(self, graph: Graph, groups: ProcessGroups, *, weights_like: Any, weights_staging: Any,
                  weights_targets: Any, rows: int, length: int, examples: Sequence[Example],
-                 address: ProcessAddress = ProcessAddress()):
+                 address: ProcessAddress = ProcessAddress(), carry: tuple[int, int] | None = None):
         self.groups = groups
         generate = graph.stages_of_kind(StageKind.GENERATE)[0]
         train = graph.stages_of_kind(StageKind.ACTOR_UPDATE)[0]
         self.generation_heads, self.training_heads = heads(graph, generate.placement), heads(graph, train.placement)
         self.weights = transfers.plan_transfer(weights_like, weights_staging, weights_targets)
         self.rows, self.length = rows, length
+        self.carry_shape = carry
         self.meta_bytes = 8192 + 256 * rows
         self._sources = {"batch": _replicated(self.generation_heads),
                          "meta": [_replicated([head]) for head in self.generation_heads]}
@@ -205,6 +215,11 @@ class RoleLinks:
         self.pieces = transfers.plan_transfer(like, self._piece_sources(), targets)
         self.control = transfers.plan_transfer(jax.ShapeDtypeStruct((_CONTROL_BYTES,), np.uint8),
                                                _replicated(self.training_heads), _replicated(self.generation_heads))
+        if carry is not None:  # each step's carry goes to the training processes, a resumed run's comes back
+            carried = carry_like(*carry, length)
+            generation, training = _replicated(self.generation_heads), _replicated(self.training_heads)
+            self.carry_out = transfers.plan_transfer(carried, generation, training)
+            self.carry_in = transfers.plan_transfer(carried, training, generation)
         self.examples = list(examples)
         self._example_index = {id(example): index for index, example in enumerate(self.examples)}
         self.links = transfers.ProcessTransfers(address)
@@ -217,13 +232,27 @@ class RoleLinks:
         like = {"tokens": jax.ShapeDtypeStruct(shape, np.int32), "token_mask": jax.ShapeDtypeStruct(shape, np.int8),
                 "response_mask": jax.ShapeDtypeStruct(shape, np.int8),
                 "behaviour_logprobs": jax.ShapeDtypeStruct(shape, np.float32)}
+        if self.carry_shape is not None:  # partial rollouts: the weights version of every token
+            like["versions"] = jax.ShapeDtypeStruct(shape, np.int32)
         like["meta"] = [jax.ShapeDtypeStruct((self.meta_bytes,), np.uint8) for _ in self.generation_heads]
         return like
 
     def _piece_sources(self) -> dict[str, Any]:
         batch = self._sources["batch"]
-        return {"tokens": batch, "token_mask": batch, "response_mask": batch, "behaviour_logprobs": batch,
-                "meta": list(self._sources["meta"])}
+        sources = {"tokens": batch, "token_mask": batch, "response_mask": batch, "behaviour_logprobs": batch,
+                   "meta": list(self._sources["meta"])}
+        if self.carry_shape is not None:
+            sources["versions"] = batch
+        return sources
+
+    def _empty_rows(self) -> dict[str, np.ndarray]:
+        """A piece's row arrays, zero (its token versions -1: unknown)."""
+        shape = (self.rows, self.length)
+        host = {"tokens": np.zeros(shape, np.int32), "token_mask": np.zeros(shape, np.int8),
+                "response_mask": np.zeros(shape, np.int8), "behaviour_logprobs": np.zeros(shape, np.float32)}
+        if self.carry_shape is not None:
+            host["versions"] = np.full(shape, -1, np.int32)
+        return host
 
     @property
     def weights_bytes(self) -> int:
@@ -241,7 +270,17 @@ class RoleLinks:
         """Generation side: weights `version` in the generation layout (waits until they have arrived); `now()` is
         the clock the pull's start and end are recorded with."""
         start = now()
-        params = jax.block_until_ready(transfers.receive(self.links, self.weights, version * 4 + _WEIGHTS))
+        return self.open_weights(version, self.request_weights(version), start, now)
+
+    def request_weights(self, version: int) -> Any:
+        """Generation side: starts pulling weights `version` (returns at once; `piece_arrived` tells whether they
+        are there, `open_weights` waits for them). Each version may be requested once."""
+        return transfers.receive(self.links, self.weights, version * 4 + _WEIGHTS)
+
+    def open_weights(self, version: int, requested: Any, start: float, now) -> Any:
+        """Generation side: weights `version` requested at time `start` (`request_weights`), once arrived; the
+        pull is recorded with `now()`."""
+        params = jax.block_until_ready(requested)
         me = jax.process_index()
         sources = sorted({source for source, target in self.weights.routes if target == me})
         self.weight_pulls.append({"version": version, "start": start, "end": now(),
@@ -260,8 +299,8 @@ class RoleLinks:
         piece the rollout's own metrics, e.g. the sampler's occupancy)."""
         completions = piece.completions
         rows = [[c.prompt_index, c.sample_index, int(c.prompt_ids.shape[0]), c.length, _FINISH.index(c.finish_reason),
-                 -1 if c.version is None else c.version, self._example_index[id(e)], c.model_mask is not None]
-                for c, e in zip(completions, piece.examples)]
+                 -1 if c.version is None else c.version, self._example_index[id(e)], c.model_mask is not None,
+                 c.token_versions is not None] for c, e in zip(completions, piece.examples)]
         record = {"status": "ok", "rows": rows, "version": version,
                   "examples": [self._example_index[id(e)] for e in examples],
                   "data": {"epoch": data_state["epoch"], "position": data_state["position"]},
@@ -274,15 +313,20 @@ class RoleLinks:
         host = {"tokens": np.asarray(batch.tokens, np.int32), "token_mask": np.asarray(batch.token_mask, np.int8),
                 "response_mask": np.asarray(batch.response_mask, np.int8),
                 "behaviour_logprobs": np.asarray(batch.behaviour_logprobs, np.float32)}
+        if self.carry_shape is not None:  # each token's version, where the packed row holds the token
+            host["versions"] = np.full((self.rows, self.length), -1, np.int32)
+            for row, completion in enumerate(completions):
+                prompt = int(completion.prompt_ids.shape[0])
+                host["versions"][row, prompt:prompt + completion.length] = completion.versions()
+        elif any(c.token_versions is not None for c in completions):
+            raise ValueError("a rollout piece with per-token weights versions, over links planned without them "
+                             "(RoleLinks(carry=...): partial rollouts)")
         self._offer_piece(step, piece.index, pieces, host, record)
 
     def send_failure(self, step: int, index: int, pieces: int, error: BaseException) -> None:
         """Generation side: offers, in place of piece `index` of `step`, the rollout stage's failure."""
-        shape = (self.rows, self.length)
-        host = {"tokens": np.zeros(shape, np.int32), "token_mask": np.zeros(shape, np.int8),
-                "response_mask": np.zeros(shape, np.int8), "behaviour_logprobs": np.zeros(shape, np.float32)}
         message = f"{type(error).__name__}: {error}"[:2000]
-        self._offer_piece(step, index, pieces, host, {"status": "error", "message": message})
+        self._offer_piece(step, index, pieces, self._empty_rows(), {"status": "error", "message": message})
 
     def _offer_piece(self, step: int, index: int, pieces: int, host: dict[str, np.ndarray], record: dict) -> None:
         meta = _encode(record, self.meta_bytes, f"step {step} rollout piece {index}")
@@ -317,15 +361,18 @@ class RoleLinks:
                            response_mask=host["response_mask"].astype(bool),
                            behaviour_logprobs=host["behaviour_logprobs"])
         completions, row_examples = [], []
+        versions = _host_value(tree["versions"]) if "versions" in tree else None
         for row, fields in enumerate(first["rows"]):
-            prompt_index, sample_index, prompt, length, finish, version, example, masked = fields
+            prompt_index, sample_index, prompt, length, finish, version, example, masked, versioned = fields
             tokens = batch.tokens[row]
             mask = batch.response_mask[row, prompt:prompt + length].copy() if masked else None
+            token_versions = versions[row, prompt:prompt + length].astype(np.int64) if versioned else None
             completions.append(Completion(
                 prompt_index=prompt_index, sample_index=sample_index, prompt_ids=tokens[:prompt].copy(),
                 response_ids=tokens[prompt:prompt + length].copy(),
                 behaviour_logprobs=batch.behaviour_logprobs[row, prompt:prompt + length].copy(),
-                finish_reason=_FINISH[finish], version=None if version < 0 else version, model_mask=mask))
+                finish_reason=_FINISH[finish], version=None if version < 0 else version, model_mask=mask,
+                token_versions=token_versions))
             row_examples.append(self.examples[example])
         rewards = np.concatenate([np.asarray(r["rewards"], np.float32) for r in records])
         if len(rewards) != len(completions):
@@ -343,6 +390,36 @@ class RoleLinks:
                                examples=[self.examples[i] for i in first["examples"]],
                                data_state={**base_data_state, **first["data"]}, metrics=first["metrics"],
                                rollout_metrics=first["rollout_metrics"])
+
+    # ---- the carry (partial rollouts) -------------------------------------------------------------------
+    def send_carry(self, step: int, snapshot: dict[str, Any]) -> None:
+        """Generation side: offers the groups in flight after `step` (`PartialRollouts.snapshot`)."""
+        self._offer_carry(self.carry_out, ((step + 1) << 2) | _CARRY, snapshot, self.generation_heads)
+
+    def request_carry(self, step: int) -> Any:
+        """Training side: starts pulling the carry after `step` (`piece_arrived` tells whether it is there)."""
+        return transfers.receive(self.links, self.carry_out, ((step + 1) << 2) | _CARRY)
+
+    @staticmethod
+    def open_carry(tree: Any) -> dict[str, Any]:
+        """The snapshot of a requested carry (`request_carry`, `receive_start_carry`; waits for it)."""
+        return carry_snapshot({name: _host_value(array) for name, array in jax.block_until_ready(tree).items()})
+
+    def send_start_carry(self, snapshot: dict[str, Any]) -> None:
+        """Training side: offers the groups in flight the run starts with (a resumed run's, from its checkpoint;
+        none otherwise)."""
+        self._offer_carry(self.carry_in, _START_CARRY, snapshot, self.training_heads)
+
+    def receive_start_carry(self) -> dict[str, Any]:
+        """Generation side: the groups in flight the training processes start with (waits for them)."""
+        return self.open_carry(transfers.receive(self.links, self.carry_in, _START_CARRY))
+
+    def _offer_carry(self, plan: transfers.TransferPlan, transfer_id: int, snapshot: dict[str, Any],
+                     devices: Sequence[jax.Device]) -> None:
+        arrays = carry_arrays(snapshot, *self.carry_shape, self.length)
+        sharding = _replicated(devices)
+        transfers.send(self.links, plan, transfer_id, {name: _host_array(value, sharding)
+                                                       for name, value in arrays.items()})
 
     # ---- the start of the run -------------------------------------------------------------------------
     def send_start(self, step: int, data_state: dict[str, Any]) -> None:

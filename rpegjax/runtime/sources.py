@@ -109,7 +109,8 @@ class ReceivedSource:
     event `rollout_arrival` on `placement` (from the request to the arrival). `data_state()` is the data iterator's
     state the received positions are laid over. With dynamic sampling the last piece brings the step's reward
     metrics: the rollout's scores (task rewards as received, `shaping(completions)` added here) are set before
-    that piece is handed over."""
+    that piece is handed over. With partial rollouts the groups in flight after the step (sent after its last
+    piece) become the rollout's `carry` before the last piece is handed over."""
 
     def __init__(self, links: RoleLinks, *, pieces: int, async_bound: int, data_state, trace: Trace,
                  placement: str, shaping: Callable[[list], np.ndarray]):
@@ -130,22 +131,23 @@ class ReceivedSource:
         version = generation_version(step, self.async_bound)
         requested_at = self.trace.now()
         requested = [self.links.request_piece(step, index, self.pieces) for index in range(self.pieces)]
+        carry = None if self.links.carry_shape is None else self.links.request_carry(step)
         rollout = Rollout(step=step, version=version, examples=[], data_state={},
                           pieces=[concurrent.futures.Future() for _ in range(self.pieces)])
         first = self._arrive(rollout, 0, requested[0], requested_at)
         rollout.examples, rollout.data_state = first.examples, first.data_state
-        self._hand_over(rollout, first)
+        self._hand_over(rollout, first, carry)
         if self.pieces > 1:
-            self._receiver = threading.Thread(target=self._receive, args=(rollout, requested, requested_at),
+            self._receiver = threading.Thread(target=self._receive, args=(rollout, requested, requested_at, carry),
                                               name="rpegjax-receive", daemon=True)
             self._receiver.start()
         return rollout
 
-    def _receive(self, rollout: Rollout, requested: list, requested_at: float) -> None:
+    def _receive(self, rollout: Rollout, requested: list, requested_at: float, carry) -> None:
         """Hands over pieces 1, 2, ... of `rollout` as they arrive; a failure fails every piece not handed over."""
         for index in range(1, self.pieces):
             try:
-                self._hand_over(rollout, self._arrive(rollout, index, requested[index], requested_at))
+                self._hand_over(rollout, self._arrive(rollout, index, requested[index], requested_at), carry)
             except BaseException as error:  # raised by the step executor, which waits for these pieces
                 for future in rollout.pieces[index:]:
                     future.set_exception(error)
@@ -153,10 +155,7 @@ class ReceivedSource:
 
     def _arrive(self, rollout: Rollout, index: int, tree, requested_at: float) -> ReceivedRollout:
         """Piece `index` of `rollout` once it has arrived (polled, so that `close` can stop the wait)."""
-        while not self.links.piece_arrived(tree):
-            if self._stop.is_set():
-                raise RuntimeStopped(f"step {rollout.step}: the run ended while piece {index} was awaited")
-            time.sleep(_POLL_S)
+        self._await(tree, f"step {rollout.step}: the run ended while piece {index} was awaited")
         self.trace.record(stage="rollout_arrival", step=rollout.step, version=rollout.version, devices=self.placement,
                           start=requested_at, end=self.trace.now(), kind="transfer", microbatch=index)
         received = self.links.open_piece(rollout.step, index, tree, base_data_state=self.data_state())
@@ -165,9 +164,18 @@ class ReceivedSource:
                                f"{received.version}, the bound allows only {rollout.version}")
         return received
 
-    def _hand_over(self, rollout: Rollout, received: ReceivedRollout) -> None:
+    def _await(self, tree, stopped: str) -> None:
+        while not self.links.piece_arrived(tree):
+            if self._stop.is_set():
+                raise RuntimeStopped(stopped)
+            time.sleep(_POLL_S)
+
+    def _hand_over(self, rollout: Rollout, received: ReceivedRollout, carry) -> None:
         index = received.piece.index
         if index == self.pieces - 1:
+            if carry is not None:  # sent right after the last piece: checkpoints of this step hold it
+                self._await(carry, f"step {rollout.step}: the run ended while its carry was awaited")
+                rollout.carry = self.links.open_carry(carry)
             rollout.data_state = received.data_state  # dynamic sampling: the position after every round
             rollout.metrics.update(received.rollout_metrics or {})  # read by the trainer once the last piece is here
             if received.metrics is not None:

@@ -103,3 +103,32 @@ def test_processes_with_different_device_counts_in_one_launch(tmp_path):
              "--train.export_hf=false"]
     _, split_records, _ = _run_split_and_one(tmp_path, flags, processes=2, devices=[2, 1])
     assert [r["step"] for r in split_records if "eval/accuracy" in r] == [0, 2]
+
+
+@pytest.mark.slow
+def test_partial_rollouts_over_process_groups_resume_exactly(tmp_path):
+    """Partial rollouts with process 0 generating and processes 1-2 training (data=2; bound 1, a checkpoint every
+    step; two training processes: a lone training process other than process 0 writes checkpoints without their
+    arrays, a separate bug): a run
+    of 4 steps, and a run stopped after step 2 then resumed to step 4. The step-2 checkpoint holds the groups in
+    flight, which the generation process had sent with the step's last piece; resumed, the training process sends
+    them back with the start of the run, and steps 3 and 4 train exactly what the uninterrupted run trained."""
+    flags = ["--rollout.partial=true", "--checkpoint-every=1", "--async-bound=1", "--rollout-devices=1",
+             "--mesh=data=2", "--rollout-mesh=data=1", "--train.export_hf=false",
+             "--rollout.num_slots=32",  # both batches in flight decode at once: the carry holds started sequences
+             f"--warm_start.cache_dir={tmp_path}/cache"]
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    for run_dir, steps in ((whole, 4), (cut, 2)):
+        finish(start(run_dir, f"--steps={steps}", *flags, processes=3, devices=1), timeout=600)
+
+    def trained(run_dir: pathlib.Path) -> dict[int, dict]:
+        return {r["step"]: r for r in records(run_dir) if "loss" in r}
+
+    assert trained(cut)[2]["partial/carried_groups"] > 0  # the checkpoint at step 2 holds groups in flight
+    outputs = finish(start(cut, "--resume", str(cut), "--steps=4", *flags, processes=3, devices=1),
+                     timeout=600)  # the flags again: they override `SMALL`'s (the launch's) layout
+    assert "resumed from step 2" in outputs[1][1]  # the first training process speaks for the run
+    once, again = trained(whole), trained(cut)
+    assert sorted(again) == [1, 2, 3, 4]
+    assert sum(once[step]["partial/carried_sequences"] for step in (3, 4)) > 0  # carried sequences trained
+    assert_same_records([again[3], again[4]], [once[3], once[4]])

@@ -9,11 +9,19 @@ The plan: generation on devices 0-3 (processes 0-1, data=2 x tensor=2), every ot
 (`tiny_setup.py`) and runs the `Runtime`; each writes DIR/process<i>.json (its role, the trace with
 wall-clock times, the versions it generated with, the metrics of each step, the weight transfers) and the lowest
 training process DIR/params.npz (the trained parameters, gathered over the training processes only).
+
+With `--partial` (2 processes x 1 device, or its one-process reference on 2 devices): generation on device 0,
+training on device 1, partial rollouts (3 versions of token lag, long-tailed responses) for PARTIAL_STEPS steps;
+each step's record then holds its trained sequences (tokens, per-token versions, behaviour log-probs) and its
+carry. `--partial=inflight` takes weights in flight; the generation process then emulates a slow decode: between
+decode chunks it looks for newer weights for up to INFLIGHT_WAIT_S (a decode chunk that long), so that the
+training processes' next version can arrive while a step still generates.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import faulthandler
 import json
 import pathlib
@@ -30,10 +38,14 @@ from rpegjax.graph.trace import Trace
 from rpegjax.rewards.custom import WeightedReward
 from rpegjax.rewards.runner import RewardRunner, RewardRunnerConfig
 from rpegjax.runtime.controller import Runtime
+from rpegjax.runtime.partial_rollouts import PartialRolloutConfig
 from rpegjax.runtime.roles import Role
 from tiny_setup import TinyRun, TinySetup, built, built_on
 
 STEPS, BOUND = 3, 1
+PARTIAL_STEPS, TOKEN_LAG, INFLIGHT_WAIT_S = 5, 3, 0.5
+PARTIAL_SETUP = TinySetup(async_bound=1, max_new_tokens=12, chunk_steps=2, rollout_devices=1,
+                          train_mesh=(("data", 1),), rollout_mesh=(("data", 1),))
 
 
 def setup_of(algorithm: str = "grpo", width: int = 32) -> TinySetup:
@@ -70,18 +82,45 @@ def short_answers(prompts, completions, **columns):
     return [float(len(completion) < 3) for completion in completions]
 
 
-def run(out: pathlib.Path, algorithm: str, plan: str | None, width: int) -> None:
-    parts = build(algorithm, plan, width)
+def _slow_decode(runtime: Runtime) -> None:
+    """A generation process's decode chunks made INFLIGHT_WAIT_S long while newer weights may come (see above)."""
+    newest = runtime.rollout_stage.newest
+
+    def waiting(newer_than: int, at_most: int):
+        deadline = time.monotonic() + INFLIGHT_WAIT_S
+        while (found := newest(newer_than, at_most)) is None and newer_than < at_most and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return found
+
+    runtime.rollout_stage.newest = waiting
+
+
+def _sequences(result) -> list[dict]:
+    return [{"prompt": c.prompt_ids.tolist(), "response": c.response_ids.tolist(),
+             "versions": c.versions().tolist(), "logprobs": c.behaviour_logprobs.tolist()} for c in result.completions]
+
+
+def run(out: pathlib.Path, algorithm: str, plan: str | None, width: int, partial: str) -> None:
+    parts = built(PARTIAL_SETUP) if partial != "off" else build(algorithm, plan, width)
     reward = WeightedReward.of(length_reward, (short_answers, 0.25))
     rewards = RewardRunner(reward, RewardRunnerConfig(timeout_s=10.0, workers=1, isolation="thread"))
     programs = parts.programs(rewards)
+    options, steps = {}, STEPS
+    if partial != "off":  # stop tokens (a third of the vocabulary): response lengths from 1 to the budget
+        vocab = programs.sampler.cfg.vocab_size
+        programs.rollout.sampling = dataclasses.replace(programs.rollout.sampling, stop_ids=tuple(range(1, vocab, 3)))
+        options["partial"] = PartialRolloutConfig(max_token_lag=TOKEN_LAG, inflight_weights=partial == "inflight")
+        steps = PARTIAL_STEPS
     data = DataIterator(parts.train_examples, batch_size=parts.setup.prompts_per_step, seed=0)
     trace = Trace(clock=time.time)  # one host: the wall clock is shared by the processes
-    runtime = Runtime(parts.graph, programs, data, prompt_ids=parts.prompt_ids, key=jax.random.key(7), trace=trace)
+    runtime = Runtime(parts.graph, programs, data, prompt_ids=parts.prompt_ids, key=jax.random.key(7), trace=trace,
+                      **options)
     role = runtime.role
+    if partial == "inflight" and role == Role.GENERATE:
+        _slow_decode(runtime)
     results = []
     state = None if role == Role.GENERATE else parts.learner.init_state()
-    state = runtime.run(state, start_step=0, num_steps=STEPS, on_step=lambda result, _: results.append(result))
+    state = runtime.run(state, start_step=0, num_steps=steps, on_step=lambda result, _: results.append(result))
     rewards.close()
     me = jax.process_index()
     record = {
@@ -90,7 +129,8 @@ def run(out: pathlib.Path, algorithm: str, plan: str | None, width: int) -> None
                     "end": e.end + trace.origin} for e in trace.events],
         "steps": [{"step": r.step, "version": r.version, "metrics": r.metrics,
                    "completion_versions": sorted({c.version for c in r.completions}),
-                   "data_state": r.data_state} for r in results],
+                   "data_state": r.data_state,
+                   **({"sequences": _sequences(r), "carry": r.carry} if partial != "off" else {})} for r in results],
     }
     if runtime.links is not None:
         links = runtime.links
@@ -114,12 +154,14 @@ def main() -> None:
     parser.add_argument("--algorithm", default="grpo", choices=["grpo", "ppo-separate", "ppo-shared"])
     parser.add_argument("--plan", default=None, help="a graph JSON to execute")
     parser.add_argument("--width", type=int, default=32, help="the model's hidden size (measurements)")
+    parser.add_argument("--partial", default="off", choices=["off", "fixed", "inflight"],
+                        help="partial rollouts (the 2-device setup), with weights in flight or not")
     args = parser.parse_args()
     # a hang shows where each thread waits, then ends the process: before the test gives up (300 s), not while a
     # loaded machine still compiles
     faulthandler.dump_traceback_later(280, exit=True)
     distributed.initialize(distributed.DistributedConfig.from_env())
-    run(args.out, args.algorithm, args.plan, args.width)
+    run(args.out, args.algorithm, args.plan, args.width, args.partial)
 
 
 if __name__ == "__main__":

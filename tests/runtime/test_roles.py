@@ -222,3 +222,68 @@ def test_the_planners_disaggregated_plan_runs_as_two_plus_two_processes(tmp_path
     executed = {e["stage"] for record in records for e in record["events"]}
     for unit in best.graph.execution_units():  # every unit of the plan ran, in the processes of its role
         assert "+".join(unit) in executed or set(unit) <= executed, (unit, executed)
+
+
+def _run_partial(out: pathlib.Path, mode: str, processes: int) -> list[dict]:
+    """The worker's partial-rollout run (`--partial=mode`) as `processes` processes (1 device each: generation
+    and training) or one process of 2 devices; each process's record."""
+    out.mkdir()
+    _wait(out, _launch(out, processes, 2 // processes, ["--partial", mode]), timeout=300)
+    return [json.loads((out / f"process{p}.json").read_text()) for p in range(processes)]
+
+
+def _assert_within_the_token_bound(steps: list[dict], lag: int) -> None:
+    """Every trained token lags at most `lag` versions, and the version-lag metrics are those of the tokens."""
+    for step in steps:
+        lags = np.concatenate([step["step"] - np.asarray(s["versions"]) for s in step["sequences"]])
+        assert lags.max() <= lag and lags.min() >= 0, step["step"]
+        assert step["metrics"]["version_lag/max"] == lags.max()
+        assert step["metrics"]["version_lag/mean"] == pytest.approx(lags.mean())
+
+
+@pytest.mark.slow
+def test_partial_rollouts_over_process_groups_train_what_one_process_trains(tmp_path):
+    """Partial rollouts with process 0 generating and process 1 training (bound 1, a token lag of 3, weights only
+    at step starts: no timing in the results) against the same plan in one process: the same trained sequences
+    (prompts, tokens, each token's weights version, behaviour log-probs), the same groups carried after every step
+    (what checkpoints hold) and every metric, partial rollouts' and version lags' included."""
+    from roles_worker import TOKEN_LAG
+
+    generation, training = _run_partial(tmp_path / "split", "fixed", 2)
+    (reference,) = _run_partial(tmp_path / "one", "fixed", 1)
+    assert (generation["role"], training["role"], reference["role"]) == ("generate", "train", None)
+    assert not generation["steps"] and len(training["steps"]) == len(reference["steps"]) == 5
+    for mine, theirs in zip(training["steps"], reference["steps"], strict=True):
+        assert mine["data_state"] == theirs["data_state"]
+        assert mine["carry"] == theirs["carry"]
+        for ours, one in zip(mine["sequences"], theirs["sequences"], strict=True):
+            assert (ours["prompt"], ours["response"], ours["versions"]) == (one["prompt"], one["response"],
+                                                                              one["versions"])
+            np.testing.assert_allclose(ours["logprobs"], one["logprobs"], atol=1e-6)
+        assert mine["metrics"].keys() == theirs["metrics"].keys()
+        for key, value in mine["metrics"].items():
+            if key not in TIMINGS:
+                np.testing.assert_allclose(value, theirs["metrics"][key], rtol=1e-5, atol=1e-7,
+                                           err_msg=f"step {mine['step']} {key}")
+    _assert_within_the_token_bound(training["steps"], TOKEN_LAG)
+    steps = training["steps"]
+    assert sum(s["metrics"]["partial/carried_sequences"] for s in steps) > 0  # sequences crossed steps
+    assert any(group["samples"][0]["tokens"] for s in steps for group in s["carry"]["groups"])
+    assert all(s["metrics"]["partial/weight_updates_in_flight"] == 0 for s in steps)
+
+
+@pytest.mark.slow
+def test_weights_in_flight_over_process_groups_stay_within_the_token_bound(tmp_path):
+    """The same split run taking weights in flight: the generation process picks up the version the training
+    process offers while a step still generates (its decode chunks made slow), the sequences running continue
+    with it, and no trained token lags beyond the bound."""
+    from roles_worker import TOKEN_LAG
+
+    generation, training = _run_partial(tmp_path / "split", "inflight", 2)
+    steps = training["steps"]
+    _assert_within_the_token_bound(steps, TOKEN_LAG)
+    assert sum(s["metrics"]["partial/weight_updates_in_flight"] for s in steps) > 0
+    # a token of step t sampled by version t: taken in flight (at step start only t - 1 is there, bound 1)
+    assert any(max(seq["versions"], default=-1) == s["step"] for s in steps if s["step"] for seq in s["sequences"])
+    pulled = [p["version"] for p in generation["weight_pulls"]]
+    assert len(pulled) == len(set(pulled))  # every version pulled once

@@ -1,6 +1,7 @@
 """rpegjax.runtime.sending.RolloutSender: a generation process sends each piece of a step as soon as it has finished
 (links stubbed), the step's reward metrics with the last piece of a dynamically sampled step, and the failure in
-place of the pieces not sent."""
+place of the pieces not sent; with partial rollouts the step's carry after its last piece. `PulledWeights`: a
+version pulled in flight (never waited for) is the one a later step starts with, each pulled once."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from rpegjax.rewards.runner import RewardStats
 from rpegjax.runtime.programs import Piece
 from rpegjax.runtime.rollout_stage import Rollout
 from rpegjax.runtime.scoring import RolloutScores
-from rpegjax.runtime.sending import RolloutSender
+from rpegjax.runtime.sending import PulledWeights, RolloutSender
+from rpegjax.runtime.versions import ParameterStore
 
 TIMEOUT = 10
 
@@ -99,3 +101,39 @@ def test_a_failure_is_sent_in_place_of_every_piece_not_sent():
     assert links.sent == [(4, 0, None)]
     assert links.failures == [(4, 1, "decode failed"), (4, 2, "decode failed")]
     assert not sender.unsent.is_set()
+
+
+class _WeightLinks:
+    """Weights version v arrive when the test adds v to `arrived`; every request is recorded."""
+
+    def __init__(self):
+        self.requested: list[int] = []
+        self.arrived: set[int] = set()
+
+    def request_weights(self, version: int):
+        self.requested.append(version)
+        return version
+
+    def piece_arrived(self, version: int) -> bool:
+        return version in self.arrived
+
+    def open_weights(self, version, requested, start, now):
+        assert requested in self.arrived, "the test never waits for weights that have not arrived"
+        return f"weights {version}"
+
+
+def test_weights_in_flight_are_pulled_without_waiting_and_each_once():
+    links, store = _WeightLinks(), ParameterStore()
+    pulled = PulledWeights(links, store, Trace())
+    pulled.offered = {0, 1, 2, 3}
+    links.arrived = {0}
+    assert pulled(0) == "weights 0"
+    assert pulled.newest(0, 2) is None  # versions 1 and 2 requested, none there yet: no wait
+    assert links.requested == [0, 1, 2]
+    links.arrived |= {2}
+    assert pulled.newest(0, 2) == (2, "weights 2")  # the newest arrived, 1 still on its way
+    assert pulled.newest(2, 2) is None and links.requested == [0, 1, 2]
+    links.arrived |= {1}
+    assert pulled(1) == "weights 1"  # from its pending pull, not a second one
+    assert pulled(2) == "weights 2" and links.requested == [0, 1, 2]
+    assert store.versions() == (2,)  # older versions are read by no later step

@@ -36,10 +36,18 @@ def _piece(index: int, rewards: list[float]) -> Piece:
 class _Links:
     """Piece (step, index) arrives when `arrive` is called; `open_piece` gives what `arrive` was given."""
 
-    def __init__(self):
+    def __init__(self, carry_shape: tuple[int, int] | None = None):
         self.arrived: dict[tuple[int, int], ReceivedRollout | BaseException] = {}
         self.requested: list[tuple[int, int]] = []
         self.finished: list[BaseException | None] = []
+        self.carry_shape = carry_shape  # partial rollouts: the step's carry (step, "carry") follows its pieces
+
+    def request_carry(self, step: int):
+        self.requested.append((step, "carry"))
+        return (step, "carry")
+
+    def open_carry(self, tree) -> dict:
+        return self.arrived[tree]
 
     def arrive(self, step: int, index: int, received: ReceivedRollout | BaseException) -> None:
         self.arrived[(step, index)] = received
@@ -152,4 +160,21 @@ def test_dynamic_sampling_scores_arrive_with_the_last_piece():
     np.testing.assert_array_equal(rollout.scores.task, np.array([0.0, 1.0, 1.0, 1.0], np.float32))
     np.testing.assert_array_equal(rollout.scores.shaping, np.array([1.5, 1.5, 2.0, 2.0], np.float32))
     assert rollout.scores.metrics == {"reward": 0.25, "dynamic_sampling/extra_rounds": 2.0}
+    source.close(None)
+
+
+def test_partial_rollouts_carry_arrives_before_the_last_piece_is_handed_over():
+    """The groups in flight after the step follow its last piece; the trainer sees them (to checkpoint) with it."""
+    links = _Links(carry_shape=(4, 2))
+    source = _source(links, Trace())
+    links.arrive(3, 0, _received(0))
+    rollout = source.next(3)
+    assert links.requested == [(3, 0), (3, 1), (3, "carry")]
+    links.arrive(3, 1, _received(1))
+    with pytest.raises(concurrent.futures.TimeoutError):
+        rollout.pieces[1].result(timeout=0.1)  # the last piece waits for the carry
+    carry = {"groups": [{"example": 1, "prompt": [2], "samples": []}]}
+    links.arrive(3, "carry", carry)
+    assert rollout.pieces[1].result(timeout=TIMEOUT).index == 1
+    assert rollout.carry == carry
     source.close(None)
