@@ -2,23 +2,32 @@
 `--rollout.partial` and with it, carried sequences recomputed or keeping their KV pages (`--rollout.partial_carry`),
 in one run, interleaved, with every program compiled before the timed steps.
 
-The W-small model (shared/WORKLOADS.md), `--prompts` (8) prompts x 4 samples of 32-token prompts per step (fewer
-prompts: fewer tokens trained per decode step, so generation is a larger share of the step), temperature 1; a
-response ends when it samples one of 1 / `--mean` of the vocabulary (so lengths are geometric with a mean near
-`--mean`) or at the budget of 8x that mean: W-tail's long tail (max 8x mean). GRPO with a reference model,
-asynchrony bound 1, the job's default graph (fused inference), the paged KV cache (`--layout`) with live decode
-buckets. The modes share one learner and one sampler, so a program compiled for one is compiled for all.
+The W-small model (shared/WORKLOADS.md), `--prompts` (4) prompts x 4 samples of 32-token prompts per step (few
+prompts: few tokens trained per decode step, so the long tail, not the update, is what a plain step waits for),
+temperature 1. Response lengths (`--lengths`):
+- `lognormal` (default), W-tail's: every sample (prompt, j) has its own length, log-normal (sigma 1) scaled to
+  `--mean`, clipped to [1, 8x the mean], the longest drawn at the cap (`tail_lengths`, as bench_generate.py's
+  W-tail part draws them). A random model cannot end its responses by that law, so the length is the sample's
+  token budget (`TailSampler`: one request per sample, each with its own budget and the PRNG stream the group
+  would give it); a step's plain generation thus lasts its batch's longest sample.
+- `geometric`: a response ends when it samples one of 1 / `--mean` of the vocabulary (lengths geometric with a mean
+  near `--mean`) or at the budget of 8x that mean.
+GRPO with a reference model, asynchrony bound 1, the job's default graph (fused inference), the paged KV cache
+(`--layout`) with live decode buckets. The modes share one learner and one sampler, so a program compiled for one
+is compiled for all.
 
 Order of work: `--warmup-rounds` untimed runs of every mode, `--skip` + `--warmup-steps` steps each (they compile
 the programs the shapes of a run reach),
 then `--rounds` rounds, each running every mode (the order rotating between rounds) for `--skip` untimed steps
 (the pipeline fills: the partial pool is empty at step 0) and `--steps` timed steps. Reported per mode: the median,
 min and max of the timed step times over every round and their ratio; the seconds a step spends generating
-(the rollout stage's spans); programs compiled during timed steps (every XLA backend compile, counted through
-`jax.monitoring`: in the first run of a shape, not after); the response lengths trained; the steps' mean
-`generate/slot_occupancy`; the version lag; the carried sequences recomputed and kept.
+(the rollout stage's spans) and every other stage's spans (median, and their sum per step); the sampler's calls per
+step (prefill calls, prompts prefilled, decode calls, decode steps, rows decoded x steps); programs compiled during
+timed steps (every XLA backend compile, counted through `jax.monitoring`: in the first run of a shape, not after);
+the response lengths trained; the steps' mean `generate/slot_occupancy`; the version lag; the carried sequences
+recomputed and kept.
 
-    python benchmarks/bench_partial_rollouts.py [--steps 10] [--rounds 2] [--layout paged] [--prompts 8]
+    python benchmarks/bench_partial_rollouts.py [--steps 10] [--rounds 2] [--prompts 4] [--mean 32] [--pack-tokens N]
 """
 
 from __future__ import annotations
