@@ -11,7 +11,18 @@ import pytest
 from rpegjax.graph.ir import Algorithm, Execution
 from rpegjax.models.config import ModelConfig
 from rpegjax.options import AttentionKind, RematPolicy
-from rpegjax.perf import collectives, costs, expert_costs, hardware, planner, stage_costs, step_model, trust
+from rpegjax.perf import (
+    collectives,
+    costs,
+    expert_costs,
+    generation_cost,
+    generation_stage,
+    hardware,
+    planner,
+    stage_costs,
+    step_model,
+    trust,
+)
 from rpegjax.perf.costs import ModelShape
 from rpegjax.perf.generation_cost import ResponseLengths
 from rpegjax.perf.stage_costs import CostInputs, ExecutionOptions, Layout, Workload
@@ -93,6 +104,32 @@ def test_decode_reads_only_the_experts_hit():
         assert local * (1 - miss**rows) == pytest.approx(48 * 16 * (1 - (1 - 8 / 128) ** (8 * rows)) * expert)
     dense_model = ModelShape.from_config(ModelConfig.qwen3("32b"))
     assert expert_costs.decode_weight_terms(dense_model, layout) == (dense_model.weight_bytes / 2, 0.0, 1.0)
+
+
+def test_decode_dispatch_is_charged_per_processed_row(monkeypatch):
+    """A MoE decode step's dispatch and combine (2 all-to-alls per sparse layer) cost their latency every step and
+    their bytes per row the step decodes (k·d values per row, (p-1)/p of them to the other expert devices), as the
+    tensor all-reduces do; an idle slot sends nothing."""
+    shape = ModelShape.from_config(MOE)
+    hw = hardware.h100_node(8)
+    layout = Layout.from_parallel({"data": 2, "expert": 4}, where="test")  # expert group of 4 inside a node
+    latency = 48 * 2 * 3 * 2e-6  # 3 peers over NVLink at 2 us each, per all-to-all
+    per_row = 48 * 2 * (3 / 4) * (8 * 2048 * 2) / (450 * 1e9)  # 3/4 of k·d bf16 values at 450 GB/s
+    step_latency, step_per_row = expert_costs.decode_dispatch_terms(shape, layout, hw)
+    assert step_latency == pytest.approx(latency, rel=1e-12) and step_per_row == pytest.approx(per_row, rel=1e-12)
+    for rows in (1, 7, 64):  # the all-to-all of `rows` rows per device is latency + rows x the per-row bytes' time
+        assert expert_costs.dispatch_seconds(shape, layout, hw, tokens_per_device=rows, exchanges=2) == pytest.approx(
+            latency + rows * per_row, rel=1e-12)
+    assert expert_costs.decode_dispatch_terms(shape, Layout.from_parallel({"data": 8}, where="t"), hw) == (0.0, 0.0)
+    # the generation stage's decode step carries them: no tensor axis, so its per-row collectives are the dispatch
+    steps = []
+    monkeypatch.setattr(generation_stage, "DecodeStepCost",
+                        lambda **fields: steps.append(generation_cost.DecodeStepCost(**fields)) or steps[-1])
+    workload = Workload(prompts=4, group_size=8, prompt_tokens=64, responses=ResponseLengths.lognormal(200, 512))
+    inputs = CostInputs(hardware=hw, actor=shape, critic=shape, workload=workload, options=ExecutionOptions())
+    generation_stage.generation_cost(inputs, layout, kv_budget_bytes=1e12)
+    assert steps[-1].comm_seconds_per_row == pytest.approx(per_row, rel=1e-12)
+    assert steps[-1].fixed_seconds == pytest.approx(48 * ExecutionOptions().kernels_per_layer * 5e-6 + latency, rel=1e-12)
 
 
 def _bench_update_gib(parallel: dict[str, int], capacity: float | None) -> float:
