@@ -10,7 +10,7 @@ import pytest
 
 from rpegjax.graph.ir import Algorithm, Execution
 from rpegjax.models.config import ModelConfig
-from rpegjax.options import AttentionKind, RematPolicy
+from rpegjax.options import AttentionKind, CacheLayout, RematPolicy
 from rpegjax.perf import (
     collectives,
     costs,
@@ -158,6 +158,36 @@ def test_capacity_update_memory_within_the_moe_margin(parallel, compiled):
 def test_moe_margin_is_the_largest_measured_under_prediction():
     errors = [compiled / _bench_update_gib(p, 1.25) - 1 for p, compiled in (({"expert": 16}, 45.22), ({"expert": 8}, 79.21))]
     assert trust.MOE_CHECKED.margins[trust.TRAINING] == pytest.approx(max(errors), abs=1e-3)
+
+
+def _sampler_plan_gb(dtype: str) -> float:
+    """The planner's generate-stage peak for the plan whose sampler benchmarks/bench_moe_sampler_margin.py compiles
+    for H100 (docs/benchmarks.md, s26m session 13): Qwen3-30B-A3B capacity 1.25 on 32 H100s, colocated, d8xt4 with
+    256 slots per replica and a paged pool of 1,020,928 tokens, training f16xe2; published workload."""
+    execution = Execution(attention=AttentionKind.CUDNN, remat=RematPolicy.FULL, moe_capacity_factor=1.25,
+                          kv_cache=CacheLayout.PAGED, kv_pool_tokens=1_020_928, update_microbatches=2, dtype=dtype)
+    choice = planner.PlanChoice(algorithm=Algorithm.GRPO, use_reference=True, num_devices=32, optimizer_steps=4,
+                                generation_layout=(("data", 8), ("fsdp", 1), ("tensor", 4)),
+                                train_layout=(("data", 1), ("fsdp", 16), ("expert", 2)), execution=execution)
+    workload = Workload(prompts=64, group_size=32, prompt_tokens=128, responses=ResponseLengths.lognormal(3203, 3968))
+    evaluator = step_model.Evaluator.for_runtime(MOE.replace(moe_capacity_factor=1.25), workload, hardware.h100_node(32))
+    prediction = evaluator.predict(planner.build_graph(choice), with_trace=False, enforce_memory=False)
+    generate = next(stage for stage in prediction.stages if stage.kind == "generate")
+    assert generate.detail["slots"] == 256
+    return generate.peak_memory_bytes / 1e9
+
+
+# compiled GB per device of that plan's sampler programs (prefill, decode chunk), by compute dtype
+_SAMPLER_COMPILED = {"bfloat16": (57.69, 55.95), "float32": (100.10, 96.57)}
+
+
+def test_moe_generation_margin_is_the_largest_measured_under_prediction():
+    errors = []
+    for dtype, compiled in _SAMPLER_COMPILED.items():
+        predicted = _sampler_plan_gb(dtype)
+        assert all(gb <= predicted * (1 + trust.MOE_CHECKED.margins[trust.GENERATION]) + 1e-9 for gb in compiled)
+        errors += [gb / predicted - 1 for gb in compiled]
+    assert trust.MOE_CHECKED.margins[trust.GENERATION] == pytest.approx(max(errors), abs=1e-3)
 
 
 def test_dropless_update_is_over_predicted_and_untrusted():
