@@ -110,6 +110,17 @@ def all_to_all_seconds(num_bytes: float, hardware: HardwareSpec, group: Group) -
     return slowest + latency
 
 
+def all_to_all_latency(hardware: HardwareSpec, group: Group) -> float:
+    """The α part of `all_to_all_seconds` (Σ_i out_i α_i): the rest grows linearly with the bytes."""
+    if group.size == 1:
+        return 0.0
+    latency, inside = 0.0, 1
+    for level, n in zip(hardware.levels, factors(hardware, group)):
+        latency += (inside * n - inside) * level.latency
+        inside *= n
+    return latency
+
+
 def point_to_point_seconds(num_bytes: float, hardware: HardwareSpec, level_index: int) -> float:
     """One message of `num_bytes` over one link of level `level_index`."""
     if num_bytes < 0:

@@ -176,11 +176,18 @@ def generation_copy_params(shape: ModelShape, layout: Layout) -> float:
     return (shape.params - experts) / layout.tensor + experts / (layout.tensor * layout.expert)
 
 
-def decode_dispatch_seconds(shape: ModelShape, layout: Layout, hardware: HardwareSpec, rows: float) -> float:
-    """A decode step's dispatch and combine over the expert axis (`rows` tokens per replica)."""
-    return dispatch_seconds(shape, layout, hardware, tokens_per_device=rows, exchanges=2)
+def decode_dispatch_terms(shape: ModelShape, layout: Layout, hardware: HardwareSpec) -> tuple[float, float]:
+    """(seconds per step, seconds per processed row) of a decode step's dispatch and combine over the expert axis:
+    2 all-to-alls per sparse layer, their latency every step and their bytes (k·d per row) for the rows the step
+    decodes, as the tensor all-reduces (`DecodeStepCost.comm_seconds_per_row`): a live bucket or a serving
+    engine's batch sends the running rows, not every slot."""
+    e = shape.experts
+    if e is None or layout.expert == 1:
+        return 0.0, 0.0
+    latency = e.sparse_layers * 2 * collectives.all_to_all_latency(hardware, layout.group("expert"))
+    return latency, dispatch_seconds(shape, layout, hardware, tokens_per_device=1.0, exchanges=2) - latency
 
 
-__all__ = ["ExpertShape", "with_layers", "computed_expert_ratio", "decode_dispatch_seconds",
+__all__ = ["ExpertShape", "with_layers", "computed_expert_ratio", "decode_dispatch_terms",
            "decode_weight_terms", "dispatch_seconds", "exchanged_rows_per_token", "expert_params",
            "extra_expert_flops", "generation_copy_params", "layer_params_held", "layer_transient_bytes"]

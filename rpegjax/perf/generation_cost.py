@@ -109,7 +109,8 @@ class DecodeStepCost:
     # that one row leaves a given expert unpicked; a step of r rows reads the (1 - miss^r) share its rows hit
     expert_memory_seconds: float = 0.0
     expert_miss: float = 1.0
-    # collectives' bytes per processed row (tensor all-reduces of the rows' activations), after the roofline
+    # collectives' bytes per processed row (tensor all-reduces of the rows' activations, a MoE model's expert
+    # dispatch and combine), after the roofline
     comm_seconds_per_row: float = 0.0
 
     def memory_seconds(self, rows: np.ndarray, keys: np.ndarray) -> np.ndarray:

@@ -192,13 +192,14 @@ def generation_cost(inputs: CostInputs, layout: Layout, *, kv_budget_bytes: floa
     prefill_seconds = (costs.forward_flops(shape, tokens=w.prompt_tokens, pairs=0, logit_tokens=1) / peak
                        + costs.forward_flops(shape, tokens=0, pairs=prompt_pairs, logit_tokens=0) / attention_peak)
     dense_bytes, expert_bytes, miss = expert_costs.decode_weight_terms(shape, layout)  # experts read by each step's rows
+    dispatch_latency, dispatch_per_row = expert_costs.decode_dispatch_terms(shape, layout, hw)
     step = DecodeStepCost(
         seconds_per_row=row_flops / peak, seconds_per_key=key_flops / attention_peak,
         memory_seconds_fixed=dense_bytes / bandwidth, expert_memory_seconds=expert_bytes / bandwidth, expert_miss=miss,
         memory_seconds_per_row=row_bytes / bandwidth, memory_seconds_per_key=kv_per_token / bandwidth,
         fixed_seconds=shape.layers * o.kernels_per_layer * device.kernel_overhead_s + tensor_latency + fsdp_comm
-        + expert_costs.decode_dispatch_seconds(shape, layout, hw, slots),
-        prefill_seconds=prefill_seconds / t, comm_seconds_per_row=tensor_per_row)
+        + dispatch_latency,
+        prefill_seconds=prefill_seconds / t, comm_seconds_per_row=tensor_per_row + dispatch_per_row)
     if o.partial_rollouts:
         timeline, extra = _partial_timeline(inputs, layout, slots, step, async_bound, peak, attention_peak)
     else:

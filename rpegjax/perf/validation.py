@@ -206,7 +206,11 @@ GB200_RUNS = (
 # the expert axis here is data-like, so it takes EP's data-parallel part: EP8 for 30B-A3B; for 235B the
 # data-parallel ranks (8 on-policy, 4 one-step off) with CP kept as context. Same assumptions as above (128-token
 # prompts, log-normal responses with the table's mean). Held out: nothing is fitted on them. The three asynchronous
-# recipes set grpo.async_grpo.in_flight_weight_updates (`continuous_generation`).
+# recipes set grpo.async_grpo.in_flight_weight_updates (`continuous_generation`). vLLM as the 235B recipes run it
+# (tag v0.6.0: examples/configs/grpo_math_1B.yaml's vllm_cfg, nemo_rl/models/generation/vllm/vllm_worker.py):
+# expert_parallel_size 1 (TP only: every expert split over the TP group), kv_cache_dtype "auto" (bfloat16),
+# max_model_len = max_new_tokens = 8192, gpu_memory_utilization 0.8 in the one-step-off recipe (0.88 only from
+# NVIDIA-NeMo/RL cc34bee34, 2026-07-21, after the table), enforce_eager False (CUDA graphs), prefix caching on.
 QWEN3_30B_A3B = ModelShape(layers=48, hidden=2048, heads=32, kv_heads=4, head_dim=128, mlp=6144, vocab=151936,
                            experts=ExpertShape(experts=128, top_k=8, mlp=768, sparse_layers=48))
 QWEN3_235B_A22B = ModelShape(layers=94, hidden=4096, heads=64, kv_heads=4, head_dim=128, mlp=12288, vocab=151936,

@@ -10,8 +10,19 @@ import pytest
 
 from rpegjax.graph.ir import Algorithm, Execution
 from rpegjax.models.config import ModelConfig
-from rpegjax.options import AttentionKind, RematPolicy
-from rpegjax.perf import collectives, costs, expert_costs, hardware, planner, stage_costs, step_model, trust
+from rpegjax.options import AttentionKind, CacheLayout, RematPolicy
+from rpegjax.perf import (
+    collectives,
+    costs,
+    expert_costs,
+    generation_cost,
+    generation_stage,
+    hardware,
+    planner,
+    stage_costs,
+    step_model,
+    trust,
+)
 from rpegjax.perf.costs import ModelShape
 from rpegjax.perf.generation_cost import ResponseLengths
 from rpegjax.perf.stage_costs import CostInputs, ExecutionOptions, Layout, Workload
@@ -95,6 +106,32 @@ def test_decode_reads_only_the_experts_hit():
     assert expert_costs.decode_weight_terms(dense_model, layout) == (dense_model.weight_bytes / 2, 0.0, 1.0)
 
 
+def test_decode_dispatch_is_charged_per_processed_row(monkeypatch):
+    """A MoE decode step's dispatch and combine (2 all-to-alls per sparse layer) cost their latency every step and
+    their bytes per row the step decodes (k·d values per row, (p-1)/p of them to the other expert devices), as the
+    tensor all-reduces do; an idle slot sends nothing."""
+    shape = ModelShape.from_config(MOE)
+    hw = hardware.h100_node(8)
+    layout = Layout.from_parallel({"data": 2, "expert": 4}, where="test")  # expert group of 4 inside a node
+    latency = 48 * 2 * 3 * 2e-6  # 3 peers over NVLink at 2 us each, per all-to-all
+    per_row = 48 * 2 * (3 / 4) * (8 * 2048 * 2) / (450 * 1e9)  # 3/4 of k·d bf16 values at 450 GB/s
+    step_latency, step_per_row = expert_costs.decode_dispatch_terms(shape, layout, hw)
+    assert step_latency == pytest.approx(latency, rel=1e-12) and step_per_row == pytest.approx(per_row, rel=1e-12)
+    for rows in (1, 7, 64):  # the all-to-all of `rows` rows per device is latency + rows x the per-row bytes' time
+        assert expert_costs.dispatch_seconds(shape, layout, hw, tokens_per_device=rows, exchanges=2) == pytest.approx(
+            latency + rows * per_row, rel=1e-12)
+    assert expert_costs.decode_dispatch_terms(shape, Layout.from_parallel({"data": 8}, where="t"), hw) == (0.0, 0.0)
+    # the generation stage's decode step carries them: no tensor axis, so its per-row collectives are the dispatch
+    steps = []
+    monkeypatch.setattr(generation_stage, "DecodeStepCost",
+                        lambda **fields: steps.append(generation_cost.DecodeStepCost(**fields)) or steps[-1])
+    workload = Workload(prompts=4, group_size=8, prompt_tokens=64, responses=ResponseLengths.lognormal(200, 512))
+    inputs = CostInputs(hardware=hw, actor=shape, critic=shape, workload=workload, options=ExecutionOptions())
+    generation_stage.generation_cost(inputs, layout, kv_budget_bytes=1e12)
+    assert steps[-1].comm_seconds_per_row == pytest.approx(per_row, rel=1e-12)
+    assert steps[-1].fixed_seconds == pytest.approx(48 * ExecutionOptions().kernels_per_layer * 5e-6 + latency, rel=1e-12)
+
+
 def _bench_update_gib(parallel: dict[str, int], capacity: float | None) -> float:
     """What the model predicts for benchmarks/bench_moe_memory.py's program: GRPO update of Qwen3-30B-A3B, one
     16384-token row per device, float32 masters, bfloat16 compute, blockwise attention, full remat."""
@@ -121,6 +158,36 @@ def test_capacity_update_memory_within_the_moe_margin(parallel, compiled):
 def test_moe_margin_is_the_largest_measured_under_prediction():
     errors = [compiled / _bench_update_gib(p, 1.25) - 1 for p, compiled in (({"expert": 16}, 45.22), ({"expert": 8}, 79.21))]
     assert trust.MOE_CHECKED.margins[trust.TRAINING] == pytest.approx(max(errors), abs=1e-3)
+
+
+def _sampler_plan_gb(dtype: str) -> float:
+    """The planner's generate-stage peak for the plan whose sampler benchmarks/bench_moe_sampler_margin.py compiles
+    for H100 (docs/benchmarks.md, s26m session 13): Qwen3-30B-A3B capacity 1.25 on 32 H100s, colocated, d8xt4 with
+    256 slots per replica and a paged pool of 1,020,928 tokens, training f16xe2; published workload."""
+    execution = Execution(attention=AttentionKind.CUDNN, remat=RematPolicy.FULL, moe_capacity_factor=1.25,
+                          kv_cache=CacheLayout.PAGED, kv_pool_tokens=1_020_928, update_microbatches=2, dtype=dtype)
+    choice = planner.PlanChoice(algorithm=Algorithm.GRPO, use_reference=True, num_devices=32, optimizer_steps=4,
+                                generation_layout=(("data", 8), ("fsdp", 1), ("tensor", 4)),
+                                train_layout=(("data", 1), ("fsdp", 16), ("expert", 2)), execution=execution)
+    workload = Workload(prompts=64, group_size=32, prompt_tokens=128, responses=ResponseLengths.lognormal(3203, 3968))
+    evaluator = step_model.Evaluator.for_runtime(MOE.replace(moe_capacity_factor=1.25), workload, hardware.h100_node(32))
+    prediction = evaluator.predict(planner.build_graph(choice), with_trace=False, enforce_memory=False)
+    generate = next(stage for stage in prediction.stages if stage.kind == "generate")
+    assert generate.detail["slots"] == 256
+    return generate.peak_memory_bytes / 1e9
+
+
+# compiled GB per device of that plan's sampler programs (prefill, decode chunk), by compute dtype
+_SAMPLER_COMPILED = {"bfloat16": (57.69, 55.95), "float32": (100.10, 96.57)}
+
+
+def test_moe_generation_margin_is_the_largest_measured_under_prediction():
+    errors = []
+    for dtype, compiled in _SAMPLER_COMPILED.items():
+        predicted = _sampler_plan_gb(dtype)
+        assert all(gb <= predicted * (1 + trust.MOE_CHECKED.margins[trust.GENERATION]) + 1e-9 for gb in compiled)
+        errors += [gb / predicted - 1 for gb in compiled]
+    assert trust.MOE_CHECKED.margins[trust.GENERATION] == pytest.approx(max(errors), abs=1e-3)
 
 
 def test_dropless_update_is_over_predicted_and_untrusted():
