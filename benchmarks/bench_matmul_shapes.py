@@ -1,5 +1,6 @@
 """W-small's matmul shapes, float32: XLA:CPU (jitted, under given XLA_FLAGS) against torch (one thread per CPU
-of the process's affinity: 2 here, 1 under `--pin 0`), one process per contender, processes alternated for `--rounds` rounds (XLA_FLAGS are read once per process).
+of the process's affinity: 2 here, 1 under `--pin 0`), one process per contender, processes alternated for
+`--rounds` rounds (XLA_FLAGS are read once per process).
 
 Shapes (T = 32 x 96 = 3,072 training tokens; a decode step has 32 rows):
 * forward `x @ W` of the projections, the MLP and the logits;
