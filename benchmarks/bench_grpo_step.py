@@ -9,7 +9,10 @@ Each: 2 warm-up steps, then `--steps` timed steps; median / min / max seconds pe
 stage's median and the rest (the step minus the part of generation that did not overlap), peak RSS, and
 the step as a fraction of the compute floor recomputed from a matmul peak measured in the same run.
 
-    python benchmarks/bench_grpo_step.py [--steps 5]
+    python benchmarks/bench_grpo_step.py [--steps 5] [--graphs "sync fused" ...] [--json FILE]
+
+Each step's CPU seconds of the process (`time.process_time`, all threads; `cpu_median`) are recorded beside its
+wall time: waiting for a core on a loaded machine inflates the wall time only.
 """
 
 from __future__ import annotations
@@ -94,17 +97,23 @@ def measure(graph_name: str, graph, warmup: int, steps: int) -> dict:
     trace = Trace(graph_name)
     runtime = Runtime(graph, programs, DataIterator(examples, batch_size=PROMPTS, seed=0),
                       prompt_ids=lambda batch: [prompts[e.id] for e in batch], key=jax.random.key(0), trace=trace)
-    ends = []
-    runtime.run(learner.init_state(), start_step=0, num_steps=warmup + steps,
-                on_step=lambda result, state: ends.append(time.perf_counter()))
+    ends, cpu_ends = [], []
+
+    def on_step(result, state):
+        ends.append(time.perf_counter())
+        cpu_ends.append(time.process_time())
+
+    runtime.run(learner.init_state(), start_step=0, num_steps=warmup + steps, on_step=on_step)
     rewards.close()
     step_times = np.diff(ends)[warmup - 1:]
+    cpu_times = np.diff(cpu_ends)[warmup - 1:]
     timed = {e.step for e in trace.events if e.step >= warmup}
     generation = [e.duration for e in trace.events if e.stage == "generate" and e.step in timed]
     tokens = [e for e in trace.events if e.stage == "generate"]
     return {
         "graph": graph_name,
         "median": statistics.median(step_times), "min": float(min(step_times)), "max": float(max(step_times)),
+        "cpu_median": statistics.median(cpu_times),
         "generation_median": statistics.median(generation),
         "dispatches_per_step": runtime.dispatches_per_step[-1],
         "generated_tokens_per_step": PROMPTS * GROUP * NEW_TOKENS,
@@ -118,6 +127,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--graphs", nargs="+", help="only these graphs (names as printed); default all")
     args = parser.parse_args()
     base = builders.grpo_graph(use_reference=True)
     graphs = {
@@ -136,19 +146,25 @@ def main() -> None:
     if jax.device_count() < 2:
         print(f"only {jax.device_count()} device (XLA_FLAGS={os.environ.get('XLA_FLAGS')!r}): skipping 'async k=1 split'")
         del graphs["async k=1 split"]
+    if args.graphs:
+        unknown = set(args.graphs) - set(graphs)
+        if unknown:
+            raise SystemExit(f"--graphs: unknown or unavailable {sorted(unknown)}; choose from {list(graphs)}")
+        graphs = {name: graphs[name] for name in args.graphs}
     results = [measure(name, graph, args.warmup, args.steps) for name, graph in graphs.items()]
     peak = matmul_peak_flops()
     floor = compute_floor_flops(ModelConfig.w_small()) / peak
     fastest_peer = min(PEERS.values())
     print(f"W-small GRPO step, {args.steps} timed steps after {args.warmup} warm-up; "
           f"matmul peak {peak / 1e9:.0f} GFLOP/s -> compute floor {floor:.2f} s")
-    print(f"{'graph':<24}{'median s':>10}{'min':>8}{'max':>8}{'generate':>10}{'rest':>8}{'dispatch':>10}"
+    print(f"{'graph':<24}{'median s':>10}{'min':>8}{'max':>8}{'cpu s':>8}{'generate':>10}{'rest':>8}{'dispatch':>10}"
           f"{'vs TRL':>9}{'/floor':>8}")
     for r in results:
         r["rest_median"] = r["median"] - r["generation_median"]
         r["speedup_vs_fastest_peer"] = fastest_peer / r["median"]
         r["fraction_of_floor"] = r["median"] / floor
-        print(f"{r['graph']:<24}{r['median']:>10.3f}{r['min']:>8.3f}{r['max']:>8.3f}{r['generation_median']:>10.3f}"
+        print(f"{r['graph']:<24}{r['median']:>10.3f}{r['min']:>8.3f}{r['max']:>8.3f}{r['cpu_median']:>8.3f}"
+              f"{r['generation_median']:>10.3f}"
               f"{r['rest_median']:>8.3f}{r['dispatches_per_step']:>10}{r['speedup_vs_fastest_peer']:>8.2f}x"
               f"{r['fraction_of_floor']:>7.2f}x")
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
