@@ -93,25 +93,12 @@ GPU_CHECKED = CheckedRegime(
 # runs them as a dense GEMM over every local expert of the worst-case receive buffer (expert8: 276.07 GiB compiled,
 # 360.28 predicted), never planned to fit; and so are stages without an expert axis (`regime_problem`).
 
-# benchmarks/bench_moe_memory.py: expert16 45.22 GiB compiled / 41.53 predicted (+8.9%), expert8 79.21 / 70.11
-# (+13.0%), recompiled in session 12 with the update's bfloat16 output-matrix gather (46.47 / 42.11 and 80.64 /
-# 70.69 before). The 32-H100 plan's programs (`scripts/plan.py --verify --verify-target cuda-h100`, same section): its
-# f16xe2 update 62.17 GB compiled / 63.0 predicted, the sampler's decode 58.69 / 57.1 (+2.8%) and prefill 72.80 /
-# 57.1 (+27.5%: the generation margin). No log-prob pass with an expert axis was compiled: it gets the training
-# margin, an assumption the dry run checks. Dropless experts are outside it: XLA runs them as a dense GEMM over
-# every local expert of the worst-case receive buffer (expert8: 276.07 GiB compiled, 360.28 predicted), never
-# planned to fit; and so are stages without an expert axis (`regime_problem`). Session 13 (s26m) compiled that
-# plan's sampler again after session 12's prefill count (same d8xt4 layout, 256 slots per replica, pool 1,020,928
-# tokens): prefill 57.69 / 56.47 GB (+2.2%), decode 55.95 / 56.47, in float32 compute prefill 100.10 / 96.83
-# (+3.4%) and decode 96.57 / 96.83; the generation margin is the largest of them, 3.4% (was 27.5%).
 MOE_CHECKED = CheckedRegime(
     largest_params=ModelShape.from_config(ModelConfig.qwen3_moe("30b-a3b")).params,
     longest_row=16384,
     attention=frozenset({AttentionKind.BLOCKWISE, AttentionKind.CUDNN}),
     remat=frozenset({RematPolicy.FULL}),
-    margins={GENERATION: 0.275, INFERENCE: 0.153, TRAINING: 0.153},
-
-    margins={GENERATION: 0.034, INFERENCE: 0.130, TRAINING: 0.130},
+    margins={GENERATION: 0.034, INFERENCE: 0.153, TRAINING: 0.153},
     experts=True)
 
 
