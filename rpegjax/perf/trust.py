@@ -91,8 +91,10 @@ GPU_CHECKED = CheckedRegime(
 # (+2.8%) and prefill 72.80 / 57.1 (+27.5%: the generation margin). No log-prob pass with an expert axis was
 # compiled: it gets the training margin, an assumption the dry run checks. Dropless experts are outside it: XLA
 # runs them as a dense GEMM over every local expert of the worst-case receive buffer (expert8: 276.07 GiB compiled,
-# 360.28 predicted), never planned to fit; and so are stages without an expert axis (`regime_problem`).
-
+# 360.28 predicted), never planned to fit; and so are stages without an expert axis (`regime_problem`). Session 13
+# (s26m) compiled that plan's sampler again after session 12's prefill count (same d8xt4 layout, 256 slots per
+# replica, pool 1,020,928 tokens): prefill 57.69 / 56.47 GB (+2.2%), decode 55.95 / 56.47, in float32 compute
+# prefill 100.10 / 96.83 (+3.4%) and decode 96.57 / 96.83; the generation margin is the largest of them, 3.4%.
 MOE_CHECKED = CheckedRegime(
     largest_params=ModelShape.from_config(ModelConfig.qwen3_moe("30b-a3b")).params,
     longest_row=16384,
