@@ -616,26 +616,31 @@ def _pass_transient_bytes(inputs: CostInputs, shape: ModelShape, layout: Layout,
     if layout.sequence_parallel and o.remat is not RematPolicy.NONE:  # each layer's kept input split over tensor too
         activations -= tokens_per_pass * shape.layers * shape.hidden * shape.compute_bytes_each * (1 - 1 / layout.tensor)
     grads = shape.params * o.grad_bytes_per_param / layout.shards
+    stacked = 0.0
     if o.remat is RematPolicy.FULL and shape.experts is None:
-        # the layer scan's stacked compute-dtype kernels and their gradients share one buffer through the backward
-        # (`rpegjax.models.layer_scan.remat_scan`); no float32 copy of the layers' gradients is live at its peak
-        # (GPU compiler's buffer assignment of the 7B update, docs/benchmarks.md issue 25 session 11)
+        # the layer scan's stacked compute-dtype kernels and their gradients share one buffer, built for the backward
+        # loop only: the forward loop reads each layer's own arrays and the log-prob head runs with no stack live
+        # (`rpegjax.models.layer_scan.remat_scan`); no float32 copy of the layers' gradients is live at either peak
+        # (GPU compiler's buffer assignment of the 7B update, docs/benchmarks.md issue 25 session 11, s25s session 13)
         layer_params = shape.layers * shape.matmul_params_per_layer
-        grads -= layer_params * (o.grad_bytes_per_param - shape.compute_bytes_each) / layout.shards
+        grads -= layer_params * o.grad_bytes_per_param / layout.shards
+        stacked = layer_params * shape.compute_bytes_each / layout.shards
     if accumulating:
         # the micro-batch loop carries the running sum of the layers' gradients while the pass's backward scan
         # writes its own stacked [layers, ...] gradients: two copies at the peak (XLA's GPU compiler's buffer
         # assignment of the 7B packed update, 2 and 4 layers, docs/benchmarks.md issue 23 session 10)
         grads += shape.layers * shape.matmul_params_per_layer * o.grad_bytes_per_param / layout.shards
+    head = 0.0
     if layout.fsdp * layout.context * layout.expert > 1:
         # FSDP gathers the output matrix whole for the update (every log-prob chunk reads it) as its compute-dtype
         # cast, and its float32 gradient accumulates whole over the chunks before it is reduce-scattered
-        # (`models.logprobs._ChunkLoop`). The token lookup reads its own shard of the table (never gathered
-        # whole); with tied embeddings its gradient is added to the output's. Large for big vocabularies (Qwen2.5:
-        # 152k x d); read from XLA's GPU compiler's buffer assignment of 0.5B updates, tied and untied
-        # (docs/benchmarks.md, issue 23; float32 then), and of the untied 7B update (s25v, session 12)
-        gathered += shape.vocab * shape.hidden * (shape.compute_bytes_each + o.grad_bytes_per_param) / layout.tensor
-    return activations + chunk + gathered + kv_gathered + grads
+        # (`models.logprobs._ChunkLoop`), before the layers' backward. The token lookup reads its own shard of the
+        # table (never gathered whole); with tied embeddings its gradient is added to the output's. Large for big
+        # vocabularies (Qwen2.5: 152k x d); read from XLA's GPU compiler's buffer assignment of 0.5B updates, tied
+        # and untied (docs/benchmarks.md, issue 23; float32 then), and of the untied 7B update (s25v, session 12)
+        head = shape.vocab * shape.hidden * (shape.compute_bytes_each + o.grad_bytes_per_param) / layout.tensor
+    # the head's gathered matrix and the layers' stack are never live together
+    return activations + chunk + gathered + kv_gathered + grads + max(head, stacked)
 
 
 # ------------------------------------------------------------------------------------- host and small stages
