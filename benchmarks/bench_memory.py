@@ -128,9 +128,12 @@ def batch_of(rows: int, tokens: int, prompt: int, longest: int, *, old_logprobs:
 
 
 def analysis(compiled) -> dict[str, float]:
-    memory = compiled.memory_analysis()
+    """Bytes and FLOPs per device (FLOPs where the backend counts them: XLA:CPU, not compile-only GPUs)."""
+    memory, cost = compiled.memory_analysis(), compiled.cost_analysis() or {}  # compile-only GPUs give none
+    cost = cost[0] if isinstance(cost, list) else cost  # older JAX: one dict per program
     return {"arguments": memory.argument_size_in_bytes, "outputs": memory.output_size_in_bytes,
-            "temporaries": memory.temp_size_in_bytes, "aliased": memory.alias_size_in_bytes}
+            "temporaries": memory.temp_size_in_bytes, "aliased": memory.alias_size_in_bytes,
+            "flops": cost.get("flops", float("nan"))}
 
 
 def predicted_peak(cfg: ModelConfig, parallel: dict[str, int], sequence_parallel: bool, tokens: int, prompt: int, *,
@@ -244,15 +247,16 @@ def print_header(args) -> None:
     print(f"W-long memory per device (GiB), {devices}, jax {jax.__version__}; {kind}; "
           f"log-prob chunk {args.logprob_chunk}; update: {args.correction or 'on-policy'}")
     print("| model | layers | layout | tokens/row | program | ran at (length, rows) | arguments | outputs | temporaries "
-          "| args+temps | planner peak | compile s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| args+temps | planner peak | compile s | TFLOP |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def print_row(row: dict, flush: bool = False) -> None:
     predicted = f"{row['predicted'] / GIB:.2f}" if "predicted" in row else "n/a"
     print(f"| {row['model']} | {row['layers']} | {row['layout']} | {row['tokens']} | {row['program']} | {row['ran']} "
           f"| {row['arguments'] / GIB:.2f} | {row['outputs'] / GIB:.2f} | {row['temporaries'] / GIB:.2f} "
-          f"| {(row['arguments'] + row['temporaries']) / GIB:.2f} | {predicted} | {row['compile_s']:.1f} |", flush=flush)
+          f"| {(row['arguments'] + row['temporaries']) / GIB:.2f} | {predicted} | {row['compile_s']:.1f} "
+          f"| {row['flops'] / 1e12:.2f} |", flush=flush)
 
 
 def main() -> None:

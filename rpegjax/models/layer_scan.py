@@ -1,13 +1,22 @@
-"""The layer stack under full rematerialisation with a hand-written backward that writes each layer's parameter
-gradients into the buffer of the stacked parameters it has finished reading.
+"""The layer stack under full rematerialisation with a hand-written backward: the layers' parameters are stacked
+only for the backward loop, whose buffer also takes their gradients.
 
-Differentiating `lax.scan(jax.checkpoint(layer), x, stacked)` keeps two stacked buffers through the backward loop:
-the stacked parameters (every remaining layer's forward is recomputed from them) and the stacked gradients being
-written (layer l's at step l). At step l the parameters of layers > l are read for the last time and the gradients
-of layers < l are not written yet, so one buffer holds both: `remat_scan`'s backward starts from the stacked
-parameters and overwrites slice l with layer l's gradients once it has used them. For the 7B update (compute-dtype
-kernels stacked, `rpegjax.models.transformer._compute_kernels`) that is one bf16 copy of the layers' weights less at
-the backward's peak (docs/benchmarks.md, issue 25 session 11).
+Differentiating `lax.scan(jax.checkpoint(layer), x, stacked)` over the per-layer parameters stacked (as their
+compute-dtype casts) keeps that stack from before the forward loop to the end of the backward one: through the
+forward loop and whatever runs between the loops (the update's log-prob head), beside the kept layer inputs; and the
+backward loop holds a second stacked buffer, the gradients being written (layer l's at step l). Here:
+
+- the forward loop reads layer l's parameters from the caller's per-layer arrays (`lax.switch` on l, cast per
+  layer by `cast`): no stack;
+- the backward stacks them once the output's cotangent has arrived (an optimization barrier on the parameters, the
+  kept inputs and that cotangent orders the stack after the forward loop and the head's backward);
+- at backward step l the parameters of layers > l have been read for the last time and the gradients of layers < l
+  are not written yet, so one buffer holds both: the backward overwrites slice l of the stack with layer l's
+  gradients once it has used them, and the stack's transpose (unstack, cast back) gives the per-layer gradients.
+
+For the 7B update (`rpegjax.models.transformer._compute_kernels`: bf16 kernels) that is one bf16 copy of the
+layers' weights less in the backward loop (docs/benchmarks.md, issue 25 session 11) and none in the forward loop
+or at the head (s25s, session 13).
 
 The forward keeps each layer's input (what full remat keeps); the backward recomputes layer l from it and takes the
 vjp, as `jax.checkpoint` with `nothing_saveable` does, so the gradients are the same.
@@ -25,32 +34,46 @@ from jaxtyping import Array, Float
 
 # layer(x, params of one layer, per-layer inputs, shared inputs) -> x
 LayerFn = Callable[[Array, Any, Any, Any], Array]
+# cast(params of one layer) -> those parameters as the layer reads them (e.g. kernels as their compute-dtype casts)
+CastFn = Callable[[Any], Any]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def remat_scan(layer: LayerFn, x: Float[Array, "b t d"], params: Any, per_layer: Any, shared: Any
-               ) -> Float[Array, "b t d"]:
-    """x after every layer: `layer(x, params[l], per_layer[l], shared)` for l = 0..L-1, where `params` and
-    `per_layer` are pytrees stacked on axis 0 (L layers). Differentiable in `x` and `params`; `per_layer` and
-    `shared` (positions, masks, keys, layer indices) are not (their cotangents are zero)."""
-    return _forward(layer, x, params, per_layer, shared)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def remat_scan(layer: LayerFn, cast: CastFn, x: Float[Array, "b t d"], params: list[Any], per_layer: Any,
+               shared: Any) -> Float[Array, "b t d"]:
+    """x after every layer: `layer(x, cast(params[l]), per_layer[l], shared)` for l = 0..L-1, where `params` holds
+    one pytree per layer, `per_layer` is a pytree stacked on axis 0 (L layers) and `cast` is differentiable.
+    Differentiable in `x` and `params`; `per_layer` and `shared` (positions, masks, keys, layer indices) are not
+    (their cotangents are zero)."""
+    return _forward(layer, cast, x, params, per_layer, shared)[0]
 
 
-def _forward(layer: LayerFn, x, params, per_layer, shared):
+def _stack(cast: CastFn, params: list[Any]) -> Any:
+    return jax.tree.map(lambda *values: jnp.stack(values), *(cast(p) for p in params))
+
+
+def _forward(layer: LayerFn, cast: CastFn, x, params, per_layer, shared):
+    branches = [functools.partial(lambda l, params: cast(params[l]), l) for l in range(len(params))]
+
     def body(x, inputs):
-        layer_params, layer_inputs = inputs
+        index, layer_inputs = inputs
+        # layer `index`'s own arrays, cast: a stack of every layer's would stay live through the loop
+        layer_params = jax.lax.switch(index, branches, params)
         return layer(x, layer_params, layer_inputs, shared), x
 
-    return jax.lax.scan(body, x, (params, per_layer))
+    return jax.lax.scan(body, x, (jnp.arange(len(params)), per_layer))
 
 
-def _remat_scan_fwd(layer: LayerFn, x, params, per_layer, shared):
-    out, inputs = _forward(layer, x, params, per_layer, shared)
+def _remat_scan_fwd(layer: LayerFn, cast: CastFn, x, params, per_layer, shared):
+    out, inputs = _forward(layer, cast, x, params, per_layer, shared)
     return out, (inputs, params, per_layer, shared)
 
 
-def _remat_scan_bwd(layer: LayerFn, residuals, g_out):
+def _remat_scan_bwd(layer: LayerFn, cast: CastFn, residuals, g_out):
     inputs, params, per_layer, shared = residuals
+    # stacked only now, after the forward loop (its kept inputs) and the head (the output's cotangent)
+    params, inputs, g_out = jax.lax.optimization_barrier((params, inputs, g_out))
+    stacked, unstack = jax.vjp(functools.partial(_stack, cast), params)
 
     def step(carry, index):
         g_x, buffer = carry
@@ -64,7 +87,8 @@ def _remat_scan_bwd(layer: LayerFn, residuals, g_out):
         return (g_x, buffer), None
 
     layers = jax.tree.leaves(inputs)[0].shape[0]
-    (g_x, g_params), _ = jax.lax.scan(step, (g_out, params), jnp.arange(layers), reverse=True)
+    (g_x, g_stacked), _ = jax.lax.scan(step, (g_out, stacked), jnp.arange(layers), reverse=True)
+    (g_params,) = unstack(g_stacked)
     return g_x, g_params, None, None  # None: zero cotangents (positions, masks, keys, indices)
 
 

@@ -12,7 +12,9 @@ to and is overwritten by the next write, so prompts can be right-padded in a pre
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import flax.struct
@@ -584,16 +586,20 @@ def _scan_layers(layers: nnx.List, x, rope, mask, policy: RematPolicy, sharding:
     scheduler does, keeping every layer's activations alive). Parameters stay per layer in the model, so
     checkpoints and the Hugging Face layout are unchanged; the stacking costs one copy of the layer weights, made
     of the dense projections' kernels in `compute_dtype` (`_compute_kernels`). Under full remat a dense stack without
-    adapters runs through `remat_scan`, whose backward writes the gradients into that copy's buffer.
+    adapters runs through `remat_scan` instead: its forward loop reads each layer's own parameters (no copy) and
+    only its backward loop stacks them, in a buffer that also takes their gradients.
     With `dropout_key`, layer l's LoRA dropout key is fold_in(dropout_key, l), as in the unrolled stack.
     Returns the output and (for sparse layers) their routing stacked as `Decoder.routed_hidden_states` gives it;
     `expert_ids` [b t l k] replays one routing per layer.
     """
     graphdef = nnx.graphdef(layers[0])
-    stacked = jax.tree.map(lambda *values: jnp.stack(values),
-                           *(_compute_kernels(layer, compute_dtype) for layer in layers))
     if policy is RematPolicy.FULL and _dense_without_adapters(layers):
-        return _remat_scan_layers(graphdef, stacked, x, rope, mask, sharding, segment_ids), None
+        cast = functools.partial(_compute_kernels, dtype=compute_dtype, dense_mlp=True)
+        states = [nnx.state(layer) for layer in layers]
+        return _remat_scan_layers(graphdef, cast, states, x, rope, mask, sharding, segment_ids), None
+    stacked = jax.tree.map(lambda *values: jnp.stack(values),
+                           *(_compute_kernels(nnx.state(layer), compute_dtype, isinstance(layer.mlp, MLP))
+                             for layer in layers))
 
     def body(x, layer):
         state, index, ids = layer
@@ -616,34 +622,35 @@ def _dense_without_adapters(layers: nnx.List) -> bool:
                                                           nnx.to_flat_state(nnx.state(layer))) for layer in layers)
 
 
-def _remat_scan_layers(graphdef: nnx.GraphDef, stacked: nnx.State, x, rope, mask, sharding: ActivationSharding | None,
-                       segment_ids: Array | None) -> Array:
-    """The dense stack under full remat through `rpegjax.models.layer_scan.remat_scan` (its backward reuses the
-    stacked parameters' buffer for their gradients). No dropout key: only LoRA adapters draw one."""
+def _remat_scan_layers(graphdef: nnx.GraphDef, cast: Callable[[nnx.State], nnx.State], states: list[nnx.State],
+                       x, rope, mask, sharding: ActivationSharding | None, segment_ids: Array | None) -> Array:
+    """The dense stack under full remat through `rpegjax.models.layer_scan.remat_scan` (`cast(states[l])`: layer l's
+    parameters as the scan reads them; only its backward stacks them, in a buffer that also takes their
+    gradients). No dropout key: only LoRA adapters draw one."""
 
     def layer(x, state, _, shared):
         rope, mask, segment_ids = shared
         out, _, _ = nnx.merge(graphdef, state)(x, rope, mask, None, None, sharding, None, None, segment_ids)
         return out
 
-    return remat_scan(layer, x, stacked, None, (rope, mask, segment_ids))
+    return remat_scan(layer, cast, x, states, None, (rope, mask, segment_ids))
 
 
 # The dense layers' projection kernels, which every use casts to the compute dtype first (`_kernel`)
 _PROJECTIONS = {"attention": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
 
 
-def _compute_kernels(layer: Block, dtype) -> nnx.State:
-    """`layer`'s state with its dense projection kernels cast to the compute `dtype` (None: unchanged), before the
-    scan stacks them: the layer body casts them to that dtype anyway, so the values and the gradients (the body's
-    cotangents are in that dtype, cast back to the parameters' once, after the scan) are the same, and the stacked
-    copy and its stacked gradient take half the bytes of float32 masters (7B: 1.6 GiB each per device at fsdp8;
-    docs/benchmarks.md, issue 25 session 10). Norm scales, biases, adapters and experts stay as they are."""
-    state = nnx.state(layer)
+def _compute_kernels(state: nnx.State, dtype, dense_mlp: bool) -> nnx.State:
+    """A layer's `state` with its dense projection kernels (the MLP's if `dense_mlp`, not experts) cast to the compute
+    `dtype` (None: unchanged), before the scan stacks them: the layer body casts them to that dtype anyway, so the
+    values and the gradients (the body's cotangents are in that dtype, cast back to the parameters' once, after the
+    scan) are the same, and the stacked copy and its stacked gradient take half the bytes of float32 masters (7B:
+    1.6 GiB each per device at fsdp8; docs/benchmarks.md, issue 25 session 10). Norm scales, biases, adapters and
+    experts stay as they are."""
     if dtype is None:
         return state
     cast = {(module, name) for module, names in _PROJECTIONS.items() for name in names
-            if module != "mlp" or isinstance(layer.mlp, MLP)}
+            if module != "mlp" or dense_mlp}
 
     def convert(path, leaf):
         keys = tuple(getattr(k, "key", getattr(k, "name", None)) for k in path)

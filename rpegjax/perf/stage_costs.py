@@ -622,7 +622,8 @@ def _update_transient_bytes(inputs: CostInputs, shape: ModelShape, layout: Layou
       reduce-scattered and the gathered cast freed before the layers' backward starts (`models.logprobs.
       _ChunkLoop`'s optimization barrier);
     - the layers: the layer in use and the one being prefetched, gathered as their compute-dtype casts, one
-      layer's working set while it is recomputed and differentiated, and in a micro-batch loop (without full
+      layer's working set while it is recomputed and differentiated, with full remat the layer scan's stacked
+      compute-dtype kernels (built for the backward loop only, s25s), and in a micro-batch loop (without full
       remat) the backward scan's own stacked compute-dtype gradients beside the running sum."""
     o = inputs.options
     b = shape.compute_bytes_each
@@ -649,10 +650,12 @@ def _update_transient_bytes(inputs: CostInputs, shape: ModelShape, layout: Layou
     layer_grads = shape.layers * shape.matmul_params_per_layer / layout.shards  # parameters
     shared = o.remat is RematPolicy.FULL and shape.experts is None
     if shared:
-        # the layer scan's stacked compute-dtype kernels and their gradients share one buffer through the backward
-        # (`rpegjax.models.layer_scan.remat_scan`); no float32 copy of the layers' gradients is live at its peak
-        # (GPU compiler's buffer assignment of the 7B update, docs/benchmarks.md issue 25 session 11)
-        grads -= layer_grads * (o.grad_bytes_per_param - b)
+        # the layer scan's stacked compute-dtype kernels and their gradients share one buffer, built for the backward
+        # loop only: the forward loop reads each layer's own arrays and the log-prob head runs with no stack live
+        # (`rpegjax.models.layer_scan.remat_scan`); no float32 copy of the layers' gradients is live at either peak
+        # (GPU compiler's buffer assignment of the 7B update, docs/benchmarks.md issue 25 session 11, s25s session 13)
+        grads -= layer_grads * o.grad_bytes_per_param
+        layers += layer_grads * b
     if accumulating and shared:
         # the micro-batch loop carries the float32 running sum of the layers' gradients beside that shared buffer,
         # through both phases (XLA's GPU compiler's buffer assignment of the 7B packed update, 2 and 4 layers,
