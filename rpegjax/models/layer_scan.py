@@ -20,6 +20,14 @@ or at the head (s25s, session 13).
 
 The forward keeps each layer's input (what full remat keeps); the backward recomputes layer l from it and takes the
 vjp, as `jax.checkpoint` with `nothing_saveable` does, so the gradients are the same.
+
+With `segments` = n > 1 the layers run in n consecutive runs, each with its own forward and backward loop and its
+own kept-inputs buffer. Run k's backward (k = n..1) stacks run k's parameters only once the cotangent of run k's
+output has arrived, and its kept inputs are freed when it ends; the runs done keep their gradients in compute dtype
+until the last backward loop (an optimization barrier), then cast back. Backward run k holds the kept inputs of runs
+1..k and the stacks of runs k..n: at most the kept inputs and 1/n of the stack, or the stack and 1/n of the kept
+inputs, where one run holds both whole (7B update at 16k, fsdp8: 1.2 GiB less per device; docs/benchmarks.md,
+s25g session 14). Each run compiles its own layer body.
 """
 
 from __future__ import annotations

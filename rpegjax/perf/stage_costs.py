@@ -656,8 +656,8 @@ def _update_transient_bytes(inputs: CostInputs, shape: ModelShape, layout: Layou
         # (GPU compiler's buffer assignment of the 7B update, docs/benchmarks.md issue 25 session 11, s25s session 13)
         grads -= layer_grads * o.grad_bytes_per_param
         # split into runs (`options.remat_runs`), whose kept inputs are freed run by run and whose stacks are built
-        # run by run: backward run k of n holds the kept inputs of runs k..n and the stack of runs 1..k (the runs
-        # done keep their gradients in it), largest at the first run or the last (s25g, session 14)
+        # run by run: the k-th backward run of n holds the kept inputs of the n-k+1 runs not done and k runs' stacks
+        # (the runs done keep their gradients in theirs), largest at the first backward run or the last (s25g, session 14)
         stack, runs = layer_grads * b, remat_runs(shape.layers)
         kept = tokens_per_pass * shape.layers * shape.hidden * b
         if layout.sequence_parallel:
