@@ -21,7 +21,7 @@ or at the head (s25s, session 13).
 The forward keeps each layer's input (what full remat keeps); the backward recomputes layer l from it and takes the
 vjp, as `jax.checkpoint` with `nothing_saveable` does, so the gradients are the same.
 
-With `segments` = n > 1 the layers run in n consecutive runs, each with its own forward and backward loop and its
+With `runs` = n > 1 the layers run in n consecutive runs, each with its own forward and backward loop and its
 own kept-inputs buffer. Run k's backward (k = n..1) stacks run k's parameters only once the cotangent of run k's
 output has arrived, and its kept inputs are freed when it ends; the runs done keep their gradients in compute dtype
 until the last backward loop (an optimization barrier), then cast back. Backward run k holds the kept inputs of runs
@@ -47,18 +47,18 @@ CastFn = Callable[[Any], Any]
 
 
 def remat_scan(layer: LayerFn, cast: CastFn, x: Float[Array, "b t d"], params: list[Any], per_layer: Any,
-               shared: Any, *, segments: int = 1) -> Float[Array, "b t d"]:
+               shared: Any, *, runs: int = 1) -> Float[Array, "b t d"]:
     """x after every layer: `layer(x, cast(params[l]), per_layer[l], shared)` for l = 0..L-1, where `params` holds
     one pytree per layer, `per_layer` is a pytree stacked on axis 0 (L layers) and `cast` is differentiable.
     Differentiable in `x` and `params`; `per_layer` and `shared` (positions, masks, keys, layer indices) are not
     (their cotangents are zero).
 
-    `segments` (1 to L) splits the layers into that many consecutive runs of near-equal length, each with its own
+    `runs` (1 to L) splits the layers into that many consecutive runs of near-equal length, each with its own
     forward and backward loop (one compiled layer body per run): a run's kept inputs are freed once its backward
     has run, and only then is the next run's stack built (module docstring)."""
-    if not 1 <= segments <= len(params):
-        raise ValueError(f"remat_scan: segments={segments} must be between 1 and the {len(params)} layers")
-    bounds = tuple(round(i * len(params) / segments) for i in range(segments + 1))
+    if not 1 <= runs <= len(params):
+        raise ValueError(f"remat_scan: runs={runs} must be between 1 and the {len(params)} layers")
+    bounds = tuple(round(i * len(params) / runs) for i in range(runs + 1))
     return _remat_scan(layer, cast, bounds, x, params, per_layer, shared)
 
 

@@ -633,7 +633,7 @@ def _remat_scan_layers(graphdef: nnx.GraphDef, cast: Callable[[nnx.State], nnx.S
         out, _, _ = nnx.merge(graphdef, state)(x, rope, mask, None, None, sharding, None, None, segment_ids)
         return out
 
-    return remat_scan(layer, cast, x, states, None, (rope, mask, segment_ids), segments=remat_runs(len(states)))
+    return remat_scan(layer, cast, x, states, None, (rope, mask, segment_ids), runs=remat_runs(len(states)))
 
 
 # The dense layers' projection kernels, which every use casts to the compute dtype first (`_kernel`)

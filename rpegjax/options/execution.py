@@ -42,7 +42,7 @@ class RematPolicy(enum.StrEnum):
 
 def remat_runs(layers: int) -> int:
     """How many consecutive runs the dense layer scan under full remat splits its layers into
-    (`rpegjax.models.layer_scan.remat_scan`'s `segments`), about sqrt(L): the backward's peak holds the kept inputs
+    (`rpegjax.models.layer_scan.remat_scan`'s `runs`), about sqrt(L): the backward's peak holds the kept inputs
     and 1/runs of the stacked kernels (or the stack and 1/runs of the kept inputs), against one compiled layer body
     per run (Qwen2.5-7B, 28 layers: 5 runs). Read by the model and by the perf model's memory formula."""
     return max(1, round(math.sqrt(layers)))
