@@ -623,8 +623,8 @@ def _update_transient_bytes(inputs: CostInputs, shape: ModelShape, layout: Layou
       _ChunkLoop`'s optimization barrier);
     - the layers: the layer in use and the one being prefetched, gathered as their compute-dtype casts, one
       layer's working set while it is recomputed and differentiated, with full remat the layer scan's stacked
-      compute-dtype kernels (built for the backward loop only, s25s, run by run, s25g), and in a micro-batch loop (without full
-      remat) the backward scan's own stacked compute-dtype gradients beside the running sum."""
+      compute-dtype kernels (built for the backward loop only, s25s, run by run, s25g), and in a micro-batch loop
+      (without full remat) the backward scan's own stacked compute-dtype gradients beside the running sum."""
     o = inputs.options
     b = shape.compute_bytes_each
     fsdp = layout.fsdp * layout.context * layout.expert > 1  # weights sharded over fsdp x context x expert
