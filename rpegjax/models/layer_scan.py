@@ -20,6 +20,14 @@ or at the head (s25s, session 13).
 
 The forward keeps each layer's input (what full remat keeps); the backward recomputes layer l from it and takes the
 vjp, as `jax.checkpoint` with `nothing_saveable` does, so the gradients are the same.
+
+With `runs` = n > 1 the layers run in n consecutive runs, each with its own forward and backward loop and its
+own kept-inputs buffer. Run k's backward (k = n..1) stacks run k's parameters only once the cotangent of run k's
+output has arrived, and its kept inputs are freed when it ends; the runs done keep their gradients in compute dtype
+until the last backward loop (an optimization barrier), then cast back. Backward run k holds the kept inputs of runs
+1..k and the stacks of runs k..n: at most the kept inputs and 1/n of the stack, or the stack and 1/n of the kept
+inputs, where one run holds both whole (7B update at 16k, fsdp8: 1.2 GiB less per device; docs/benchmarks.md,
+s25g session 14). Each run compiles its own layer body.
 """
 
 from __future__ import annotations
@@ -38,41 +46,64 @@ LayerFn = Callable[[Array, Any, Any, Any], Array]
 CastFn = Callable[[Any], Any]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def remat_scan(layer: LayerFn, cast: CastFn, x: Float[Array, "b t d"], params: list[Any], per_layer: Any,
-               shared: Any) -> Float[Array, "b t d"]:
+               shared: Any, *, runs: int = 1) -> Float[Array, "b t d"]:
     """x after every layer: `layer(x, cast(params[l]), per_layer[l], shared)` for l = 0..L-1, where `params` holds
     one pytree per layer, `per_layer` is a pytree stacked on axis 0 (L layers) and `cast` is differentiable.
     Differentiable in `x` and `params`; `per_layer` and `shared` (positions, masks, keys, layer indices) are not
-    (their cotangents are zero)."""
-    return _forward(layer, cast, x, params, per_layer, shared)[0]
+    (their cotangents are zero).
+
+    `runs` (1 to L) splits the layers into that many consecutive runs of near-equal length, each with its own
+    forward and backward loop (one compiled layer body per run): a run's kept inputs are freed once its backward
+    has run, and only then is the next run's stack built (module docstring)."""
+    if not 1 <= runs <= len(params):
+        raise ValueError(f"remat_scan: runs={runs} must be between 1 and the {len(params)} layers")
+    bounds = tuple(round(i * len(params) / runs) for i in range(runs + 1))
+    return _remat_scan(layer, cast, bounds, x, params, per_layer, shared)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _remat_scan(layer: LayerFn, cast: CastFn, bounds: tuple[int, ...], x, params, per_layer, shared):
+    return _forward(layer, cast, bounds, x, params, per_layer, shared)[0]
+
+
+def _run(tree: Any, lo: int, hi: int) -> Any:
+    """Layers lo..hi-1 of a pytree stacked on axis 0."""
+    return jax.tree.map(lambda a: a[lo:hi], tree)
 
 
 def _stack(cast: CastFn, params: list[Any]) -> Any:
     return jax.tree.map(lambda *values: jnp.stack(values), *(cast(p) for p in params))
 
 
-def _forward(layer: LayerFn, cast: CastFn, x, params, per_layer, shared):
-    branches = [functools.partial(lambda l, params: cast(params[l]), l) for l in range(len(params))]
+def _forward(layer: LayerFn, cast: CastFn, bounds, x, params, per_layer, shared):
+    """The output and each run's kept inputs (one buffer per run)."""
+    kept = []
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+        run = params[lo:hi]
+        branches = [functools.partial(lambda l, run: cast(run[l]), l) for l in range(len(run))]
 
-    def body(x, inputs):
-        index, layer_inputs = inputs
-        # layer `index`'s own arrays, cast: a stack of every layer's would stay live through the loop
-        layer_params = jax.lax.switch(index, branches, params)
-        return layer(x, layer_params, layer_inputs, shared), x
+        def body(x, inputs, branches=branches, run=run):
+            index, layer_inputs = inputs
+            # layer `index`'s own arrays, cast: a stack of every layer's would stay live through the loop
+            layer_params = jax.lax.switch(index, branches, run)
+            return layer(x, layer_params, layer_inputs, shared), x
 
-    return jax.lax.scan(body, x, (jnp.arange(len(params)), per_layer))
-
-
-def _remat_scan_fwd(layer: LayerFn, cast: CastFn, x, params, per_layer, shared):
-    out, inputs = _forward(layer, cast, x, params, per_layer, shared)
-    return out, (inputs, params, per_layer, shared)
+        x, inputs = jax.lax.scan(body, x, (jnp.arange(hi - lo), _run(per_layer, lo, hi)))
+        kept.append(inputs)
+    return x, kept
 
 
-def _remat_scan_bwd(layer: LayerFn, cast: CastFn, residuals, g_out):
-    inputs, params, per_layer, shared = residuals
-    # stacked only now, after the forward loop (its kept inputs) and the head (the output's cotangent)
-    params, inputs, g_out = jax.lax.optimization_barrier((params, inputs, g_out))
+def _remat_scan_fwd(layer: LayerFn, cast: CastFn, bounds, x, params, per_layer, shared):
+    out, kept = _forward(layer, cast, bounds, x, params, per_layer, shared)
+    return out, (kept, params, per_layer, shared)
+
+
+def _backward_run(layer: LayerFn, cast: CastFn, g_x, inputs, params, per_layer, shared):
+    """One run's backward loop: g_x of the run's input and its parameters' gradients, stacked in compute dtype (the
+    buffer that held their casts), with the map back to the parameters' own dtypes."""
+    # stacked only now, after the later runs' backward (the output's cotangent) and the head
+    params, inputs, g_x = jax.lax.optimization_barrier((params, inputs, g_x))
     stacked, unstack = jax.vjp(functools.partial(_stack, cast), params)
 
     def step(carry, index):
@@ -86,10 +117,22 @@ def _remat_scan_bwd(layer: LayerFn, cast: CastFn, residuals, g_out):
                               buffer, g_params)
         return (g_x, buffer), None
 
-    layers = jax.tree.leaves(inputs)[0].shape[0]
-    (g_x, g_stacked), _ = jax.lax.scan(step, (g_out, stacked), jnp.arange(layers), reverse=True)
-    (g_params,) = unstack(g_stacked)
+    (g_x, g_stacked), _ = jax.lax.scan(step, (g_x, stacked), jnp.arange(len(params)), reverse=True)
+    return g_x, g_stacked, unstack
+
+
+def _remat_scan_bwd(layer: LayerFn, cast: CastFn, bounds, residuals, g_out):
+    kept, params, per_layer, shared = residuals
+    g_x, runs = g_out, []
+    for run, (lo, hi) in reversed(list(enumerate(zip(bounds[:-1], bounds[1:], strict=True)))):
+        g_x, g_stacked, unstack = _backward_run(layer, cast, g_x, kept[run], params[lo:hi],
+                                                _run(per_layer, lo, hi), shared)
+        runs.insert(0, (g_stacked, unstack))
+    # the runs' gradients stay in compute dtype until the last backward loop has run (cast back earlier, the runs
+    # done would hold float32 gradients, twice the bytes, through the remaining loops)
+    g_stacks, g_x = jax.lax.optimization_barrier(([g for g, _ in runs], g_x))
+    g_params = [g for (_, unstack), g_stacked in zip(runs, g_stacks, strict=True) for g in unstack(g_stacked)[0]]
     return g_x, g_params, None, None  # None: zero cotangents (positions, masks, keys, indices)
 
 
-remat_scan.defvjp(_remat_scan_fwd, _remat_scan_bwd)
+_remat_scan.defvjp(_remat_scan_fwd, _remat_scan_bwd)

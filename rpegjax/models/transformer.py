@@ -43,7 +43,7 @@ from rpegjax.models.lora import (
     target_key,
 )
 from rpegjax.models.moe import Routing, SparseMoE
-from rpegjax.options import MODEL_EXECUTION_FIELDS, RematPolicy
+from rpegjax.options import MODEL_EXECUTION_FIELDS, RematPolicy, remat_runs
 from rpegjax.sharding import axes
 from rpegjax.sharding.rules import ActivationSharding, constrain
 
@@ -633,7 +633,7 @@ def _remat_scan_layers(graphdef: nnx.GraphDef, cast: Callable[[nnx.State], nnx.S
         out, _, _ = nnx.merge(graphdef, state)(x, rope, mask, None, None, sharding, None, None, segment_ids)
         return out
 
-    return remat_scan(layer, cast, x, states, None, (rope, mask, segment_ids))
+    return remat_scan(layer, cast, x, states, None, (rope, mask, segment_ids), runs=remat_runs(len(states)))
 
 
 # The dense layers' projection kernels, which every use casts to the compute dtype first (`_kernel`)

@@ -14,6 +14,7 @@ from rpegjax.options.execution import (
     OptimizerSharding,
     RematPolicy,
     parse_choice,
+    remat_runs,
 )
 
-__all__ = ["MODEL_EXECUTION_FIELDS", "AttentionKind", "CacheLayout", "CarryMode", "DecodeAttention", "DType", "OptimizerSharding", "RematPolicy", "parse_choice"]
+__all__ = ["MODEL_EXECUTION_FIELDS", "AttentionKind", "CacheLayout", "CarryMode", "DecodeAttention", "DType", "OptimizerSharding", "RematPolicy", "parse_choice", "remat_runs"]

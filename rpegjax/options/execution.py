@@ -10,6 +10,7 @@ Plain Python: no JAX (the models map `DType` onto `jax.numpy` dtypes themselves)
 from __future__ import annotations
 
 import enum
+import math
 from typing import TypeVar
 
 
@@ -37,6 +38,14 @@ class RematPolicy(enum.StrEnum):
     NONE = "none"  # keep every activation: fastest, memory grows with layers x tokens x widths
     DOTS = "dots"  # keep matmul outputs, recompute the elementwise ops between them (no matmul recomputed)
     FULL = "full"  # keep only each layer's input, recompute the whole layer in the backward
+
+
+def remat_runs(layers: int) -> int:
+    """How many consecutive runs the dense layer scan under full remat splits its layers into
+    (`rpegjax.models.layer_scan.remat_scan`'s `runs`), about sqrt(L): the backward's peak holds the kept inputs
+    and 1/runs of the stacked kernels (or the stack and 1/runs of the kept inputs), against one compiled layer body
+    per run (Qwen2.5-7B, 28 layers: 5 runs). Read by the model and by the perf model's memory formula."""
+    return max(1, round(math.sqrt(layers)))
 
 
 class CarryMode(enum.StrEnum):

@@ -22,7 +22,7 @@ from typing import NamedTuple
 import numpy as np
 
 from rpegjax.graph.ir import Execution
-from rpegjax.options import CacheLayout, CarryMode, DecodeAttention, OptimizerSharding, RematPolicy
+from rpegjax.options import CacheLayout, CarryMode, DecodeAttention, OptimizerSharding, RematPolicy, remat_runs
 from rpegjax.perf import collectives, costs, expert_costs, packed_batches
 from rpegjax.perf.costs import DecodeKernel, ModelShape
 from rpegjax.perf.generation_cost import ResponseLengths
@@ -623,8 +623,8 @@ def _update_transient_bytes(inputs: CostInputs, shape: ModelShape, layout: Layou
       _ChunkLoop`'s optimization barrier);
     - the layers: the layer in use and the one being prefetched, gathered as their compute-dtype casts, one
       layer's working set while it is recomputed and differentiated, with full remat the layer scan's stacked
-      compute-dtype kernels (built for the backward loop only, s25s), and in a micro-batch loop (without full
-      remat) the backward scan's own stacked compute-dtype gradients beside the running sum."""
+      compute-dtype kernels (built for the backward loop only, s25s, run by run, s25g), and in a micro-batch loop
+      (without full remat) the backward scan's own stacked compute-dtype gradients beside the running sum."""
     o = inputs.options
     b = shape.compute_bytes_each
     fsdp = layout.fsdp * layout.context * layout.expert > 1  # weights sharded over fsdp x context x expert
@@ -655,7 +655,14 @@ def _update_transient_bytes(inputs: CostInputs, shape: ModelShape, layout: Layou
         # (`rpegjax.models.layer_scan.remat_scan`); no float32 copy of the layers' gradients is live at either peak
         # (GPU compiler's buffer assignment of the 7B update, docs/benchmarks.md issue 25 session 11, s25s session 13)
         grads -= layer_grads * o.grad_bytes_per_param
-        layers += layer_grads * b
+        # split into runs (`options.remat_runs`), whose kept inputs are freed run by run and whose stacks are built
+        # run by run: the k-th backward run of n holds the kept inputs of the n-k+1 runs not done and k runs' stacks
+        # (the runs done keep their gradients in theirs), largest at the first backward run or the last (s25g, session 14)
+        stack, runs = layer_grads * b, remat_runs(shape.layers)
+        kept = tokens_per_pass * shape.layers * shape.hidden * b
+        if layout.sequence_parallel:
+            kept /= layout.tensor
+        layers += max(stack / runs, stack - kept * (1 - 1 / runs))
     if accumulating and shared:
         # the micro-batch loop carries the float32 running sum of the layers' gradients beside that shared buffer,
         # through both phases (XLA's GPU compiler's buffer assignment of the 7B packed update, 2 and 4 layers,

@@ -59,10 +59,11 @@ def _loss(scan, head=None):
     return lambda x, masters, indices, shared: jnp.sum(head(scan(x, masters, indices, shared)))
 
 
-def test_gradients_equal_the_checkpointed_scan():
+@pytest.mark.parametrize("runs", [1, 2, 4, LAYERS])
+def test_gradients_equal_the_checkpointed_scan(runs):
     x, masters, indices, shared = _inputs(rows=8)
     grad = lambda scan: jax.jit(jax.value_and_grad(_loss(scan), argnums=(0, 1)))(x, masters, indices, shared)
-    loss, grads = grad(lambda *args: remat_scan(_layer, _cast, *args))
+    loss, grads = grad(lambda *args: remat_scan(_layer, _cast, *args, runs=runs))
     want_loss, want = grad(_checkpointed)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
     assert jax.tree.map(lambda g: g.dtype, grads) == jax.tree.map(lambda g: g.dtype, want)
@@ -117,3 +118,24 @@ def test_no_stacked_copy_is_live_while_the_head_runs():
     head_bytes = rows * 8 * D * 4
     assert head_bytes > 2 * STACKED_BYTES
     assert ours <= reference - 0.9 * STACKED_BYTES, (ours, reference, STACKED_BYTES)
+
+
+@pytest.mark.parametrize("runs", [0, LAYERS + 1])
+def test_runs_outside_one_to_the_layers_are_refused(runs):
+    x, masters, indices, shared = _inputs(rows=2)
+    with pytest.raises(ValueError, match=f"runs={runs} must be between 1 and the {LAYERS} layers"):
+        remat_scan(_layer, _cast, x, masters, indices, shared, runs=runs)
+
+
+@_needs_gpu_compiler
+def test_runs_free_their_kept_inputs_before_the_next_run_stacks():
+    """With the kept inputs about as large as the stack (rows x D float32 per layer), three runs of two layers hold
+    at the backward's peak the kept inputs and a third of the stack, or two thirds of each, or a third of the kept
+    inputs and the stack (the runs done keep their gradients in bfloat16): about 2/3 of the stack less than one run,
+    which holds both whole."""
+    rows = 128
+    kept_bytes = LAYERS * rows * D * 4
+    assert 0.9 < kept_bytes / STACKED_BYTES < 1.1
+    one = _h100_temporaries(_loss(lambda *args: remat_scan(_layer, _cast, *args, runs=1)), rows)
+    three = _h100_temporaries(_loss(lambda *args: remat_scan(_layer, _cast, *args, runs=3)), rows)
+    assert three <= one - 0.55 * STACKED_BYTES, (three, one, STACKED_BYTES)

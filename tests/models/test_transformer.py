@@ -1,3 +1,5 @@
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -6,6 +8,7 @@ from flax import nnx
 
 from rpegjax.models import Architecture, Decoder, KVCache, ModelConfig
 from rpegjax.models.config import Llama3RopeScaling
+from rpegjax.options import remat_runs
 
 
 @pytest.mark.parametrize("architecture", list(Architecture))
@@ -125,14 +128,18 @@ def test_remat_policy_is_validated():
         ModelConfig.tiny(remat="some")
 
 
-@pytest.mark.parametrize("remat", ["none", "full"])
-def test_scanned_layers_give_the_same_loss_and_gradients(remat):
-    cfg = ModelConfig.tiny(attention="blockwise", attention_block_size=4, remat=remat)
+@pytest.mark.parametrize("remat, layers", [("none", 2), ("full", 2), ("full", 4)])
+def test_scanned_layers_give_the_same_loss_and_gradients(remat, layers):
+    """Scanned == unrolled; with full remat and 4 layers the scan runs in 2 runs of 2 (`options.remat_runs`)."""
+    cfg = ModelConfig.tiny(attention="blockwise", attention_block_size=4, remat=remat, num_layers=layers)
     tokens = jax.random.randint(jax.random.key(5), (2, 10), 0, cfg.vocab_size)
     mask = jnp.arange(10)[None, :] < jnp.array([10, 7])[:, None]
     (loss, grads), _ = _loss_and_grads(cfg, tokens, mask)
     (scan_loss, scan_grads), scan_jaxpr = _loss_and_grads(cfg.replace(scan_layers=True), tokens, mask)
-    assert " scan" in str(scan_jaxpr)
+    # the layer loops (forward and backward) run over all layers, or over each run's (attention's block loops: 3)
+    runs = remat_runs(layers) if remat == "full" else 1
+    lengths = [int(n) for n in re.findall(r"length=(\d+)", str(scan_jaxpr))]
+    assert sorted(n for n in lengths if n != 3) == [layers // runs] * 2 * runs, lengths
     np.testing.assert_allclose(scan_loss, loss, rtol=1e-6)
     for (path, ours), expected in zip(jax.tree_util.tree_leaves_with_path(scan_grads), jax.tree.leaves(grads),
                                       strict=True):

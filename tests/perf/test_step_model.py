@@ -534,7 +534,8 @@ def test_the_updates_head_and_layers_phases_are_maxed_not_added(remat, tokens):
     """An update's peak (fsdp8, one row per device, one micro-batch): what the layers keep for the backward and the
     gradients, plus the larger of the log-prob head's phase (the gathered bfloat16 output matrix, one chunk's
     bfloat16 dW and their float32 sum, one float32 chunk of logits) and the layers' phase (two gathered bfloat16
-    layers, one layer's working set and, with full remat, the layer scan's bfloat16 stack, s25s):
+    layers, one layer's working set and, with full remat, the layer scan's bfloat16 stack, s25s, built run by run,
+    s25g):
     `models.logprobs._ChunkLoop` frees the head's buffers before the layers'
     backward starts (s23m, session 13, the GPU compiler's buffer assignment). Written out from the formula."""
     from rpegjax.perf import costs
@@ -557,9 +558,10 @@ def test_the_updates_head_and_layers_phases_are_maxed_not_added(remat, tokens):
     grads = shape.params * 4 / 8
     head = v * d * (b + b + 4) + 256 * v * 4
     layers = 2 * layer_params * b + working
-    if remat == "full":  # the stacked bf16 kernels and their gradients share one buffer, built for the backward only
-        grads -= L * layer_params * 4 / 8
-        layers += L * layer_params * b / 8
+    if remat == "full":  # the stacked bf16 kernels and their gradients share one buffer, built for the backward only,
+        grads -= L * layer_params * 4 / 8  # run by run: 5 runs of the 28 layers, whose kept inputs free run by run
+        stack, runs = L * layer_params * b / 8, 5
+        layers += max(stack / runs, stack - kept * (1 - 1 / runs))
     else:  # DOTS keeps the matmul outputs too
         kept += tokens * L * costs.layer_matmul_output_bytes_per_token(shape, keys_per_query=1.0, kernel="flash")
     assert update.transient_bytes == pytest.approx(kept + grads + max(head, layers), rel=1e-9)
