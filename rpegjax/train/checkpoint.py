@@ -8,6 +8,7 @@ deleted only after a newer one is committed, so a crash never loses the last com
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import logging
@@ -19,6 +20,8 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from orbax.checkpoint._src.serialization import ocdbt_utils
+from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
 
 
 class CheckpointError(RuntimeError):
@@ -31,6 +34,28 @@ class _OrbaxFailureFilter(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not (record.levelno >= logging.ERROR and record.exc_info and "orbax" in record.pathname)
+
+
+class _NumpyFromPrimary(ocp.type_handlers.NumpyHandler):
+    """orbax's NumpyHandler, writing from the group's primary process. orbax's writes from process 0 only (its
+    arrays are replicated on every host): a group of one training process that is not process 0 (process 0
+    generates) hands every array over from the host, and would commit a checkpoint without them."""
+
+    def __init__(self, primary: int):
+        super().__init__()
+        self._primary = primary
+
+    async def _background_serialize(self, values, infos, args=None):
+        writes = []
+        for value, info, arg in zip(values, infos, args):
+            await info.await_path_creation()
+            subdir = ocdbt_utils.get_process_index_for_subdir(use_ocdbt=info.is_ocdbt_checkpoint)
+            spec = ts_utils.build_array_write_spec(
+                info=info, arg=arg, global_shape=value.shape, local_shape=value.shape, dtype=value.dtype,
+                use_ocdbt=info.is_ocdbt_checkpoint, process_index=subdir)
+            if jax.process_index() == self._primary:
+                writes.append(self._open_and_write(value, spec.json, info.ts_context))
+        await asyncio.gather(*writes)
 
 
 class Checkpointer:
@@ -57,7 +82,7 @@ class Checkpointer:
             types = ocp.type_handlers
             registry = types.create_type_handler_registry(
                 (int, types.ScalarHandler()), (float, types.ScalarHandler()), (np.number, types.ScalarHandler()),
-                (np.ndarray, types.NumpyHandler()), (str, types.StringHandler()),
+                (np.ndarray, _NumpyFromPrimary(primary)), (str, types.StringHandler()),
                 (jax.Array, types.ArrayHandler(primary_host=primary)))
             handlers = {"arrays": ocp.PyTreeCheckpointHandler(multiprocessing_options=multiprocessing,
                                                               type_handler_registry=registry),

@@ -330,6 +330,27 @@ def test_two_process_checkpoint_restores_in_one_process(runs):
         np.testing.assert_array_equal(np.asarray(value), written[jax.tree_util.keystr(path)], err_msg=jax.tree_util.keystr(path))
 
 
+def test_a_lone_training_process_other_than_process_0_checkpoints_its_arrays(tmp_path):
+    """Process 1 alone writes a checkpoint (the lone training process of a run whose process 0 generates): it holds
+    every array whole, so they are written from the host, and orbax's numpy handler writes from process 0 only.
+    The arrays must be in it: restored here, in one process, by the group's handlers and the standard ones."""
+    from rpegjax.train.checkpoint import Checkpointer
+
+    children = launch("lone-save", tmp_path, processes=2, devices=2)
+    assert wait_all(children, 120, tmp_path) == [0, 0], logs(tmp_path)
+    with np.load(tmp_path / "expected.npz") as expected:
+        expected = dict(expected)
+    sharding = NamedSharding(make_mesh({"data": 8}), PartitionSpec("data"))
+    like = {"w": jax.ShapeDtypeStruct((8, 4), np.float32, sharding=sharding), "step": jax.ShapeDtypeStruct((), np.int32)}
+    for checkpointer in (Checkpointer(tmp_path / "ckpt", processes=[0]), Checkpointer(tmp_path / "ckpt")):
+        assert checkpointer.latest_step() == 7
+        arrays, metadata = checkpointer.restore(like)
+        checkpointer.close()
+        assert metadata == {"next_step": 7}
+        np.testing.assert_array_equal(np.asarray(arrays["w"]), expected["w"])
+        assert int(arrays["step"]) == 7
+
+
 @pytest.mark.parametrize("victim, heartbeat", [
     (1, 2),
     pytest.param(1, None, marks=pytest.mark.slow, id="default-timeout"),

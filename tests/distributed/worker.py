@@ -14,6 +14,9 @@ single-process reference.
 only its own windows), writes the gathered parameters (params.npz) and exports the sharded model to
 DIR/export with `save_pretrained` (process 0 writes).
 
+`lone-save`: process 1 alone writes a checkpoint (`Checkpointer(processes=[1])`, as the lone training process of
+a run whose process 0 generates) of arrays on its own devices, and DIR/expected.npz; process 0 only joins.
+
 `die`: process --victim (default 1) kills itself (SIGKILL) right after joining, writing the time to
 DIR/died_at; the other keeps computing over the global mesh and must be terminated by the distributed
 runtime (missing heartbeats), not hang.
@@ -170,6 +173,22 @@ def load(out: pathlib.Path, checkpoint: pathlib.Path) -> None:
         (out / "result.json").write_text(json.dumps({"process_count": jax.process_count()}))
 
 
+def lone_save(out: pathlib.Path) -> None:
+    from rpegjax.sharding import make_mesh
+    from rpegjax.train.checkpoint import Checkpointer
+
+    if jax.process_index() != 1:
+        return
+    local = make_mesh({"data": jax.local_device_count()}, devices=jax.local_devices())
+    weights = np.arange(32, dtype=np.float32).reshape(8, 4) * 0.5 - 3.0
+    arrays = {"w": jax.device_put(weights, NamedSharding(local, PartitionSpec("data"))),
+              "step": jnp.asarray(7, jnp.int32)}
+    checkpointer = Checkpointer(out / "ckpt", keep=1, processes=[1])
+    checkpointer.save(7, arrays, {"next_step": 7})
+    checkpointer.close()
+    np.savez(out / "expected.npz", w=weights, step=np.int32(7))
+
+
 def die(cfg: distributed.DistributedConfig, victim: int, out: pathlib.Path) -> None:
     mesh = distributed.global_mesh(MESH)
     if cfg.process_id == victim:
@@ -187,7 +206,7 @@ def die(cfg: distributed.DistributedConfig, victim: int, out: pathlib.Path) -> N
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["train", "load", "die"])
+    parser.add_argument("mode", choices=["train", "load", "lone-save", "die"])
     parser.add_argument("--out", default=".")
     parser.add_argument("--checkpoint", help="load: the checkpoint directory")
     parser.add_argument("--heartbeat-timeout", type=int, default=None, help="default: DistributedConfig's")
@@ -204,6 +223,8 @@ def main() -> None:
         train(pathlib.Path(args.out))
     elif args.mode == "load":
         load(pathlib.Path(args.out), pathlib.Path(args.checkpoint))
+    elif args.mode == "lone-save":
+        lone_save(pathlib.Path(args.out))
     else:
         die(cfg, args.victim, pathlib.Path(args.out))
         sys.exit(1)
