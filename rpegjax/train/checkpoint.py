@@ -49,12 +49,13 @@ class _NumpyFromPrimary(ocp.type_handlers.NumpyHandler):
         writes = []
         for value, info, arg in zip(values, infos, args):
             await info.await_path_creation()
+            if jax.process_index() != self._primary:
+                continue
             subdir = ocdbt_utils.get_process_index_for_subdir(use_ocdbt=info.is_ocdbt_checkpoint)
             spec = ts_utils.build_array_write_spec(
                 info=info, arg=arg, global_shape=value.shape, local_shape=value.shape, dtype=value.dtype,
                 use_ocdbt=info.is_ocdbt_checkpoint, process_index=subdir)
-            if jax.process_index() == self._primary:
-                writes.append(self._open_and_write(value, spec.json, info.ts_context))
+            writes.append(self._open_and_write(value, spec.json, info.ts_context))
         await asyncio.gather(*writes)
 
 

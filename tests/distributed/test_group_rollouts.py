@@ -108,9 +108,10 @@ def test_processes_with_different_device_counts_in_one_launch(tmp_path):
 @pytest.mark.slow
 def test_partial_rollouts_over_process_groups_resume_exactly(tmp_path):
     """Partial rollouts with process 0 generating and processes 1-2 training (data=2; bound 1, a checkpoint every
-    step): a run of 4 steps, and a run stopped after step 2 then resumed to step 4. The step-2 checkpoint holds the groups in
-    flight, which the generation process had sent with the step's last piece; resumed, the training process sends
-    them back with the start of the run, and steps 3 and 4 train exactly what the uninterrupted run trained."""
+    step): a run of 4 steps, and a run stopped after step 2 then resumed to step 4. The step-2 checkpoint holds the
+    groups in flight, which the generation process had sent with the step's last piece; resumed, the training
+    process sends them back with the start of the run, and steps 3 and 4 train exactly what the uninterrupted run
+    trained."""
     flags = ["--rollout.partial=true", "--checkpoint-every=1", "--async-bound=1", "--rollout-devices=1",
              "--mesh=data=2", "--rollout-mesh=data=1", "--train.export_hf=false",
              "--rollout.num_slots=32",  # both batches in flight decode at once: the carry holds started sequences

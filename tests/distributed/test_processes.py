@@ -341,7 +341,8 @@ def test_a_lone_training_process_other_than_process_0_checkpoints_its_arrays(tmp
     with np.load(tmp_path / "expected.npz") as expected:
         expected = dict(expected)
     sharding = NamedSharding(make_mesh({"data": 8}), PartitionSpec("data"))
-    like = {"w": jax.ShapeDtypeStruct((8, 4), np.float32, sharding=sharding), "step": jax.ShapeDtypeStruct((), np.int32)}
+    like = {"w": jax.ShapeDtypeStruct((8, 4), np.float32, sharding=sharding),
+            "step": jax.ShapeDtypeStruct((), np.int32)}
     for checkpointer in (Checkpointer(tmp_path / "ckpt", processes=[0]), Checkpointer(tmp_path / "ckpt")):
         assert checkpointer.latest_step() == 7
         arrays, metadata = checkpointer.restore(like)
