@@ -7,9 +7,12 @@ correction: the old policy is the one being updated, ratio 1), and asynchronous 
 device of its own (two XLA:CPU devices sharing the cores).
 Each: 2 warm-up steps, then `--steps` timed steps; median / min / max seconds per step, the generation
 stage's median and the rest (the step minus the part of generation that did not overlap), peak RSS, and
-the step as a fraction of the compute floor recomputed from a matmul peak measured in the same run.
+the step as a fraction of the compute floor recomputed from a matmul peak measured in the same run, and with
+`--trl-seconds S` (TRL's median step of the same round: `../shared/peers/sidebyside.sh` prints it before this
+bench) TRL's step over each graph's. Without it no peer ratio is printed: a figure from another run is no
+comparison (machines differ by up to 2x from one session to the next).
 
-    python benchmarks/bench_grpo_step.py [--steps 5] [--graphs "sync fused" ...] [--json FILE]
+    python benchmarks/bench_grpo_step.py [--steps 5] [--graphs "sync fused" ...] [--json FILE] [--trl-seconds S]
 
 Each step's CPU seconds of the process (`time.process_time`, all threads; `cpu_median`) are recorded beside its
 wall time: waiting for a core on a loaded machine inflates the wall time only.
@@ -47,7 +50,6 @@ from rpegjax.runtime.controller import Runtime
 from rpegjax.runtime.programs import StagePrograms
 
 PROMPTS, GROUP, PROMPT_LEN, NEW_TOKENS = 8, 4, 32, 64
-PEERS = {"TRL 1.16.0": 1.33, "Tunix 0.1.7": 1.53}  # median s/step on this machine, shared/WORKLOADS.md
 
 
 def even_token_reward(text: str, example: Example) -> float:
@@ -128,6 +130,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--graphs", nargs="+", help="only these graphs (names as printed); default all")
+    parser.add_argument("--trl-seconds", type=float, help="TRL's median s/step measured in the same round")
     args = parser.parse_args()
     base = builders.grpo_graph(use_reference=True)
     graphs = {
@@ -154,22 +157,23 @@ def main() -> None:
     results = [measure(name, graph, args.warmup, args.steps) for name, graph in graphs.items()]
     peak = matmul_peak_flops()
     floor = compute_floor_flops(ModelConfig.w_small()) / peak
-    fastest_peer = min(PEERS.values())
     print(f"W-small GRPO step, {args.steps} timed steps after {args.warmup} warm-up; "
           f"matmul peak {peak / 1e9:.0f} GFLOP/s -> compute floor {floor:.2f} s")
     print(f"{'graph':<24}{'median s':>10}{'min':>8}{'max':>8}{'cpu s':>8}{'generate':>10}{'rest':>8}{'dispatch':>10}"
           f"{'vs TRL':>9}{'/floor':>8}")
     for r in results:
         r["rest_median"] = r["median"] - r["generation_median"]
-        r["speedup_vs_fastest_peer"] = fastest_peer / r["median"]
+        r["trl_step_over_ours"] = None if args.trl_seconds is None else args.trl_seconds / r["median"]
         r["fraction_of_floor"] = r["median"] / floor
+        versus = "-" if r["trl_step_over_ours"] is None else f"{r['trl_step_over_ours']:.2f}x"
         print(f"{r['graph']:<24}{r['median']:>10.3f}{r['min']:>8.3f}{r['max']:>8.3f}{r['cpu_median']:>8.3f}"
               f"{r['generation_median']:>10.3f}"
-              f"{r['rest_median']:>8.3f}{r['dispatches_per_step']:>10}{r['speedup_vs_fastest_peer']:>8.2f}x"
+              f"{r['rest_median']:>8.3f}{r['dispatches_per_step']:>10}{versus:>9}"
               f"{r['fraction_of_floor']:>7.2f}x")
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"peak RSS of the whole run (all configurations): {rss_mb:.0f} MB; peers: "
-          + ", ".join(f"{k} {v} s" for k, v in PEERS.items()))
+    print(f"peak RSS of the whole run (all configurations): {rss_mb:.0f} MB")
+    if args.trl_seconds is None:
+        print("vs TRL: pass --trl-seconds, TRL's median of the same round (../shared/peers/sidebyside.sh)")
     print("(with asynchrony the generation of step t+1 overlaps step t, so 'rest' can be below the training time)")
     if args.json:
         with open(args.json, "w") as handle:

@@ -12,7 +12,11 @@ temperature 1. Response lengths (`--lengths`):
   would give it); a step's plain generation thus lasts its batch's longest sample.
 - `geometric`: a response ends when it samples one of 1 / `--mean` of the vocabulary (lengths geometric with a mean
   near `--mean`) or at the budget of 8x that mean.
-GRPO with a reference model, asynchrony bound 1, the job's default graph (fused inference), the paged KV cache
+Modes (`--modes`, the first the ratios' baseline): plain, partial with carry=recompute or pages, each with weights
+in flight (`-inflight`: the next version once half the groups a step lacks have completed), and `plain-no-tail`:
+plain with every sample at the table's mean length (the same tokens without a tail: what no scheduling of the
+tail can beat).
+GRPO with a reference model, asynchrony bound `--async-bound` (1), the job's default graph (fused inference), the paged KV cache
 (`--layout`) with live decode buckets. The modes share one learner and one sampler, so a program compiled for one
 is compiled for all.
 
@@ -62,6 +66,8 @@ from rpegjax.runtime.programs import StagePrograms
 
 GROUP, PROMPT_LEN = 4, 32
 MODES = ("plain", "recompute", "pages")  # without partial rollouts, then with each carry
+INFLIGHT = ("recompute-inflight", "pages-inflight")  # and weights in flight at half the batch (k >= 1; `--modes`)
+NO_TAIL = "plain-no-tail"  # plain, every sample at the table's mean length: the same tokens without a tail
 SAMPLER_COUNTERS = ("prefill_calls", "prefilled_prompts", "decode_calls", "decode_steps", "decoded_row_steps")
 
 
@@ -150,10 +156,10 @@ class Bench:
     """One learner and sampler (compiled once) shared by every run of both modes."""
 
     def __init__(self, mean: int, layout: CacheLayout, chunk_steps: int, length_bucket: int | None,
-                 pack_tokens: int | None = None, prompts: int = 8, lengths: str = "lognormal"):
+                 pack_tokens: int | None = None, prompts: int = 8, lengths: str = "lognormal", async_bound: int = 1):
         self.prompts_per_step = prompts
         self.cfg = ModelConfig.w_small()
-        graph = transforms.default_fusion(builders.grpo_graph(use_reference=True, async_bound=1))
+        graph = transforms.default_fusion(builders.grpo_graph(use_reference=True, async_bound=async_bound))
         execution = dataclasses.replace(graph.execution, kv_cache=layout, packing=pack_tokens is not None,
                                         max_tokens_per_micro_batch=pack_tokens)
         self.graph = dataclasses.replace(graph, execution=execution)
@@ -173,16 +179,23 @@ class Bench:
             table = tail_lengths(len(self.prompts) * GROUP, mean).reshape(len(self.prompts), GROUP)
             self.generator = TailSampler(self.sampler, {np.asarray(ids, np.int32).tobytes(): row
                                                         for ids, row in zip(self.prompts.values(), table, strict=True)})
+            even = np.full_like(table, round(float(table.mean())))
+            self.no_tail = TailSampler(self.sampler, {np.asarray(ids, np.int32).tobytes(): row
+                                                      for ids, row in zip(self.prompts.values(), even, strict=True)})
         self.sampling = SamplingConfig(max_new_tokens=8 * mean, temperature=1.0, ignore_eos=True, stop_ids=stops)
         self.examples = [Example(id=key, prompt=key, answer="0", task="w-tail") for key in self.prompts]
         self.compiles = CompileCounter()
 
     def run(self, mode: str, steps: int, skip: int) -> dict:
         """`skip` + `steps` steps of one mode (`MODES`) from the initial weights; the figures of the last `steps`."""
-        partial = None if mode == "plain" else PartialRolloutConfig(max_token_lag=3, carry=CarryMode(mode))
+        partial = None
+        if mode not in ("plain", NO_TAIL):
+            partial = PartialRolloutConfig(max_token_lag=self.graph.async_bound + 2, inflight_weights=mode in INFLIGHT,
+                                           carry=CarryMode(mode.removesuffix("-inflight")))
         rewards = RewardRunner(even_token_reward, RewardRunnerConfig(timeout_s=10.0, workers=1,
                                                                       isolation=Isolation.THREAD))
-        programs = StagePrograms(learner=self.learner, sampler=self.generator, sampling=self.sampling, group_size=GROUP,
+        generator = self.no_tail if mode == NO_TAIL else self.generator
+        programs = StagePrograms(learner=self.learner, sampler=generator, sampling=self.sampling, group_size=GROUP,
                                  rewards=rewards, decode=lambda ids: " ".join(str(int(i)) for i in ids), pad_id=0)
         trace = Trace(mode)
         runtime = Runtime(self.graph, programs, DataIterator(self.examples, batch_size=self.prompts_per_step, seed=0),
@@ -211,8 +224,8 @@ class Bench:
                 spans.setdefault(event.kind, []).append(event.duration)
         per_step = (counters[-1] - (counters[skip - 1] if skip else 0.0)) / steps
         lengths = np.array([c.length for r in timed for c in r.completions])
-        if isinstance(self.generator, TailSampler):  # every trained sample has its own W-tail length
-            wanted = [self.generator.lengths[c.prompt_ids.astype(np.int32).tobytes()][c.sample_index]
+        if isinstance(generator, TailSampler):  # every trained sample has its own W-tail length
+            wanted = [generator.lengths[c.prompt_ids.astype(np.int32).tobytes()][c.sample_index]
                       for r in results for c in r.completions]
             assert [c.length for r in results for c in r.completions] == wanted, "a sample missed its length"
         return {"step_seconds": np.diff(ends)[skip:].tolist(), "generate_seconds": generating, "spans": spans,
@@ -268,26 +281,35 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=4, help="prompts per step (x 4 samples)")
     parser.add_argument("--lengths", choices=("lognormal", "geometric"), default="lognormal",
                         help="W-tail's log-normal lengths per sample (budgets), or stop ids (geometric)")
+    parser.add_argument("--async-bound", type=int, default=1, choices=(0, 1))
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=[*MODES, *INFLIGHT, NO_TAIL],
+                        help="the first is the baseline of the ratios")
     args = parser.parse_args()
+    if NO_TAIL in args.modes and args.lengths != "lognormal":
+        parser.error(f"--modes {NO_TAIL} evens out the log-normal lengths: it needs --lengths lognormal")
+    if set(INFLIGHT) & set(args.modes) and args.async_bound == 0:
+        parser.error(f"--modes {' / '.join(INFLIGHT)} take newer weights mid-step: they need --async-bound 1")
+    modes = tuple(args.modes)
     bench = Bench(args.mean, CacheLayout(args.layout), args.chunk_steps, args.length_bucket, args.pack_tokens,
-                  args.prompts, args.lengths)
+                  args.prompts, args.lengths, args.async_bound)
     print(f"load average at start: {open('/proc/loadavg').read().split()[:3]}", flush=True)
     for index in range(args.warmup_rounds):
-        for mode in MODES:
+        for mode in modes:
             start = time.perf_counter()
             bench.run(mode, args.warmup_steps, args.skip)
             print(f"warm-up {index} {mode}: {time.perf_counter() - start:.1f} s, "
                   f"{bench.compiles.count} programs compiled so far", flush=True)
-    runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
+    runs: dict[str, list[dict]] = {mode: [] for mode in modes}
     for index in range(args.rounds):
-        for mode in MODES[index % len(MODES):] + MODES[:index % len(MODES)]:
+        for mode in modes[index % len(modes):] + modes[:index % len(modes)]:
             out = bench.run(mode, args.steps, args.skip)
             runs[mode].append(out)
             print(f"round {index} {mode}: median {statistics.median(out['step_seconds']):.2f} s/step, "
                   f"generating {statistics.median(out['generate_seconds']):.2f} s, {out['compiles']} compiles",
                   flush=True)
-    summary = {mode: summarise(runs[mode]) for mode in MODES}
-    summary["speedup"] = {mode: summary["plain"]["median_s"] / summary[mode]["median_s"] for mode in MODES[1:]}
+    summary = {mode: summarise(runs[mode]) for mode in modes}
+    summary["speedup"] = {mode: summary[modes[0]]["median_s"] / summary[mode]["median_s"] for mode in modes[1:]}
+    summary["async_bound"] = args.async_bound
     summary["budget"] = 8 * args.mean
     summary["lengths"] = args.lengths
     summary["layout"] = args.layout

@@ -116,7 +116,8 @@ class Runtime:
             self.links = self._link_groups(data, address)
             if self.role == Role.GENERATE:
                 pulled = PulledWeights(self.links, self.store, self.trace)
-                self.rollout_stage.weights, self.rollout_stage.newest = pulled, pulled.newest
+                stage = self.rollout_stage
+                stage.weights, stage.newest, stage.fetch = pulled, pulled.newest, pulled.fetch
             else:  # a piece arrives with every row's rewards (colocated, gathering them is a collective)
                 self.scorer.collect = _arrived_rewards
         self.publisher = WeightPublisher(programs, self.store, self.trace, self.links)

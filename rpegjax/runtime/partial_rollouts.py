@@ -58,16 +58,23 @@ class PartialRolloutConfig:
     """`max_token_lag`: the most weights versions a trained token may lag the trainer (step t trains tokens of
     versions >= t - max_token_lag; it must exceed the asynchrony bound k, whose new tokens lag by k).
     `inflight_batches`: groups kept in flight, in batches of a step's prompts (>= 2: a step stops when one
-    batch has completed, while the others keep decoding). `inflight_weights`: a step's generation takes a newer
-    weights version as soon as it is published (between decode chunks, without dropping a sequence), not only at
-    the next step; when it arrives depends on the trainer's timing, so the batches are no longer reproducible
-    run to run (nor after a resume, which still loses and repeats no prompt). `carry`: how carried sequences
-    continue (`CarryMode`)."""
+    batch has completed, while the others keep decoding). `inflight_weights`: a step's generation takes newer
+    weights versions between decode chunks, without dropping a sequence, not only at the next step. When is
+    `inflight_after`:
+    - a share f in (0, 1]: once f of the groups its batch still lacked when it began have completed, the step takes
+      the next version (once a step), waiting for it if the trainer has not published it yet. The switch point
+      depends on the tokens only, so runs are reproducible, threaded or inline, and a resume continues exactly;
+      and it is a point in the step's generation whatever its length (at scale, where the update ends long
+      before, nothing waits).
+    - None: each version as soon as it is published. No wait, but the batches depend on the trainer's timing:
+      not reproducible run to run, nor after a resume (which still loses and repeats no prompt).
+    `carry`: how carried sequences continue (`CarryMode`)."""
 
     max_token_lag: int
     stale_policy: StalePolicy = StalePolicy.WAIT
     inflight_batches: int = 2
     inflight_weights: bool = False
+    inflight_after: float | None = 0.5
     carry: CarryMode = CarryMode.RECOMPUTE
 
     def __post_init__(self) -> None:
@@ -75,6 +82,9 @@ class PartialRolloutConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"PartialRolloutConfig.{name} must be an integer >= {least}, got {value!r}")
+        share = self.inflight_after
+        if share is not None and (isinstance(share, bool) or not isinstance(share, int | float) or not 0 < share <= 1):
+            raise ValueError(f"PartialRolloutConfig.inflight_after must be a share in (0, 1] or None, got {share!r}")
         object.__setattr__(self, "stale_policy", StalePolicy(self.stale_policy))
         object.__setattr__(self, "carry", CarryMode(self.carry))
 
@@ -182,18 +192,21 @@ class PartialRollouts:
 
     def run_step(self, step: int, version: int, params: Any, key: jax.Array,
                  newer: Callable[[int], tuple[int, Any] | None] | None = None,
-                 stats: SamplerStats | None = None) -> tuple[list[Group], dict[str, float]]:
+                 stats: SamplerStats | None = None,
+                 fetch: Callable[[int], Any] | None = None) -> tuple[list[Group], dict[str, float]]:
         """Generates over the groups in flight with weights `version` until step `step`'s batch is complete;
         returns the batch's groups (due ones first, then in order of completion) and the step's metrics.
 
-        `newer(v)`: a newer weights version than v and its weights, or None (asked between decode chunks when
-        `inflight_weights`): the sequences running are then handed back and continue at once with the newer
-        weights (their prefixes recomputed), the call's next segment drawing with `fold_in(key, segment)`.
-        `stats` counts its decode chunks."""
+        Weights in flight (`inflight_weights`), asked between decode chunks: `newer(v)` gives a newer version than
+        v and its weights, or None, never waiting (`inflight_after` None); `fetch(v)` gives version v's weights,
+        waiting for them (`inflight_after` a share). The sequences running are then handed back and continue at
+        once with the newer weights, the call's next segment drawing with `fold_in(key, segment)`. `stats` counts
+        its decode chunks."""
         due = self._due(step) if self.config.stale_policy == StalePolicy.WAIT else []
         completed = [g for g in self.pool if g.complete]
         first_version = version
         batch = self.batch_size
+        at_start = len(completed)  # the step then lacks batch - at_start groups
 
         def enough() -> bool:
             return len(completed) >= batch and all(g.complete for g in due)
@@ -202,10 +215,11 @@ class PartialRollouts:
         while True:
             update: list[tuple[int, Any]] = []
 
-            def interrupt() -> bool:
+            def interrupt(switches: int = segments) -> bool:
                 if enough():
                     return True
-                found = newer(version) if newer is not None and self.config.inflight_weights else None
+                found = self._in_flight(step, version, switches, (len(completed) - at_start, batch - at_start),
+                                        newer, fetch)
                 update.extend([found] if found is not None else [])
                 return found is not None
 
@@ -243,6 +257,20 @@ class PartialRollouts:
         metrics["partial/kept_sequences"] = float(continued["kept"])
         metrics["partial/recomputed_sequences"] = float(continued["recomputed"])
         return ordered[:batch], metrics
+
+    def _in_flight(self, step: int, version: int, switches: int, progress: tuple[int, int], newer, fetch
+                   ) -> tuple[int, Any] | None:
+        """The newer weights step `step`'s generation takes now (see `run_step`), or None. `switches`: how many it
+        took so far; `progress`: (groups completed since it began, groups its batch then lacked)."""
+        config = self.config
+        if not config.inflight_weights or version >= step:
+            return None
+        if config.inflight_after is None:
+            return newer(version) if newer is not None else None
+        done, lacking = progress
+        if fetch is None or switches or done < config.inflight_after * lacking:
+            return None
+        return version + 1, fetch(version + 1)
 
     # ---- resume ------------------------------------------------------------------------------------
     def snapshot(self, examples: Sequence[Example]) -> dict[str, Any]:

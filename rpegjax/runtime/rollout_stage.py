@@ -94,6 +94,7 @@ class RolloutStage:
         self.dynamic_sampling = dynamic_sampling
         self.partial = None
         self.newest = newest  # newest(v, step): a published version in (v, step] and its weights, or None
+        self.fetch = weights  # fetch(v): version v's weights mid-step (waits; unlike `weights`, frees no older one)
         if partial is not None:
             rollout = programs.rollout
             self.partial = PartialRollouts(partial, sampler=rollout.sampler, sampling=rollout.sampling,
@@ -154,7 +155,8 @@ class RolloutStage:
         newer = None if self.newest is None else (lambda version: self.newest(version, step))
         stats = SamplerStats()
         groups, rollout.metrics = self.partial.run_step(step, rollout.version, params,
-                                                        jax.random.fold_in(self.key, step), newer, stats=stats)
+                                                        jax.random.fold_in(self.key, step), newer, stats=stats,
+                                                        fetch=self.fetch)
         rollout.metrics.update(occupancy_metrics(stats))
         rollout.examples[:] = [g.example for g in groups]
         rollout.carry = self.partial.snapshot(self.data.examples)

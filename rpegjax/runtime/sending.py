@@ -32,6 +32,11 @@ class PulledWeights:
 
     def __call__(self, version: int) -> Any:
         self.store.prune(version)  # versions only grow: older ones are read by no later step (nor in flight)
+        return self.fetch(version)
+
+    def fetch(self, version: int) -> Any:
+        """Version `version`'s weights, pulled if they are not here yet (waiting for them); keeps older versions (a
+        step taking weights in flight still starts the next step with an older one under a bound k >= 2)."""
         if version not in self.store.versions():
             start, requested = self._pulls.pop(version, None) or (self.trace.now(), self.links.request_weights(version))
             self.store.put(version, self.links.open_weights(version, requested, start, self.trace.now))

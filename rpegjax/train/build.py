@@ -250,14 +250,22 @@ def _partial_fields(cfg: RunConfig) -> dict[str, Any]:
 def run_partial_rollouts(cfg: RunConfig, graph: Graph) -> PartialRolloutConfig | None:
     """The partial rollouts the run executes (None: off): its graph's (a plan's, or the rollout section's through
     `run_execution`), a token lagging at most `max_token_lag` versions (None: the graph's asynchrony bound + 2),
-    with the rollout section's stale policy and in-flight weights (the plan models the wait policy)."""
+    with the rollout section's stale policy and in-flight weights (unset: on under an asynchrony bound >= 1 without a
+    plan; the plan models the wait policy, not weights in flight)."""
     execution = graph.execution
     if not execution.partial_rollouts:
         return None
     lag = graph.async_bound + 2 if execution.max_token_lag is None else execution.max_token_lag
+    inflight = cfg.rollout.inflight_weights
+    if inflight and graph.async_bound == 0:
+        raise ValueError("rollout.inflight_weights takes newer weights while a step generates; under asynchrony "
+                         "bound 0 every step already generates with the newest: set graph.async_bound >= 1 (or "
+                         "plan with it), or leave rollout.inflight_weights unset")
+    if inflight is None:  # a plan's partial rollouts are costed without weights in flight
+        inflight = graph.async_bound >= 1 and cfg.graph.plan is None
     return PartialRolloutConfig(max_token_lag=lag, stale_policy=cfg.rollout.stale_policy,
-                                inflight_batches=execution.inflight_batches,
-                                inflight_weights=cfg.rollout.inflight_weights, carry=execution.partial_carry)
+                                inflight_batches=execution.inflight_batches, inflight_weights=inflight,
+                                inflight_after=cfg.rollout.inflight_after, carry=execution.partial_carry)
 
 
 def _check_plan_partial(cfg: RunConfig, graph: Graph, where: str) -> None:

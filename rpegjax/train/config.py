@@ -227,13 +227,18 @@ class RolloutSection:
     # trains the first batch to complete and carries the rest into the next step's generation (newer weights);
     # a trained token lags the trainer by at most max_token_lag versions (None: graph.async_bound + 2), the groups
     # that would lag more are waited for or dropped (stale_policy); inflight_weights: a step's generation takes newer
-    # weights as soon as they are published, between decode chunks (the batches then depend on timing); partial_carry:
-    # carried sequences recompute their prefix with the new weights, or keep their KV pages (kv_cache=paged)
+    # weights between decode chunks (None: on with partial rollouts under an asynchrony bound >= 1, unless a plan
+    # sets them: plans do not cost it): once inflight_after of the groups its batch lacked have completed, the next
+    # version, waiting for it (reproducible), or with inflight_after=none each as soon as it is published (no
+    # wait; the batches then depend on timing);
+    # partial_carry: carried sequences recompute their prefix with the new weights, or keep their KV pages
+    # (kv_cache=paged)
     partial: bool = False
     max_token_lag: int | None = None
     stale_policy: StalePolicy = StalePolicy.WAIT
     inflight_batches: int = 2
-    inflight_weights: bool = False
+    inflight_weights: bool | None = None
+    inflight_after: float | None = 0.5
     partial_carry: CarryMode = CarryMode.RECOMPUTE
 
     def __post_init__(self) -> None:
@@ -242,6 +247,8 @@ class RolloutSection:
         _choice(self, "partial_carry", CarryMode)
         if self.max_token_lag is not None:
             _positive(self, "max_token_lag")
+        if self.inflight_after is not None and not 0 < self.inflight_after <= 1:
+            raise ValueError(f"RolloutSection.inflight_after must be a share in (0, 1] or none, got {self.inflight_after!r}")
         if self.inflight_batches < 2:
             raise ValueError(f"RolloutSection.inflight_batches must be >= 2 (one batch completes while the others "
                              f"decode), got {self.inflight_batches}")
@@ -624,6 +631,11 @@ class RunConfig:
         if rollout.inflight_weights and not rollout.partial:
             raise ValueError("rollout.inflight_weights continues partial rollouts with newer weights; set "
                              "rollout.partial=true too")
+        if rollout.inflight_after != RolloutSection.inflight_after and (
+                not rollout.partial or rollout.inflight_weights is False):
+            raise ValueError(f"rollout.inflight_after={rollout.inflight_after} says when partial rollouts take "
+                             "weights in flight; set rollout.partial=true (and leave rollout.inflight_weights unset "
+                             "or true)")
         if not rollout.partial:
             if rollout.partial_carry != CarryMode.RECOMPUTE:
                 raise ValueError(f"rollout.partial_carry={rollout.partial_carry} chooses how partial rollouts carry "

@@ -13,9 +13,10 @@ training process DIR/params.npz (the trained parameters, gathered over the train
 With `--partial` (2 processes x 1 device, or its one-process reference on 2 devices): generation on device 0,
 training on device 1, partial rollouts (3 versions of token lag, long-tailed responses) for PARTIAL_STEPS steps;
 each step's record then holds its trained sequences (tokens, per-token versions, behaviour log-probs) and its
-carry. `--partial=inflight` takes weights in flight; the generation process then emulates a slow decode: between
-decode chunks it looks for newer weights for up to INFLIGHT_WAIT_S (a decode chunk that long), so that the
-training processes' next version can arrive while a step still generates.
+carry. `--partial=inflight` takes weights in flight as they arrive; the generation process then emulates a slow
+decode: between decode chunks it looks for newer weights for up to INFLIGHT_WAIT_S (a decode chunk that long), so
+that the training processes' next version can arrive while a step still generates. `--partial=waiting` takes the
+next one once half of the groups a step lacks have completed, waiting for it (reproducible).
 """
 
 from __future__ import annotations
@@ -109,7 +110,8 @@ def run(out: pathlib.Path, algorithm: str, plan: str | None, width: int, partial
     if partial != "off":  # stop tokens (a third of the vocabulary): response lengths from 1 to the budget
         vocab = programs.sampler.cfg.vocab_size
         programs.rollout.sampling = dataclasses.replace(programs.rollout.sampling, stop_ids=tuple(range(1, vocab, 3)))
-        options["partial"] = PartialRolloutConfig(max_token_lag=TOKEN_LAG, inflight_weights=partial == "inflight")
+        options["partial"] = PartialRolloutConfig(max_token_lag=TOKEN_LAG, inflight_weights=partial != "fixed",
+                                                  inflight_after=0.5 if partial == "waiting" else None)
         steps = PARTIAL_STEPS
     data = DataIterator(parts.train_examples, batch_size=parts.setup.prompts_per_step, seed=0)
     trace = Trace(clock=time.time)  # one host: the wall clock is shared by the processes
@@ -154,7 +156,7 @@ def main() -> None:
     parser.add_argument("--algorithm", default="grpo", choices=["grpo", "ppo-separate", "ppo-shared"])
     parser.add_argument("--plan", default=None, help="a graph JSON to execute")
     parser.add_argument("--width", type=int, default=32, help="the model's hidden size (measurements)")
-    parser.add_argument("--partial", default="off", choices=["off", "fixed", "inflight"],
+    parser.add_argument("--partial", default="off", choices=["off", "fixed", "inflight", "waiting"],
                         help="partial rollouts (the 2-device setup), with weights in flight or not")
     args = parser.parse_args()
     # a hang shows where each thread waits, then ends the process: before the test gives up (300 s), not while a

@@ -1,6 +1,8 @@
 """Partial rollouts (`rpegjax.runtime.partial_rollouts`): carried sequences, per-token weights versions, the
 staleness bound with `wait` and `drop`, and their bookkeeping, against a full forward under each token's version."""
 
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -43,18 +45,21 @@ def _sampler(cfg, graphdef, layout: str) -> Sampler:
 
 
 def _run(models, policy: StalePolicy, *, layout: str = "contiguous", max_token_lag: int = 2, async_bound: int = 0,
-         inflight_weights: bool = False, carry: CarryMode = CarryMode.RECOMPUTE, steps: range = range(STEPS),
+         inflight_weights: bool = False, inflight_after: float | None = None, fetch_delay: float = 0.0,
+         carry: CarryMode = CarryMode.RECOMPUTE, steps: range = range(STEPS),
          partial: PartialRollouts | None = None, taken: list | None = None):
     """STEPS steps of 2 groups of 2 over prompts 0, 1, 2, ...; every step's weights are model `step - k`. Stop
     tokens (a quarter of the vocabulary) make the response lengths long-tailed. Returns the trained groups per
     step, the metrics, (the prompts taken, those trained) and the partial rollouts object. `inflight_weights`:
-    step t's weights (version t) are published at its generation's second decode chunk (asked between chunks).
+    step t's weights (version t) are published at its generation's second decode chunk (asked between chunks), or
+    with `inflight_after` f taken once f of the groups a step lacks have completed, each fetched after
+    `fetch_delay` seconds (a slow trainer).
     `steps`, `partial`, `taken`: to continue a run (a resume) with its prompts taken so far."""
     cfg, decoders = models
     sampling = SamplingConfig(max_new_tokens=MAX_NEW, temperature=TEMPERATURE, stop_ids=tuple(range(0, 128, 4)))
     params = [nnx.split(m)[1] for m in decoders]
     config = PartialRolloutConfig(max_token_lag=max_token_lag, stale_policy=policy, inflight_weights=inflight_weights,
-                                  carry=carry)
+                                  inflight_after=inflight_after, carry=carry)
     if partial is None:
         partial = PartialRollouts(config, sampler=_sampler(cfg, nnx.split(decoders[0])[0], layout),
                                   sampling=sampling, group_size=2, batch_size=2, async_bound=async_bound)
@@ -78,8 +83,13 @@ def _run(models, policy: StalePolicy, *, layout: str = "contiguous", max_token_l
             asked.append(v)
             return (step, params[step]) if len(asked) >= 2 and v < step else None
 
+        def fetch(v, step=step, version=version):
+            assert version < v <= step
+            time.sleep(fetch_delay)
+            return params[v]
+
         groups, step_metrics = partial.run_step(step, version, params[version],
-                                                jax.random.fold_in(jax.random.key(1), step), newer)
+                                                jax.random.fold_in(jax.random.key(1), step), newer, fetch=fetch)
         trained.append([g.completions(i, version) for i, g in enumerate(groups)])
         metrics.append(step_metrics)
         examples += [g.example for g in groups]
@@ -115,6 +125,27 @@ def test_weights_taken_in_flight_are_recorded_per_token(models):
                if c.length)
     for step, groups in enumerate(trained):
         assert all(step - 2 <= c.token_versions.min() and c.token_versions.max() <= step for g in groups for c in g)
+
+
+def test_weights_in_flight_at_a_share_of_the_batch_are_reproducible(models):
+    """With `inflight_after` f, a step takes the next version once f of the groups it lacked have completed,
+    waiting for it: a slow trainer (each version fetched 50 ms late) gives the same batches, versions and log-probs
+    as a fast one; with k = 2 a step takes one version, the next; each token's log-prob is its version's forward."""
+    fast, metrics, _, _ = _run(models, StalePolicy.WAIT, async_bound=2, max_token_lag=3, inflight_weights=True,
+                               inflight_after=0.5)
+    slow, _, _, _ = _run(models, StalePolicy.WAIT, async_bound=2, max_token_lag=3, inflight_weights=True,
+                         inflight_after=0.5, fetch_delay=0.05)
+    for a, b in zip([c for step in fast for g in step for c in g], [c for step in slow for g in step for c in g],
+                    strict=True):
+        np.testing.assert_array_equal(a.response_ids, b.response_ids)
+        np.testing.assert_array_equal(a.token_versions, b.token_versions)
+        np.testing.assert_array_equal(a.behaviour_logprobs, b.behaviour_logprobs)
+    assert sum(m["partial/weight_updates_in_flight"] for m in metrics) >= 2
+    assert max(m["partial/weight_updates_in_flight"] for m in metrics) == 1
+    completions = [c for step in fast for group in step for c in group]
+    _assert_logprobs_are_their_versions(models, completions)
+    for step, groups in enumerate(fast):
+        assert all(step - 3 <= c.token_versions.min() and c.token_versions.max() <= step for g in groups for c in g)
 
 
 def _assert_logprobs_are_their_versions(models, completions) -> None:

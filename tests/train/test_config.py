@@ -326,7 +326,11 @@ def test_partial_rollout_flags_reach_the_runtime_settings_and_bad_ones_are_refus
     settings = lambda config: run_partial_rollouts(config, build_graph(config, num_devices=1))
     assert settings(RunConfig()) is None
     config = RunConfig(rollout=RolloutSection(partial=True, stale_policy="drop"), graph=GraphSection(async_bound=1))
-    assert settings(config) == PartialRolloutConfig(max_token_lag=3, stale_policy=StalePolicy.DROP)
+    assert settings(config) == PartialRolloutConfig(max_token_lag=3, stale_policy=StalePolicy.DROP,
+                                                    inflight_weights=True)  # unset: on under k >= 1
+    synchronous = RunConfig(rollout=RolloutSection(partial=True), graph=GraphSection(async_bound=0))
+    assert not settings(synchronous).inflight_weights
+    assert not settings(RunConfig(rollout=RolloutSection(partial=True, inflight_weights=False))).inflight_weights
     assert "partial rollouts (2 batches in flight, token lag <= k+2, carry recompute)" in build_graph(config, 1).execution.describe()
     assert RunConfig.from_json(config.to_json()) == config
     with pytest.raises(ValueError, match=r"rollout.max_token_lag \(1\) must exceed graph.async_bound \(1\)"):
@@ -340,6 +344,18 @@ def test_partial_rollout_flags_reach_the_runtime_settings_and_bad_ones_are_refus
     with pytest.raises(ValueError, match="rollout.inflight_weights continues partial rollouts"):
         RunConfig(rollout=RolloutSection(inflight_weights=True))
     assert settings(RunConfig(rollout=RolloutSection(partial=True, inflight_weights=True))).inflight_weights
+    on = settings(RunConfig(rollout=RolloutSection(partial=True, inflight_weights=True, inflight_after=None)))
+    assert on.inflight_weights and on.inflight_after is None
+    assert settings(RunConfig(rollout=RolloutSection(partial=True, inflight_after=0.25))).inflight_after == 0.25
+    for off in (RolloutSection(inflight_after=0.25), RolloutSection(partial=True, inflight_weights=False,
+                                                                    inflight_after=0.25)):
+        with pytest.raises(ValueError, match="rollout.inflight_after=0.25 says when partial rollouts take weights"):
+            RunConfig(rollout=off)
+    for bad in (0, 1.5):
+        with pytest.raises(ValueError, match=f"inflight_after must be a share in \\(0, 1\\] or none, got {bad}"):
+            RolloutSection(inflight_after=bad)
+    with pytest.raises(ValueError, match="under asynchrony bound 0 every step already generates with the newest"):
+        settings(RunConfig(rollout=RolloutSection(partial=True, inflight_weights=True), graph=GraphSection(async_bound=0)))
 
 
 def test_the_partial_carry_flag_reaches_the_plan_and_the_runtime_and_bad_ones_are_refused(tmp_path):
