@@ -16,9 +16,9 @@ Modes (`--modes`, the first the ratios' baseline): plain, partial with carry=rec
 in flight (`-inflight`: the next version once half the groups a step lacks have completed), and `plain-no-tail`:
 plain with every sample at the table's mean length (the same tokens without a tail: what no scheduling of the
 tail can beat).
-GRPO with a reference model, asynchrony bound `--async-bound` (1), the job's default graph (fused inference), the paged KV cache
-(`--layout`) with live decode buckets. The modes share one learner and one sampler, so a program compiled for one
-is compiled for all.
+GRPO with a reference model, asynchrony bound `--async-bound` (1), the job's default graph (fused inference), the
+paged KV cache (`--layout`) with live decode buckets. The modes share one learner and one sampler, so a program
+compiled for one is compiled for all.
 
 Order of work: `--warmup-rounds` untimed runs of every mode, `--skip` + `--warmup-steps` steps each (they compile
 the programs the shapes of a run reach),
@@ -177,14 +177,16 @@ class Bench:
         else:  # every sample's own W-tail length, as a per-row budget
             stops = ()
             table = tail_lengths(len(self.prompts) * GROUP, mean).reshape(len(self.prompts), GROUP)
-            self.generator = TailSampler(self.sampler, {np.asarray(ids, np.int32).tobytes(): row
-                                                        for ids, row in zip(self.prompts.values(), table, strict=True)})
-            even = np.full_like(table, round(float(table.mean())))
-            self.no_tail = TailSampler(self.sampler, {np.asarray(ids, np.int32).tobytes(): row
-                                                      for ids, row in zip(self.prompts.values(), even, strict=True)})
+            self.generator = self._tail_sampler(table)
+            self.no_tail = self._tail_sampler(np.full_like(table, round(float(table.mean()))))
         self.sampling = SamplingConfig(max_new_tokens=8 * mean, temperature=1.0, ignore_eos=True, stop_ids=stops)
         self.examples = [Example(id=key, prompt=key, answer="0", task="w-tail") for key in self.prompts]
         self.compiles = CompileCounter()
+
+    def _tail_sampler(self, table: np.ndarray) -> TailSampler:
+        """The sampler serving prompt i's samples with the lengths of `table[i]`."""
+        return TailSampler(self.sampler, {np.asarray(ids, np.int32).tobytes(): row
+                                          for ids, row in zip(self.prompts.values(), table, strict=True)})
 
     def run(self, mode: str, steps: int, skip: int) -> dict:
         """`skip` + `steps` steps of one mode (`MODES`) from the initial weights; the figures of the last `steps`."""

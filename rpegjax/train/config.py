@@ -248,7 +248,8 @@ class RolloutSection:
         if self.max_token_lag is not None:
             _positive(self, "max_token_lag")
         if self.inflight_after is not None and not 0 < self.inflight_after <= 1:
-            raise ValueError(f"RolloutSection.inflight_after must be a share in (0, 1] or none, got {self.inflight_after!r}")
+            raise ValueError(f"RolloutSection.inflight_after must be a share in (0, 1] or none, got "
+                             f"{self.inflight_after!r}")
         if self.inflight_batches < 2:
             raise ValueError(f"RolloutSection.inflight_batches must be >= 2 (one batch completes while the others "
                              f"decode), got {self.inflight_batches}")

@@ -31,15 +31,10 @@ def _partial(policy=StalePolicy.WAIT, inflight: bool = False) -> PartialRolloutC
     return PartialRolloutConfig(max_token_lag=LAG, stale_policy=policy, inflight_weights=inflight)
 
 
-_RUNS = {}
-
-
 @pytest.fixture(scope="module", params=[False, True], ids=["fixed", "inflight"])
 def uninterrupted(request):
     """Five steps of the threaded runtime, without and with weights in flight."""
-    if request.param not in _RUNS:
-        _RUNS[request.param] = run_runtime(SETUP, 5, prepare=_long_tailed, partial=_partial(inflight=request.param))
-    return _RUNS[request.param]
+    return run_runtime(SETUP, 5, prepare=_long_tailed, partial=_partial(inflight=request.param))
 
 
 def _inflight(run) -> bool:
@@ -66,9 +61,9 @@ def test_every_trained_token_is_within_the_bound_and_the_lag_is_reported(uninter
         lags = np.concatenate([result.step - c.versions() for c in result.completions])
         assert lags.max() <= LAG
         assert result.metrics["version_lag/max"] == lags.max()
-        if not _inflight(uninterrupted):  # in flight, a step's newest tokens may be of its own version
-            assert result.metrics["version_lag/min"] == lags.min() == result.step - result.version  # new tokens
         assert result.metrics["version_lag/min"] == lags.min()
+        if not _inflight(uninterrupted):  # in flight, a step's newest tokens may be of its own version
+            assert lags.min() == result.step - result.version  # new tokens
         assert result.metrics["version_lag/mean"] == pytest.approx(lags.mean())
         carried += result.metrics["partial/carried_sequences"]
         assert 0 < result.metrics["generate/slot_occupancy"] <= result.metrics["generate/bucket_occupancy"] <= 1
@@ -102,9 +97,9 @@ def test_resume_from_a_step_trains_the_same_batches(uninterrupted):
 
 
 def test_weights_in_flight_at_a_share_of_the_batch_do_not_depend_on_thread_timing(uninterrupted):
-    """With weights in flight once half a step's groups have completed (waiting for them), the threaded run (generation beside training)
-    and the inline run (generation after the previous step's training: every version already there) train the
-    same batches; tokens of a step's own version are trained, none beyond the bound."""
+    """With weights in flight once half a step's groups have completed (waiting for them), the threaded run
+    (generation beside training) and the inline run (generation after the previous step's training: every version
+    already there) train the same batches; tokens of a step's own version are trained, none beyond the bound."""
     if not _inflight(uninterrupted):
         pytest.skip("weights in flight only")
     inline = run_runtime(SETUP, 5, prepare=_long_tailed, partial=_partial(inflight=True), concurrent_rollout=False)

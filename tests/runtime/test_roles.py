@@ -245,10 +245,10 @@ def _assert_within_the_token_bound(steps: list[dict], lag: int) -> None:
 @pytest.mark.parametrize("mode", ["fixed", "waiting"])
 def test_partial_rollouts_over_process_groups_train_what_one_process_trains(tmp_path, mode):
     """Partial rollouts with process 0 generating and process 1 training (bound 1, a token lag of 3; weights at step
-    starts only, or in flight once half a step's groups have completed, waiting for them: no timing in the results) against the same plan
-    in one process: the same trained sequences (prompts, tokens, each token's weights version, behaviour
-    log-probs), the same groups carried after every step (what checkpoints hold) and every metric, partial
-    rollouts' and version lags' included."""
+    starts only, or in flight once half a step's groups have completed, waiting for them: no timing in the results)
+    against the same plan in one process: the same trained sequences (prompts, tokens, each token's weights
+    version, behaviour log-probs), the same groups carried after every step (what checkpoints hold) and every
+    metric, partial rollouts' and version lags' included."""
     from roles_worker import TOKEN_LAG
 
     generation, training = _run_partial(tmp_path / "split", mode, 2)

@@ -355,7 +355,8 @@ def test_partial_rollout_flags_reach_the_runtime_settings_and_bad_ones_are_refus
         with pytest.raises(ValueError, match=f"inflight_after must be a share in \\(0, 1\\] or none, got {bad}"):
             RolloutSection(inflight_after=bad)
     with pytest.raises(ValueError, match="under asynchrony bound 0 every step already generates with the newest"):
-        settings(RunConfig(rollout=RolloutSection(partial=True, inflight_weights=True), graph=GraphSection(async_bound=0)))
+        settings(RunConfig(rollout=RolloutSection(partial=True, inflight_weights=True),
+                           graph=GraphSection(async_bound=0)))
 
 
 def test_the_partial_carry_flag_reaches_the_plan_and_the_runtime_and_bad_ones_are_refused(tmp_path):
