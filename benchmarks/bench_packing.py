@@ -3,14 +3,15 @@
 The W-small model and GRPO settings (shared/WORKLOADS.md: vocab 512, d 256, 4 layers, 8 prompts x 4 samples,
 prompts of 32 tokens, k3 KL 0.04 in the loss, clip 0.2, AdamW lr 1e-5) with W-tail response lengths: log-normal
 (sigma 1) scaled to mean `--mean` tokens, the longest at the cap 8 x mean, rows padded to 32 + 8 x mean as the
-runtime packs them. Three learners update the same batch:
-* padded    rows at the whole length (length_bucket None);
-* bucketed  rows cut to the longest real row rounded up to `--bucket` (rpegjax.learners.lengths);
-* packed    sequences packed into rows of `--budget` tokens, one row per micro-batch (rpegjax.learners.packing);
-interleaved run by run (`timing.py`), min / median of `--runs` timed calls after a warm-up round; all three must
+runtime packs them (`--seed` draws them). Four learners update the same batch:
+* padded         rows at the whole length (length_bucket None);
+* bucketed       rows cut to the longest real row rounded up to `--bucket` (rpegjax.learners.lengths);
+* packed         sequences packed into rows of `--budget` tokens, one row per micro-batch (rpegjax.learners.packing);
+* packed-narrow  packed, rows narrowed to the multiple of `--bucket` that pads the fewest tokens (length_bucket);
+interleaved run by run (`timing.py`), min / median of `--runs` timed calls after a warm-up round; all four must
 give the same loss and gradient norm.
 
-    python benchmarks/bench_packing.py [--mean 64] [--budget 1024] [--bucket 64] [--runs 5] [--attention blockwise]
+    python benchmarks/bench_packing.py [--mean 64] [--budget 1024] [--bucket 64] [--runs 5] [--attention blockwise] [--seed 0]
 """
 
 from __future__ import annotations
@@ -45,8 +46,9 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--attention", default="blockwise", choices=["dense", "blockwise"])
     parser.add_argument("--block", type=int, default=128, help="blockwise attention's block size")
+    parser.add_argument("--seed", type=int, default=0, help="draws the batch's lengths and tokens")
     args = parser.parse_args()
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(args.seed)
     rows = PROMPTS * GROUP
     lengths = tail_lengths(rng, rows, args.mean)
     prompts = [list(rng.integers(1, 512, PROMPT_LEN)) for _ in range(rows)]
@@ -63,7 +65,8 @@ def main() -> None:
     common = dict(group_size=GROUP, kl_coef=0.04, kl_kind="k3", clip_low=0.2, clip_high=0.2,
                   optimizer=OptimizerConfig(learning_rate=1e-5))
     contenders = {"padded": {}, "bucketed": dict(length_bucket=args.bucket),
-                  "packed": dict(packing=True, max_tokens_per_micro_batch=args.budget)}
+                  "packed": dict(packing=True, max_tokens_per_micro_batch=args.budget),
+                  "packed-narrow": dict(packing=True, max_tokens_per_micro_batch=args.budget, length_bucket=args.bucket)}
     calls, results, shapes = {}, {}, {}
     reference = None
     for name, options in contenders.items():
@@ -90,7 +93,7 @@ def main() -> None:
         loss, norm = results[name]
         print(f"| {name} | {shapes[name]} | {min(times):.3f} | {statistics.median(times):.3f} | {loss:.6f} | {norm:.6f} |")
     padded = statistics.median(seconds["padded"])
-    for name in ("bucketed", "packed"):
+    for name in ("bucketed", "packed", "packed-narrow"):
         print(f"{name}: padded / {name} median time = {padded / statistics.median(seconds[name]):.2f}x")
 
 

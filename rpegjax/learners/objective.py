@@ -87,14 +87,15 @@ class PolicyConfig:
     temperature: float = 1.0  # the sampler's temperature: log-probs are of softmax(logits / temperature)
     logprob_chunk_size: int = 256
     # rows trimmed to the longest real row rounded up to a multiple of this (None: padded to the maximum);
-    # see rpegjax.learners.lengths
+    # see rpegjax.learners.lengths. With packing: packed rows narrowed to the multiple of this that pads the
+    # fewest tokens (rpegjax.learners.packing)
     length_bucket: int | None = None
     # inference stages in row micro-batches of at most this many rows / chosen from this per-device
     # activation budget (see rpegjax.learners.inference); neither: the whole batch at once
     inference_rows: int | None = None
     inference_memory_gib: float | None = None
     # sequences packed into rows of max_tokens_per_micro_batch tokens, one row per row shard per micro-batch
-    # (update and inference; see rpegjax.learners.packing); replaces num_microbatches, length_bucket, inference_rows
+    # (update and inference; see rpegjax.learners.packing); replaces num_microbatches and inference_rows
     packing: bool = False
     max_tokens_per_micro_batch: int | None = None
     epochs: int = 1
@@ -163,11 +164,13 @@ class PolicyConfig:
         if budget is None:
             raise ValueError(f"{name}.packing needs max_tokens_per_micro_batch (the tokens of one packed row)")
         # the token budget chooses the micro-batches and the rows' length: these would be ignored
-        for option, default in (("num_microbatches", 1), ("length_bucket", None), ("inference_rows", None),
-                                ("inference_memory_gib", None)):
+        for option, default in (("num_microbatches", 1), ("inference_rows", None), ("inference_memory_gib", None)):
             if getattr(self, option) != default:
                 raise ValueError(f"{name}.{option}={getattr(self, option)!r} does not apply with packing=True "
                                  f"(micro-batches are chosen by max_tokens_per_micro_batch); leave it at {default!r}")
+        if self.length_bucket is not None and self.length_bucket >= budget:
+            raise ValueError(f"{name}.length_bucket={self.length_bucket} narrows packed rows of "
+                             f"max_tokens_per_micro_batch={budget} tokens; it must be smaller (or None)")
         if self.aggregation == LossAggregation.SEQ_MEAN_TOKEN_SUM_NORM and self.max_length is None:
             raise ValueError(f"{name}.packing with aggregation 'seq-mean-token-sum-norm' needs max_length: its constant "
                              "would otherwise be the packed row's length")
@@ -352,15 +355,17 @@ class PolicyUpdates:
 
     def inference_packing(self, token_mask, *, shards: int = 1) -> PackingPlan | None:
         """How an inference stage packs rows of this mask (`rpegjax.learners.packing`; None: it does not, packing
-        off): rows of max_tokens_per_micro_batch, one per row shard per micro-batch. An abstract mask (lowering
-        ahead of time) packs as if every row were full."""
+        off): rows of max_tokens_per_micro_batch (or narrower, `length_bucket`), one per row shard per
+        micro-batch. An abstract mask (lowering ahead of time) packs as if every row were full."""
         if not self.cfg.packing:
             return None
         where = f"{type(self).__name__} inference"
         rows, full = token_mask.shape
         lengths = (np.full(rows, full) if isinstance(token_mask, jax.ShapeDtypeStruct)
                    else sequence_lengths(token_mask, where))
-        return plan_packing(lengths, self.cfg.max_tokens_per_micro_batch, shards=shards, where=where)
+        bucket = None if isinstance(token_mask, jax.ShapeDtypeStruct) else self.cfg.length_bucket
+        return plan_packing(lengths, self.cfg.max_tokens_per_micro_batch, shards=shards, width_bucket=bucket,
+                            where=where)
 
     def inference_micro_batches(self, rows: int, length: int, *, shards: int = 1, tensor: int = 1) -> int:
         """How many row micro-batches an inference stage over `rows` rows of `length` tokens runs in."""
@@ -385,5 +390,5 @@ class PolicyUpdates:
             return abstract_packed_batch(update_inputs(batch, cfg), cfg.max_tokens_per_micro_batch,
                                          minibatches=cfg.num_minibatches, shards=shards)
         plan = plan_packing(sequence_lengths(batch.token_mask, where), cfg.max_tokens_per_micro_batch,
-                            minibatches=cfg.num_minibatches, shards=shards, where=where)
+                            minibatches=cfg.num_minibatches, shards=shards, width_bucket=cfg.length_bucket, where=where)
         return pack_batch(update_inputs(batch, cfg), plan)

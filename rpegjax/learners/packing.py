@@ -19,6 +19,11 @@ shard. Packed rows are ordered so that `rpegjax.learners.update.split_rows` with
 deals them so: mini-batch j, micro-batch u, shard i at row i*(M*U) + j*U + u (every micro-batch spread over
 the same devices). The number of rows follows the rollout's tokens, not its longest sequence: a step compiles
 once per distinct R.
+
+Narrower rows (`width_bucket`, the learners' `length_bucket` under packing): a batch of 1,030 tokens in rows of
+1,024 pads to 2 x 1,024; with a bucket of 128 it may pack into 3 rows of 384 (1,152 tokens), if its sequences fit.
+The plan takes the width, a multiple of the bucket, that pads the fewest tokens; a step then compiles once per
+distinct (R, width), and the longest case (every row at the budget) stays what a lowering ahead of time sizes.
 """
 
 from __future__ import annotations
@@ -94,8 +99,11 @@ class PackingPlan:
 
 
 def plan_packing(lengths: np.ndarray, row_tokens: int, *, minibatches: int = 1, shards: int = 1,
-                 where: str = "packing") -> PackingPlan:
-    """Packs sequences of `lengths` tokens into rows of `row_tokens`, mini-batch by mini-batch (module docstring)."""
+                 width_bucket: int | None = None, where: str = "packing") -> PackingPlan:
+    """Packs sequences of `lengths` tokens into rows of `row_tokens`, mini-batch by mini-batch (module docstring).
+
+    With `width_bucket`, the rows may be narrower: of the widths that are multiples of it (and `row_tokens`
+    itself), the one whose plan pads the fewest tokens (rows x width; a tie keeps the wider, fewer rows)."""
     lengths = np.asarray(lengths, np.int64)
     if lengths.ndim != 1 or lengths.size == 0:
         raise ValueError(f"{where}: needs a non-empty vector of sequence lengths, got shape {lengths.shape}")
@@ -104,7 +112,27 @@ def plan_packing(lengths: np.ndarray, row_tokens: int, *, minibatches: int = 1, 
         raise ValueError(f"{where}: sequence {k} has {lengths[k]} tokens, more than max_tokens_per_micro_batch="
                          f"{row_tokens} (a sequence is never split over rows; raise the budget)")
     members = [np.flatnonzero(np.arange(lengths.size) % minibatches == j) for j in range(minibatches)]
-    bins = [first_fit_decreasing(lengths[mine], row_tokens) for mine in members]
+    best = _plan_at_width(lengths, members, row_tokens, shards)
+    if width_bucket is None:
+        return best
+    most = max(int(lengths[mine].sum()) for mine in members)  # the fullest mini-batch's tokens
+    first = -(-int(lengths.max()) // width_bucket) * width_bucket
+    for width in range(first, row_tokens, width_bucket)[::-1]:
+        needed = -(-most // width)  # rows the fullest mini-batch needs at least
+        fewest_rows = minibatches * -(-needed // shards) * shards
+        if fewest_rows * width >= best.num_rows * best.row_tokens:
+            continue  # it cannot pad fewer tokens
+        plan = _plan_at_width(lengths, members, width, shards)
+        if plan.num_rows * width < best.num_rows * best.row_tokens:
+            best = plan
+    return best
+
+
+def _plan_at_width(lengths: np.ndarray, members: list[np.ndarray], width: int, shards: int) -> PackingPlan:
+    """Each mini-batch's sequences (`members`) first-fit-decreasing into rows of `width`, every mini-batch padded
+    to the same number of rows, a multiple of `shards`, laid out as the module docstring says."""
+    minibatches = len(members)
+    bins = [first_fit_decreasing(lengths[mine], width) for mine in members]
     used = max([int(bin_of.max()) + 1 for bin_of in bins if bin_of.size] + [1])
     per_minibatch = -(-used // shards) * shards
     micro = per_minibatch // shards
@@ -118,7 +146,7 @@ def plan_packing(lengths: np.ndarray, row_tokens: int, *, minibatches: int = 1, 
             offsets[k] = filled[b]
             filled[b] += lengths[k]
     return PackingPlan(rows=rows, offsets=offsets, lengths=lengths, num_rows=minibatches * per_minibatch,
-                       row_tokens=row_tokens)
+                       row_tokens=width)
 
 
 def sequence_lengths(token_mask: Bool[Array, "b t"] | np.ndarray, where: str = "packing") -> np.ndarray:

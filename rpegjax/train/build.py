@@ -27,6 +27,7 @@ from rpegjax.models.precision import Precision
 from rpegjax.models.tokenizer import builtin_tokenizer, load_tokenizer
 from rpegjax.models.transformer import Decoder
 from rpegjax.options import MODEL_EXECUTION_FIELDS, CarryMode
+from rpegjax.perf.executable import packed_row_problem
 from rpegjax.rewards.custom import RewardedTask, load_rewards
 from rpegjax.rewards.dataset_task import MathDatasetTask
 from rpegjax.rewards.math import check_gold_answer
@@ -311,8 +312,28 @@ def build_graph(cfg: RunConfig, num_devices: int) -> Graph:
     """The RPEG of this run over `num_devices` devices: the plan file's graph (`graph.plan`, with the plan's
     execution options), or the algorithm's graph with the structure and execution transforms the graph section
     asks for and the run's execution options (`run_execution`)."""
-    if cfg.graph.plan is not None:
-        return load_plan(cfg, num_devices)
+    graph = load_plan(cfg, num_devices) if cfg.graph.plan is not None else _algorithm_graph(cfg, num_devices)
+    _check_packed_widths(cfg, graph)
+    return graph
+
+
+def _check_packed_widths(cfg: RunConfig, graph: Graph) -> None:
+    """Packed rows narrowed to multiples of the algorithm's `length_bucket` must cut into the chunks every
+    context-parallel layout of the graph needs, as the budget's rows do (refused here, not at the first narrow step)."""
+    algo = cfg.algorithm_section()
+    if not algo.packing or algo.length_bucket is None:
+        return
+    layouts = [p.parallel for p in graph.placements.values()] + [s.parallel for s in graph.stages if s.parallel]
+    widths = range(algo.length_bucket, algo.max_tokens_per_micro_batch, algo.length_bucket)
+    for context in sorted({parallel.get("context", 1) for parallel in layouts}):
+        for width in widths:
+            problem = packed_row_problem(width, context, graph.execution.attention_block_size)
+            if problem:
+                raise ValueError(f"{cfg.algorithm.value}.length_bucket={algo.length_bucket}: narrower {problem}")
+
+
+def _algorithm_graph(cfg: RunConfig, num_devices: int) -> Graph:
+    """The algorithm's graph with the graph section's transforms and the run's execution options."""
     section = cfg.graph
     algo = cfg.algorithm_section()
     if section.rollout_devices >= num_devices:

@@ -60,6 +60,24 @@ def test_the_plan_places_every_sequence_once_in_its_minibatch(minibatches, shard
     assert segments[~real].max(initial=0) == 0 and segments[real].min() >= 1
 
 
+@pytest.mark.parametrize("minibatches, shards", [(1, 1), (2, 2)])
+def test_narrower_rows_pad_the_fewest_tokens_of_the_bucket_widths(minibatches, shards):
+    """A tail batch (one long row, many short): of every width that is a multiple of the bucket (or the budget),
+    the plan takes the one padding the fewest tokens, here well under the budget's."""
+    rng = np.random.default_rng(3)
+    lengths = np.concatenate([[250], rng.integers(30, 90, size=15)])  # 1,052 tokens: 2 rows of 1,024
+    full = plan_packing(lengths, 1024, minibatches=minibatches, shards=shards)
+    plan = plan_packing(lengths, 1024, minibatches=minibatches, shards=shards, width_bucket=128)
+    padded = {width: plan_packing(lengths, width, minibatches=minibatches, shards=shards).num_rows * width
+              for width in (256, 384, 512, 640, 768, 896, 1024)}
+    assert plan.num_rows * plan.row_tokens == min(padded.values()) < full.num_rows * full.row_tokens
+    assert plan.row_tokens % 128 == 0 and plan.num_rows % (minibatches * shards) == 0
+    sequence, _, real = plan.sources()
+    assert real.sum() == lengths.sum() and all((real & (sequence == k)).sum() == n for k, n in enumerate(lengths))
+    # a batch that fills the budget's rows keeps them
+    assert plan_packing(np.full(4, 256), 1024, width_bucket=128).row_tokens == 1024
+
+
 def test_a_sequence_longer_than_the_budget_is_refused():
     with pytest.raises(ValueError, match="sequence 1 has 50 tokens, more than max_tokens_per_micro_batch=40"):
         plan_packing(np.array([3, 50]), 40)
@@ -75,11 +93,13 @@ def test_pack_and_unpack_round_trip():
     assert packed.response_mask.sum() == batch.response_mask.sum()
 
 
-@pytest.mark.parametrize("attention", ["dense", "blockwise"])
-def test_packed_scores_equal_unpacked(tiny_model, attention):
+@pytest.mark.parametrize("attention, budget, bucket", [("dense", BUDGET, None), ("blockwise", BUDGET, None),
+                                                       ("blockwise", 64, 8)])
+def test_packed_scores_equal_unpacked(tiny_model, attention, budget, bucket):
     model = tiny_model.with_execution(attention=attention, attention_block_size=8)
     batch = make_batch()
-    plan = plan_packing(batch.token_mask.sum(-1), BUDGET)
+    plan = plan_packing(batch.token_mask.sum(-1), budget, width_bucket=bucket)
+    assert (plan.num_rows, plan.row_tokens) == ((4, 40) if bucket else (4, budget))  # 3 x 64 without the bucket
     packed = pack_batch(batch, plan)
     score = jax.jit(lambda tokens, mask, segments: score_sequences(
         model, tokens, mask, with_entropy=True, with_values=True, segment_ids=segments))
@@ -172,18 +192,23 @@ def test_lora_packed_loss_and_gradients_equal_unpacked():
     _assert_same(_loss_and_grads(unpacked, batch), _loss_and_grads(packed, batch), ["policy_loss", "kl_loss"])
 
 
-def test_a_packed_update_equals_the_unpacked_one(tiny_model):
-    """Two epochs of two mini-batches: packed rows in token-budget micro-batches step the optimiser as unpacked rows."""
+@pytest.mark.parametrize("bucket", [None, 4])
+def test_a_packed_update_equals_the_unpacked_one(tiny_model, bucket):
+    """Two epochs of two mini-batches: packed rows in token-budget micro-batches (narrower ones with a bucket) step
+    the optimiser as unpacked rows."""
     options = dict(group_size=4, kl_coef=0.1, aggregation="seq-mean-token-mean", epochs=2, num_minibatches=2,
                    # steps that change later steps' losses; eps far above float noise in the gradients, so that Adam
                    # does not blow an entry's rounding noise up to a whole step (g / sqrt(v) of a near-zero g)
                    optimizer=OptimizerConfig(learning_rate=1e-2, eps=0.1))
     unpacked = GRPOLearner(GRPOConfig(**options), tiny_model)
-    packed = GRPOLearner(GRPOConfig(**options, packing=True, max_tokens_per_micro_batch=LENGTH), tiny_model)
+    packed = GRPOLearner(GRPOConfig(**options, packing=True, max_tokens_per_micro_batch=LENGTH, length_bucket=bucket),
+                         tiny_model)
     batch, _ = unpacked.compute_advantages(make_batch(6))
     logprobs = np.asarray(unpacked.logprobs(unpacked.params, batch))
     batch = batch.replace(ref_logprobs=logprobs * 1.01, old_logprobs=logprobs)
-    assert packed._update_inputs(batch).batch_size > 2 * 2  # several micro-batches per mini-batch
+    inputs = packed._update_inputs(batch)
+    assert inputs.batch_size > 2 * 2  # several micro-batches per mini-batch
+    assert inputs.length == (LENGTH if bucket is None else 28)
     state_a, metrics_a = unpacked.update(unpacked.init_state(), batch)
     state_b, metrics_b = packed.update(packed.init_state(), batch)
     for key in ("loss", "kl_loss", "grad_norm"):
@@ -209,6 +234,8 @@ def test_packing_options_are_checked():
         GRPOConfig(group_size=4, packing=True, max_tokens_per_micro_batch=64, num_microbatches=2)
     with pytest.raises(ValueError, match="seq-mean-token-sum-norm' needs max_length"):
         GRPOConfig(group_size=4, packing=True, max_tokens_per_micro_batch=64, aggregation="seq-mean-token-sum-norm")
+    with pytest.raises(ValueError, match="length_bucket=64 narrows packed rows of max_tokens_per_micro_batch=64"):
+        GRPOConfig(group_size=4, packing=True, max_tokens_per_micro_batch=64, length_bucket=64)
 
 
 def test_a_packed_update_lowers_for_abstract_rows_as_full_rows(tiny_model):

@@ -318,6 +318,21 @@ def test_packing_flags_reach_the_plan_and_a_plan_is_never_overridden(tmp_path):
     assert build_graph(unset, num_devices=1).execution.max_tokens_per_micro_batch == 128  # unset: the plan's
 
 
+def test_narrower_packed_rows_must_cut_into_the_context_chunks(tmp_path):
+    """A length bucket under packing narrows rows to its multiples: over context 2 they must still cut into 4 chunks
+    of whole attention blocks, or the run is refused when it is built, not at its first narrow step."""
+    from rpegjax.train.build import build_graph
+
+    packing = [*KV_TINY, "--grpo.packing=true", "--grpo.max_tokens_per_micro_batch=256", "--graph.mesh=context=2",
+               "--model.attention=blockwise", "--model.attention_block_size=16", f"--run-dir={tmp_path / 'run'}"]
+    good, _ = parse_args([*packing, "--grpo.length_bucket=64"], Algorithm.GRPO)
+    assert build_graph(good, num_devices=2).execution.max_tokens_per_micro_batch == 256
+    bad, _ = parse_args([*packing, "--grpo.length_bucket=48"], Algorithm.GRPO)
+    with pytest.raises(ValueError, match="grpo.length_bucket=48: narrower packed rows of 96 tokens do not cut into 4 "
+                                         "chunks of whole attention blocks of 16 tokens"):  # 48 would: 4 x 12
+        build_graph(bad, num_devices=2)
+
+
 def test_partial_rollout_flags_reach_the_runtime_settings_and_bad_ones_are_refused():
     from rpegjax.runtime.partial_rollouts import PartialRolloutConfig, StalePolicy
     from rpegjax.train.build import build_graph, run_partial_rollouts
