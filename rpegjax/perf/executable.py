@@ -20,6 +20,8 @@ printed. The rules mirror the runtime:
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+
 from rpegjax.graph.ir import INFERENCE_KINDS, UPDATE_KINDS, Execution, Graph, StageKind
 from rpegjax.options import AttentionKind, DecodeAttention
 from rpegjax.perf.hardware import HardwareSpec
@@ -60,6 +62,25 @@ def packed_row_problem(budget: int, context: int, block: int) -> str | None:
     return None
 
 
+def graph_layouts(graph: Graph) -> list[tuple[str, Mapping[str, int]]]:
+    """Every layout of `graph`, named: its placements' and the stages' own."""
+    layouts = [(f"placement {p.name!r}", p.parallel) for p in graph.placements.values()]
+    return layouts + [(f"stage {s.name!r}", s.parallel) for s in graph.stages if s.parallel is not None]
+
+
+def packed_rows_problems(graph: Graph, widths: Iterable[int]) -> list[tuple[str, str]]:
+    """(layout, why) for each layout of `graph` over which packed rows of one of `widths` tokens cannot run
+    (`packed_row_problem`)."""
+    widths = list(widths)
+    problems = []
+    for where, parallel in graph_layouts(graph):
+        for width in widths:
+            problem = packed_row_problem(width, parallel.get("context", 1), graph.execution.attention_block_size)
+            if problem:
+                problems.append((where, problem))
+    return problems
+
+
 def batch_problems(graph: Graph, sequences: int) -> list[str]:
     """Why a step of `sequences` rows does not split evenly over the replicas of the programs that read it."""
     problems = []
@@ -98,18 +119,13 @@ def plan_problems(graph: Graph, hardware: HardwareSpec, *, follows_runtime: bool
     if not follows_runtime:
         problems.append("predicted with another system's execution options (sequence packing, token-sized "
                         "micro-batches, its kernels), not the runtime's (Evaluator.for_runtime)")
-    layouts = [(f"placement {p.name!r}", p.parallel) for p in graph.placements.values()]
-    layouts += [(f"stage {s.name!r}", s.parallel) for s in graph.stages if s.parallel is not None]
-    for where, parallel in layouts:
+    for where, parallel in graph_layouts(graph):
         unknown = {axis: size for axis, size in parallel.items() if axis not in RUNTIME_AXES and size > 1}
         if unknown:
             problems.append(f"{where} splits over {unknown}; the runtime's meshes have axes {RUNTIME_AXES} only")
     if graph.execution.packing:
-        for where, parallel in layouts:
-            problem = packed_row_problem(graph.execution.max_tokens_per_micro_batch, parallel.get("context", 1),
-                                         graph.execution.attention_block_size)
-            if problem:
-                problems.append(f"{where}: {problem}")
+        budget = graph.execution.max_tokens_per_micro_batch
+        problems += [f"{where}: {problem}" for where, problem in packed_rows_problems(graph, [budget])]
     for stage in graph.stages_of_kind(StageKind.GENERATE):
         if graph.parallel_of(stage.name).get("context", 1) > 1:
             problems.append(f"stage {stage.name!r} splits rows over 'context'; the sampler does not (context "
@@ -129,5 +145,5 @@ def require_executable(graph: Graph, hardware: HardwareSpec, *, follows_runtime:
         raise ValueError(f"{where} cannot be executed by rpegjax's runtime: " + "; ".join(problems))
 
 
-__all__ = ["RUNTIME_AXES", "batch_problems", "execution_problems", "packed_row_problem", "plan_problems",
-           "require_executable"]
+__all__ = ["RUNTIME_AXES", "batch_problems", "execution_problems", "graph_layouts", "packed_row_problem",
+           "packed_rows_problems", "plan_problems", "require_executable"]

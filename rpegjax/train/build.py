@@ -27,7 +27,7 @@ from rpegjax.models.precision import Precision
 from rpegjax.models.tokenizer import builtin_tokenizer, load_tokenizer
 from rpegjax.models.transformer import Decoder
 from rpegjax.options import MODEL_EXECUTION_FIELDS, CarryMode
-from rpegjax.perf.executable import packed_row_problem
+from rpegjax.perf.executable import packed_rows_problems
 from rpegjax.rewards.custom import RewardedTask, load_rewards
 from rpegjax.rewards.dataset_task import MathDatasetTask
 from rpegjax.rewards.math import check_gold_answer
@@ -323,13 +323,10 @@ def _check_packed_widths(cfg: RunConfig, graph: Graph) -> None:
     algo = cfg.algorithm_section()
     if not algo.packing or algo.length_bucket is None:
         return
-    layouts = [p.parallel for p in graph.placements.values()] + [s.parallel for s in graph.stages if s.parallel]
     widths = range(algo.length_bucket, algo.max_tokens_per_micro_batch, algo.length_bucket)
-    for context in sorted({parallel.get("context", 1) for parallel in layouts}):
-        for width in widths:
-            problem = packed_row_problem(width, context, graph.execution.attention_block_size)
-            if problem:
-                raise ValueError(f"{cfg.algorithm.value}.length_bucket={algo.length_bucket}: narrower {problem}")
+    problems = packed_rows_problems(graph, widths)
+    if problems:
+        raise ValueError(f"{cfg.algorithm.value}.length_bucket={algo.length_bucket}: narrower {problems[0][1]}")
 
 
 def _algorithm_graph(cfg: RunConfig, num_devices: int) -> Graph:
