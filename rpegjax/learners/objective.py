@@ -361,11 +361,10 @@ class PolicyUpdates:
             return None
         where = f"{type(self).__name__} inference"
         rows, full = token_mask.shape
-        lengths = (np.full(rows, full) if isinstance(token_mask, jax.ShapeDtypeStruct)
-                   else sequence_lengths(token_mask, where))
-        bucket = None if isinstance(token_mask, jax.ShapeDtypeStruct) else self.cfg.length_bucket
-        return plan_packing(lengths, self.cfg.max_tokens_per_micro_batch, shards=shards, width_bucket=bucket,
-                            where=where)
+        if isinstance(token_mask, jax.ShapeDtypeStruct):  # every row full, at the budget's width
+            return plan_packing(np.full(rows, full), self.cfg.max_tokens_per_micro_batch, shards=shards, where=where)
+        return plan_packing(sequence_lengths(token_mask, where), self.cfg.max_tokens_per_micro_batch, shards=shards,
+                            width_bucket=self.cfg.length_bucket, where=where)
 
     def inference_micro_batches(self, rows: int, length: int, *, shards: int = 1, tensor: int = 1) -> int:
         """How many row micro-batches an inference stage over `rows` rows of `length` tokens runs in."""
