@@ -11,6 +11,15 @@ Each on the contiguous and the paged cache, with live buckets ("live", the defau
 slot decoded every step, the sampler before live buckets). Same key: the sequences are checked equal. Timed
 interleaved run by run (load from other processes hits all alike); medians, tokens/s and live / every ratios;
 the decoded rows' occupancy (running sequence-steps / rows decoded x steps) and the slots' (/ slots x steps).
+
+`--shapes rows`: what one paged decode step costs on this machine, by rows and window: 1-16 prompts of 32 tokens
+decode `--mean` x 4 and x 8 tokens each (no tail), and the difference over the second half's steps gives the ms per
+step: its fixed part, and what each row adds at that window.
+
+`--shapes batches`: what a schedule of the tail can save in decode on this machine. The same 256 W-tail sequences
+on 16 slots, decoded batch by batch (16 at a time, each batch lasting its longest: a plain RL step's generation)
+and as one continuous queue (a freed slot takes the next sequence: what partial rollouts approach once their pool
+is full), against the same count of tokens with no tail (every budget at the mean: what no schedule can beat).
 """
 
 from __future__ import annotations
@@ -72,19 +81,65 @@ def run_shape(args, cfg, graphdef, params, name: str) -> None:
         print(f"  {layout}: live / every {rates[f'{layout} live'] / rates[f'{layout} every']:.2f}x")
 
 
+def run_rows(args, cfg, graphdef, params) -> None:
+    """ms per paged decode step by rows: the second half of 8 x mean tokens (windows of 4-8 x mean + 32 tokens)."""
+    budget = 8 * args.mean
+    sampler = Sampler(cfg, graphdef, num_slots=16, max_prompt_len=PROMPT, max_new_tokens=budget,
+                      chunk_steps=args.chunk_steps, cache=CacheConfig.paged(page_size=args.page_size))
+    sampling = SamplingConfig(max_new_tokens=budget, temperature=1.0, ignore_eos=True)
+    prompts = np.random.default_rng(2).integers(0, cfg.vocab_size, (16, PROMPT)).tolist()
+    calls = {(rows, n): (lambda rows=rows, n=n: sampler.generate(params, prompts[:rows], sampling,
+                                                                 key=jax.random.key(3), budgets=[n] * rows))
+             for rows in (1, 2, 4, 8, 16) for n in (budget // 2, budget)}
+    seconds = time_interleaved(calls, args.runs, warmup=1)
+    print(f"rows: ms per decode step over contexts {PROMPT + budget // 2}..{PROMPT + budget} (medians of {args.runs})")
+    for rows in (1, 2, 4, 8, 16):
+        short, long = (statistics.median(seconds[(rows, n)]) for n in (budget // 2, budget))
+        step = (long - short) / (budget // 2) * 1e3
+        print(f"  {rows:2d} rows: {step:6.3f} ms a step, {step / rows:6.3f} ms a row-step")
+
+
+def run_batches(args, cfg, graphdef, params) -> None:
+    """Seconds to decode the same W-tail sequences batch by batch and as one queue, and without a tail."""
+    batches, slots = 16, 16
+    budgets = tail_budgets(batches * slots, args.mean)
+    flat = np.full_like(budgets, round(float(budgets.mean())))
+    prompts = np.random.default_rng(2).integers(0, cfg.vocab_size, (batches * slots, PROMPT)).tolist()
+    sampler = Sampler(cfg, graphdef, num_slots=slots, max_prompt_len=PROMPT, max_new_tokens=8 * args.mean,
+                      chunk_steps=args.chunk_steps, cache=CacheConfig.paged(page_size=args.page_size))
+    sampling = SamplingConfig(max_new_tokens=8 * args.mean, temperature=1.0, ignore_eos=True)
+
+    def by_batch(table):
+        return lambda: [sampler.generate(params, prompts[i: i + slots], sampling, key=jax.random.key(3),
+                                         budgets=table[i: i + slots].tolist()) for i in range(0, len(table), slots)]
+
+    calls = {"batch by batch": by_batch(budgets), "one queue": lambda: sampler.generate(
+        params, prompts, sampling, key=jax.random.key(3), budgets=budgets.tolist()), "no tail": by_batch(flat)}
+    seconds = time_interleaved(calls, args.runs, warmup=1)
+    base = statistics.median(seconds["batch by batch"])
+    print(f"batches: {batches} x {slots} W-tail sequences on {slots} slots, budgets mean {budgets.mean():.1f}, max "
+          f"{budgets.max()}, {budgets.sum()} tokens (no tail: {flat.sum()}); medians of {args.runs}")
+    for label, values in seconds.items():
+        median = statistics.median(values)
+        print(f"  {label:>14}: {median:7.3f} s, batch by batch / this {base / median:5.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--mean", type=int, default=32, help="mean response budget (max 8x)")
     parser.add_argument("--chunk-steps", type=int, default=8)
     parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=[*SHAPES, "rows", "batches"])
     args = parser.parse_args()
     cfg = ModelConfig.w_small()
     graphdef, params = nnx.split(Decoder(cfg, rngs=nnx.Rngs(0)))
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}; model {cfg.num_params():,} parameters, float32")
     for name in args.shapes:
-        run_shape(args, cfg, graphdef, params, name)
+        if name in ("rows", "batches"):
+            {"rows": run_rows, "batches": run_batches}[name](args, cfg, graphdef, params)
+        else:
+            run_shape(args, cfg, graphdef, params, name)
 
 
 if __name__ == "__main__":
