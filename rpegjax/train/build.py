@@ -326,7 +326,9 @@ def _check_packed_widths(cfg: RunConfig, graph: Graph) -> None:
     widths = range(algo.length_bucket, algo.max_tokens_per_micro_batch, algo.length_bucket)
     problems = packed_rows_problems(graph, widths)
     if problems:
-        raise ValueError(f"{cfg.algorithm.value}.length_bucket={algo.length_bucket}: narrower {problems[0][1]}")
+        where, problem = problems[0]
+        raise ValueError(f"{cfg.algorithm.value}.length_bucket={algo.length_bucket}: narrower {problem}, over "
+                         f"{where}; rows narrow to multiples of length_bucket, so it must be such a multiple too")
 
 
 def _algorithm_graph(cfg: RunConfig, num_devices: int) -> Graph:

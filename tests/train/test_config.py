@@ -328,8 +328,9 @@ def test_narrower_packed_rows_must_cut_into_the_context_chunks(tmp_path):
     good, _ = parse_args([*packing, "--grpo.length_bucket=64"], Algorithm.GRPO)
     assert build_graph(good, num_devices=2).execution.max_tokens_per_micro_batch == 256
     bad, _ = parse_args([*packing, "--grpo.length_bucket=48"], Algorithm.GRPO)
-    with pytest.raises(ValueError, match="grpo.length_bucket=48: narrower packed rows of 96 tokens do not cut into 4 "
-                                         "chunks of whole attention blocks of 16 tokens"):  # 48 would: 4 x 12
+    with pytest.raises(ValueError, match=r"grpo.length_bucket=48: narrower packed rows of 96 tokens do not cut into 4 "
+                                         r"chunks of whole attention blocks of 16 tokens .*, over placement 'all'; rows "
+                                         r"narrow to multiples of length_bucket"):  # 48 would: 4 x 12
         build_graph(bad, num_devices=2)
 
 
