@@ -82,7 +82,7 @@ def run_shape(args, cfg, graphdef, params, name: str) -> None:
 
 
 def run_rows(args, cfg, graphdef, params) -> None:
-    """ms per paged decode step by rows: the second half of 8 x mean tokens (windows of 4-8 x mean + 32 tokens)."""
+    """ms per paged decode step by rows: the second half of 8 x mean new tokens (contexts of 32 + 4..8 x mean)."""
     budget = 8 * args.mean
     sampler = Sampler(cfg, graphdef, num_slots=16, max_prompt_len=PROMPT, max_new_tokens=budget,
                       chunk_steps=args.chunk_steps, cache=CacheConfig.paged(page_size=args.page_size))
@@ -135,9 +135,10 @@ def main() -> None:
     cfg = ModelConfig.w_small()
     graphdef, params = nnx.split(Decoder(cfg, rngs=nnx.Rngs(0)))
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}; model {cfg.num_params():,} parameters, float32")
+    parts = {"rows": run_rows, "batches": run_batches}  # the parts that are not a shape of `run_shape`
     for name in args.shapes:
-        if name in ("rows", "batches"):
-            {"rows": run_rows, "batches": run_batches}[name](args, cfg, graphdef, params)
+        if name in parts:
+            parts[name](args, cfg, graphdef, params)
         else:
             run_shape(args, cfg, graphdef, params, name)
 
