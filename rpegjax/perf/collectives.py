@@ -12,6 +12,9 @@ Costs (S in bytes, B_i the per-device bandwidth at level i, α_i its latency):
 * all-to-all (S = bytes each device holds, S/n to every member): members outside the level-below unit are
   reached over level i, all levels concurrently:  T = max_i (S · out_i / n) / B_i + Σ_i out_i α_i.
 * point-to-point: S / B + α on the level that contains both ends.
+* one-shot all-reduce inside one unit of the first level (a serving engine's custom kernel for small messages,
+  vLLM's `custom_all_reduce`: a barrier, every device reading its n − 1 peers' buffers, a barrier):
+    T = 3 α_0 + (n − 1) · S / B_0.
 On a full-mesh level a device drives one link per peer (`Level.device_bandwidth`).
 """
 
@@ -75,6 +78,32 @@ def all_reduce_latency(hardware: HardwareSpec, group: Group) -> float:
     if group.size == 1:
         return 0.0
     return sum(2 * (n - 1) * level.latency for level, n in zip(hardware.levels, factors(hardware, group)) if n > 1)
+
+
+def inside_first_level(hardware: HardwareSpec, group: Group) -> bool:
+    """Whether every member of `group` sits in one unit of the first level (one node)."""
+    return factors(hardware, group)[0] == group.size
+
+
+def one_shot_all_reduce_seconds(num_bytes: float, hardware: HardwareSpec, group: Group) -> float:
+    """One-shot all-reduce of `num_bytes` per device inside one node (see module docstring); ValueError for a group
+    that spans nodes (the kernel reads its peers' memory over NVLink)."""
+    if group.size == 1 or num_bytes == 0:
+        return 0.0
+    _check(num_bytes, hardware, group)
+    peers = group.size - 1
+    return one_shot_all_reduce_latency(hardware, group) + peers * num_bytes / hardware.levels[0].device_bandwidth(peers)
+
+
+def one_shot_all_reduce_latency(hardware: HardwareSpec, group: Group) -> float:
+    """The α part of `one_shot_all_reduce_seconds`: two barriers and the reads, 3 α of the first level."""
+    if group.size == 1:
+        return 0.0
+    if not inside_first_level(hardware, group):
+        level = hardware.levels[0]
+        raise ValueError(f"a one-shot all-reduce runs inside one {level.name} of {level.size} devices; this group of "
+                         f"{group.size} (stride {group.stride}) spans more")
+    return 3 * hardware.levels[0].latency
 
 
 def all_gather_seconds(num_bytes: float, hardware: HardwareSpec, group: Group) -> float:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import numpy as np
 
@@ -13,7 +14,12 @@ from rpegjax.perf import collectives, costs, expert_costs
 from rpegjax.perf import partial_rollouts as partial
 from rpegjax.perf.costs import DecodeKernel, ModelShape
 from rpegjax.perf.generation_cost import DecodeStepCost, DecodeTimeline, ResponseLengths, replica_lengths, simulate_decode
-from rpegjax.perf.stage_costs import SAMPLING_BYTES_PER_VOCAB, CostInputs, Layout, StageCost, Workload
+from rpegjax.perf.hardware import HardwareSpec
+from rpegjax.perf.stage_costs import SAMPLING_BYTES_PER_VOCAB, CostInputs, ExecutionOptions, Layout, StageCost, Workload
+
+# vLLM's custom all-reduce serves tensor groups of 2, 4, 6 or 8 GPUs on one NVLink node
+# (vllm/distributed/device_communicators/custom_all_reduce.py, `_SUPPORTED_WORLD_SIZES`)
+CUSTOM_ALL_REDUCE_DEVICES = 8
 
 
 def kv_bytes_per_slot(inputs: CostInputs, layout: Layout) -> float:
@@ -182,9 +188,9 @@ def generation_cost(inputs: CostInputs, layout: Layout, *, kv_budget_bytes: floa
                  + kv_per_token + SAMPLING_BYTES_PER_VOCAB * shape.vocab)
     # two all-reduces per layer of the processed rows' activations: their latency every step, their bytes per row
     # (a live bucket or a serving engine's batch decodes the running rows, not every slot)
-    tensor_latency = 2 * shape.layers * collectives.all_reduce_latency(hw, layout.group("tensor"))
-    tensor_per_row = 2 * shape.layers * collectives.all_reduce_seconds(
-        shape.hidden * shape.compute_bytes_each, hw, layout.group("tensor")) - tensor_latency
+    reduce_seconds, reduce_latency = _decode_all_reduce(o, hw, layout.group("tensor"))
+    tensor_latency = 2 * shape.layers * reduce_latency
+    tensor_per_row = 2 * shape.layers * reduce_seconds(shape.hidden * shape.compute_bytes_each) - tensor_latency
     fsdp_comm = 0.0 if o.replicated_generation_weights else collectives.all_gather_seconds(
         shape.weight_bytes / t, hw, layout.group("fsdp"))
     capacity = w.prompt_tokens + w.responses.max
@@ -228,6 +234,18 @@ def generation_cost(inputs: CostInputs, layout: Layout, *, kv_budget_bytes: floa
                 "live_row_share": timeline.mean_active / timeline.mean_rows if timeline.mean_rows else 1.0,
                 "live_key_share": timeline.mean_live_keys / timeline.mean_keys if timeline.mean_keys else 1.0,
                 "generated_tokens": generated, **extra})
+
+
+def _decode_all_reduce(options: ExecutionOptions, hw: HardwareSpec,
+                       group: collectives.Group) -> tuple[Callable[[float], float], float]:
+    """(seconds of one all-reduce of n bytes, its latency) for decode's tensor group: the serving engine's one-shot
+    kernel where `decode_custom_all_reduce` and the group fits it (vLLM: 2 to 8 devices inside one NVLink node),
+    else the hierarchical ring."""
+    if (options.decode_custom_all_reduce and group.size <= CUSTOM_ALL_REDUCE_DEVICES
+            and collectives.inside_first_level(hw, group)):
+        return (lambda n: collectives.one_shot_all_reduce_seconds(n, hw, group),
+                collectives.one_shot_all_reduce_latency(hw, group))
+    return lambda n: collectives.all_reduce_seconds(n, hw, group), collectives.all_reduce_latency(hw, group)
 
 
 @functools.lru_cache(maxsize=1024)

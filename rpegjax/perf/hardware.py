@@ -77,6 +77,9 @@ class DeviceSpec:
     kernel_overhead_s: fixed cost of one kernel inside a compiled program (launch, small-op floor).
     dispatch_overhead_s: fixed cost of dispatching one jit-compiled program from the host.
     host_memory_bytes / host_bandwidth: host memory reachable from the device and its per-direction link.
+    cuda_memory_bytes: device memory as the CUDA runtime reports it (`cudaMemGetInfo`'s total), which a serving
+      engine's memory fraction applies to (vLLM's `gpu_memory_utilization`); None where no such figure is recorded
+      (`reported_memory_bytes` then says the datasheet's `memory_bytes`).
     platform: the JAX backend that runs on it ("gpu", "tpu" or "cpu"): which kernels the runtime can use there.
     """
 
@@ -92,6 +95,7 @@ class DeviceSpec:
     dispatch_overhead_s: float = 50e-6
     host_memory_bytes: float = 0.0
     host_bandwidth: float = 0.0
+    cuda_memory_bytes: float | None = None
     platform: str = "gpu"
 
     def __post_init__(self) -> None:
@@ -114,6 +118,14 @@ class DeviceSpec:
         for name in ("kernel_overhead_s", "dispatch_overhead_s", "host_memory_bytes", "host_bandwidth"):
             if getattr(self, name) < 0:
                 raise ValueError(f"DeviceSpec {self.name!r}: {name} must be >= 0, got {getattr(self, name)!r}")
+        if self.cuda_memory_bytes is not None and not self.cuda_memory_bytes > 0:
+            raise ValueError(f"DeviceSpec {self.name!r}: cuda_memory_bytes must be positive or None, "
+                             f"got {self.cuda_memory_bytes!r}")
+
+    @property
+    def reported_memory_bytes(self) -> float:
+        """The memory a serving engine's fraction applies to: CUDA's total where recorded, else the datasheet's."""
+        return self.memory_bytes if self.cuda_memory_bytes is None else self.cuda_memory_bytes
 
     def flops(self, dtype: str) -> float:
         """Peak dense FLOP/s for matmuls computed in `dtype`."""
@@ -262,10 +274,14 @@ def gb200_nvl72(num_devices: int = 72) -> HardwareSpec:
     return HardwareSpec(name="gb200-nvl72", device=device, num_devices=num_devices, levels=(domain, cluster))
 
 
+# An H100 SXM 80GB HBM3's memory as the CUDA runtime reports it (XLA's GPU spec of the device; 79.1 GiB)
+H100_CUDA_MEMORY_BYTES = 84_942_979_072
+
+
 def h100_node(num_devices: int = 8) -> HardwareSpec:
     """DGX H100-style nodes: 8 H100 SXM on NVSwitch, 50 GB/s per GPU to the network, PCIe to the host [H100], [DGX-H100]."""
     device = DeviceSpec(name="H100-SXM-80GB", peak_flops=_HOPPER_FLOPS, memory_bytes=80 * GB, memory_bandwidth=3350 * GB,
-                        host_memory_bytes=256 * GB, host_bandwidth=64 * GB)
+                        host_memory_bytes=256 * GB, host_bandwidth=64 * GB, cuda_memory_bytes=H100_CUDA_MEMORY_BYTES)
     node = Level(name="node", size=8, bandwidth=450 * GB, latency=2e-6)
     return HardwareSpec(name="h100", device=device, num_devices=num_devices,
                         levels=_network_levels(node, per_gpu_bandwidth=50 * GB, rack_size=32, num_devices=num_devices))

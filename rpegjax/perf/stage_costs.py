@@ -122,10 +122,14 @@ class ExecutionOptions:
     backward_traffic_ratio: float = 2.0  # elementwise bytes of a backward pass relative to its forward pass
     max_decode_slots: int = 1024  # a serving engine's cap on concurrent sequences per replica
     # A serving engine's share of device memory (vLLM's gpu_memory_utilization): when set, the KV cache gets this
-    # share of the device minus the generation weights, as in systems that offload training state while they
-    # generate; None: whatever the plan's persistent state leaves (rpegjax's runtime)
+    # share of the memory CUDA reports (`DeviceSpec.reported_memory_bytes`) minus the generation weights, as in
+    # systems that offload training state while they generate; None: whatever the plan's persistent state leaves
+    # (rpegjax's runtime)
     generation_memory_fraction: float | None = None
     decode_memory_efficiency: float | None = None  # the decode kernels' share of HBM bandwidth; None: the device's
+    # A serving engine's custom all-reduce for decode's tensor all-reduces (vLLM's one-shot kernel, on for a tensor
+    # group of up to CUSTOM_ALL_REDUCE_DEVICES inside one node; NCCL's ring otherwise); False: the ring (XLA's runtime)
+    decode_custom_all_reduce: bool = False
     # rpegjax's runtime: an update takes optimiser steps x this many passes, an inference stage one pass per
     # piece (its micro-batches); None: passes of `microbatch_tokens` tokens (systems that size them by tokens)
     update_microbatches: int | None = None

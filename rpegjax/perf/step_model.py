@@ -246,7 +246,7 @@ def stage_cost(graph: Graph, stage: Stage, inputs: CostInputs, persistent: np.nd
     devices = placement_devices(graph, stage.placement)
     if StageKind.GENERATE in kinds:
         if inputs.options.generation_memory_fraction is not None:
-            budget = (inputs.options.generation_memory_fraction * inputs.hardware.device.memory_bytes
+            budget = (inputs.options.generation_memory_fraction * inputs.hardware.device.reported_memory_bytes
                       - inputs.actor.weight_bytes / layout.shards)
         else:
             budget = inputs.hardware.usable_memory_bytes - float(persistent[device_index(devices)].max())

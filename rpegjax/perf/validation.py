@@ -114,8 +114,13 @@ class RLRun:
     train_expert: int = 1
     sequence_parallel: bool = False
     in_flight_weight_updates: bool = False
+    # the peer's training efficiency for this model relative to a dense model's (`MEGATRON_MOE_RATIO`; 1: dense)
+    train_efficiency_ratio: float = 1.0
 
     def __post_init__(self) -> None:
+        if not 0 < self.train_efficiency_ratio <= 1:
+            raise ValueError(f"RLRun {self.name!r}: train_efficiency_ratio must be in (0, 1], "
+                             f"got {self.train_efficiency_ratio!r}")
         if self.in_flight_weight_updates and (self.async_bound < 1 or not self.generation_gpus):
             raise ValueError(f"RLRun {self.name!r}: in-flight weight updates need asynchronous generation on its own "
                              f"GPUs (async_bound {self.async_bound}, generation_gpus {self.generation_gpus})")
@@ -211,6 +216,18 @@ GB200_RUNS = (
 # expert_parallel_size 1 (TP only: every expert split over the TP group), kv_cache_dtype "auto" (bfloat16),
 # max_model_len = max_new_tokens = 8192, gpu_memory_utilization 0.8 in the one-step-off recipe (0.88 only from
 # NVIDIA-NeMo/RL cc34bee34, 2026-07-21, after the table), enforce_eager False (CUDA graphs), prefix caching on.
+#
+# Megatron trains a MoE model at a lower share of peak than a dense one (small grouped GEMMs, token permutation,
+# dispatch). Its published pretraining throughput on H100 in BF16 (not these runs) gives the ratio: Megatron Core
+# reaches up to 47% MFU on dense models (NVIDIA/Megatron-LM README); Megatron Bridge's MoE playbook (its
+# skills/perf-techniques/moe-hardware-configs, "Rounded Performance Bands") gives Qwen3-30B-A3B "low-200s
+# TFLOPS/GPU" (TP1 EP8 PP1, DeepEP), read at its floor, 200 TFLOP/s (the bands are tuned pretraining with DeepEP;
+# NeMo RL's recipes route dropless), and Qwen3-235B-A22B "around 30% MFU". The fitted matmul efficiency (a dense
+# fit) is scaled by MoE MFU / dense MFU for their training and log-prob passes.
+MEGATRON_DENSE_MFU = 0.47
+MEGATRON_MOE_RATIO = {"qwen3-30b-a3b": 200 * hardware_module.TFLOPS / hardware_module.h100_node().device.flops("bfloat16")
+                      / MEGATRON_DENSE_MFU,
+                      "qwen3-235b-a22b": 0.30 / MEGATRON_DENSE_MFU}
 QWEN3_30B_A3B = ModelShape(layers=48, hidden=2048, heads=32, kv_heads=4, head_dim=128, mlp=6144, vocab=151936,
                            experts=ExpertShape(experts=128, top_k=8, mlp=768, sparse_layers=48))
 QWEN3_235B_A22B = ModelShape(layers=94, hidden=4096, heads=64, kv_heads=4, head_dim=128, mlp=12288, vocab=151936,
@@ -219,11 +236,12 @@ NEMO_RL_V06 = "NeMo RL performance summary, section v0.6, table H100 BF16 (recip
 
 _MOE_30B = {"source": NEMO_RL_V06, "shape": QWEN3_30B_A3B, "gpus": 32, "generation_gpus": 0, "generation_tensor": 2,
             "train_tensor": 1, "train_pipeline": 1, "train_expert": 8, "async_bound": 0, "remat": False,
-            "generation_memory_fraction": 0.6}
+            "generation_memory_fraction": 0.6, "train_efficiency_ratio": MEGATRON_MOE_RATIO["qwen3-30b-a3b"]}
 _MOE_235B = {"source": NEMO_RL_V06, "shape": QWEN3_235B_A22B, "gpus": 256, "prompts": 16, "response_max": 8192 - 128,
              "optimizer_steps": 1, "microbatch_tokens": 8192, "generation_gpus": 0, "generation_tensor": 16,
              "train_tensor": 2, "train_pipeline": 8, "train_context": 2, "train_expert": 8, "sequence_parallel": True,
-             "async_bound": 0, "remat": True, "generation_memory_fraction": 0.6}
+             "async_bound": 0, "remat": True, "generation_memory_fraction": 0.6,
+             "train_efficiency_ratio": MEGATRON_MOE_RATIO["qwen3-235b-a22b"]}
 MOE_RUNS = (
     _nemo_rl("NeMo-RL v0.6 Qwen3-30B-A3B on-policy", **_MOE_30B, response_mean=3203, measured_seconds=192.0),
     _nemo_rl("NeMo-RL v0.6 Qwen3-30B-A3B 1-step off", **{**_MOE_30B, "generation_gpus": 16, "train_pipeline": 2,
@@ -321,8 +339,9 @@ def rl_evaluator(run: RLRun, efficiencies: Efficiencies) -> Evaluator:
     """Model, workload, hardware (with `efficiencies`) and execution options of the run."""
     hw = hardware_module.preset(run.hardware, run.gpus)
     # decode streams weights and KV: its bandwidth efficiency stands for the serving engine; the training
-    # passes' elementwise traffic keeps the preset's
-    device = dataclasses.replace(hw.device, matmul_efficiency=efficiencies.matmul)
+    # passes' elementwise traffic keeps the preset's. A MoE model's passes run at the peer's MoE share of the dense
+    # fit (`MEGATRON_MOE_RATIO`; vLLM's prefill, priced at the same rate, moves their generation by at most 0.2%)
+    device = dataclasses.replace(hw.device, matmul_efficiency=efficiencies.matmul * run.train_efficiency_ratio)
     hw = dataclasses.replace(hw, device=device)
     workload = Workload(prompts=run.prompts, group_size=run.group_size, prompt_tokens=run.prompt_tokens,
                         responses=ResponseLengths.lognormal(run.response_mean, run.response_max))
@@ -332,6 +351,7 @@ def rl_evaluator(run: RLRun, efficiencies: Efficiencies) -> Evaluator:
                                microbatch_tokens=run.microbatch_tokens,
                                generation_memory_fraction=run.generation_memory_fraction,
                                decode_memory_efficiency=efficiencies.decode_memory,
+                               decode_custom_all_reduce=True,  # vLLM's default (NeMo RL does not disable it)
                                partial_rollouts=execution.partial_rollouts, inflight_batches=execution.inflight_batches,
                                max_token_lag=execution.max_token_lag, partial_carry=execution.partial_carry)
     return Evaluator(run.shape, workload, hw, options)

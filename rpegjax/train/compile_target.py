@@ -21,6 +21,8 @@ from collections.abc import Sequence
 
 import jax
 
+from rpegjax.perf.hardware import H100_CUDA_MEMORY_BYTES
+
 
 class DryRunTarget(enum.StrEnum):
     CPU = "cpu"  # this machine's devices (virtual CPU devices when the plan needs more)
@@ -70,10 +72,10 @@ device_description_str: "{self.name}"
 """
 
 
-# Device memory as the CUDA runtime reports it (H100 SXM 80 GB: 84942979072 B, XLA's spec); GH200's GPU is the
+# Device memory as the CUDA runtime reports it (H100 SXM 80 GB: XLA's spec, the `h100` preset's CUDA figure); GH200's GPU is the
 # same Hopper die with 96 GB of HBM3 (rpegjax.perf.hardware's `gh200` preset).
 GPU_SPECS = {
-    DryRunTarget.CUDA_H100: GpuSpec(name="NVIDIA H100 80GB HBM3", memory_bytes=84942979072,
+    DryRunTarget.CUDA_H100: GpuSpec(name="NVIDIA H100 80GB HBM3", memory_bytes=H100_CUDA_MEMORY_BYTES,
                                     memory_bandwidth=3352320000000),
     DryRunTarget.CUDA_GH200: GpuSpec(name="NVIDIA GH200 96GB HBM3", memory_bytes=96 * 2**30,
                                      memory_bandwidth=4000 * 10**9),

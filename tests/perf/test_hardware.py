@@ -44,6 +44,30 @@ def test_all_reduce_latency_is_the_part_that_does_not_grow_with_the_bytes():
     assert collectives.all_reduce_latency(hw, Group(size=16)) == pytest.approx(2 * 3 * 1e-6 + 2 * 3 * 5e-6)
 
 
+def test_one_shot_all_reduce_reads_every_peer_inside_one_node():
+    """vLLM's custom kernel: two barriers and a read of each of the n - 1 peers' buffers over the node's links."""
+    hw = _two_level()
+    size = 2e5
+    for n in (2, 4):
+        expected = 3 * 1e-6 + (n - 1) * size / (100 * GB)
+        assert collectives.one_shot_all_reduce_seconds(size, hw, Group(size=n)) == pytest.approx(expected, rel=1e-12)
+        assert collectives.one_shot_all_reduce_latency(hw, Group(size=n)) == pytest.approx(3e-6)
+    assert collectives.one_shot_all_reduce_seconds(size, hw, Group(size=1)) == 0.0
+    assert collectives.inside_first_level(hw, Group(size=4)) and not collectives.inside_first_level(hw, Group(size=8))
+    assert not collectives.inside_first_level(hw, Group(size=2, stride=4))
+    for group in (Group(size=8), Group(size=2, stride=4)):
+        with pytest.raises(ValueError, match="inside one node of 4 devices"):
+            collectives.one_shot_all_reduce_seconds(size, hw, group)
+
+
+def test_the_h100_preset_records_the_memory_cuda_reports():
+    device = hardware.h100_node().device
+    assert device.memory_bytes == 80 * GB and device.reported_memory_bytes == 84_942_979_072
+    assert hardware.gh200_quad().device.reported_memory_bytes == hardware.gh200_quad().device.memory_bytes
+    with pytest.raises(ValueError, match="cuda_memory_bytes must be positive"):
+        DeviceSpec(name="d", peak_flops={"bfloat16": 1e15}, memory_bytes=GB, memory_bandwidth=GB, cuda_memory_bytes=0)
+
+
 def test_gather_scatter_are_half_an_all_reduce_and_trivial_groups_are_free():
     hw = _two_level()
     group = Group(size=16)

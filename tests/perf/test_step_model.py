@@ -529,6 +529,27 @@ def test_decode_tensor_all_reduces_carry_the_processed_rows_not_every_slot(kerne
     assert cost.communication_seconds == pytest.approx(expected, rel=1e-9)
 
 
+def test_a_serving_engines_custom_all_reduce_costs_decode_inside_a_node_only():
+    """`decode_custom_all_reduce` (vLLM's one-shot kernel): 3 hops and the n - 1 peers' bytes per all-reduce for a
+    tensor group of up to 8 inside a node; the ring for 16 GPUs over two nodes, as vLLM falls back to NCCL."""
+    from rpegjax.perf.generation_stage import generation_cost
+
+    for tensor, custom_expected in ((4, True), (16, False)):
+        inputs = _inputs(hardware.h100_node(16), options=ExecutionOptions(decode="paged", decode_custom_all_reduce=True))
+        layout = Layout.from_parallel({"data": 1, "tensor": tensor}, where="test")
+        cost = generation_cost(inputs, layout, kv_budget_bytes=1e12)
+        ring = generation_cost(dataclasses.replace(inputs, options=ExecutionOptions(decode="paged")), layout,
+                               kv_budget_bytes=1e12)
+        shape, steps, rows = inputs.actor, cost.detail["decode_steps"], cost.detail["mean_decoded_rows"]
+        if custom_expected:
+            row_bytes = shape.hidden * shape.compute_bytes_each
+            expected = steps * 2 * shape.layers * (3 * 2e-6 + 3 * row_bytes * rows / (450 * 1e9))
+            assert cost.communication_seconds == pytest.approx(expected, rel=1e-9)
+            assert cost.communication_seconds < ring.communication_seconds
+        else:
+            assert cost.communication_seconds == ring.communication_seconds
+
+
 @pytest.mark.parametrize("remat, tokens", [("full", 16384), ("full", 32768), ("dots", 4096)])
 def test_the_updates_head_and_layers_phases_are_maxed_not_added(remat, tokens):
     """An update's peak (fsdp8, one row per device, one micro-batch): what the layers keep for the backward and the
