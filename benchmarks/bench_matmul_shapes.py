@@ -16,6 +16,10 @@ Each worker times every shape `--runs` times, shapes interleaved, wall and CPU s
 process's median (and the smallest per-process median), as GFLOP/s of wall time and CPU ms per call.
 
     python benchmarks/bench_matmul_shapes.py [--rounds 3] [--runs 30] [--config NAME=XLA_FLAGS ...] [--json FILE]
+    python benchmarks/bench_matmul_shapes.py --from-json FILE   # the table and the step bound of a saved run
+
+After the table, each contender's W-small step matmuls at its measured rates (`step_matmul_seconds`): a lower bound
+on the wall and CPU seconds of any step that runs those matmuls with that library on this machine.
 
 Default contenders: torch, XLA default flags (`xla`) and XLA with the dots left to Eigen (`xla-eigen`:
 `--xla_cpu_experimental_ynn_fusion_type=-individual_dot`).
@@ -171,10 +175,17 @@ def main() -> None:
     parser.add_argument("--pin", help="run every worker under `taskset -c PIN` (torch then uses that many threads; "
                                       "XLA:CPU sizes its pool from the same affinity)")
     parser.add_argument("--json", help="also write every round's per-process medians here")
+    parser.add_argument("--from-json", help="report a saved run (--json's file) instead of measuring")
     parser.add_argument("--worker", choices=["xla", "torch"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args.worker, args.runs)
+        return
+    if args.from_json:
+        with open(args.from_json) as f:
+            saved = json.load(f)["rounds"]
+        print_table(saved)
+        print_step_bound(saved)
         return
     configs = [tuple(c.split("=", 1)) for c in args.config] or [("xla", ""), ("xla-eigen", EIGEN)]
     contenders = (([] if args.no_torch else [("torch", "torch", "")])
@@ -189,6 +200,7 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump({"configs": dict((n, f) for n, _, f in contenders), "rounds": rounds}, f, indent=1)
     print_table(rounds)
+    print_step_bound(rounds)
 
 
 def print_table(rounds: dict[str, list[dict[str, dict[str, float]]]]) -> None:
@@ -211,6 +223,66 @@ def print_table(rounds: dict[str, list[dict[str, dict[str, float]]]]) -> None:
             cpu = statistics.median(p["cpu"] for p in per_round) * 1e3
             cells.append(f"{work / wall / 1e9:>9.1f} ({work / best / 1e9:5.1f}) {cpu:7.3f}ms")
         print(f"{shape:<40}" + "".join(cells))
+
+
+# W-small (4 layers): per layer the calls of each shape in one forward pass (q and o, k and v, gate and up, down,
+# the attention's two batched dots); the output layer once. A backward pass runs each forward dot's two transposed
+# dots (input and weight gradients), the attention's as two more calls of each of its forward shapes; k and v's
+# transposed dots are not in SHAPES and are counted at their forward dot's time (4% of a layer's matmul FLOPs).
+LAYERS, NEW_TOKENS, PROMPT_SHARE = 4, 64, 1 / 3  # the prefill: 32 x 32 prompt tokens, a third of T
+FORWARD_CALLS = {"q/o": 2, "k/v": 2, "gate/up": 2, "down": 1}
+
+
+def _seconds(times: dict[str, dict[str, float]], shape: str, kind: str) -> float:
+    """One call of `shape`: the faster of its variants the contender measured (a weight gradient with `x.T`
+    copied first, or not)."""
+    variants = [times[name][kind] for name in (shape, shape + " (x.T copied)") if name in times]
+    return min(variants)
+
+
+def step_matmul_seconds(times: dict[str, dict[str, float]], kind: str) -> dict[str, float]:
+    """Seconds (`kind`: wall or cpu) of the W-small step's matmuls at one contender's per-call medians: the update
+    (forward and backward over T tokens), one log-prob forward, and generation (the prefill as a third of a
+    forward, 64 decode steps of every projection and the output layer; XLA's decode dots from its jitted loop,
+    torch's per call as its generate calls them). Decode attention, sampling and everything elementwise are left
+    out, so any real step is slower."""
+    def shape(prefix: str, suffix: str) -> str:
+        found = [name for name in SHAPES if name.startswith(prefix) and suffix in name]
+        return found[0] if found else shape(prefix, " x@W")
+
+    def one(name: str) -> float:
+        return _seconds(times, name, kind)
+
+    attention = sum(one(name) for name in SHAPES if name.startswith("attn"))
+    forward = LAYERS * (sum(n * one(shape(p, " x@W")) for p, n in FORWARD_CALLS.items()) + attention)
+    forward += one(shape("logits", " x@W"))
+    backward = LAYERS * (sum(n * (one(shape(p, "dY@W.T")) + one(shape(p, "X.T@dY"))) for p, n in FORWARD_CALLS.items())
+                         + 2 * attention)
+    backward += one(shape("logits", "dY@W.T")) + one(shape("logits", "X.T@dY"))
+
+    def decode(prefix: str) -> float:
+        name = shape("decode " + prefix, "")
+        return times[name + " (loop)"][kind] / LOOP if name + " (loop)" in times else times[name][kind]
+
+    decode_step = LAYERS * sum(n * decode(p) for p, n in FORWARD_CALLS.items()) + decode("logits")
+    return {"update": forward + backward, "log-probs": forward,
+            "generation": PROMPT_SHARE * forward + NEW_TOKENS * decode_step}
+
+
+def print_step_bound(rounds: dict[str, list[dict[str, dict[str, float]]]]) -> None:
+    """Per contender: the step's matmul seconds without and with the old-log-prob pass (a reference pass in both),
+    from each shape's median over rounds."""
+    print("W-small step matmuls at these rates (wall s / CPU s; a lower bound on a step that runs them so):")
+    for name, per_round in rounds.items():
+        medians = {shape: {kind: statistics.median(r[shape][kind] for r in per_round if shape in r)
+                           for kind in ("wall", "cpu")} for shape in per_round[0]}
+        parts = {kind: step_matmul_seconds(medians, kind) for kind in ("wall", "cpu")}
+        cells = []
+        for graph, passes in (("update + reference + generation", 1), ("+ old log-probs", 2)):
+            wall, cpu = (parts[k]["update"] + passes * parts[k]["log-probs"] + parts[k]["generation"]
+                         for k in ("wall", "cpu"))
+            cells.append(f"{graph} {wall:.3f} / {cpu:.3f}")
+        print(f"  {name:<14}" + "; ".join(cells))
 
 
 if __name__ == "__main__":
