@@ -1,0 +1,110 @@
+"""W-gen's decode attention alone (issue 28): one token per row over a contiguous cache, W-small's shapes (32 rows,
+2 KV heads of 2 query heads each, head dim 64, 4 layers), 16 steps in one jitted loop, against reading the same
+keys and values once (a bound no attention that reads the cache once per step can beat).
+
+Forms, each checked against the model's own (`models.transformer._cached_attention`) before timing:
+* `model [b k s e]`: the model's decode attention (float32 multiply-and-sum over the head dim, the cache's layout);
+* `keys [b k e s], values summed`: the scores' sum over the head dim taken over keys stored transposed (positions
+  innermost, so the reduction adds rows); values as the model does;
+* `keys [b k e s], values as a dot`: the same scores, `probs @ values` as an einsum.
+The transposed forms say what a cache that stores its keys position-innermost would gain; the cache does not today.
+
+    python benchmarks/bench_decode_attention.py [--windows 128 288] [--runs 11]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rpegjax.models.transformer import _cached_attention
+
+ROWS, KV_HEADS, GROUP, HEAD_DIM, LAYERS, STEPS = 32, 2, 2, 64, 4, 16
+
+
+def _masked_softmax(scores, index, window: int):
+    valid = jnp.arange(window)[None, :] <= index[:, None]
+    return jax.nn.softmax(jnp.where(valid[:, None, None, :], scores, -1e30), axis=-1)
+
+
+def model_form(q, keys, values, index):
+    return _cached_attention(q, keys, values, index[:, None])
+
+
+def transposed_summed(q, keys_t, values, index):
+    qg = q.reshape(ROWS, KV_HEADS, GROUP, HEAD_DIM, 1)
+    scores = jnp.sum(qg * keys_t[:, :, None], axis=-2) / math.sqrt(HEAD_DIM)  # b k g s
+    probs = _masked_softmax(scores, index, keys_t.shape[-1])
+    return jnp.sum(probs[..., None] * values[:, :, None], axis=3).reshape(q.shape)
+
+
+def transposed_dot(q, keys_t, values, index):
+    qg = q.reshape(ROWS, KV_HEADS, GROUP, HEAD_DIM)
+    scores = jnp.einsum("bkge,bkes->bkgs", qg, keys_t) / math.sqrt(HEAD_DIM)
+    probs = _masked_softmax(scores, index, keys_t.shape[-1])
+    return jnp.einsum("bkgs,bkse->bkge", probs, values).reshape(q.shape)
+
+
+def read_once(q, keys, values, index):
+    """Every key (times the query, so nothing is skipped) and every value read once; not attention."""
+    return q + 1e-9 * (jnp.sum(keys * q.reshape(ROWS, KV_HEADS, 1, GROUP * HEAD_DIM)[..., :HEAD_DIM]) + jnp.sum(values))
+
+
+def steps_loop(attend):
+    """STEPS steps of LAYERS layers, each layer's output feeding the next (no step is hoisted out)."""
+    @jax.jit
+    def run(q, keys, values, index):
+        def body(_, q):
+            for layer in range(LAYERS):
+                q = q + 1e-3 * attend(q, keys[layer], values[layer], index)
+            return q
+        return jax.lax.fori_loop(0, STEPS, body, q)
+    return run
+
+
+def measure(window: int, runs: int) -> dict[str, float]:
+    key_q, key_k, key_v = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(key_q, (ROWS, 1, KV_HEADS * GROUP, HEAD_DIM))
+    keys = jax.random.normal(key_k, (LAYERS, ROWS, KV_HEADS, window, HEAD_DIM))
+    values = jax.random.normal(key_v, (LAYERS, ROWS, KV_HEADS, window, HEAD_DIM))
+    keys_t = jnp.swapaxes(keys, -1, -2)
+    index = jnp.arange(ROWS) % window + (window - ROWS)  # rows at different positions near the window's end
+    reference = model_form(q, keys[0], values[0], index)
+    for form, cache in ((transposed_summed, keys_t), (transposed_dot, keys_t)):
+        np.testing.assert_allclose(form(q, cache[0], values[0], index), reference, rtol=1e-4, atol=1e-5)
+    forms = {"model [b k s e]": (model_form, keys), "keys [b k e s], values summed": (transposed_summed, keys_t),
+             "keys [b k e s], values as a dot": (transposed_dot, keys_t), "read keys and values once": (read_once, keys)}
+    loops = {name: (steps_loop(form), cache) for name, (form, cache) in forms.items()}
+    for run, cache in loops.values():
+        run(q, cache, values, index).block_until_ready()
+    seconds: dict[str, list[float]] = {name: [] for name in loops}
+    for _ in range(runs):  # interleaved
+        for name, (run, cache) in loops.items():
+            start = time.perf_counter()
+            run(q, cache, values, index).block_until_ready()
+            seconds[name].append(time.perf_counter() - start)
+    return {name: statistics.median(times) / STEPS for name, times in seconds.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--windows", type=int, nargs="+", default=[128, 288])
+    parser.add_argument("--runs", type=int, default=11)
+    args = parser.parse_args()
+    for window in args.windows:
+        step = measure(window, args.runs)
+        cache_bytes = 2 * LAYERS * ROWS * KV_HEADS * window * HEAD_DIM * 4
+        print(f"window {window}: {cache_bytes / 1e6:.1f} MB of keys and values per step; ms per step (medians of "
+              f"{args.runs}), and the model's form over each")
+        for name, seconds in step.items():
+            print(f"  {name:<34} {seconds * 1e3:7.3f} ms   {step['model [b k s e]'] / seconds:5.2f}x")
+
+
+if __name__ == "__main__":
+    main()
