@@ -247,8 +247,12 @@ def step_matmul_seconds(times: dict[str, dict[str, float]], kind: str) -> dict[s
     torch's per call as its generate calls them). Decode attention, sampling and everything elementwise are left
     out, so any real step is slower."""
     def shape(prefix: str, suffix: str) -> str:
+        if prefix == "k/v" and suffix != " x@W":  # its transposed dots are not measured: its forward dot's time
+            suffix = " x@W"
         found = [name for name in SHAPES if name.startswith(prefix) and suffix in name]
-        return found[0] if found else shape(prefix, " x@W")
+        if len(found) != 1:
+            raise KeyError(f"SHAPES has {len(found)} shapes {prefix!r} ... {suffix!r}: {found}")
+        return found[0]
 
     def one(name: str) -> float:
         return _seconds(times, name, kind)

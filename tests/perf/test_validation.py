@@ -62,9 +62,9 @@ def test_held_out_step_times_within_bound(run):
 
 # Issue 26: the published mixture-of-experts runs (NeMo-RL v0.6), held out (nothing fitted on them), each with the
 # peer's own plan; the 8-step-off run's generation is continuous across steps (`validation.continuous_generation`).
-# Three mechanisms of the peer's engines make the 235B one-step-off run fit the band (docs/benchmarks.md, "Session 19"):
-# vLLM's memory fraction applies to the memory CUDA reports, vLLM's one-shot all-reduce inside a node, and
-# Megatron's published MoE training efficiency (`validation.MEGATRON_MOE_RATIO`).
+# Three mechanisms of the peer's engines make the 235B one-step-off run fit the band (docs/benchmarks.md,
+# "Session 19"): vLLM's memory fraction applies to the memory CUDA reports, vLLM's one-shot all-reduce inside a node,
+# and Megatron's published MoE training efficiency (`validation.MEGATRON_MOE_RATIO`).
 @pytest.mark.parametrize("run", validation.MOE_RUNS, ids=lambda run: run.name)
 def test_held_out_moe_step_times_within_bound(run):
     assert run.shape.experts is not None and run not in FIT_RUNS
