@@ -3,11 +3,11 @@
 keys and values once (a bound no attention that reads the cache once per step can beat).
 
 Forms, each checked against the model's own (`models.transformer._cached_attention`) before timing:
-* `model [b k s e]`: the model's decode attention (float32 multiply-and-sum over the head dim, the cache's layout);
-* `keys [b k e s], values summed`: the scores' sum over the head dim taken over keys stored transposed (positions
-  innermost, so the reduction adds rows); values as the model does;
-* `keys [b k e s], values as a dot`: the same scores, `probs @ values` as an einsum.
-The transposed forms say what a cache that stores its keys position-innermost would gain; the cache does not today.
+* `model: keys [b k e s]`: the model's decode attention (float32 multiply-and-sum, over the cache's layout: keys
+  position-innermost, so the scores' sum over the head dim adds rows of positions);
+* `keys [b k s e]`: the same sums over keys stored head-dim-innermost (the cache's layout before issue 28), whose
+  scores reduce along the innermost axis;
+* `keys [b k e s], values as a dot`: the model's scores, `probs @ values` as an einsum.
 
     python benchmarks/bench_decode_attention.py [--windows 128 288] [--runs 11]
 """
@@ -26,6 +26,7 @@ import numpy as np
 from rpegjax.models.transformer import _cached_attention
 
 ROWS, KV_HEADS, GROUP, HEAD_DIM, LAYERS, STEPS = 32, 2, 2, 64, 4, 16
+MODEL = "model: keys [b k e s]"
 
 
 def _masked_softmax(scores, index, window: int):
@@ -33,14 +34,14 @@ def _masked_softmax(scores, index, window: int):
     return jax.nn.softmax(jnp.where(valid[:, None, None, :], scores, -1e30), axis=-1)
 
 
-def model_form(q, keys, values, index):
-    return _cached_attention(q, keys, values, index[:, None])
+def model_form(q, keys_t, values, index):
+    return _cached_attention(q, keys_t, values, index[:, None])
 
 
-def transposed_summed(q, keys_t, values, index):
-    qg = q.reshape(ROWS, KV_HEADS, GROUP, HEAD_DIM, 1)
-    scores = jnp.sum(qg * keys_t[:, :, None], axis=-2) / math.sqrt(HEAD_DIM)  # b k g s
-    probs = _masked_softmax(scores, index, keys_t.shape[-1])
+def head_dim_innermost(q, keys, values, index):
+    qg = q.reshape(ROWS, KV_HEADS, GROUP, 1, HEAD_DIM)
+    scores = jnp.sum(qg * keys[:, :, None], axis=-1) / math.sqrt(HEAD_DIM)  # b k g s
+    probs = _masked_softmax(scores, index, keys.shape[2])
     return jnp.sum(probs[..., None] * values[:, :, None], axis=3).reshape(q.shape)
 
 
@@ -75,10 +76,10 @@ def measure(window: int, runs: int) -> dict[str, float]:
     values = jax.random.normal(key_v, (LAYERS, ROWS, KV_HEADS, window, HEAD_DIM))
     keys_t = jnp.swapaxes(keys, -1, -2)
     index = jnp.arange(ROWS) % window + (window - ROWS)  # rows at different positions near the window's end
-    reference = model_form(q, keys[0], values[0], index)
-    for form, cache in ((transposed_summed, keys_t), (transposed_dot, keys_t)):
+    reference = model_form(q, keys_t[0], values[0], index)
+    for form, cache in ((head_dim_innermost, keys), (transposed_dot, keys_t)):
         np.testing.assert_allclose(form(q, cache[0], values[0], index), reference, rtol=1e-4, atol=1e-5)
-    forms = {"model [b k s e]": (model_form, keys), "keys [b k e s], values summed": (transposed_summed, keys_t),
+    forms = {MODEL: (model_form, keys_t), "keys [b k s e]": (head_dim_innermost, keys),
              "keys [b k e s], values as a dot": (transposed_dot, keys_t), "read keys and values once": (read_once, keys)}
     loops = {name: (steps_loop(form), cache) for name, (form, cache) in forms.items()}
     for run, cache in loops.values():
@@ -101,9 +102,9 @@ def main() -> None:
         step = measure(window, args.runs)
         cache_bytes = 2 * LAYERS * ROWS * KV_HEADS * window * HEAD_DIM * 4
         print(f"window {window}: {cache_bytes / 1e6:.1f} MB of keys and values per step; ms per step (medians of "
-              f"{args.runs}), and the model's form over each")
+              f"{args.runs}), and each form over the model's")
         for name, seconds in step.items():
-            print(f"  {name:<34} {seconds * 1e3:7.3f} ms   {step['model [b k s e]'] / seconds:5.2f}x")
+            print(f"  {name:<34} {seconds * 1e3:7.3f} ms   {seconds / step[MODEL]:5.2f}x")
 
 
 if __name__ == "__main__":

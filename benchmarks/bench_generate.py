@@ -14,7 +14,10 @@ load from other processes hits all alike:
   * matmul floor  only the weight matmuls of the same steps in one compiled loop (no attention, cache or
                 sampling): a lower bound on any decoder's time on this machine, hence an upper bound on the
                 ratio any implementation can reach against the baselines; "floor + prompts" adds the prompts'
-                matmuls (32 x 32 tokens, the prefill's), which every `generate` also runs.
+                matmuls (32 x 32 tokens, the prefill's), which every `generate` also runs; "floor + cache reads"
+                adds to each step a read of every row's cached keys and values (prompt and earlier tokens), which
+                every decoder with a KV cache also does: beyond the last-level cache together with the weights,
+                it is the bound a KV-cache decoder can reach on this machine.
 Greedy outputs of ours, recompute and transformers are checked equal before timing.
 
 Part 2, W-tail: many prompts whose response lengths are drawn log-normal (sigma 1, max 8x the mean),
@@ -47,6 +50,8 @@ from rpegjax.models import Decoder, ModelConfig
 from rpegjax.models.hf import save_pretrained
 
 BATCH, PROMPT = 32, 32
+FLOOR_READS = "floor + cache reads"
+READ_SEGMENT = 16  # steps per segment of the "floor + cache reads" contender (its cache grows by segment)
 
 
 def _line(name: str, seconds: list[float], tokens: int) -> float:
@@ -109,40 +114,64 @@ def make_recompute_loop(graphdef: nnx.GraphDef):
     return generate, warm
 
 
-def make_matmul_floor(cfg: ModelConfig, rows: int, prompt: int = 0):
+def make_matmul_floor(cfg: ModelConfig, rows: int, prompt: int = 0, cache_reads: int = 0):
     """A lower bound on any decoder's step time on this machine: only the step's weight matmuls (`rows` tokens
     through every layer's projections, fused q|k|v and gate|up, and the output layer), `steps` steps in one
     compiled loop; no attention, no cache, no sampling. With `prompt` > 0 the prompts' matmuls come first (rows x
     prompt tokens through every layer, the output layer for the last token only), as a prefill does: the bound
-    for a whole `generate` (prompts in). Returns `run(steps)` and the matmul FLOPs per step (the prompts' not in)."""
+    for a whole `generate` (prompts in). With `cache_reads` = the prompt length, every step also reads each row's
+    cached keys and values once per layer (a sum weighted by the step's own projections, so it stays in the step),
+    as any decoder with a KV cache must: the prompt and the tokens before the step, counted per READ_SEGMENT steps
+    at the segment's first step (fewer bytes than a decoder reads, so still a bound), beside the weights in the
+    same caches. Returns `run(steps)` and the matmul FLOPs per step (the prompts' not in)."""
     d, f, v, e = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
     qkv, heads = (cfg.num_heads + 2 * cfg.num_kv_heads) * e, cfg.num_heads * e
-    keys = iter(jax.random.split(jax.random.key(0), 4 * cfg.num_layers + 1))
+    keys = iter(jax.random.split(jax.random.key(0), 4 * cfg.num_layers + 2))
     layers = [{name: jax.random.normal(next(keys), shape) * 0.02
                for name, shape in (("qkv", (d, qkv)), ("o", (heads, d)), ("gate_up", (d, 2 * f)), ("down", (f, d)))}
               for _ in range(cfg.num_layers)]
     head = jax.random.normal(next(keys), (d, v)) * 0.02
+    cache_key = next(keys)
 
-    def through_layers(x):
-        for layer in layers:
-            x = x + (x @ layer["qkv"])[:, :heads] @ layer["o"]
+    def through_layers(x, cache=None):
+        for index, layer in enumerate(layers):
+            y = x @ layer["qkv"]
+            if cache is not None:  # this layer's keys and values [rows, kv, 2e, positions], each read once
+                y = y + 1e-9 * jnp.sum(cache[index] * y[:, None, : 2 * e, None])
+            x = x + y[:, :heads] @ layer["o"]
             gate_up = x @ layer["gate_up"]
             x = x + (jax.nn.silu(gate_up[:, :f]) * gate_up[:, f:]) @ layer["down"]
         return x
 
-    @partial(jax.jit, static_argnums=1)
-    def loop(x, steps):
-        if prompt:  # the prompts' tokens, then each row's last one feeds the first step
-            x = through_layers(jnp.repeat(x, prompt, axis=0)).reshape(rows, prompt, d)[:, -1]
-
+    def steps_loop(x, steps, cache=None):
         def body(_, x):
-            x = through_layers(x)
+            x = through_layers(x, cache)
             return x + 1e-3 * (x @ head)[:, :1]  # the output layer's result feeds the next step
         return jax.lax.fori_loop(0, steps, body, x)
 
+    @partial(jax.jit, static_argnums=1)
+    def loop(x, steps, cache):
+        if prompt:  # the prompts' tokens, then each row's last one feeds the first step
+            x = through_layers(jnp.repeat(x, prompt, axis=0)).reshape(rows, prompt, d)[:, -1]
+        if not cache_reads:
+            return steps_loop(x, steps)
+        for start, segment in zip(range(0, steps, READ_SEGMENT), cache, strict=True):  # one loop per segment
+            x = steps_loop(x, min(READ_SEGMENT, steps - start), segment)
+        return x
+
     x = jnp.ones((rows, d), jnp.float32)
+    caches = {}  # per step count: each segment's [layers, rows, kv, 2e, positions], made outside the timed call
+
+    def run(steps):
+        if cache_reads and steps not in caches:
+            caches[steps] = tuple(
+                jax.random.normal(jax.random.fold_in(cache_key, start),
+                                  (cfg.num_layers, rows, cfg.num_kv_heads, 2 * e, cache_reads + start))
+                for start in range(0, steps, READ_SEGMENT))
+        return loop(x, steps, caches.get(steps)).block_until_ready()
+
     flops = 2 * rows * (cfg.num_layers * (d * qkv + heads * d + 3 * d * f) + d * v)
-    return lambda steps: loop(x, steps).block_until_ready(), flops
+    return run, flops
 
 
 def part_wgen(args, cfg, graphdef, params, model, torch_model) -> None:
@@ -154,6 +183,7 @@ def part_wgen(args, cfg, graphdef, params, model, torch_model) -> None:
     recompute, recompute_warm = make_recompute_loop(graphdef)
     floor, floor_flops = make_matmul_floor(cfg, BATCH)
     prompted_floor, _ = make_matmul_floor(cfg, BATCH, prompt=PROMPT)
+    read_floor, _ = make_matmul_floor(cfg, BATCH, cache_reads=PROMPT)
     for new_tokens in args.new_tokens:
         shape = dict(num_slots=BATCH, max_prompt_len=PROMPT, max_new_tokens=new_tokens, chunk_steps=args.chunk_steps)
         sampler = Sampler(cfg, graphdef, **shape)
@@ -193,6 +223,7 @@ def part_wgen(args, cfg, graphdef, params, model, torch_model) -> None:
             recompute_warm(params, prompts, new_tokens)
             floor(new_tokens)  # compiles
             prompted_floor(new_tokens)
+            read_floor(new_tokens)
 
             def matmuls():
                 return floor(new_tokens)
@@ -200,11 +231,15 @@ def part_wgen(args, cfg, graphdef, params, model, torch_model) -> None:
             def prompted_matmuls():
                 return prompted_floor(new_tokens)
 
+            def matmuls_and_reads():
+                return read_floor(new_tokens)
+
             calls = {"ours": ours, "paged": ours_paged, "recompute": plain, "matmul floor": matmuls,
-                     "floor + prompts": prompted_matmuls}
+                     "floor + prompts": prompted_matmuls, FLOOR_READS: matmuls_and_reads}
             if torch_model is not None:
                 calls["transformers"] = hf
             runs = {"ours": args.runs, "paged": args.runs, "matmul floor": args.runs, "floor + prompts": args.runs,
+                    FLOOR_READS: args.runs,
                     "recompute": args.recompute_runs_long if long else args.baseline_runs,
                     "transformers": args.transformers_runs_long if long else args.baseline_runs}
             calls = {name: call for name, call in calls.items() if runs[name] > 0}  # a count of 0 skips one
@@ -213,7 +248,7 @@ def part_wgen(args, cfg, graphdef, params, model, torch_model) -> None:
             print(f"W-gen, {BATCH} x prompt {PROMPT} + {new_tokens} new tokens, {label} "
                   f"(runs: {', '.join(f'{n} {len(s)}' for n, s in seconds.items())}):")
             rates = {name: _line(name, s, tokens) for name, s in seconds.items()}
-            baselines = [n for n in rates if n not in ("ours", "paged", "matmul floor", "floor + prompts")]
+            baselines = [n for n in rates if n not in ("ours", "paged", "matmul floor", "floor + prompts", FLOOR_READS)]
             ratios = ", ".join(f"{rates['ours'] / rates[n]:.2f}x {n}" for n in baselines)
             ratios += "; paged / ours (after / before): " + f"{rates['paged'] / rates['ours']:.3f}"
             ratios += "; paged / baselines: " + ", ".join(f"{rates['paged'] / rates[n]:.2f}x {n}" for n in baselines)
@@ -225,6 +260,10 @@ def part_wgen(args, cfg, graphdef, params, model, torch_model) -> None:
                   f"the floor with the prompts' matmuls (paged {rates['paged'] / rates['floor + prompts']:.2f}); no "
                   f"decoder can beat the floor, "
                   f"so the most any can reach here is {ceiling}")
+            print(f"  {FLOOR_READS}: {statistics.median(seconds[FLOOR_READS]) / new_tokens * 1e3:.2f} ms per step, "
+                  f"{rates[FLOOR_READS] / rates['matmul floor']:.2f} of the matmul floor (the most a decoder that reads "
+                  f"its cache reaches); ours at {rates['ours'] / rates[FLOOR_READS]:.2f} of it (paged "
+                  f"{rates['paged'] / rates[FLOOR_READS]:.2f})")
             windows = ", ".join(f"{w}: {n}" for w, n in sorted(sampler.stats.chunks_per_window.items()))
             print(f"  ours / baselines: {ratios};  ours = {statistics.median(seconds['ours']) / new_tokens * 1e3:.2f} "
                   f"ms per token step (decode chunks per attention window so far: {windows})")

@@ -44,7 +44,7 @@ from rpegjax.sharding.rules import ActivationSharding
 class DecodeState:
     """Everything the decode loop carries, one row per slot (n = most new tokens per sequence)."""
 
-    cache: KVCache  # k, v: per layer [b k t e]; lengths [b] = prompt + response tokens in the cache
+    cache: KVCache  # per layer k [b k e t], v [b k t e]; lengths [b] = prompt + response tokens in the cache
     last_token: Int[Array, " b"]  # latest sampled token, fed to the next step
     num_generated: Int[Array, " b"]  # response tokens sampled so far
     budget: Int[Array, " b"]  # most response tokens this sequence may have
@@ -117,10 +117,10 @@ def decode_state_shardings(state: DecodeState, sharding: ActivationSharding) -> 
         return sharding.sharding(logical, x.shape)
 
     row = (axes.BATCH,)
-    cache_axes = KVCache.logical_axes()
+    key_axes, value_axes = KVCache.key_logical_axes(), KVCache.value_logical_axes()
     return DecodeState(
-        cache=KVCache(k=tuple(named(cache_axes, x) for x in state.cache.k),
-                      v=tuple(named(cache_axes, x) for x in state.cache.v), lengths=named(row, state.cache.lengths)),
+        cache=KVCache(k=tuple(named(key_axes, x) for x in state.cache.k),
+                      v=tuple(named(value_axes, x) for x in state.cache.v), lengths=named(row, state.cache.lengths)),
         last_token=named(row, state.last_token),
         num_generated=named(row, state.num_generated),
         budget=named(row, state.budget),
@@ -231,11 +231,12 @@ def admit(
     s = prompts.shape[1]
     cache, logits, routing = prefill(model, prompts, prompt_lengths, sharding)
     repeat = lambda x, axis=0: jnp.repeat(x, group_size, axis=axis)  # noqa: E731
-    def copy_in(slot_cache, prefilled):  # one layer's [b k T e] array
-        return slot_cache.at[slots, :, :s].set(repeat(prefilled).astype(slot_cache.dtype), mode="drop")
+    def copy_in(slot_cache, prefilled, positions):  # one layer's key or value array, its positions' axis
+        first_s = (slice(None),) * (positions - 1) + (slice(None, s),)
+        return slot_cache.at[(slots, *first_s)].set(repeat(prefilled).astype(slot_cache.dtype), mode="drop")
 
-    new_k = tuple(map(copy_in, state.cache.k, cache.k))
-    new_v = tuple(map(copy_in, state.cache.v, cache.v))
+    new_k = tuple(copy_in(old, new, KVCache.KEY_POSITIONS) for old, new in zip(state.cache.k, cache.k, strict=True))
+    new_v = tuple(copy_in(old, new, KVCache.VALUE_POSITIONS) for old, new in zip(state.cache.v, cache.v, strict=True))
 
     # the new rows as a small state of their own (no cache: sampling never reads it), advanced by one
     # sampled token, then scattered in; sampling only the r new rows keeps an admit cheap at large vocab
@@ -359,12 +360,14 @@ def decode(
     window = None if window is None or window >= state.cache.capacity else window
 
     def take_cache(cache: KVCache) -> KVCache:
-        return KVCache(k=tuple(take_rows(x, live, window) for x in cache.k),
-                       v=tuple(take_rows(x, live, window) for x in cache.v), lengths=take_rows(cache.lengths, live))
+        kp, vp = KVCache.KEY_POSITIONS, KVCache.VALUE_POSITIONS
+        return KVCache(k=tuple(take_rows(x, live, window, kp) for x in cache.k),
+                       v=tuple(take_rows(x, live, window, vp) for x in cache.v), lengths=take_rows(cache.lengths, live))
 
     def put_cache(cache: KVCache, part: KVCache) -> KVCache:
-        return KVCache(k=tuple(put_rows(x, live, new, window) for x, new in zip(cache.k, part.k, strict=True)),
-                       v=tuple(put_rows(x, live, new, window) for x, new in zip(cache.v, part.v, strict=True)),
+        kp, vp = KVCache.KEY_POSITIONS, KVCache.VALUE_POSITIONS
+        return KVCache(k=tuple(put_rows(x, live, new, window, kp) for x, new in zip(cache.k, part.k, strict=True)),
+                       v=tuple(put_rows(x, live, new, window, vp) for x, new in zip(cache.v, part.v, strict=True)),
                        lengths=put_rows(cache.lengths, live, part.lengths))
 
     def run(compact: DecodeState) -> tuple[DecodeState, Int[Array, ""]]:

@@ -75,32 +75,34 @@ def least_busy_first(free: Sequence[int], running: Sequence[int], *, num_slots: 
     return order
 
 
-def take_rows(x: Array, live: Int[Array, "r q"], window: int | None = None) -> Array:
+def take_rows(x: Array, live: Int[Array, "r q"], window: int | None = None, positions: int = 2) -> Array:
     """Rows `live` of x [b ...] (b split into r replica blocks; live holds indices within a block) -> [r*q ...];
-    with `window`, only the first `window` entries of axis 2 (a contiguous cache's positions). A full bucket (q = b / r)
-    must list every slot in slot order, as `live_rows` gives it: x is then sliced, not gathered (XLA:CPU's gather
-    of a whole cache window per chunk cost more than the chunk's attention: docs/benchmarks.md, issue 28)."""
+    with `window`, only the first `window` entries of axis `positions` (a contiguous cache's positions). A full
+    bucket (q = b / r) must list every slot in slot order, as `live_rows` gives it: x is then sliced, not gathered
+    (XLA:CPU's gather of a whole cache window per chunk cost more than the chunk's attention: docs/benchmarks.md,
+    issue 28)."""
     r, q = live.shape
     if q * r == x.shape[0]:  # a full bucket is every slot in slot order (`live_rows`): a slice, not a gather
-        return x if window is None else x[:, :, :window]
+        return x if window is None else jax.lax.slice_in_dim(x, 0, window, axis=positions)
     blocks = x.reshape(r, x.shape[0] // r, *x.shape[1:])
     if window is not None:
-        blocks = blocks[:, :, :, :window]
+        blocks = jax.lax.slice_in_dim(blocks, 0, window, axis=positions + 1)
     taken = jax.vmap(lambda block, rows: block[rows])(blocks, live)
     return taken.reshape(r * q, *taken.shape[2:])
 
 
-def put_rows(x: Array, live: Int[Array, "r q"], new: Array, window: int | None = None) -> Array:
+def put_rows(x: Array, live: Int[Array, "r q"], new: Array, window: int | None = None, positions: int = 2) -> Array:
     """x with rows `live` replaced by `new` [r*q ...] (the inverse of `take_rows`; with `window`, the first
-    `window` entries of axis 2 only; a full bucket in slot order, as in `take_rows`)."""
+    `window` entries of axis `positions` only; a full bucket in slot order, as in `take_rows`)."""
     r, q = live.shape
     if q * r == x.shape[0]:  # a full bucket, every slot in slot order: written in place, no scatter
         return new if window is None else jax.lax.dynamic_update_slice(x, new, (0,) * x.ndim)
     blocks = x.reshape(r, x.shape[0] // r, *x.shape[1:])
     parts = new.reshape(r, q, *new.shape[1:])
+    first_window = (slice(None),) * (positions - 1) + (slice(None, window),)
 
     def put(block, rows, part):
-        return block.at[rows].set(part) if window is None else block.at[rows, :, :window].set(part)
+        return block.at[rows].set(part) if window is None else block.at[(rows, *first_window)].set(part)
 
     return jax.vmap(put)(blocks, live, parts).reshape(x.shape)
 

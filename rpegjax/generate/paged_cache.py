@@ -14,8 +14,8 @@ it stays on the devices of that replica, with no collective. Without a mesh R = 
 
 Reading a slot gathers the first `window_pages` entries of its page table (the cache index of a key = its table
 column * n + offset), then attends like the contiguous cache (`_cached_attention`: a prefill on the pages
-transposed to [b k w*n e]; a decode step, one token per row, in the gathered layout [k b w n e], `_attend_pages`),
-so both layouts give the same logits up to float rounding. Table entries past a slot's pages hold
+transposed to that cache's layout, keys [b k e w*n] and values [b k w*n e]; a decode step, one token per row, in
+the gathered layout [k b w n e], `_attend_pages`), so both layouts give the same logits up to float rounding. Table entries past a slot's pages hold
 page 0: what they read is masked out by position like any key past the row's length. With
 `DecodeAttention.PALLAS` a decode step instead runs the kernel over each row's whole table, which stops at the
 row's own length (`paged_attention.paged_decode_attention`): no window, and no work past a row's tokens.
@@ -148,13 +148,16 @@ class PagedLayer:
             out = jax.vmap(attend)(new_k, new_v, table, split(q), split(positions))
             return out.reshape(q.shape), written
 
-        def gather(pool, table):  # [b/r w] pages -> [b/r k w*n e]
-            pages = pool[:, table]  # k b/r w n e
-            kv, rows, w, n, e = pages.shape
-            return pages.transpose(1, 0, 2, 3, 4).reshape(rows, kv, w * n, e)
+        def gather_keys(pool, table):  # [b/r w] pages -> the contiguous cache's keys [b/r k e w*n]
+            pages = pool[:, table].transpose(1, 0, 4, 2, 3)  # k b/r w n e -> b/r k e w n
+            return pages.reshape(*pages.shape[:3], -1)
 
-        keys = jax.vmap(gather)(new_k, table)
-        values = jax.vmap(gather)(new_v, table)
+        def gather_values(pool, table):  # [b/r w] pages -> the contiguous cache's values [b/r k w*n e]
+            pages = pool[:, table].transpose(1, 0, 2, 3, 4)  # k b/r w n e -> b/r k w n e
+            return pages.reshape(*pages.shape[:2], -1, pages.shape[-1])
+
+        keys = jax.vmap(gather_keys)(new_k, table)
+        values = jax.vmap(gather_values)(new_v, table)
         keys, values = (x.reshape(b, *x.shape[2:]) for x in (keys, values))
         out = _cached_attention(q, keys, values, positions)
         return out, written

@@ -59,31 +59,43 @@ GATHERED = (axes.BATCH, axes.SEQ, axes.EMBED)
 class KVCache:
     """Keys and values of every layer for a fixed number of slots (rows) and capacity.
 
-    `k` and `v` hold one [b, k, t, e] array per layer (slot, KV head, cache index, head dim): a decode
-    step reads and writes each layer's arrays in place, where slicing one layer out of a stacked
-    [l, ...] array would copy it at every step, and head-major rows let one token's attention scan
-    each head's keys contiguously.
+    `k` holds one [b, k, e, t] array per layer (slot, KV head, head dim, cache index), `v` one [b, k, t, e]
+    array: a decode step reads and writes each layer's arrays in place, where slicing one layer out of a
+    stacked [l, ...] array would copy it at every step. Keys are stored position-innermost so that one
+    token's scores, a sum over the head dim, add whole rows of positions instead of reducing along the
+    innermost axis (XLA:CPU's decode attention 1.2-1.9x faster: docs/benchmarks.md, issue 28); values stay
+    head-dim-innermost, which is what the probability-weighted sum over positions wants.
     """
 
-    k: tuple[Float[Array, "b k t e"], ...]
+    k: tuple[Float[Array, "b k e t"], ...]
     v: tuple[Float[Array, "b k t e"], ...]
     lengths: Int[Array, " b"]  # valid tokens per row
 
+    # the axis of cache positions in each layer's key and value array (class constants, not fields)
+    KEY_POSITIONS = 3
+    VALUE_POSITIONS = 2
+
     @classmethod
     def zeros(cls, cfg: ModelConfig, batch: int, capacity: int, dtype=None) -> KVCache:
-        shape = (batch, cfg.num_kv_heads, capacity, cfg.head_dim)
+        key_shape = (batch, cfg.num_kv_heads, cfg.head_dim, capacity)
+        value_shape = (batch, cfg.num_kv_heads, capacity, cfg.head_dim)
         dtype = cfg.jnp_dtype if dtype is None else dtype
         layers = range(cfg.num_layers)
-        return cls(k=tuple(jnp.zeros(shape, dtype) for _ in layers), v=tuple(jnp.zeros(shape, dtype) for _ in layers),
-                   lengths=jnp.zeros((batch,), jnp.int32))
+        return cls(k=tuple(jnp.zeros(key_shape, dtype) for _ in layers),
+                   v=tuple(jnp.zeros(value_shape, dtype) for _ in layers), lengths=jnp.zeros((batch,), jnp.int32))
 
     @property
     def capacity(self) -> int:
-        return self.k[0].shape[2]
+        return self.v[0].shape[KVCache.VALUE_POSITIONS]
 
     @staticmethod
-    def logical_axes() -> tuple[str | None, ...]:
-        """Logical axes of each layer's k and v array."""
+    def key_logical_axes() -> tuple[str | None, ...]:
+        """Logical axes of each layer's k array."""
+        return (axes.BATCH, axes.KV_HEADS, axes.HEAD_DIM, axes.CACHE_SEQ)
+
+    @staticmethod
+    def value_logical_axes() -> tuple[str | None, ...]:
+        """Logical axes of each layer's v array."""
         return (axes.BATCH, axes.KV_HEADS, axes.CACHE_SEQ, axes.HEAD_DIM)
 
     def layer(self, index: int) -> tuple[Array, Array]:
@@ -234,7 +246,7 @@ class Attention(nnx.Module):
         x: Float[Array, "b t d"],
         rope: tuple[Array, Array],  # rope_tables(positions, ...)
         key_mask: Bool[Array, "b t"] | None,
-        layer_cache: tuple[Array, Array] | None,  # this layer's cache k, v [b k T e]
+        layer_cache: tuple[Array, Array] | None,  # this layer's cache k [b k e T], v [b k T e]
         cache_offsets: Int[Array, " b"] | None,
         sharding: ActivationSharding | None,
         dropout_key: Array | None = None,  # this layer's LoRA dropout key (training forward only)
@@ -257,15 +269,15 @@ class Attention(nnx.Module):
         if not isinstance(layer_cache, tuple):  # a cache with its own layout (paged) writes and attends itself
             out, layer_cache = layer_cache.write_and_attend(q, k, v, cache_offsets, key_mask, sharding)
             return self._output(out, sharding), layer_cache
-        # writing only the new tokens into this layer's [b k T e] arrays (a scatter XLA does in place;
-        # XLA:CPU excepted for a bf16 cache, which it scatters through a float32 copy: docs/benchmarks.md)
-        # avoids copying the cache at every decode step. The advanced indices (rows, columns) around the
-        # head slice address a [b t k e] block, the layout of k and v.
+        # writing only the new tokens into this layer's arrays (a scatter XLA does in place; XLA:CPU excepted
+        # for a bf16 cache, which it scatters through a float32 copy: docs/benchmarks.md) avoids copying the
+        # cache at every decode step. Advanced indices (rows, columns) split by slices put their [b t] dims
+        # first: both writes address a [b t k e] block, the layout of the new k and v.
         cache_k, cache_v = layer_cache
         b, t = x.shape[:2]
         rows = jnp.arange(b)[:, None]
         columns = cache_offsets[:, None] + jnp.arange(t)[None, :]  # b t: cache index of each new token
-        cache_k = cache_k.at[rows, :, columns].set(k.astype(cache_k.dtype), mode="drop")
+        cache_k = cache_k.at[rows, :, :, columns].set(k.astype(cache_k.dtype), mode="drop")
         cache_v = cache_v.at[rows, :, columns].set(v.astype(cache_v.dtype), mode="drop")
         out = _cached_attention(q, cache_k, cache_v, columns)
         return self._output(out, sharding), (cache_k, cache_v)
@@ -279,28 +291,29 @@ class Attention(nnx.Module):
 
 def _cached_attention(
     q: Float[Array, "b t h e"],
-    keys: Float[Array, "b k s e"],
+    keys: Float[Array, "b k e s"],
     values: Float[Array, "b k s e"],
     query_index: Int[Array, "b t"],
 ) -> Float[Array, "b t h e"]:
     """softmax(q k^T / sqrt(e)) v over cache slots s <= each query's own cache index, in float32.
 
     One new token per row (decode) is a multiply-and-sum XLA fuses into one pass over the cache, with no
-    transposed copy of it; longer blocks (prefill) use batched matmuls.
+    transposed copy of it: over the position-innermost keys it adds rows of positions, over the values it
+    adds rows of head dims; longer blocks (prefill) use batched matmuls.
     """
     b, t, h, e = q.shape
-    kv, s = keys.shape[1], keys.shape[2]
+    kv, s = keys.shape[1], keys.shape[3]
     g = h // kv
     valid = jnp.arange(s)[None, None, :] <= query_index[:, :, None]  # b t s
     if t == 1:
-        qg = q.reshape(b, kv, g, 1, e).astype(jnp.float32)
-        scores = jnp.sum(qg * keys[:, :, None].astype(jnp.float32), axis=-1) / math.sqrt(e)  # b k g s
+        qg = q.reshape(b, kv, g, e, 1).astype(jnp.float32)
+        scores = jnp.sum(qg * keys[:, :, None].astype(jnp.float32), axis=3) / math.sqrt(e)  # b k g s
         scores = jnp.where(valid[:, :, None, :], scores, _NEG_INF)  # valid b 1 s -> b 1 1 s
         probs = jax.nn.softmax(scores, axis=-1)
         out = jnp.sum(probs[..., None] * values[:, :, None].astype(jnp.float32), axis=3)  # b k g e
         return out.reshape(b, 1, h, e).astype(q.dtype)
     qg = q.reshape(b, t, kv, g, e)
-    scores = jnp.einsum("btkge,bkse->bkgts", qg, keys.astype(q.dtype)).astype(jnp.float32) / math.sqrt(e)
+    scores = jnp.einsum("btkge,bkes->bkgts", qg, keys.astype(q.dtype)).astype(jnp.float32) / math.sqrt(e)
     scores = jnp.where(valid[:, None, None], scores, _NEG_INF)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     return jnp.einsum("bkgts,bkse->btkge", probs, values.astype(q.dtype)).reshape(q.shape)

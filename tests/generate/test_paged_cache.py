@@ -253,7 +253,8 @@ def test_the_kv_cache_lives_only_while_a_generate_call_runs(request, layout, tin
 
 def test_decode_attention_over_gathered_pages_equals_the_contiguous_attention():
     """`_attend_pages` (one token per row over [k b w n e] pages, the pool's layout) == `_cached_attention` over the
-    same keys laid out [b k w*n e], with each row's query at a different cache index (later keys masked)."""
+    same keys laid out as the contiguous cache's (keys [b k e w*n], values [b k w*n e]), with each row's query at a
+    different cache index (later keys masked)."""
     from rpegjax.generate.paged_cache import _attend_pages
     from rpegjax.models.transformer import _cached_attention
 
@@ -262,9 +263,10 @@ def test_decode_attention_over_gathered_pages_equals_the_contiguous_attention():
     q = jax.random.normal(keys[0], (b, 1, kv * g, e))
     pages_k, pages_v = (jax.random.normal(k, (kv, b, w, n, e)) for k in keys[1:])
     positions = np.array([[0], [7], [w * n - 1]], np.int32)
-    flat = [x.transpose(1, 0, 2, 3, 4).reshape(b, kv, w * n, e) for x in (pages_k, pages_v)]
+    flat_v = pages_v.transpose(1, 0, 2, 3, 4).reshape(b, kv, w * n, e)
+    flat_k = pages_k.transpose(1, 0, 4, 2, 3).reshape(b, kv, e, w * n)
     np.testing.assert_allclose(_attend_pages(q, pages_k, pages_v, positions),
-                               _cached_attention(q, *flat, positions), atol=1e-5, rtol=0)
+                               _cached_attention(q, flat_k, flat_v, positions), atol=1e-5, rtol=0)
 
 
 def test_start_samples_each_replicas_rows_on_its_own_devices(tiny_cfg, tiny_split, make_prompts):

@@ -38,6 +38,27 @@ def test_cache_prefill_then_decode_equals_full_forward(architecture):
     np.testing.assert_array_equal(cache.lengths, prompt_lengths + 3)
 
 
+def test_cache_stores_keys_position_innermost_and_values_head_dim_innermost():
+    """The layout `_cached_attention` reads (issue 28): a prefill writes token j of row b, KV head h at keys
+    [b, h, :, j] and values [b, h, j, :], each that token's own key and value projection (layer 0)."""
+    from rpegjax.models.transformer import rope_inverse_frequencies, rope_tables
+
+    cfg = ModelConfig.tiny()
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.key(2), (2, 5), 0, cfg.vocab_size)
+    positions = jnp.broadcast_to(jnp.arange(5), (2, 5))
+    _, cache = model.hidden_states(tokens, positions, cache=KVCache.zeros(cfg, 2, 8))
+    kv, e = cfg.num_kv_heads, cfg.head_dim
+    assert cache.k[0].shape == (2, kv, e, 8) and cache.v[0].shape == (2, kv, 8, e) and cache.capacity == 8
+    layer = model.layers[0]
+    normed = layer.input_norm(model.embed.get_value()[tokens].astype(cfg.jnp_dtype))
+    rope = rope_tables(positions, rope_inverse_frequencies(cfg))
+    keys = layer.attention._project(normed, "k_proj", "k_bias", "k_norm", rope, None, None)  # b t k e
+    values = layer.attention._project(normed, "v_proj", "v_bias", None, None, None, None)
+    np.testing.assert_allclose(cache.k[0][..., :5], keys.transpose(0, 2, 3, 1), atol=1e-6)
+    np.testing.assert_allclose(cache.v[0][:, :, :5], values.transpose(0, 2, 1, 3), atol=1e-6)
+
+
 def test_left_padding_does_not_change_real_positions():
     cfg = ModelConfig.tiny()
     model = Decoder(cfg, rngs=nnx.Rngs(0))
