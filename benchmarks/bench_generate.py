@@ -261,8 +261,8 @@ def part_wgen(args, cfg, graphdef, params, model, torch_model) -> None:
                   f"decoder can beat the floor, "
                   f"so the most any can reach here is {ceiling}")
             print(f"  {FLOOR_READS}: {statistics.median(seconds[FLOOR_READS]) / new_tokens * 1e3:.2f} ms per step, "
-                  f"{rates[FLOOR_READS] / rates['matmul floor']:.2f} of the matmul floor (the most a decoder that reads "
-                  f"its cache reaches); ours at {rates['ours'] / rates[FLOOR_READS]:.2f} of it (paged "
+                  f"{rates[FLOOR_READS] / rates['matmul floor']:.2f} of the matmul floor (the most a decoder that "
+                  f"reads its cache reaches); ours at {rates['ours'] / rates[FLOOR_READS]:.2f} of it (paged "
                   f"{rates['paged'] / rates[FLOOR_READS]:.2f})")
             windows = ", ".join(f"{w}: {n}" for w, n in sorted(sampler.stats.chunks_per_window.items()))
             print(f"  ours / baselines: {ratios};  ours = {statistics.median(seconds['ours']) / new_tokens * 1e3:.2f} "

@@ -15,8 +15,9 @@ it stays on the devices of that replica, with no collective. Without a mesh R = 
 Reading a slot gathers the first `window_pages` entries of its page table (the cache index of a key = its table
 column * n + offset), then attends like the contiguous cache (`_cached_attention`: a prefill on the pages
 transposed to that cache's layout, keys [b k e w*n] and values [b k w*n e]; a decode step, one token per row, in
-the gathered layout [k b w n e], `_attend_pages`), so both layouts give the same logits up to float rounding. Table entries past a slot's pages hold
-page 0: what they read is masked out by position like any key past the row's length. With
+the gathered layout [k b w n e], `_attend_pages`), so both layouts give the same logits up to float rounding.
+Table entries past a slot's pages hold page 0: what they read is masked out by position like any key past the
+row's length. With
 `DecodeAttention.PALLAS` a decode step instead runs the kernel over each row's whole table, which stops at the
 row's own length (`paged_attention.paged_decode_attention`): no window, and no work past a row's tokens.
 """

@@ -63,7 +63,7 @@ class KVCache:
     array: a decode step reads and writes each layer's arrays in place, where slicing one layer out of a
     stacked [l, ...] array would copy it at every step. Keys are stored position-innermost so that one
     token's scores, a sum over the head dim, add whole rows of positions instead of reducing along the
-    innermost axis (XLA:CPU's decode attention 1.2-1.9x faster: docs/benchmarks.md, issue 28); values stay
+    innermost axis (XLA:CPU's decode attention 2.9x faster at 128 positions: docs/benchmarks.md, issue 28); values stay
     head-dim-innermost, which is what the probability-weighted sum over positions wants.
     """
 
