@@ -30,7 +30,7 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from rpegjax.generate.completion import EOS_CODE, LENGTH_CODE, RUNNING_CODE, STOP_CODE
-from rpegjax.generate.live_rows import decode_live, put_rows, take_rows
+from rpegjax.generate.live_rows import decode_live, first_positions, put_rows, take_rows
 from rpegjax.generate.sampling import SamplingArrays, row_step_keys, sample_tokens
 from rpegjax.models.config import ModelConfig
 from rpegjax.models.transformer import KVCache
@@ -232,8 +232,8 @@ def admit(
     cache, logits, routing = prefill(model, prompts, prompt_lengths, sharding)
     repeat = lambda x, axis=0: jnp.repeat(x, group_size, axis=axis)  # noqa: E731
     def copy_in(slot_cache, prefilled, positions):  # one layer's key or value array, its positions' axis
-        first_s = (slice(None),) * (positions - 1) + (slice(None, s),)
-        return slot_cache.at[(slots, *first_s)].set(repeat(prefilled).astype(slot_cache.dtype), mode="drop")
+        at = (slots, *first_positions(positions, s))
+        return slot_cache.at[at].set(repeat(prefilled).astype(slot_cache.dtype), mode="drop")
 
     new_k = tuple(copy_in(old, new, KVCache.KEY_POSITIONS) for old, new in zip(state.cache.k, cache.k, strict=True))
     new_v = tuple(copy_in(old, new, KVCache.VALUE_POSITIONS) for old, new in zip(state.cache.v, cache.v, strict=True))
@@ -358,14 +358,13 @@ def decode(
     costs an early return, never a wrong token. Logits are the same: keys past a row's length are masked.
     """
     window = None if window is None or window >= state.cache.capacity else window
+    kp, vp = KVCache.KEY_POSITIONS, KVCache.VALUE_POSITIONS
 
     def take_cache(cache: KVCache) -> KVCache:
-        kp, vp = KVCache.KEY_POSITIONS, KVCache.VALUE_POSITIONS
         return KVCache(k=tuple(take_rows(x, live, window, kp) for x in cache.k),
                        v=tuple(take_rows(x, live, window, vp) for x in cache.v), lengths=take_rows(cache.lengths, live))
 
     def put_cache(cache: KVCache, part: KVCache) -> KVCache:
-        kp, vp = KVCache.KEY_POSITIONS, KVCache.VALUE_POSITIONS
         return KVCache(k=tuple(put_rows(x, live, new, window, kp) for x, new in zip(cache.k, part.k, strict=True)),
                        v=tuple(put_rows(x, live, new, window, vp) for x, new in zip(cache.v, part.v, strict=True)),
                        lengths=put_rows(cache.lengths, live, part.lengths))

@@ -75,6 +75,12 @@ def least_busy_first(free: Sequence[int], running: Sequence[int], *, num_slots: 
     return order
 
 
+def first_positions(positions: int, count: int | None) -> tuple[slice, ...]:
+    """The index, after a leading row index, of the first `count` entries of axis `positions` (all of the axes
+    between): `x.at[(rows, *first_positions(3, n))]` is `x.at[rows, :, :, :n]`."""
+    return (slice(None),) * (positions - 1) + (slice(None, count),)
+
+
 def take_rows(x: Array, live: Int[Array, "r q"], window: int | None = None, positions: int = 2) -> Array:
     """Rows `live` of x [b ...] (b split into r replica blocks; live holds indices within a block) -> [r*q ...];
     with `window`, only the first `window` entries of axis `positions` (a contiguous cache's positions). A full
@@ -99,10 +105,11 @@ def put_rows(x: Array, live: Int[Array, "r q"], new: Array, window: int | None =
         return new if window is None else jax.lax.dynamic_update_slice(x, new, (0,) * x.ndim)
     blocks = x.reshape(r, x.shape[0] // r, *x.shape[1:])
     parts = new.reshape(r, q, *new.shape[1:])
-    first_window = (slice(None),) * (positions - 1) + (slice(None, window),)
 
     def put(block, rows, part):
-        return block.at[rows].set(part) if window is None else block.at[(rows, *first_window)].set(part)
+        if window is None:
+            return block.at[rows].set(part)
+        return block.at[(rows, *first_positions(positions, window))].set(part)
 
     return jax.vmap(put)(blocks, live, parts).reshape(x.shape)
 
