@@ -1,11 +1,11 @@
-"""W-gen's decode attention alone (issue 28): one token per row over a contiguous cache, W-small's shapes (32 rows,
+"""W-gen's decode attention alone: one token per row over a contiguous cache, W-small's shapes (32 rows,
 2 KV heads of 2 query heads each, head dim 64, 4 layers), 16 steps in one jitted loop, against reading the same
 keys and values once (a bound no attention that reads the cache once per step can beat).
 
 Forms, each checked against the model's own (`models.transformer._cached_attention`) before timing:
 * `model: keys [b k e s]`: the model's decode attention (float32 multiply-and-sum, over the cache's layout: keys
   position-innermost, so the scores' sum over the head dim adds rows of positions);
-* `keys [b k s e]`: the same sums over keys stored head-dim-innermost (the cache's layout before issue 28), whose
+* `keys [b k s e]`: the same sums over keys stored head-dim-innermost (the cache's earlier layout), whose
   scores reduce along the innermost axis;
 * `keys [b k e s], values as a dot`: the model's scores, `probs @ values` as an einsum.
 

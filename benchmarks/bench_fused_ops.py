@@ -1,4 +1,4 @@
-"""Issue 28's op-level changes, before and after, interleaved in one process (W-small shapes, float32):
+"""Op-level changes of the W-small step, before and after, interleaved in one process (W-small shapes, float32):
 
   * projections: a layer's q, k, v and gate, up projections as five matmuls (before) or two, against the kernels
     side by side (after, `Attention._project_qkv` / `MLP`): the training rows (32 x 96 tokens, forward and

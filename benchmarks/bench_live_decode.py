@@ -5,7 +5,7 @@
 The W-small model (random weights, float32), prompts of 32 tokens, response budgets log-normal (sigma 1, mean
 --mean, max 8x the mean, as W-tail), EOS ignored, temperature 1. Two shapes:
   * step: one RL step's batch, every sequence in its own slot from the start (64 prompts on 64 slots): the
-    replica decodes until its longest sequence ends, most slots idle in the tail (issue 24's W-plan case);
+    replica decodes until its longest sequence ends, most slots idle in the tail (W-plan's case);
   * queue: 128 prompts on 32 slots, continuous batching (freed slots refilled while prompts wait).
 Each on the contiguous and the paged cache, with live buckets ("live", the default) and without ("every": every
 slot decoded every step, the sampler before live buckets). Same key: the sequences are checked equal. Timed

@@ -10,8 +10,8 @@ Compiles ahead of time on 8 virtual CPU devices with abstract parameters and opt
 * logprobs-micro  the same stage as the runtime runs it in row micro-batches (`rpegjax.learners.inference`):
             `--inference-rows` rows (all devices) per micro-batch, or as many as `--inference-memory-gib` allows;
             log-prob rows also give the memory budget's estimate of their temporaries (`rpegjax.models.memory`);
-* grad      the gradient of the summed token log-probs of one row on one device, no optimiser (the
-            figure issue 12 quotes: 15.7 GiB at 4k and 183 GiB at 16k for 2 layers of 7B in float32).
+* grad      the gradient of the summed token log-probs of one row on one device, no optimiser (with
+            `--today`: 15.7 GiB at 4k and 183 GiB at 16k for 2 layers of 7B in float32).
 
 `--rows-per-device` rows per data shard (default 1); `--longest` real tokens per row (default all: no padding)
 with `--bucket` (the learner's length_bucket) runs update and log-prob stages trimmed as the runtime does
@@ -21,7 +21,7 @@ Beside each row, the planner's predicted peak for the same layout (`rpegjax.grap
 persistent weights + optimiser state per device, plus the stage's transient bytes) with flash attention
 and the row's own `--remat`. The model runs with `--attention`, `--remat`, layers in one `lax.scan` (unless
 `--unrolled`) and float32 master parameters with `--dtype` compute (defaults: blockwise, full, bfloat16);
-`--today` is the configuration before issue 12 (dense attention, no remat, unrolled layers, float32).
+`--today` is the configuration before long-sequence support (dense attention, no remat, unrolled layers, float32).
 XLA's CPU backend computes bfloat16 matmuls in float32 (converted copies), so bfloat16 figures here
 overstate a GPU's temporaries.
 

@@ -1,4 +1,4 @@
-"""The performance model's per-device peak memory against XLA's compiled programs (issue 15, item 2).
+"""The performance model's per-device peak memory against XLA's compiled programs.
 
 For each (Qwen2.5 size, tokens per row, layout, attention, remat) a GRPO plan on 8 virtual CPU devices (one
 row per data shard, prompt `--prompt` tokens) is dry-run (`rpegjax.train.dry_run`: every stage program

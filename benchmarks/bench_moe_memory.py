@@ -7,13 +7,13 @@ with abstract parameters and optimiser state (`jax.ShapeDtypeStruct` with shardi
 prints XLA's `memory_analysis()` of the partitioned program: bytes per device. The experts are split over the
 layout's `expert` axis (`rpegjax.models.expert_parallel`: dropless ragged all-to-all, or `--capacity-factor`).
 
-`--target cuda-h100` compiles with XLA's GPU compiler for compile-only H100s (no GPU: JAX's CUDA plugin on the
-path, `PYTHONPATH=$PWD:/work/gpu-aot JAX_PLATFORMS=cpu`; `rpegjax.train.compile_target`); `cpu` on virtual CPU
+`--target cuda-h100` compiles with XLA's GPU compiler for compile-only H100s (no GPU: JAX's CUDA plugin on the path as
+CI installs it, `PYTHONPATH=$PWD:$PWD/.gpu-aot JAX_PLATFORMS=cpu`; `rpegjax.train.compile_target`); `cpu` on virtual CPU
 devices, where XLA lowers `ragged_dot` as a dense product over every expert (so its figures are not a GPU's).
 The table also says how the compiled program computes the grouped matmuls (`ragged_dot` ops left in the HLO or
 rewritten) and which all-to-alls it exchanges.
 
-    PYTHONPATH=$PWD:/work/gpu-aot JAX_PLATFORMS=cpu python benchmarks/bench_moe_memory.py --target cuda-h100 \
+    PYTHONPATH=$PWD:$PWD/.gpu-aot JAX_PLATFORMS=cpu python benchmarks/bench_moe_memory.py --target cuda-h100 \
         --layouts expert8,fsdp2xexpert8 [--tokens 16384] [--layers 48] [--capacity-factor 1.25]
 
 `--generate decode[,prefill,start]` compiles the paged sampler's programs instead (`Sampler.lower_programs`: at the

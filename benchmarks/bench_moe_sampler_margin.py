@@ -1,12 +1,12 @@
 """The generation margin of `trust.MOE_CHECKED`: Qwen3-30B-A3B's sampler programs (prefill, start, decode chunk) of
 a colocated 32-H100 plan compiled for H100, beside the planner's prediction of its generate stage.
 
-The plan is session 9's (docs/benchmarks.md, issue 26) with the published NeMo-RL workload (64 prompts x 32,
-128-token prompts, log-normal responses of mean 3,203 up to 3,968): capacity mode 1.25, generation `--generation`
-(default d8xt4: no expert axis, the layout whose prefill set the old 27.5% margin) with a paged pool of `--pool`
-tokens per replica, training f16xe2, compute in `--dtype`. Nothing is allocated (compile-only H100s):
+The plan is the first verified Qwen3-30B-A3B plan (docs/benchmarks.md, "W-plan") with the published NeMo-RL workload (64
+prompts x 32, 128-token prompts, log-normal responses of mean 3,203 up to 3,968): capacity mode 1.25, generation
+`--generation` (default d8xt4: no expert axis, the layout whose prefill set the old 27.5% margin) with a paged pool of
+`--pool` tokens per replica, training f16xe2, compute in `--dtype`. Nothing is allocated (compile-only H100s):
 
-    PYTHONPATH=$PWD:/work/gpu-aot JAX_PLATFORMS=cpu python benchmarks/bench_moe_sampler_margin.py [--dtype float32]
+    PYTHONPATH=$PWD:$PWD/.gpu-aot JAX_PLATFORMS=cpu python benchmarks/bench_moe_sampler_margin.py [--dtype float32]
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Optimiser state that fits (issue 25 item 4): per-device memory of the actor update at real shapes with the
+"""Optimiser state that fits: per-device memory of the actor update at real shapes with the
 AdamW state laid out as the parameters, split over the data axes too (ZeRO-1, `--optimizer-sharding data`), and
 offloaded to host memory while generation runs (`--offload`).
 

@@ -1,5 +1,5 @@
 """W-small with generation and training in separate processes, each pinned to one core, against both colocated in
-one process on both cores; asynchrony bound 1 in both (issue 14).
+one process on both cores; asynchrony bound 1 in both.
 
     python benchmarks/bench_roles.py [--steps 7] [--warmup 2] [--rounds 1]
 

@@ -1,4 +1,4 @@
-"""A planned plan's generation at other decode slot counts: what its slots buy (issue 24, s24o).
+"""A planned plan's generation at other decode slot counts: what its slots buy.
 
 Reads a `scripts/plan.py --json` document and re-predicts one of its plans with each slot count per replica (the
 paged pool cut to those slots at capacity, as the planner cuts it): step and generate seconds, slots busy, the

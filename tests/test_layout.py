@@ -138,7 +138,7 @@ def test_cycle_finder_finds_a_cycle():
 
 
 # Every collective over processes lives in `distributed/collectives.py`, as programs over one device per process:
-# `jax.experimental.multihost_utils` assumes that every process holds as many devices (issue 27), so no module uses it.
+# `jax.experimental.multihost_utils` assumes that every process holds as many devices, so no module uses it.
 MULTIHOST_UTILS_USERS: set[str] = set()
 
 
@@ -160,7 +160,7 @@ def test_no_module_talks_to_multihost_utils():
     assert not stray, f"collectives over processes belong in distributed/collectives.py: {stray}"
 
 
-# Sizes (issue 22): a function over 80 lines does several things, a class over 300 lines is several objects.
+# Sizes: a function over 80 lines does several things, a class over 300 lines is several objects.
 # Nested functions count as functions. Keys are `path: qualified name`, without line numbers.
 MAX_FUNCTION_LINES = 80
 MAX_CLASS_LINES = 300

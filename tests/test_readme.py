@@ -300,7 +300,7 @@ def test_library_imports(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
 
 
-@pytest.mark.slow  # planner search over 256 GPUs: 1.5-4 min on 2 cores at load ~18 (~21 min before session 11)
+@pytest.mark.slow  # planner search over 256 GPUs: 1.5-4 min on 2 cores at load ~18
 def test_planner_command(tmp_path):
     result = run_bash(block_text("--model qwen2.5-7b --hardware gh200 --gpus 256 --algo ppo"), scratch(tmp_path))
     assert result.returncode == 0, result.stderr[-3000:]

@@ -85,8 +85,8 @@ def take_rows(x: Array, live: Int[Array, "r q"], window: int | None = None, posi
     """Rows `live` of x [b ...] (b split into r replica blocks; live holds indices within a block) -> [r*q ...];
     with `window`, only the first `window` entries of axis `positions` (a contiguous cache's positions). A full
     bucket (q = b / r) must list every slot in slot order, as `live_rows` gives it: x is then sliced, not gathered
-    (XLA:CPU's gather of a whole cache window per chunk cost more than the chunk's attention: docs/benchmarks.md,
-    issue 28)."""
+    (XLA:CPU's gather of a whole cache window per chunk cost more than the chunk's attention:
+    `benchmarks/bench_fused_ops.py --parts bucket`)."""
     r, q = live.shape
     if q * r == x.shape[0]:  # a full bucket is every slot in slot order (`live_rows`): a slice, not a gather
         return x if window is None else jax.lax.slice_in_dim(x, 0, window, axis=positions)

@@ -1,11 +1,11 @@
 """A dense projection on an FSDP-sharded kernel that keeps the kernel's shard, not its gathered copy, for the
 backward (ZeRO-3): the backward gathers the kernel again.
 
-Differentiating `x @ gathered_weight(w)` keeps the gathered kernel as the matmul's residual from the layer's
-forward until its backward; without remat every layer's gathered kernel stays live at once (Llama-3.1-8B's fsdp8
-update on the H100 target: 13.3 GB of temporaries per device, docs/benchmarks.md "s23z, session 12"). Here the residuals are x and the parameter `w`
-itself, which is live anyway (and, in the layer scan, a slice of the scanned stack the scan forwards, not a
-stacked copy).
+Differentiating `x @ gathered_weight(w)` keeps the gathered kernel as the matmul's residual from the layer's forward
+until its backward; without remat every layer's gathered kernel stays live at once (the fsdp8 update of the NeMo-RL
+Llama-3.1-8B one-step-off plan on the H100 target held 13.3 GB more temporaries per device that way: `scripts/plan.py
+... --verify --verify-target cuda-h100`, docs/benchmarks.md "W-plan"). Here the residuals are x and the parameter `w` itself, which is live
+anyway (and, in the layer scan, a slice of the scanned stack the scan forwards, not a stacked copy).
 
 Meant for the layer scan without remat (`transformer._regathers`): there the backward's gather sits in the backward
 loop's iteration, where it is needed (under remat the recomputation gathers the kernel anyway).

@@ -15,8 +15,8 @@ backward loop holds a second stacked buffer, the gradients being written (layer 
   gradients once it has used them, and the stack's transpose (unstack, cast back) gives the per-layer gradients.
 
 For the 7B update (`rpegjax.models.transformer._compute_kernels`: bf16 kernels) that is one bf16 copy of the
-layers' weights less in the backward loop (docs/benchmarks.md, issue 25 session 11) and none in the forward loop
-or at the head (s25s, session 13).
+layers' weights less in the backward loop and none in the forward loop or at the head (docs/benchmarks.md,
+"W-long").
 
 The forward keeps each layer's input (what full remat keeps); the backward recomputes layer l from it and takes the
 vjp, as `jax.checkpoint` with `nothing_saveable` does, so the gradients are the same.
@@ -27,7 +27,7 @@ output has arrived, and its kept inputs are freed when it ends; the runs done ke
 until the last backward loop (an optimization barrier), then cast back. Backward run k holds the kept inputs of runs
 1..k and the stacks of runs k..n: at most the kept inputs and 1/n of the stack, or the stack and 1/n of the kept
 inputs, where one run holds both whole (7B update at 16k, fsdp8: 1.2 GiB less per device; docs/benchmarks.md,
-s25g session 14). Each run compiles its own layer body.
+"W-long"). Each run compiles its own layer body.
 """
 
 from __future__ import annotations

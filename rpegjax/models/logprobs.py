@@ -55,8 +55,8 @@ class _ChunkLoop:
 
     Both passes cast W to the compute dtype and only then broadcast it to one copy per shard [r, c, d, v], so FSDP
     gathers the bfloat16 cast, never the float32 master (7B: 1.09 GiB per device with tensor 2, 2.18 at fsdp8;
-    docs/benchmarks.md, s25v session 12). The forward keeps only the chunks' inputs (no per-shard copy of W, no
-    logits); the backward recomputes each chunk's logits and sums its shard's dW over the chunks into a float32
+    `benchmarks/bench_memory.py --target cuda-h100`). The forward keeps only the chunks' inputs (no per-shard copy of W,
+    no logits); the backward recomputes each chunk's logits and sums its shard's dW over the chunks into a float32
     accumulator [r, c, d, v], and the r c partials are summed once after the loop (one all-reduce or
     reduce-scatter per backward, not one per chunk)."""
 

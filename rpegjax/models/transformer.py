@@ -63,7 +63,7 @@ class KVCache:
     array: a decode step reads and writes each layer's arrays in place, where slicing one layer out of a
     stacked [l, ...] array would copy it at every step. Keys are stored position-innermost so that one
     token's scores, a sum over the head dim, add whole rows of positions instead of reducing along the
-    innermost axis (XLA:CPU's decode attention 2.9x faster at 128 positions: docs/benchmarks.md, issue 28); values stay
+    innermost axis (XLA:CPU's decode attention 2.9x faster at 128 positions: docs/benchmarks.md, "W-gen"); values stay
     head-dim-innermost, which is what the probability-weighted sum over positions wants.
     """
 
@@ -193,8 +193,8 @@ def _adapted_matmul(module: nnx.Module, name: str, x: Float[Array, "n i"], dtype
     (`ActivationSharding.gathered_weight`). In the layer scan without remat (`module.regather`, `_regathers`) the
     backward gathers it again from the shard (`gathered_matmul`) rather than keeping the gathered copy as a stacked
     residual. Unrolled layers keep the autodiff of one gather: there XLA:CPU's scheduler hoists every gather to the
-    program's start, so a second gather in the backward doubles what stays live (docs/benchmarks.md, s23z session
-    12)."""
+    program's start, so a second gather in the backward doubles what stays live (tried: the per-layer growth of the
+    temporaries went from one layer's weights to two)."""
     variable = getattr(module, name)
     w, logical = variable.get_value(), tuple(variable.get_metadata()["logical_axes"])
     if sharding is not None and module.regather:
@@ -658,7 +658,7 @@ def _compute_kernels(state: nnx.State, dtype, dense_mlp: bool) -> nnx.State:
     `dtype` (None: unchanged), before the scan stacks them: the layer body casts them to that dtype anyway, so the
     values and the gradients (the body's cotangents are in that dtype, cast back to the parameters' once, after the
     scan) are the same, and the stacked copy and its stacked gradient take half the bytes of float32 masters (7B:
-    1.6 GiB each per device at fsdp8; docs/benchmarks.md, issue 25 session 10). Norm scales, biases, adapters and
+    1.6 GiB each per device at fsdp8; docs/benchmarks.md, "W-long"). Norm scales, biases, adapters and
     experts stay as they are."""
     if dtype is None:
         return state

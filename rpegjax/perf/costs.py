@@ -189,13 +189,13 @@ def layer_activation_bytes_per_token(shape: ModelShape, *, keys_per_query: float
                                      tensor: int = 1) -> float:
     """Bytes one layer keeps for the backward pass, per token, on one tensor rank.
 
-    Counted tensors, as XLA's GPU compiler keeps them for the Llama 3.1 8B update without remat (its buffer
-    assignment, `docs/benchmarks.md`, issue 23): each RMSNorm's input and normalised output in float32 (the norms
-    compute in float32: 4 d-wide float32 tensors per layer); in the compute dtype the normalised inputs of the
-    attention and MLP projections, the attention output (for the output projection), q and the attention output
-    blocked for the attention kernel's backward, k and v, and the MLP's gate, up and their product (one fewer for
-    a GELU MLP); DENSE attention also keeps float32 scores and compute-dtype probabilities for every (query, key)
-    pair, FLASH its float32 softmax statistics.
+    Counted tensors, as XLA's GPU compiler keeps them for the Llama 3.1 8B update without remat (its buffer assignment,
+    `docs/benchmarks.md`, "Memory model against XLA's GPU compiler"): each RMSNorm's input and normalised output in
+    float32 (the norms compute in float32: 4 d-wide float32 tensors per layer); in the compute dtype the normalised
+    inputs of the attention and MLP projections, the attention output (for the output projection), q and the attention
+    output blocked for the attention kernel's backward, k and v, and the MLP's gate, up and their product (one fewer for
+    a GELU MLP); DENSE attention also keeps float32 scores and compute-dtype probabilities for every (query, key) pair,
+    FLASH its float32 softmax statistics.
     """
     d, h, k, e, f = shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, shape.token_mlp
     b = shape.compute_bytes_each
@@ -210,7 +210,7 @@ def layer_matmul_output_bytes_per_token(shape: ModelShape, *, keys_per_query: fl
     """Bytes of one layer's matmul outputs per token on one tensor rank that DOTS remat keeps for the backward
     pass: q, k, v, the attention output, gate and up (one for a GELU MLP). The output and down projections feed
     only residual additions, whose backward needs neither, so they are not kept (XLA's GPU compiler keeps three
-    d-wide tensors per 7B layer: the input, q and the attention output; `docs/benchmarks.md`, issue 23).
+    d-wide tensors per 7B layer: the input, q and the attention output).
     DENSE attention adds its float32 scores, FLASH the float32 softmax statistics the backward kernel needs."""
     h, k, e, f = shape.heads, shape.kv_heads, shape.head_dim, shape.token_mlp
     kv_split = min(tensor, k)
@@ -243,7 +243,7 @@ def forward_layer_bytes_per_token(shape: ModelShape, *, keys_per_query: float, k
     normalised input, gate and up; their product is written in place; one intermediate for a GELU MLP) and the
     attention phase (the normalised input, q, k, v and the output in the compute dtype, with a float32 output
     accumulator for FLASH kernels, float32 scores and compute-dtype probabilities per (query, key) for DENSE).
-    Checked against XLA's GPU compiler (`docs/benchmarks.md`, issue 23)."""
+    Checked against XLA's GPU compiler (`docs/benchmarks.md`, "Memory model against XLA's GPU compiler")."""
     d, h, k, e, f = shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, shape.token_mlp
     b = shape.compute_bytes_each
     mlp = (d + (2 if shape.gated_mlp else 1) * f / tensor) * b

@@ -14,7 +14,7 @@ How the expert matmuls run decides their work and memory (per device, sparse lay
   C = min(t, ceil(c·t·k/x)) slots per expert and row of t tokens: x·C/(t·k) ≈ c times the grouped work, and the
   buffers (sent, received, returned, and the f_e-wide gate, up and product) live while the layer runs;
 * rpegjax's dropless mode on GPU: XLA rewrites `jax.lax.ragged_dot` as a dense batched GEMM over all x/p local
-  experts of the worst-case receive buffer of p·n·k rows (`docs/benchmarks.md`, issue 26): x times the grouped
+  experts of the worst-case receive buffer of p·n·k rows (`docs/benchmarks.md`, "W-long"): x times the grouped
   work, and that buffer times every local expert's width in memory.
 """
 

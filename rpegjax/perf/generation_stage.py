@@ -54,12 +54,13 @@ def decode_transient_bytes(inputs: CostInputs, slots: int) -> float:
 
 def decode_working_bytes(inputs: CostInputs, layout: Layout, slots: int) -> float:
     """Per device besides the KV cache while one replica decodes `slots` sequences: the logits
-    (`decode_transient_bytes`) and, in rpegjax's sampler (STATIC: every slot attends over its window; LIVE: the
-    running slots, and its largest bucket is every slot, when a step starts), one layer's cached values over the
-    whole window (prompt + longest response), gathered from the cache and widened to float32 for the attention sum
-    (XLA's GPU compiler materialises it: 1.3 GB per device for 512 slots of 7B at a 5k window, `docs/benchmarks.md`,
-    issue 23). The Pallas paged kernel (LIVE_PAGED) reads pages block by block into on-chip memory: in place of
-    the window, one layer's float32 partial outputs of its `KERNEL_SPLITS` partitions per row, [16, b, h/t, e]."""
+    (`decode_transient_bytes`) and, in rpegjax's sampler (STATIC: every slot attends over its window; LIVE: the running
+    slots, and its largest bucket is every slot, when a step starts), one layer's cached values over the whole window
+    (prompt + longest response), gathered from the cache and widened to float32 for the attention sum (XLA's GPU
+    compiler materialises it: 1.3 GB per device for 512 slots of 7B at a 5k window, `scripts/plan.py --verify
+    --verify-target cuda-h100`). The Pallas paged kernel (LIVE_PAGED) reads pages block by block into on-chip memory:
+    in place of the window, one layer's float32 partial outputs of its `KERNEL_SPLITS` partitions per row,
+    [16, b, h/t, e]."""
     w, shape, decode = inputs.workload, inputs.actor, inputs.options.decode
     window = 0.0
     if decode in (DecodeKernel.STATIC, DecodeKernel.LIVE):
@@ -96,9 +97,9 @@ def prefill_working_bytes(inputs: CostInputs, layout: Layout, slots: int) -> flo
 
     (b: compute bytes). The start program that follows samples each replica's own rows (`start_rows`): its
     logits are the decode transient's (`decode_transient_bytes`). GPU compiler's temporaries against this count:
-    W-plan 7B (64 carried rows, t = 4, a 17k window, bfloat16) 8.5 GB against 8.6 (docs/benchmarks.md, issue 24);
-    the README's Qwen2.5-0.5B float32 plan (384 rows, t = 2, a 2,304 window) 13.41 GB against 13.6, where
-    counting the scores once at 4 bytes had given 9.2 (docs/benchmarks.md, "Lead, session 12")."""
+    W-plan 7B (64 carried rows, t = 4, a 17k window, bfloat16) 8.5 GB against 8.6; the README's Qwen2.5-0.5B
+    float32 plan (384 rows, t = 2, a 2,304 window) 13.41 GB against 13.6, where counting the scores once at 4 bytes
+    had given 9.2 (`scripts/plan.py ... --verify --verify-target cuda-h100|cuda-gh200`)."""
     w, shape, o = inputs.workload, inputs.actor, inputs.options
     if not o.kv_pool:
         return 0.0

@@ -301,7 +301,8 @@ class PartialSteadyState:
 
 # steps `drawn_steady_state` averages: a step of a replica trains few groups (W-plan 7B on 64 replicas: 8), whose
 # longest members set its length, so 8 steps left a sampling error of ~4% of the generate stage (sd over seeds),
-# larger than what the planner's slot counts change; 64 steps take it to ~1% (docs/benchmarks.md, s24o)
+# larger than what the planner's slot counts change; 64 steps take it to ~1%
+# (`benchmarks/bench_slot_counts.py --seeds 0,1,2,3`)
 MEASURED_STEPS = 64
 
 

@@ -557,7 +557,7 @@ def _forward_transient_bytes(shape: ModelShape, layout: Layout, *, tokens_per_pa
     other in one program (a fused reference + policy unit: 2), `logits`: one log-prob chunk's logits; `looped`: the
     program runs its rows in more than one micro-batch (`lax.map`). Read from XLA's GPU compiler's buffer
     assignment of the Llama 3.1 8B fused packed log-prob pass (fsdp8, float32 masters, bfloat16 compute; 2, 4 and 32
-    layers; docs/benchmarks.md, issue 23 session 11):
+    layers; docs/benchmarks.md, "Memory model against XLA's GPU compiler"):
 
     - the residual stream of every token into and out of the layer being run (the layer scan's carry);
     - each model's layer weights stacked for the layer scan as their compute-dtype casts (`models.transformer.
@@ -619,7 +619,7 @@ def _update_transient_bytes(inputs: CostInputs, shape: ModelShape, layout: Layou
     """Peak transient bytes per device of an update's forward and backward pass: what the layers keep for the
     backward and the gradients, live throughout, and the larger of two phases that are never live together (read
     from XLA's GPU compiler's buffer assignment of the 7B update, fsdp8, and the Qwen3-32B one, d2 x f8 x t2;
-    docs/benchmarks.md, s23m session 13):
+    docs/benchmarks.md, "W-long"):
 
     - the log-prob head: the output matrix's compute-dtype cast gathered whole, each chunk's dW (a compute-dtype
       dot output of the whole matrix's shape) and their float32 sum, and one float32 chunk of logits. The sum is
@@ -627,13 +627,13 @@ def _update_transient_bytes(inputs: CostInputs, shape: ModelShape, layout: Layou
       _ChunkLoop`'s optimization barrier);
     - the layers: the layer in use and the one being prefetched, gathered as their compute-dtype casts, one
       layer's working set while it is recomputed and differentiated, with full remat the layer scan's stacked
-      compute-dtype kernels (built for the backward loop only, s25s, run by run, s25g), and in a micro-batch loop
+      compute-dtype kernels (built for the backward loop only, run by run), and in a micro-batch loop
       (without full remat) the backward scan's own stacked compute-dtype gradients beside the running sum."""
     o = inputs.options
     b = shape.compute_bytes_each
     fsdp = layout.fsdp * layout.context * layout.expert > 1  # weights sharded over fsdp x context x expert
     # one float32 chunk of logits: XLA's GPU compiler fuses the log-softmax and its gradient into it (0.5B updates,
-    # docs/benchmarks.md issue 23; XLA:CPU keeps all three)
+    # XLA:CPU keeps all three)
     head = costs.logprob_chunk_bytes(shape, rows=rows, chunk=chunk_tokens, tensor=layout.tensor, copies=1)
     if fsdp:
         # FSDP gathers the output matrix whole for the update (every log-prob chunk reads it). The token lookup
@@ -657,11 +657,11 @@ def _update_transient_bytes(inputs: CostInputs, shape: ModelShape, layout: Layou
         # the layer scan's stacked compute-dtype kernels and their gradients share one buffer, built for the backward
         # loop only: the forward loop reads each layer's own arrays and the log-prob head runs with no stack live
         # (`rpegjax.models.layer_scan.remat_scan`); no float32 copy of the layers' gradients is live at either peak
-        # (GPU compiler's buffer assignment of the 7B update, docs/benchmarks.md issue 25 session 11, s25s session 13)
+        # (GPU compiler's buffer assignment of the 7B update, docs/benchmarks.md "W-long")
         grads -= layer_grads * o.grad_bytes_per_param
         # split into runs (`options.remat_runs`), whose kept inputs are freed run by run and whose stacks are built
         # run by run: the k-th backward run of n holds the kept inputs of the n-k+1 runs not done and k runs' stacks
-        # (the runs done keep their gradients in theirs), largest at the first backward run or the last (s25g, session 14)
+        # (the runs done keep their gradients in theirs), largest at the first backward run or the last
         stack, runs = layer_grads * b, remat_runs(shape.layers)
         kept = tokens_per_pass * shape.layers * shape.hidden * b
         if layout.sequence_parallel:
@@ -669,12 +669,11 @@ def _update_transient_bytes(inputs: CostInputs, shape: ModelShape, layout: Layou
         layers += max(stack / runs, stack - kept * (1 - 1 / runs))
     if accumulating and shared:
         # the micro-batch loop carries the float32 running sum of the layers' gradients beside that shared buffer,
-        # through both phases (XLA's GPU compiler's buffer assignment of the 7B packed update, 2 and 4 layers,
-        # docs/benchmarks.md issue 23 session 10)
+        # through both phases (XLA's GPU compiler's buffer assignment of the 7B packed update, 2 and 4 layers)
         grads += layer_grads * o.grad_bytes_per_param
     elif accumulating:
         # the running sum is the gradients counted above; the pass's backward scan writes its own stacked
-        # compute-dtype gradients beside it, in the layers' phase only (the Qwen3-32B DOTS update, s23m)
+        # compute-dtype gradients beside it, in the layers' phase only (the Qwen3-32B DOTS update's buffer assignment)
         layers += layer_grads * b
     return activations + grads + max(head, layers)
 

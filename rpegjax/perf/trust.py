@@ -1,17 +1,14 @@
 """Which plans' predicted memory the planner trusts: plans in the regime its memory formulas were checked in
 against XLA's compiled programs, fitting the usable memory with the largest under-prediction measured there.
 
-The memory model was checked program by program (update, micro-batched log-probs, prefill, decode chunk) against
-XLA's GPU compiler on compile-only H100s / GH200s (`scripts/plan.py --verify --verify-target cuda-h100|cuda-gh200`,
-`docs/benchmarks.md`, "Memory within 15% of the compiled programs"): dense decoders from Qwen2.5-0.5B to 32B, rows
-up to W-plan's 1k + 16k tokens, data x fsdp x tensor layouts, blockwise (and cuDNN's, compiled as blockwise)
-attention, every remat policy; and fsdp x tensor layouts with sequence parallelism for rows up to 32k tokens
-(Qwen2.5-7B at 16k on 8 H100s and 32B at 32k on 32, "Issue 25: sequence parallelism at 0.6x and the 32k
-prediction (session 10)"). Outside that regime the formulas are extrapolations: context parallelism was compared
-with XLA:CPU only (0.86x of its figure), dense attention's scores not at real shapes, larger models and longer
-rows not at all. A plan there is not printed as a plan; its one-line
-reason is.
-
+The memory model was checked program by program (update, micro-batched log-probs, prefill, decode chunk) against XLA's
+GPU compiler on compile-only H100s / GH200s (`scripts/plan.py --verify --verify-target cuda-h100|cuda-gh200`,
+`docs/benchmarks.md`, "Memory model against XLA's GPU compiler"): dense decoders from Qwen2.5-0.5B to 32B, rows up to
+W-plan's 1k + 16k tokens, data x fsdp x tensor layouts, blockwise (and cuDNN's, compiled as blockwise) attention, every
+remat policy; and fsdp x tensor layouts with sequence parallelism for rows up to 32k tokens (Qwen2.5-7B at 16k on 8
+H100s and 32B at 32k on 32, `docs/benchmarks.md`, "W-long"). Outside that regime the formulas are extrapolations:
+context parallelism was compared with XLA:CPU only (0.86x of its figure), dense attention's scores not at real shapes,
+larger models and longer rows not at all. A plan there is not printed as a plan; its one-line reason is.
 Inside it, the compiled programs came out at most `margin` above the prediction per phase (compiled / predicted
 - 1, the largest of the checked programs); a plan is trusted when every stage's predicted peak times (1 + its
 phase's margin) is within the usable memory, which is what the dry run then checks the compiled program against.
@@ -58,47 +55,41 @@ class CheckedRegime:
         return usable_bytes / (1 + self.margins[phase])
 
 
-# docs/benchmarks.md, "Memory within 15% of the compiled programs (issue 23)": the largest under-predictions are
-# the W-plan 32B fused log-probs (50.02 GB compiled, 47.22 predicted) and the 7B / 16 H100 update (50.01 compiled,
-# 47.55 predicted); every generation program compiled at or below its prediction then. Session 11 ("Issue 23: packed
-# log-prob memory"): the packed fused log-prob passes of the Llama 3.1 8B NeMo-RL plans, 22% and 9.5% above the
-# model before (outside this margin), compiled 2.0% and 3.0% below it after the bfloat16 gather of the output
-# matrix and the fused passes' stacked layers; cut to 2 and 4 layers, 2.9% and 2.5% above. The inference margin
-# stays 6%: the 32B log-prob passes that set it were not compiled again with the new program and model.
+# docs/benchmarks.md, "Memory model against XLA's GPU compiler" (`scripts/plan.py ... --verify --verify-target
+# cuda-h100|cuda-gh200`): the inference margin is the W-plan 32B fused log-prob pass (50.02 GB compiled, 47.22
+# predicted, 5.9% above; not compiled again since the inference passes gather the output matrix as its bfloat16
+# cast). The packed fused log-prob passes of the Llama 3.1 8B NeMo-RL plans compile 2.0% and 3.0% below their
+# prediction (cut to 2 and 4 layers, 2.9% and 2.5% above).
 GPU_CHECKED = CheckedRegime(
     largest_params=ModelShape(layers=64, hidden=5120, heads=40, kv_heads=8, head_dim=128, mlp=27648,
                               vocab=152064).params,  # Qwen2.5-32B
     longest_row=1024 + 16384,
     # the 32B update at 32768 tokens per row on fsdp16 x tensor2 compiled 4.8% above its prediction (within the
-    # training margin), the 7B one at 16384 on fsdp4 x tensor2 9.5% below it (docs/benchmarks.md, issue 25 session
-    # 10); with the output matrix gathered as its bfloat16 cast, program and model, 9.2% and 10.4% below (s25v,
-    # session 12)
+    # training margin), the 7B one at 16384 on fsdp4 x tensor2 9.5% below it; with the output matrix gathered as
+    # its bfloat16 cast, program and model, 9.2% and 10.4% below (`benchmarks/bench_memory.py --target cuda-h100`,
+    # docs/benchmarks.md, "W-long")
     longest_sequence_parallel_row=32768,
     attention=frozenset({AttentionKind.BLOCKWISE, AttentionKind.CUDNN}),
     remat=frozenset(RematPolicy),
-    # generation: session 14's verifies of the planner's best plans on the merged tree (docs/benchmarks.md, "Session
-    # 14: the best plans through the GPU compiler"): the 7B / 16 H100 plan's carried-sequence prefill 59.22 GB
-    # compiled against 58.4 predicted (+1.4%), the README 1.5B plan's prefill 72.00 against 71.9 (its pool sized to
-    # the usable 72.0 with no margin: refused by its own dry run)
+    # generation: the verifies of the planner's best plans (docs/benchmarks.md, "W-plan"): the 7B / 16 H100 plan's
+    # carried-sequence prefill 59.22 GB compiled against 58.4 predicted (+1.4%); with no margin the README 1.5B
+    # plan's pool was sized to the usable 72.0 and its prefill compiled to 72.00 against 71.9, refused by its own
+    # dry run
     margins={GENERATION: 0.014, INFERENCE: 0.06, TRAINING: 0.052})
 
 
-# docs/benchmarks.md, "Issue 26: the perf model for MoE": Qwen3-30B-A3B's update in the capacity mode (1.25), one
-# 16384-token row per device, float32 masters, blockwise attention, full remat, compiled for H100 by
-# benchmarks/bench_moe_memory.py: expert16 45.22 GiB compiled, expert8 79.21, recompiled in session 12 with the
-# update's bfloat16 output-matrix gather (46.47 and 80.64 before); predicted 41.53 and 70.11 (+8.9%, +13.0%) until
-# the update's head and layers phases were maxed instead of added (s23m, session 13): 40.30 and 68.74 (+12.2%,
-# +15.2%). The dense updates' buffer assignments show the two phases apart; the MoE update was not dumped, so what
-# its layers' phase holds beyond the model (expert buffers) is not known: the margin is the measured error. The
-# 32-H100 plan's programs (`scripts/plan.py --verify --verify-target cuda-h100`, same section): its f16xe2 update
-# 62.17 GB compiled / 63.0 predicted (before s23m; not recompiled since), the sampler's decode 58.69 / 57.1
-# (+2.8%) and prefill 72.80 / 57.1 (+27.5%: the generation margin). No log-prob pass with an expert axis was
-# compiled: it gets the training margin, an assumption the dry run checks. Dropless experts are outside it: XLA
-# runs them as a dense GEMM over every local expert of the worst-case receive buffer (expert8: 276.07 GiB compiled,
-# 360.28 predicted), never planned to fit; and so are stages without an expert axis (`regime_problem`). Session 13
-# (s26m) compiled that plan's sampler again after session 12's prefill count (same d8xt4 layout, 256 slots per
-# replica, pool 1,020,928 tokens): prefill 57.69 / 56.47 GB (+2.2%), decode 55.95 / 56.47, in float32 compute
-# prefill 100.10 / 96.83 (+3.4%) and decode 96.57 / 96.83; the generation margin is the largest of them, 3.4%.
+# docs/benchmarks.md, "W-long": Qwen3-30B-A3B's update in the capacity mode (1.25), one 16384-token row per device,
+# float32 masters, blockwise attention, full remat, compiled for H100 by benchmarks/bench_moe_memory.py: expert16
+# 45.22 GiB compiled, expert8 79.21; predicted 40.30 and 68.74 (+12.2%, +15.2%: the training margin). The dense
+# updates' buffer assignments show the head and layers phases apart; the MoE update was not dumped, so what its
+# layers' phase holds beyond the model (expert buffers) is not known: the margin is the measured error. No log-prob
+# pass with an expert axis was compiled before the margin was set: it gets the training margin, an assumption the
+# dry run checks. Dropless experts are outside the regime: XLA runs them as a dense GEMM over every local expert of
+# the worst-case receive buffer (expert8: 276.07 GiB compiled, 360.28 predicted), never planned to fit; and so are
+# stages without an expert axis (`regime_problem`). The generation margin is the largest under-prediction of a
+# colocated 32-H100 plan's sampler programs (d8xt4, 256 slots per replica, pool 1,020,928 tokens;
+# benchmarks/bench_moe_sampler_margin.py): prefill 57.69 / 56.47 GB (+2.2%), decode 55.95 / 56.47, in float32
+# compute prefill 100.10 / 96.83 (+3.4%) and decode 96.57 / 96.83.
 MOE_CHECKED = CheckedRegime(
     largest_params=ModelShape.from_config(ModelConfig.qwen3_moe("30b-a3b")).params,
     longest_row=16384,

@@ -201,8 +201,10 @@ class ActivationSharding:
         split its embedding dim (fsdp, context, expert) and still split as the parameter rules say otherwise (over
         `tensor`): FSDP's all-gather, made explicit. Without it XLA's SPMD partitioner may instead all-gather a
         projection's activations over the rows (batch over fsdp) to meet the weight's embedding split: 32B at 32k
-        on fsdp16 x tensor2 gathered every row's [b t, f/2] MLP activations, 13.5 GiB per device
-        (docs/benchmarks.md, issue 25 session 10). The backward reduce-scatters the whole gradient to the shard."""
+        on fsdp16 x tensor2 gathered every row's [b t, f/2] MLP activations, 13.5 GiB per device (cut to 2 layers,
+        `benchmarks/bench_memory.py --target cuda-h100 --devices 32 --models 32b --tokens 32768 --layouts
+        fsdp16xtp2sp --programs update --layers 2`: 29.34 GiB of temporaries without this constraint, 8.87 with it).
+        The backward reduce-scatters the whole gradient to the shard."""
         table = {**self.rules.params, axes.EMBED: None}
         spec = logical_to_spec(logical, table, self.mesh, w.shape, name=name)
         return jax.lax.with_sharding_constraint(w, NamedSharding(self.mesh, spec))
@@ -210,7 +212,7 @@ class ActivationSharding:
     def sharded_weight(self, w: jax.Array, logical: Sequence[str | None], *, name: str = "weight") -> jax.Array:
         """A weight-shaped `w` (a gradient) with parameter axes `logical`, split as the parameter rules split that
         weight: a sum of per-device partials becomes a reduce-scatter where it is made, not a whole copy kept
-        until the parameter's own sharding is met (docs/benchmarks.md, s25v session 12)."""
+        until the parameter's own sharding is met (docs/benchmarks.md, "W-long")."""
         spec = logical_to_spec(logical, self.rules.params, self.mesh, w.shape, name=name)
         return jax.lax.with_sharding_constraint(w, NamedSharding(self.mesh, spec))
 

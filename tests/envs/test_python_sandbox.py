@@ -1,5 +1,5 @@
 """The Python sandbox: runs code; under bubblewrap (these tests need `bwrap`: apt-get install bubblewrap) every
-escape of issue 21, tried by code inside the sandbox, fails: the old audit hook's global reset then a program,
+known escape, tried by code inside the sandbox, fails: the old audit hook's global reset then a program,
 a signal to a host process, a grandchild that starts its own session and writes later, writes to the package
 source, ~/.cache and a directory of the test's, /etc/passwd, a connection to a host listener on 127.0.0.1; the
 limits (wall time, CPU, memory, output, /tmp size) still hold; only the private /tmp is writable and it is gone

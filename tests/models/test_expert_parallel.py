@@ -191,7 +191,7 @@ def test_decoder_with_expert_parallelism_equals_unsharded(layout, capacity_facto
 def test_the_capacity_mode_without_an_expert_axis_builds_each_devices_own_buffers():
     """Rows over fsdp8, no expert axis: each device dispatches its own rows (inside `shard_map`), so its expert
     buffers are [x, rows/8 * C, d]. Under GSPMD every device built the whole batch's (17.2 MB of temporaries here,
-    two whole-batch buffers; Qwen3-30B-A3B's f32 log-prob pass compiled to 140.67 GB, docs/benchmarks.md issue 26);
+    two whole-batch buffers; Qwen3-30B-A3B's f32 log-prob pass compiled to 140.67 GB per device on 32 H100s);
     the values are checked against one device above (`data2xfsdp2xtensor2`)."""
     mesh = make_mesh({"fsdp": 8})
     activation = ActivationSharding(mesh, ShardingRules.fsdp_tp())

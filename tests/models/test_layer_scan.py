@@ -104,7 +104,7 @@ def test_no_stacked_copy_is_live_while_the_head_runs():
     """With a head whose working set (a [rows, 8 D] float32 intermediate, its gradient) outweighs the stack, the
     update's peak lies at the head: there no stack is live (the forward loop reads each layer's own arrays, the
     backward's stack is not built yet). Against the checkpointed scan over the stack, whose stack is live from
-    before the forward loop to the end of the backward one, as it was in `remat_scan` before session 13: one
+    before the forward loop to the end of the backward one, as `remat_scan` once held it: one
     stacked copy less (the head's working set is more than both stacked buffers, so the backward loop is not the
     peak)."""
     rows = 512

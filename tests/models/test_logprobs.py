@@ -197,8 +197,8 @@ def test_sharded_gradients_equal_one_device(axis_sizes, dtype):
 def test_the_update_gathers_the_compute_dtype_kernel():
     """Rows over 8 devices, float32 W, bfloat16 compute: the differentiated pass makes its per-shard copies of W
     [r, c, d, v] from W's bfloat16 cast (forward and the backward's recompute), so FSDP gathers bfloat16, not the
-    float32 masters beside their cast (7B at 16k on fsdp8: 2.18 GiB per device; docs/benchmarks.md s25v session
-    12); W's gradient is float32."""
+    float32 masters beside their cast (7B at 16k on fsdp8: 2.18 GiB per device; docs/benchmarks.md,
+    "W-long"); W's gradient is float32."""
     mesh, activations, hidden, kernel, targets, rng = _rows_over_8_devices(seed=2)
     weights = jnp.asarray(rng.normal(size=(8, 64)), jnp.float32)
 

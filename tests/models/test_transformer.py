@@ -39,7 +39,7 @@ def test_cache_prefill_then_decode_equals_full_forward(architecture):
 
 
 def test_cache_stores_keys_position_innermost_and_values_head_dim_innermost():
-    """The layout `_cached_attention` reads (issue 28): a prefill writes token j of row b, KV head h at keys
+    """The layout `_cached_attention` reads: a prefill writes token j of row b, KV head h at keys
     [b, h, :, j] and values [b, h, j, :], each that token's own key and value projection (layer 0)."""
     from rpegjax.models.transformer import rope_inverse_frequencies, rope_tables
 

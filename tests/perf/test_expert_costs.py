@@ -1,5 +1,5 @@
 """The perf model's mixture-of-experts terms (rpegjax.perf.expert_costs) against hand-computed formulas and the compiled
-Qwen3-30B-A3B update memory of benchmarks/bench_moe_memory.py (docs/benchmarks.md, issue 26)."""
+Qwen3-30B-A3B update memory of benchmarks/bench_moe_memory.py (docs/benchmarks.md, "W-long")."""
 
 from __future__ import annotations
 
@@ -162,7 +162,7 @@ def test_moe_margin_is_the_largest_measured_under_prediction():
 
 def _sampler_plan_gb(dtype: str) -> float:
     """The planner's generate-stage peak for the plan whose sampler benchmarks/bench_moe_sampler_margin.py compiles
-    for H100 (docs/benchmarks.md, s26m session 13): Qwen3-30B-A3B capacity 1.25 on 32 H100s, colocated, d8xt4 with
+    for H100: Qwen3-30B-A3B capacity 1.25 on 32 H100s, colocated, d8xt4 with
     256 slots per replica and a paged pool of 1,020,928 tokens, training f16xe2; published workload."""
     execution = Execution(attention=AttentionKind.CUDNN, remat=RematPolicy.FULL, moe_capacity_factor=1.25,
                           kv_cache=CacheLayout.PAGED, kv_pool_tokens=1_020_928, update_microbatches=2, dtype=dtype)
@@ -224,7 +224,7 @@ def test_generation_takes_an_expert_axis():
 
 def test_moe_stages_without_an_expert_axis_are_untrusted():
     """The capacity mode without an expert axis runs under GSPMD, which built the whole batch's capacity buffers on
-    every device (the f32 log-prob pass of the 32-H100 plan: 140.67 GB compiled, docs/benchmarks.md issue 26)."""
+    every device (the f32 log-prob pass of a 32-H100 plan: 140.67 GB compiled per device)."""
     capped = ModelShape.from_config(MOE.replace(moe_capacity_factor=1.25))
     execution = Execution(attention=AttentionKind.BLOCKWISE, remat=RematPolicy.FULL)
     graph = planner.build_graph(planner.PlanChoice(algorithm=Algorithm.GRPO, use_reference=False, num_devices=8,
@@ -243,7 +243,7 @@ def _small_space(capacities: tuple[float | None, ...]) -> planner.PlanSpace:
 def test_the_capacity_factor_is_a_plan_choice_of_moe_models_only():
     """`Execution.moe_capacity_factor` decides the experts' mode the perf model costs (whatever the model config
     says), the planner searches the space's factors for a MoE model and only dropless for a dense one, and picks
-    a trusted capacity plan where dropless is untrusted (docs/benchmarks.md, issue 26, session 11)."""
+    a trusted capacity plan where dropless is untrusted."""
     space = _small_space((None, 1.25))
     assert {e.moe_capacity_factor for e in space.executions(experts=True)} == {None, 1.25}
     assert {e.moe_capacity_factor for e in space.executions(experts=False)} == {None}

@@ -83,7 +83,7 @@ def test_the_published_runs_models_are_presets():
     load = _plan_module().load_model
     assert load("llama3.1-8b") == load("llama3-8b") == ModelConfig.llama3("8b")
     assert load("qwen3-32b") == ModelConfig.qwen3("32b") and load("qwen3-32b").architecture == "qwen3"
-    assert load("qwen3-30b-a3b") == ModelConfig.qwen3_moe("30b-a3b")  # NeMo-RL's MoE runs (issue 26)
+    assert load("qwen3-30b-a3b") == ModelConfig.qwen3_moe("30b-a3b")  # NeMo-RL's MoE runs
     assert load("qwen3-235b-a22b") == ModelConfig.qwen3_moe("235b-a22b")
 
 

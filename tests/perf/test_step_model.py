@@ -116,8 +116,8 @@ def test_the_generation_peak_covers_the_carried_sequences_prefill():
     """W-plan 7B's best partial plan (gen d64xt4, 64 slots per replica, the pool of its plan): carried sequences are
     prefilled one row per slot over windows up to the capacity, so the generation peak is the pool plus that
     prefill's float32 scores, gathered keys and values, MLP activations and logits (a hand count below), not the
-    decode chunk's logits. The GPU compiler's peaks of the same plan's generation programs (docs/benchmarks.md,
-    "Issue 24: partial-rollout plans through the dry run") are covered, the largest within 15%."""
+    decode chunk's logits. The GPU compiler's peaks of the same plan's generation programs (`scripts/plan.py
+    --verify --verify-target cuda-gh200`, docs/benchmarks.md, "W-plan") are covered, the largest within 15%."""
     from rpegjax.perf.generation_stage import (
         decode_working_bytes,
         generation_memory,
@@ -156,8 +156,8 @@ def test_a_float32_carried_prefill_holds_its_scores_twice():
     """The README's Qwen2.5-0.5B float32 plan on 8 H100 (gen d4xt2, 384 slots per replica, partial rollouts, prompt
     256 + up to 2,048 new tokens): the GPU compiler's carried-sequence prefill holds the float32 scores
     [384, 2304, 7 x 256] twice (the dot's output and a transposed copy, 6.34 GB each; 13.41 GB of temporaries in
-    all: `XLA_FLAGS=--xla_dump_to=... plan.py ... --verify --verify-target cuda-h100`, docs/benchmarks.md "Lead,
-    session 12"). Counting them once at 4 bytes gave 9.2 GB (-31%)."""
+    all: `XLA_FLAGS=--xla_dump_to=... plan.py ... --verify --verify-target cuda-h100` of the README's
+    0.5B plan). Counting them once at 4 bytes gave 9.2 GB (-31%)."""
     from rpegjax.perf.generation_stage import prefill_working_bytes
     from rpegjax.perf.generation_cost import ResponseLengths
 
@@ -353,11 +353,11 @@ def test_colocated_weight_sync_costs_a_copy_of_the_weights():
     ("old_logprob", 512, 18.64), ("old_logprob", 1024, 33.49), ("actor_update", 1024, 46.31)])
 def test_programs_at_real_shapes_are_within_15_percent_of_xlas_gpu_compiler(stage, inference_rows, compiled_gb):
     """XLA's GPU compiler's figures (arguments + outputs + temporaries - aliases, per device; compile-only H100s,
-    `scripts/plan.py ... --verify --verify-target cuda-h100`, docs/benchmarks.md issue 23) for the planner's best
+    `scripts/plan.py ... --verify --verify-target cuda-h100`) for the planner's best
     7B plan on 16 H100 (512 x 8, responses up to 4096 after a 1024-token prompt; fsdp=16, float32 weights,
     bfloat16 compute, blockwise attention, remat dots, 128 update micro-batches): its old log-prob pass in row
-    micro-batches of 512 and 1024 rows (compiled again in session 11, the output matrix gathered as its bfloat16
-    cast: 19.39 and 34.24 GB before, docs/benchmarks.md issue 23 session 11), and its update. The program's
+    micro-batches of 512 and 1024 rows (compiled with the output matrix gathered as its bfloat16 cast; 19.39
+    and 34.24 GB with the float32 gather), and its update. The program's
     arguments are the weights (inference) or the training state (update); the model's transient is the rest."""
     execution = Execution(attention="blockwise", remat="dots", scan_layers=True, param_dtype="float32", dtype="bfloat16",
                           inference_rows=inference_rows, update_microbatches=128)
@@ -555,10 +555,10 @@ def test_the_updates_head_and_layers_phases_are_maxed_not_added(remat, tokens):
     """An update's peak (fsdp8, one row per device, one micro-batch): what the layers keep for the backward and the
     gradients, plus the larger of the log-prob head's phase (the gathered bfloat16 output matrix, one chunk's
     bfloat16 dW and their float32 sum, one float32 chunk of logits) and the layers' phase (two gathered bfloat16
-    layers, one layer's working set and, with full remat, the layer scan's bfloat16 stack, s25s, built run by run,
-    s25g):
+    layers, one layer's working set and, with full remat, the layer scan's bfloat16 stack, built for the backward
+    loop only, run by run):
     `models.logprobs._ChunkLoop` frees the head's buffers before the layers'
-    backward starts (s23m, session 13, the GPU compiler's buffer assignment). Written out from the formula."""
+    backward starts (the GPU compiler's buffer assignment). Written out from the formula."""
     from rpegjax.perf import costs
 
     config = ModelConfig.qwen2p5("7b").replace(param_dtype="float32", dtype="bfloat16")

@@ -50,8 +50,8 @@ def test_plans_outside_the_checked_regime_are_untrusted_with_one_line_each():
 
 
 def test_sequence_parallel_plans_are_trusted_up_to_the_rows_checked_on_the_gpu_compiler():
-    """Sequence parallelism was checked on XLA's GPU compiler up to 32k-token rows (docs/benchmarks.md, issue 25
-    session 10): inside, trusted at any row length the checks covered; a regime without such checks refuses it."""
+    """Sequence parallelism was checked on XLA's GPU compiler up to 32k-token rows (docs/benchmarks.md, "W-long"):
+    inside, trusted at any row length the checks covered; a regime without such checks refuses it."""
     shape = ModelShape.from_config(ModelConfig.qwen2p5("0.5b"))
     prediction = _prediction(Execution(attention="blockwise", remat="full", scan_layers=True, sequence_parallel=True),
                              (("data", 1), ("fsdp", 4), ("tensor", 2)))

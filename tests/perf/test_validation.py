@@ -44,7 +44,7 @@ def test_pipeline_bubble_and_recomputation_cost_time():
 
 # ------------------------------------------------------------------------------------------ RL step times
 
-HELD_OUT_BOUND = 0.25  # issue 15: every held-out case within 25%
+HELD_OUT_BOUND = 0.25  # every held-out case within 25%
 
 
 def test_fit_on_the_fit_runs_gives_the_recorded_constants():
@@ -60,11 +60,11 @@ def test_held_out_step_times_within_bound(run):
     assert abs(error) <= HELD_OUT_BOUND, f"{run.name}: predicted {100 * error:+.1f}% off the measured {run.measured_seconds} s"
 
 
-# Issue 26: the published mixture-of-experts runs (NeMo-RL v0.6), held out (nothing fitted on them), each with the
-# peer's own plan; the 8-step-off run's generation is continuous across steps (`validation.continuous_generation`).
-# Three mechanisms of the peer's engines make the 235B one-step-off run fit the band (docs/benchmarks.md,
-# "Session 19"): vLLM's memory fraction applies to the memory CUDA reports, vLLM's one-shot all-reduce inside a node,
-# and Megatron's published MoE training efficiency (`validation.MEGATRON_MOE_RATIO`).
+# The published mixture-of-experts runs (NeMo-RL v0.6), held out (nothing fitted on them), each with the peer's own
+# plan; the 8-step-off run's generation is continuous across steps (`validation.continuous_generation`). Three
+# mechanisms of the peer's engines make the 235B one-step-off run fit the band (docs/benchmarks.md, "Published runs"):
+# vLLM's memory fraction applies to the memory CUDA reports, vLLM's one-shot all-reduce inside a node, and Megatron's
+# published MoE training efficiency (`validation.MEGATRON_MOE_RATIO`).
 @pytest.mark.parametrize("run", validation.MOE_RUNS, ids=lambda run: run.name)
 def test_held_out_moe_step_times_within_bound(run):
     assert run.shape.experts is not None and run not in FIT_RUNS
@@ -144,7 +144,7 @@ def test_one_batch_in_flight_is_a_whole_batch_per_step_for_these_responses():
         assert capped > 0.4 and (1 - capped) ** run.group_size < 1e-6
 
 
-# Issue 23: NeMo-RL's dense GB200 rows (v0.5, GB200-NVL72; v0.6 publishes no dense rows), held out. One is not met.
+# NeMo-RL's dense GB200 rows (v0.5, GB200-NVL72; v0.6 publishes no dense rows), held out. One is not met.
 _GB200_NOT_MET = {"NeMo-RL v0.5 GB200 Llama-3.1-8B on-policy": (
     "-34% (60 s vs 91.0 s): the H100-fitted efficiencies on GB200's peaks (2.5x H100's BF16, 2.4x its HBM bandwidth) "
     "give 2.9x H100's per-GPU throughput on this workload where the runs measured 2.0x (92.8 s on 16 H100); "

@@ -299,7 +299,7 @@ def test_the_dry_run_of_a_multi_turn_job_samples_and_prefills_as_its_episodes_do
 def test_a_fused_reference_and_policy_pass_counts_the_policy_weights_once():
     """A fused ref + old log-prob unit on the training layout takes the policy's weights as arguments (with the
     reference's): beside it stay only the rest of the training state (the optimiser state), not the weights again
-    (they were counted twice, docs/benchmarks.md issue 23 session 10). Lowered only, on 4 virtual devices."""
+    (they were once counted twice). Lowered only, on 4 virtual devices."""
     from rpegjax.graph import transforms
     from rpegjax.train.dry_run import lower_plan
 

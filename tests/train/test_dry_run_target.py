@@ -208,7 +208,7 @@ def test_a_fused_packed_log_prob_pass_is_predicted_as_the_gpu_compiler_holds_it(
     the model's within 3%. The model had one model's weight copies per program and no stacked layers; the GPU
     holds both models' layers stacked in bfloat16 for the layer scan, their transposed projections and, later,
     both output matrices gathered (`stage_costs._forward_transient_bytes`): the old formula read −6.6% here and
-    −22% for Llama 3.1 8B's (docs/benchmarks.md issue 23 session 11). ~30 s idle."""
+    −22% for Llama 3.1 8B's. ~30 s idle."""
     from rpegjax.graph import transforms
     from rpegjax.perf import hardware, step_model
     from rpegjax.perf.generation_cost import ResponseLengths
