@@ -83,6 +83,11 @@ class ModelConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # a sparse layer's shared expert (0: none): a SwiGLU MLP of this width that every token goes through beside its
+    # routed experts, scaled by sigmoid(x . shared_expert_gate) when `shared_expert_gate` (Qwen2-MoE, Qwen3-Next,
+    # Qwen3.5-MoE); DeepSeek-style shared experts have no gate (their width: n_shared_experts x moe_intermediate_size)
+    shared_expert_intermediate_size: int = 0
+    shared_expert_gate: bool = False
     # None: dropless experts; c > 0: each expert takes at most ceil(c t k / x) of a row's assignments, the rest are
     # dropped (rpegjax.models.expert_parallel). Not a checkpoint field: a training choice (Hugging Face's Qwen3-MoE
     # is dropless)
@@ -137,7 +142,8 @@ class ModelConfig:
         if self.qk_norm:
             attention += 2 * e
         experts = self.num_experts_per_token if active else self.num_experts
-        sparse = d * self.num_experts + experts * 3 * d * self.moe_intermediate_size
+        shared = 3 * d * self.shared_expert_intermediate_size + (d if self.shared_expert_gate else 0)
+        sparse = d * self.num_experts + experts * 3 * d * self.moe_intermediate_size + shared
         mlps = sum(sparse if self.is_sparse_layer(i) else 3 * d * f for i in range(self.num_layers))
         embeddings = v * d * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * (attention + 2 * d) + mlps + d + (embeddings if include_embeddings else 0)
@@ -325,7 +331,7 @@ class ModelConfig:
 def _check_experts(cfg: ModelConfig) -> None:
     """Raises ValueError naming the field when the mixture-of-experts fields do not fit the architecture."""
     if cfg.architecture != Architecture.QWEN3_MOE:
-        for name in ("num_experts", "moe_capacity_factor"):
+        for name in ("num_experts", "moe_capacity_factor", "shared_expert_intermediate_size", "shared_expert_gate"):
             if getattr(cfg, name):
                 raise ValueError(f"ModelConfig.{name}={getattr(cfg, name)} needs architecture qwen3_moe, "
                                  f"got {cfg.architecture.value}")
@@ -334,6 +340,13 @@ def _check_experts(cfg: ModelConfig) -> None:
         value = getattr(cfg, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"ModelConfig.{name} must be a positive integer for qwen3_moe, got {value!r}")
+    shared = cfg.shared_expert_intermediate_size
+    if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
+        raise ValueError(f"ModelConfig.shared_expert_intermediate_size must be 0 (no shared expert) or a positive "
+                         f"integer, got {shared!r}")
+    if cfg.shared_expert_gate and not shared:
+        raise ValueError("ModelConfig.shared_expert_gate=True needs a shared expert "
+                         "(shared_expert_intermediate_size > 0)")
     capacity = cfg.moe_capacity_factor
     if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int | float) or capacity <= 0):
         raise ValueError(f"ModelConfig.moe_capacity_factor must be null (dropless) or a positive number, got {capacity!r}")

@@ -19,6 +19,8 @@ A sparse (mixture-of-experts) layer's MLP instead, expert j of x:
     model.layers.N.mlp.gate.weight                    [x, d] -> layers.N.mlp.router            [d, x]
     model.layers.N.mlp.experts.j.{gate,up}_proj.weight [f, d] -> layers.N.mlp.{gate,up}_proj[j] [d, f]
     model.layers.N.mlp.experts.j.down_proj.weight     [d, f] -> layers.N.mlp.down_proj[j]      [f, d]
+    model.layers.N.mlp.shared_expert.*_proj.weight           -> layers.N.mlp.shared_expert.*_proj (as a dense MLP)
+    model.layers.N.mlp.shared_expert_gate.weight      [1, d] -> layers.N.mlp.shared_expert_gate [d]
 
 (the per-expert names of the published Qwen3-MoE checkpoints, which transformers 5 also writes); such a layout
 has `expert=j`: it is slice j of our stacked [x, ...] parameter.
@@ -156,6 +158,12 @@ def tensor_layouts(cfg: ModelConfig) -> list[TensorLayout]:
             for j in range(cfg.num_experts):
                 for proj, shape in (("gate", (moe_f, d)), ("up", (moe_f, d)), ("down", (d, moe_f))):
                     add(f"{hf}mlp.experts.{j}.{proj}_proj.weight", (*mlp, f"{proj}_proj"), shape, _transposed(), j)
+            shared = cfg.shared_expert_intermediate_size
+            for proj, shape in (("gate", (shared, d)), ("up", (shared, d)), ("down", (d, shared))) if shared else ():
+                add(f"{hf}mlp.shared_expert.{proj}_proj.weight", (*mlp, "shared_expert", f"{proj}_proj"), shape,
+                    _transposed())
+            if cfg.shared_expert_gate:
+                add(f"{hf}mlp.shared_expert_gate.weight", (*mlp, "shared_expert_gate"), (1, d), _leading_one((d,)))
         else:
             add(f"{hf}mlp.gate_proj.weight", (*mlp, "gate_proj"), (f, d), _transposed())
             add(f"{hf}mlp.up_proj.weight", (*mlp, "up_proj"), (f, d), _transposed())
@@ -176,6 +184,9 @@ def hf_incompatibilities(cfg: ModelConfig) -> list[str]:
     problems = []
     if cfg.architecture != Architecture.QWEN2 and cfg.attention_bias:
         problems.append(f"attention_bias=True ({cfg.architecture.value} in transformers would also bias o_proj)")
+    if cfg.shared_expert_intermediate_size and cfg.architecture == Architecture.QWEN3_MOE:
+        problems.append(f"shared_expert_intermediate_size={cfg.shared_expert_intermediate_size} (transformers' "
+                        "qwen3_moe has no shared expert)")
     if cfg.qk_norm != (cfg.architecture in (Architecture.QWEN3, Architecture.QWEN3_MOE)):
         problems.append(f"qk_norm={cfg.qk_norm} (transformers' {cfg.architecture.value} has qk_norm={not cfg.qk_norm})")
     return problems

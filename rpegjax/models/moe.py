@@ -1,11 +1,16 @@
-"""The sparse mixture-of-experts layer of Qwen3-MoE: a bias-free router and `num_experts` SwiGLU experts.
+"""The sparse mixture-of-experts layer: a bias-free router, `num_experts` SwiGLU experts and an optional shared expert.
 
 Parameters (ours; Hugging Face's per-expert tensors are in `hf_layout`):
 
-    router     [d, x]     logits = x_t @ router (float32)
-    gate_proj  [x, d, f]  expert e's gate kernel is gate_proj[e]
-    up_proj    [x, d, f]
-    down_proj  [x, f, d]
+    router              [d, x]     logits = x_t @ router (float32)
+    gate_proj           [x, d, f]  expert e's gate kernel is gate_proj[e]
+    up_proj             [x, d, f]
+    down_proj           [x, f, d]
+    shared_expert       a dense SwiGLU MLP of width `shared_expert_intermediate_size` (the decoder's `MLP`)
+    shared_expert_gate  [d]        with `shared_expert_gate`: the shared expert's output is scaled by
+                                   sigmoid(x_t . shared_expert_gate) (float32), as in Qwen2-MoE, Qwen3-Next, Qwen3.5-MoE
+
+y_t = sum_j w_tj expert_{e_tj}(x_t) + g_t shared_expert(x_t), with g_t = 1 without a gate.
 
 `x` is the expert count (logical axis EXPERT: split over the `expert` mesh axis under expert parallelism), f the
 expert width `moe_intermediate_size`. The experts run dropless, or with `moe_capacity_factor` capped per row
@@ -49,8 +54,14 @@ def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], logical: tuple[str | None, .
 
 
 class SparseMoE(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, shared_expert: nnx.Module | None = None):
+        """`shared_expert`: the dense MLP every token also goes through, built by the caller (the decoder's `MLP` of
+        width `cfg.shared_expert_intermediate_size`, so that it is exactly a dense MLP, adapters included); given
+        exactly when the config has one."""
         d, f, x, pdt = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.jnp_param_dtype
+        if (shared_expert is None) != (cfg.shared_expert_intermediate_size == 0):
+            raise ValueError(f"SparseMoE: shared_expert_intermediate_size={cfg.shared_expert_intermediate_size} "
+                             f"needs {'a' if shared_expert is None else 'no'} shared_expert module")
         self.router = _normal(rngs, (d, x), (axes.EMBED, None), pdt, d)
         self.gate_proj = _normal(rngs, (x, d, f), (axes.EXPERT, axes.EMBED, axes.MLP), pdt, d)
         self.up_proj = _normal(rngs, (x, d, f), (axes.EXPERT, axes.EMBED, axes.MLP), pdt, d)
@@ -59,6 +70,10 @@ class SparseMoE(nnx.Module):
         self.norm_topk_prob = cfg.norm_topk_prob
         self.dtype = cfg.jnp_dtype
         self.capacity_factor = cfg.moe_capacity_factor
+        self.shared_expert = shared_expert
+        self.gated_shared_expert = cfg.shared_expert_gate
+        if cfg.shared_expert_gate:
+            self.shared_expert_gate = _normal(rngs, (d,), (axes.EMBED,), pdt, d)
 
     def __call__(self, x: Float[Array, "b t d"], sharding: ActivationSharding | None,
                  expert_ids: Int[Array, "b t k"] | None = None, valid: Bool[Array, "b t"] | None = None
@@ -78,5 +93,11 @@ class SparseMoE(nnx.Module):
         ids, weights = ids.reshape(b, t, self.top_k), weights.reshape(b, t, self.top_k)
         out, dropped = compute_experts(flat.reshape(b, t, d), ids, weights, kernels, sharding, self.capacity_factor,
                                        valid=valid)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x, sharding).astype(jnp.float32)
+            if self.gated_shared_expert:
+                gate = flat.astype(jnp.float32) @ self.shared_expert_gate.get_value().astype(jnp.float32)
+                shared = shared * jax.nn.sigmoid(gate).reshape(b, t, 1)
+            out = (out.astype(jnp.float32) + shared).astype(out.dtype)
         out = constrain(out, sharding, (axes.BATCH, None, axes.EMBED))
         return out, Routing(expert_ids=ids, router_logits=logits.reshape(b, t, -1), dropped=dropped)

@@ -345,7 +345,12 @@ class Block(nnx.Module):
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_param_dtype)
         self.attention = Attention(cfg, rngs=rngs, lora=lora)
         self.post_attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_param_dtype)
-        self.mlp = SparseMoE(cfg, rngs=rngs) if sparse else MLP(cfg, rngs=rngs, lora=lora)
+        if sparse:
+            shared = cfg.shared_expert_intermediate_size
+            shared_expert = MLP(cfg.replace(intermediate_size=shared), rngs=rngs, lora=lora) if shared else None
+            self.mlp = SparseMoE(cfg, rngs=rngs, shared_expert=shared_expert)
+        else:
+            self.mlp = MLP(cfg, rngs=rngs, lora=lora)
 
     def __call__(self, x, rope, key_mask, layer_cache, cache_offsets, sharding, dropout_key=None, expert_ids=None,
                  segment_ids=None):

@@ -237,3 +237,77 @@ def test_memory_estimate_refuses_expert_layers():
         forward_bytes_per_row(cfg, 16, logprob_chunk=8)
     with pytest.raises(ValueError, match="inference_rows"):
         forward_fixed_bytes(cfg)
+
+
+def _moe_with_shared_expert(cfg: ModelConfig, seed: int):
+    from rpegjax.models.moe import SparseMoE
+    from rpegjax.models.transformer import MLP
+
+    rngs = nnx.Rngs(seed)
+    shared = MLP(cfg.replace(intermediate_size=cfg.shared_expert_intermediate_size), rngs=rngs)
+    return SparseMoE(cfg, rngs=rngs, shared_expert=shared)
+
+
+def test_gated_shared_expert_equals_transformers_sparse_moe_block():
+    """Routed + sigmoid-gated shared expert == transformers' Qwen3.5-MoE block (the Qwen2-MoE/Qwen3-Next maths) with
+    the same weights, float32."""
+    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
+
+    cfg = ModelConfig.tiny(Architecture.QWEN3_MOE, num_experts=6, num_experts_per_token=2, moe_intermediate_size=24,
+                           shared_expert_intermediate_size=40, shared_expert_gate=True)
+    ours = _moe_with_shared_expert(cfg, seed=3)
+    theirs = Qwen3_5MoeSparseMoeBlock(Qwen3_5MoeTextConfig(
+        hidden_size=64, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24,
+        shared_expert_intermediate_size=40)).eval()
+
+    def tensor(x):
+        return torch.tensor(np.asarray(x))
+
+    with torch.no_grad():
+        theirs.gate.weight.copy_(tensor(ours.router.get_value().T))
+        theirs.experts.gate_up_proj.copy_(torch.cat([tensor(ours.gate_proj.get_value()).transpose(1, 2),
+                                                     tensor(ours.up_proj.get_value()).transpose(1, 2)], dim=1))
+        theirs.experts.down_proj.copy_(tensor(ours.down_proj.get_value()).transpose(1, 2))
+        for proj in ("gate", "up", "down"):
+            getattr(theirs.shared_expert, f"{proj}_proj").weight.copy_(
+                tensor(getattr(ours.shared_expert, f"{proj}_proj").get_value().T))
+        theirs.shared_expert_gate.weight.copy_(tensor(ours.shared_expert_gate.get_value()[None, :] * 4))
+    ours.shared_expert_gate.set_value(ours.shared_expert_gate.get_value() * 4)  # gates away from 1/2: a real test
+    x = np.random.default_rng(0).normal(size=(2, 7, 64)).astype(np.float32)
+    got, routing = ours(jnp.asarray(x), None)
+    with torch.no_grad():
+        expected = theirs(torch.tensor(x)).numpy()
+    np.testing.assert_allclose(np.asarray(got), expected, atol=1e-5)
+    assert routing.expert_ids.shape == (2, 7, 2)
+
+
+def test_ungated_shared_expert_adds_the_dense_mlp_and_counts_its_parameters():
+    cfg = ModelConfig.tiny(Architecture.QWEN3_MOE, shared_expert_intermediate_size=48)
+    moe = _moe_with_shared_expert(cfg, seed=1)
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(2, 5, 64)).astype(np.float32))
+    got, _ = moe(x, None)
+    shared = moe.shared_expert
+    moe.shared_expert = None
+    routed, _ = moe(x, None)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(routed + shared(x, None)), atol=1e-6)
+    plain = ModelConfig.tiny(Architecture.QWEN3_MOE)
+    assert cfg.num_params() - plain.num_params() == cfg.num_layers * 3 * 64 * 48
+    gated = cfg.replace(shared_expert_gate=True)
+    assert gated.num_params() - cfg.num_params() == cfg.num_layers * 64
+    model = Decoder(gated, rngs=nnx.Rngs(0))
+    names = {layout.name for layout in tensor_layouts(gated)}
+    assert {"model.layers.0.mlp.shared_expert.down_proj.weight", "model.layers.1.mlp.shared_expert_gate.weight"} <= names
+    from rpegjax.models.hf_layout import hf_tensors_to_state, params_to_hf_tensors
+
+    tensors = params_to_hf_tensors(model)
+    restored = nnx.merge(nnx.graphdef(model), hf_tensors_to_state(tensors, gated))
+    np.testing.assert_array_equal(restored(jnp.zeros((1, 3), jnp.int32)), model(jnp.zeros((1, 3), jnp.int32)))
+    with pytest.raises(ValueError, match="shared_expert_gate"):
+        plain.replace(shared_expert_gate=True)
+    with pytest.raises(ValueError, match="shared_expert_intermediate_size"):
+        ModelConfig.tiny(Architecture.QWEN3, shared_expert_intermediate_size=8)
+    from rpegjax.models.hf import save_pretrained
+
+    with pytest.raises(Exception, match="shared expert"):
+        save_pretrained(model, gated, "/nonexistent/never-written")
