@@ -88,6 +88,15 @@ class ModelConfig:
     # Qwen3.5-MoE); DeepSeek-style shared experts have no gate (their width: n_shared_experts x moe_intermediate_size)
     shared_expert_intermediate_size: int = 0
     shared_expert_gate: bool = False
+    # Gated DeltaNet (linear attention) layers' shapes (all 0 in a model without them; rpegjax.models.gated_deltanet):
+    # q and k have `linear_num_key_heads` heads of `linear_key_head_dim`, v, the output gate and the recurrent state
+    # `linear_num_value_heads` heads of `linear_value_head_dim` (a multiple of the key heads: each key head serves a
+    # group of consecutive value heads); the short causal convolution has `linear_conv_kernel_dim` taps.
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
     # None: dropless experts; c > 0: each expert takes at most ceil(c t k / x) of a row's assignments, the rest are
     # dropped (rpegjax.models.expert_parallel). Not a checkpoint field: a training choice (Hugging Face's Qwen3-MoE
     # is dropless)
@@ -111,6 +120,7 @@ class ModelConfig:
             raise ValueError("ModelConfig.rms_norm_eps and rope_theta must be positive")
         object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
         _check_experts(self)
+        _check_linear_attention(self)
 
     def is_sparse_layer(self, index: int) -> bool:
         """Whether layer `index` is a mixture-of-experts layer (transformers' Qwen3MoeDecoderLayer rule)."""
@@ -360,6 +370,24 @@ def _check_experts(cfg: ModelConfig) -> None:
         raise ValueError("ModelConfig.scan_layers needs layers of one kind, but this model mixes dense and sparse "
                          f"layers (decoder_sparse_step={cfg.decoder_sparse_step}, "
                          f"mlp_only_layers={list(cfg.mlp_only_layers)}); set scan_layers=False")
+
+
+_LINEAR_ATTENTION_FIELDS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                            "linear_value_head_dim", "linear_conv_kernel_dim")
+
+
+def _check_linear_attention(cfg: ModelConfig) -> None:
+    """Raises ValueError naming the field when the Gated DeltaNet shapes are partly set or do not group."""
+    values = {name: getattr(cfg, name) for name in _LINEAR_ATTENTION_FIELDS}
+    for name, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"ModelConfig.{name} must be a non-negative integer, got {value!r}")
+    if any(values.values()) and not all(values.values()):
+        unset = [name for name, value in values.items() if not value]
+        raise ValueError(f"ModelConfig: Gated DeltaNet shapes need all of {list(values)} positive, got {unset[0]}=0")
+    if cfg.linear_num_key_heads and cfg.linear_num_value_heads % cfg.linear_num_key_heads:
+        raise ValueError(f"ModelConfig.linear_num_value_heads ({cfg.linear_num_value_heads}) must be a multiple of "
+                         f"linear_num_key_heads ({cfg.linear_num_key_heads})")
 
 
 _QK_NORM = (Architecture.QWEN3, Architecture.QWEN3_MOE)

@@ -39,6 +39,15 @@ import numpy as np
 from flax import nnx
 
 from rpegjax.models.config import Architecture, ModelConfig
+from rpegjax.models.hf_maps import (
+    Window,
+    bias,
+    identity,
+    in_projection,
+    leading_one,
+    out_projection,
+    transposed,
+)
 from rpegjax.models.transformer import Decoder
 
 FLOAT_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})  # safetensors dtype codes we accept for parameters
@@ -46,9 +55,6 @@ FLOAT_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})  # safetensors dtype cod
 
 class CheckpointError(ValueError):
     """A checkpoint directory or file that cannot be read as the model it claims to be."""
-
-
-Window = tuple[slice, ...]  # one slice per dimension, with explicit start and stop and unit step
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -68,73 +74,14 @@ class TensorLayout:
     expert: int | None = None  # this tensor is [expert] of our parameter (stacked over experts); maps act on it
 
 
-def _identity(x: np.ndarray) -> np.ndarray:
-    return x
-
-
-def _same_window(ours: Window) -> tuple[Window, Callable]:
-    return ours, _identity
-
-
-def _heads(window: slice, e: int) -> slice:
-    """HF rows (or columns) of heads `window` in a head-major [n*e] dimension."""
-    return slice(window.start * e, window.stop * e)
-
-
-def _length(window: slice) -> int:
-    return window.stop - window.start
-
-
-def _in_projection(d: int, n: int, e: int) -> tuple[Callable, Callable, Callable]:
-    """HF [n*e, d] <-> ours [d, n, e]."""
-
-    def window(ours: Window) -> tuple[Window, Callable]:
-        dims, heads, head_dim = ours
-        return (_heads(heads, e), dims), lambda w: w.T.reshape(_length(dims), _length(heads), e)[:, :, head_dim]
-
-    return (lambda w: w.T.reshape(d, n, e)), (lambda w: w.reshape(d, n * e).T), window
-
-
-def _out_projection(h: int, e: int, d: int) -> tuple[Callable, Callable, Callable]:
-    """HF [d, h*e] <-> ours [h, e, d]."""
-
-    def window(ours: Window) -> tuple[Window, Callable]:
-        heads, head_dim, dims = ours
-        return (dims, _heads(heads, e)), lambda w: w.T.reshape(_length(heads), e, _length(dims))[:, head_dim, :]
-
-    return (lambda w: w.T.reshape(h, e, d)), (lambda w: w.reshape(h * e, d).T), window
-
-
-def _bias(n: int, e: int) -> tuple[Callable, Callable, Callable]:
-    """HF [n*e] <-> ours [n, e]."""
-
-    def window(ours: Window) -> tuple[Window, Callable]:
-        heads, head_dim = ours
-        return (_heads(heads, e),), lambda w: w.reshape(_length(heads), e)[:, head_dim]
-
-    return (lambda w: w.reshape(n, e)), (lambda w: w.reshape(n * e)), window
-
-
-def _leading_one(ours_shape: tuple[int, ...]) -> tuple[Callable, Callable, Callable]:
-    """HF [1, *s] <-> ours [*s] (the value head's weight [1, d] and bias [1])."""
-
-    def window(ours: Window) -> tuple[Window, Callable]:
-        return (slice(0, 1), *ours), lambda w: w.reshape(w.shape[1:])
-
-    return (lambda w: w.reshape(ours_shape)), (lambda w: w.reshape(1, *ours_shape)), window
-
-
-def _transposed() -> tuple[Callable, Callable, Callable]:
-    return (lambda w: w.T), (lambda w: w.T), (lambda ours: (ours[::-1], lambda w: w.T))
-
-
 def tensor_layouts(cfg: ModelConfig) -> list[TensorLayout]:
     """Every HF tensor of a checkpoint of `cfg` (value head included when `cfg.value_head`), in file order."""
     d, f, h, k, e, v = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                         cfg.vocab_size)
     out: list[TensorLayout] = []
 
-    def add(name, path, hf_shape, maps=(_identity, _identity, _same_window), expert=None):
+    def add(name, path, hf_shape, maps=None, expert=None):
+        maps = identity() if maps is None else maps
         out.append(TensorLayout(name=name, path=path, hf_shape=hf_shape, to_ours=maps[0], to_hf=maps[1],
                                 window=maps[2], expert=expert))
 
@@ -143,39 +90,39 @@ def tensor_layouts(cfg: ModelConfig) -> list[TensorLayout]:
         hf, attention = f"model.layers.{i}.", ("layers", i, "attention")
         for proj, heads in (("q", h), ("k", k), ("v", k)):
             add(f"{hf}self_attn.{proj}_proj.weight", (*attention, f"{proj}_proj"), (heads * e, d),
-                _in_projection(d, heads, e))
+                in_projection(d, heads, e))
             if cfg.attention_bias:
                 add(f"{hf}self_attn.{proj}_proj.bias", (*attention, f"{proj}_bias"), (heads * e,),
-                    _bias(heads, e))
-        add(f"{hf}self_attn.o_proj.weight", (*attention, "o_proj"), (d, h * e), _out_projection(h, e, d))
+                    bias(heads, e))
+        add(f"{hf}self_attn.o_proj.weight", (*attention, "o_proj"), (d, h * e), out_projection(h, e, d))
         if cfg.qk_norm:
             add(f"{hf}self_attn.q_norm.weight", (*attention, "q_norm", "scale"), (e,))
             add(f"{hf}self_attn.k_norm.weight", (*attention, "k_norm", "scale"), (e,))
         mlp = ("layers", i, "mlp")
         if cfg.is_sparse_layer(i):
             moe_f = cfg.moe_intermediate_size
-            add(f"{hf}mlp.gate.weight", (*mlp, "router"), (cfg.num_experts, d), _transposed())
+            add(f"{hf}mlp.gate.weight", (*mlp, "router"), (cfg.num_experts, d), transposed())
             for j in range(cfg.num_experts):
                 for proj, shape in (("gate", (moe_f, d)), ("up", (moe_f, d)), ("down", (d, moe_f))):
-                    add(f"{hf}mlp.experts.{j}.{proj}_proj.weight", (*mlp, f"{proj}_proj"), shape, _transposed(), j)
+                    add(f"{hf}mlp.experts.{j}.{proj}_proj.weight", (*mlp, f"{proj}_proj"), shape, transposed(), j)
             shared = cfg.shared_expert_intermediate_size
             for proj, shape in (("gate", (shared, d)), ("up", (shared, d)), ("down", (d, shared))) if shared else ():
                 add(f"{hf}mlp.shared_expert.{proj}_proj.weight", (*mlp, "shared_expert", f"{proj}_proj"), shape,
-                    _transposed())
+                    transposed())
             if cfg.shared_expert_gate:
-                add(f"{hf}mlp.shared_expert_gate.weight", (*mlp, "shared_expert_gate"), (1, d), _leading_one((d,)))
+                add(f"{hf}mlp.shared_expert_gate.weight", (*mlp, "shared_expert_gate"), (1, d), leading_one((d,)))
         else:
-            add(f"{hf}mlp.gate_proj.weight", (*mlp, "gate_proj"), (f, d), _transposed())
-            add(f"{hf}mlp.up_proj.weight", (*mlp, "up_proj"), (f, d), _transposed())
-            add(f"{hf}mlp.down_proj.weight", (*mlp, "down_proj"), (d, f), _transposed())
+            add(f"{hf}mlp.gate_proj.weight", (*mlp, "gate_proj"), (f, d), transposed())
+            add(f"{hf}mlp.up_proj.weight", (*mlp, "up_proj"), (f, d), transposed())
+            add(f"{hf}mlp.down_proj.weight", (*mlp, "down_proj"), (d, f), transposed())
         add(f"{hf}input_layernorm.weight", ("layers", i, "input_norm", "scale"), (d,))
         add(f"{hf}post_attention_layernorm.weight", ("layers", i, "post_attention_norm", "scale"), (d,))
     add("model.norm.weight", ("final_norm", "scale"), (d,))
     if not cfg.tie_word_embeddings:
-        add("lm_head.weight", ("lm_head",), (v, d), _transposed())
+        add("lm_head.weight", ("lm_head",), (v, d), transposed())
     if cfg.value_head:
-        add("value_head.weight", ("value_kernel",), (1, d), _leading_one((d,)))
-        add("value_head.bias", ("value_bias",), (1,), _leading_one(()))
+        add("value_head.weight", ("value_kernel",), (1, d), leading_one((d,)))
+        add("value_head.bias", ("value_bias",), (1,), leading_one(()))
     return out
 
 
