@@ -177,8 +177,10 @@ def chunked_gated_delta_rule(
         o_i = c_i e^{G_i} S_0^T q_i + sum_{j<=i} (q_i . k_j) e^{G_i - G_j} M_ij u_j,
         S_C = c_C e^{G_C} S_0 + sum_j e^{G_C - G_j} M_Cj k_j u_j^T,
 
-    all chunks' triangular solves at once, then one `lax.scan` over chunks carrying S. `state` belongs to the first
-    segment of each row; returns the outputs and the state after each row's last token.
+    one `lax.scan` over chunks carrying S whose body computes its chunk's [C, C] products and triangular solve and is
+    rematerialised: what the backward keeps is each chunk's S (an [h, dk, dv] float32 per C tokens) and the inputs,
+    not the [C, C] and [C, dk + dv] intermediates of every chunk at once. `state` belongs to the first segment of
+    each row; returns the outputs and the state after each row's last token.
     """
     b, t, h, dk = q.shape
     dv = v.shape[-1]
@@ -187,46 +189,42 @@ def chunked_gated_delta_rule(
     n = (t + pad) // size
     segments = jnp.zeros((b, t), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
 
-    def chunks(a: Array) -> Array:  # b t h ... -> b h n C ...
-        a = jnp.pad(a.astype(jnp.float32), [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
-        return jnp.moveaxis(a.reshape(b, n, size, *a.shape[2:]), 3, 1)
+    def chunks(a: Array) -> Array:  # b t ... -> n b C ...
+        a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
+        return jnp.moveaxis(a.reshape(b, n, size, *a.shape[2:]), 1, 0)
 
     # padding tokens continue the last segment and are inert (k = v = 0, beta = 0, no decay)
     segments = jnp.pad(segments, [(0, 0), (0, pad)], mode="edge").reshape(b, n, size)
-    q, k, v = chunks(q), chunks(k), chunks(v)  # b h n C e
-    g, beta = chunks(g), chunks(beta)  # b h n C
     previous = jnp.concatenate([segments[:, :1, :1], segments[:, :-1, -1:]], axis=1)  # segment before each chunk
-    carried = (segments == previous)[:, None]  # b 1 n C: c_i
+    xs = (*(chunks(a.astype(jnp.float32)) for a in (q, k, v, g, beta)), jnp.moveaxis(segments, 1, 0),
+          jnp.moveaxis(previous, 1, 0))
     lower = jnp.tril(jnp.ones((size, size), bool))
-    same = (segments[..., :, None] == segments[..., None, :]) & lower  # b n C C: M_ij
-    decay = jnp.cumsum(g, axis=-1)  # b h n C: G_i
-    # masked in log space before exp: e^{G_i - G_j} for i < j would overflow
-    pairwise = jnp.exp(jnp.where(same[:, None], decay[..., :, None] - decay[..., None, :], -jnp.inf))
-    k_beta = k * beta[..., None]
-    system = jnp.einsum("bhnie,bhnje->bhnij", k_beta, k) * pairwise
-    system = jnp.where(jnp.tril(jnp.ones((size, size), bool), -1), system, 0.0) + jnp.eye(size)
-    gathered = jnp.exp(decay) * carried  # c_i e^{G_i}
-    rhs = jnp.concatenate([v * beta[..., None], k_beta * gathered[..., None]], axis=-1)
-    solved = jax.scipy.linalg.solve_triangular(system, rhs, lower=True, unit_diagonal=True)
-    values, keys_read = solved[..., :dv], solved[..., dv:]  # u before S_0, and the keys that read S_0
-    attention = jnp.einsum("bhnie,bhnje->bhnij", q, k) * pairwise
-    queries_read = q * gathered[..., None]
-    last = segments == segments[..., -1:]  # b n C: tokens of the chunk's last segment (M_Cj)
-    to_end = jnp.exp(jnp.where(last[:, None], decay[..., -1:] - decay, -jnp.inf))  # e^{G_C - G_j} M_Cj
-    keys_written = k * to_end[..., None]
-    chunk_decay = (jnp.exp(decay[..., -1]) * carried[..., -1])[..., None, None]  # b h n 1 1
+    strictly_lower = jnp.tril(jnp.ones((size, size), bool), -1)
 
     def step(s, chunk):
-        values, keys_read, attention, queries_read, keys_written, chunk_decay = chunk
-        u = values - keys_read @ s
-        out = queries_read @ s + attention @ u
-        return chunk_decay * s + jnp.swapaxes(keys_written, -1, -2) @ u, out
+        q, k, v, g, beta, segments, previous = chunk  # b C h e, b C h, b C, b 1
+        q, k, v = (jnp.swapaxes(a, 1, 2) for a in (q, k, v))  # b h C e
+        g, beta = jnp.swapaxes(g, 1, 2), jnp.swapaxes(beta, 1, 2)  # b h C
+        carried = (segments == previous)[:, None]  # b 1 C: c_i
+        same = ((segments[:, :, None] == segments[:, None, :]) & lower)[:, None]  # b 1 C C: M_ij
+        decay = jnp.cumsum(g, axis=-1)  # b h C: G_i
+        # masked in log space before exp: e^{G_i - G_j} for i < j would overflow
+        pairwise = jnp.exp(jnp.where(same, decay[..., :, None] - decay[..., None, :], -jnp.inf))
+        k_beta = k * beta[..., None]
+        system = jnp.where(strictly_lower, (k_beta @ jnp.swapaxes(k, -1, -2)) * pairwise, 0.0) + jnp.eye(size)
+        gathered = jnp.exp(decay) * carried  # c_i e^{G_i}
+        rhs = jnp.concatenate([v * beta[..., None], k_beta * gathered[..., None]], axis=-1)
+        solved = jax.scipy.linalg.solve_triangular(system, rhs, lower=True, unit_diagonal=True)
+        u = solved[..., :dv] - solved[..., dv:] @ s  # the new values, S_0's part taken out
+        out = (q * gathered[..., None]) @ s + ((q @ jnp.swapaxes(k, -1, -2)) * pairwise) @ u
+        last = (segments == segments[:, -1:])[:, None]  # b 1 C: tokens of the chunk's last segment (M_Cj)
+        to_end = jnp.exp(jnp.where(last, decay[..., -1:] - decay, -jnp.inf))  # e^{G_C - G_j} M_Cj
+        chunk_decay = (jnp.exp(decay[..., -1]) * carried[..., -1])[..., None, None]  # b h 1 1
+        return chunk_decay * s + jnp.swapaxes(k * to_end[..., None], -1, -2) @ u, jnp.swapaxes(out, 1, 2)
 
-    xs = tuple(jnp.moveaxis(a, 2, 0) for a in (values, keys_read, attention, queries_read, keys_written, chunk_decay))
     state = jnp.zeros((b, h, dk, dv), jnp.float32) if state is None else state.astype(jnp.float32)
-    state, out = jax.lax.scan(step, state, xs)  # out: n b h C dv
-    out = jnp.moveaxis(out, 0, 2).reshape(b, h, n * size, dv)[:, :, :t]
-    return jnp.moveaxis(out, 1, 2), state
+    state, out = jax.lax.scan(jax.checkpoint(step), state, xs)  # out: n b C h dv
+    return jnp.moveaxis(out, 0, 1).reshape(b, n * size, h, dv)[:, :t], state
 
 
 def gated_rms_norm(o: Float[Array, "... e"], gate: Float[Array, "... e"], scale: Float[Array, " e"],
