@@ -8,6 +8,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from rpegjax.models.routing import RouterScoring, RoutingRule
 from rpegjax.options import AttentionKind, DType, RematPolicy, parse_choice
 
 
@@ -81,6 +82,12 @@ class ModelConfig:
     num_experts_per_token: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
+    # the router variants of `rpegjax.models.routing` (defaults: Qwen3-MoE's); the correction bias only chooses
+    router_scoring: RouterScoring = RouterScoring.SOFTMAX
+    router_correction_bias: bool = False
+    router_groups: int = 1
+    router_topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     # a sparse layer's shared expert (0: none): a SwiGLU MLP of this width that every token goes through beside its
@@ -105,7 +112,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "architecture", Architecture(self.architecture))
         for name, kind in (("attention", AttentionKind), ("remat", RematPolicy), ("param_dtype", DType),
-                           ("dtype", DType)):
+                           ("dtype", DType), ("router_scoring", RouterScoring)):
             object.__setattr__(self, name, parse_choice(kind, getattr(self, name), f"ModelConfig.{name}"))
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
                      "attention_block_size"):
@@ -338,6 +345,13 @@ class ModelConfig:
         return hf
 
 
+def routing_rule(cfg: ModelConfig) -> RoutingRule:
+    """How a sparse layer of `cfg` picks and weights its experts (`rpegjax.models.routing`)."""
+    return RoutingRule(top_k=cfg.num_experts_per_token, norm_topk_prob=cfg.norm_topk_prob, scoring=cfg.router_scoring,
+                       groups=cfg.router_groups, topk_groups=cfg.router_topk_groups,
+                       scaling_factor=cfg.routed_scaling_factor)
+
+
 def _check_experts(cfg: ModelConfig) -> None:
     """Raises ValueError naming the field when the mixture-of-experts fields do not fit the architecture."""
     if cfg.architecture != Architecture.QWEN3_MOE:
@@ -345,6 +359,13 @@ def _check_experts(cfg: ModelConfig) -> None:
             if getattr(cfg, name):
                 raise ValueError(f"ModelConfig.{name}={getattr(cfg, name)} needs architecture qwen3_moe, "
                                  f"got {cfg.architecture.value}")
+        defaults = ModelConfig.__dataclass_fields__
+        for name in _ROUTER_FIELDS:
+            value = getattr(cfg, name)
+            if value != defaults[name].default:
+                shown = value.value if isinstance(value, enum.Enum) else value
+                raise ValueError(f"ModelConfig.{name}={shown!r} is a router option; architecture "
+                                 f"{cfg.architecture.value} has no experts")
         return
     for name in ("num_experts", "num_experts_per_token", "moe_intermediate_size", "decoder_sparse_step"):
         value = getattr(cfg, name)
@@ -363,6 +384,7 @@ def _check_experts(cfg: ModelConfig) -> None:
     if cfg.num_experts_per_token > cfg.num_experts:
         raise ValueError(f"ModelConfig.num_experts_per_token ({cfg.num_experts_per_token}) exceeds num_experts "
                          f"({cfg.num_experts})")
+    _check_router(cfg)
     bad = [i for i in cfg.mlp_only_layers if not isinstance(i, int) or not 0 <= i < cfg.num_layers]
     if bad:
         raise ValueError(f"ModelConfig.mlp_only_layers must be layer indices in [0, {cfg.num_layers}), got {bad}")
@@ -388,6 +410,33 @@ def _check_linear_attention(cfg: ModelConfig) -> None:
     if cfg.linear_num_key_heads and cfg.linear_num_value_heads % cfg.linear_num_key_heads:
         raise ValueError(f"ModelConfig.linear_num_value_heads ({cfg.linear_num_value_heads}) must be a multiple of "
                          f"linear_num_key_heads ({cfg.linear_num_key_heads})")
+
+
+_ROUTER_FIELDS = ("router_scoring", "router_correction_bias", "router_groups", "router_topk_groups",
+                  "routed_scaling_factor")
+
+
+def _check_router(cfg: ModelConfig) -> None:
+    """Raises ValueError naming the field when the router variant cannot route `num_experts` experts."""
+    for name in ("router_groups", "router_topk_groups"):
+        value = getattr(cfg, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"ModelConfig.{name} must be a positive integer, got {value!r}")
+    groups, experts = cfg.router_groups, cfg.num_experts
+    if experts % groups:
+        raise ValueError(f"ModelConfig.router_groups ({groups}) must divide num_experts ({experts})")
+    if groups > 1 and experts // groups < 2:
+        raise ValueError(f"ModelConfig.router_groups ({groups}): a group is scored by its two best experts, but "
+                         f"{experts} experts make groups of {experts // groups}")
+    if cfg.router_topk_groups > groups:
+        raise ValueError(f"ModelConfig.router_topk_groups ({cfg.router_topk_groups}) exceeds router_groups ({groups})")
+    eligible = cfg.router_topk_groups * experts // groups
+    if cfg.num_experts_per_token > eligible:
+        raise ValueError(f"ModelConfig.num_experts_per_token ({cfg.num_experts_per_token}) exceeds the {eligible} "
+                         f"experts of router_topk_groups={cfg.router_topk_groups} groups")
+    factor = cfg.routed_scaling_factor
+    if isinstance(factor, bool) or not isinstance(factor, int | float) or not factor > 0:
+        raise ValueError(f"ModelConfig.routed_scaling_factor must be a positive number, got {factor!r}")
 
 
 _QK_NORM = (Architecture.QWEN3, Architecture.QWEN3_MOE)

@@ -1,7 +1,4 @@
-"""Top-k softmax routing and dropless expert computation (grouped matmuls over tokens sorted by expert).
-
-Routing (transformers' Qwen3MoeTopKRouter): p = softmax(router logits) over the E experts in float32; a token uses
-the k experts of largest p, weighted by their p (divided by the sum of the k chosen when `norm_topk_prob`).
+"""Dropless expert computation: grouped matmuls over tokens sorted by expert (routing: `rpegjax.models.routing`).
 
 The experts (`apply_experts`) are SwiGLU MLPs. Each of the T*k (token, expert) assignments is computed once,
 none dropped: the assignments are sorted by expert so that each expert's tokens are contiguous, and three grouped
@@ -20,28 +17,6 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from rpegjax.models.activations import swiglu
-
-
-def route(router_logits: Float[Array, "n x"], top_k: int, norm_topk_prob: bool
-          ) -> tuple[Int[Array, "n k"], Float[Array, "n k"]]:
-    """(expert ids, weights) of each token: the top-k experts by softmax probability and those probabilities
-    (renormalised to sum to one when `norm_topk_prob`), in float32."""
-    probabilities = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
-    weights, expert_ids = jax.lax.top_k(probabilities, top_k)
-    if norm_topk_prob:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return expert_ids.astype(jnp.int32), weights
-
-
-def replay_weights(router_logits: Float[Array, "n x"], expert_ids: Int[Array, "n k"], norm_topk_prob: bool
-                   ) -> Float[Array, "n k"]:
-    """The weights `route` would give the given (replayed) experts under these router logits: their softmax
-    probabilities, renormalised when `norm_topk_prob`. Differentiable in the logits, as the routed weights are."""
-    probabilities = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
-    weights = jnp.take_along_axis(probabilities, expert_ids, axis=-1)
-    if norm_topk_prob:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return weights
 
 
 def apply_experts(

@@ -288,7 +288,8 @@ def _select_tensors(directory: Path, files: Mapping[str, Path], cfg: ModelConfig
 _SHAPE_FIELDS = ("architecture", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                  "intermediate_size", "tie_word_embeddings", "attention_bias", "qk_norm", "value_head", "num_experts",
                  "num_experts_per_token", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
-                 "mlp_only_layers", "shared_expert_intermediate_size", "shared_expert_gate")
+                 "mlp_only_layers", "shared_expert_intermediate_size", "shared_expert_gate", "router_scoring",
+                 "router_correction_bias", "router_groups", "router_topk_groups", "routed_scaling_factor")
 
 
 def save_pretrained(model: Decoder, config: ModelConfig, path: PathLike, *, max_shard_bytes: int | None = None,

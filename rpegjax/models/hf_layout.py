@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rpegjax.models.config import Architecture, ModelConfig
+from rpegjax.models.config import Architecture, ModelConfig, routing_rule
 from rpegjax.models.hf_maps import (
     Window,
     bias,
@@ -48,6 +48,7 @@ from rpegjax.models.hf_maps import (
     out_projection,
     transposed,
 )
+from rpegjax.models.routing import RoutingRule
 from rpegjax.models.transformer import Decoder
 
 FLOAT_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})  # safetensors dtype codes we accept for parameters
@@ -136,6 +137,10 @@ def hf_incompatibilities(cfg: ModelConfig) -> list[str]:
                         "qwen3_moe has no shared expert)")
     if cfg.qk_norm != (cfg.architecture in (Architecture.QWEN3, Architecture.QWEN3_MOE)):
         problems.append(f"qk_norm={cfg.qk_norm} (transformers' {cfg.architecture.value} has qk_norm={not cfg.qk_norm})")
+    softmax_top_k = RoutingRule(top_k=cfg.num_experts_per_token, norm_topk_prob=cfg.norm_topk_prob)
+    if cfg.architecture == Architecture.QWEN3_MOE and (routing_rule(cfg) != softmax_top_k or cfg.router_correction_bias):
+        problems.append(f"the router {routing_rule(cfg)} with correction bias={cfg.router_correction_bias} "
+                        "(transformers' Qwen3-MoE routes by softmax top-k alone)")
     return problems
 
 

@@ -13,11 +13,16 @@ Parameters (ours; Hugging Face's per-expert tensors are in `hf_layout`):
 y_t = sum_j w_tj expert_{e_tj}(x_t) + g_t shared_expert(x_t), with g_t = 1 without a gate.
 
 `x` is the expert count (logical axis EXPERT: split over the `expert` mesh axis under expert parallelism), f the
-expert width `moe_intermediate_size`. The experts run dropless, or with `moe_capacity_factor` capped per row
+expert width `moe_intermediate_size`. With `router_correction_bias` (DeepSeek-V3) the layer also holds
+
+    correction_bias [x]   added to the scores to choose experts, never to weigh them (no gradient reaches it)
+
+and the router follows `routing_rule(cfg)` (`rpegjax.models.routing`: softmax or sigmoid scores, group-limited
+top-k, the routed scaling factor). The experts run dropless, or with `moe_capacity_factor` capped per row
 (`rpegjax.models.expert_parallel`). The layer returns the
 routing it used (`Routing`): the router's logits for the load-balancing loss and the chosen experts, which a later
 pass can replay (`expert_ids=`) so that it routes every token exactly as the recorded pass did; the replayed
-experts are weighted by this pass's router probabilities (`experts.replay_weights`), so the router still learns.
+experts are weighted by this pass's router scores (`routing.replay_weights`), so the router still learns.
 A token whose recorded ids are negative (none recorded, e.g. padding) is routed by its router as usual.
 """
 
@@ -31,9 +36,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
-from rpegjax.models.config import ModelConfig
+from rpegjax.models.config import ModelConfig, routing_rule
 from rpegjax.models.expert_parallel import compute_experts
-from rpegjax.models.experts import replay_weights, route
+from rpegjax.models.routing import replay_weights, route
 from rpegjax.sharding import axes
 from rpegjax.sharding.rules import ActivationSharding, constrain
 
@@ -66,8 +71,10 @@ class SparseMoE(nnx.Module):
         self.gate_proj = _normal(rngs, (x, d, f), (axes.EXPERT, axes.EMBED, axes.MLP), pdt, d)
         self.up_proj = _normal(rngs, (x, d, f), (axes.EXPERT, axes.EMBED, axes.MLP), pdt, d)
         self.down_proj = _normal(rngs, (x, f, d), (axes.EXPERT, axes.MLP, axes.EMBED), pdt, f)
+        if cfg.router_correction_bias:
+            self.correction_bias = nnx.Param(jnp.zeros((x,), jnp.float32), logical_axes=(None,))
         self.top_k = cfg.num_experts_per_token
-        self.norm_topk_prob = cfg.norm_topk_prob
+        self.rule = routing_rule(cfg)
         self.dtype = cfg.jnp_dtype
         self.capacity_factor = cfg.moe_capacity_factor
         self.shared_expert = shared_expert
@@ -84,11 +91,12 @@ class SparseMoE(nnx.Module):
         flat = x.reshape(b * t, d).astype(self.dtype)
         # float32 router (as Megatron's --moe-router-dtype fp32): a bf16 router flips near-tied experts
         logits = flat.astype(jnp.float32) @ self.router.get_value().astype(jnp.float32)
-        ids, weights = route(logits, self.top_k, self.norm_topk_prob)
+        bias = getattr(self, "correction_bias", None)
+        ids, weights = route(logits, self.rule, None if bias is None else bias.get_value())
         if expert_ids is not None:  # a token with any id < 0 has no recorded routing: it keeps its router's choice
             replayed = expert_ids.reshape(b * t, self.top_k).astype(jnp.int32)
             ids = jnp.where(jnp.all(replayed >= 0, axis=-1, keepdims=True), replayed, ids)
-            weights = replay_weights(logits, ids, self.norm_topk_prob)
+            weights = replay_weights(logits, ids, self.rule)
         kernels = (self.gate_proj.get_value(), self.up_proj.get_value(), self.down_proj.get_value())
         ids, weights = ids.reshape(b, t, self.top_k), weights.reshape(b, t, self.top_k)
         out, dropped = compute_experts(flat.reshape(b, t, d), ids, weights, kernels, sharding, self.capacity_factor,

@@ -12,7 +12,7 @@ from rpegjax.learners.objective import policy_denominators, update_inputs
 from rpegjax.learners.router import expert_load_metrics, load_balancing_loss, router_objective, router_z_loss
 from rpegjax.learners.update import UpdateLayout, accumulate_gradients, split_rows
 from rpegjax.models import Architecture, Decoder, ModelConfig
-from rpegjax.models.experts import route
+from rpegjax.models.routing import RoutingRule, route
 from rpegjax.models.moe import Routing
 
 B, T, S, X, K = 3, 7, 2, 6, 2
@@ -20,7 +20,7 @@ B, T, S, X, K = 3, 7, 2, 6, 2
 
 def _routing(seed=0):
     logits = jax.random.normal(jax.random.key(seed), (B, T, S, X)) * 2
-    ids, _ = route(logits.reshape(-1, X), K, False)
+    ids, _ = route(logits.reshape(-1, X), RoutingRule(top_k=K, norm_topk_prob=False))
     dropped = jax.random.randint(jax.random.key(seed + 100), (B, T, S), 0, K + 1)  # as a capacity mode could
     return Routing(expert_ids=ids.reshape(B, T, S, K), router_logits=logits, dropped=dropped)
 

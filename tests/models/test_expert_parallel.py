@@ -14,7 +14,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from rpegjax.learners.scoring import score_sequences
 from rpegjax.models import Architecture, Decoder, ModelConfig
 from rpegjax.models.expert_parallel import capacity, compute_experts
-from rpegjax.models.experts import apply_experts, route
+from rpegjax.models.experts import apply_experts
+from rpegjax.models.routing import RoutingRule, route
 from rpegjax.sharding import ShardingRules, axes, make_mesh
 from rpegjax.sharding.rules import ActivationSharding, logical_to_spec, shard_state
 
@@ -37,7 +38,7 @@ def _inputs(seed=0, skew=False):
     logits = jax.random.normal(keys[4], (B * T, X)) * 2
     if skew:  # every token of the first rows picks experts 0 and 1: one shard receives far more than its share
         logits = logits.at[: 3 * T, :2].add(20.0)
-    ids, weights = route(logits, K, True)
+    ids, weights = route(logits, RoutingRule(top_k=K, norm_topk_prob=True))
     return x, ids.reshape(B, T, K), weights.reshape(B, T, K), (gate, up, down)
 
 
