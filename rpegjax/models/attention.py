@@ -1,7 +1,8 @@
 """Full-sequence causal attention kernels: dense, blockwise (flash-attention in plain JAX) and cuDNN.
 
-All take q [b, t, h, e], k and v [b, t, k, e] (h a multiple of k: grouped-query attention) and a
-`key_mask` [b, t] of real tokens; query i attends to keys j <= i with key_mask[j]. They agree on every
+All take q and k [b, t, h|k, e], v [b, t, k, f] (h a multiple of k: grouped-query attention; values may have their
+own head dim f, as DeepSeek's latent attention's 128 beside 192 for queries and keys) and a `key_mask` [b, t] of
+real tokens; query i attends to keys j <= i with key_mask[j]. They agree on every
 query that has at least one such key. A query with none (a left-padding position before a row's first
 real token) is padding whose output nothing reads: dense averages all values there, blockwise returns 0.
 
@@ -10,7 +11,7 @@ then attends only to keys j <= i of its own segment (segment_ids[j] == segment_i
 tokens contiguous. The blockwise kernel also skips the key blocks that lie wholly before every query's
 segment in a query block, so a packed row costs about the sum of its segments' squares, not its length's.
 
-    out_i = sum_j softmax_j(q_i . k_j / sqrt(e)) v_j,   softmax in float32.
+    out_i = sum_j softmax_j(q_i . k_j / sqrt(e)) v_j,   softmax in float32,   out [b, t, h, f].
 """
 
 from __future__ import annotations
@@ -31,10 +32,10 @@ _NEG_INF = -1e30
 def causal_attention(
     q: Float[Array, "b t h e"],
     k: Float[Array, "b t k e"],
-    v: Float[Array, "b t k e"],
+    v: Float[Array, "b t k f"],
     key_mask: Bool[Array, "b t"] | None,
     segment_ids: Int[Array, "b t"] | None = None,
-) -> Float[Array, "b t h e"]:
+) -> Float[Array, "b t h f"]:
     """Dense attention: materialises the [b, h, t, t] float32 scores (fastest for short sequences).
 
     Queries are laid out [b, k, g t, e] (the g heads sharing a KV head stacked along time), so each
@@ -56,18 +57,18 @@ def causal_attention(
     scores = jnp.where(valid[:, None, None], scores, _NEG_INF)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype).reshape(b, kv, g * t, t)
     out = jnp.einsum("bkqs,bkse->bkqe", probs, values)
-    return out.reshape(b, kv, g, t, e).transpose(0, 3, 1, 2, 4).reshape(b, t, h, e)
+    return out.reshape(b, kv, g, t, -1).transpose(0, 3, 1, 2, 4).reshape(b, t, h, -1)
 
 
 def blockwise_attention(
     q: Float[Array, "b t h e"],
     k: Float[Array, "b t k e"],
-    v: Float[Array, "b t k e"],
+    v: Float[Array, "b t k f"],
     key_mask: Bool[Array, "b t"] | None,
     segment_ids: Int[Array, "b t"] | None = None,
     *,
     block_size: int,
-) -> Float[Array, "b t h e"]:
+) -> Float[Array, "b t h f"]:
     """Flash attention in plain JAX: O(t · block) memory forward and backward.
 
     The sequence is cut into n = ceil(t / block) blocks. Each query block runs an online softmax over
@@ -93,10 +94,10 @@ def blockwise_attention(
         valid = jnp.pad(valid, ((0, 0), (0, pad)))  # padded keys are never attended to
         if segment_ids is not None:
             segment_ids = jnp.pad(segment_ids, ((0, 0), (0, pad)), constant_values=-1)
-    # block layouts: q [n, b, k, g, B, e]; k, v [n, b, k, B, e]; valid [n, b, B]
+    # block layouts: q [n, b, k, g, B, e]; k [n, b, k, B, e]; v [n, b, k, B, f]; valid [n, b, B]
     qb = (q / math.sqrt(e)).reshape(b, n, block, kv, g, e).transpose(1, 0, 3, 4, 2, 5)
     kb = k.astype(q.dtype).reshape(b, n, block, kv, e).transpose(1, 0, 3, 2, 4)
-    vb = v.astype(q.dtype).reshape(b, n, block, kv, e).transpose(1, 0, 3, 2, 4)
+    vb = v.astype(q.dtype).reshape(b, n, block, kv, -1).transpose(1, 0, 3, 2, 4)
     validb = valid.reshape(b, n, block).swapaxes(0, 1)
     segments = None
     if segment_ids is not None:
@@ -104,16 +105,16 @@ def blockwise_attention(
         first = (segment_starts(segment_ids).reshape(b, n, block) // block).min(axis=(0, 2))  # [n], nondecreasing
         segments = (segmentb, first.astype(jnp.int32))
     out = _flash(qb, kb, vb, validb, segments)
-    return out.transpose(1, 0, 4, 2, 3, 5).reshape(b, n * block, h, e)[:, :t]
+    return out.transpose(1, 0, 4, 2, 3, 5).reshape(b, n * block, h, -1)[:, :t]
 
 
 def cudnn_attention(
     q: Float[Array, "b t h e"],
     k: Float[Array, "b t k e"],
-    v: Float[Array, "b t k e"],
+    v: Float[Array, "b t k f"],
     key_mask: Bool[Array, "b t"] | None,
     segment_ids: Int[Array, "b t"] | None = None,
-) -> Float[Array, "b t h e"]:
+) -> Float[Array, "b t h f"]:
     """cuDNN's fused flash attention (`jax.nn.dot_product_attention(implementation="cudnn")`).
 
     cuDNN takes key lengths, not a mask: rows must be left-aligned (real tokens first, padding after,
@@ -133,11 +134,17 @@ def cudnn_attention(
         raise ValueError(f"ModelConfig.attention={AttentionKind.CUDNN.value!r} needs dtype "
                          f"{' or '.join(AttentionKind.CUDNN.compute_dtypes)}, got {q.dtype}")
     lengths = None if key_mask is None else key_mask.sum(axis=-1).astype(jnp.int32)
-    return jax.nn.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), is_causal=True,
-                                        key_value_seq_lengths=lengths, implementation="cudnn")
+    e, f = q.shape[-1], v.shape[-1]
+    if f > e:
+        raise ValueError(f"ModelConfig.attention={AttentionKind.CUDNN.value!r}: value head dim {f} exceeds the query "
+                         f"head dim {e}; use {AttentionKind.BLOCKWISE.value!r}")
+    # jax.nn.dot_product_attention wants one head dim: zero value dims add nothing to the output's first f dims
+    values = jnp.pad(v.astype(q.dtype), ((0, 0), (0, 0), (0, 0), (0, e - f))) if f < e else v.astype(q.dtype)
+    return jax.nn.dot_product_attention(q, k.astype(q.dtype), values, is_causal=True,
+                                        key_value_seq_lengths=lengths, implementation="cudnn")[..., :f]
 
 
-def attend(kind: AttentionKind, block_size: int, q, k, v, key_mask, segment_ids=None) -> Float[Array, "b t h e"]:
+def attend(kind: AttentionKind, block_size: int, q, k, v, key_mask, segment_ids=None) -> Float[Array, "b t h f"]:
     """Dispatches to the kernel `kind` names (ModelConfig.attention)."""
     if kind is AttentionKind.BLOCKWISE:
         return blockwise_attention(q, k, v, key_mask, segment_ids, block_size=block_size)
@@ -156,7 +163,7 @@ _KERNELS = {AttentionKind.DENSE: causal_attention, AttentionKind.CUDNN: cudnn_at
 
 
 # ---- the blockwise kernel -----------------------------------------------------------------------
-# qi [b, k, g, B, e] (pre-scaled), kj / vj [b, k, B, e], valid_j [b, B]; i, j block indices.
+# qi [b, k, g, B, e] (pre-scaled), kj [b, k, B, e], vj [b, k, B, f], valid_j [b, B]; i, j block indices.
 # segments: None, or (segment ids [n, b, B], first key block of each query block [n]).
 
 
@@ -176,7 +183,7 @@ def _block_scores(qi, kj):
 
 
 def _forward_query_block(i, qi, kb, vb, validb, segments, first: int | Array, last: int | Array):
-    """Online softmax of query block i over key blocks first..last-1: (out [b k g B e], lse [b k g B]) float32."""
+    """Online softmax of query block i over key blocks first..last-1: (out [b k g B f], lse [b k g B]) float32."""
     block = qi.shape[-2]
 
     def step(j, carry):
@@ -191,7 +198,8 @@ def _forward_query_block(i, qi, kb, vb, validb, segments, first: int | Array, la
         return m_new, l, alpha[..., None] * acc + pv
 
     shape = qi.shape[:-1]
-    init = (jnp.full(shape, _NEG_INF, jnp.float32), jnp.zeros(shape, jnp.float32), jnp.zeros(qi.shape, jnp.float32))
+    init = (jnp.full(shape, _NEG_INF, jnp.float32), jnp.zeros(shape, jnp.float32),
+            jnp.zeros((*shape, vb.shape[-1]), jnp.float32))
     m, l, acc = jax.lax.fori_loop(first, last, step, init) if isinstance(last, jax.Array) else _unrolled(step, first, last, init)
     safe = jnp.where(l > 0, l, 1.0)  # no real key: out 0, lse -1e30 (so recomputed p is 0 too)
     return acc / safe[..., None], m + jnp.log(safe)
@@ -242,9 +250,9 @@ def _flash_backward(residuals, d_out):
         dq_i = dq_i + jnp.einsum("bkgqs,bkse->bkgqe", ds, kj, preferred_element_type=jnp.float32)
         return dk, dv, dq_i
 
-    zeros_kv = jnp.zeros(kb.shape[1:], jnp.float32)
+    zeros_k, zeros_v = jnp.zeros(kb.shape[1:], jnp.float32), jnp.zeros(vb.shape[1:], jnp.float32)
     if n == 1:
-        dk, dv, dq = pair(0, 0, kb[0], vb[0], zeros_kv, zeros_kv, jnp.zeros(qb.shape[1:], jnp.float32))
+        dk, dv, dq = pair(0, 0, kb[0], vb[0], zeros_k, zeros_v, jnp.zeros(qb.shape[1:], jnp.float32))
         dq, dk, dv = dq[None], dk[None], dv[None]
     else:
         def key_block(dq, xs):
@@ -257,7 +265,7 @@ def _flash_backward(residuals, d_out):
 
             # query blocks past `last` start after key block j (first blocks are nondecreasing): nothing to add
             last = n if segments is None else jnp.sum(segments[1] <= j)
-            dk, dv, dq = jax.lax.fori_loop(j, last, query_block, (zeros_kv, zeros_kv, dq))
+            dk, dv, dq = jax.lax.fori_loop(j, last, query_block, (zeros_k, zeros_v, dq))
             return dq, (dk, dv)
 
         dq, (dk, dv) = jax.lax.scan(key_block, jnp.zeros(qb.shape, jnp.float32), (jnp.arange(n), kb, vb))

@@ -56,13 +56,13 @@ def from_balanced(x: Array, shards: int) -> Array:
 def context_attention(
     q: Float[Array, "b t h e"],
     k: Float[Array, "b t k e"],
-    v: Float[Array, "b t k e"],
+    v: Float[Array, "b t k f"],
     key_mask: Bool[Array, "b t"] | None,
     sharding: ActivationSharding,
     *,
     block_size: int,
     segment_ids: Int[Array, "b t"] | None = None,
-) -> Float[Array, "b t h e"]:
+) -> Float[Array, "b t h f"]:
     """Causal attention of rows in the load-balanced order, their sequence split over the mesh axes `sharding`
     gives `axes.SEQ` (see the module docstring). `key_mask` marks real tokens; `segment_ids` (packed rows) limit
     each query to keys of its own segment. Equal to the blockwise kernel on the rows in row order."""
@@ -105,11 +105,11 @@ def _chunked_attention(q, k, v, key_valid, q_segments, k_segments, starts, block
     # block layouts: q [nq, b, k, g, B, e]; k, v [nk, b, k, B, e]; masks [n, b, B]; query block starts [nq]
     qb = (q / math.sqrt(e)).reshape(b, nq, block, kv, g, e).transpose(1, 0, 3, 4, 2, 5)
     kb = k.astype(q.dtype).reshape(b, nk, block, kv, e).transpose(1, 0, 3, 2, 4)
-    vb = v.astype(q.dtype).reshape(b, nk, block, kv, e).transpose(1, 0, 3, 2, 4)
+    vb = v.astype(q.dtype).reshape(b, nk, block, kv, -1).transpose(1, 0, 3, 2, 4)
     blocks = lambda x: x.reshape(b, -1, block).swapaxes(0, 1)  # noqa: E731
     q_starts = jnp.repeat(starts, per_chunk) + jnp.tile(jnp.arange(per_chunk) * block, 2)
     out = _flash(qb, kb, vb, blocks(key_valid), blocks(q_segments), blocks(k_segments), q_starts.astype(jnp.int32))
-    return out.transpose(1, 0, 4, 2, 3, 5).reshape(b, local_t, h, e)
+    return out.transpose(1, 0, 4, 2, 3, 5).reshape(b, local_t, h, -1)
 
 
 def _block_mask(q_start, j, valid_j, q_segments_i, k_segments_j, block: int):
@@ -147,7 +147,8 @@ def _flash_forward(qb, kb, vb, validb, q_segb, k_segb, q_starts):
             return m_new, alpha * l + p.sum(axis=-1), alpha[..., None] * acc + pv
 
         shape = qi.shape[:-1]
-        init = (jnp.full(shape, _NEG_INF, jnp.float32), jnp.zeros(shape, jnp.float32), jnp.zeros(qi.shape, jnp.float32))
+        init = (jnp.full(shape, _NEG_INF, jnp.float32), jnp.zeros(shape, jnp.float32),
+                jnp.zeros((*shape, vb.shape[-1]), jnp.float32))
         m, l, acc = jax.lax.fori_loop(0, start // block + 1, step, init)  # key blocks at or before the query block
         safe = jnp.where(l > 0, l, 1.0)  # no visible key: out 0, lse -1e30 (so the recomputed p is 0 too)
         return None, (acc / safe[..., None], m + jnp.log(safe))
@@ -182,8 +183,8 @@ def _flash_backward(residuals, d_out):
         dk, dv, dq_i = jax.lax.fori_loop(0, start // block + 1, step, (dk, dv, jnp.zeros(qi.shape, jnp.float32)))
         return (dk, dv), dq_i
 
-    zeros = jnp.zeros(kb.shape, jnp.float32)
-    (dk, dv), dq = jax.lax.scan(query_block, (zeros, zeros), (qb, d_out, lse, delta, q_segb, q_starts))
+    zeros = (jnp.zeros(kb.shape, jnp.float32), jnp.zeros(vb.shape, jnp.float32))
+    (dk, dv), dq = jax.lax.scan(query_block, zeros, (qb, d_out, lse, delta, q_segb, q_starts))
     none = lambda x: np.zeros(x.shape, jax.dtypes.float0)  # noqa: E731  (masks, segments, starts: not differentiable)
     return (dq.astype(qb.dtype), dk.astype(kb.dtype), dv.astype(vb.dtype), none(validb), none(q_segb), none(k_segb),
             none(q_starts))

@@ -13,11 +13,12 @@ from rpegjax.options import AttentionKind
 TOLERANCE = 1e-5  # float32, one attention
 
 
-def _problem(t: int, heads: int = 4, kv_heads: int = 2, e: int = 8, seed: int = 0):
+def _problem(t: int, heads: int = 4, kv_heads: int = 2, e: int = 8, seed: int = 0, f: int | None = None):
+    """q, k [3, t, h|k, e], v [3, t, k, f] (f = e unless given), a mask, output weights, the queries that see a key."""
     keys = jax.random.split(jax.random.key(seed), 4)
     q = jax.random.normal(keys[0], (3, t, heads, e))
     k = jax.random.normal(keys[1], (3, t, kv_heads, e))
-    v = jax.random.normal(keys[2], (3, t, kv_heads, e))
+    v = jax.random.normal(keys[2], (3, t, kv_heads, e if f is None else f))
     # row 0 full, row 1 right-padded, row 2 left-padded and with a hole
     mask = np.ones((3, t), bool)
     mask[1, t - 4:] = False
@@ -25,19 +26,21 @@ def _problem(t: int, heads: int = 4, kv_heads: int = 2, e: int = 8, seed: int = 
     mask[2, t // 2] = False
     # queries with at least one visible key (the kernels may differ elsewhere: see the module docstring)
     visible = np.cumsum(mask, axis=1) > 0
-    weights = jax.random.normal(keys[3], q.shape) * visible[:, :, None, None]
+    weights = jax.random.normal(keys[3], (*q.shape[:3], v.shape[-1])) * visible[:, :, None, None]
     return q, k, v, jnp.asarray(mask), weights, visible
 
 
-@pytest.mark.parametrize("t, block, heads, kv_heads", [
-    (13, 4, 4, 2),  # padded last block, GQA
-    (16, 4, 4, 4),  # exact blocks, multi-head
-    (24, 5, 6, 1),  # padded last block, multi-query
-    (16, 16, 4, 2),  # one block (no loops)
-    (7, 32, 4, 2),  # block longer than the sequence
+@pytest.mark.parametrize("t, block, heads, kv_heads, f", [
+    (13, 4, 4, 2, None),  # padded last block, GQA
+    (16, 4, 4, 4, None),  # exact blocks, multi-head
+    (24, 5, 6, 1, None),  # padded last block, multi-query
+    (16, 16, 4, 2, None),  # one block (no loops)
+    (7, 32, 4, 2, None),  # block longer than the sequence
+    (13, 4, 4, 4, 6),  # values of their own head dim (latent attention's 128 beside 192)
+    (16, 16, 4, 4, 5),  # ... in one block
 ])
-def test_blockwise_matches_dense_values_and_gradients(t, block, heads, kv_heads):
-    q, k, v, mask, weights, visible = _problem(t, heads, kv_heads)
+def test_blockwise_matches_dense_values_and_gradients(t, block, heads, kv_heads, f):
+    q, k, v, mask, weights, visible = _problem(t, heads, kv_heads, f=f)
 
     def loss(kernel, q, k, v):
         return jnp.sum(kernel(q, k, v, mask) * weights)
@@ -51,6 +54,19 @@ def test_blockwise_matches_dense_values_and_gradients(t, block, heads, kv_heads)
     block_grads = jax.jit(jax.grad(loss, argnums=(1, 2, 3)), static_argnums=0)(blockwise, q, k, v)
     for name, ours, expected in zip("qkv", block_grads, dense_grads, strict=True):
         np.testing.assert_allclose(ours, expected, atol=TOLERANCE, err_msg=f"d{name}")
+
+
+def test_dense_with_value_head_dim_of_its_own_equals_numpy():
+    q, k, v, mask, _, visible = _problem(11, 4, 2, f=5)
+    qn, kn, vn = (np.repeat(np.asarray(x, np.float64), 4 // x.shape[2], axis=2) for x in (q, k, v))
+    scores = np.einsum("bqhe,bkhe->bhqk", qn, kn) / np.sqrt(8)
+    allowed = np.tril(np.ones((11, 11), bool))[None, None] & np.asarray(mask)[:, None, None, :]
+    scores = np.where(allowed, scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    expected = np.einsum("bhqk,bkhf->bqhf", probs / probs.sum(-1, keepdims=True), vn)
+    out = causal_attention(q, k, v, mask)
+    assert out.shape == (3, 11, 4, 5)
+    np.testing.assert_allclose(np.asarray(out)[visible], expected[visible], atol=TOLERANCE)
 
 
 def test_blockwise_without_mask_and_fully_masked_queries():

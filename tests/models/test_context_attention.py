@@ -38,17 +38,19 @@ def _segment_reference(q, k, v, mask, segments):
     return np.einsum("bhqk,bkhe->bqhe", probs, v)
 
 
-@pytest.mark.parametrize("axis_sizes", [{"data": 2, "context": 4}, {"context": 4, "tensor": 2}, {"context": 8}])
-def test_context_attention_equals_one_device(axis_sizes):
+@pytest.mark.parametrize("axis_sizes, f", [({"data": 2, "context": 4}, 8), ({"context": 4, "tensor": 2}, 8),
+                                           ({"context": 8}, 8), ({"data": 2, "context": 4}, 6)])
+def test_context_attention_equals_one_device(axis_sizes, f):
     """Output and gradients of the kernel on rows in the balanced order equal blockwise attention on one device;
-    segment ids (packed rows) equal a numpy reference that masks across segments."""
+    segment ids (packed rows) equal a numpy reference that masks across segments. `f`: the values' head dim (6:
+    their own, as latent attention's)."""
     sharding = ActivationSharding(make_mesh(axis_sizes), ShardingRules.fsdp_tp())
     shards = sharding.shards("seq")
     rng = np.random.default_rng(0)
     b, t, h, kv, e = 2, 64, 4, 2, 8
-    q, k, v = (jnp.asarray(rng.normal(size=s), jnp.float32) for s in [(b, t, h, e), (b, t, kv, e), (b, t, kv, e)])
+    q, k, v = (jnp.asarray(rng.normal(size=s), jnp.float32) for s in [(b, t, h, e), (b, t, kv, e), (b, t, kv, f)])
     mask = jnp.arange(t)[None] < jnp.array([t, 41])[:, None]
-    weights = jnp.asarray(rng.normal(size=(b, t, h, e)), jnp.float32) * mask[:, :, None, None]
+    weights = jnp.asarray(rng.normal(size=(b, t, h, f)), jnp.float32) * mask[:, :, None, None]
 
     def sharded(q, k, v, segments=None):
         balanced = [to_balanced(x, shards) for x in (q, k, v, mask)]
