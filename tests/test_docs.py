@@ -1,16 +1,21 @@
-"""Every code block of README.md is run as written, shrunk where a full run would take too long, or listed in `BLOCKS`
-with the reason it is not run, so that the README cannot rot.
+"""Every fenced block of README.md and of the pages under docs/ is run as written, shrunk where a full run would
+take too long, or carries a mark right above its opening fence that says why it is not run
+(`<!-- not run: REASON -->`: a GPU, a cluster, a fragment of one's own loop, a listing), so that the
+documentation cannot rot.
 
-Blocks are found by a distinctive piece of their text (`BLOCKS`' keys); a block that matches no entry, or an entry
-that matches no block, fails `test_every_readme_block_is_run_or_listed_with_a_reason`. Commands run with bash in a
-scratch directory holding `scripts/` (a link to the repository's), with this checkout first on `PYTHONPATH`, `python`
-this interpreter, no virtual devices unless the block sets them, and every cache in the scratch directory. How a
-block is shrunk is written beside it in `BLOCKS` and done by `Shrink`: flags inserted right after each
-`scripts/train_grpo.py` (the README's own flags come later and win) and text replacements, each of which must find
-its text (so the README and this table cannot drift apart silently).
+Blocks are found by a distinctive piece of their text (`BLOCKS`' keys; a key may match several blocks only if they
+are the same text, which one test then runs); a block that is neither matched by an entry nor marked, or an entry
+that matches no block, fails `test_every_block_is_run_or_marked_with_a_reason`. Commands run with bash in a scratch
+directory holding `scripts/` and `benchmarks/` (links to the repository's), with this checkout first on
+`PYTHONPATH`, `python` this interpreter, no virtual devices unless the block sets them, and every cache in the
+scratch directory. How a block is shrunk is written beside it in `BLOCKS` and done by `Shrink`: flags inserted right
+after each `scripts/train_grpo.py` (the document's own flags come later and win) and text replacements, each of
+which must find its text (so the documents and this table cannot drift apart silently).
 
-The default run executes the set-up command (the main job at test size), the test command's options, the config file,
-the notebook example (at test size), the library imports and the SLURM script's flags; the rest run with `-m slow`.
+The default run executes the set-up command (the main job at test size) and a look at its run directory, the test
+command's options, the config file, the notebook example (at test size), the library imports, the published runs'
+predictions and the SLURM and SSH recipes' flags; the rest (the other jobs, the planner, every benchmark at test
+size) run with `-m slow`.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import tempfile
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-README = ROOT / "README.md"
+DOCUMENTS = [ROOT / "README.md", *sorted(path for path in (ROOT / "docs").rglob("*.md") if "_hooks" not in path.parts)]
 # the jobs' persistent compilation cache, shared with tests/train/test_train_job.py (never the user's ~/.cache)
 JAX_CACHE = pathlib.Path(tempfile.gettempdir()) / "rpegjax-tests-jax-cache"
 # the main job's model and rollout at test size (tests/train/test_train_job.py's TINY); --steps 2
@@ -38,26 +43,42 @@ TINY = ("--model.hidden_size=32 --model.num_layers=1 --model.num_heads=2 --model
         "--max-new-tokens=6 --rollout.num_slots=8 --warm-start-steps=2 --train.reward_workers=1 --steps=2 "
         "--checkpoint-every=2 --eval-every=0")
 CACHES = f"--warm_start.cache_dir=warmstart --train.compilation_cache_dir={JAX_CACHE}"
+MARK = re.compile(r"^<!-- not run: (?P<reason>.*\S.*) -->$")
 
 
 @dataclasses.dataclass(frozen=True)
 class Block:
+    path: pathlib.Path
     line: int  # of the opening fence
     language: str
     text: str
+    not_run: str | None  # the reason of the mark above the fence, if any
+
+    @property
+    def where(self) -> str:
+        return f"{self.path.relative_to(ROOT)}:{self.line}"
 
 
-def readme_blocks() -> list[Block]:
-    blocks, lines, index = [], README.read_text().splitlines(), 0
+def document_blocks(path: pathlib.Path) -> list[Block]:
+    blocks, lines, index = [], path.read_text().splitlines(), 0
     while index < len(lines):
+        assert not re.match(r"^\s+```", lines[index]), \
+            f"{path.relative_to(ROOT)}:{index + 1}: an indented fence (start fenced blocks at the line's start)"
         fence = re.match(r"^```(\w*)\s*$", lines[index])
         if fence is None:
             index += 1
             continue
         end = next(i for i in range(index + 1, len(lines)) if lines[i].startswith("```"))
-        blocks.append(Block(index + 1, fence.group(1), "\n".join(lines[index + 1: end]) + "\n"))
+        above = next((lines[i] for i in range(index - 1, -1, -1) if lines[i].strip()), "")
+        mark = MARK.match(above)
+        blocks.append(Block(path, index + 1, fence.group(1), "\n".join(lines[index + 1: end]) + "\n",
+                            mark.group("reason") if mark else None))
         index = end + 1
     return blocks
+
+
+def all_blocks() -> list[Block]:
+    return [block for path in DOCUMENTS for block in document_blocks(path)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,38 +92,44 @@ class Shrink:
         if self.flags:
             text = text.replace("scripts/train_grpo.py", f"scripts/train_grpo.py {self.flags}")
         for old, new in self.replace:
-            assert old in text, f"README block no longer holds {old!r}: update tests/test_readme.py"
+            assert old in text, f"the block no longer holds {old!r}: update tests/test_docs.py"
             text = text.replace(old, new)
         return text
 
 
 @dataclasses.dataclass(frozen=True)
 class Entry:
-    """`run`: the test that runs the block (with `shrink`); else `reason`: why the block is not run as a command."""
+    """`run`: the test that runs the block, made small by `shrink`; `note`: what the test stands in for."""
 
-    run: str | None = None
+    run: str
     shrink: Shrink = Shrink()
-    reason: str | None = None
+    note: str | None = None
 
 
 BLOCKS: dict[str, Entry] = {
-    # set-up
+    # set-up (README, docs/index.md, docs/development.md)
     "pip install -e . && python scripts/train_grpo.py": Entry(
         run="test_setup_command_trains_the_main_job",
         shrink=Shrink(flags=f"{TINY} {CACHES}", replace=(("pip install -e . && ", ""),)),
-        reason="`pip install -e .` is checked against pyproject.toml and the installed distribution (no network)"),
+        note="`pip install -e .` is checked against pyproject.toml and the installed distribution (no network)"),
     'pip install -e ".[test]" && python -m pytest': Entry(
         run="test_test_command_is_valid",
-        reason="the whole suite is not run inside itself: its options are checked by collecting one file with them"),
+        note="the whole suite is not run inside itself: its options are checked by collecting one file with them"),
+    # the README's tour
+    "ls runs/grpo-*/": Entry(run="test_setup_command_trains_the_main_job"),
+    "# accuracy and pass@1..8": Entry(
+        run="test_the_tour_generates_from_the_run",
+        shrink=Shrink(replace=(("runs/grpo-<time>", "run"),))),
+    # the main job
     "train:\n  steps: 500": Entry(run="test_the_config_file_is_read"),
     # your own data and reward
     "def correct(completion: str, example: dict) -> float:\n    match": Entry(
-        run="test_custom_reward_command", reason="myreward.py: written to a file and used by the command below"),
+        run="test_custom_reward_command", note="myreward.py: written to a file and used by the command below"),
     "--reward myreward:correct --reward myreward:concise=0.2": Entry(
         run="test_custom_reward_command",
         shrink=Shrink(flags=f"{TINY} {CACHES}",
                       replace=(("Qwen2.5-0.5B-Instruct/", "tiny-model/"),)),
-        reason="a tiny checkpoint and GSM8K-style files written by the test stand for Qwen2.5-0.5B and gsm8k/"),
+        note="a tiny checkpoint and GSM8K-style files written by the test stand for Qwen2.5-0.5B and gsm8k/"),
     "rpegjax.GRPOTrainer(": Entry(
         run="test_notebook_example_trains_with_a_python_reward",
         shrink=Shrink(replace=(("steps=50, prompts_per_step=16, group_size=8, max_new_tokens=16,",
@@ -111,38 +138,31 @@ BLOCKS: dict[str, Entry] = {
                                 "'model.num_kv_heads': 1, 'model.head_dim': 16, 'model.intermediate_size': 64, "
                                 "'data.eval_size': 4, 'rollout.num_slots': 8, 'train.export_hf': False, "
                                 f"'train.compilation_cache_dir': {str(JAX_CACHE)!r}}},"),))),
-    "filler = GroupBatchFiller(": Entry(
-        reason="a fragment of one's own loop: sampler, score, data, P, G are the reader's; GroupBatchFiller is tested "
-               "in tests/learners/test_group_filter.py"),
     # tools
     "--env calculator --max-turns 3": Entry(
         run="test_calculator_commands",
         shrink=Shrink(flags=f"{TINY} {CACHES} --max-new-tokens=24",
                       replace=(("~/models/Qwen2.5-0.5B-Instruct", "tiny-model"),
                                ("--max-new-tokens 512", "--max-new-tokens 64 --rollout.max_prompt_len=160"))),
-        reason="the second command's checkpoint: a tiny one written by the test (its tags are several tokens there)"),
-    "runner = EpisodeRunner(": Entry(
-        reason="a fragment of one's own loop (sampler, render, encode, decode are the reader's); EpisodeRunner is "
-               "tested in tests/envs/test_rollout.py"),
+        note="the second command's checkpoint: a tiny one written by the test (its tags are several tokens there)"),
     # using the trained model
-    "python scripts/evaluate.py runs/grpo-<time>": Entry(
+    "--dataset test.jsonl --out answers.jsonl": Entry(
         run="test_using_the_trained_model",
         shrink=Shrink(replace=(("runs/grpo-<time>", "run"), ("--step 100", "--step 2"),
                                ("--eval-size 200 --samples 8", "--eval-size 8 --samples 8 --max-new-tokens 8"))),
-        reason="run on a tiny run of the main job; test.jsonl written by the test"),
+        note="run on a tiny run of the main job; test.jsonl written by the test"),
     # library
     "from rpegjax.models import ModelConfig, Decoder": Entry(run="test_library_imports"),
     'mesh = make_mesh({"fsdp": 4, "tensor": 2})': Entry(
         run="test_sharded_load_and_export_snippet",
         shrink=Shrink(replace=(('"Qwen2.5-0.5B"', '"tiny-model"'),)),
-        reason="a tiny checkpoint written by the test stands for Qwen2.5-0.5B; run on 8 virtual CPU devices"),
-    "rpegjax/graph/      the RPEG": Entry(reason="a directory listing, not a command"),
+        note="a tiny checkpoint written by the test stands for Qwen2.5-0.5B; run on 8 virtual CPU devices"),
     # planner
     "--model qwen2.5-7b --hardware gh200 --gpus 256 --algo ppo": Entry(run="test_planner_command"),
     "--gpus 8 --dtype float32 $STEP --verify": Entry(
         run="test_dry_run_commands",
-        reason="a config.json of Qwen2.5-0.5B's shapes and a small tokenizer written by the test stand for the "
-               "checkpoint (the dry run reads no weights)"),
+        note="a config.json of Qwen2.5-0.5B's shapes and a small tokenizer written by the test stand for the "
+             "checkpoint (the dry run reads no weights)"),
     # many processes
     "for i in 0 1 2 3; do": Entry(
         run="test_multi_process_commands",
@@ -150,23 +170,54 @@ BLOCKS: dict[str, Entry] = {
     "JAX_PROCESS_ID=0 python scripts/train_grpo.py --graph.mesh=data=2,tensor=2": Entry(
         run="test_multi_process_commands",
         shrink=Shrink(flags=f"{TINY} {CACHES} {SPLITTABLE}", replace=(("127.0.0.1:12355", "127.0.0.1:PORT"),))),
-    "HOSTS=(10.0.0.1 10.0.0.1 10.0.0.2 10.0.0.2)": Entry(
-        run="test_ssh_recipe_parses",
-        reason="needs two hosts reachable by ssh: checked with bash -n, its variables read as the job reads them, "
-               "its flags parsed (tests/distributed/test_hosts.py runs such a launch over two network namespaces)"),
-    "#SBATCH --job-name=rpegjax-grpo": Entry(
-        run="test_slurm_script_parses",
-        reason="needs a SLURM cluster and a 7B checkpoint: checked with bash -n, and its flags (but the model "
-               "path) parsed as train_grpo.py parses them"),
+    "HOSTS=(10.0.0.1 10.0.0.1 10.0.0.2 10.0.0.2)": Entry(run="test_ssh_recipe_parses"),
+    "#SBATCH --job-name=rpegjax-grpo": Entry(run="test_slurm_script_parses"),
+    # benchmarks: every workload's command at test size
+    "python benchmarks/bench_grpo_step.py --steps 5 --warmup 2": Entry(
+        run="test_w_small_benchmark",
+        shrink=Shrink(replace=(("--steps 5 --warmup 2", "--steps 1 --warmup 1 --graphs 'sync unfused'"),))),
+    "python benchmarks/bench_generate.py --skip-long-tail": Entry(
+        run="test_w_gen_benchmarks",
+        shrink=Shrink(replace=(
+            ("--skip-long-tail --runs 3 --baseline-runs 2 --transformers-runs-long 2",
+             "--skip-long-tail --new-tokens 8 --runs 1 --baseline-runs 1 --transformers-runs-long 0"),
+            ("--windows 128 288 --runs 11", "--windows 64 --runs 1")))),
+    "python benchmarks/bench_memory.py --models 7b --tokens 16384 --layouts fsdp8,fsdp4xtp2sp": Entry(
+        run="test_w_long_cpu_benchmarks",
+        shrink=Shrink(replace=(("--models 7b --tokens 16384", "--models 0.5b --tokens 512 --layers 1"),
+                               ("bench_generate_memory.py", "bench_generate_memory.py --layers 1 --slots 8 --prompt 64 "
+                                                            "--mean 64 --max-response 256"))),
+        note="0.5B's shapes cut to one layer and 512-token rows stand for 7B's at 16k"),
+    "python benchmarks/bench_generate.py --skip-wgen": Entry(
+        run="test_w_tail_benchmarks",
+        shrink=Shrink(replace=(
+            ("--long-tail-prompts 128 --long-tail-mean 32", "--long-tail-prompts 16 --long-tail-mean 8"),
+            ("--long-tail-chunk-steps 8 16", "--long-tail-chunk-steps 8"),
+            ("bench_live_decode.py --runs 3", "bench_live_decode.py --runs 1 --mean 8 --shapes queue"),
+            ("--mean 32 --pack-tokens 1024 --warmup-rounds 1", "--mean 8 --pack-tokens 256 --warmup-rounds 1"),
+            ("--warmup-steps 6 --skip 2 --rounds 2 --steps 10", "--warmup-steps 1 --skip 1 --rounds 1 --steps 1"),
+            ("--modes plain plain-no-tail recompute pages recompute-inflight pages-inflight",
+             "--modes plain pages-inflight")))),
+    "python scripts/plan.py --model qwen2.5-7b --hardware gh200 --gpus 256 --reference --top 0": Entry(
+        run="test_w_plan_prediction", shrink=Shrink(replace=(("--gpus 256", "--gpus 16"),)),
+        note="16 GH200 stand for W-plan's 256: the same search, a smaller space"),
+    "python -c \"from rpegjax.perf import validation as v;": Entry(run="test_published_runs_are_predicted"),
+    "python benchmarks/bench_perfmodel.py --rounds 2 --steps 3 --warmup 1": Entry(
+        run="test_perf_model_benchmark",
+        shrink=Shrink(replace=(("--rounds 2 --steps 3 --warmup 1",
+                                "--rounds 1 --steps 1 --warmup 1 --only 'tiny grpo'"),))),
+    "python scripts/train_grpo.py --run-dir runs/default": Entry(
+        run="test_main_job_commands", shrink=Shrink(flags=f"{TINY} {CACHES}")),
 }
 
 
 def entry_blocks() -> dict[str, Block]:
     found = {}
     for key in BLOCKS:
-        matches = [block for block in readme_blocks() if key in block.text]
-        assert len(matches) == 1, f"BLOCKS key {key!r} matches {len(matches)} README blocks (lines " \
-                                  f"{[b.line for b in matches]}): make it match exactly one"
+        matches = [block for block in all_blocks() if key in block.text]
+        assert matches, f"BLOCKS key {key!r} matches no block of README.md or docs/: update tests/test_docs.py"
+        assert len({block.text for block in matches}) == 1, \
+            f"BLOCKS key {key!r} matches different blocks ({[b.where for b in matches]}): make it match one text"
         found[key] = matches[0]
     return found
 
@@ -175,23 +226,25 @@ def block_text(key: str) -> str:
     return BLOCKS[key].shrink.apply(entry_blocks()[key].text)
 
 
-def test_every_readme_block_is_run_or_listed_with_a_reason():
-    covered = {block.line for block in entry_blocks().values()}
-    missing = [f"line {block.line}: {block.text.splitlines()[0][:60]!r}" for block in readme_blocks()
-               if block.line not in covered]
-    assert not missing, f"README blocks neither run nor listed in tests/test_readme.py BLOCKS: {missing}"
+def test_every_block_is_run_or_marked_with_a_reason():
+    run = {block.text for block in entry_blocks().values()}
+    missing = [f"{block.where}: {block.text.splitlines()[0][:60]!r}" for block in all_blocks()
+               if block.text not in run and block.not_run is None]
+    assert not missing, f"blocks neither run by tests/test_docs.py BLOCKS nor marked <!-- not run: REASON -->: " \
+                        f"{missing}"
     names = {name for name in globals() if name.startswith("test_")}
     for key, entry in BLOCKS.items():
-        assert entry.run or entry.reason, key
-        assert entry.run is None or entry.run in names, f"{key!r}: no test {entry.run}"
+        assert entry.run in names, f"{key!r}: no test {entry.run}"
 
 
 # ------------------------------------------------------------------------------------------------ running
 
 
 def scratch(tmp_path: pathlib.Path) -> pathlib.Path:
-    """A directory to run README commands in: `scripts/` linked, `python` on PATH this interpreter."""
+    """A directory to run documented commands in: `scripts/` and `benchmarks/` linked, `python` on PATH this
+    interpreter."""
     (tmp_path / "scripts").symlink_to(ROOT / "scripts")
+    (tmp_path / "benchmarks").symlink_to(ROOT / "benchmarks")
     bin_dir = tmp_path / ".bin"
     bin_dir.mkdir()
     (bin_dir / "python").symlink_to(sys.executable)
@@ -224,7 +277,8 @@ def summary(stdout: str) -> dict:
 
 
 def write_tiny_checkpoint(directory: pathlib.Path) -> pathlib.Path:
-    """A random 2-layer Hugging Face checkpoint with the built-in character tokenizer (its dims split over 8 devices)."""
+    """A random 2-layer Hugging Face checkpoint with the built-in character tokenizer (its dims split over 8
+    devices)."""
     from flax import nnx
 
     from rpegjax.models import Decoder, ModelConfig
@@ -256,6 +310,12 @@ def test_setup_command_trains_the_main_job(tmp_path):
     assert summary(result.stdout)["steps"] == 2 and pathlib.Path(summary(result.stdout)["run_dir"]) == \
         run_dir.relative_to(directory)
     assert (run_dir / "hf" / "model.safetensors").is_file() and (run_dir / "gantt.png").is_file()
+    # the tour's look at the run directory: the listing, and the final evaluation as the last metrics record
+    look = run_bash(block_text("ls runs/grpo-*/"), directory)
+    assert look.returncode == 0, look.stderr[-3000:]
+    listed, last = look.stdout.splitlines()[:-1], look.stdout.splitlines()[-1]
+    assert {"config.json", "metrics.jsonl", "samples.jsonl", "hf", "checkpoints"} <= set(listed)
+    assert "eval/accuracy" in json.loads(last)
 
 
 def test_test_command_is_valid(tmp_path):
@@ -363,10 +423,19 @@ def tiny_run(tmp_path_factory):
 
 
 @pytest.mark.slow
+def test_the_tour_generates_from_the_run(tiny_run):
+    result = run_bash(block_text("# accuracy and pass@1..8"), tiny_run)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert [(line["prompt"], line["sample"]) for line in lines[:4]] == [("Q:12+30\n", i) for i in range(4)]
+    assert "pass@8" in lines[-1]
+
+
+@pytest.mark.slow
 def test_using_the_trained_model(tiny_run):
     (tiny_run / "test.jsonl").write_text("".join(json.dumps({"prompt": f"Q:{a}+1\n", "answer": str(a + 1)}) + "\n"
                                                  for a in range(10, 14)))
-    result = run_bash(block_text("python scripts/evaluate.py runs/grpo-<time>"), tiny_run)
+    result = run_bash(block_text("--dataset test.jsonl --out answers.jsonl"), tiny_run)
     assert result.returncode == 0, result.stderr[-3000:]
     assert (tiny_run / "answers.jsonl").is_file() and (tiny_run / "step100" / "config.json").is_file()
     lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
@@ -437,3 +506,75 @@ def test_ssh_recipe_parses():
     flags = remote[remote.index("scripts/train_grpo.py") + len("scripts/train_grpo.py"):].split()
     config = parse_command(flags, Algorithm.GRPO).config
     assert config.distributed.port_range == "50000-50100" and config.graph.rollout_devices == 2
+
+
+# ------------------------------------------------------------------------------------ benchmarks (test size)
+
+
+def test_published_runs_are_predicted(tmp_path):
+    """The published runs' predictions, one line per run: its name, the measured and the predicted seconds."""
+    result = run_bash(block_text("python -c \"from rpegjax.perf import validation as v;"), scratch(tmp_path))
+    assert result.returncode == 0, result.stderr[-3000:]
+    from rpegjax.perf import validation
+
+    runs = validation.NEMO_RL_RUNS + validation.GB200_RUNS + validation.MOE_RUNS
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == len(runs) and all(line.startswith(run.name) for line, run in zip(lines, runs))
+    assert all(float(line.split()[-1]) > 0 for line in lines)
+
+
+@pytest.mark.slow
+def test_w_small_benchmark(tmp_path):
+    result = run_bash(block_text("python benchmarks/bench_grpo_step.py --steps 5 --warmup 2"), scratch(tmp_path),
+                      timeout=1800)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "sync unfused" in result.stdout
+
+
+@pytest.mark.slow
+def test_w_gen_benchmarks(tmp_path):
+    result = run_bash(block_text("python benchmarks/bench_generate.py --skip-long-tail"), scratch(tmp_path),
+                      timeout=1800)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_w_long_cpu_benchmarks(tmp_path):
+    result = run_bash(block_text("python benchmarks/bench_memory.py --models 7b --tokens 16384 --layouts "
+                                 "fsdp8,fsdp4xtp2sp"), scratch(tmp_path), timeout=1800)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_w_tail_benchmarks(tmp_path):
+    result = run_bash(block_text("python benchmarks/bench_generate.py --skip-wgen"), scratch(tmp_path), timeout=2400)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_w_plan_prediction(tmp_path):
+    result = run_bash(block_text("python scripts/plan.py --model qwen2.5-7b --hardware gh200 --gpus 256 --reference "
+                                 "--top 0"), scratch(tmp_path), timeout=1800)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "best" in result.stdout and "verl-like" in result.stdout and "ReaL-like" in result.stdout
+
+
+@pytest.mark.slow
+def test_perf_model_benchmark(tmp_path):
+    result = run_bash(block_text("python benchmarks/bench_perfmodel.py --rounds 2 --steps 3 --warmup 1"),
+                      scratch(tmp_path), timeout=1800)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "tiny grpo" in result.stdout
+
+
+@pytest.mark.slow
+def test_main_job_commands(tmp_path):
+    """The main job's two documented runs at test size: the default and partial rollouts with their seeds."""
+    directory = scratch(tmp_path)
+    result = run_bash(block_text("python scripts/train_grpo.py --run-dir runs/default"), directory, timeout=1800)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for run in ("default", "partial"):
+        records = [json.loads(line) for line in (directory / "runs" / run / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in records if "loss" in r] == [1, 2]
+    config = json.loads((directory / "runs" / "partial" / "config.json").read_text())
+    assert config["rollout"]["partial"] is True and config["train"]["seed"] == 1 and config["data"]["seed"] == 1

@@ -91,8 +91,8 @@ def pack_rollouts(
     """Packs per-row prompts, responses and the sampler's per-response-token log-probs into a TrainBatch.
 
     Row i is prompt_ids[i] + response_ids[i], right-padded with `pad_id` to `length` (default: the
-    longest row) so that jitted learners see one shape. behaviour_logprobs[i][j] is the log-prob of
-    response_ids[i][j] and lands at index len(prompt_ids[i]) + j. Arrays are numpy (host); jit moves them.
+    longest row) so that jitted learners see one shape. `behaviour_logprobs[i][j]` is the log-prob of
+    `response_ids[i][j]` and lands at index `len(prompt_ids[i]) + j`. Arrays are numpy (host); jit moves them.
     `loss_masks[i]` (bool [len(response_ids[i])], optional) marks the response tokens the model sampled: a
     multi-turn row's tool-output tokens (False) stay in `tokens` and `token_mask`, as context, but not in
     `response_mask`, so no loss, KL or entropy term counts them and they get no gradient.

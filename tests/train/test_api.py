@@ -1,5 +1,5 @@
 """The Python entry point (`rpegjax.GRPOTrainer`): options, reward functions and where they run, datasets as
-lists of rows. The end-to-end run is README's notebook example (`tests/test_readme.py`)."""
+lists of rows. The end-to-end run is the documented notebook example (`tests/test_docs.py`)."""
 
 import json
 
