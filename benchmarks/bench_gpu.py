@@ -38,8 +38,9 @@ import numpy as np
 from flax import nnx
 
 from rpegjax.models import Decoder, ModelConfig
-from rpegjax.perf import calibration, costs, hardware
-from rpegjax.perf import profile as hardware_profile
+from rpegjax.perf.model import costs
+from rpegjax.perf.reference import calibration, presets
+from rpegjax.perf.reference import profile as hardware_profile
 
 PARTS = ("calibrate", "update", "decode", "validate")
 
@@ -53,7 +54,7 @@ def references(measured: hardware_profile.HardwareProfile) -> tuple[float, float
     machine's measured bf16 matmul peak and stream bandwidth when no preset is of this device."""
     name = hardware_profile.preset_for_device_kind(measured.device_kind) if measured.platform == "gpu" else None
     if name is not None:
-        device = hardware.preset(name, 1).device
+        device = presets.preset(name, 1).device
         return device.flops("bfloat16"), device.memory_bandwidth, f"datasheet {device.name}"
     rates = measured.dtype_rates("bfloat16")
     return max(rates.matmul_flops, rates.layer_matmul_flops), measured.memory_bandwidth, "measured here (no preset)"
@@ -177,8 +178,8 @@ def part_validate(args) -> list[dict]:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import bench_perfmodel as perfmodel
 
-    from rpegjax.perf import step_model
-    from rpegjax.perf.stage_costs import ExecutionOptions
+    from rpegjax.perf.model import step_model
+    from rpegjax.perf.model.stage_costs import ExecutionOptions
 
     measured = _profile(args)
     if args.small:

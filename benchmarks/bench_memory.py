@@ -31,7 +31,7 @@ overstate a GPU's temporaries.
 the batch holds `--sequence-tokens` sequences (default a quarter of `--tokens`), as many per device as fill one
 packed row of `--tokens`, and the update and the log-prob stage run the runtime's packed programs (the learner's
 update, `TrainingPrograms.lower_inference` for the reference stage, which unpacks its outputs), beside the
-planner's prediction for packed rows of that budget (`rpegjax.perf.packed_batches`).
+planner's prediction for packed rows of that budget (`rpegjax.perf.model.packed_batches`).
 
 `--lora-rank r`: the model carries LoRA adapters of rank r on every projection and only they train (the
 planner's figure, for full fine-tuning, is then not shown); `--lora-dropout p` adds LoRA dropout to the update's
@@ -58,16 +58,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
-from rpegjax.perf.generation_cost import ResponseLengths  # noqa: E402
-from rpegjax.perf.stage_costs import (  # noqa: E402
-    CostInputs,
-    ExecutionOptions,
-    Layout,
-    Workload,
-    model_pass_cost,
-)
 
-from rpegjax.perf import costs, hardware  # noqa: E402
+from rpegjax.graph.ir import StageKind  # noqa: E402
 from rpegjax.learners import GRPOConfig, GRPOLearner, OptimizerConfig  # noqa: E402
 from rpegjax.learners.batch import TrainBatch  # noqa: E402
 from rpegjax.learners.inference import map_micro_batches  # noqa: E402
@@ -75,13 +67,22 @@ from rpegjax.learners.scoring import sequence_logprobs  # noqa: E402
 from rpegjax.learners.update import TrainState, row_shards  # noqa: E402
 from rpegjax.models import Decoder, ModelConfig  # noqa: E402
 from rpegjax.models.lora import LoRAConfig  # noqa: E402
-from rpegjax.train.compiled_flops import compiled_flops  # noqa: E402
 from rpegjax.models.memory import forward_bytes_per_row, forward_fixed_bytes  # noqa: E402
-from rpegjax.graph.ir import StageKind  # noqa: E402
-from rpegjax.runtime.training_programs import TrainingPrograms  # noqa: E402
 from rpegjax.options import RematPolicy  # noqa: E402
+from rpegjax.perf.model import costs  # noqa: E402
+from rpegjax.perf.model.generation_cost import ResponseLengths  # noqa: E402
+from rpegjax.perf.model.stage_costs import (  # noqa: E402
+    CostInputs,
+    ExecutionOptions,
+    Layout,
+    Workload,
+    model_pass_cost,
+)
+from rpegjax.perf.reference import presets
+from rpegjax.runtime.training_programs import TrainingPrograms  # noqa: E402
 from rpegjax.sharding import ShardingRules, make_mesh  # noqa: E402
 from rpegjax.train.compile_target import DryRunTarget, compile_devices, describe  # noqa: E402
+from rpegjax.train.compiled_flops import compiled_flops  # noqa: E402
 
 GIB = 1 << 30
 # name: (mesh axis sizes, sequence parallelism)
@@ -150,7 +151,7 @@ def predicted_peak(cfg: ModelConfig, parallel: dict[str, int], sequence_parallel
     per_row = tokens // packed_sequence if packed_sequence else 1
     workload = Workload(prompts=layout.replicas * per_row, group_size=1, prompt_tokens=prompt,
                         responses=ResponseLengths.fixed((packed_sequence or tokens) - prompt))
-    inputs = CostInputs(hardware=hardware.h100_node(8), actor=shape, critic=shape, workload=workload, options=options)
+    inputs = CostInputs(hardware=presets.h100_node(8), actor=shape, critic=shape, workload=workload, options=options)
     cost = model_pass_cost(inputs, shape, layout, logits=True, backward=backward, optimizer_steps=1 if backward else 0)
     state_bytes = shape.param_bytes_each + (options.optimizer_bytes_per_param if backward else 0.0)
     return shape.params * state_bytes / layout.shards + cost.transient_bytes

@@ -32,9 +32,10 @@ from rpegjax.graph import builders
 from rpegjax.graph.ir import Execution
 from rpegjax.learners import GRPOConfig
 from rpegjax.models import ModelConfig
-from rpegjax.perf import hardware, step_model
-from rpegjax.perf.generation_cost import ResponseLengths
-from rpegjax.perf.stage_costs import Workload
+from rpegjax.perf.model import step_model
+from rpegjax.perf.model.generation_cost import ResponseLengths
+from rpegjax.perf.model.stage_costs import Workload
+from rpegjax.perf.reference import presets
 from rpegjax.train.compile_target import DryRunTarget, compile_devices
 from rpegjax.train.dry_run import Batch, dry_run
 
@@ -53,7 +54,7 @@ def compare(model: ModelConfig, parallel: dict[str, int], tokens: int, prompt: i
     cfg = model.replace(param_dtype=execution.param_dtype, dtype=execution.dtype,
                         max_position_embeddings=max(model.max_position_embeddings, tokens))
     workload = Workload(prompts=1, group_size=replicas, prompt_tokens=prompt, responses=ResponseLengths.fixed(tokens - prompt))
-    hw = hardware.h100_node(8)
+    hw = presets.h100_node(8)
     prediction = step_model.Evaluator.for_runtime(cfg, workload, hw).predict(graph, enforce_memory=False, with_trace=False)
     predicted = {s.name: s.peak_memory_bytes for s in prediction.stages}
     report = dry_run(graph, cfg, GRPOConfig(group_size=replicas, kl_coef=0.04, logprob_chunk_size=logprob_chunk),

@@ -20,9 +20,11 @@ from rpegjax.graph.ir import Algorithm, Execution
 from rpegjax.learners import GRPOConfig
 from rpegjax.models import ModelConfig
 from rpegjax.options import AttentionKind, CacheLayout, RematPolicy
-from rpegjax.perf import hardware, planner, step_model
-from rpegjax.perf.generation_cost import ResponseLengths
-from rpegjax.perf.stage_costs import Workload
+from rpegjax.perf import planner
+from rpegjax.perf.model import step_model
+from rpegjax.perf.model.generation_cost import ResponseLengths
+from rpegjax.perf.model.stage_costs import Workload
+from rpegjax.perf.reference import presets
 from rpegjax.train import dry_run
 from rpegjax.train.compile_target import DryRunTarget, compile_devices, prepare_host
 from rpegjax.train.config import default_grpo
@@ -38,7 +40,7 @@ def main() -> None:
     generation = tuple((axis, int(size)) for axis, size in (item.split("=") for item in args.generation.split(",")))
     model = ModelConfig.qwen3_moe("30b-a3b").replace(moe_capacity_factor=1.25)
     workload = Workload(prompts=64, group_size=32, prompt_tokens=128, responses=ResponseLengths.lognormal(3203, 3968))
-    hw = hardware.h100_node(32)
+    hw = presets.h100_node(32)
     execution = Execution(attention=AttentionKind.CUDNN, remat=RematPolicy.FULL, moe_capacity_factor=1.25,
                           kv_cache=CacheLayout.PAGED, kv_pool_tokens=args.pool, update_microbatches=2, dtype=args.dtype)
     choice = planner.PlanChoice(algorithm=Algorithm.GRPO, use_reference=True, num_devices=32, optimizer_steps=4,

@@ -57,9 +57,17 @@ from rpegjax.learners import GRPOConfig, GRPOLearner, OptimizerConfig  # noqa: E
 from rpegjax.learners.batch import TrainBatch  # noqa: E402
 from rpegjax.learners.update import TrainState  # noqa: E402
 from rpegjax.models import Decoder, ModelConfig  # noqa: E402
-from rpegjax.perf import costs, hardware  # noqa: E402
-from rpegjax.perf.generation_cost import ResponseLengths  # noqa: E402
-from rpegjax.perf.stage_costs import CostInputs, ExecutionOptions, Layout, Workload, model_pass_cost, optimizer_state_bytes  # noqa: E402
+from rpegjax.perf.model import costs  # noqa: E402
+from rpegjax.perf.model.generation_cost import ResponseLengths  # noqa: E402
+from rpegjax.perf.model.stage_costs import (  # noqa: E402
+    CostInputs,
+    ExecutionOptions,
+    Layout,
+    Workload,
+    model_pass_cost,
+    optimizer_state_bytes,
+)
+from rpegjax.perf.reference import presets
 from rpegjax.runtime.offload import HOST_MEMORY  # noqa: E402
 from rpegjax.sharding import make_mesh  # noqa: E402
 from rpegjax.train.dry_run import shard_bytes  # noqa: E402
@@ -102,7 +110,7 @@ def predicted(cfg: ModelConfig, parallel: dict[str, int], args: argparse.Namespa
     options = ExecutionOptions().executing(execution(args))
     workload = Workload(prompts=layout.replicas, group_size=1, prompt_tokens=args.prompt,
                         responses=ResponseLengths.fixed(args.tokens - args.prompt))
-    inputs = CostInputs(hardware=hardware.gh200_quad(args.devices), actor=shape, critic=shape, workload=workload,
+    inputs = CostInputs(hardware=presets.gh200_quad(args.devices), actor=shape, critic=shape, workload=workload,
                         options=options)
     weights = shape.weight_bytes / layout.shards
     optimizer = optimizer_state_bytes(shape, layout, options)

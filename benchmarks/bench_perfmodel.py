@@ -42,9 +42,10 @@ from rpegjax.learners.grpo import GRPOConfig
 from rpegjax.learners.optim import OptimizerConfig
 from rpegjax.learners.ppo import PPOConfig
 from rpegjax.models import Decoder, ModelConfig
-from rpegjax.perf import calibration, step_model
-from rpegjax.perf.generation_cost import ResponseLengths
-from rpegjax.perf.stage_costs import ExecutionOptions, Workload
+from rpegjax.perf.model import step_model
+from rpegjax.perf.model.generation_cost import ResponseLengths
+from rpegjax.perf.model.stage_costs import ExecutionOptions, Workload
+from rpegjax.perf.reference import calibration
 from rpegjax.rewards.runner import Isolation, RewardRunner, RewardRunnerConfig
 from rpegjax.runtime.assembly import RolloutShape, place_models
 from rpegjax.runtime.controller import Runtime

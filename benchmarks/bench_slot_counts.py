@@ -23,10 +23,11 @@ import statistics
 import sys
 
 from rpegjax.graph.ir import Graph, StageKind
-from rpegjax.perf import hardware, step_model
-from rpegjax.perf import partial_rollouts as partial
-from rpegjax.perf.generation_cost import ResponseLengths
-from rpegjax.perf.stage_costs import Workload
+from rpegjax.perf.model import partial_rollouts as partial
+from rpegjax.perf.model import step_model
+from rpegjax.perf.model.generation_cost import ResponseLengths
+from rpegjax.perf.model.stage_costs import Workload
+from rpegjax.perf.reference import presets
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
 from plan import load_model  # noqa: E402  (the model presets plan.py wrote the document with)
@@ -38,7 +39,7 @@ def _evaluator(document: dict) -> step_model.Evaluator:
     workload = Workload(prompts=w["prompts"], group_size=w["group_size"], prompt_tokens=w["prompt_tokens"],
                         responses=ResponseLengths.lognormal(w["response_mean"], w["response_max"]))
     model = load_model(document["model"])
-    return step_model.Evaluator.for_runtime(model, workload, hardware.preset(document["hardware"], document["gpus"]))
+    return step_model.Evaluator.for_runtime(model, workload, presets.preset(document["hardware"], document["gpus"]))
 
 
 def _with_slots(graph: Graph, per_replica: int, capacity: int, pool: int | None) -> Graph:

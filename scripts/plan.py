@@ -23,10 +23,13 @@ from rpegjax.graph.ir import Algorithm
 from rpegjax.graph.trace import gantt_png
 from rpegjax.models import ModelConfig
 from rpegjax.options import AttentionKind, DecodeAttention, DType, RematPolicy
-from rpegjax.perf import executable, explain, hardware, planner, step_model, validation
-from rpegjax.perf import profile as hardware_profile
-from rpegjax.perf.generation_cost import ResponseLengths
-from rpegjax.perf.stage_costs import ExecutionOptions, Workload
+from rpegjax.perf import planner
+from rpegjax.perf.model import hardware, step_model
+from rpegjax.perf.model.generation_cost import ResponseLengths
+from rpegjax.perf.model.stage_costs import ExecutionOptions, Workload
+from rpegjax.perf.planner import executable, explain
+from rpegjax.perf.reference import presets, published_runs
+from rpegjax.perf.reference import profile as hardware_profile
 from rpegjax.train.compile_target import DryRunTarget, compile_devices, cuda_plugin_installed, prepare_host
 from rpegjax.train.plan_document import model_shape
 
@@ -76,20 +79,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", default="qwen2.5-7b", metavar="NAME_OR_CONFIG",
                         help=f"model: a preset ({', '.join(MODEL_PRESETS)}) or a Hugging Face config.json or its "
                              f"directory")
-    parser.add_argument("--hardware", default="gh200", choices=[*sorted(hardware.PRESETS), "cpu"],
-                        help="GPU and cluster preset (peak FLOP/s, HBM, NVLink and network; see rpegjax/perf/hardware.py); "
-                             "cpu: this machine as --hardware-profile measured it (no datasheet)")
+    parser.add_argument("--hardware", default="gh200", choices=[*sorted(presets.PRESETS), "cpu"],
+                        help="GPU and cluster preset (peak FLOP/s, HBM, NVLink and network; see "
+                             "rpegjax/perf/reference/presets.py); cpu: this machine as --hardware-profile measured it "
+                             "(no datasheet)")
     parser.add_argument("--hardware-profile", metavar="FILE",
-                        help="a hardware profile (python -m rpegjax.perf.calibration --out FILE, run on the device): its "
-                             "measured matmul, attention and memory rates, backward efficiency and overheads replace the "
-                             "preset's assumptions (datasheet peaks kept); its all-reduce times the node level when it "
+                        help="a hardware profile (python -m rpegjax.perf.reference.calibration --out FILE, run on the "
+                             "device): its measured matmul, attention and memory rates, backward efficiency and "
+                             "overheads replace the preset's assumptions (datasheet peaks kept); its all-reduce times the node level when it "
                              "measured more than one device. Refused when measured on another device than the preset's")
     parser.add_argument("--moe-capacity-factor", type=_capacity_factor, nargs="+", default=None, metavar="C",
                         help="a mixture-of-experts model's expert modes to search (the plan's execution."
                              "moe_capacity_factor): capacity factors C, or 'dropless'; the fastest that fits and is "
                              "trusted wins (the tokens a factor drops are not costed: list only those the run accepts). "
                              "Without it, as the model says (the presets: dropless, which XLA's GPU compiler runs as a "
-                             "dense GEMM over every local expert: rpegjax/perf/expert_costs.py)")
+                             "dense GEMM over every local expert: rpegjax/perf/model/expert_costs.py)")
     parser.add_argument("--gpus", type=int, default=256, help="GPUs to plan for")
     parser.add_argument("--algo", default="grpo", choices=["grpo", "ppo"], help="RL algorithm (PPO adds a critic)")
     parser.add_argument("--prompts", type=int, default=512, help="prompts per RL step")
@@ -117,7 +121,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--context-sizes", default="1",
                         help="training context-parallel sizes to search, comma-separated (one row's sequence split over "
                              "that many devices; 1: none). Plans with a context axis are refused as untrusted: their "
-                             "memory was checked against XLA:CPU only (rpegjax/perf/trust.py)")
+                             "memory was checked against XLA:CPU only (rpegjax/perf/planner/trust.py)")
     parser.add_argument("--sequence-parallel", default="false", choices=["false", "true", "both"],
                         help="search sequence parallelism within tensor (the residual stream split over tensor); such "
                              "plans are refused as untrusted, as with --context-sizes")
@@ -160,9 +164,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--gantt", metavar="PNG", help="write a Gantt chart of the predicted schedules to this PNG")
     parser.add_argument("--fitted-efficiencies", action="store_true",
                         help="use the efficiencies fitted to NeMo RL's published H100 step times (matmul "
-                             f"{validation.FITTED_EFFICIENCIES.matmul} of peak, decode "
-                             f"{validation.FITTED_EFFICIENCIES.decode_memory} of HBM bandwidth; see "
-                             "rpegjax/perf/validation.py) instead of the presets' assumptions (0.7 and 0.8)")
+                             f"{published_runs.FITTED_EFFICIENCIES.matmul} of peak, decode "
+                             f"{published_runs.FITTED_EFFICIENCIES.decode_memory} of HBM bandwidth; see "
+                             "rpegjax/perf/reference/published_runs.py) instead of the presets' assumptions (0.7 and "
+                             "0.8)")
     args = parser.parse_args(argv)
     args.verify_target = verify_target(args.verify_target, args.hardware)
     if args.hardware == "cpu" and not args.hardware_profile:
@@ -310,9 +315,9 @@ def verify(args: argparse.Namespace, model: ModelConfig, best: planner.Plan, hw:
 
 
 def load_hardware(args: argparse.Namespace) -> hardware.HardwareSpec:
-    """The preset, with the measured figures of `--hardware-profile` when given (`rpegjax.perf.profile`)."""
+    """The preset, with the measured figures of `--hardware-profile` when given (`rpegjax.perf.reference.profile`)."""
     if not args.hardware_profile:
-        return hardware.preset(args.hardware, args.gpus)
+        return presets.preset(args.hardware, args.gpus)
     try:
         measured = hardware_profile.load_profile(args.hardware_profile)
         if args.hardware == "cpu":
@@ -321,7 +326,7 @@ def load_hardware(args: argparse.Namespace) -> hardware.HardwareSpec:
                                                     f"({measured.platform}), not on a CPU")
             return hardware_profile.spec_from_profile(measured, dtype=args.dtype, num_devices=args.gpus, name="cpu")
         hardware_profile.fits_preset(measured, args.hardware)
-        return hardware_profile.with_profile(hardware.preset(args.hardware, args.gpus), measured, dtype=args.dtype)
+        return hardware_profile.with_profile(presets.preset(args.hardware, args.gpus), measured, dtype=args.dtype)
     except hardware_profile.ProfileError as error:
         raise SystemExit(f"plan.py: --hardware-profile {args.hardware_profile}: {error}") from None
 
@@ -345,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
                         responses=ResponseLengths.lognormal(args.response_mean, args.response_max))
     options = None
     if args.fitted_efficiencies:
-        fitted = validation.FITTED_EFFICIENCIES
+        fitted = published_runs.FITTED_EFFICIENCIES
         hw = dataclasses.replace(hw, device=dataclasses.replace(hw.device, matmul_efficiency=fitted.matmul))
         options = ExecutionOptions(decode_memory_efficiency=fitted.decode_memory)
     # every plan is predicted as rpegjax's runtime executes it (its kernels, padding, micro-batching)

@@ -284,7 +284,7 @@ class Edge:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Execution:
     """How the plan's programs execute: the one record the runtime applies (`rpegjax.runtime.assembly`) and the
-    performance model reads (`rpegjax.perf.stage_costs.ExecutionOptions.for_execution`).
+    performance model reads (`rpegjax.perf.model.stage_costs.ExecutionOptions.for_execution`).
 
     attention / attention_block_size: the full-sequence attention kernel (training, log-probs, prefill).
     remat / scan_layers: what each layer keeps for the backward pass; the layer stack as one `lax.scan`.

@@ -27,7 +27,7 @@ from rpegjax.models.precision import Precision
 from rpegjax.models.tokenizer import builtin_tokenizer, load_tokenizer
 from rpegjax.models.transformer import Decoder
 from rpegjax.options import MODEL_EXECUTION_FIELDS, CarryMode
-from rpegjax.perf.executable import packed_rows_problems
+from rpegjax.perf.planner.executable import packed_rows_problems
 from rpegjax.rewards.custom import RewardedTask, load_rewards
 from rpegjax.rewards.dataset_task import MathDatasetTask
 from rpegjax.rewards.math import check_gold_answer

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import jax
 
-from rpegjax.perf.hardware import H100_CUDA_MEMORY_BYTES
+from rpegjax.perf.reference.presets import H100_CUDA_MEMORY_BYTES
 
 
 class DryRunTarget(enum.StrEnum):
@@ -73,7 +73,7 @@ device_description_str: "{self.name}"
 
 
 # Device memory as the CUDA runtime reports it (H100 SXM 80 GB: XLA's spec, the `h100` preset's CUDA figure); GH200's
-# GPU is the same Hopper die with 96 GB of HBM3 (rpegjax.perf.hardware's `gh200` preset).
+# GPU is the same Hopper die with 96 GB of HBM3 (rpegjax.perf.model.hardware's `gh200` preset).
 GPU_SPECS = {
     DryRunTarget.CUDA_H100: GpuSpec(name="NVIDIA H100 80GB HBM3", memory_bytes=H100_CUDA_MEMORY_BYTES,
                                     memory_bandwidth=3352320000000),

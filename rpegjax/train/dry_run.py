@@ -43,12 +43,12 @@ from rpegjax.models.lora import LoRAConfig
 from rpegjax.models.precision import generation_cast
 from rpegjax.models.transformer import Decoder
 from rpegjax.options import AttentionKind, CarryMode
+from rpegjax.perf.model.hardware import HardwareSpec
 from rpegjax.runtime.assembly import RolloutShape, place_models
 from rpegjax.runtime.meshes import device_ids, stage_mesh
 from rpegjax.runtime.training_programs import TrainingPrograms
 from rpegjax.runtime.weight_sync import WeightSyncPrograms
 from rpegjax.sharding.abstract import with_shardings
-from rpegjax.perf.hardware import HardwareSpec
 from rpegjax.train.compile_target import GPU_SPECS, DryRunTarget, compile_devices, compile_only, describe
 from rpegjax.train.compiled_flops import CompiledFlops, compiled_flops
 from rpegjax.train.plan_document import read_plan_file

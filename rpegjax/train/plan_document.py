@@ -21,8 +21,8 @@ from rpegjax.models.config import ModelConfig
 SHAPE_FIELDS = ("architecture", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                 "intermediate_size", "tie_word_embeddings", "attention_bias", "qk_norm", "num_experts",
                 "num_experts_per_token", "moe_intermediate_size", "moe_capacity_factor")
-# a mixture-of-experts model's fields (a plan's costs depend on the capacity mode: `rpegjax.perf.expert_costs`), as a
-# dense model has them: what a plan document written before they were recorded means
+# a mixture-of-experts model's fields (a plan's costs depend on the capacity mode: `rpegjax.perf.model.expert_costs`),
+# as a dense model has them: what a plan document written before they were recorded means
 _DENSE_FIELDS = {"num_experts": 0, "num_experts_per_token": 0, "moe_intermediate_size": 0, "moe_capacity_factor": None}
 
 

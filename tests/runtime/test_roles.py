@@ -198,17 +198,19 @@ def test_four_processes_run_disaggregated_ppo_like_one_process(tmp_path, critic)
 
 @pytest.mark.slow
 def test_the_planners_disaggregated_plan_runs_as_two_plus_two_processes(tmp_path):
-    """The planner's best disaggregated plan for 8 devices (as tests/perf/test_planner.py runs it in one process),
-    saved as JSON and executed through `graph.plan` by 2 generation + 2 training processes."""
+    """The planner's best disaggregated plan for 8 devices (as tests/perf/planner/test_search.py runs it in one
+    process), saved as JSON and executed through `graph.plan` by 2 generation + 2 training processes."""
     from rpegjax.models import ModelConfig
-    from rpegjax.perf import hardware, planner, step_model
-    from rpegjax.perf.generation_cost import ResponseLengths
-    from rpegjax.perf.stage_costs import Workload
+    from rpegjax.perf import planner
+    from rpegjax.perf.model import step_model
+    from rpegjax.perf.model.generation_cost import ResponseLengths
+    from rpegjax.perf.model.stage_costs import Workload
+    from rpegjax.perf.reference import presets
 
     shape = ModelConfig(vocab_size=99, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=2, head_dim=16,
                         intermediate_size=64)
     workload = Workload(prompts=4, group_size=2, prompt_tokens=12, responses=ResponseLengths.fixed(6))
-    evaluator = step_model.Evaluator.for_runtime(shape, workload, hardware.gh200_quad(8))
+    evaluator = step_model.Evaluator.for_runtime(shape, workload, presets.gh200_quad(8))
     space = planner.PlanSpace(async_bounds=(0, 1), fusion=(False, True), microbatches=(1, 2), tensor_sizes=(1,),
                               generation_fractions=(0.5,), reshard_inference=(True,), dtype="float32")
     search = planner.Planner(evaluator, algorithm="grpo", num_devices=8, use_reference=True, space=space)

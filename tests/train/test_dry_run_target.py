@@ -6,9 +6,9 @@ once more with it on the path and RPEGJAX_GPU_AOT=required, where a missing plug
 elsewhere the GPU-compiling tests skip, saying so."""
 
 import dataclasses
+import importlib.util
 import json
 import os
-import importlib.util
 import pathlib
 import sys
 
@@ -210,9 +210,10 @@ def test_a_fused_packed_log_prob_pass_is_predicted_as_the_gpu_compiler_holds_it(
     both output matrices gathered (`stage_costs._forward_transient_bytes`): the old formula read −6.6% here and
     −22% for Llama 3.1 8B's. ~30 s idle."""
     from rpegjax.graph import transforms
-    from rpegjax.perf import hardware, step_model
-    from rpegjax.perf.generation_cost import ResponseLengths
-    from rpegjax.perf.stage_costs import Workload
+    from rpegjax.perf.model import step_model
+    from rpegjax.perf.model.generation_cost import ResponseLengths
+    from rpegjax.perf.model.stage_costs import Workload
+    from rpegjax.perf.reference import presets
 
     cfg = ModelConfig.tiny(vocab_size=4096).replace(hidden_size=512, intermediate_size=2048, num_layers=8, num_heads=8,
                                                     num_kv_heads=4, max_position_embeddings=2048, dtype="bfloat16")
@@ -222,7 +223,7 @@ def test_a_fused_packed_log_prob_pass_is_predicted_as_the_gpu_compiler_holds_it(
                             ["ref_logprob", "old_logprob"])
     graph = dataclasses.replace(graph, execution=execution)
     workload = Workload(prompts=4, group_size=4, prompt_tokens=64, responses=ResponseLengths.fixed(192))
-    prediction = step_model.Evaluator.for_runtime(cfg, workload, hardware.h100_node(4)).predict(
+    prediction = step_model.Evaluator.for_runtime(cfg, workload, presets.h100_node(4)).predict(
         graph, enforce_memory=False, with_trace=False)
     programs = lower_plan(graph, cfg, GRPOConfig(group_size=4, kl_coef=0.04),
                           Batch(rows=16, prompt=64, new=192, slots=16, group_size=4),
