@@ -159,8 +159,8 @@ def test_a_float32_carried_prefill_holds_its_scores_twice():
     [384, 2304, 7 x 256] twice (the dot's output and a transposed copy, 6.34 GB each; 13.41 GB of temporaries in
     all: `XLA_FLAGS=--xla_dump_to=... plan.py ... --verify --verify-target cuda-h100` of the README's
     0.5B plan). Counting them once at 4 bytes gave 9.2 GB (-31%)."""
-    from rpegjax.perf.model.generation_stage import prefill_working_bytes
     from rpegjax.perf.model.generation_cost import ResponseLengths
+    from rpegjax.perf.model.generation_stage import prefill_working_bytes
 
     shape = dataclasses.replace(ModelShape.from_config(ModelConfig.qwen2p5("0.5b")), param_dtype="float32",
                                 compute_dtype="float32")
