@@ -201,7 +201,7 @@ BLOCKS: dict[str, Entry] = {
     "python scripts/plan.py --model qwen2.5-7b --hardware gh200 --gpus 256 --reference --top 0": Entry(
         run="test_w_plan_prediction", shrink=Shrink(replace=(("--gpus 256", "--gpus 16"),)),
         note="16 GH200 stand for W-plan's 256: the same search, a smaller space"),
-    "python -c \"from rpegjax.perf import validation as v;": Entry(run="test_published_runs_are_predicted"),
+    "python -c \"from rpegjax.perf.reference import published_runs as v;": Entry(run="test_published_runs_are_predicted"),
     "python benchmarks/bench_perfmodel.py --rounds 2 --steps 3 --warmup 1": Entry(
         run="test_perf_model_benchmark",
         shrink=Shrink(replace=(("--rounds 2 --steps 3 --warmup 1",
@@ -513,11 +513,12 @@ def test_ssh_recipe_parses():
 
 def test_published_runs_are_predicted(tmp_path):
     """The published runs' predictions, one line per run: its name, the measured and the predicted seconds."""
-    result = run_bash(block_text("python -c \"from rpegjax.perf import validation as v;"), scratch(tmp_path))
+    block = block_text("python -c \"from rpegjax.perf.reference import published_runs as v;")
+    result = run_bash(block, scratch(tmp_path))
     assert result.returncode == 0, result.stderr[-3000:]
-    from rpegjax.perf import validation
+    from rpegjax.perf.reference import published_runs
 
-    runs = validation.NEMO_RL_RUNS + validation.GB200_RUNS + validation.MOE_RUNS
+    runs = published_runs.NEMO_RL_RUNS + published_runs.GB200_RUNS + published_runs.MOE_RUNS
     lines = result.stdout.strip().splitlines()
     assert len(lines) == len(runs) and all(line.startswith(run.name) for line, run in zip(lines, runs))
     assert all(float(line.split()[-1]) > 0 for line in lines)
