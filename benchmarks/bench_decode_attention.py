@@ -2,7 +2,7 @@
 2 KV heads of 2 query heads each, head dim 64, 4 layers), 16 steps in one jitted loop, against reading the same
 keys and values once (a bound no attention that reads the cache once per step can beat).
 
-Forms, each checked against the model's own (`models.transformer._cached_attention`) before timing:
+Forms, each checked against the model's own (`models.full_attention.cached_attention`) before timing:
 * `model: keys [b k e s]`: the model's decode attention (float32 multiply-and-sum, over the cache's layout: keys
   position-innermost, so the scores' sum over the head dim adds rows of positions);
 * `keys [b k s e]`: the same sums over keys stored head-dim-innermost (the cache's earlier layout), whose
@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rpegjax.models.transformer import _cached_attention
+from rpegjax.models.full_attention import cached_attention
 
 ROWS, KV_HEADS, GROUP, HEAD_DIM, LAYERS, STEPS = 32, 2, 2, 64, 4, 16
 MODEL = "model: keys [b k e s]"
@@ -35,7 +35,7 @@ def _masked_softmax(scores, index, window: int):
 
 
 def model_form(q, keys_t, values, index):
-    return _cached_attention(q, keys_t, values, index[:, None])
+    return cached_attention(q, keys_t, values, index[:, None])
 
 
 def head_dim_innermost(q, keys, values, index):

@@ -4,7 +4,7 @@
     side by side (after, `Attention._project_qkv` / `MLP`): the training rows (32 x 96 tokens, forward and
     backward) and a decode step's rows (32, forward, 16 steps in a loop as the decode chunk runs them);
   * paged attention: one decode token per row over its gathered pages, transposed to [b k w*n e] first (before)
-    or in the gathered layout (after, `paged_cache._attend_pages`), 16 steps in a loop;
+    or in the gathered layout (after, `full_attention.attend_pages`), 16 steps in a loop;
   * full bucket: a contiguous decode chunk (`generate.decode.decode`, W-gen's 32 rows all running, 16 steps) whose
     live rows are gathered from the slots and scattered back (before) or, every slot in slot order, sliced and
     written back in place (after, `live_rows.take_rows` / `put_rows`), at attention windows 96 and 288 (W-gen's
@@ -44,10 +44,10 @@ from rpegjax.generate import Sampler, SamplingConfig  # noqa: E402
 from rpegjax.generate import decode as decode_module  # noqa: E402
 from rpegjax.generate import live_rows as live_module  # noqa: E402
 from rpegjax.generate.decode import DecodeState  # noqa: E402
-from rpegjax.generate.paged_cache import CacheConfig, _attend_pages  # noqa: E402
+from rpegjax.generate.paged_cache import CacheConfig  # noqa: E402
 from rpegjax.generate.sampling import filter_logits, sample_tokens, sampling_arrays  # noqa: E402
 from rpegjax.models import Decoder, ModelConfig  # noqa: E402
-from rpegjax.models.transformer import _cached_attention  # noqa: E402
+from rpegjax.models.full_attention import attend_pages, cached_attention  # noqa: E402
 
 STEPS = 16
 
@@ -87,9 +87,9 @@ def paged_attention(cfg: ModelConfig, rows: int, pages: int, page_size: int, in_
             qi = q + 1e-3 * out  # each step depends on the last, as in the decode loop
             keys, values = pool_k[:, table], pool_v[:, table]  # k b w n e (the pool's layout, KV head first)
             if in_place:
-                return _attend_pages(qi, keys, values, positions)
+                return attend_pages(qi, keys, values, positions)
             flat = [x.transpose(1, 0, 2, 3, 4).reshape(rows, kv, pages * page_size, e) for x in (keys, values)]
-            return _cached_attention(qi, *flat, positions)
+            return cached_attention(qi, *flat, positions)
 
         return jax.lax.fori_loop(0, STEPS, step, jnp.zeros((rows, 1, h, e)))
 
@@ -164,9 +164,9 @@ def full_bucket_chunk(cfg: ModelConfig, window: int, greedy: bool, sliced: bool,
                                vocab_size=cfg.vocab_size, default_eos_id=None)
     state = DecodeState.empty(cfg, rows, window, window)
     keys = iter(jax.random.split(jax.random.key(4), 2 * cfg.num_layers))
-    cache = state.cache.replace(k=tuple(jax.random.normal(next(keys), x.shape) for x in state.cache.k),
-                                v=tuple(jax.random.normal(next(keys), x.shape) for x in state.cache.v),
-                                lengths=jnp.full((rows,), window - STEPS - 1, jnp.int32))
+    layers = tuple(layer.replace(k=jax.random.normal(next(keys), layer.k.shape),
+                                 v=jax.random.normal(next(keys), layer.v.shape)) for layer in state.cache.layers)
+    cache = state.cache.replace(layers=layers, lengths=jnp.full((rows,), window - STEPS - 1, jnp.int32))
     state = state.replace(cache=cache, done=jnp.zeros((rows,), bool), budget=jnp.full((rows,), window, jnp.int32),
                           prompt_index=jnp.arange(rows, dtype=jnp.int32))
     every = jnp.asarray(live_module.live_rows(range(rows), num_slots=rows, replicas=1))

@@ -1,7 +1,9 @@
 """Pure functions of the sampler: slot state, prefill into slots, and the compiled decode loop.
 
 A fixed number of slots (rows) share one preallocated `KVCache` of `capacity` = max prompt length +
-max new tokens. A slot holds one sequence: its prompt and response so far in the cache, the last
+max new tokens: each layer's state as its kind declares it (keys and values of every position, a window, a state
+per row), moved between rows only through the kind's array descriptions (`models.kinds.StateArray`). A slot holds
+one sequence: its prompt and response so far in the cache, the last
 sampled token (not yet in the cache), and the response tokens and behaviour log-probs written so far.
 Slots that are done (or were never filled) still ride along in the batch but write nothing: their
 cache length does not advance and their outputs are frozen, so a finished slot can be harvested and
@@ -33,7 +35,8 @@ from rpegjax.generate.completion import EOS_CODE, LENGTH_CODE, RUNNING_CODE, STO
 from rpegjax.generate.live_rows import decode_live, first_positions, put_rows, take_rows
 from rpegjax.generate.sampling import SamplingArrays, row_step_keys, sample_tokens
 from rpegjax.models.config import ModelConfig
-from rpegjax.models.transformer import KVCache
+from rpegjax.models.kinds import StateArray
+from rpegjax.models.kv_cache import KVCache
 from rpegjax.options import CacheLayout
 from rpegjax.sharding import axes
 from rpegjax.sharding.abstract import with_shardings
@@ -44,7 +47,7 @@ from rpegjax.sharding.rules import ActivationSharding
 class DecodeState:
     """Everything the decode loop carries, one row per slot (n = most new tokens per sequence)."""
 
-    cache: KVCache  # per layer k [b k e t], v [b k t e]; lengths [b] = prompt + response tokens in the cache
+    cache: KVCache  # every layer's state (full attention: k [b k e t], v [b k t e]); lengths [b] = tokens cached
     last_token: Int[Array, " b"]  # latest sampled token, fed to the next step
     num_generated: Int[Array, " b"]  # response tokens sampled so far
     budget: Int[Array, " b"]  # most response tokens this sequence may have
@@ -117,10 +120,10 @@ def decode_state_shardings(state: DecodeState, sharding: ActivationSharding) -> 
         return sharding.sharding(logical, x.shape)
 
     row = (axes.BATCH,)
-    key_axes, value_axes = KVCache.key_logical_axes(), KVCache.value_logical_axes()
+    cache = state.cache
     return DecodeState(
-        cache=KVCache(k=tuple(named(key_axes, x) for x in state.cache.k),
-                      v=tuple(named(value_axes, x) for x in state.cache.v), lengths=named(row, state.cache.lengths)),
+        cache=cache.replace(layers=cache.map_layers(lambda spec, x: named(spec.logical, x)),
+                            lengths=named(row, cache.lengths)),
         last_token=named(row, state.last_token),
         num_generated=named(row, state.num_generated),
         budget=named(row, state.budget),
@@ -231,12 +234,15 @@ def admit(
     s = prompts.shape[1]
     cache, logits, routing = prefill(model, prompts, prompt_lengths, sharding)
     repeat = lambda x, axis=0: jnp.repeat(x, group_size, axis=axis)  # noqa: E731
-    def copy_in(slot_cache, prefilled, positions):  # one layer's key or value array, its positions' axis
-        at = (slots, *first_positions(positions, s))
-        return slot_cache.at[at].set(repeat(prefilled).astype(slot_cache.dtype), mode="drop")
 
-    new_k = tuple(copy_in(old, new, KVCache.KEY_POSITIONS) for old, new in zip(state.cache.k, cache.k, strict=True))
-    new_v = tuple(copy_in(old, new, KVCache.VALUE_POSITIONS) for old, new in zip(state.cache.v, cache.v, strict=True))
+    def copy_in(spec: StateArray, slot_array, prefilled):
+        """One array of a layer's state: the prefilled rows into their slots (the positions the prefill wrote, or
+        the whole row of a per-row state)."""
+        at = slots if spec.positions is None else (slots, *first_positions(spec.positions,
+                                                                           prefilled.shape[spec.positions]))
+        return slot_array.at[at].set(repeat(prefilled).astype(slot_array.dtype), mode="drop")
+
+    layers = state.cache.map_layers(copy_in, cache)
 
     # the new rows as a small state of their own (no cache: sampling never reads it), advanced by one
     # sampled token, then scattered in; sampling only the r new rows keeps an admit cheap at large vocab
@@ -266,7 +272,7 @@ def admit(
         recorded = put(recorded, write_routing(fresh, repeat(routing.expert_ids), zeros, prompt_mask))
     return state.replace(
         routing=recorded,
-        cache=KVCache(k=new_k, v=new_v, lengths=put(state.cache.lengths, repeat(prompt_lengths))),
+        cache=state.cache.replace(layers=layers, lengths=put(state.cache.lengths, repeat(prompt_lengths))),
         last_token=put(state.last_token, rows.last_token),
         num_generated=put(state.num_generated, rows.num_generated),
         budget=put(state.budget, rows.budget),
@@ -358,16 +364,22 @@ def decode(
     costs an early return, never a wrong token. Logits are the same: keys past a row's length are masked.
     """
     window = None if window is None or window >= state.cache.capacity else window
-    kp, vp = KVCache.KEY_POSITIONS, KVCache.VALUE_POSITIONS
+
+    def narrowed(spec: StateArray, x) -> int | None:
+        """How many of the array's positions the bucket takes: the window, unless the array holds no more (a
+        sliding layer's ring, every position of it) or is kept per row (none: the whole row)."""
+        if spec.positions is None or window is None or window >= x.shape[spec.positions]:
+            return None
+        return window
 
     def take_cache(cache: KVCache) -> KVCache:
-        return KVCache(k=tuple(take_rows(x, live, window, kp) for x in cache.k),
-                       v=tuple(take_rows(x, live, window, vp) for x in cache.v), lengths=take_rows(cache.lengths, live))
+        layers = cache.map_layers(lambda spec, x: take_rows(x, live, narrowed(spec, x), spec.positions or 0))
+        return cache.replace(layers=layers, lengths=take_rows(cache.lengths, live), capacity=window or cache.capacity)
 
     def put_cache(cache: KVCache, part: KVCache) -> KVCache:
-        return KVCache(k=tuple(put_rows(x, live, new, window, kp) for x, new in zip(cache.k, part.k, strict=True)),
-                       v=tuple(put_rows(x, live, new, window, vp) for x, new in zip(cache.v, part.v, strict=True)),
-                       lengths=put_rows(cache.lengths, live, part.lengths))
+        layers = cache.map_layers(lambda spec, x, new: put_rows(x, live, new, narrowed(spec, x), spec.positions or 0),
+                                  part)
+        return cache.replace(layers=layers, lengths=put_rows(cache.lengths, live, part.lengths))
 
     def run(compact: DecodeState) -> tuple[DecodeState, Int[Array, ""]]:
         return decode_loop(graphdef, params, compact, key, sampling, max_steps, sharding, lambda s: s.cache.capacity)

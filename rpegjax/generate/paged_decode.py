@@ -5,8 +5,10 @@ with each call. A prompt is prefilled once, in chunks of at most `prefill_chunk`
 page table of the first sample of its group; the other samples' tables point at the same full pages,
 and `start_rows` gives each of them its own copy of a partial last page before it decodes.
 
-When the sampler records routing (`decode.DecodeState.routing`, per slot, not paged), the prefill writes the
-prompt's routing into its first sample's slot and `start_rows` copies it to every sample of the group.
+A layer's per-row state (a recurrent state: `models.kinds.StateArray` not pooled) lives in the slots' rows: a prefill
+chunk reads it from the first sample's slot (zero where the chunk starts a prompt), writes it back there, and
+`start_rows` copies it to every sample of the group, as it does the prompt's routing when the sampler records
+routing (`decode.DecodeState.routing`, per slot, not paged).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from jaxtyping import Array, Bool, Float, Int
 from rpegjax.generate.decode import DecodeState, decode_loop, record_tokens, write_routing
 from rpegjax.generate.live_rows import decode_live, put_rows, take_rows
 from rpegjax.generate.paged_cache import PagedKVCache
+from rpegjax.models.kinds import StateArray, map_state
 from rpegjax.generate.sampling import SamplingArrays
 from rpegjax.models.config import ModelConfig
 from rpegjax.options import DecodeAttention
@@ -26,9 +29,10 @@ from rpegjax.sharding import axes
 from rpegjax.sharding.rules import ActivationSharding
 
 
-def empty_paged_state(cfg: ModelConfig, *, num_slots: int, replicas: int, pages_per_replica: int, page_size: int,
-                      max_pages: int, max_new_tokens: int, record_routing: bool = False) -> DecodeState:
-    """All slots empty (done), every pool page zero (`record_routing`: a routing buffer of every slot's pages)."""
+def empty_paged_state(cfg: ModelConfig, *, num_slots: int, replicas: int, pages_per_replica: tuple[int, ...],
+                      page_size: int, max_pages: int, max_new_tokens: int, record_routing: bool = False) -> DecodeState:
+    """All slots empty (done), every pool page zero (`pages_per_replica[g]`: page group g's pool;
+    `record_routing`: a routing buffer of every slot's pages)."""
     state = DecodeState.empty(cfg, num_slots, 1, max_new_tokens, record_routing=record_routing,
                               routing_capacity=max_pages * page_size)
     cache = PagedKVCache.zeros(cfg, num_slots=num_slots, replicas=replicas, pages_per_replica=pages_per_replica,
@@ -37,19 +41,18 @@ def empty_paged_state(cfg: ModelConfig, *, num_slots: int, replicas: int, pages_
 
 
 def paged_state_shardings(state: DecodeState, sharding: ActivationSharding) -> DecodeState:
-    """NamedShardings of a paged `DecodeState`: slots and pool replicas over the batch axes, KV heads over tensor."""
+    """NamedShardings of a paged `DecodeState`: slots and pool replicas over the batch axes, heads as each layer's
+    kind says (full attention: KV heads over tensor)."""
     def named(logical, x, name):
         return sharding.sharding(logical, x.shape, name=name)
 
     row = (axes.BATCH,)
-    pool = PagedKVCache.pool_logical_axes()
     cache = state.cache
+    layers = cache.map_layers(lambda spec, x: named(spec.logical, x, "page pool" if spec.pooled else "slot state"))
     return DecodeState(
-        cache=PagedKVCache(k=tuple(named(pool, x, "key page pool") for x in cache.k),
-                           v=tuple(named(pool, x, "value page pool") for x in cache.v),
-                           page_table=named((axes.BATCH, None), cache.page_table, "page table"),
-                           lengths=named(row, cache.lengths, "cache lengths"),
-                           limits=named(row, cache.limits, "cache limits")),
+        cache=cache.replace(layers=layers, tables=tuple(named((axes.BATCH, None), t, "page table") for t in cache.tables),
+                            lengths=named(row, cache.lengths, "cache lengths"),
+                            limits=named(row, cache.limits, "cache limits")),
         **{field: named(row, getattr(state, field), field)
            for field in ("last_token", "num_generated", "budget", "done", "finish", "prompt_index", "sample_index")},
         tokens=named((axes.BATCH, None), state.tokens, "tokens"),
@@ -62,7 +65,7 @@ def prefill_pages(
     graphdef: nnx.GraphDef,
     params: nnx.State,
     state: DecodeState,
-    page_table: Int[Array, "p m"],
+    page_tables: tuple[Int[Array, "p m"], ...],
     starts: Int[Array, " p"],
     tokens: Int[Array, "p c"],
     counts: Int[Array, " p"],
@@ -74,22 +77,36 @@ def prefill_pages(
     sharding: ActivationSharding | None = None,
 ) -> tuple[DecodeState, Float[Array, "p v"]]:
     """Runs one chunk of p prompts: row i's `counts[i]` tokens at cache indices starts[i] onwards, written
-    into the pages of `page_table[i]`. Rows whose prompt ends in this chunk (`ends`) replace their entry of
+    into the pages of its row of each page group's table (`page_tables[g][i]`). Rows whose prompt ends in this chunk (`ends`) replace their entry of
     `last_logits` with the float32 logits at their last token (the first response token's distribution).
-    When recording routing, row i's goes to slot `lead_slots[i]` (its first sample's; past the slots: dropped)."""
+    Row i's per-row layer state and, when recording, its routing live in slot `lead_slots[i]` (its first sample's;
+    past the slots: dropped)."""
     model = nnx.merge(graphdef, params)
     c = tokens.shape[1]
     mask = jnp.arange(c)[None, :] < counts[:, None]
     positions = starts[:, None] + jnp.arange(c)[None, :]
-    rows = PagedKVCache(k=state.cache.k, v=state.cache.v, page_table=page_table, lengths=starts,
-                        limits=starts + counts, window_pages=window_pages)
+    slots = state.cache.lengths.shape[0]
+    lead = jnp.clip(lead_slots, 0, slots - 1)
+
+    def take_lead(spec: StateArray, x):  # a pool as it is; a per-row array's lead rows, zero where a prompt starts
+        if spec.pooled:
+            return x
+        fresh = (starts == 0).reshape(-1, *(1,) * (x.ndim - 1))
+        return jnp.where(fresh, jnp.zeros((), x.dtype), x[lead])
+
+    def put_lead(spec: StateArray, x, new):
+        return new if spec.pooled else x.at[lead_slots].set(new, mode="drop")
+
+    rows = state.cache.replace(layers=state.cache.map_layers(take_lead), tables=tuple(page_tables), lengths=starts,
+                               limits=starts + counts, window_pages=window_pages)
     hidden, rows, routing = model.routed_hidden_states(tokens, positions, mask=mask, cache=rows, sharding=sharding)
     last = jnp.take_along_axis(hidden, jnp.maximum(counts - 1, 0)[:, None, None], axis=1)  # p 1 d
     logits = jnp.where(ends[:, None], model.logits(last)[:, 0], last_logits)
     recorded = state.routing
     if recorded is not None:
         recorded = write_routing(recorded, routing.expert_ids, starts, mask, rows=lead_slots)
-    return state.replace(cache=state.cache.with_pools(rows.k, rows.v), routing=recorded), logits
+    return state.replace(cache=state.cache.replace(layers=state.cache.map_layers(put_lead, rows)),
+                         routing=recorded), logits
 
 
 def start_rows(
@@ -102,26 +119,20 @@ def start_rows(
     prompt_index: Int[Array, "r q"],
     sample_index: Int[Array, "r q"],
     budgets: Int[Array, "r q"],
-    copy_source: Int[Array, "r c"],
-    copy_target: Int[Array, "r c"],
+    copy_source: tuple[Int[Array, "r c"], ...],
+    copy_target: tuple[Int[Array, "r c"], ...],
     key: Array,
     sampling: SamplingArrays,
 ) -> DecodeState:
     """Starts up to q sequences on each of the r slot replicas: row j of replica i goes to the replica's slot
     `slots[i, j]` (one >= the slots per replica marks a padding row) and samples its first token from the replica's
-    prefill row `lead[i, j]` of `logits` (p = r blocks of prefill rows, replica-major) with its own key, and (when
-    recording routing) takes the prompt's routing from the replica's slot `lead_slots[i, j]`, where the prefill
-    wrote it. First,
-    replica i's page `copy_source[i, j]` is copied to `copy_target[i, j]` (a target past the pool is padding): a
-    sample's own copy of its prompt's partial last page.
+    prefill row `lead[i, j]` of `logits` (p = r blocks of prefill rows, replica-major) with its own key, and takes the
+    prompt's per-row layer state and (when recording) routing from the replica's slot `lead_slots[i, j]`, where the
+    prefill wrote them. First, in page group g's pools, replica i's page `copy_source[g][i, j]` is copied to
+    `copy_target[g][i, j]` (a target past the pool is padding): a sample's own copy of its prompt's partial last page.
 
     Every gather and scatter is vmapped over the replica axis, so the float32 logits a device reads and samples are
     its own replica's q rows, never the whole [r*q, v] (replicated, they were 55 GB at W-plan shapes)."""
-    def copy(pool):  # [r k p n e]
-        return jax.vmap(lambda pool, source, target: pool.at[:, target].set(pool[:, source], mode="drop"))(
-            pool, copy_source, copy_target)
-
-    cache = state.cache.with_pools(map(copy, state.cache.k), map(copy, state.cache.v))
     r, q = slots.shape
     zeros = jnp.zeros((r * q,), jnp.int32)
     width = state.tokens.shape[1]
@@ -140,11 +151,24 @@ def start_rows(
         put_one = lambda block, index, part: block.at[index].set(part, mode="drop")  # noqa: E731
         return jax.vmap(put_one)(blocks, slots, parts).reshape(old.shape)
 
+    def from_lead(old):  # [b ...]: each started row's lead slot's row (its replica's), as `put` takes them
+        blocks = old.reshape(r, old.shape[0] // r, *old.shape[1:])
+        take = lambda block, index: block[jnp.clip(index, 0, block.shape[0] - 1)]  # noqa: E731
+        return jax.vmap(take)(blocks, lead_slots).reshape(r * q, *old.shape[1:])
+
+    def start_layer(spec: StateArray, x, group: int | None):
+        """A pool with each sample's partial last page copied; a per-row array with the prompt's row copied."""
+        if not spec.pooled:
+            return put(x, from_lead(x))
+        copy = lambda pool, source, target: pool.at[:, target].set(pool[:, source], mode="drop")  # noqa: E731
+        return jax.vmap(copy)(x, copy_source[group], copy_target[group])
+
+    cache = state.cache
+    cache = cache.replace(layers=tuple(map_state(lambda spec, x, group=group: start_layer(spec, x, group), layer)
+                                       for layer, group in zip(cache.layers, cache.groups, strict=True)))
     recorded = state.routing
     if recorded is not None:  # the prompt's routing, -1 past it (a slot's previous sequence)
-        blocks = recorded.reshape(r, recorded.shape[0] // r, *recorded.shape[1:])
-        take = lambda block, index: block[jnp.clip(index, 0, block.shape[0] - 1)]  # noqa: E731
-        lead_routing = jax.vmap(take)(blocks, lead_slots).reshape(r * q, *recorded.shape[1:])
+        lead_routing = from_lead(recorded)
         prompt = jnp.arange(recorded.shape[1])[None, :] < flat(prompt_lengths)[:, None]
         recorded = put(recorded, jnp.where(prompt[:, :, None, None], lead_routing, jnp.asarray(-1, recorded.dtype)))
     return state.replace(
@@ -160,7 +184,7 @@ def decode_paged(
     graphdef: nnx.GraphDef,
     params: nnx.State,
     state: DecodeState,
-    page_table: Int[Array, "b m"],
+    page_tables: tuple[Int[Array, "b m"], ...],
     limits: Int[Array, " b"],
     evict: Bool[Array, " b"],
     live: Int[Array, "r q"],
@@ -179,16 +203,19 @@ def decode_paged(
     The bucket shares the whole pools: only its page tables, lengths and limits are gathered. Each step attends
     as `decode_attention` says (`DecodeAttention.PALLAS`: each row over its own pages, `window_pages` unused).
     Returns the new state and the steps run."""
-    cache = state.cache.replace(page_table=page_table, limits=limits)
+    cache = state.cache.replace(tables=tuple(page_tables), limits=limits)
     state = state.replace(cache=cache, done=state.done | evict)
 
-    def take_cache(cache: PagedKVCache) -> PagedKVCache:
-        return cache.replace(page_table=take_rows(cache.page_table, live), lengths=take_rows(cache.lengths, live),
-                             limits=take_rows(cache.limits, live), window_pages=window_pages,
-                             decode_attention=decode_attention, pallas_interpret=pallas_interpret)
+    def take_cache(cache: PagedKVCache) -> PagedKVCache:  # pools shared by the bucket, rows gathered
+        layers = cache.map_layers(lambda spec, x: x if spec.pooled else take_rows(x, live))
+        return cache.replace(layers=layers, tables=tuple(take_rows(t, live) for t in cache.tables),
+                             lengths=take_rows(cache.lengths, live), limits=take_rows(cache.limits, live),
+                             window_pages=window_pages, decode_attention=decode_attention,
+                             pallas_interpret=pallas_interpret)
 
     def put_cache(cache: PagedKVCache, part: PagedKVCache) -> PagedKVCache:
-        return cache.replace(k=part.k, v=part.v, lengths=put_rows(cache.lengths, live, part.lengths))
+        layers = cache.map_layers(lambda spec, x, new: new if spec.pooled else put_rows(x, live, new), part)
+        return cache.replace(layers=layers, lengths=put_rows(cache.lengths, live, part.lengths))
 
     def run(compact: DecodeState) -> tuple[DecodeState, Int[Array, ""]]:
         return decode_loop(graphdef, params, compact, key, sampling, max_steps, sharding, lambda s: s.cache.limits)

@@ -25,7 +25,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from rpegjax.generate.completion import FINISH_CODES, Completion, FinishReason, unstarted
 from rpegjax.generate.decode import DecodeStalledError, abstract_state_of
 from rpegjax.generate.live_rows import finished_rows, live_rows, padded_rows
-from rpegjax.generate.paged_attention import check_kernel
 from rpegjax.generate.page_carry import KeptPages, claim, retag, retag_rows
 from rpegjax.generate.paged_cache import CacheConfig, pages_for, pow2_at_least
 from rpegjax.generate.paged_decode import (
@@ -38,6 +37,8 @@ from rpegjax.generate.paged_decode import (
 from rpegjax.generate.paged_slots import PagedSlots
 from rpegjax.generate.requests import Request, RequestFeed, RequestQueue
 from rpegjax.models.config import ModelConfig
+from rpegjax.models.layer_stack import page_groups
+from rpegjax.models.paged_attention import check_kernel
 from rpegjax.options import CacheLayout, DecodeAttention
 from rpegjax.sharding import axes
 from rpegjax.sharding.rules import ActivationSharding
@@ -68,9 +69,13 @@ class PagedController:
                 f"capacity ({capacity} tokens = {self.max_pages} pages of {cache.page_size})"
             )
         self.stats = stats
+        groups, _ = page_groups(cfg)
+        if len(groups) != 1:
+            raise ValueError(f"paged sampler: the model's layers keep pages in {len(groups)} page groups {groups}; "
+                             "this sampler keeps one (every layer's pages cover every position)")
         self.decode_attention = _checked_decode_attention(cache, cfg, mesh)
         self._empty = partial(empty_paged_state, cfg, num_slots=num_slots, replicas=replicas,
-                              pages_per_replica=self.pages_per_replica, page_size=cache.page_size,
+                              pages_per_replica=(self.pages_per_replica,), page_size=cache.page_size,
                               max_pages=self.max_pages, max_new_tokens=max_new_tokens, record_routing=record_routing)
 
         def prefill_fn(window_pages, *arrays):
@@ -106,7 +111,7 @@ class PagedController:
                                   out_shardings=state_sharding, donate_argnums=(0,))
             self._decode = jax.jit(
                 decode_fn, static_argnums=(0,),
-                in_shardings=(params_sharding, state_sharding, state_sharding.cache.page_table, rows, rows,
+                in_shardings=(params_sharding, state_sharding, state_sharding.cache.tables, rows, rows,
                               replicated, replicated, replicated, replicated),
                 out_shardings=(state_sharding, replicated), donate_argnums=(2,))
             self._build_state = jax.jit(self._empty, out_shardings=state_sharding)
@@ -137,17 +142,17 @@ class PagedController:
         chunk = pow2_at_least(min(self.prefill_chunk, max_prompt_len), self.prefill_chunk)
         window = pow2_at_least(pages_for(max_prompt_len, self.page_size), self.max_pages)
         ints = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
-        prefill = self._prefill.lower(window, params, state, ints(p, self.max_pages), ints(p), ints(p, chunk), ints(p),
+        prefill = self._prefill.lower(window, params, state, (ints(p, self.max_pages),), ints(p), ints(p, chunk), ints(p),
                                       np.zeros((p,), bool), np.zeros((p, self.cfg.vocab_size), np.float32), ints(p))
         logits = jax.ShapeDtypeStruct((p, self.cfg.vocab_size), jnp.float32, sharding=self._logits)
         # every slot of every replica started; a copy of the prompt's partial last page for each sample but a
         # group's first
         r, q = self.replicas, self.slots_per_replica
         c = pow2_at_least(max((group_size - 1) * (q // group_size), 1), q)
-        start = self._start.lower(state, logits, *(ints(r, q) for _ in range(7)), *(ints(r, c) for _ in range(2)), key,
-                                  arrays)
+        start = self._start.lower(state, logits, *(ints(r, q) for _ in range(7)), *((ints(r, c),) for _ in range(2)),
+                                  key, arrays)
         every = live_rows([], num_slots=self.num_slots, replicas=self.replicas, compact=False)
-        decode = self._decode.lower(self.max_pages, params, state, ints(self.num_slots, self.max_pages),
+        decode = self._decode.lower(self.max_pages, params, state, (ints(self.num_slots, self.max_pages),),
                                     ints(self.num_slots), np.zeros((self.num_slots,), bool), every, key, arrays,
                                     np.int32(self.chunk_steps))
         return {"prefill": prefill, "start": start, "decode": decode}
@@ -238,7 +243,7 @@ class PagedController:
         # copies: the CPU client may read an aligned numpy argument when the program runs, after this call
         # returns (clearing `evict` in place below once hid an eviction from the chunk: every chunk stalled)
         live = live_rows(running, num_slots=self.num_slots, replicas=self.replicas, compact=self.live_buckets)
-        state, steps = self._decode(window, params, state, slots.table.copy(), limits, slots.evict.copy(), live, key,
+        state, steps = self._decode(window, params, state, (slots.table.copy(),), limits, slots.evict.copy(), live, key,
                                     arrays, np.int32(self.chunk_steps))
         slots.evict[:] = False
         done, num_generated, finish = jax.device_get((state.done, state.num_generated, state.finish))
@@ -322,7 +327,7 @@ class PagedController:
                     tokens[row, : counts[row]] = requests[prompt].tokens[start: start + counts[row]]
             ends = (lengths > start) & (lengths <= start + chunk)
             window = pow2_at_least(pages_for(min(longest, start + chunk), page), self.max_pages)
-            state, logits = self._prefill(window, params, state, prefill_table, np.full((p,), start, np.int32), tokens,
+            state, logits = self._prefill(window, params, state, (prefill_table,), np.full((p,), start, np.int32), tokens,
                                           counts, ends, logits, lead_slots)
             self.stats.prefill_calls += 1
         self.stats.prefilled_prompts += len(admitted)
@@ -346,7 +351,7 @@ def start_row_arrays(requests, by_replica, held, *, slots_per_replica: int, page
     """`start_rows`' per-replica arrays for the admitted entries `by_replica` (a list per slot replica of (prompt,
     samples, slots), in prefill-row order): [r q] lead rows, the replica-local slots of their groups' first samples
     (where the prefill wrote the prompt's routing), replica-local slots, prompt lengths, key indices (prompt, sample) and budgets,
-    then [r c] page copies (source, target), each padded to a power of two."""
+    then [r c] page copies (source, target) of each page group, each padded to a power of two."""
     replicas = len(by_replica)
     q = pow2_at_least(max(sum(len(item[1]) for item in items) for items in by_replica), slots_per_replica)
     slot_ids = np.full((replicas, q), slots_per_replica, np.int32)  # past the replica's slots: dropped
@@ -374,5 +379,5 @@ def start_row_arrays(requests, by_replica, held, *, slots_per_replica: int, page
     for replica, pairs in enumerate(copies):
         if pairs:
             copy_source[replica, : len(pairs)], copy_target[replica, : len(pairs)] = np.array(pairs, np.int32).T
-    return [lead_rows, lead_slots, slot_ids, prompt_lengths, prompt_index, sample_index, row_budgets, copy_source,
-            copy_target]
+    return [lead_rows, lead_slots, slot_ids, prompt_lengths, prompt_index, sample_index, row_budgets, (copy_source,),
+            (copy_target,)]

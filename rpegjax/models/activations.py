@@ -1,4 +1,4 @@
-"""SwiGLU, the activation of the dense MLP and of every expert, with a fused hand-written backward."""
+"""The gated activations of the dense MLP: SwiGLU (also every expert's, with a fused hand-written backward) and GeGLU."""
 
 from __future__ import annotations
 
@@ -25,3 +25,9 @@ def _swiglu_backward(residuals, grad):
 
 
 swiglu.defvjp(_swiglu_forward, _swiglu_backward)
+
+
+def geglu(gate: Float[Array, "... f"], up: Float[Array, "... f"]) -> Float[Array, "... f"]:
+    """gelu(gate) * up with gelu's tanh approximation (transformers' `gelu_pytorch_tanh`, Gemma's MLP):
+    gelu(x) = x / 2 (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))."""
+    return jax.nn.gelu(gate, approximate=True) * up

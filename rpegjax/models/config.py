@@ -9,7 +9,12 @@ from typing import Any
 import jax.numpy as jnp
 
 from rpegjax.models.routing import RouterScoring, RoutingRule
+from rpegjax.models.kinds import LayerKind, MixerKind, MlpKind
+from rpegjax.models.rope import Llama3RopeScaling, LinearRopeScaling, Rope, RopeScaling
 from rpegjax.options import AttentionKind, DType, RematPolicy, parse_choice
+
+__all__ = ["JAX_DTYPES", "QK_NORM", "Activation", "Architecture", "LinearRopeScaling", "Llama3RopeScaling",
+           "ModelConfig", "routing_rule"]
 
 
 class Architecture(enum.StrEnum):
@@ -19,28 +24,18 @@ class Architecture(enum.StrEnum):
     QWEN3_MOE = "qwen3_moe"  # Qwen3 attention; sparse layers route each token to top-k experts (models/moe.py)
 
 
+class Activation(enum.StrEnum):
+    """The gated MLP's activation (Hugging Face's `hidden_act` / `hidden_activation` names)."""
+
+    SILU = "silu"  # SwiGLU
+    GELU_TANH = "gelu_pytorch_tanh"  # GeGLU with gelu's tanh approximation
+
+
 # Real-size presets train on 4k-32k-token rows: memory linear in length (blockwise attention, one
 # layer input kept per layer). The field defaults (dense, no remat, unrolled) are fastest for the small CPU models.
 _LONG_SEQUENCE_EXECUTION = dict(attention=AttentionKind.BLOCKWISE, remat=RematPolicy.FULL, scan_layers=True)
 
-HF_ARCHITECTURE_CLASS = {
-    Architecture.QWEN2: "Qwen2ForCausalLM",
-    Architecture.QWEN3: "Qwen3ForCausalLM",
-    Architecture.LLAMA: "LlamaForCausalLM",
-    Architecture.QWEN3_MOE: "Qwen3MoeForCausalLM",
-}
-
 JAX_DTYPES = {DType.FLOAT32: jnp.float32, DType.BFLOAT16: jnp.bfloat16, DType.FLOAT16: jnp.float16}
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Llama3RopeScaling:
-    """Llama 3.1's frequency-dependent RoPE rescaling (`rope_scaling.rope_type == "llama3"`)."""
-
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -64,7 +59,7 @@ class ModelConfig:
     intermediate_size: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    rope_scaling: Llama3RopeScaling | None = None
+    rope_scaling: RopeScaling | None = None
     max_position_embeddings: int = 32768
     tie_word_embeddings: bool = False
     attention_bias: bool = False
@@ -108,6 +103,8 @@ class ModelConfig:
     # dropped (rpegjax.models.expert_parallel). Not a checkpoint field: a training choice (Hugging Face's Qwen3-MoE
     # is dropless)
     moe_capacity_factor: float | None = None
+    # each layer's mixer kind (Hugging Face's `layer_types`); empty: every layer full attention
+    layer_types: tuple[MixerKind, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "architecture", Architecture(self.architecture))
@@ -128,6 +125,7 @@ class ModelConfig:
         object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
         _check_experts(self)
         _check_linear_attention(self)
+        _check_layer_types(self)
 
     def is_sparse_layer(self, index: int) -> bool:
         """Whether layer `index` is a mixture-of-experts layer (transformers' Qwen3MoeDecoderLayer rule)."""
@@ -137,6 +135,23 @@ class ModelConfig:
     @property
     def sparse_layers(self) -> tuple[int, ...]:
         return tuple(i for i in range(self.num_layers) if self.is_sparse_layer(i))
+
+    @property
+    def activation(self) -> Activation:
+        return Activation.SILU
+
+    def layer_kind(self, index: int) -> LayerKind:
+        """Layer `index`'s mixer kind (`layer_types`) and MLP kind (experts in a sparse layer)."""
+        mixer = self.layer_types[index] if self.layer_types else MixerKind.FULL_ATTENTION
+        return LayerKind(mixer=mixer, mlp=MlpKind.EXPERTS if self.is_sparse_layer(index) else MlpKind.DENSE)
+
+    @property
+    def layer_kinds(self) -> tuple[LayerKind, ...]:
+        return tuple(self.layer_kind(i) for i in range(self.num_layers))
+
+    def rope(self) -> Rope:
+        """The RoPE setting of the full-attention layers: `rope_theta` with `rope_scaling` over the whole head."""
+        return Rope(theta=self.rope_theta, dim=self.head_dim, scaling=self.rope_scaling)
 
     @property
     def jnp_param_dtype(self) -> Any:
@@ -177,7 +192,7 @@ class ModelConfig:
         """2 layers, d=64: the size used by tests."""
         base = dict(architecture=architecture, vocab_size=128, hidden_size=64, num_layers=2, num_heads=4,
                     num_kv_heads=2, head_dim=16, intermediate_size=128,
-                    attention_bias=architecture == Architecture.QWEN2, qk_norm=architecture in _QK_NORM)
+                    attention_bias=architecture == Architecture.QWEN2, qk_norm=architecture in QK_NORM)
         if architecture == Architecture.QWEN3_MOE:
             base.update(num_experts=4, num_experts_per_token=2, moe_intermediate_size=32, norm_topk_prob=True)
         base.update(changes)
@@ -226,123 +241,19 @@ class ModelConfig:
                    norm_topk_prob=True, param_dtype="bfloat16", dtype="bfloat16", bos_token_id=151643,
                    eos_token_id=151645, **_LONG_SEQUENCE_EXECUTION)
 
-    # ---- Hugging Face config.json ---------------------------------------------------------------
+    # ---- Hugging Face config.json (`rpegjax.models.hf_config`) ------------------------------------
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any], *, source: str = "config.json") -> ModelConfig:
         """Reads a Hugging Face `config.json` dict; raises ValueError naming `source` when unsupported."""
-        model_type = hf.get("model_type")
-        try:
-            architecture = Architecture(model_type)
-        except ValueError:
-            raise ValueError(
-                f"{source}: unsupported model_type {model_type!r}; supported: {[a.value for a in Architecture]}"
-            ) from None
+        from rpegjax.models.hf_config import read_hf_config  # reads this module's classes
 
-        def need(key: str) -> int:
-            if key not in hf:
-                raise ValueError(f"{source}: missing required field {key!r}")
-            return hf_value(hf, key, int, source)
-
-        hidden, heads = need("hidden_size"), need("num_attention_heads")
-        for key, kind in _HF_TYPES.items():  # each field present has its JSON type (not "64" for 64, "no" for false)
-            if hf.get(key) is not None:
-                hf_value(hf, key, kind, source)
-        _check_hf_features(hf, architecture, source)
-        # transformers 5 writes `rope_parameters` (with rope_theta inside); older versions `rope_theta` and
-        # `rope_scaling`. When both are present transformers gives `rope_scaling` priority, and so do we.
-        rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
-        if not isinstance(rope, dict):
-            raise ValueError(f"{source}: rope_scaling/rope_parameters must be an object, got {rope!r}")
-        if any(isinstance(value, dict) for value in rope.values()):
-            raise ValueError(f"{source}: per-layer-type rope_parameters are not supported, got keys {sorted(rope)}")
-        max_positions = int(hf.get("max_position_embeddings", 32768))
-        scaling = None
-        kind = rope.get("rope_type", rope.get("type", "default"))
-        if kind == "llama3":
-            try:
-                scaling = Llama3RopeScaling(
-                    factor=float(rope["factor"]),
-                    low_freq_factor=float(rope["low_freq_factor"]),
-                    high_freq_factor=float(rope["high_freq_factor"]),
-                    # transformers falls back to max_position_embeddings when this is absent
-                    original_max_position_embeddings=int(rope.get("original_max_position_embeddings", max_positions)),
-                )
-            except KeyError as missing:
-                raise ValueError(f"{source}: llama3 rope scaling lacks field {missing.args[0]!r}") from None
-        elif kind != "default":
-            raise ValueError(f"{source}: unsupported rope type {kind!r} (supported: default, llama3)")
-        rope_theta = rope.get("rope_theta", hf.get("rope_theta"))
-        torch_dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
-        eos = hf.get("eos_token_id")
-        if isinstance(eos, list):
-            eos = eos[0] if eos else None
-        return cls(
-            architecture=architecture,
-            vocab_size=need("vocab_size"),
-            hidden_size=hidden,
-            num_layers=need("num_hidden_layers"),
-            num_heads=heads,
-            num_kv_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hf.get("head_dim") or hidden // heads,
-            intermediate_size=need("intermediate_size"),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
-            rope_scaling=scaling,
-            max_position_embeddings=max_positions,
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            # transformers' Qwen2 always has q/k/v biases and ignores `attention_bias`; Llama/Qwen3 with
-            # attention_bias were rejected by _check_hf_features (they would also need an o_proj bias).
-            attention_bias=architecture == Architecture.QWEN2,
-            qk_norm=architecture in _QK_NORM,
-            param_dtype=torch_dtype if torch_dtype in JAX_DTYPES else "float32",
-            dtype=torch_dtype if torch_dtype in JAX_DTYPES else "float32",
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_id=eos,
-            **(_hf_experts(hf, source) if architecture == Architecture.QWEN3_MOE else {}),
-        )
+        return read_hf_config(hf, source=source)
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The Hugging Face `config.json` that `transformers` reads back as the same model."""
-        hf: dict[str, Any] = {
-            "architectures": [HF_ARCHITECTURE_CLASS[self.architecture]],
-            "model_type": self.architecture.value,
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "intermediate_size": self.intermediate_size,
-            "hidden_act": "silu",
-            "rms_norm_eps": self.rms_norm_eps,
-            # transformers 5 reads `rope_parameters`; `rope_theta` (and `rope_scaling` below) are for older readers
-            "rope_theta": self.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
-            "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "dtype": self.param_dtype,
-            "attention_dropout": 0.0,
-            "use_cache": True,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_id,
-        }
-        if self.architecture == Architecture.LLAMA:
-            hf["attention_bias"] = self.attention_bias
-            hf["mlp_bias"] = False
-        if self.architecture in _QK_NORM:
-            hf["attention_bias"] = False
-        if self.architecture == Architecture.QWEN3_MOE:
-            hf.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_token,
-                      moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
-                      decoder_sparse_step=self.decoder_sparse_step, mlp_only_layers=list(self.mlp_only_layers),
-                      output_router_logits=False)
-        if self.architecture != Architecture.LLAMA:
-            hf["use_sliding_window"] = False
-        if self.rope_scaling is not None:
-            scaling = {"rope_type": "llama3", **dataclasses.asdict(self.rope_scaling)}
-            hf["rope_scaling"] = scaling
-            hf["rope_parameters"] = {**scaling, "rope_theta": self.rope_theta}
-        return hf
+        from rpegjax.models.hf_config import write_hf_config  # reads this module's classes
+
+        return write_hf_config(self)
 
 
 def routing_rule(cfg: ModelConfig) -> RoutingRule:
@@ -350,6 +261,23 @@ def routing_rule(cfg: ModelConfig) -> RoutingRule:
     return RoutingRule(top_k=cfg.num_experts_per_token, norm_topk_prob=cfg.norm_topk_prob, scoring=cfg.router_scoring,
                        groups=cfg.router_groups, topk_groups=cfg.router_topk_groups,
                        scaling_factor=cfg.routed_scaling_factor)
+
+
+def _check_layer_types(cfg: ModelConfig) -> None:
+    """`layer_types` parsed into `MixerKind`s, one per layer; raises naming the field and the bad entry."""
+    if not cfg.layer_types:
+        object.__setattr__(cfg, "layer_types", ())
+        return
+    types = (cfg.layer_types,) if isinstance(cfg.layer_types, str) else tuple(cfg.layer_types)
+    for index, entry in enumerate(types):
+        if entry not in set(MixerKind):
+            raise ValueError(f"ModelConfig.layer_types[{index}]={entry!r} is not a layer kind we implement; "
+                             f"known: {[kind.value for kind in MixerKind]}")
+    if len(types) != cfg.num_layers:
+        raise ValueError(f"ModelConfig.layer_types lists {len(types)} layers, num_layers is {cfg.num_layers}")
+    kinds = tuple(MixerKind(entry) for entry in types)
+    # a stack of full attention only is the default stack: one spelling of it, so configs compare equal
+    object.__setattr__(cfg, "layer_types", () if set(kinds) == {MixerKind.FULL_ATTENTION} else kinds)
 
 
 def _check_experts(cfg: ModelConfig) -> None:
@@ -439,7 +367,7 @@ def _check_router(cfg: ModelConfig) -> None:
         raise ValueError(f"ModelConfig.routed_scaling_factor must be a positive number, got {factor!r}")
 
 
-_QK_NORM = (Architecture.QWEN3, Architecture.QWEN3_MOE)
+QK_NORM = (Architecture.QWEN3, Architecture.QWEN3_MOE)
 
 # From the `config.json` of Hugging Face's meta-llama/Llama-3.1-8B(-Instruct) and Llama-3.1-70B: vocabulary 128256,
 # head_dim 128, RMSNorm eps 1e-5, RoPE theta 5e5 with the llama3 scaling (factor 8, low 1, high 4, original 8192
@@ -462,53 +390,3 @@ def _preset_fields(family: str, table: dict[str, dict[str, Any]], size: str) -> 
     if size not in table:
         raise ValueError(f"unknown {family} size {size!r}; known: {sorted(table)}")
     return table[size]
-
-
-def _hf_experts(hf: dict[str, Any], source: str) -> dict[str, Any]:
-    """The mixture-of-experts fields of a Qwen3-MoE `config.json` (transformers 5 writes the expert count as
-    `num_local_experts`, the published checkpoints as `num_experts`)."""
-    key = "num_experts" if "num_experts" in hf else "num_local_experts"
-    for needed in (key, "num_experts_per_tok", "moe_intermediate_size"):
-        if needed not in hf:
-            raise ValueError(f"{source}: missing required field {needed!r} (qwen3_moe)")
-        hf_value(hf, needed, int, source)
-    layers = hf.get("mlp_only_layers") or []
-    if not isinstance(layers, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers):
-        raise ValueError(f"{source}: field 'mlp_only_layers' must be a list of integers, got {layers!r:.60}")
-    return dict(num_experts=hf[key], num_experts_per_token=hf["num_experts_per_tok"],
-                moe_intermediate_size=hf["moe_intermediate_size"],
-                norm_topk_prob=hf_value(hf, "norm_topk_prob", bool, source) if "norm_topk_prob" in hf else False,
-                decoder_sparse_step=hf_value(hf, "decoder_sparse_step", int, source) if "decoder_sparse_step" in hf else 1,
-                mlp_only_layers=tuple(layers))
-
-
-_HF_TYPES: dict[str, type] = {
-    "vocab_size": int, "num_hidden_layers": int, "num_key_value_heads": int, "head_dim": int, "intermediate_size": int,
-    "max_position_embeddings": int, "rms_norm_eps": float, "rope_theta": float, "tie_word_embeddings": bool,
-    "attention_bias": bool, "mlp_bias": bool, "use_sliding_window": bool, "bos_token_id": int,
-}
-"""The JSON type of each config.json field read (when present and not null)."""
-
-
-def hf_value(hf: dict[str, Any], key: str, kind: type, source: str) -> Any:
-    """`hf[key]` checked to be a JSON value of `kind` (int: an integer, float: any number, bool: true/false);
-    else ValueError naming `source`, the field and the value (a string "64" is not the number 64)."""
-    value = hf[key]
-    ok = (isinstance(value, bool) if kind is bool
-          else not isinstance(value, bool) and isinstance(value, int if kind is int else (int, float)))
-    if not ok:
-        expected = {bool: "true or false", int: "an integer", float: "a number"}[kind]
-        raise ValueError(f"{source}: field {key!r} must be {expected}, got {type(value).__name__} {value!r:.60}")
-    return value
-
-
-def _check_hf_features(hf: dict[str, Any], architecture: Architecture, source: str) -> None:
-    """Rejects config.json features that our decoder does not implement (rather than silently ignoring them)."""
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"{source}: unsupported hidden_act {hf['hidden_act']!r} (supported: silu)")
-    if hf.get("mlp_bias"):
-        raise ValueError(f"{source}: mlp_bias=true is not supported")
-    if architecture != Architecture.QWEN2 and hf.get("attention_bias"):
-        raise ValueError(f"{source}: attention_bias=true is not supported for {architecture.value} (it biases o_proj)")
-    if hf.get("use_sliding_window"):
-        raise ValueError(f"{source}: use_sliding_window=true is not supported")

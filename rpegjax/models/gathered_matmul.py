@@ -7,7 +7,7 @@ Llama-3.1-8B one-step-off plan on the H100 target held 13.3 GB more temporaries 
 ... --verify --verify-target cuda-h100`, docs/benchmarks.md "W-plan"). Here the residuals are x and the parameter `w` itself, which is live
 anyway (and, in the layer scan, a slice of the scanned stack the scan forwards, not a stacked copy).
 
-Meant for the layer scan without remat (`transformer._regathers`): there the backward's gather sits in the backward
+Meant for the layer scan without remat (`projections.regathers`): there the backward's gather sits in the backward
 loop's iteration, where it is needed (under remat the recomputation gathers the kernel anyway).
 Between unrolled layers nothing orders it after the forward (XLA:CPU's scheduler hoists every gather to the
 program's start, doubling what the gathers keep live; an optimization barrier on the kernel and the output

@@ -1,36 +1,21 @@
 """Hugging Face tensor names and layouts <-> the parameters of our `Decoder` (pure, no file I/O).
 
-HF `nn.Linear` stores `[out, in]`; we store `[in, ...out]` so that a matmul is `x @ W`:
+Each layer kind lists its own tensors and maps (`hf_tensors` of its module: `full_attention.Attention`, `mlp.MLP`,
+`moe.SparseMoE` with its shared expert, and the block's norms in `layer_stack.Block`); this module adds the model's
+own:
 
-    model.embed_tokens.weight                  [v, d]     -> embed                      [v, d]
-    model.layers.N.self_attn.q_proj.weight     [h*e, d]   -> layers.N.attention.q_proj  [d, h, e]
-    model.layers.N.self_attn.{k,v}_proj.weight [k*e, d]   -> ...{k,v}_proj              [d, k, e]
-    model.layers.N.self_attn.o_proj.weight     [d, h*e]   -> ...o_proj                  [h, e, d]
-    model.layers.N.self_attn.{q,k,v}_proj.bias [n*e]      -> ...{q,k,v}_bias            [n, e]
-    model.layers.N.self_attn.{q,k}_norm.weight [e]        -> ...{q,k}_norm.scale        [e]
-    model.layers.N.mlp.{gate,up}_proj.weight   [f, d]     -> layers.N.mlp.{gate,up}_proj [d, f]
-    model.layers.N.mlp.down_proj.weight        [d, f]     -> layers.N.mlp.down_proj     [f, d]
-    model.layers.N.{input,post_attention}_layernorm.weight -> layers.N.{input,post_attention}_norm.scale
-    model.norm.weight [d] -> final_norm.scale;  lm_head.weight [v, d] -> lm_head [d, v] (absent when tied)
+    model.embed_tokens.weight [v, d] -> embed [v, d];  model.norm.weight [d] -> final_norm.scale
+    lm_head.weight [v, d] -> lm_head [d, v] (absent when tied)
     value_head.weight [1, d] -> value_kernel [d];  value_head.bias [1] -> value_bias []
 
-A sparse (mixture-of-experts) layer's MLP instead, expert j of x:
-
-    model.layers.N.mlp.gate.weight                    [x, d] -> layers.N.mlp.router            [d, x]
-    model.layers.N.mlp.experts.j.{gate,up}_proj.weight [f, d] -> layers.N.mlp.{gate,up}_proj[j] [d, f]
-    model.layers.N.mlp.experts.j.down_proj.weight     [d, f] -> layers.N.mlp.down_proj[j]      [f, d]
-    model.layers.N.mlp.shared_expert.*_proj.weight           -> layers.N.mlp.shared_expert.*_proj (as a dense MLP)
-    model.layers.N.mlp.shared_expert_gate.weight      [1, d] -> layers.N.mlp.shared_expert_gate [d]
-
-(the per-expert names of the published Qwen3-MoE checkpoints, which transformers 5 also writes); such a layout
-has `expert=j`: it is slice j of our stacked [x, ...] parameter.
+HF `nn.Linear` stores `[out, in]`; we store `[in, ...out]` so that a matmul is `x @ W` (the maps: `hf_maps`). A
+layout with `expert=j` is slice j of our stacked [x, ...] expert parameter.
 
 `params_to_hf_tensors` / `hf_tensors_to_state` convert whole models, e.g. to sync weights with another engine.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterator, Mapping
 
 import jax
@@ -39,17 +24,14 @@ import numpy as np
 from flax import nnx
 
 from rpegjax.models.config import Architecture, ModelConfig, routing_rule
-from rpegjax.models.hf_maps import (
-    Window,
-    bias,
-    identity,
-    in_projection,
-    leading_one,
-    out_projection,
-    transposed,
-)
+from rpegjax.models.hf_maps import TensorLayout, leading_one, tensor_layout, transposed
+from rpegjax.models.layer_stack import Block
 from rpegjax.models.routing import RoutingRule
 from rpegjax.models.transformer import Decoder
+
+__all__ = ["FLOAT_DTYPES", "CheckpointError", "TensorLayout", "abstract_split", "check_tensor", "convert_tensor",
+           "hf_config", "hf_incompatibilities", "hf_tensors_to_state", "iter_hf_tensors", "params_to_hf_tensors",
+           "state_from_values", "tensor_layouts"]
 
 FLOAT_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})  # safetensors dtype codes we accept for parameters
 
@@ -58,72 +40,19 @@ class CheckpointError(ValueError):
     """A checkpoint directory or file that cannot be read as the model it claims to be."""
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class TensorLayout:
-    """How one HF tensor maps onto one parameter of our `Decoder` state.
-
-    `window(ours)` maps a window of our parameter (a device's shard) to the window of the HF tensor that
-    holds it and a function turning that HF block into our block: a process reads only what it places.
-    """
-
-    name: str  # HF name
-    path: tuple[str | int, ...]  # path in `nnx.state(decoder)`
-    hf_shape: tuple[int, ...]
-    to_ours: Callable[[np.ndarray], np.ndarray]
-    to_hf: Callable[[np.ndarray], np.ndarray]
-    window: Callable[[Window], tuple[Window, Callable[[np.ndarray], np.ndarray]]]
-    expert: int | None = None  # this tensor is [expert] of our parameter (stacked over experts); maps act on it
-
-
 def tensor_layouts(cfg: ModelConfig) -> list[TensorLayout]:
-    """Every HF tensor of a checkpoint of `cfg` (value head included when `cfg.value_head`), in file order."""
-    d, f, h, k, e, v = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                        cfg.vocab_size)
-    out: list[TensorLayout] = []
-
-    def add(name, path, hf_shape, maps=None, expert=None):
-        maps = identity() if maps is None else maps
-        out.append(TensorLayout(name=name, path=path, hf_shape=hf_shape, to_ours=maps[0], to_hf=maps[1],
-                                window=maps[2], expert=expert))
-
-    add("model.embed_tokens.weight", ("embed",), (v, d))
+    """Every HF tensor of a checkpoint of `cfg` (value head included when `cfg.value_head`), in file order: each
+    layer's as its kinds list them (`layer_stack.Block.hf_tensors`)."""
+    d, v = cfg.hidden_size, cfg.vocab_size
+    out = [tensor_layout("model.embed_tokens.weight", ("embed",), (v, d))]
     for i in range(cfg.num_layers):
-        hf, attention = f"model.layers.{i}.", ("layers", i, "attention")
-        for proj, heads in (("q", h), ("k", k), ("v", k)):
-            add(f"{hf}self_attn.{proj}_proj.weight", (*attention, f"{proj}_proj"), (heads * e, d),
-                in_projection(d, heads, e))
-            if cfg.attention_bias:
-                add(f"{hf}self_attn.{proj}_proj.bias", (*attention, f"{proj}_bias"), (heads * e,),
-                    bias(heads, e))
-        add(f"{hf}self_attn.o_proj.weight", (*attention, "o_proj"), (d, h * e), out_projection(h, e, d))
-        if cfg.qk_norm:
-            add(f"{hf}self_attn.q_norm.weight", (*attention, "q_norm", "scale"), (e,))
-            add(f"{hf}self_attn.k_norm.weight", (*attention, "k_norm", "scale"), (e,))
-        mlp = ("layers", i, "mlp")
-        if cfg.is_sparse_layer(i):
-            moe_f = cfg.moe_intermediate_size
-            add(f"{hf}mlp.gate.weight", (*mlp, "router"), (cfg.num_experts, d), transposed())
-            for j in range(cfg.num_experts):
-                for proj, shape in (("gate", (moe_f, d)), ("up", (moe_f, d)), ("down", (d, moe_f))):
-                    add(f"{hf}mlp.experts.{j}.{proj}_proj.weight", (*mlp, f"{proj}_proj"), shape, transposed(), j)
-            shared = cfg.shared_expert_intermediate_size
-            for proj, shape in (("gate", (shared, d)), ("up", (shared, d)), ("down", (d, shared))) if shared else ():
-                add(f"{hf}mlp.shared_expert.{proj}_proj.weight", (*mlp, "shared_expert", f"{proj}_proj"), shape,
-                    transposed())
-            if cfg.shared_expert_gate:
-                add(f"{hf}mlp.shared_expert_gate.weight", (*mlp, "shared_expert_gate"), (1, d), leading_one((d,)))
-        else:
-            add(f"{hf}mlp.gate_proj.weight", (*mlp, "gate_proj"), (f, d), transposed())
-            add(f"{hf}mlp.up_proj.weight", (*mlp, "up_proj"), (f, d), transposed())
-            add(f"{hf}mlp.down_proj.weight", (*mlp, "down_proj"), (d, f), transposed())
-        add(f"{hf}input_layernorm.weight", ("layers", i, "input_norm", "scale"), (d,))
-        add(f"{hf}post_attention_layernorm.weight", ("layers", i, "post_attention_norm", "scale"), (d,))
-    add("model.norm.weight", ("final_norm", "scale"), (d,))
+        out += Block.hf_tensors(cfg, i)
+    out.append(tensor_layout("model.norm.weight", ("final_norm", "scale"), (d,)))
     if not cfg.tie_word_embeddings:
-        add("lm_head.weight", ("lm_head",), (v, d), transposed())
+        out.append(tensor_layout("lm_head.weight", ("lm_head",), (v, d), transposed()))
     if cfg.value_head:
-        add("value_head.weight", ("value_kernel",), (1, d), leading_one((d,)))
-        add("value_head.bias", ("value_bias",), (1,), leading_one(()))
+        out.append(tensor_layout("value_head.weight", ("value_kernel",), (1, d), leading_one((d,))))
+        out.append(tensor_layout("value_head.bias", ("value_bias",), (1,), leading_one(())))
     return out
 
 

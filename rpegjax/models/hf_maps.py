@@ -3,11 +3,13 @@
 A map is a triple (to_ours, to_hf, window): `to_ours(hf)` and `to_hf(ours)` convert whole arrays; `window(ours)` takes
 a window of our parameter (one device's shard: one slice per dimension with explicit start and stop and unit step)
 and returns the window of the HF tensor that holds it and the function turning that HF block into our block, so a
-process reads only what it places. `hf_layout` and the layer kinds name tensors with these.
+process reads only what it places. `hf_layout` and the layer kinds name tensors with these (`TensorLayout`: one HF
+tensor, our parameter's path and the map).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import numpy as np
@@ -15,6 +17,31 @@ import numpy as np
 Window = tuple[slice, ...]  # one slice per dimension, with explicit start and stop and unit step
 Maps = tuple[Callable[[np.ndarray], np.ndarray], Callable[[np.ndarray], np.ndarray],
              Callable[[Window], tuple[Window, Callable[[np.ndarray], np.ndarray]]]]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TensorLayout:
+    """How one HF tensor maps onto one parameter of our `Decoder` state.
+
+    `window(ours)` maps a window of our parameter (a device's shard) to the window of the HF tensor that
+    holds it and a function turning that HF block into our block: a process reads only what it places.
+    """
+
+    name: str  # HF name
+    path: tuple[str | int, ...]  # path in `nnx.state(decoder)`
+    hf_shape: tuple[int, ...]
+    to_ours: Callable[[np.ndarray], np.ndarray]
+    to_hf: Callable[[np.ndarray], np.ndarray]
+    window: Callable[[Window], tuple[Window, Callable[[np.ndarray], np.ndarray]]]
+    expert: int | None = None  # this tensor is [expert] of our parameter (stacked over experts); maps act on it
+
+
+def tensor_layout(name: str, path: tuple[str | int, ...], hf_shape: tuple[int, ...], maps: Maps | None = None,
+                  expert: int | None = None) -> TensorLayout:
+    """The layout of HF tensor `name` onto our parameter at `path` through `maps` (default: the same array)."""
+    maps = identity() if maps is None else maps
+    return TensorLayout(name=name, path=path, hf_shape=hf_shape, to_ours=maps[0], to_hf=maps[1], window=maps[2],
+                        expert=expert)
 
 
 def _unchanged(x: np.ndarray) -> np.ndarray:

@@ -14,7 +14,7 @@ backward loop holds a second stacked buffer, the gradients being written (layer 
   are not written yet, so one buffer holds both: the backward overwrites slice l of the stack with layer l's
   gradients once it has used them, and the stack's transpose (unstack, cast back) gives the per-layer gradients.
 
-For the 7B update (`rpegjax.models.transformer._compute_kernels`: bf16 kernels) that is one bf16 copy of the
+For the 7B update (`rpegjax.models.stack_scan.compute_kernels`: bf16 kernels) that is one bf16 copy of the
 layers' weights less in the backward loop and none in the forward loop or at the head (docs/benchmarks.md,
 "W-long").
 

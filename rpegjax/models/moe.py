@@ -38,6 +38,9 @@ from jaxtyping import Array, Bool, Float, Int
 
 from rpegjax.models.config import ModelConfig, routing_rule
 from rpegjax.models.expert_parallel import compute_experts
+from rpegjax.models.hf_maps import TensorLayout, leading_one, tensor_layout, transposed
+from rpegjax.models.lora import LoRAConfig
+from rpegjax.models.mlp import MLP
 from rpegjax.models.routing import replay_weights, route
 from rpegjax.sharding import axes
 from rpegjax.sharding.rules import ActivationSharding, constrain
@@ -81,6 +84,41 @@ class SparseMoE(nnx.Module):
         self.gated_shared_expert = cfg.shared_expert_gate
         if cfg.shared_expert_gate:
             self.shared_expert_gate = _normal(rngs, (d,), (axes.EMBED,), pdt, d)
+
+    @classmethod
+    def build(cls, cfg: ModelConfig, *, rngs: nnx.Rngs, lora: LoRAConfig | None = None) -> SparseMoE:
+        """The kind's layer: its shared expert a dense `MLP` of width `shared_expert_intermediate_size` (with adapters
+        where `lora` targets MLP projections), when the config has one."""
+        shared = cfg.shared_expert_intermediate_size
+        shared_expert = MLP(cfg.replace(intermediate_size=shared), rngs=rngs, lora=lora) if shared else None
+        return cls(cfg, rngs=rngs, shared_expert=shared_expert)
+
+    @classmethod
+    def hf_tensors(cls, cfg: ModelConfig, index: int) -> list[TensorLayout]:
+        """Expert j of x (the per-expert names of the published Qwen3-MoE checkpoints, which transformers 5 also
+        writes; each is slice j of our stacked [x, ...] parameter, `expert=j`), then the shared expert:
+
+            model.layers.N.mlp.gate.weight                     [x, d] -> layers.N.mlp.router            [d, x]
+            model.layers.N.mlp.experts.j.{gate,up}_proj.weight [f, d] -> layers.N.mlp.{gate,up}_proj[j] [d, f]
+            model.layers.N.mlp.experts.j.down_proj.weight      [d, f] -> layers.N.mlp.down_proj[j]      [f, d]
+            model.layers.N.mlp.shared_expert.*_proj.weight            -> layers.N.mlp.shared_expert.*_proj (a dense MLP)
+            model.layers.N.mlp.shared_expert_gate.weight       [1, d] -> layers.N.mlp.shared_expert_gate [d]
+        """
+        d, f = cfg.hidden_size, cfg.moe_intermediate_size
+        hf, ours = f"model.layers.{index}.mlp.", ("layers", index, "mlp")
+        out = [tensor_layout(f"{hf}gate.weight", (*ours, "router"), (cfg.num_experts, d), transposed())]
+        for j in range(cfg.num_experts):
+            for proj, shape in (("gate", (f, d)), ("up", (f, d)), ("down", (d, f))):
+                out.append(tensor_layout(f"{hf}experts.{j}.{proj}_proj.weight", (*ours, f"{proj}_proj"), shape,
+                                         transposed(), j))
+        shared = cfg.shared_expert_intermediate_size
+        for proj, shape in (("gate", (shared, d)), ("up", (shared, d)), ("down", (d, shared))) if shared else ():
+            out.append(tensor_layout(f"{hf}shared_expert.{proj}_proj.weight", (*ours, "shared_expert", f"{proj}_proj"),
+                                     shape, transposed()))
+        if cfg.shared_expert_gate:
+            out.append(tensor_layout(f"{hf}shared_expert_gate.weight", (*ours, "shared_expert_gate"), (1, d),
+                                     leading_one((d,))))
+        return out
 
     def __call__(self, x: Float[Array, "b t d"], sharding: ActivationSharding | None,
                  expert_ids: Int[Array, "b t k"] | None = None, valid: Bool[Array, "b t"] | None = None

@@ -63,7 +63,7 @@ class CacheLayout(enum.StrEnum):
 
 
 class DecodeAttention(enum.StrEnum):
-    """How the paged sampler's decode step attends over the pool (`rpegjax.generate.paged_attention`)."""
+    """How the paged sampler's decode step attends over the pool (`rpegjax.models.paged_attention`)."""
 
     # XLA: each row gathers the page-table window of the bucket's longest row (a power of two of pages) and masks
     # past its own length: the work of rows x the longest row's pages

@@ -21,10 +21,10 @@ def test_cache_decode_logits_equal_full_forward_at_every_position(tiny_cfg, tiny
 
     state = DecodeState.empty(tiny_cfg, 3, 6 + steps, steps)
     grown = cache.capacity
+    layers = tuple(layer.replace(k=layer.k.at[..., :grown].set(prefilled.k), v=layer.v.at[:, :, :grown].set(prefilled.v))
+                   for layer, prefilled in zip(state.cache.layers, cache.layers))
     state = state.replace(
-        cache=state.cache.replace(k=tuple(x.at[..., :grown].set(y) for x, y in zip(state.cache.k, cache.k)),
-                                  v=tuple(x.at[:, :, :grown].set(y) for x, y in zip(state.cache.v, cache.v)),
-                                  lengths=cache.lengths),
+        cache=state.cache.replace(layers=layers, lengths=cache.lengths),
         done=jnp.zeros(3, bool),
     )
     step = jax.jit(lambda s: step_state(tiny_model, s, None))
@@ -72,8 +72,8 @@ def test_admit_prefills_once_and_decode_stops_when_all_done(tiny_cfg, tiny_split
     np.testing.assert_array_equal(state.prompt_index, [0, 1, 1, 0])
     np.testing.assert_array_equal(state.sample_index, [1, 0, 1, 0])
     # the two samples of a prompt share the prefill: identical cache rows
-    for layer in state.cache.k:
-        np.testing.assert_array_equal(layer[3, ..., :3], layer[0, ..., :3])
+    for layer in state.cache.layers:
+        np.testing.assert_array_equal(layer.k[3, ..., :3], layer.k[0, ..., :3])
     run = jax.jit(decode, static_argnums=0, static_argnames="window")
     every = jnp.asarray(live_rows(range(4), num_slots=4, replicas=1, compact=False))  # one replica, every slot
     # a window of 6 cache positions: the loop stops before row 0 (3 cached tokens + 3 more) would overflow it

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from rpegjax.generate import Sampler, SamplingConfig
-from rpegjax.generate.paged_attention import kernel_blocks, paged_decode_attention
-from rpegjax.generate.paged_cache import CacheConfig, PagedKVCache, _attend_pages
+from rpegjax.generate.paged_cache import CacheConfig
+from rpegjax.models.full_attention import POOL_AXES, attend_pages
+from rpegjax.models.paged_attention import kernel_blocks, paged_decode_attention
 from rpegjax.generate.weight_sync import generation_rules
 from rpegjax.options import DecodeAttention
 from rpegjax.sharding import make_mesh
@@ -15,10 +16,10 @@ from rpegjax.sharding.rules import ActivationSharding
 
 
 def _gathered(q, pool_k, pool_v, table, positions):
-    """The gathered path per replica (`_attend_pages` over the full table: masked past each row's index)."""
+    """The gathered path per replica (`attend_pages` over the full table: masked past each row's index)."""
     r = pool_k.shape[0]
     split = lambda x: x.reshape(r, x.shape[0] // r, *x.shape[1:])  # noqa: E731
-    out = jax.vmap(lambda k, v, t, q, i: _attend_pages(q, k[:, t], v[:, t], i))(
+    out = jax.vmap(lambda k, v, t, q, i: attend_pages(q, k[:, t], v[:, t], i))(
         pool_k, pool_v, split(table), split(q), split(positions))
     return out.reshape(q.shape)
 
@@ -44,7 +45,7 @@ def test_kernel_equals_the_gathered_pages_on_rows_of_very_different_lengths():
 
     mesh = make_mesh({"fsdp": 4, "tensor": 2})
     sharding = ActivationSharding(mesh, generation_rules())
-    spec = sharding.spec(PagedKVCache.pool_logical_axes(), pool_k.shape)
+    spec = sharding.spec(POOL_AXES, pool_k.shape)
     assert spec == jax.sharding.PartitionSpec("fsdp", "tensor", None, None, None)
     placed = [jax.device_put(x, jax.sharding.NamedSharding(mesh, spec)) for x in (pool_k, pool_v)]
     run = jax.jit(lambda q, k, v, t, i, live: paged_decode_attention(q, k, v, t, i, live, sharding=sharding,

@@ -145,7 +145,7 @@ def test_admission_never_exceeds_the_page_budget(tiny_cfg, tiny_split, make_prom
     got = paged.generate(tiny_split[1], prompts, SAMPLED.replace(ignore_eos=True), **kwargs)
     _assert_same(got, reference.generate(tiny_split[1], prompts, SAMPLED.replace(ignore_eos=True), **kwargs))
     assert 0 < paged.stats.peak_pages <= budget
-    assert paged.new_state().cache.k[0].shape[:3:2] == (1, budget)  # the pool really is that small
+    assert paged.new_state().cache.layers[0].k.shape[:3:2] == (1, budget)  # the pool really is that small
 
 
 def test_page_pool_counts_shared_pages_once():
@@ -216,8 +216,8 @@ def test_sharded_paged_equals_unsharded(tiny_cfg, tiny_split, contiguous, make_p
     paged = Sampler(tiny_cfg, tiny_split[0], num_slots=8, max_prompt_len=8, max_new_tokens=12, chunk_steps=3,
                     mesh=mesh, cache=CacheConfig.paged(page_size=4, pages_per_replica=8, prefill_chunk=4))
     state = paged.new_state()
-    assert {shard.data.shape for shard in state.cache.k[0].addressable_shards} == {(1, 1, 8, 4, 16)}
-    assert {shard.data.shape for shard in state.cache.page_table.addressable_shards} == {(2, 5)}
+    assert {shard.data.shape for shard in state.cache.layers[0].k.addressable_shards} == {(1, 1, 8, 4, 16)}
+    assert {shard.data.shape for shard in state.cache.tables[0].addressable_shards} == {(2, 5)}
     prompts = make_prompts(PROMPT_LENGTHS, seed=6)
     kwargs = dict(group_size=2, key=jax.random.key(3), budgets=BUDGETS)
     expected = contiguous.generate(tiny_split[1], prompts, SAMPLED, **kwargs)
@@ -249,24 +249,6 @@ def test_the_kv_cache_lives_only_while_a_generate_call_runs(request, layout, tin
     gc.collect()
     after = [array for array in jax.live_arrays() if id(array) not in before]
     assert not [array.shape for array in after if array.shape in cache_shapes]
-
-
-def test_decode_attention_over_gathered_pages_equals_the_contiguous_attention():
-    """`_attend_pages` (one token per row over [k b w n e] pages, the pool's layout) == `_cached_attention` over the
-    same keys laid out as the contiguous cache's (keys [b k e w*n], values [b k w*n e]), with each row's query at a
-    different cache index (later keys masked)."""
-    from rpegjax.generate.paged_cache import _attend_pages
-    from rpegjax.models.transformer import _cached_attention
-
-    b, w, kv, n, e, g = 3, 4, 2, 5, 8, 2
-    keys = jax.random.split(jax.random.key(0), 3)
-    q = jax.random.normal(keys[0], (b, 1, kv * g, e))
-    pages_k, pages_v = (jax.random.normal(k, (kv, b, w, n, e)) for k in keys[1:])
-    positions = np.array([[0], [7], [w * n - 1]], np.int32)
-    flat_v = pages_v.transpose(1, 0, 2, 3, 4).reshape(b, kv, w * n, e)
-    flat_k = pages_k.transpose(1, 0, 4, 2, 3).reshape(b, kv, e, w * n)
-    np.testing.assert_allclose(_attend_pages(q, pages_k, pages_v, positions),
-                               _cached_attention(q, flat_k, flat_v, positions), atol=1e-5, rtol=0)
 
 
 def test_start_samples_each_replicas_rows_on_its_own_devices(tiny_cfg, tiny_split, make_prompts):

@@ -296,7 +296,7 @@ def test_sharded_sampler_equals_unsharded(tiny_cfg, tiny_split, reference):
     train = shard_state(params, make_mesh({"data": 2, "fsdp": 2, "tensor": 2}), ShardingRules.fsdp_tp())
     mesh = make_mesh({"data": 4, "tensor": 2})
     sharded = Sampler(tiny_cfg, graphdef, num_slots=4, max_prompt_len=8, max_new_tokens=12, chunk_steps=3, mesh=mesh)
-    assert sharded.new_state().cache.k[0].sharding.spec == PartitionSpec("data", "tensor", None, None)
+    assert sharded.new_state().cache.layers[0].k.sharding.spec == PartitionSpec("data", "tensor", None, None)
     with pytest.raises(ValueError, match="not in the sampler's layout.*reshard_params"):
         sharded.stream(train, prompts, FILTERED, key=jax.random.key(3))  # still in the training layout
     got = sharded.generate(reshard_params(train, mesh, generation_rules()), prompts, FILTERED, group_size=2,
@@ -315,10 +315,10 @@ def test_slots_split_over_every_axis_but_tensor(tiny_cfg, tiny_split, mesh_sizes
     mesh = make_mesh(mesh_sizes)
     sampler = Sampler(tiny_cfg, tiny_split[0], num_slots=16, max_prompt_len=4, max_new_tokens=4, mesh=mesh)
     state = sampler.new_state()
-    for array in (state.cache.k[0], state.cache.lengths, state.tokens, state.done):
+    for array in (state.cache.layers[0].k, state.cache.lengths, state.tokens, state.done):
         assert {shard.data.shape[0] for shard in array.addressable_shards} == {16 // 4}
     # heads split over tensor: each device holds one of the 2 KV heads
-    assert {shard.data.shape[1] for shard in state.cache.k[0].addressable_shards} == {1}
+    assert {shard.data.shape[1] for shard in state.cache.layers[0].k.addressable_shards} == {1}
     with pytest.raises(ValueError, match=r"num_slots=6 does not split over the 4 slot replicas.*multiple of 4"):
         Sampler(tiny_cfg, tiny_split[0], num_slots=6, max_prompt_len=4, max_new_tokens=4, mesh=mesh)
     assert usable_slots(14, 2, mesh) == 12 and usable_slots(14, 3, mesh) == 12 and usable_slots(6, 2, None) == 6

@@ -241,7 +241,7 @@ def test_memory_estimate_refuses_expert_layers():
 
 def _moe_with_shared_expert(cfg: ModelConfig, seed: int):
     from rpegjax.models.moe import SparseMoE
-    from rpegjax.models.transformer import MLP
+    from rpegjax.models.mlp import MLP
 
     rngs = nnx.Rngs(seed)
     shared = MLP(cfg.replace(intermediate_size=cfg.shared_expert_intermediate_size), rngs=rngs)

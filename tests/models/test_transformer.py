@@ -39,9 +39,9 @@ def test_cache_prefill_then_decode_equals_full_forward(architecture):
 
 
 def test_cache_stores_keys_position_innermost_and_values_head_dim_innermost():
-    """The layout `_cached_attention` reads: a prefill writes token j of row b, KV head h at keys
+    """The layout `cached_attention` reads: a prefill writes token j of row b, KV head h at keys
     [b, h, :, j] and values [b, h, j, :], each that token's own key and value projection (layer 0)."""
-    from rpegjax.models.transformer import rope_inverse_frequencies, rope_tables
+    from rpegjax.models.rope import inverse_frequencies, rope_tables
 
     cfg = ModelConfig.tiny()
     model = Decoder(cfg, rngs=nnx.Rngs(0))
@@ -49,14 +49,14 @@ def test_cache_stores_keys_position_innermost_and_values_head_dim_innermost():
     positions = jnp.broadcast_to(jnp.arange(5), (2, 5))
     _, cache = model.hidden_states(tokens, positions, cache=KVCache.zeros(cfg, 2, 8))
     kv, e = cfg.num_kv_heads, cfg.head_dim
-    assert cache.k[0].shape == (2, kv, e, 8) and cache.v[0].shape == (2, kv, 8, e) and cache.capacity == 8
+    assert cache.layers[0].k.shape == (2, kv, e, 8) and cache.layers[0].v.shape == (2, kv, 8, e) and cache.capacity == 8
     layer = model.layers[0]
     normed = layer.input_norm(model.embed.get_value()[tokens].astype(cfg.jnp_dtype))
-    rope = rope_tables(positions, rope_inverse_frequencies(cfg))
+    rope = rope_tables(positions, inverse_frequencies(cfg.rope()))
     keys = layer.attention._project(normed, "k_proj", "k_bias", "k_norm", rope, None, None)  # b t k e
     values = layer.attention._project(normed, "v_proj", "v_bias", None, None, None, None)
-    np.testing.assert_allclose(cache.k[0][..., :5], keys.transpose(0, 2, 3, 1), atol=1e-6)
-    np.testing.assert_allclose(cache.v[0][:, :, :5], values.transpose(0, 2, 1, 3), atol=1e-6)
+    np.testing.assert_allclose(cache.layers[0].k[..., :5], keys.transpose(0, 2, 3, 1), atol=1e-6)
+    np.testing.assert_allclose(cache.layers[0].v[:, :, :5], values.transpose(0, 2, 1, 3), atol=1e-6)
 
 
 def test_left_padding_does_not_change_real_positions():
@@ -92,12 +92,12 @@ def test_bfloat16_compute_tracks_float32():
 
 
 def test_llama3_rope_scaling_changes_low_frequencies_only():
-    from rpegjax.models.transformer import rope_inverse_frequencies
+    from rpegjax.models.rope import inverse_frequencies
 
     base = ModelConfig.tiny(Architecture.LLAMA, head_dim=64, rope_theta=500000.0)
     scaled = base.replace(rope_scaling=Llama3RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                                          original_max_position_embeddings=64))
-    plain, rescaled = rope_inverse_frequencies(base), rope_inverse_frequencies(scaled)
+    plain, rescaled = inverse_frequencies(base.rope()), inverse_frequencies(scaled.rope())
     wavelength = 2 * np.pi / plain
     high = wavelength < 64 / 4
     low = wavelength > 64
@@ -202,18 +202,19 @@ def test_with_execution_keeps_parameters_and_rejects_other_fields():
 def test_scan_stacks_compute_dtype_kernels_with_the_same_values_and_gradients():
     """Under bfloat16 compute the layer scan stacks the projection kernels as their bfloat16 casts (half the bytes
     of the stacked float32 masters): the layers' output and the float32 gradients are those of stacking the masters."""
-    from rpegjax.models.transformer import _scan_layers, rope_inverse_frequencies, rope_tables
+    from rpegjax.models.rope import inverse_frequencies, rope_tables
+    from rpegjax.models.stack_scan import scan_layers
     from rpegjax.options import RematPolicy
 
     cfg = ModelConfig.tiny(attention="blockwise", attention_block_size=4, remat="full", dtype="bfloat16")
     graphdef, state = nnx.split(Decoder(cfg, rngs=nnx.Rngs(0)).layers)
     x = jax.random.normal(jax.random.key(6), (2, 10, cfg.hidden_size)).astype(jnp.bfloat16)
     mask = jnp.arange(10)[None, :] < jnp.array([10, 7])[:, None]
-    rope = rope_tables(jnp.broadcast_to(jnp.arange(10), (2, 10)), rope_inverse_frequencies(cfg))
+    rope = rope_tables(jnp.broadcast_to(jnp.arange(10), (2, 10)), inverse_frequencies(cfg.rope()))
     weights = jax.random.normal(jax.random.key(7), x.shape)
 
     def loss(state, compute_dtype):
-        out, _ = _scan_layers(nnx.merge(graphdef, state), x, rope, mask, RematPolicy.FULL, None,
+        out, _ = scan_layers(nnx.merge(graphdef, state), x, [rope] * cfg.num_layers, mask, RematPolicy.FULL, None,
                               compute_dtype=compute_dtype)
         return jnp.sum(out.astype(jnp.float32) * weights), out
 

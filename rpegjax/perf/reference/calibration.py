@@ -119,18 +119,18 @@ def measure(*, dtype: str = "float32", matmul_size: int | None = None, stream_mi
     layer = sum(_fastest_seconds(lambda f=f: f(x, weight, grad).block_until_ready(), repeats) for f in orientations)
 
     # the model's own kernels (attention, SwiGLU), so that the rates are the ones its programs reach
-    from rpegjax.models.transformer import causal_attention, swiglu
+    from rpegjax.models import activations, attention
 
     b, t, h, kv, e = sizes.attention
     q, keys = normal((b, t, h, e)), normal((b, t, kv, e))
-    attend = jax.jit(lambda q, keys: causal_attention(q, keys, keys, None))
+    attend = jax.jit(lambda q, keys: attention.causal_attention(q, keys, keys, None))
     attention_seconds = _fastest_seconds(lambda: attend(q, keys).block_until_ready(), repeats)
 
     up = normal((k, f), jax.random.key(1))
 
     def block(x, w):  # an MLP block: gate and up projections (distinct weights), SwiGLU, down-projection
         gate_weight, up_weight = w
-        return swiglu(x @ gate_weight, x @ up_weight) @ gate_weight.T
+        return activations.swiglu(x @ gate_weight, x @ up_weight) @ gate_weight.T
 
     forward_block = jax.jit(block)
     grad_block = jax.jit(jax.grad(lambda x, w: block(x, w).astype(jnp.float32).sum(), argnums=(0, 1)))

@@ -456,8 +456,8 @@ def test_remembered_stage_costs_are_those_of_each_plans_own_execution():
 
 def test_the_perf_models_pallas_kernel_blocks_are_the_runtimes():
     """The perf model may not import the sampler (tests/test_layout.py), so it restates the Pallas paged kernel's
-    blocks; they must be the ones `rpegjax.generate.paged_attention` runs (at the default 16-token page)."""
-    from rpegjax.generate import paged_attention
+    blocks; they must be the ones `rpegjax.models.paged_attention` runs (at the default 16-token page)."""
+    from rpegjax.models import paged_attention
     from rpegjax.perf.model import generation_cost, generation_stage
 
     assert generation_stage.KERNEL_SPLITS == paged_attention.K_SPLITS

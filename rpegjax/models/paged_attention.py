@@ -1,12 +1,12 @@
 """Decode attention over the paged pool with the Pallas paged-attention kernel: each row reads its own pages.
 
-The gathered path (`paged_cache._attend_pages`, `DecodeAttention.GATHER`) gathers every row's page-table window
+The gathered path (`full_attention.attend_pages`, `DecodeAttention.GATHER`) gathers every row's page-table window
 of the bucket's longest row and masks past the row's length, so after most rows of a replica finish or while
 they are short, the step still reads rows x the longest row's pages. JAX's Pallas kernel
 (`jax.experimental.pallas.ops.gpu.paged_attention`, Triton) takes per row a block table and a length and stops
 at the row's last page (`DecodeAttention.PALLAS`): the KV bytes a step reads are the sum of the rows' own
 lengths. It wants each replica's pool as [k p n e] (KV head, page, offset, head dim), the pool's layout
-(`paged_cache.PagedKVCache`: [r k p n e] per layer), so nothing is transposed per step.
+(`full_attention.PagedAttention`: [r k p n e] per layer), so nothing is transposed per step.
 
 Per replica and step, for a row with query at cache index i (its new token already written) and block table T:
 
